@@ -1,0 +1,1 @@
+"""airlock: egress gateway and credential broker for AI-agent sandboxes (wiring, CLI, sandbox backends)."""

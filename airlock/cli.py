@@ -1,0 +1,357 @@
+"""`airlock` command line: policy check/explain, the gateway, and `run` (a command in a fenced sandbox)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import ipaddress
+import logging
+import os
+import signal
+import sys
+from importlib import resources
+from pathlib import Path
+from urllib.parse import urlsplit
+
+from airlock.dns.upstream import parse_server
+from airlock.policy import (
+    HostError,
+    Policy,
+    PolicyError,
+    Sandbox,
+    canonical_host,
+    decide,
+    format_host_port,
+    load_policy,
+    parse_ip_literal,
+    vet,
+)
+
+EXIT_ALLOW, EXIT_DENY, EXIT_USAGE = 0, 1, 2
+log = logging.getLogger("airlock")
+
+
+class UsageError(Exception):
+    pass
+
+
+def default_policy_path() -> Path:
+    return Path(str(resources.files("airlock.configs") / "default.yaml"))
+
+
+def _load(path: str | None) -> Policy:
+    return load_policy(path or default_policy_path())
+
+
+# --- policy check / explain -------------------------------------------------------------------------------------
+
+
+def cmd_policy_check(args: argparse.Namespace) -> int:
+    policy = _load(args.file)
+    rules = sum(len(p.allow) + len(p.deny) for p in policy.profiles.values())
+    print(
+        f"{args.file}: ok ({len(policy.profiles)} profiles, {rules} rules, default profile {policy.default_profile!r})"
+    )
+    return 0
+
+
+def parse_target(text: str) -> tuple[str, int]:
+    """A URL (`https://host/path`) or `host:port` → (canonical host, port)."""
+    if "://" in text:
+        parts = urlsplit(text)
+        if parts.scheme not in {"http", "https"} or not parts.hostname:
+            raise UsageError(f"{text!r}: only http:// and https:// URLs")
+        if parts.username is not None or parts.password is not None:
+            raise UsageError(f"{text!r}: URLs with userinfo are refused")
+        try:
+            explicit_port = parts.port
+        except ValueError as e:
+            raise UsageError(f"{text!r}: {e}") from None
+        raw_host = parts.netloc.rsplit(":", 1)[0] if explicit_port else parts.netloc
+        port = explicit_port or (443 if parts.scheme == "https" else 80)
+    else:
+        raw_host, sep, port_text = text.rpartition(":")
+        if not sep or not port_text.isdigit():
+            raise UsageError(f"{text!r}: give a URL or host:port")
+        port = int(port_text)
+    if not 1 <= port <= 65535:
+        raise UsageError(f"{text!r}: port out of range")
+    try:
+        return canonical_host(raw_host), port
+    except HostError as e:
+        raise UsageError(str(e)) from None
+
+
+def _parse_resolve(values: list[str]) -> dict[str, list]:
+    table: dict[str, list] = {}
+    for value in values:
+        host, sep, ips = value.partition("=")
+        if not sep or not ips:
+            raise UsageError(f"--resolve {value!r}: expected HOST=IP[,IP...]")
+        try:
+            addresses = [parse_ip_literal(ip.strip()) for ip in ips.split(",")]
+            name = canonical_host(host)
+        except HostError as e:
+            raise UsageError(f"--resolve {value!r}: {e}") from None
+        if any(a is None for a in addresses):
+            raise UsageError(f"--resolve {value!r}: not an IP address list")
+        table[name] = addresses
+    return table
+
+
+def cmd_policy_explain(args: argparse.Namespace) -> int:
+    policy = _load(args.policy)
+    try:
+        profile = policy.profile(args.profile)
+    except KeyError as e:
+        raise UsageError(str(e.args[0])) from None
+    host, port = parse_target(args.target)
+    resolved = _parse_resolve(args.resolve or [])
+    target = format_host_port(host, port)
+    decision = decide(profile, host, port)
+    print(f"target:   {target} (profile {profile.name})")
+    if decision.rule is not None:
+        print(f"rule:     {decision.rule.describe()}")
+    if not decision.allow:
+        print(f"decision: deny — {decision.reason}")
+        if decision.hint:
+            print(f"to allow: {decision.hint}")
+        return EXIT_DENY
+    addresses = [ipaddress.ip_address(host)] if parse_ip_literal(host) else resolved.get(host)
+    if addresses is None:
+        print("decision: allow (name allowed; its addresses are vetted after DNS — pass --resolve to check them)")
+        return EXIT_ALLOW
+    vetted = vet(profile, addresses, port)
+    for address, why in vetted.rejected:
+        print(f"blocked:  {address} — {why}")
+    if not vetted.allowed:
+        print(f"decision: deny — {vetted.reason}")
+        return EXIT_DENY
+    print(f"decision: allow — would connect to {vetted.allowed[0]}")
+    return EXIT_ALLOW
+
+
+# --- gateway -----------------------------------------------------------------------------------------------------
+
+
+def _sandboxes(specs: list[str], profile: str | None, policy: Policy) -> list[Sandbox]:
+    """`--sandbox ID=CIDR[:PROFILE]`; with none given, one sandbox `default` covers every client."""
+    if not specs:
+        name = profile or policy.default_profile
+        return [Sandbox("default", name, ipaddress.ip_network(n)) for n in ("0.0.0.0/0", "::/0")]
+    sandboxes = []
+    for spec in specs:
+        sandbox_id, sep, rest = spec.partition("=")
+        cidr, _, sandbox_profile = rest.partition(":") if rest.count(":") <= 1 else (rest, "", "")
+        try:
+            network = ipaddress.ip_network(cidr, strict=True)
+        except ValueError as e:
+            raise UsageError(f"--sandbox {spec!r}: {e}") from None
+        sandbox_profile = sandbox_profile or profile or policy.default_profile
+        if not sep or not sandbox_id:
+            raise UsageError(f"--sandbox {spec!r}: expected ID=CIDR[:PROFILE]")
+        if sandbox_profile not in policy.profiles:
+            raise UsageError(f"--sandbox {spec!r}: no profile {sandbox_profile!r} in the policy")
+        sandboxes.append(Sandbox(sandbox_id, sandbox_profile, network))
+    return sandboxes
+
+
+def _gateway_config(args: argparse.Namespace, policy: Policy, listen: str, sandboxes: list[Sandbox]):
+    from airlock.gateway import GatewayConfig
+
+    try:
+        upstream_dns = [parse_server(s) for s in args.upstream_dns or []]
+    except ValueError as e:
+        raise UsageError(f"--upstream-dns: {e}") from None
+    if args.profile and args.profile not in policy.profiles:
+        raise UsageError(f"no profile {args.profile!r} in {policy.source}")
+    return GatewayConfig(
+        policy=policy,
+        listen=listen,
+        proxy_port=args.proxy_port,
+        sandboxes=sandboxes,
+        upstream_dns=upstream_dns,
+        upstream_ca=args.upstream_ca,
+        audit_path=args.audit,
+        audit_stdout=getattr(args, "audit_stdout", False),
+        connect_timeout=args.connect_timeout,
+        idle_timeout=args.idle_timeout,
+        max_tunnels_per_sandbox=args.max_tunnels,
+        dns_min_ttl=args.dns_min_ttl,
+    )
+
+
+async def _serve(args: argparse.Namespace, policy: Policy) -> int:
+    from airlock.gateway import Gateway
+
+    config = _gateway_config(args, policy, args.listen, _sandboxes(args.sandbox or [], args.profile, policy))
+    gateway = Gateway(config)
+    await gateway.start()
+    print(f"airlock gateway: proxy on {format_host_port(args.listen, args.proxy_port)}", file=sys.stderr, flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    loop.add_signal_handler(signal.SIGHUP, lambda: _reload(gateway, args.policy))
+    try:
+        await stop.wait()
+    finally:
+        await gateway.stop()
+    return 0
+
+
+def _reload(gateway, path: str | None) -> None:
+    """SIGHUP: load the policy again; a bad file is reported and the running policy stays."""
+    try:
+        gateway.replace_policy(_load(path))
+        log.warning("policy reloaded from %s", path or default_policy_path())
+    except PolicyError as e:
+        log.error("policy NOT reloaded, the running policy stays:\n%s", e)
+
+
+def cmd_gateway(args: argparse.Namespace) -> int:
+    policy = _load(args.policy)
+    return asyncio.run(_serve(args, policy))
+
+
+# --- run ---------------------------------------------------------------------------------------------------------
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    if not args.cmd:
+        raise UsageError("nothing to run: airlock run [options] -- CMD...")
+    if os.geteuid() != 0:
+        print(
+            "airlock run: needs root to create a network namespace and its nftables fence; "
+            "run it with sudo (the command itself runs as you, without privileges)",
+            file=sys.stderr,
+        )
+        return EXIT_USAGE
+    policy = _load(args.policy)
+    return asyncio.run(_run_sandboxed(args, policy))
+
+
+async def _run_sandboxed(args: argparse.Namespace, policy: Policy) -> int:
+    from airlock.gateway import Gateway
+    from airlock.sandbox.netns import NetnsSandbox, resolve_user
+
+    resolve_user(args.user)  # fail before creating anything
+    sandbox = NetnsSandbox(args.sandbox_id, tcp_ports=(args.proxy_port,))
+    gateway = None
+    child: asyncio.subprocess.Process | None = None
+    loop = asyncio.get_running_loop()
+    interrupted = asyncio.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        loop.add_signal_handler(sig, interrupted.set)
+    try:
+        sandbox.create()
+        profile = args.profile or policy.default_profile
+        registry = [Sandbox(sandbox.sandbox_id, profile, ipaddress.ip_network(f"{sandbox.sandbox_ip}/32"))]
+        gateway = Gateway(_gateway_config(args, policy, sandbox.gateway_ip, registry))
+        await gateway.start()
+        env = {k: v for k, v in os.environ.items() if not k.lower().endswith("_proxy")}
+        env.update(sandbox.proxy_env(args.proxy_port))
+        env["AIRLOCK_SANDBOX"] = sandbox.sandbox_id
+        child = await asyncio.create_subprocess_exec(*sandbox.command(args.cmd, args.user), env=env)
+        waiter = asyncio.create_task(child.wait())
+        stopper = asyncio.create_task(interrupted.wait())
+        await asyncio.wait({waiter, stopper}, return_when=asyncio.FIRST_COMPLETED)
+        if not waiter.done():
+            with contextlib.suppress(ProcessLookupError):
+                child.terminate()
+            try:
+                await asyncio.wait_for(waiter, 5)
+            except TimeoutError:
+                with contextlib.suppress(ProcessLookupError):
+                    child.kill()
+                await waiter
+        stopper.cancel()
+        code = child.returncode if child.returncode is not None else 1
+        return code if code >= 0 else 128 - code
+    finally:
+        if gateway is not None:
+            await gateway.stop()
+        sandbox.destroy()
+
+
+# --- argument parsing --------------------------------------------------------------------------------------------
+
+
+def _gateway_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--policy", metavar="FILE", help="policy file (default: the packaged configs/default.yaml)")
+    parser.add_argument("--profile", metavar="P", help="profile for sandboxes that do not name one")
+    parser.add_argument("--proxy-port", type=int, default=3128, metavar="PORT")
+    parser.add_argument("--upstream-dns", action="append", metavar="IP[:PORT]", help="repeatable")
+    parser.add_argument("--upstream-ca", metavar="FILE", help="CA bundle for upstream TLS the gateway verifies")
+    parser.add_argument("--audit", metavar="FILE", help="append one JSON line per decision to FILE")
+    parser.add_argument("--connect-timeout", type=float, default=10.0, metavar="S")
+    parser.add_argument("--idle-timeout", type=float, default=300.0, metavar="S")
+    parser.add_argument("--max-tunnels", type=int, default=256, metavar="N", help="open tunnels per sandbox")
+    parser.add_argument("--dns-min-ttl", type=int, default=5, metavar="S", help="shortest time an answer is cached")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="airlock", description=__doc__)
+    parser.add_argument("-v", "--verbose", action="store_true")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    policy = commands.add_parser("policy", help="check or explain a policy").add_subparsers(
+        dest="action", required=True
+    )
+    check = policy.add_parser("check", help="validate a policy file: exit 0 valid, 2 with FILE:LINE errors")
+    check.add_argument("file")
+    check.set_defaults(func=cmd_policy_check)
+    explain = policy.add_parser("explain", help="decide one target: exit 0 allow, 1 deny, 2 error")
+    explain.add_argument("--policy", metavar="FILE")
+    explain.add_argument("--profile", metavar="P")
+    explain.add_argument("--resolve", action="append", metavar="HOST=IP[,IP...]", help="repeatable")
+    explain.add_argument("target", help="URL or host:port")
+    explain.set_defaults(func=cmd_policy_explain)
+
+    gateway = commands.add_parser("gateway", help="run the gateway in the foreground")
+    _gateway_options(gateway)
+    gateway.add_argument("--listen", required=True, metavar="ADDR")
+    gateway.add_argument("--sandbox", action="append", metavar="ID=CIDR[:PROFILE]", help="repeatable")
+    gateway.add_argument("--audit-stdout", action="store_true")
+    gateway.set_defaults(func=cmd_gateway)
+
+    run = commands.add_parser("run", help="run a command in a sandbox whose only network is the gateway")
+    _gateway_options(run)
+    run.add_argument("--user", help="run the command as this user (default: the sudo caller, else nobody)")
+    run.add_argument("--sandbox-id", metavar="ID", help="name of the sandbox (default: random); [a-z0-9], 1-12 chars")
+    run.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- CMD...")
+    run.set_defaults(func=cmd_run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if getattr(args, "cmd", None) and args.cmd[0] == "--":
+        args.cmd = args.cmd[1:]
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING,
+        format="%(asctime)s %(name)s %(levelname)s %(message)s",
+    )
+    try:
+        return args.func(args)
+    except PolicyError as e:
+        print(e, file=sys.stderr)
+        return EXIT_USAGE
+    except UsageError as e:
+        print(f"airlock: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except Exception as e:  # the gateway's and sandbox's own errors: one clear line, no traceback
+        from airlock.gateway import GatewayError
+        from airlock.sandbox.fence import FenceError
+        from airlock.sandbox.netns import SandboxError
+
+        if isinstance(e, GatewayError | SandboxError | FenceError):
+            print(f"airlock: {e}", file=sys.stderr)
+            return EXIT_USAGE
+        raise
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,128 @@
+"""The gateway process: the policy, the one resolver, and mitmproxy with the airlock addon, wired together."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ipaddress
+import json
+import logging
+import subprocess
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from mitmproxy import options
+from mitmproxy.addons import default_addons
+from mitmproxy.master import Master
+
+from airlock.audit import AuditLog
+from airlock.dns.upstream import Resolver, ResolverConfig, Server, system_servers
+from airlock.policy import IPAddress, Policy, Sandbox, SandboxRegistry
+from airlock.proxy.addon import GatewaySettings, build_addons
+
+log = logging.getLogger("airlock.gateway")
+
+
+class GatewayError(Exception):
+    pass
+
+
+@dataclass
+class GatewayConfig:
+    policy: Policy
+    listen: str
+    proxy_port: int = 3128
+    sandboxes: list[Sandbox] = field(default_factory=list)
+    upstream_dns: list[Server] = field(default_factory=list)
+    upstream_ca: str | None = None
+    audit_path: str | None = None
+    audit_stdout: bool = False
+    connect_timeout: float = 10.0
+    idle_timeout: float = 300.0
+    max_tunnels_per_sandbox: int = 256
+    dns_min_ttl: int = 5
+    state_dir: str | None = None
+
+
+def own_addresses() -> frozenset[IPAddress]:
+    """Every address of this network namespace's interfaces: the gateway must never be its own upstream."""
+    found: set[IPAddress] = set()
+    with contextlib.suppress(OSError, subprocess.SubprocessError, ValueError):
+        out = subprocess.run(["ip", "-j", "addr", "show"], capture_output=True, text=True, timeout=5, check=True)
+        for interface in json.loads(out.stdout):
+            for info in interface.get("addr_info", []):
+                with contextlib.suppress(ValueError, KeyError):
+                    found.add(ipaddress.ip_address(info["local"]))
+    return frozenset(found)
+
+
+class Gateway:
+    def __init__(self, config: GatewayConfig) -> None:
+        self.config = config
+        servers = config.upstream_dns or system_servers()
+        if not servers:
+            raise GatewayError("no upstream DNS server: pass --upstream-dns or configure /etc/resolv.conf")
+        self.resolver = Resolver(ResolverConfig(servers, min_ttl=config.dns_min_ttl))
+        self.registry = SandboxRegistry(config.sandboxes)
+        self.audit = AuditLog(config.audit_path, config.audit_stdout)
+        self._state_dir = config.state_dir or tempfile.mkdtemp(prefix="airlock-gw-")
+        self._master: Master | None = None
+        self._task: asyncio.Task[None] | None = None
+        self.shared = None
+        self.addons: list[object] = []
+
+    async def start(self) -> None:
+        config = self.config
+        opts = options.Options(
+            mode=[f"regular@{config.proxy_port}"],
+            listen_host=config.listen,
+            confdir=str(Path(self._state_dir) / "mitmproxy"),
+        )
+        master = Master(opts)
+        settings = GatewaySettings(
+            own_addresses=own_addresses() | {ipaddress.ip_address(config.listen)},
+            connect_timeout=config.connect_timeout,
+            max_tunnels_per_sandbox=config.max_tunnels_per_sandbox,
+        )
+        self.shared, self.addons = build_addons(config.policy, self.registry, self.resolver, self.audit.emit, settings)
+        master.addons.add(*default_addons(), *self.addons)
+        opts.update(
+            # lazy: never connect upstream before the SNI and Host header have been checked
+            connection_strategy="lazy",
+            tcp_timeout=int(config.idle_timeout),
+            stream_large_bodies="1m",
+            # these judge the *client* address; sandbox identity does that job here
+            block_global=False,
+            block_private=False,
+            ssl_verify_upstream_trusted_ca=config.upstream_ca,
+        )
+        self._master = master
+        self._task = asyncio.create_task(master.run())
+        proxyserver = master.addons.get("proxyserver")
+        for _ in range(200):
+            if proxyserver.listen_addrs() or self._task.done():
+                break
+            await asyncio.sleep(0.025)
+        if not proxyserver.listen_addrs():
+            await self.stop()
+            raise GatewayError(f"proxy could not listen on {config.listen}:{config.proxy_port}")
+        log.info("airlock proxy listening on %s:%d", config.listen, config.proxy_port)
+
+    def replace_policy(self, policy: Policy) -> None:
+        """Swap in a new, already validated policy; connections already open keep the decision they had."""
+        assert self.shared is not None
+        self.shared.policy = policy
+
+    async def stop(self) -> None:
+        if self._master is None:
+            return
+        master, self._master = self._master, None
+        # Master.shutdown() alone leaves the listening sockets open: close the servers first.
+        with contextlib.suppress(Exception):
+            await master.addons.get("proxyserver").servers.update([])
+        master.shutdown()
+        if self._task is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self._task, 10)
+        self.audit.close()

@@ -1,0 +1,1 @@
+"""Sandbox backends and the kernel fence that makes the gateway their only route."""

@@ -1,0 +1,152 @@
+"""The netns backend: a network namespace whose only link is a veth to the gateway, fenced by nftables.
+
+The sandbox side has one address and one connected /30 route, no default route: the kernel has nowhere to send
+anything but the gateway's address, and the fence lets that address answer only on the gateway's ports. The
+command runs without root and without capabilities (setpriv, no_new_privs), so it cannot change routes, load
+rules, or enter another namespace.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ipaddress
+import json
+import os
+import pwd
+import re
+import secrets
+import shutil
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+from .fence import Fence
+
+LINK_POOL = ipaddress.ip_network("10.231.0.0/16")
+
+
+class SandboxError(RuntimeError):
+    pass
+
+
+def _run(argv: list[str], check: bool = True) -> subprocess.CompletedProcess[str]:
+    try:
+        result = subprocess.run(argv, capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError) as e:
+        raise SandboxError(f"{' '.join(argv)}: {e}") from e
+    if check and result.returncode != 0:
+        raise SandboxError(f"{' '.join(argv)}: {result.stderr.strip()}")
+    return result
+
+
+def _used_networks() -> list[ipaddress.IPv4Network]:
+    out = _run(["ip", "-j", "-4", "addr", "show"]).stdout
+    used = []
+    for interface in json.loads(out or "[]"):
+        for info in interface.get("addr_info", []):
+            used.append(ipaddress.ip_network(f"{info['local']}/{info['prefixlen']}", strict=False))
+    return used
+
+
+def pick_link() -> ipaddress.IPv4Network:
+    """A /30 for the gateway-sandbox link that no interface of this namespace uses yet."""
+    used = _used_networks()
+    for _ in range(64):
+        index = secrets.randbelow(LINK_POOL.num_addresses // 4)
+        link = ipaddress.ip_network(f"{LINK_POOL.network_address + index * 4}/30")
+        if not any(link.overlaps(u) for u in used):
+            return link
+    raise SandboxError(f"no free /30 left in {LINK_POOL}")
+
+
+@dataclass
+class NetnsSandbox:
+    """One sandbox namespace. `create()` then `command(...)`; `destroy()` always, even after failures."""
+
+    sandbox_id: str | None = None  # default: random
+    tcp_ports: tuple[int, ...] = (3128,)
+    udp_ports: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        self.sandbox_id = self.sandbox_id or secrets.token_hex(4)
+        if not re.fullmatch(r"[a-z0-9]{1,12}", self.sandbox_id):
+            raise SandboxError(f"sandbox id {self.sandbox_id!r}: use 1-12 characters a-z, 0-9")
+        self.netns = f"airlock-{self.sandbox_id}"
+        self.host_if = f"alh{self.sandbox_id}"[:15]
+        self.sandbox_if = f"als{self.sandbox_id}"[:15]
+        self.link: ipaddress.IPv4Network | None = None
+        self.fence: Fence | None = None
+
+    @property
+    def gateway_ip(self) -> str:
+        assert self.link is not None
+        return str(self.link.network_address + 1)
+
+    @property
+    def sandbox_ip(self) -> str:
+        assert self.link is not None
+        return str(self.link.network_address + 2)
+
+    def create(self) -> None:
+        self.link = pick_link()
+        prefix = self.link.prefixlen
+        in_ns = ["ip", "netns", "exec", self.netns]
+        _run(["ip", "netns", "add", self.netns])
+        _run(["ip", "link", "add", self.host_if, "type", "veth", "peer", "name", self.sandbox_if])
+        _run(["ip", "link", "set", self.sandbox_if, "netns", self.netns])
+        # IPv6 off on both ends: the link carries exactly the IPv4 the fence describes.
+        _run(["sysctl", "-qw", f"net.ipv6.conf.{self.host_if}.disable_ipv6=1"], check=False)
+        _run([*in_ns, "sysctl", "-qw", "net.ipv6.conf.all.disable_ipv6=1"], check=False)
+        # Fence first, then bring the link up: no moment exists when the sandbox's link is open and unfenced.
+        self.fence = Fence(f"airlock_{self.sandbox_id}", self.host_if, self.gateway_ip, self.tcp_ports, self.udp_ports)
+        self.fence.install()
+        _run(["ip", "addr", "add", f"{self.gateway_ip}/{prefix}", "dev", self.host_if])
+        _run(["ip", "link", "set", self.host_if, "up"])
+        _run(["ip", "-n", self.netns, "link", "set", "lo", "up"])
+        _run(["ip", "-n", self.netns, "addr", "add", f"{self.sandbox_ip}/{prefix}", "dev", self.sandbox_if])
+        _run(["ip", "-n", self.netns, "link", "set", self.sandbox_if, "up"])
+        etc = Path("/etc/netns") / self.netns
+        etc.mkdir(parents=True, exist_ok=True)
+        # `ip netns exec` bind-mounts these over /etc inside the command's mount namespace.
+        (etc / "resolv.conf").write_text(f"nameserver {self.gateway_ip}\noptions timeout:2 attempts:1\n")
+        (etc / "hosts").write_text("127.0.0.1 localhost\n::1 localhost\n")
+
+    def destroy(self) -> None:
+        if self.fence is not None:
+            self.fence.remove()
+        _run(["ip", "link", "del", self.host_if], check=False)
+        _run(["ip", "netns", "del", self.netns], check=False)
+        shutil.rmtree(Path("/etc/netns") / self.netns, ignore_errors=True)
+
+    def proxy_env(self, proxy_port: int) -> dict[str, str]:
+        proxy = f"http://{self.gateway_ip}:{proxy_port}"
+        env = {name: proxy for name in ("HTTP_PROXY", "HTTPS_PROXY", "http_proxy", "https_proxy")}
+        env["NO_PROXY"] = env["no_proxy"] = "localhost,127.0.0.1,::1"
+        return env
+
+    def command(self, argv: list[str], user: str | None = None) -> list[str]:
+        """The argv that runs `argv` inside the namespace as an unprivileged user without capabilities."""
+        pw = resolve_user(user)
+        return [
+            "ip", "netns", "exec", self.netns,
+            "setpriv", f"--reuid={pw.pw_uid}", f"--regid={pw.pw_gid}", "--init-groups",
+            "--no-new-privs", "--bounding-set=-all", "--inh-caps=-all",
+            "--", *argv,
+        ]  # fmt: skip
+
+
+def resolve_user(user: str | None) -> pwd.struct_passwd:
+    """The user the command runs as: the one named, else whoever called sudo, else `nobody` — never root."""
+    if user is None:
+        sudo_uid = os.environ.get("SUDO_UID")
+        with contextlib.suppress(KeyError, ValueError):
+            if sudo_uid and int(sudo_uid) != 0:
+                return pwd.getpwuid(int(sudo_uid))
+        user = "nobody" if os.geteuid() == 0 else pwd.getpwuid(os.geteuid()).pw_name
+    try:
+        pw = pwd.getpwnam(user) if not user.isdigit() else pwd.getpwuid(int(user))
+    except KeyError:
+        raise SandboxError(f"no such user: {user}") from None
+    if pw.pw_uid == 0:
+        raise SandboxError("refusing to run the sandboxed command as root: it could leave the namespace")
+    return pw

@@ -1,0 +1,1 @@
+"""The gateway's one DNS resolver (upstream client + cache), shared by the proxy and the DNS server."""

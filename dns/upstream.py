@@ -1,0 +1,255 @@
+"""The gateway's one resolver: asks the configured upstream servers, caches, and never guesses.
+
+The proxy resolves names here (mitmproxy itself does no DNS), and the sandbox-facing DNS server will answer
+from the same cache, so a rebinding name cannot show the two of them different addresses. Every failure is an
+exception: the caller denies, it never falls back to another resolver.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ipaddress
+import random
+import socket
+import struct
+import time
+from dataclasses import dataclass, field
+
+from dnslib import CLASS, QTYPE, RCODE, DNSError, DNSRecord
+
+from airlock.policy import IPAddress
+
+type Server = tuple[str, int]
+
+MAX_CNAME_HOPS = 8
+
+
+class ResolveError(Exception):
+    """The name could not be resolved; the message says why, for the audit log."""
+
+
+class NameNotFound(ResolveError):
+    pass
+
+
+class ResolverUnavailable(ResolveError):
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class Answer:
+    addresses: tuple[IPAddress, ...]
+    ttl: int
+    cnames: tuple[str, ...] = ()  # the chain followed from the query name, in order
+    upstream_ms: float = 0.0  # time spent asking upstream; 0 when served from cache
+
+
+@dataclass
+class ResolverConfig:
+    servers: list[Server]
+    timeout: float = 2.0
+    attempts: int = 2
+    min_ttl: int = 5
+    max_ttl: int = 3600
+    negative_ttl: int = 30
+    cache_size: int = 10_000
+
+
+@dataclass
+class _Entry:
+    expires: float
+    answer: Answer | None  # None: negative entry (the name does not exist)
+    error: str = field(default="")
+
+
+def parse_server(text: str) -> Server:
+    """`IP` or `IP:PORT` or `[IPv6]:PORT` → (ip, port)."""
+    host, port = text, 53
+    if text.startswith("["):
+        host, _, rest = text[1:].partition("]")
+        port = int(rest[1:]) if rest.startswith(":") else 53
+    elif text.count(":") == 1:
+        host, port_text = text.split(":")
+        port = int(port_text)
+    ipaddress.ip_address(host)
+    if not 1 <= port <= 65535:
+        raise ValueError(f"port out of range in {text!r}")
+    return host, port
+
+
+def system_servers(resolv_conf: str = "/etc/resolv.conf") -> list[Server]:
+    servers: list[Server] = []
+    with contextlib.suppress(OSError), open(resolv_conf, encoding="utf-8") as f:
+        for line in f:
+            parts = line.split()
+            if len(parts) >= 2 and parts[0] == "nameserver":
+                with contextlib.suppress(ValueError):
+                    servers.append(parse_server(parts[1]))
+    return servers
+
+
+class Resolver:
+    def __init__(self, config: ResolverConfig) -> None:
+        if not config.servers:
+            raise ValueError("no upstream DNS server configured")
+        self.config = config
+        self._cache: dict[tuple[str, int], _Entry] = {}
+        self._inflight: dict[tuple[str, int], asyncio.Future[Answer]] = {}
+
+    async def resolve(self, name: str) -> Answer:
+        """All A and AAAA addresses of a canonical name (CNAMEs followed)."""
+        results = await asyncio.gather(self.query(name, QTYPE.A), self.query(name, QTYPE.AAAA), return_exceptions=True)
+        answers = [r for r in results if isinstance(r, Answer)]
+        if not answers:
+            first = results[0]
+            raise first if isinstance(first, BaseException) else ResolveError("no answer")
+        addresses = tuple(a for answer in answers for a in answer.addresses)
+        if not addresses:
+            raise NameNotFound(f"{name} has no A/AAAA records")
+        return Answer(
+            addresses,
+            min(a.ttl for a in answers),
+            answers[0].cnames,
+            sum(a.upstream_ms for a in answers),
+        )
+
+    async def query(self, name: str, qtype: int) -> Answer:
+        """One cached question; concurrent identical questions share one upstream exchange."""
+        key = (name, qtype)
+        entry = self._cache.get(key)
+        if entry is not None and entry.expires > time.monotonic():
+            if entry.answer is None:
+                raise NameNotFound(entry.error)
+            return Answer(entry.answer.addresses, entry.answer.ttl, entry.answer.cnames)
+        if key in self._inflight:
+            return await asyncio.shield(self._inflight[key])
+        future: asyncio.Future[Answer] = asyncio.get_running_loop().create_future()
+        self._inflight[key] = future
+        try:
+            answer = await self._resolve_uncached(name, qtype)
+        except ResolveError as e:
+            future.set_exception(e)
+            raise
+        except BaseException as e:
+            # The caller was cancelled (e.g. its own timeout) or hit a bug: callers sharing this exchange must
+            # still get an answer, never wait forever on a future nobody completes.
+            future.set_exception(ResolverUnavailable(f"lookup of {name} abandoned ({type(e).__name__})"))
+            raise
+        else:
+            future.set_result(answer)
+            return answer
+        finally:
+            del self._inflight[key]
+            if future.done() and not future.cancelled():
+                future.exception()  # mark retrieved: a lone caller must not leave a warning behind
+
+    async def _resolve_uncached(self, name: str, qtype: int) -> Answer:
+        started = time.perf_counter()
+        cnames: list[str] = []
+        target = name
+        ttl = self.config.max_ttl
+        for _ in range(MAX_CNAME_HOPS):
+            reply = await self._exchange(target, qtype)
+            if reply.header.rcode == RCODE.NXDOMAIN:
+                self._store((name, qtype), None, self.config.negative_ttl, f"{name} does not exist")
+                raise NameNotFound(f"{name} does not exist")
+            if reply.header.rcode != RCODE.NOERROR:
+                raise ResolverUnavailable(f"upstream answered {RCODE.get(reply.header.rcode)} for {name}")
+            addresses, chain, answer_ttl = _follow(reply, target, qtype)
+            cnames += chain
+            ttl = min(ttl, answer_ttl)
+            if addresses or not chain:
+                break
+            target = chain[-1]  # the chain left the answer: ask for its end
+        else:
+            raise ResolverUnavailable(f"CNAME chain of {name} is longer than {MAX_CNAME_HOPS}")
+        ttl = max(self.config.min_ttl, min(ttl, self.config.max_ttl))
+        upstream_ms = (time.perf_counter() - started) * 1000
+        answer = Answer(tuple(addresses), ttl, tuple(cnames), upstream_ms)
+        self._store((name, qtype), answer, ttl)
+        return answer
+
+    def _store(self, key: tuple[str, int], answer: Answer | None, ttl: int, error: str = "") -> None:
+        if ttl <= 0:
+            return
+        if len(self._cache) >= self.config.cache_size:
+            now = time.monotonic()
+            for stale in [k for k, e in self._cache.items() if e.expires <= now]:
+                del self._cache[stale]
+            if len(self._cache) >= self.config.cache_size:
+                self._cache.pop(next(iter(self._cache)))
+        self._cache[key] = _Entry(time.monotonic() + ttl, answer, error)
+
+    async def _exchange(self, name: str, qtype: int) -> DNSRecord:
+        question = DNSRecord.question(name, QTYPE.get(qtype))
+        question.header.id = random.randrange(1 << 16)
+        question.header.rd = 1
+        problems: list[str] = []
+        for _ in range(self.config.attempts):
+            for server in self.config.servers:
+                try:
+                    reply = await asyncio.wait_for(_udp_exchange(question, server), self.config.timeout)
+                    if reply.header.tc:
+                        reply = await asyncio.wait_for(_tcp_exchange(question, server), self.config.timeout)
+                    return reply
+                except (TimeoutError, OSError, DNSError, ValueError) as e:
+                    problems.append(f"{server[0]}:{server[1]}: {type(e).__name__} {e}".strip())
+        raise ResolverUnavailable(f"no upstream DNS answer for {name} ({'; '.join(problems[-2:])})")
+
+
+def _follow(reply: DNSRecord, name: str, qtype: int) -> tuple[list[IPAddress], list[str], int]:
+    """Addresses of `name` in the reply, following CNAMEs inside it; never trusts records for other names."""
+    owner = name
+    chain: list[str] = []
+    ttl = 1 << 31
+    by_owner: dict[str, list] = {}
+    for rr in reply.rr:
+        if rr.rclass == CLASS.IN:
+            by_owner.setdefault(str(rr.rname).rstrip(".").lower(), []).append(rr)
+    for _ in range(MAX_CNAME_HOPS + 1):
+        records = by_owner.get(owner, [])
+        addresses = [ipaddress.ip_address(str(rr.rdata)) for rr in records if rr.rtype == qtype]
+        if addresses:
+            ttl = min([ttl] + [rr.ttl for rr in records if rr.rtype == qtype])
+            return addresses, chain, ttl
+        cname = next((rr for rr in records if rr.rtype == QTYPE.CNAME), None)
+        if cname is None:
+            break
+        ttl = min(ttl, cname.ttl)
+        owner = str(cname.rdata).rstrip(".").lower()
+        chain.append(owner)
+    return [], chain, (ttl if chain else 0)
+
+
+def _check_reply(reply: DNSRecord, question: DNSRecord) -> DNSRecord:
+    if reply.header.id != question.header.id or reply.q.qname != question.q.qname or reply.q.qtype != question.q.qtype:
+        raise ValueError("reply does not match the question")
+    return reply
+
+
+async def _udp_exchange(question: DNSRecord, server: Server) -> DNSRecord:
+    loop = asyncio.get_running_loop()
+    family = socket.AF_INET6 if ":" in server[0] else socket.AF_INET
+    with socket.socket(family, socket.SOCK_DGRAM) as sock:
+        sock.setblocking(False)
+        await loop.sock_connect(sock, server)  # connected UDP: the kernel drops datagrams from anyone else
+        await loop.sock_sendall(sock, question.pack())
+        while True:
+            data = await loop.sock_recv(sock, 65535)
+            with contextlib.suppress(ValueError, DNSError):
+                return _check_reply(DNSRecord.parse(data), question)
+
+
+async def _tcp_exchange(question: DNSRecord, server: Server) -> DNSRecord:
+    reader, writer = await asyncio.open_connection(*server)
+    try:
+        packet = question.pack()
+        writer.write(struct.pack("!H", len(packet)) + packet)
+        await writer.drain()
+        (length,) = struct.unpack("!H", await reader.readexactly(2))
+        return _check_reply(DNSRecord.parse(await reader.readexactly(length)), question)
+    except asyncio.IncompleteReadError as e:
+        raise OSError("TCP DNS reply cut short") from e
+    finally:
+        writer.close()

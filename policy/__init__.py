@@ -1,0 +1,37 @@
+"""The policy core: pure functions shared by the proxy, the DNS resolver and the broker (no I/O but reading
+the policy file, no asyncio)."""
+
+from .addresses import Category, Classification, classify, embedded_ipv4
+from .decide import Decision, Vetted, decide, vet
+from .hosts import HostError, IPAddress, canonical_host, format_host_port, is_ip, parse_ip_literal
+from .loader import PolicyError, load_policy, parse_policy
+from .model import DEFAULT_ALLOW_PORTS, Policy, Profile, Rule
+from .records import AuditRecord, Sandbox, SandboxRegistry, new_request_id
+
+__all__ = [
+    "DEFAULT_ALLOW_PORTS",
+    "AuditRecord",
+    "Category",
+    "Classification",
+    "Decision",
+    "HostError",
+    "IPAddress",
+    "Policy",
+    "PolicyError",
+    "Profile",
+    "Rule",
+    "Sandbox",
+    "SandboxRegistry",
+    "Vetted",
+    "canonical_host",
+    "classify",
+    "decide",
+    "embedded_ipv4",
+    "format_host_port",
+    "is_ip",
+    "load_policy",
+    "new_request_id",
+    "parse_ip_literal",
+    "parse_policy",
+    "vet",
+]

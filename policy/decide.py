@@ -1,0 +1,136 @@
+"""Decisions: may this sandbox reach host:port, and which resolved addresses may it actually be connected to.
+
+Pure functions of (profile, input). Two stages, because a name is only as safe as the addresses it resolves to:
+`decide` judges the canonical host and port against the rules; `vet` judges every resolved address.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from .addresses import Category, classify, embedded_ipv4
+from .hosts import IPAddress, format_host_port, is_ip
+from .model import Profile, Rule
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    allow: bool
+    reason: str
+    rule: Rule | None = None  # the deciding rule, when one decided
+    hint: str | None = None  # on deny: what rule would allow this, if any may
+
+    @property
+    def tunnel(self) -> bool:
+        """Whether a CONNECT tunnel that is not TLS may carry this traffic."""
+        return self.allow and self.rule is not None and self.rule.tunnel
+
+
+@dataclass(frozen=True, slots=True)
+class Vetted:
+    allowed: tuple[IPAddress, ...]
+    rejected: tuple[tuple[IPAddress, str], ...]
+
+    @property
+    def reason(self) -> str:
+        if self.allowed:
+            return "ok" if not self.rejected else "dropped " + _summary(self.rejected)
+        if not self.rejected:
+            return "name has no addresses"
+        return "every address is blocked: " + _summary(self.rejected)
+
+
+_NEVER_OPENED = frozenset({"loopback", "this network", "unspecified"})
+
+
+def _summary(rejected: tuple[tuple[IPAddress, str], ...]) -> str:
+    return "; ".join(f"{ip} ({why})" for ip, why in rejected)
+
+
+def decide(profile: Profile, host: str, port: int) -> Decision:
+    """Judge a canonical host (name or IP, from `canonical_host`) and port. Default deny; deny rules win."""
+    if is_ip(host):
+        return _decide_address(profile, ipaddress.ip_address(host), port)
+    for rule in profile.deny_rules_for_host(host):
+        if rule.matches_port(port):
+            return Decision(False, f"denied by rule {rule.describe()}", rule, f"remove or narrow {rule.source}")
+    allow_rules = profile.allow_rules_for_host(host)
+    for rule in allow_rules:
+        if rule.matches_port(port):
+            return Decision(True, "allowed", rule)
+    target = format_host_port(host, port)
+    if allow_rules:
+        near = allow_rules[0]
+        return Decision(
+            False,
+            f"port {port} is not allowed for {host}",
+            None,
+            f"add {port} to the ports of {near.describe()}",
+        )
+    return Decision(False, f"{target} is not in the allowlist", None, f"allow: [{{host: {host}, ports: [{port}]}}]")
+
+
+def _decide_address(profile: Profile, address: IPAddress, port: int) -> Decision:
+    judged = embedded_ipv4(address) or address
+    verdict = _judge_address(profile, address, port)
+    if verdict is not None:
+        return verdict
+    cidr = f"{judged}/{judged.max_prefixlen}"
+    return Decision(
+        False,
+        f"{format_host_port(str(address), port)} is an IP address that no rule allows",
+        None,
+        f"allow: [{{cidr: {cidr}, ports: [{port}]}}]",
+    )
+
+
+def _judge_address(profile: Profile, address: IPAddress, port: int) -> Decision | None:
+    """Deny rules, the metadata block, and CIDR rules for one address; None when no rule speaks for it."""
+    classification = classify(address)
+    judged = classification.address
+    for candidate in {address, judged}:
+        for rule in profile.deny_rules_for_address(candidate):
+            if rule.matches_port(port):
+                return Decision(False, f"denied by rule {rule.describe()}", rule, f"remove or narrow {rule.source}")
+    if classification.category is Category.METADATA:
+        return Decision(False, f"{judged} is a metadata/link-local address: never reachable", None, None)
+    # Allow rules see only the judged address: an IPv6 form that carries IPv4 opens exactly what that IPv4
+    # address opens. Matching the raw form too let `cidr: ::ffff:0:0/96` open ::ffff:127.0.0.1 (loopback).
+    for rule in profile.allow_rules_for_address(judged):
+        if rule.matches_port(port):
+            return Decision(True, f"allowed by CIDR rule for {classification.label} address", rule)
+    if classification.category is Category.INTERNAL:
+        hint = None  # the gateway host's own loopback/unspecified ranges can never be opened by a rule
+        if classification.label not in _NEVER_OPENED:
+            hint = f"allow: [{{cidr: {judged}/{judged.max_prefixlen}, ports: [{port}]}}] (named internal service)"
+        return Decision(False, f"{judged} is an internal address ({classification.label})", None, hint)
+    return None
+
+
+def vet(
+    profile: Profile,
+    addresses: Iterable[IPAddress],
+    port: int,
+    own_addresses: frozenset[IPAddress] = frozenset(),
+) -> Vetted:
+    """Split resolved addresses into those the gateway may connect to and those it must not.
+
+    Public addresses pass unless a deny rule names them; internal ones pass only through a CIDR allow rule
+    for this port; metadata never passes; neither do the gateway's own addresses (a request must not loop
+    back into the gateway). A mixed answer keeps only its allowed part (documented in README).
+    """
+    allowed: list[IPAddress] = []
+    rejected: list[tuple[IPAddress, str]] = []
+    for address in dict.fromkeys(addresses):
+        judged = embedded_ipv4(address) or address
+        if address in own_addresses or judged in own_addresses or judged.is_unspecified:
+            rejected.append((address, "the gateway's own address"))
+            continue
+        verdict = _judge_address(profile, address, port)
+        if verdict is None or verdict.allow:
+            allowed.append(address)
+        else:
+            rejected.append((address, verdict.reason))
+    return Vetted(tuple(allowed), tuple(rejected))

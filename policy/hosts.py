@@ -1,0 +1,126 @@
+"""One canonical form for every host the gateway is asked about.
+
+A host is either an IP address (judged as that address, however it was spelled) or a DNS name in lowercase
+punycode without a trailing dot. Anything else is refused here, before any rule or resolver sees it.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import re
+
+import idna
+
+type IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
+
+MAX_NAME_LENGTH = 253
+_LABEL = re.compile(r"^[a-z0-9_]([a-z0-9_-]{0,61}[a-z0-9_])?$")
+# Characters that never belong in a host: URL structure, userinfo, zone IDs, whitespace, brackets.
+_FORBIDDEN = re.compile(r"[\x00-\x20\x7f@/\\?#%\[\]<>\"'`{}|^,;:*=+!$&()~]")
+_NUMERIC_PART = re.compile(r"^(0[xX][0-9a-fA-F]*|[0-9]+)$")
+
+
+class HostError(ValueError):
+    """The text cannot be a host we are willing to judge."""
+
+
+def parse_ipv4_libc(text: str) -> ipaddress.IPv4Address | None:
+    """Parse IPv4 the way libc's inet_aton does: 1-4 parts, each decimal, 0x-hex or 0-octal.
+
+    `2130706433`, `0x7f.1`, `0177.0.0.1` and `127.1` all mean 127.0.0.1 to curl, Python and the kernel's
+    callers, so they must mean it to the policy too. Returns None when the text is not numeric at all.
+    Raises HostError when it looks numeric but is out of range (e.g. `256.1.1.1`, `1.2.3.4.5`).
+    """
+    parts = text.split(".")
+    if not all(_NUMERIC_PART.match(p) for p in parts):
+        return None
+    if len(parts) > 4:
+        raise HostError(f"{text!r}: too many parts for an IPv4 address")
+    values = [_parse_ipv4_part(p, text) for p in parts]
+    # The last part fills all the bytes the earlier parts left: a.b.c.d, a.b.(16 bits), a.(24 bits), (32 bits).
+    last_bits = 8 * (5 - len(values))
+    if any(v > 0xFF for v in values[:-1]) or values[-1] >= 1 << last_bits:
+        raise HostError(f"{text!r}: IPv4 part out of range")
+    number = values[-1]
+    for index, value in enumerate(values[:-1]):
+        number |= value << (24 - 8 * index)
+    return ipaddress.IPv4Address(number)
+
+
+def _parse_ipv4_part(part: str, whole: str) -> int:
+    try:
+        if part[:2].lower() == "0x":
+            return int(part[2:], 16) if len(part) > 2 else 0
+        if len(part) > 1 and part.startswith("0"):
+            return int(part, 8)
+        return int(part, 10)
+    except ValueError:
+        raise HostError(f"{whole!r}: bad IPv4 part {part!r}") from None
+
+
+def parse_ip_literal(text: str) -> IPAddress | None:
+    """An IP address in any accepted spelling, or None if the text is not an address literal.
+
+    IPv6 may come bracketed (as in URLs and CONNECT). Zone IDs (`fe80::1%eth0`) are refused: they name an
+    interface of the gateway, never a remote host.
+    """
+    if text.startswith("[") and text.endswith("]"):
+        text = text[1:-1]
+        if ":" not in text:
+            raise HostError(f"[{text}]: brackets are only for IPv6 addresses")
+    if ":" in text:
+        if "%" in text:
+            raise HostError(f"{text!r}: IPv6 zone IDs are not allowed")
+        try:
+            return ipaddress.IPv6Address(text)
+        except ValueError:
+            raise HostError(f"{text!r}: not a valid IPv6 address") from None
+    # One trailing dot is the root label (`127.0.0.1.` still means 127.0.0.1); `127.0.0.1..` is no address.
+    return parse_ipv4_libc(text[:-1] if text.endswith(".") else text)
+
+
+def canonical_host(raw: str) -> str:
+    """Canonical text for a host: a compressed IP address, or a lowercase IDNA name without trailing dot."""
+    if not isinstance(raw, str) or not raw:
+        raise HostError("empty host")
+    ip = parse_ip_literal(raw)
+    if ip is not None:
+        return str(ip)
+    name = raw[:-1] if raw.endswith(".") else raw
+    if not name or _FORBIDDEN.search(name):
+        raise HostError(f"{raw!r}: forbidden character in host")
+    if name.isascii():
+        name = name.lower()
+    else:
+        try:
+            name = idna.encode(name, uts46=True).decode("ascii")
+        except idna.IDNAError as e:
+            raise HostError(f"{raw!r}: invalid internationalized name ({e})") from None
+    _check_name(raw, name)
+    return name
+
+
+def _check_name(raw: str, name: str) -> None:
+    if len(name) > MAX_NAME_LENGTH:
+        raise HostError(f"{raw!r}: name longer than {MAX_NAME_LENGTH} characters")
+    labels = name.split(".")
+    for label in labels:
+        if not _LABEL.match(label):
+            raise HostError(f"{raw!r}: invalid label {label!r}")
+        if label.startswith("xn--"):
+            try:
+                idna.decode(label)
+            except idna.IDNAError:
+                raise HostError(f"{raw!r}: invalid punycode label {label!r}") from None
+    # A name ending in a numeric label is a mangled IP address (e.g. `1.2.3.999`), never a real host.
+    if _NUMERIC_PART.match(labels[-1]):
+        raise HostError(f"{raw!r}: last label is numeric but the host is not an IP address")
+
+
+def is_ip(host: str) -> bool:
+    """True for a host already in canonical form that is an IP address."""
+    return ":" in host or host.replace(".", "").isdigit()
+
+
+def format_host_port(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"

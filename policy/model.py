@@ -1,0 +1,129 @@
+"""The policy model: profiles of allow and deny rules, indexed so that a decision never scans the rule list."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Literal
+
+from .addresses import Network
+from .hosts import IPAddress
+
+DEFAULT_ALLOW_PORTS: frozenset[int] = frozenset({443})
+type Action = Literal["allow", "deny"]
+
+
+@dataclass(frozen=True, slots=True)
+class Rule:
+    action: Action
+    source: str  # "file:line", so every decision can name the line a security team has to edit
+    host: str | None = None  # canonical exact name, or "*.suffix"
+    cidr: Network | None = None
+    ports: frozenset[int] | None = None  # None: every port (deny rules only)
+    tunnel: bool = False  # a CONNECT tunnel that is not TLS (e.g. ssh on 22) is allowed
+    name: str | None = None
+
+    def matches_port(self, port: int) -> bool:
+        return self.ports is None or port in self.ports
+
+    @property
+    def target(self) -> str:
+        return self.host if self.host is not None else str(self.cidr)
+
+    def describe(self) -> str:
+        ports = "any port" if self.ports is None else "port " + ",".join(map(str, sorted(self.ports)))
+        label = f" [{self.name}]" if self.name else ""
+        return f"{self.action} {self.target} {ports}{' tunnel' if self.tunnel else ''}{label} ({self.source})"
+
+
+class _CidrIndex:
+    """Longest-prefix style lookup: one dict per prefix length, so a lookup costs at most 33 or 129 probes
+    however many networks are listed."""
+
+    def __init__(self, rules: Iterable[Rule]) -> None:
+        self._by_length: dict[tuple[int, int], dict[int, list[Rule]]] = defaultdict(lambda: defaultdict(list))
+        for rule in rules:
+            assert rule.cidr is not None
+            key = (rule.cidr.version, rule.cidr.prefixlen)
+            self._by_length[key][int(rule.cidr.network_address)].append(rule)
+        self._by_length = {k: dict(v) for k, v in self._by_length.items()}
+
+    def lookup(self, address: IPAddress) -> Iterator[Rule]:
+        bits = address.max_prefixlen
+        value = int(address)
+        for (version, length), table in self._by_length.items():
+            if version != address.version:
+                continue
+            masked = value >> (bits - length) << (bits - length) if length else 0
+            yield from table.get(masked, ())
+
+
+class _HostIndex:
+    """Exact names in one dict, `*.suffix` wildcards in another keyed by suffix: a lookup walks the
+    host's own labels (at most 127), never the rules."""
+
+    def __init__(self, rules: Iterable[Rule]) -> None:
+        exact: dict[str, list[Rule]] = defaultdict(list)
+        wildcard: dict[str, list[Rule]] = defaultdict(list)
+        for rule in rules:
+            assert rule.host is not None
+            if rule.host.startswith("*."):
+                wildcard[rule.host[2:]].append(rule)
+            else:
+                exact[rule.host].append(rule)
+        self._exact = dict(exact)
+        self._wildcard = dict(wildcard)
+
+    def lookup(self, host: str) -> Iterator[Rule]:
+        yield from self._exact.get(host, ())
+        # `*.example.com` covers every name below example.com, at any depth, but not example.com itself.
+        dot = host.find(".")
+        while dot != -1:
+            yield from self._wildcard.get(host[dot + 1 :], ())
+            dot = host.find(".", dot + 1)
+
+
+@dataclass(frozen=True)
+class Profile:
+    name: str
+    allow: tuple[Rule, ...]
+    deny: tuple[Rule, ...]
+    source: str
+    _allow_hosts: _HostIndex = field(init=False, repr=False, compare=False)
+    _deny_hosts: _HostIndex = field(init=False, repr=False, compare=False)
+    _allow_cidrs: _CidrIndex = field(init=False, repr=False, compare=False)
+    _deny_cidrs: _CidrIndex = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        set_ = object.__setattr__
+        set_(self, "_allow_hosts", _HostIndex(r for r in self.allow if r.host is not None))
+        set_(self, "_deny_hosts", _HostIndex(r for r in self.deny if r.host is not None))
+        set_(self, "_allow_cidrs", _CidrIndex(r for r in self.allow if r.cidr is not None))
+        set_(self, "_deny_cidrs", _CidrIndex(r for r in self.deny if r.cidr is not None))
+
+    def allow_rules_for_host(self, host: str) -> list[Rule]:
+        return list(self._allow_hosts.lookup(host))
+
+    def deny_rules_for_host(self, host: str) -> list[Rule]:
+        return list(self._deny_hosts.lookup(host))
+
+    def allow_rules_for_address(self, address: IPAddress) -> list[Rule]:
+        return list(self._allow_cidrs.lookup(address))
+
+    def deny_rules_for_address(self, address: IPAddress) -> list[Rule]:
+        return list(self._deny_cidrs.lookup(address))
+
+
+@dataclass(frozen=True)
+class Policy:
+    profiles: dict[str, Profile]
+    default_profile: str
+    source: str
+
+    def profile(self, name: str | None = None) -> Profile:
+        try:
+            return self.profiles[name or self.default_profile]
+        except KeyError:
+            known = ", ".join(sorted(self.profiles))
+            raise KeyError(f"no profile {name!r} in {self.source} (profiles: {known})") from None

@@ -1,0 +1,1 @@
+"""The mitmproxy addon that enforces the policy on every upstream connection."""

@@ -1,0 +1,471 @@
+"""The airlock mitmproxy addon: every way out of a sandbox passes these hooks.
+
+Data flows one way: identify sandbox → canonicalize → decide → resolve → vet → connect → audit.
+The early hooks (`http_connect`, `requestheaders`, `tls_clienthello`, `next_layer`) give the sandbox a clear
+answer; `server_connect` is the one enforcement point that every upstream connection passes, whatever the
+mode or layer, so it decides again from scratch and pins the vetted address.
+
+mitmproxy logs and swallows exceptions raised by addons and lets the flow go on (fail open). Every hook here
+therefore runs under `_fail_closed`, which turns any fault into a denial.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import ipaddress
+import json
+import logging
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from mitmproxy import connection, http
+from mitmproxy.proxy import layer, layers
+from mitmproxy.proxy.server_hooks import ServerConnectionHookData
+from mitmproxy.tls import ClientHelloData
+
+from airlock.dns.upstream import ResolveError, Resolver
+from airlock.policy import (
+    AuditRecord,
+    Decision,
+    HostError,
+    IPAddress,
+    Policy,
+    Profile,
+    Sandbox,
+    SandboxRegistry,
+    canonical_host,
+    decide,
+    format_host_port,
+    is_ip,
+    vet,
+)
+from airlock.policy.records import Kind
+
+log = logging.getLogger("airlock.proxy")
+
+DECISION_HEADER = "X-Airlock-Decision"
+REQUEST_ID_HEADER = "X-Airlock-Request-Id"
+
+
+@dataclass
+class GatewaySettings:
+    own_addresses: frozenset[IPAddress] = frozenset()
+    connect_timeout: float = 10.0
+    max_tunnels_per_sandbox: int = 256
+
+
+@dataclass
+class _ClientState:
+    """What the gateway knows about one sandbox client connection."""
+
+    sandbox: Sandbox | None
+    tunnel: AuditRecord | None = None  # the CONNECT decision, once the sandbox asked for a tunnel
+    tunnel_decision: Decision | None = None
+    denied: str | None = None  # set once anything denied this connection: no upstream may be opened
+    # Outcomes the early hooks vetted, by the (host, port) mitmproxy will ask to connect to: the connection
+    # goes to exactly the address that was checked, and a rebinding name gets no second answer.
+    vetted: dict[tuple[str, int], Outcome] = field(default_factory=dict)
+    started: float = field(default_factory=time.monotonic)
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    decision: Decision
+    host: str  # canonical when the host was valid
+    resolved: list[str] = field(default_factory=list)
+    chosen_ip: str | None = None
+
+    def fill(self, record: AuditRecord) -> None:
+        record.host, record.resolved, record.chosen_ip = self.host, self.resolved, self.chosen_ip
+        record.decision = "allow" if self.decision.allow else "deny"
+        record.reason = self.decision.reason
+        record.rule = self.decision.rule.source if self.decision.rule else None
+
+
+class _Shared:
+    """State all hook classes read: the live policy, the sandbox registry, per-client connection state."""
+
+    def __init__(
+        self,
+        policy: Policy,
+        registry: SandboxRegistry,
+        resolver: Resolver,
+        emit: Callable[[AuditRecord], None],
+        settings: GatewaySettings,
+    ) -> None:
+        self.policy = policy
+        self.registry = registry
+        self.resolver = resolver
+        self.emit = emit
+        self.settings = settings
+        self.clients: dict[str, _ClientState] = {}
+        self.tunnels: Counter[str] = Counter()
+        self.resolved: dict[str, list[str]] = {}  # server connection id → addresses the name resolved to
+
+    def client(self, client: connection.Client) -> _ClientState:
+        state = self.clients.get(client.id)
+        if state is None:
+            state = self.clients[client.id] = _ClientState(self.registry.identify(client.peername[0]))
+        return state
+
+    def profile(self, sandbox: Sandbox) -> Profile:
+        return self.policy.profile(sandbox.profile)
+
+    async def evaluate(self, sandbox: Sandbox | None, raw_host: str, port: int) -> Outcome:
+        """The whole judgement of one upstream target: canonicalize, decide, resolve, vet, choose."""
+        if sandbox is None:
+            return Outcome(Decision(False, "connection from an address that belongs to no sandbox"), raw_host)
+        try:
+            host = _target(raw_host, port)
+        except HostError as e:
+            return Outcome(Decision(False, f"invalid host: {e}"), raw_host)
+        profile = self.profile(sandbox)
+        decision = decide(profile, host, port)
+        if not decision.allow:
+            return Outcome(decision, host)
+        if is_ip(host):
+            addresses: tuple[IPAddress, ...] = (ipaddress.ip_address(host),)
+        else:
+            try:
+                addresses = (await self.resolver.resolve(host)).addresses
+            except ResolveError as e:
+                return Outcome(Decision(False, f"resolution failed: {e}", decision.rule), host)
+        vetted = vet(profile, addresses, port, self.settings.own_addresses)
+        resolved = [str(a) for a in addresses]
+        if not vetted.allowed:
+            return Outcome(Decision(False, vetted.reason, None, decision.hint), host, resolved)
+        chosen = min(vetted.allowed, key=lambda a: a.version)  # IPv4 first: the family most often routed
+        return Outcome(decision, host, resolved, str(chosen))
+
+
+def _fail_closed(on_error: Callable[..., None]) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Run a hook; on any exception log it and apply `on_error(self, *args)`, which denies."""
+
+    def wrap(hook: Callable[..., Any]) -> Callable[..., Any]:
+        if asyncio.iscoroutinefunction(hook):
+
+            @functools.wraps(hook)
+            async def run_async(self: Any, *args: Any) -> None:
+                try:
+                    await hook(self, *args)
+                except Exception:
+                    log.exception("airlock hook %s failed: denying", hook.__name__)
+                    on_error(self, *args)
+
+            return run_async
+
+        @functools.wraps(hook)
+        def run(self: Any, *args: Any) -> None:
+            try:
+                hook(self, *args)
+            except Exception:
+                log.exception("airlock hook %s failed: denying", hook.__name__)
+                on_error(self, *args)
+
+        return run
+
+    return wrap
+
+
+def _deny_response(record: AuditRecord, hint: str | None, status: int = 403) -> http.Response:
+    body = {"decision": "deny", "reason": record.reason, "rule_hint": hint, "request_id": record.request_id}
+    return http.Response.make(
+        status,
+        json.dumps(body, indent=None).encode() + b"\n",
+        {
+            "Content-Type": "application/json",
+            DECISION_HEADER: "deny",
+            REQUEST_ID_HEADER: record.request_id,
+            "Connection": "close",
+        },
+    )
+
+
+def _target(raw_host: str, port: int) -> str:
+    """Canonical host, or HostError. Bracketed IPv6 from URLs is accepted by canonical_host."""
+    if not 1 <= port <= 65535:
+        raise HostError(f"port {port} out of range")
+    return canonical_host(raw_host)
+
+
+class SandboxIdentity:
+    """Names the sandbox behind each client connection; connections from unknown networks are refused."""
+
+    def __init__(self, shared: _Shared) -> None:
+        self.shared = shared
+
+    def _refuse(self, client: connection.Client) -> None:
+        client.error = "airlock: internal error identifying sandbox"
+
+    @_fail_closed(_refuse)
+    def client_connected(self, client: connection.Client) -> None:
+        state = self.shared.client(client)
+        if state.sandbox is None:
+            client.error = "airlock: connection from an address that belongs to no sandbox"
+            self.shared.emit(
+                AuditRecord("connect", "-", client.peername[0], "-", None, "deny", "unknown sandbox network")
+            )
+
+    def client_disconnected(self, client: connection.Client) -> None:
+        state = self.shared.clients.pop(client.id, None)
+        if state is None or state.tunnel is None:
+            return
+        self.shared.tunnels[state.tunnel.sandbox] -= 1
+        record = state.tunnel
+        record.duration_ms = round((time.monotonic() - state.started) * 1000, 1)
+        self.shared.emit(record)
+
+
+class HttpPolicy:
+    """Early answers to what the sandbox asks for (CONNECT targets, plain-HTTP requests): a denial here is a
+    403 the agent can read, and no upstream connection is ever attempted."""
+
+    def __init__(self, shared: _Shared) -> None:
+        self.shared = shared
+
+    def _deny_flow(self, flow: http.HTTPFlow) -> None:
+        self.shared.client(flow.client_conn).denied = "internal error"
+        record = AuditRecord("http", "-", flow.client_conn.peername[0], "-", None, "error", "airlock internal error")
+        self.shared.emit(record)
+        if flow.request.stream:
+            flow.kill()
+        else:
+            flow.response = _deny_response(record, None, 500)
+
+    def _record(self, flow: http.HTTPFlow, kind: Kind, state: _ClientState) -> AuditRecord:
+        request = flow.request
+        path = None if kind == "connect" else request.path.split("?", 1)[0]
+        sandbox = state.sandbox.id if state.sandbox else "-"
+        return AuditRecord(
+            kind, sandbox, flow.client_conn.peername[0], request.host, request.port, "deny", "",
+            method=request.method, path=path,
+        )  # fmt: skip
+
+    def _refuse(self, flow: http.HTTPFlow, record: AuditRecord, hint: str | None, status: int = 403) -> None:
+        self.shared.emit(record)
+        if flow.request.stream:
+            flow.kill()  # a response set here would crash a streamed request body (mitmproxy 12)
+        else:
+            flow.response = _deny_response(record, hint, status)
+
+    @_fail_closed(_deny_flow)
+    async def http_connect(self, flow: http.HTTPFlow) -> None:
+        state = self.shared.client(flow.client_conn)
+        record = self._record(flow, "connect", state)
+        outcome = await self.shared.evaluate(state.sandbox, flow.request.host, flow.request.port)
+        outcome.fill(record)
+        if not outcome.decision.allow:
+            return self._refuse(flow, record, outcome.decision.hint)
+        state.vetted[(flow.request.host, flow.request.port)] = outcome
+        assert state.sandbox is not None
+        limit = self.shared.settings.max_tunnels_per_sandbox
+        if self.shared.tunnels[state.sandbox.id] >= limit:
+            record.decision, record.reason = "deny", f"sandbox already has {limit} open tunnels"
+            return self._refuse(flow, record, None, 429)
+        self.shared.tunnels[state.sandbox.id] += 1
+        state.tunnel, state.tunnel_decision, state.started = record, outcome.decision, time.monotonic()
+
+    @_fail_closed(_deny_flow)
+    async def requestheaders(self, flow: http.HTTPFlow) -> None:
+        state = self.shared.client(flow.client_conn)
+        record = self._record(flow, "http", state)
+        if state.tunnel is not None:
+            # Requests inside a tunnel exist only if something intercepted it; airlock passes tunnels through.
+            record.reason = "HTTP request inside a tunnel"
+            return self._refuse(flow, record, None)
+        outcome = await self.shared.evaluate(state.sandbox, flow.request.host, flow.request.port)
+        outcome.fill(record)
+        if outcome.decision.allow and (mismatch := _host_header_mismatch(flow, outcome.host)):
+            record.decision, record.reason, record.rule = "deny", mismatch, None
+        if record.decision != "allow":
+            return self._refuse(flow, record, outcome.decision.hint)
+        state.vetted[(flow.request.host, flow.request.port)] = outcome
+        flow.metadata["airlock"] = record
+        flow.metadata["airlock_started"] = time.monotonic()
+
+
+def _host_header_mismatch(flow: http.HTTPFlow, host: str) -> str | None:
+    """The Host header must name exactly the target being judged: no domain fronting."""
+    port = flow.request.port
+    default_port = 443 if flow.request.scheme == "https" else 80
+    header = flow.request.host_header
+    if header is not None and not _names_target(header, host, port, default_port):
+        return f"Host header {header!r} does not match the request target {format_host_port(host, port)}"
+    return None
+
+
+def _names_target(text: str, host: str, port: int, default_port: int) -> bool:
+    """Does `host[:port]` text name this canonical host and port?"""
+    text_host, text_port = text, ""
+    if text.startswith("["):
+        text_host, _, rest = text.partition("]")
+        text_host, text_port = text_host + "]", rest.removeprefix(":")
+    elif text.count(":") == 1:
+        text_host, text_port = text.split(":")
+    try:
+        same_host = canonical_host(text_host) == host
+    except HostError:
+        return False
+    return same_host and (text_port == str(port) or (text_port == "" and port == default_port))
+
+
+class TunnelPolicy:
+    """What travels inside an allowed CONNECT tunnel: TLS whose SNI names the CONNECT host, passed through
+    untouched; anything else only where the rule says `tunnel: true`."""
+
+    def __init__(self, shared: _Shared) -> None:
+        self.shared = shared
+
+    def _deny_hello(self, data: ClientHelloData) -> None:
+        self.shared.client(data.context.client).denied = "internal error"
+        data.ignore_connection = True
+
+    def _deny_layer(self, nextlayer: layer.NextLayer) -> None:
+        self.shared.client(nextlayer.context.client).denied = "internal error"
+        nextlayer.layer = layers.TCPLayer(nextlayer.context, ignore=True)
+
+    def _deny(self, state: _ClientState, reason: str) -> None:
+        state.denied = reason
+        if state.tunnel is not None:
+            state.tunnel.decision, state.tunnel.reason = "deny", reason
+
+    @_fail_closed(_deny_hello)
+    def tls_clienthello(self, data: ClientHelloData) -> None:
+        data.ignore_connection = True  # never intercept: the sandbox's TLS goes end to end
+        state = self.shared.client(data.context.client)
+        if state.tunnel is None:
+            return self._deny(state, "TLS without an allowed CONNECT")
+        sni = data.client_hello.sni
+        expected = state.tunnel.host
+        if sni is None and is_ip(expected):
+            return None
+        try:
+            matches = sni is not None and canonical_host(sni) == expected
+        except HostError:
+            matches = False
+        if not matches:
+            self._deny(state, f"TLS SNI {sni!r} does not match CONNECT host {expected}")
+
+    @_fail_closed(_deny_layer)
+    def next_layer(self, nextlayer: layer.NextLayer) -> None:
+        state = self.shared.clients.get(nextlayer.context.client.id)
+        if state is None or state.tunnel is None or nextlayer.layer is None:
+            return
+        if isinstance(nextlayer.layer, layers.ServerTLSLayer | layers.ClientTLSLayer):
+            return  # TLS: judged in tls_clienthello
+        if not (isinstance(nextlayer.layer, layers.HttpLayer | layers.TCPLayer) and nextlayer.context.server.address):
+            return
+        if not (state.tunnel_decision and state.tunnel_decision.tunnel):
+            self._deny(state, "tunnel carries something other than TLS and no rule allows a raw tunnel")
+        nextlayer.layer = layers.TCPLayer(nextlayer.context, ignore=True)
+
+
+class PinnedConnect:
+    """The enforcement point: every upstream connection is judged again here and pinned to the vetted IP."""
+
+    def __init__(self, shared: _Shared) -> None:
+        self.shared = shared
+        self._timers: dict[str, asyncio.TimerHandle] = {}
+        self._names: dict[str, tuple[str, int]] = {}
+
+    def _refuse(self, data: ServerConnectionHookData) -> None:
+        data.server.error = "airlock: internal error while vetting the upstream"
+
+    @_fail_closed(_refuse)
+    async def server_connect(self, data: ServerConnectionHookData) -> None:
+        server, state = data.server, self.shared.client(data.client)
+        if state.denied is not None:
+            server.error = f"airlock: {state.denied}"
+            return
+        if server.address is None:
+            server.error = "airlock: no upstream address"
+            return
+        raw_host, port = server.address[0], server.address[1]
+        outcome = state.vetted.pop((raw_host, port), None) or await self.shared.evaluate(state.sandbox, raw_host, port)
+        if state.tunnel is not None:
+            outcome.fill(state.tunnel)
+        if not outcome.decision.allow or outcome.chosen_ip is None:
+            server.error = f"airlock: {outcome.decision.reason}"
+            return
+        self.shared.resolved[server.id] = outcome.resolved
+        self._names[server.id] = (raw_host, port)
+        server.address = (outcome.chosen_ip, port)
+        task = asyncio.current_task()
+        if task is not None:
+            # mitmproxy's own connect has no timeout; the hook runs in the connecting task, so cancel that.
+            self._timers[server.id] = asyncio.get_running_loop().call_later(
+                self.shared.settings.connect_timeout, task.cancel
+            )
+
+    def server_connected(self, data: ServerConnectionHookData) -> None:
+        self._cancel_timer(data)
+        # Connection reuse compares `server.address`: give it back its logical name (the peer keeps the IP),
+        # or every keep-alive request opens a new connection under mitmproxy's per-address semaphore.
+        # mitmproxy guards `address` on open connections; this write is the one it is guarding against
+        # on purpose, so go around the guard.
+        name = self._names.pop(data.server.id, None)
+        if name is not None:
+            object.__setattr__(data.server, "address", name)
+
+    def server_connect_error(self, data: ServerConnectionHookData) -> None:
+        self._cancel_timer(data)
+        self._names.pop(data.server.id, None)
+
+    def server_disconnected(self, data: ServerConnectionHookData) -> None:
+        self._cancel_timer(data)
+        self.shared.resolved.pop(data.server.id, None)
+
+    def _cancel_timer(self, data: ServerConnectionHookData) -> None:
+        timer = self._timers.pop(data.server.id, None)
+        if timer is not None:
+            timer.cancel()
+
+
+class HttpAudit:
+    """One audit line per plain-HTTP request that was allowed (denials are written where they happen)."""
+
+    def __init__(self, shared: _Shared) -> None:
+        self.shared = shared
+
+    def _finish(self, flow: http.HTTPFlow, error: str | None = None) -> None:
+        record: AuditRecord | None = flow.metadata.pop("airlock", None)
+        if record is None or record.decision != "allow":
+            return
+        started = flow.metadata.get("airlock_started", time.monotonic())
+        record.duration_ms = round((time.monotonic() - started) * 1000, 1)
+        record.bytes_in = len(flow.request.raw_content or b"")
+        if flow.response is not None:
+            record.bytes_out = len(flow.response.raw_content or b"")
+        peer = flow.server_conn.peername
+        record.chosen_ip = peer[0] if peer else None
+        record.resolved = self.shared.resolved.get(flow.server_conn.id, [])
+        if error is not None:
+            record.decision, record.reason = "error", error
+        self.shared.emit(record)
+
+    def response(self, flow: http.HTTPFlow) -> None:
+        self._finish(flow)
+
+    def error(self, flow: http.HTTPFlow) -> None:
+        self._finish(flow, flow.error.msg if flow.error else "error")
+
+
+def build_addons(
+    policy: Policy,
+    registry: SandboxRegistry,
+    resolver: Resolver,
+    emit: Callable[[AuditRecord], None],
+    settings: GatewaySettings,
+) -> tuple[_Shared, list[object]]:
+    shared = _Shared(policy, registry, resolver, emit, settings)
+    return shared, [
+        SandboxIdentity(shared),
+        HttpPolicy(shared),
+        TunnelPolicy(shared),
+        PinnedConnect(shared),
+        HttpAudit(shared),
+    ]

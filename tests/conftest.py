@@ -1,0 +1,87 @@
+"""Shared pytest configuration: the privileged gate for network-namespace tests.
+
+Tests that need root, `ip netns` and `nft` carry the `netns` marker (applied automatically to everything under
+tests/e2e). Without those privileges they are skipped locally, but CI sets AIRLOCK_REQUIRE_PRIVILEGED=1 so a
+missing privilege becomes a failure instead of a silently green run.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import secrets
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+E2E_DIR = Path(__file__).parent / "e2e"
+REQUIRE_ENV = "AIRLOCK_REQUIRE_PRIVILEGED"
+
+
+def _run(argv: list[str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(argv, capture_output=True, text=True, timeout=15, check=False)
+
+
+@functools.cache
+def privilege_problem() -> str | None:
+    """Why namespace tests cannot run here, or None when they can (probed once per process)."""
+    if os.geteuid() != 0:
+        return "not running as root"
+    for tool in ("ip", "nft"):
+        if shutil.which(tool) is None:
+            return f"`{tool}` not found on PATH"
+    # A real probe: create a throwaway namespace and list nftables inside it, so a missing capability,
+    # a seccomp filter or a kernel without nf_tables shows up here rather than as a confusing test error.
+    probe = f"alprobe{secrets.token_hex(3)}"
+    try:
+        created = _run(["ip", "netns", "add", probe])
+        if created.returncode != 0:
+            return f"`ip netns add` failed: {created.stderr.strip()}"
+        nft = _run(["ip", "netns", "exec", probe, "nft", "list", "ruleset"])
+        if nft.returncode != 0:
+            return f"`nft` unusable inside a namespace: {nft.stderr.strip()}"
+    finally:
+        _run(["ip", "netns", "delete", probe])  # also clears a half-made probe; the name is unique to us
+    return None
+
+
+def require_privileged() -> None:
+    """Skip (or, under AIRLOCK_REQUIRE_PRIVILEGED=1, fail) unless namespace tests can run."""
+    problem = privilege_problem()
+    if problem is None:
+        return
+    if os.environ.get(REQUIRE_ENV) == "1":
+        pytest.fail(f"privileged e2e tests required ({REQUIRE_ENV}=1) but cannot run: {problem}", pytrace=False)
+    pytest.skip(f"needs root + ip netns + nft: {problem}")
+
+
+@pytest.fixture(scope="session")
+def privileged() -> None:
+    """Fixture form of require_privileged() for fixtures that build namespaces."""
+    require_privileged()
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if E2E_DIR in item.path.parents:
+            item.add_marker(pytest.mark.netns)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    # Gate before any fixture runs, so an unprivileged run never starts building namespaces.
+    if item.get_closest_marker("netns") is not None:
+        require_privileged()
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    # Under CI nothing may be skipped, whatever the reason: a skip there is a test that did not run.
+    if os.environ.get(REQUIRE_ENV) != "1" or exitstatus != 0:
+        return
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    skipped = len(reporter.stats.get("skipped", [])) if reporter else 0
+    if skipped:
+        print(f"\n{REQUIRE_ENV}=1: {skipped} test(s) skipped; failing the run")
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED

@@ -1,0 +1,503 @@
+"""The fake internet: HTTP/HTTPS/TCP upstreams and an authoritative DNS server that count what reaches them.
+
+Run inside the `<prefix>-net` namespace (see topology.FakeNet):
+
+    python fakenet.py --control /path/ctl.sock --cert leaf.crt --key leaf.key --zone-default-ttl 0
+
+Every TCP listener binds 0.0.0.0, so each fake-internet address answers on every port; a connection is
+attributed to the address it was *sent to* (getsockname), which is what lets a denial test assert
+"203.0.113.66:443 saw zero connections". The control socket is a filesystem unix socket, reachable from the host
+namespace, speaking one JSON object per line: {"cmd": "ping" | "stats" | "reset"}. Prints READY on stdout once
+everything is bound.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import ssl
+import sys
+import threading
+import traceback
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+from urllib.parse import parse_qs, urlsplit
+
+from dnslib import AAAA, CNAME, NS, QTYPE, RCODE, RR, SOA, TXT, A, DNSRecord
+from dnslib.server import BaseResolver, DNSHandler, DNSLogger, DNSServer
+
+HTTP_PORTS = (80, 8080)
+HTTPS_PORTS = (443, 8443)
+ECHO_PORT = 22
+CANARY_PORT = 9999
+DNS_ADDR = "192.0.2.53"
+IDLE_TIMEOUT = 60.0
+MAX_LOG = 10_000  # per list; counters stay exact, only the detailed logs are capped
+CHUNK = 64 * 1024
+
+REBIND_NAME = "rebind.allowed.test"
+REBIND_PUBLIC, REBIND_INTERNAL = "192.0.2.10", "10.1.2.3"
+WILDCARD_PARENT = "allowed.test"
+WILDCARD_IP = "192.0.2.10"
+
+# name -> [(type, value)]; TTLs come from --zone-default-ttl. rebind.allowed.test is computed per query.
+ZONE: dict[str, list[tuple[str, str]]] = {
+    "test": [("NS", "ns.test")],
+    "ns.test": [("A", DNS_ADDR)],
+    "allowed.test": [("A", "192.0.2.10")],
+    "www.allowed.test": [("A", "192.0.2.10")],
+    "other.test": [("A", "198.51.100.10")],
+    "evil.test": [("A", "203.0.113.66")],
+    "internal.allowed.test": [("A", "10.1.2.3")],
+    "loop.allowed.test": [("A", "127.0.0.1")],
+    "meta.allowed.test": [("A", "169.254.169.254")],
+    "mixed.allowed.test": [("A", "192.0.2.10"), ("A", "10.1.2.3")],
+    "cname-internal.allowed.test": [("CNAME", "internal.allowed.test")],
+    "cname-public.allowed.test": [("CNAME", "allowed.test")],
+    "svc.internal.test": [("A", "10.1.2.4")],
+    "v6.allowed.test": [("AAAA", "2001:db8::10"), ("A", "192.0.2.10")],
+    "txt.allowed.test": [("TXT", "hello")],
+}
+RDATA = {"A": A, "AAAA": AAAA, "CNAME": CNAME, "NS": NS, "TXT": TXT}
+
+
+def log(msg: str) -> None:
+    print(f"fakenet: {msg}", file=sys.stderr, flush=True)
+
+
+def _key(addr: tuple[Any, ...]) -> str:
+    return f"{addr[0]}:{addr[1]}"
+
+
+@dataclass
+class Stats:
+    """All counters, shared by the asyncio loop and dnslib's server threads (hence the lock)."""
+
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    connections: Counter[str] = field(default_factory=Counter)
+    bytes_in: Counter[str] = field(default_factory=Counter)
+    dns: Counter[str] = field(default_factory=Counter)
+    dns_typed: Counter[str] = field(default_factory=Counter)
+    rebind: Counter[str] = field(default_factory=Counter)
+    logs: dict[str, list[Any]] = field(default_factory=dict)
+    dropped: Counter[str] = field(default_factory=Counter)
+
+    def _append(self, name: str, item: Any) -> None:
+        entries = self.logs.setdefault(name, [])
+        if len(entries) < MAX_LOG:
+            entries.append(item)
+        else:
+            self.dropped[name] += 1
+
+    def accepted(self, dst: str, client: str) -> None:
+        with self.lock:
+            self.connections[dst] += 1
+            self._append("accepts", {"dst": dst, "client": client})
+
+    def received(self, dst: str, n: int) -> None:
+        with self.lock:
+            self.bytes_in[dst] += n
+
+    def record(self, name: str, item: Any) -> None:
+        with self.lock:
+            self._append(name, item)
+
+    def dns_query(self, qname: str, qtype: str, proto: str, client: str) -> int:
+        """Count one query; returns how many A/ANY queries this name has had (drives the rebinding answer)."""
+        with self.lock:
+            self.dns[qname] += 1
+            self.dns_typed[f"{qname} {qtype}"] += 1
+            self._append("dns_log", {"qname": qname, "qtype": qtype, "proto": proto, "client": client})
+            if qtype in ("A", "ANY"):
+                self.rebind[qname] += 1
+            return self.rebind[qname]
+
+    def snapshot(self) -> dict[str, Any]:
+        with self.lock:
+            return {
+                "connections": dict(self.connections),
+                "bytes_in": dict(self.bytes_in),
+                "dns": dict(self.dns),
+                "dns_typed": dict(self.dns_typed),
+                "dns_log": list(self.logs.get("dns_log", [])),
+                "accepts": list(self.logs.get("accepts", [])),
+                "sni": list(self.logs.get("sni", [])),
+                "tls": list(self.logs.get("tls", [])),
+                "http": list(self.logs.get("http", [])),
+                "dropped": dict(self.dropped),
+            }
+
+    def reset(self) -> None:
+        with self.lock:
+            for counter in (
+                self.connections,
+                self.bytes_in,
+                self.dns,
+                self.dns_typed,
+                self.rebind,
+                self.dropped,
+            ):
+                counter.clear()
+            self.logs.clear()
+
+
+# --------------------------------------------------------------------------------------------------- DNS
+
+
+class ZoneResolver(BaseResolver):
+    def __init__(self, stats: Stats, ttl: int) -> None:
+        self.stats = stats
+        self.ttl = ttl
+
+    def resolve(self, request: DNSRecord, handler: DNSHandler) -> DNSRecord:
+        reply = request.reply()  # authoritative answer, question echoed with the client's case
+        qname = str(request.q.qname).rstrip(".").lower()
+        qtype = QTYPE.get(request.q.qtype, str(request.q.qtype))
+        nth = self.stats.dns_query(qname, qtype, handler.protocol, handler.client_address[0])
+        records = self._records(qname, nth)
+        if records is None:
+            reply.header.rcode = RCODE.NXDOMAIN
+        else:
+            for rr in self._answer(request.q.qname, qtype, records):
+                reply.add_answer(rr)
+        if not reply.rr:
+            reply.add_auth(self._soa())
+        return reply
+
+    def _records(self, name: str, nth: int) -> list[tuple[str, str, int]] | None:
+        """The name's records as (type, value, ttl); [] = exists without data (NODATA); None = NXDOMAIN."""
+        if name == REBIND_NAME:
+            # Odd A queries get the public address, even ones the internal one; TTL 0 so nothing caches it.
+            return [("A", REBIND_PUBLIC if nth % 2 == 1 else REBIND_INTERNAL, 0)]
+        if name in ZONE:
+            return [(rtype, value, self.ttl) for rtype, value in ZONE[name]]
+        if name.endswith("." + WILDCARD_PARENT):
+            return [("A", WILDCARD_IP, self.ttl)]  # so exfil-style names resolve like a real wildcard zone
+        if any(known.endswith("." + name) for known in ZONE):
+            return []  # empty non-terminal, e.g. internal.test: NODATA, not NXDOMAIN
+        return None
+
+    def _answer(self, owner: Any, qtype: str, records: list[tuple[str, str, int]]) -> list[RR]:
+        cname = next(((value, ttl) for rtype, value, ttl in records if rtype == "CNAME"), None)
+        if cname is None or qtype in ("CNAME", "ANY"):
+            return [self._rr(owner, t, v, ttl) for t, v, ttl in records if qtype in (t, "ANY")]
+        # Chase the in-zone CNAME into the same answer, as an authoritative server does (one level suffices here).
+        target, ttl = cname
+        chased = [self._rr(target, t, v, t_ttl) for t, v, t_ttl in self._records(target, nth=1) or [] if t == qtype]
+        return [self._rr(owner, "CNAME", target, ttl), *chased]
+
+    @staticmethod
+    def _rr(owner: Any, rtype: str, value: str, ttl: int) -> RR:
+        return RR(owner, getattr(QTYPE, rtype), rdata=RDATA[rtype](value), ttl=ttl)
+
+    def _soa(self) -> RR:
+        return RR("test", QTYPE.SOA, rdata=SOA("ns.test", "hostmaster.test", (1, 3600, 600, 86400, 0)), ttl=self.ttl)
+
+
+def start_dns(stats: Stats, address: str, ttl: int) -> list[DNSServer]:
+    resolver = ZoneResolver(stats, ttl)
+    logger = DNSLogger("error", prefix=False, logf=log)
+    servers = [DNSServer(resolver, address=address, port=53, tcp=tcp, logger=logger) for tcp in (False, True)]
+    for server in servers:
+        server.start_thread()
+    return servers
+
+
+# --------------------------------------------------------------------------------------------------- TCP
+
+
+@dataclass
+class Conn:
+    """One accepted connection; reads go through here so every received byte is counted against `dst`."""
+
+    reader: asyncio.StreamReader
+    writer: asyncio.StreamWriter
+    stats: Stats
+    dst: str
+    client: str
+    tls: bool = False
+    sni: str | None = None
+
+    def _count(self, data: bytes) -> bytes:
+        if data:
+            self.stats.received(self.dst, len(data))
+        return data
+
+    async def read(self, n: int = CHUNK) -> bytes:
+        return self._count(await asyncio.wait_for(self.reader.read(n), IDLE_TIMEOUT))
+
+    async def readuntil(self, sep: bytes) -> bytes:
+        return self._count(await asyncio.wait_for(self.reader.readuntil(sep), IDLE_TIMEOUT))
+
+    async def readexactly(self, n: int) -> bytes:
+        return self._count(await asyncio.wait_for(self.reader.readexactly(n), IDLE_TIMEOUT))
+
+    async def send(self, data: bytes) -> None:
+        self.writer.write(data)
+        await self.writer.drain()
+
+
+Handler = Any  # Callable[[Conn], Awaitable[None]]; kept loose to avoid typing noise in a test helper
+
+
+async def guarded(handler: Handler, stats: Stats, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    """Count the connection, run the handler, and never let one bad client disturb the listener."""
+    dst, client = _key(writer.get_extra_info("sockname")), writer.get_extra_info("peername")[0]
+    stats.accepted(dst, client)
+    conn = Conn(reader, writer, stats, dst, client)
+    try:
+        await handler(conn)
+    except (ConnectionError, TimeoutError, asyncio.IncompleteReadError, ssl.SSLError) as exc:
+        log(f"{dst} from {client}: {type(exc).__name__}: {exc}")
+    except Exception:
+        log(f"{dst} from {client}: unexpected error\n{traceback.format_exc()}")
+    finally:
+        writer.close()
+        with contextlib.suppress(Exception):
+            await writer.wait_closed()
+
+
+async def echo(conn: Conn) -> None:
+    while data := await conn.read():
+        await conn.send(data)
+
+
+async def canary(conn: Conn) -> None:
+    await conn.send(b"canary\n")
+
+
+# --------------------------------------------------------------------------------------------------- HTTP
+
+
+@dataclass
+class Request:
+    method: str
+    target: str
+    version: str
+    headers: list[tuple[str, str]]
+
+    def header(self, name: str) -> str | None:
+        name = name.lower()
+        return next((v for k, v in self.headers if k.lower() == name), None)
+
+    @property
+    def keep_alive(self) -> bool:
+        connection = (self.header("connection") or "").lower()
+        if self.version == "HTTP/1.0":
+            return "keep-alive" in connection
+        return "close" not in connection
+
+
+def parse_head(head: bytes) -> Request | None:
+    lines = head.decode("latin-1").split("\r\n")
+    parts = lines[0].split(" ")
+    if len(parts) != 3 or not parts[2].startswith("HTTP/1."):
+        return None
+    headers = []
+    for line in lines[1:]:
+        if not line:
+            continue
+        name, sep, value = line.partition(":")
+        if not sep:
+            return None
+        headers.append((name.strip(), value.strip()))
+    return Request(parts[0], parts[1], parts[2], headers)
+
+
+async def read_body(conn: Conn, req: Request) -> int:
+    """Consume the request body (Content-Length or chunked); returns its size."""
+    if "chunked" in (req.header("transfer-encoding") or "").lower():
+        total = 0
+        while True:
+            size = int((await conn.readuntil(b"\r\n")).split(b";")[0].strip(), 16)
+            if size == 0:
+                while (await conn.readuntil(b"\r\n")) != b"\r\n":  # trailers
+                    pass
+                return total
+            await conn.readexactly(size + 2)
+            total += size
+    remaining = int(req.header("content-length") or 0)
+    total = remaining
+    while remaining:
+        remaining -= len(await conn.readexactly(min(remaining, CHUNK)))
+    return total
+
+
+def response_head(status: str, length: int, keep_alive: bool, content_type: str = "text/plain") -> bytes:
+    return (
+        f"HTTP/1.1 {status}\r\nContent-Type: {content_type}\r\nContent-Length: {length}\r\n"
+        f"Connection: {'keep-alive' if keep_alive else 'close'}\r\n\r\n"
+    ).encode()
+
+
+async def respond(conn: Conn, req: Request) -> None:
+    url = urlsplit(req.target)
+    query = parse_qs(url.query)
+    send_body = req.method != "HEAD"
+    if url.path == "/slow":
+        await asyncio.sleep(min(float(query.get("s", ["1"])[0]), 300.0))
+    if url.path == "/big":
+        size = int(query.get("n", ["0"])[0])
+        await conn.send(response_head("200 OK", size, req.keep_alive, "application/octet-stream"))
+        block = b"x" * CHUNK
+        while send_body and size > 0:
+            await conn.send(block[: min(size, CHUNK)])
+            size -= CHUNK
+        return
+    if url.path == "/headers":
+        body = json.dumps(req.headers).encode()
+        content_type = "application/json"
+    else:
+        body = f"fakenet {conn.dst} host={req.header('host') or ''} path={req.target}\n".encode()
+        content_type = "text/plain"
+    await conn.send(response_head("200 OK", len(body), req.keep_alive, content_type) + (body if send_body else b""))
+
+
+async def http(conn: Conn) -> None:
+    while True:
+        try:
+            head = await conn.readuntil(b"\r\n\r\n")
+        except asyncio.IncompleteReadError as exc:
+            if exc.partial:
+                log(f"{conn.dst}: client closed mid-request ({len(exc.partial)} bytes)")
+            return
+        except asyncio.LimitOverrunError:
+            await conn.send(response_head("431 Request Header Fields Too Large", 0, False))
+            return
+        req = parse_head(head)
+        if req is None:
+            await conn.send(response_head("400 Bad Request", 0, False))
+            return
+        if (req.header("expect") or "").lower() == "100-continue":
+            await conn.send(b"HTTP/1.1 100 Continue\r\n\r\n")
+        try:
+            body_bytes = await read_body(conn, req)
+        except ValueError:  # malformed Content-Length or chunk size
+            await conn.send(response_head("400 Bad Request", 0, False))
+            return
+        conn.stats.record(
+            "http",
+            {
+                "dst": conn.dst,
+                "client": conn.client,
+                "tls": conn.tls,
+                "sni": conn.sni,
+                "method": req.method,
+                "target": req.target,
+                "line": f"{req.method} {req.target} {req.version}",
+                "host": req.header("host"),
+                "headers": req.headers,
+                "body_bytes": body_bytes,
+            },
+        )
+        await respond(conn, req)
+        if not req.keep_alive:
+            return
+
+
+def make_tls_context(cert: Path, key: Path, stats: Stats) -> ssl.SSLContext:
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    ctx.load_cert_chain(cert, key)
+    ctx.set_alpn_protocols(["http/1.1"])  # fakenet speaks HTTP/1.1 only
+
+    def on_sni(sslobj: ssl.SSLObject, name: str | None, _ctx: ssl.SSLContext) -> None:
+        # Recorded at handshake time so a handshake that later fails still shows what the client asked for.
+        stats.record("sni", name)
+        sslobj.fakenet_sni = name  # type: ignore[attr-defined]
+
+    ctx.sni_callback = on_sni
+    return ctx
+
+
+def https(ctx: ssl.SSLContext) -> Handler:
+    async def handler(conn: Conn) -> None:
+        # Plain accept, then start_tls (not start_server(ssl=...)): failed handshakes still get counted.
+        await conn.writer.start_tls(ctx, ssl_handshake_timeout=10)
+        conn.tls = True
+        conn.sni = getattr(conn.writer.get_extra_info("ssl_object"), "fakenet_sni", None)
+        conn.stats.record("tls", {"dst": conn.dst, "client": conn.client, "sni": conn.sni})
+        await http(conn)
+
+    return handler
+
+
+# --------------------------------------------------------------------------------------------------- control
+
+
+async def control(stats: Stats, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    try:
+        while line := await reader.readline():
+            try:
+                cmd = json.loads(line).get("cmd")
+                if cmd == "stats":
+                    answer: dict[str, Any] = stats.snapshot()
+                elif cmd == "reset":
+                    stats.reset()
+                    answer = {"ok": True}
+                elif cmd == "ping":
+                    answer = {"ok": True, "pid": os.getpid()}
+                else:
+                    answer = {"error": f"unknown command {cmd!r}"}
+            except (ValueError, AttributeError) as exc:
+                answer = {"error": f"bad request: {exc}"}
+            writer.write(json.dumps(answer).encode() + b"\n")
+            await writer.drain()
+    except Exception:
+        log(f"control: {traceback.format_exc()}")
+    finally:
+        writer.close()
+
+
+# --------------------------------------------------------------------------------------------------- main
+
+
+async def serve(args: argparse.Namespace) -> None:
+    stats = Stats()
+    tls = https(make_tls_context(args.cert, args.key, stats))
+    handlers: list[tuple[int, Handler]] = [(p, http) for p in HTTP_PORTS] + [(p, tls) for p in HTTPS_PORTS]
+    handlers += [(ECHO_PORT, echo), (CANARY_PORT, canary)]
+    servers = []
+    for port, handler in handlers:
+
+        async def on_client(r: asyncio.StreamReader, w: asyncio.StreamWriter, h: Handler = handler) -> None:
+            await guarded(h, stats, r, w)
+
+        servers.append(await asyncio.start_server(on_client, args.bind, port, reuse_address=True))
+    dns_servers = start_dns(stats, args.dns_addr, args.zone_default_ttl)
+    args.control.unlink(missing_ok=True)
+    servers.append(await asyncio.start_unix_server(lambda r, w: control(stats, r, w), str(args.control)))
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    print("READY", flush=True)
+    await stop.wait()
+
+    for server in servers:
+        server.close()
+    for dns_server in dns_servers:
+        dns_server.stop()
+        dns_server.server.server_close()
+    args.control.unlink(missing_ok=True)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--control", type=Path, required=True, help="unix socket path for the JSON control API")
+    parser.add_argument("--cert", type=Path, required=True, help="leaf certificate (PEM) for the TLS ports")
+    parser.add_argument("--key", type=Path, required=True, help="leaf private key (PEM)")
+    parser.add_argument("--zone-default-ttl", type=int, default=0, help="TTL of zone records (rebind is always 0)")
+    parser.add_argument("--bind", default="0.0.0.0", help="address of the TCP listeners")
+    parser.add_argument("--dns-addr", default=DNS_ADDR, help="address of the authoritative DNS server")
+    asyncio.run(serve(parser.parse_args(argv)))
+
+
+if __name__ == "__main__":
+    main()

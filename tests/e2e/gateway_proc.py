@@ -1,0 +1,80 @@
+"""The gateway under test, as a real `airlock gateway` process inside the topology's gateway namespace."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from topology import DNS_SERVER, GW_IP, SBX_IP, Topology
+
+AIRLOCK = str(Path(sys.executable).parent / "airlock")
+POLICIES = Path(__file__).parent / "policies"
+E2E_POLICY = POLICIES / "e2e.yaml"
+PROXY = (GW_IP, 3128)
+
+
+class GatewayProcess:
+    def __init__(self, topology: Topology, workdir: Path, policy: Path = E2E_POLICY, extra: tuple[str, ...] = ()):
+        self.topology = topology
+        self.workdir = workdir
+        self.policy = policy
+        self.extra = extra
+        self.audit_path = workdir / "audit.jsonl"
+        self.log_path = workdir / "gateway.log"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def argv(self) -> list[str]:
+        return [
+            AIRLOCK, "gateway", "--policy", str(self.policy), "--listen", GW_IP,
+            "--upstream-dns", DNS_SERVER, "--audit", str(self.audit_path), "--sandbox", f"sbx={SBX_IP}/32",
+            *self.extra,
+        ]  # fmt: skip
+
+    def start(self, timeout: float = 30) -> GatewayProcess:
+        self.audit_path.unlink(missing_ok=True)
+        log = self.log_path.open("wb")
+        self.proc = self.topology.popen(self.topology.gw, self.argv(), stdout=log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if "proxy on" in self.log():
+                return self
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"gateway exited with {self.proc.returncode}:\n{self.log()}")
+            time.sleep(0.05)
+        raise RuntimeError(f"gateway did not start in {timeout}s:\n{self.log()}")
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 15) -> int | None:
+        if self.proc is None or self.proc.poll() is not None:
+            return self.proc.returncode if self.proc else None
+        self.proc.send_signal(sig)
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+            raise AssertionError(f"gateway ignored signal {sig} for {timeout}s") from None
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def audit(self) -> list[dict[str, Any]]:
+        if not self.audit_path.exists():
+            return []
+        return [json.loads(line) for line in self.audit_path.read_text().splitlines() if line.strip()]
+
+    def audit_for(self, request_id: str | None = None, host: str | None = None, wait: float = 3) -> list[dict]:
+        """Audit records matching the request id or host; waits briefly since tunnels are logged at close."""
+        deadline = time.monotonic() + wait
+        while True:
+            found = [
+                r for r in self.audit()
+                if (request_id is None or r["request_id"] == request_id) and (host is None or r["host"] == host)
+            ]  # fmt: skip
+            if found or time.monotonic() > deadline:
+                return found
+            time.sleep(0.05)

@@ -1,0 +1,164 @@
+"""Clients that act from inside a test namespace, for what curl cannot express (forged SNI, Host fronting,
+keep-alive counts, many concurrent tunnels).
+
+A network namespace is per thread: `in_netns` runs a function in a fresh thread that has joined the namespace,
+so sockets it opens live there, while the test itself stays in the host namespace.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import socket
+import ssl
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+
+def in_netns[T](ns: str, fn: Callable[..., T], *args: Any) -> T:
+    box: dict[str, Any] = {}
+
+    def target() -> None:
+        fd = os.open(f"/run/netns/{ns}", os.O_RDONLY)
+        try:
+            os.setns(fd, os.CLONE_NEWNET)
+        finally:
+            os.close(fd)
+        try:
+            box["value"] = fn(*args)
+        except BaseException as e:  # re-raised in the caller's thread
+            box["error"] = e
+
+    thread = threading.Thread(target=target, name=f"in-{ns}")
+    thread.start()
+    thread.join()
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
+
+
+@dataclass
+class Reply:
+    status: int
+    headers: dict[str, str]
+    body: bytes = b""
+    error: str | None = None  # set when the connection failed or was closed instead of answered
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def json(self) -> Any:
+        return json.loads(self.body)
+
+
+def proxy_http(proxy: tuple[str, int], url: str, headers: dict[str, str] | None = None, timeout: float = 10) -> Reply:
+    """One plain-HTTP request in absolute form through the proxy, with exactly the headers given."""
+    conn = http.client.HTTPConnection(*proxy, timeout=timeout)
+    try:
+        conn.putrequest("GET", url, skip_host=headers is not None and "Host" in headers, skip_accept_encoding=True)
+        for name, value in (headers or {}).items():
+            conn.putheader(name, value)
+        conn.endheaders()
+        response = conn.getresponse()
+        return Reply(response.status, dict(response.getheaders()), response.read())
+    except (OSError, http.client.HTTPException) as e:
+        return Reply(0, {}, error=f"{type(e).__name__}: {e}")
+    finally:
+        conn.close()
+
+
+def connect_tunnel(proxy: tuple[str, int], target: str, timeout: float = 10) -> tuple[socket.socket | None, Reply]:
+    """Send CONNECT target; return the open socket when the proxy said 2xx, and the proxy's reply."""
+    sock = socket.create_connection(proxy, timeout=timeout)
+    sock.sendall(f"CONNECT {target} HTTP/1.1\r\nHost: {target}\r\n\r\n".encode())
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = sock.recv(4096)
+        if not chunk:
+            sock.close()
+            return None, Reply(0, {}, error="closed before CONNECT reply")
+        data += chunk
+    head, _, rest = data.partition(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    status = int(lines[0].split()[1])
+    headers = dict(line.split(": ", 1) for line in lines[1:] if ": " in line)
+    if 200 <= status < 300:
+        return sock, Reply(status, headers)
+    length = int(headers.get("Content-Length", "0"))
+    while len(rest) < length:
+        chunk = sock.recv(4096)
+        if not chunk:
+            break
+        rest += chunk
+    sock.close()
+    return None, Reply(status, headers, rest)
+
+
+def tls_get(
+    proxy: tuple[str, int],
+    target: str,
+    sni: str | None,
+    ca_file: str,
+    path: str = "/",
+    host_header: str | None = None,
+    timeout: float = 10,
+) -> Reply:
+    """CONNECT to target, TLS with the given SNI (None: no SNI), GET path. Verification is against ca_file."""
+    sock, reply = connect_tunnel(proxy, target, timeout)
+    if sock is None:
+        return reply
+    context = ssl.create_default_context(cafile=ca_file)
+    if sni is None:
+        context.check_hostname = False
+    try:
+        with context.wrap_socket(sock, server_hostname=sni) as tls:
+            host = host_header or (sni or target.rsplit(":", 1)[0])
+            tls.sendall(f"GET {path} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n".encode())
+            data = b""
+            while chunk := tls.recv(65536):
+                data += chunk
+    except (OSError, ssl.SSLError) as e:
+        return Reply(0, {}, error=f"{type(e).__name__}: {e}", extra={"connect_status": reply.status})
+    head, _, body = data.partition(b"\r\n\r\n")
+    status = int(head.split(b" ", 2)[1]) if head else 0
+    return Reply(status, {}, body, extra={"connect_status": reply.status})
+
+
+def tcp_probe(address: tuple[str, int], timeout: float = 3, payload: bytes = b"") -> str:
+    """'refused', 'timeout', 'unreachable' or 'open:<first bytes>' for a direct TCP connection attempt."""
+    try:
+        with socket.create_connection(address, timeout=timeout) as sock:
+            if payload:
+                sock.sendall(payload)
+            sock.settimeout(timeout)
+            try:
+                return "open:" + sock.recv(64).decode("latin-1")
+            except TimeoutError:
+                return "open:"
+    except ConnectionRefusedError:
+        return "refused"
+    except TimeoutError:
+        return "timeout"
+    except OSError as e:
+        return f"unreachable:{e.errno}"
+
+
+def raw_request(proxy: tuple[str, int], data: bytes, timeout: float = 5) -> Reply:
+    """Send bytes as they are (hostile request lines included) and parse whatever status comes back."""
+    with socket.create_connection(proxy, timeout=timeout) as sock:
+        sock.sendall(data)
+        received = b""
+        try:
+            while chunk := sock.recv(65536):
+                received += chunk
+                if b"\r\n\r\n" in received and b"Connection: close" not in received:
+                    break
+        except (TimeoutError, ConnectionResetError):
+            pass
+    if not received.startswith(b"HTTP/"):
+        return Reply(0, {}, received, error="no HTTP reply")
+    head, _, body = received.partition(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    headers = dict(line.split(": ", 1) for line in lines[1:] if ": " in line)
+    return Reply(int(lines[0].split()[1]), headers, body)

@@ -1,0 +1,314 @@
+"""The gateway as a process and a fence: lifecycle, limits, faults, audit. Real namespaces, real mitmproxy."""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import os
+import signal
+import socket
+import ssl
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from airlock.dns.upstream import ResolverUnavailable
+from airlock.gateway import Gateway, GatewayConfig
+from airlock.policy import Sandbox, load_policy
+from airlock.proxy.addon import HttpPolicy
+
+from gateway_proc import AIRLOCK, E2E_POLICY, PROXY
+from netclient import in_netns, proxy_http, tcp_probe, tls_get
+from testca import TestCA
+from topology import DNS_SERVER, GW_IP, SBX_IP, FakeNet, Topology
+
+ALLOWED_IP = "192.0.2.10"
+AUDIT_FIELDS = {
+    "ts", "request_id", "sandbox", "client", "kind", "method", "host", "port", "path", "resolved", "chosen_ip",
+    "decision", "reason", "rule", "bytes_in", "bytes_out", "duration_ms",
+}  # fmt: skip
+
+
+def test_sandbox_cannot_reach_the_fake_internet_directly(topology: Topology, fakenet: FakeNet, gateway):
+    topology.assert_route_inside(topology.sbx, ALLOWED_IP)
+    direct = topology.curl(topology.sbx, "--noproxy", "*", "http://192.0.2.10/", max_time=3)
+    assert direct.returncode != 0
+    assert in_netns(topology.sbx, tcp_probe, (ALLOWED_IP, 80)).startswith("unreachable")
+    assert fakenet.total_connections() == 0
+
+
+def test_fence_stops_forwarding_even_when_the_gateway_host_routes(topology: Topology, fakenet: FakeNet, gateway):
+    # Make the gateway namespace a router and give the sandbox a route through it: only the fence remains.
+    topology.run(topology.gw, ["sysctl", "-qw", "net.ipv4.ip_forward=1"])
+    topology.run(topology.sbx, ["ip", "route", "add", "192.0.2.0/24", "via", GW_IP])
+    try:
+        topology.assert_route_inside(topology.sbx, ALLOWED_IP)
+        assert in_netns(topology.sbx, tcp_probe, (ALLOWED_IP, 80), 2) in ("timeout", "unreachable:113")
+        assert fakenet.total_connections() == 0
+    finally:
+        topology.run(topology.sbx, ["ip", "route", "del", "192.0.2.0/24", "via", GW_IP])
+        topology.run(topology.gw, ["sysctl", "-qw", "net.ipv4.ip_forward=0"])
+
+
+def test_sandbox_reaches_no_other_port_or_address_of_the_gateway(topology: Topology, fakenet: FakeNet, gateway):
+    # Canaries on the gateway host: another port on the sandbox-facing address, and the other interface.
+    canaries = [
+        topology.popen(topology.gw, ["socat", f"TCP-LISTEN:{port},bind={ip},fork,reuseaddr", "SYSTEM:echo canary"])
+        for ip, port in ((GW_IP, 9999), ("10.253.0.1", 3128), ("0.0.0.0", 8081))
+    ]
+    try:
+        time.sleep(0.5)
+        assert topology.run(topology.gw, ["curl", "-s", "telnet://10.253.0.1:3128", "--max-time", "2"]).stdout
+        for target in ((GW_IP, 9999), (GW_IP, 8081), ("10.253.0.1", 3128), ("10.253.0.1", 8081)):
+            result = in_netns(topology.sbx, tcp_probe, target, 2)
+            assert not result.startswith("open"), (target, result)
+        assert in_netns(topology.sbx, tcp_probe, PROXY, 2).startswith("open")  # the one door
+    finally:
+        for canary in canaries:
+            canary.kill()
+            canary.wait()
+
+
+def test_killed_gateway_leaves_the_sandbox_without_network(topology: Topology, fakenet: FakeNet, own_gateway):
+    gw = own_gateway()
+    assert in_netns(topology.sbx, proxy_http, PROXY, "http://allowed.test/").status == 200
+    fakenet.reset()
+    gw.stop(signal.SIGKILL)
+    assert in_netns(topology.sbx, proxy_http, PROXY, "http://allowed.test/", None, 3).error
+    assert topology.curl(topology.sbx, "--noproxy", "*", "http://192.0.2.10/", max_time=3).returncode != 0
+    assert fakenet.total_connections() == 0
+
+
+def test_sigterm_stops_cleanly_and_frees_the_port(topology: Topology, fakenet: FakeNet, own_gateway):
+    gw = own_gateway()
+    assert gw.stop(signal.SIGTERM) == 0
+    assert in_netns(topology.sbx, tcp_probe, PROXY, 2) == "refused"
+    again = own_gateway()  # the same address and port bind again at once
+    assert in_netns(topology.sbx, proxy_http, PROXY, "http://allowed.test/").status == 200
+    assert again.stop(signal.SIGTERM) == 0
+
+
+def test_bad_policy_refuses_to_start_with_file_and_line(topology: Topology, tmp_path: Path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("version: 1\nprofiles:\n  default:\n    allow:\n      - host: '*.com'\n")
+    result = topology.run(topology.gw, [AIRLOCK, "gateway", "--policy", bad, "--listen", GW_IP, "--proxy-port", "3999"])
+    assert result.returncode == 2
+    assert f"{bad}:5: " in result.stderr and "public suffix" in result.stderr
+    assert in_netns(topology.sbx, tcp_probe, (GW_IP, 3999), 2) != "open:"
+
+
+def test_sighup_with_a_bad_policy_keeps_the_running_one(topology: Topology, fakenet: FakeNet, own_gateway, tmp_path):
+    policy = tmp_path / "live.yaml"
+    policy.write_text(E2E_POLICY.read_text())
+    gw = own_gateway(policy)
+    policy.write_text("version: 1\nprofiles:\n  default:\n    allow:\n      - host: '*'\n")
+    gw.proc.send_signal(signal.SIGHUP)
+    deadline = time.monotonic() + 5
+    while "NOT reloaded" not in gw.log() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert "NOT reloaded" in gw.log() and "live.yaml:5: " in gw.log()
+    assert in_netns(topology.sbx, proxy_http, PROXY, "http://allowed.test/").status == 200
+    policy.write_text("version: 1\nprofiles:\n  default:\n    allow:\n      - host: other.test\n")
+    gw.proc.send_signal(signal.SIGHUP)
+    deadline = time.monotonic() + 5
+    while in_netns(topology.sbx, proxy_http, PROXY, "http://allowed.test/").status != 403:
+        assert time.monotonic() < deadline, gw.log()
+        time.sleep(0.1)
+
+
+def test_connect_timeout_closes_a_hanging_upstream(topology: Topology, fakenet: FakeNet, own_gateway):
+    own_gateway(extra=("--connect-timeout", "1.5"))
+    started = time.monotonic()
+    reply = in_netns(topology.sbx, proxy_http, PROXY, "http://203.0.113.99:443/", None, 20)
+    elapsed = time.monotonic() - started
+    assert reply.status == 502, reply
+    assert elapsed < 10, elapsed  # mitmproxy alone would wait for the kernel's SYN retries (minutes)
+
+
+def test_tunnel_cap_per_sandbox(topology: Topology, fakenet: FakeNet, own_gateway, test_ca: TestCA):
+    own_gateway(extra=("--max-tunnels", "2"))
+
+    def three_tunnels() -> list[int]:
+        from netclient import connect_tunnel
+
+        held, statuses = [], []
+        for _ in range(3):
+            sock, reply = connect_tunnel(PROXY, "allowed.test:443")
+            statuses.append(reply.status)
+            if sock:
+                held.append(sock)
+        for sock in held:
+            sock.close()
+        return statuses
+
+    assert in_netns(topology.sbx, three_tunnels) == [200, 200, 429]
+    time.sleep(0.5)  # closed tunnels free their slots
+    assert in_netns(topology.sbx, tls_get, PROXY, "allowed.test:443", "allowed.test", test_ca.ca_cert).status == 200
+
+
+def test_two_hundred_concurrent_tunnels_complete(topology: Topology, fakenet: FakeNet, gateway, test_ca: TestCA):
+    async def one(context: ssl.SSLContext, i: int) -> bytes:
+        reader, writer = await asyncio.open_connection(*PROXY)
+        writer.write(b"CONNECT allowed.test:443 HTTP/1.1\r\nHost: allowed.test:443\r\n\r\n")
+        head = await reader.readuntil(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 200"), head
+        await writer.start_tls(context, server_hostname="allowed.test")
+        writer.write(f"GET /c{i} HTTP/1.1\r\nHost: allowed.test\r\nConnection: close\r\n\r\n".encode())
+        body = await reader.read()
+        writer.close()
+        return body
+
+    async def all_of_them() -> list[bytes | BaseException]:
+        context = ssl.create_default_context(cafile=str(test_ca.ca_cert))
+        tasks = [one(context, i) for i in range(200)]
+        return await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 60)
+
+    results = in_netns(topology.sbx, asyncio.run, all_of_them())
+    failures = [r for r in results if isinstance(r, BaseException)]
+    assert not failures, failures[:3]
+    assert all(f"path=/c{i}".encode() in body for i, body in enumerate(results))  # type: ignore[operator]
+    assert fakenet.connections(ALLOWED_IP, 443) == 200
+
+
+def test_every_decision_writes_one_audit_line(topology: Topology, fakenet: FakeNet, own_gateway, test_ca: TestCA):
+    gw = own_gateway()
+    allowed = in_netns(topology.sbx, proxy_http, PROXY, "http://allowed.test/a?secret=1")
+    denied = in_netns(topology.sbx, proxy_http, PROXY, "http://evil.test/b")
+    tunnel = in_netns(topology.sbx, tls_get, PROXY, "allowed.test:443", "allowed.test", test_ca.ca_cert)
+    assert (allowed.status, denied.status, tunnel.status) == (200, 403, 200)
+    deadline = time.monotonic() + 5
+    while len(gw.audit()) < 3 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    records = gw.audit()
+    assert len(records) == 3, records
+    for record in records:
+        assert set(record) == AUDIT_FIELDS
+        assert record["sandbox"] == "sbx" and record["client"] == SBX_IP
+    by_kind = {(r["kind"], r["decision"]): r for r in records}
+    http_ok = by_kind[("http", "allow")]
+    assert http_ok["host"] == "allowed.test" and http_ok["path"] == "/a" and http_ok["chosen_ip"] == ALLOWED_IP
+    assert http_ok["bytes_out"] == len(allowed.body) and http_ok["rule"].endswith("e2e.yaml:6")
+    assert "secret" not in str(records)  # query strings may carry tokens: never logged
+    http_denied = by_kind[("http", "deny")]
+    assert http_denied["request_id"] == denied.json()["request_id"] and http_denied["resolved"] == []
+    connect = by_kind[("connect", "allow")]
+    assert connect["method"] == "CONNECT" and connect["port"] == 443 and connect["duration_ms"] >= 0
+
+
+def test_unknown_source_network_is_refused(topology: Topology, fakenet: FakeNet, own_gateway):
+    # The gateway knows the sandbox by its address; a sandbox that takes another address is a stranger.
+    gw = own_gateway()
+    stranger = "10.254.0.6"
+    topology.run(topology.sbx, ["ip", "addr", "add", f"{stranger}/32", "dev", topology.sbx_if])
+    topology.run(topology.gw, ["ip", "route", "add", f"{stranger}/32", "dev", topology.gw_sbx_if])
+    try:
+
+        def from_other_address() -> bytes:
+            with socket.socket() as sock:
+                sock.bind((stranger, 0))
+                sock.settimeout(5)
+                sock.connect(PROXY)
+                assert sock.getsockname()[0] == stranger
+                sock.sendall(b"GET http://allowed.test/ HTTP/1.1\r\nHost: allowed.test\r\n\r\n")
+                try:
+                    return sock.recv(100)
+                except ConnectionResetError:
+                    return b""
+
+        assert in_netns(topology.sbx, from_other_address) == b""
+        assert fakenet.total_connections() == 0
+        assert [(r["client"], r["decision"], r["reason"]) for r in gw.audit()] == [
+            (stranger, "deny", "unknown sandbox network")
+        ]
+    finally:
+        topology.run(topology.gw, ["ip", "route", "del", f"{stranger}/32", "dev", topology.gw_sbx_if])
+        topology.run(topology.sbx, ["ip", "addr", "del", f"{stranger}/32", "dev", topology.sbx_if])
+
+
+# --- faults inside the addon: a real gateway in the gw namespace, its resolver made to raise ---------------
+
+
+@pytest.fixture
+def inproc_gateway(topology: Topology, fakenet: FakeNet, own_gateway, tmp_path: Path) -> Iterator[Gateway]:
+    """A Gateway object running on its own loop in a thread that joined the gateway namespace."""
+    config = GatewayConfig(
+        policy=load_policy(E2E_POLICY),
+        listen=GW_IP,
+        sandboxes=[Sandbox("sbx", "default", ipaddress.ip_network(f"{SBX_IP}/32"))],
+        upstream_dns=[(DNS_SERVER, 53)],
+        audit_path=str(tmp_path / "audit.jsonl"),
+    )
+    ready = threading.Event()
+    stop = threading.Event()
+    box: dict[str, object] = {}
+
+    async def serve() -> None:
+        gateway = Gateway(config)
+        await gateway.start()
+        box["gateway"] = gateway
+        ready.set()
+        while not stop.is_set():
+            await asyncio.sleep(0.05)
+        await gateway.stop()
+
+    def thread() -> None:
+        fd = os.open(f"/run/netns/{topology.gw}", os.O_RDONLY)
+        os.setns(fd, os.CLONE_NEWNET)
+        os.close(fd)
+        try:
+            asyncio.run(serve())
+        except BaseException as e:
+            box["error"] = e
+            ready.set()
+
+    worker = threading.Thread(target=thread)
+    worker.start()
+    assert ready.wait(30) and "error" not in box, box.get("error")
+    try:
+        yield box["gateway"]  # type: ignore[misc]
+    finally:
+        stop.set()
+        worker.join(30)
+
+
+@pytest.mark.parametrize("fault", [RuntimeError("resolver bug"), ResolverUnavailable("upstream down")])
+def test_a_fault_inside_the_addon_denies(
+    topology: Topology, fakenet: FakeNet, inproc_gateway: Gateway, test_ca: TestCA, fault: Exception
+):
+    async def broken(name: str):
+        raise fault
+
+    inproc_gateway.resolver.resolve = broken  # type: ignore[method-assign]
+    reply = in_netns(topology.sbx, proxy_http, PROXY, "http://allowed.test/")
+    assert reply.status in (403, 500) and reply.headers.get("X-Airlock-Decision") == "deny", reply
+    tunnel = in_netns(topology.sbx, tls_get, PROXY, "allowed.test:443", "allowed.test", test_ca.ca_cert)
+    assert tunnel.status in (403, 500), tunnel
+    assert fakenet.total_connections() == 0
+
+
+@pytest.mark.parametrize("resolver_breaks", [False, True])
+def test_enforcement_point_holds_when_the_early_hooks_do_nothing(
+    topology: Topology, fakenet: FakeNet, inproc_gateway: Gateway, test_ca: TestCA, resolver_breaks: bool
+):
+    """mitmproxy swallows addon exceptions; if an early hook ever let a request through, `server_connect`
+    must still judge it. Disable the early hooks and check that it does, also when the resolver raises."""
+    for addon in inproc_gateway.addons:
+        if isinstance(addon, HttpPolicy):
+            addon.requestheaders = addon.http_connect = lambda flow: None  # type: ignore[method-assign]
+    if resolver_breaks:
+
+        async def broken(name: str):
+            raise RuntimeError("resolver bug at connect time")
+
+        inproc_gateway.resolver.resolve = broken  # type: ignore[method-assign]
+        target = "allowed.test"
+    else:
+        target = "evil.test"
+    reply = in_netns(topology.sbx, proxy_http, PROXY, f"http://{target}/")
+    assert reply.status == 502 and b"airlock" in reply.body, reply
+    tunnel = in_netns(topology.sbx, tls_get, PROXY, f"{target}:443", target, test_ca.ca_cert)
+    assert tunnel.status != 200 or tunnel.error, tunnel
+    assert fakenet.total_connections() == 0

@@ -1,0 +1,288 @@
+"""The proxy path end to end: a sandbox namespace whose only route is the gateway, a real `airlock gateway`
+(mitmproxy + addon), the fake internet counting every connection. Each denial asserts what the sandbox saw
+and that the forbidden upstream counted zero connections."""
+
+from __future__ import annotations
+
+import pytest
+
+from gateway_proc import PROXY, GatewayProcess
+from netclient import in_netns, proxy_http, raw_request, tls_get
+from testca import TestCA
+from topology import FakeNet, Topology
+
+ALLOWED_IP = "192.0.2.10"
+EVIL_IP = "203.0.113.66"
+METADATA_IP = "169.254.169.254"
+INTERNAL_IP = "10.1.2.3"
+SERVICE_IP = "10.1.2.4"
+PROXY_URL = f"http://{PROXY[0]}:{PROXY[1]}"
+
+
+def assert_denied_json(reply, reason_part: str = "") -> dict:
+    assert reply.status == 403, (reply.status, reply.error, reply.body[:300])
+    assert reply.headers.get("X-Airlock-Decision") == "deny"
+    body = reply.json()
+    assert body["decision"] == "deny" and body["request_id"] and "rule_hint" in body
+    assert reason_part in body["reason"], body
+    return body
+
+
+def test_allowed_plain_http_returns_the_real_body(topology: Topology, fakenet: FakeNet, gateway: GatewayProcess):
+    result = topology.curl(topology.sbx, "-x", PROXY_URL, "http://allowed.test/hello")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == f"fakenet {ALLOWED_IP}:80 host=allowed.test path=/hello\n"
+    assert fakenet.connections(ALLOWED_IP, 80) == 1
+
+
+def test_allowed_connect_tls_returns_the_real_body(
+    topology: Topology, fakenet: FakeNet, gateway: GatewayProcess, test_ca: TestCA
+):
+    result = topology.curl(topology.sbx, "-x", PROXY_URL, "--cacert", test_ca.ca_cert, "https://allowed.test/tls")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == f"fakenet {ALLOWED_IP}:443 host=allowed.test path=/tls\n"
+    assert fakenet.snis() == ["allowed.test"]  # the sandbox's own TLS, passed through untouched
+
+
+def test_unlisted_host_gets_403_with_reason(topology: Topology, fakenet: FakeNet, gateway: GatewayProcess):
+    reply = in_netns(topology.sbx, proxy_http, PROXY, "http://evil.test/steal")
+    body = assert_denied_json(reply, "not in the allowlist")
+    assert "evil.test" in body["rule_hint"]
+    connect = in_netns(topology.sbx, tls_get, PROXY, "evil.test:443", "evil.test", "/dev/null")
+    assert connect.status == 403
+    assert fakenet.connections(EVIL_IP, 80) == fakenet.connections(EVIL_IP, 443) == 0
+    assert fakenet.dns_queries("evil.test") == 0  # denied before any resolution
+
+
+def test_allowed_host_on_unlisted_port_is_denied(topology: Topology, fakenet: FakeNet, gateway: GatewayProcess):
+    reply = in_netns(topology.sbx, proxy_http, PROXY, "http://allowed.test:8080/")
+    assert_denied_json(reply, "port 8080")
+    connect = in_netns(topology.sbx, tls_get, PROXY, "allowed.test:8443", "allowed.test", "/dev/null")
+    assert connect.status == 403
+    assert fakenet.connections(ALLOWED_IP, 8080) == fakenet.connections(ALLOWED_IP, 8443) == 0
+
+
+ODD_SPELLINGS = [
+    "2852039166",  # 169.254.169.254 as one decimal number
+    "0xa9fea9fe",
+    "0251.0376.0251.0376",
+    "0xa9.0xfe.0xa9.0xfe",
+    "169.254.43518",
+    "[::ffff:169.254.169.254]",
+    "[::ffff:a9fe:a9fe]",
+    "[64:ff9b::a9fe:a9fe]",
+    "[2002:a9fe:a9fe::1]",
+    "2130706433",  # loopback
+    "0x7f.1",
+    "0177.0.0.1",
+    "127.1",
+    "[::1]",
+    "[::ffff:127.0.0.1]",
+    "0",
+    "100.100.100.200",
+]
+
+
+@pytest.mark.parametrize("host", ODD_SPELLINGS)
+def test_metadata_and_loopback_in_any_spelling_are_denied(
+    topology: Topology, fakenet: FakeNet, gateway: GatewayProcess, host: str
+):
+    reply = in_netns(topology.sbx, proxy_http, PROXY, f"http://{host}/latest/meta-data/")
+    assert_denied_json(reply)
+    connect = in_netns(topology.sbx, tls_get, PROXY, f"{host}:443", None, "/dev/null")
+    assert connect.status == 403, connect
+    assert fakenet.total_connections() == 0
+
+
+@pytest.mark.parametrize(
+    ("name", "blocked_ip"),
+    [("internal.allowed.test", INTERNAL_IP), ("loop.allowed.test", "127.0.0.1"), ("meta.allowed.test", METADATA_IP)],
+)
+def test_allowlisted_name_resolving_inside_is_denied(
+    topology: Topology, fakenet: FakeNet, gateway: GatewayProcess, name: str, blocked_ip: str
+):
+    reply = in_netns(topology.sbx, proxy_http, PROXY, f"http://{name}/")
+    body = assert_denied_json(reply, blocked_ip)
+    assert "every address is blocked" in body["reason"]
+    connect = in_netns(topology.sbx, tls_get, PROXY, f"{name}:443", name, "/dev/null")
+    assert connect.status == 403
+    assert fakenet.total_connections() == 0
+
+
+def test_cname_to_internal_is_denied(topology: Topology, fakenet: FakeNet, gateway: GatewayProcess):
+    reply = in_netns(topology.sbx, proxy_http, PROXY, "http://cname-internal.allowed.test/")
+    assert_denied_json(reply, INTERNAL_IP)
+    assert fakenet.total_connections() == 0
+
+
+def test_rebinding_name_never_reaches_the_internal_host(
+    topology: Topology, fakenet: FakeNet, own_gateway, test_ca: TestCA
+):
+    # No cache floor: every lookup goes upstream, so the answers alternate public/internal (TTL 0).
+    own_gateway(extra=("--dns-min-ttl", "0"))
+    statuses = []
+    for _ in range(6):
+        statuses.append(in_netns(topology.sbx, proxy_http, PROXY, "http://rebind.allowed.test/").status)
+        tls = in_netns(topology.sbx, tls_get, PROXY, "rebind.allowed.test:443", "rebind.allowed.test", test_ca.ca_cert)
+        statuses.append(tls.status)
+    assert fakenet.dns_queries("rebind.allowed.test") >= 12  # it really did rebind under us
+    # Each request is judged on one answer, used for both the decision and the connection: public → 200,
+    # internal → 403. Never a connection to the internal host.
+    assert set(statuses) == {200, 403}
+    assert fakenet.connections(INTERNAL_IP, 80) == fakenet.connections(INTERNAL_IP, 443) == 0
+
+
+def test_mixed_answer_drops_the_internal_address(topology: Topology, fakenet: FakeNet, gateway: GatewayProcess):
+    for _ in range(3):
+        result = topology.curl(topology.sbx, "-x", PROXY_URL, "http://mixed.allowed.test/")
+        assert result.returncode == 0 and result.stdout.startswith(f"fakenet {ALLOWED_IP}:80 ")
+    assert fakenet.connections(INTERNAL_IP, 80) == 0
+    record = gateway.audit_for(host="mixed.allowed.test")[-1]
+    assert record["resolved"] == [ALLOWED_IP, INTERNAL_IP] and record["chosen_ip"] == ALLOWED_IP
+
+
+def test_connect_with_mismatched_sni_is_closed(
+    topology: Topology, fakenet: FakeNet, gateway: GatewayProcess, test_ca: TestCA
+):
+    reply = in_netns(topology.sbx, tls_get, PROXY, "allowed.test:443", "evil.test", test_ca.ca_cert)
+    assert reply.error is not None and reply.extra["connect_status"] == 200, reply
+    assert fakenet.total_connections() == 0
+    record = gateway.audit_for(host="allowed.test")[-1]
+    assert record["kind"] == "connect" and record["decision"] == "deny" and "SNI" in record["reason"]
+
+
+def test_connect_without_sni_to_a_name_is_closed(
+    topology: Topology, fakenet: FakeNet, gateway: GatewayProcess, test_ca: TestCA
+):
+    reply = in_netns(topology.sbx, tls_get, PROXY, "allowed.test:443", None, test_ca.ca_cert)
+    assert reply.error is not None
+    assert fakenet.total_connections() == 0
+
+
+def test_plaintext_in_a_tls_only_tunnel_is_closed(topology: Topology, fakenet: FakeNet, gateway: GatewayProcess):
+    def plaintext_through_tunnel() -> bytes:
+        from netclient import connect_tunnel
+
+        sock, reply = connect_tunnel(PROXY, "allowed.test:443")
+        assert sock is not None, reply
+        with sock:
+            sock.sendall(b"GET / HTTP/1.1\r\nHost: allowed.test\r\n\r\n")
+            sock.settimeout(5)
+            return sock.recv(100)
+
+    assert in_netns(topology.sbx, plaintext_through_tunnel) == b""
+    assert fakenet.total_connections() == 0
+
+
+def test_raw_tunnel_only_where_a_rule_says_so(topology: Topology, fakenet: FakeNet, gateway: GatewayProcess):
+    def echo_through_tunnel() -> bytes:
+        from netclient import connect_tunnel
+
+        sock, reply = connect_tunnel(PROXY, "ssh.allowed.test:22")
+        assert sock is not None, reply
+        with sock:
+            sock.sendall(b"SSH-2.0-test\r\n")
+            sock.settimeout(5)
+            return sock.recv(100)
+
+    assert in_netns(topology.sbx, echo_through_tunnel).startswith(b"SSH-2.0-test")
+    assert fakenet.connections(ALLOWED_IP, 22) == 1
+
+
+def test_host_header_fronting_is_denied(topology: Topology, fakenet: FakeNet, gateway: GatewayProcess):
+    reply = in_netns(topology.sbx, proxy_http, PROXY, "http://allowed.test/", {"Host": "evil.test"})
+    assert_denied_json(reply, "Host header")
+    reply = in_netns(topology.sbx, proxy_http, PROXY, "http://allowed.test/", {"Host": "allowed.test:8080"})
+    assert_denied_json(reply, "Host header")
+    assert fakenet.total_connections() == 0
+    ok = in_netns(topology.sbx, proxy_http, PROXY, "http://allowed.test/", {"Host": "ALLOWED.test."})
+    assert ok.status == 200
+
+
+def test_cidr_rule_opens_the_named_internal_service_on_its_port_only(
+    topology: Topology, fakenet: FakeNet, gateway: GatewayProcess, test_ca: TestCA
+):
+    ok = in_netns(topology.sbx, tls_get, PROXY, "svc.internal.test:443", "svc.internal.test", test_ca.ca_cert)
+    assert ok.status == 200 and ok.body.startswith(f"fakenet {SERVICE_IP}:443".encode()), ok
+    denied = in_netns(topology.sbx, proxy_http, PROXY, "http://svc.internal.test/")
+    assert_denied_json(denied, SERVICE_IP)
+    assert fakenet.connections(SERVICE_IP, 443) == 1 and fakenet.connections(SERVICE_IP, 80) == 0
+
+
+@pytest.mark.parametrize("target", ["10.254.0.1:3128", "10.253.0.1:80", "0.0.0.0:3128", "127.0.0.1:3128"])
+def test_the_gateways_own_addresses_are_denied(
+    topology: Topology, fakenet: FakeNet, gateway: GatewayProcess, target: str
+):
+    reply = in_netns(topology.sbx, proxy_http, PROXY, f"http://{target}/")
+    assert_denied_json(reply)
+    connect = in_netns(topology.sbx, tls_get, PROXY, target, None, "/dev/null")
+    assert connect.status == 403
+
+
+def test_twenty_keepalive_requests_on_one_connection(topology: Topology, fakenet: FakeNet, gateway: GatewayProcess):
+    def twenty_requests() -> list[int]:
+        import http.client
+
+        conn = http.client.HTTPConnection(*PROXY, timeout=10)
+        statuses = []
+        for i in range(20):
+            conn.request("GET", f"http://allowed.test/{i}")
+            response = conn.getresponse()
+            response.read()
+            statuses.append(response.status)
+        conn.close()
+        return statuses
+
+    assert in_netns(topology.sbx, twenty_requests) == [200] * 20
+    assert fakenet.connections(ALLOWED_IP, 80) == 1  # one upstream connection, reused: the pin kept its name
+
+
+def test_public_ip_literal_needs_a_cidr_rule(topology: Topology, fakenet: FakeNet, gateway: GatewayProcess):
+    ok = in_netns(topology.sbx, proxy_http, PROXY, "http://198.51.100.10/")
+    assert ok.status == 200
+    denied = in_netns(topology.sbx, proxy_http, PROXY, f"http://{ALLOWED_IP}/")
+    assert_denied_json(denied, "no rule allows")
+    assert fakenet.connections(ALLOWED_IP, 80) == 0
+
+
+def test_deny_rule_wins(topology: Topology, fakenet: FakeNet, gateway: GatewayProcess):
+    reply = in_netns(topology.sbx, proxy_http, PROXY, "http://denied.allowed.test/")
+    body = assert_denied_json(reply, "denied by rule")
+    assert "e2e.yaml" in body["reason"]
+    assert fakenet.total_connections() == 0
+
+
+@pytest.mark.parametrize(
+    "request_line",
+    [
+        b"GET http://user:pw@evil.test@allowed.test/ HTTP/1.1",
+        b"GET http://allowed.test%00.evil.test/ HTTP/1.1",
+        b"GET http://allowed.test\x00.evil.test/ HTTP/1.1",
+        b"GET http://[fe80::1%25eth0]/ HTTP/1.1",
+        b"GET http://allowed.test:99999/ HTTP/1.1",
+        b"GET http://" + b"a" * 300 + b".allowed.test/ HTTP/1.1",
+        b"CONNECT allowed.test:443@evil.test:443 HTTP/1.1",
+        b"CONNECT [::ffff:169.254.169.254]:80 HTTP/1.1",
+    ],
+)
+def test_hostile_request_lines_are_refused(
+    topology: Topology, fakenet: FakeNet, gateway: GatewayProcess, request_line: bytes
+):
+    reply = in_netns(topology.sbx, raw_request, PROXY, request_line + b"\r\nHost: allowed.test\r\n\r\n")
+    assert reply.status in (400, 403, 502) or reply.error, reply
+    assert fakenet.total_connections() == 0
+
+
+@pytest.mark.parametrize(
+    "request_line", [b"GET /origin-form HTTP/1.1", b"GET http://allowed.test:0/port-zero HTTP/1.1"]
+)
+def test_odd_request_forms_are_judged_as_the_target_actually_used(
+    topology: Topology, fakenet: FakeNet, gateway: GatewayProcess, request_line: bytes
+):
+    # mitmproxy takes the target of an origin-form request from Host, and reads port 0 as the default port;
+    # what is judged is what is connected to, so these reach allowed.test:80 and nothing else.
+    reply = in_netns(topology.sbx, raw_request, PROXY, request_line + b"\r\nHost: allowed.test\r\n\r\n")
+    assert reply.status == 200
+    assert fakenet.stats()["connections"] == {f"{ALLOWED_IP}:80": 1}
+    denied = in_netns(topology.sbx, raw_request, PROXY, b"GET /origin-form HTTP/1.1\r\nHost: evil.test\r\n\r\n")
+    assert denied.status == 403

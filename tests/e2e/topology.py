@@ -1,0 +1,424 @@
+"""Three network namespaces that stand in for sandbox, gateway and internet, plus the fakenet client.
+
+    ns <p>-sbx --veth-- ns <p>-gw --veth-- ns <p>-net
+    10.254.0.2/30       10.254.0.1/30 | 10.253.0.1/30       10.253.0.2/30 + fake-internet addresses
+
+Safety model: every interface is created directly inside a namespace of this run (`ip -n NS link add ...
+peer ... netns OTHER`), so nothing is ever attached to the host namespace; gw only has explicit routes towards
+`net` (no default route, ip_forward=0) and sbx only has its connected /30. The host this runs on may itself use
+192.0.2.0/24 on a real interface, so never send to fake-internet addresses from the host namespace: go through
+run()/popen() in a namespace and call assert_route_inside() first. Teardown deletes exactly the namespaces this
+object created, also from atexit.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import json
+import os
+import re
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Self
+
+SBX_IP = "10.254.0.2"
+GW_IP = "10.254.0.1"
+GW_OUTSIDE_IP = "10.253.0.1"
+NET_IP = "10.253.0.2"
+
+# Routed from gw to net; deliberately no default route, so anything else is unreachable from the gateway.
+GW_ROUTES = (
+    "192.0.2.0/24",
+    "198.51.100.0/24",
+    "203.0.113.0/24",
+    "10.1.0.0/16",
+    "169.254.169.254/32",
+    "100.100.100.200/32",
+)
+FAKE_ADDRS = {
+    "192.0.2.10": "allowed.test",
+    "192.0.2.11": "second public upstream",
+    "192.0.2.53": "authoritative DNS for test.",
+    "198.51.100.10": "other.test",
+    "203.0.113.66": "evil.test",
+    "203.0.113.10": "third public upstream",
+    "10.1.2.3": "internal host no rule opens",
+    "10.1.2.4": "named internal service (opened by a CIDR rule in the e2e policy)",
+    "10.9.9.9": "internal, not routed from gw",
+    "169.254.169.254": "cloud metadata mock",
+    "100.100.100.200": "Alibaba metadata mock",
+}
+DNS_SERVER = "192.0.2.53"
+
+_PREFIX_RE = re.compile(r"^[a-z][a-z0-9]{1,10}$")  # keeps "<prefix>-gs" within IFNAMSIZ (15)
+# `ip route get` failures that mean "no way out", i.e. the packet stays inside.
+_NO_ROUTE = ("unreachable", "no route", "prohibit", "blackhole")
+
+
+def new_prefix() -> str:
+    return f"al{secrets.token_hex(3)}"
+
+
+def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    proc = subprocess.run(["ip", *args], capture_output=True, text=True, timeout=30, check=False)
+    if check and proc.returncode != 0:
+        raise RuntimeError(f"ip {' '.join(args)} failed: {proc.stderr.strip()}")
+    return proc
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state not in ("Z", "X")  # a zombie is already dead, only waiting for its parent
+
+
+def _stop_pid(pid: int, wait: float = 3.0) -> None:
+    """SIGTERM, then SIGKILL if it lingers; only ever called for PIDs this run started."""
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGTERM)
+        deadline = time.monotonic() + wait
+        while _alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if _alive(pid):
+            os.kill(pid, signal.SIGKILL)
+
+
+def _stop_proc(proc: subprocess.Popen[Any], wait: float = 3.0) -> None:
+    if proc.poll() is not None:
+        return
+    proc.terminate()
+    try:
+        proc.wait(wait)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(wait)
+
+
+@dataclass
+class DnsAnswer:
+    rcode: str
+    records: list[tuple[str, str, str, int]]  # (name, type, value, ttl)
+
+    def values(self, rtype: str = "A") -> list[str]:
+        return [value for _, t, value, _ in self.records if t == rtype]
+
+
+_DNS_SCRIPT = """
+import json, sys
+from dnslib import DNSRecord, QTYPE, RCODE
+name, qtype, server, port, tcp, timeout = sys.argv[1:]
+raw = DNSRecord.question(name, qtype).send(server, int(port), tcp=tcp == "1", timeout=float(timeout))
+reply = DNSRecord.parse(raw)
+def value(rr):
+    text = str(rr.rdata)
+    return text.strip('"') if rr.rtype == QTYPE.TXT else text.rstrip(".")
+rrs = [[str(rr.rname).rstrip("."), QTYPE[rr.rtype], value(rr), rr.ttl] for rr in reply.rr]
+print(json.dumps({"rcode": RCODE[reply.header.rcode], "records": rrs}))
+"""
+
+
+class Topology:
+    gw_ip = GW_IP
+    sbx_ip = SBX_IP
+    gw_outside_ip = GW_OUTSIDE_IP
+    net_ip = NET_IP
+
+    def __init__(self, prefix: str | None = None) -> None:
+        self.prefix = prefix or new_prefix()
+        if not _PREFIX_RE.match(self.prefix):
+            raise ValueError(f"bad prefix {self.prefix!r}: want [a-z][a-z0-9]{{1,10}}")
+        p = self.prefix
+        self.sbx, self.gw, self.net = f"{p}-sbx", f"{p}-gw", f"{p}-net"
+        self.sbx_if, self.gw_sbx_if = f"{p}-sg", f"{p}-gs"  # sbx <-> gw
+        self.gw_net_if, self.net_if = f"{p}-gn", f"{p}-ng"  # gw <-> net
+        self._devices = {
+            self.sbx: {self.sbx_if, "lo"},
+            self.gw: {self.gw_sbx_if, self.gw_net_if, "lo"},
+            self.net: {self.net_if, "lo"},
+        }
+        self._owned: list[str] = []  # namespaces this object created, in creation order
+        self._procs: list[subprocess.Popen[Any]] = []
+
+    @property
+    def namespaces(self) -> tuple[str, str, str]:
+        return self.sbx, self.gw, self.net
+
+    # ------------------------------------------------------------------------------------------- lifecycle
+
+    def create(self) -> Self:
+        if self._owned:
+            return self
+        atexit.register(self.destroy)
+        try:
+            self._build()
+        except BaseException:
+            self.destroy()
+            raise
+        return self
+
+    def _build(self) -> None:
+        for ns in self.namespaces:
+            _ip("netns", "add", ns)  # fails if the name exists: never adopt someone else's namespace
+            self._owned.append(ns)
+            self._sysctl(ns)
+            _ip("-n", ns, "link", "set", "lo", "up")
+        _ip(
+            "-n",
+            self.sbx,
+            "link",
+            "add",
+            self.sbx_if,
+            "type",
+            "veth",
+            "peer",
+            "name",
+            self.gw_sbx_if,
+            "netns",
+            self.gw,
+        )
+        _ip(
+            "-n",
+            self.gw,
+            "link",
+            "add",
+            self.gw_net_if,
+            "type",
+            "veth",
+            "peer",
+            "name",
+            self.net_if,
+            "netns",
+            self.net,
+        )
+        self._addr_up(self.sbx, self.sbx_if, f"{SBX_IP}/30")
+        self._addr_up(self.gw, self.gw_sbx_if, f"{GW_IP}/30")
+        self._addr_up(self.gw, self.gw_net_if, f"{GW_OUTSIDE_IP}/30")
+        self._addr_up(self.net, self.net_if, f"{NET_IP}/30")
+        for addr in FAKE_ADDRS:
+            _ip("-n", self.net, "addr", "add", f"{addr}/32", "dev", self.net_if)
+        for dst in GW_ROUTES:
+            _ip("-n", self.gw, "route", "add", dst, "via", NET_IP, "dev", self.gw_net_if)
+        # Lets net answer a packet from sbx if gw ever forwarded one; tests prove gw never does.
+        _ip("-n", self.net, "route", "add", "10.254.0.0/30", "via", GW_OUTSIDE_IP, "dev", self.net_if)
+        self._wait_carrier()
+
+    def _wait_carrier(self, timeout: float = 5) -> None:
+        # Operstate lags `link set up` by up to ~1s (linkwatch); wait so the first test never sees NO-CARRIER.
+        deadline = time.monotonic() + timeout
+        for ns, devices in self._devices.items():
+            for dev in devices - {"lo"}:
+                path = ["-n", ns, "-br", "link", "show", "dev", dev]
+                while _ip(*path).stdout.split()[1:2] != ["UP"]:
+                    if time.monotonic() > deadline:
+                        raise RuntimeError(f"{dev} in {ns} never came up")
+                    time.sleep(0.02)
+
+    @staticmethod
+    def _sysctl(ns: str) -> None:
+        settings = [
+            "net.ipv6.conf.all.disable_ipv6=1",
+            "net.ipv6.conf.default.disable_ipv6=1",
+            "net.ipv4.ip_forward=0",  # new namespaces inherit it from the host: pin it, gw is a proxy
+        ]
+        proc = subprocess.run(
+            ["ip", "netns", "exec", ns, "sysctl", "-q", "-w", *settings],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=False,
+        )
+        if proc.returncode != 0:
+            raise RuntimeError(f"sysctl in {ns} failed: {proc.stderr.strip()}")
+
+    @staticmethod
+    def _addr_up(ns: str, dev: str, cidr: str) -> None:
+        _ip("-n", ns, "addr", "add", cidr, "dev", dev)
+        _ip("-n", ns, "link", "set", dev, "up")
+
+    def destroy(self) -> None:
+        """Idempotent: stop our processes, then delete the namespaces we created (veths die with them)."""
+        for proc in self._procs:
+            with contextlib.suppress(Exception):
+                _stop_proc(proc)
+        self._procs.clear()
+        for ns in reversed(self._owned):
+            # Anything still inside our namespace was started by this run (e.g. via ip netns exec in a test).
+            pids = _ip("netns", "pids", ns, check=False).stdout.split()
+            for pid in pids:
+                with contextlib.suppress(Exception):
+                    _stop_pid(int(pid))
+            _ip("netns", "delete", ns, check=False)
+        self._owned.clear()
+        atexit.unregister(self.destroy)
+
+    def __enter__(self) -> Self:
+        return self.create()
+
+    def __exit__(self, *exc: object) -> None:
+        self.destroy()
+
+    # ------------------------------------------------------------------------------------------- commands
+
+    @staticmethod
+    def cmd(ns: str) -> list[str]:
+        return ["ip", "netns", "exec", ns]
+
+    def run(self, ns: str, argv: list[str], timeout: float = 30, **kw: Any) -> subprocess.CompletedProcess[str]:
+        self._check_ns(ns)
+        kw.setdefault("capture_output", True)
+        kw.setdefault("text", True)
+        kw.setdefault("check", False)
+        return subprocess.run(self.cmd(ns) + [str(a) for a in argv], timeout=timeout, **kw)
+
+    def popen(self, ns: str, argv: list[str], **kw: Any) -> subprocess.Popen[Any]:
+        """Start a process in `ns`, stopped by PID in destroy(); `ip netns exec` execs, so it is the program's PID."""
+        self._check_ns(ns)
+        kw.setdefault("start_new_session", True)  # a ^C in the terminal goes to pytest, which then cleans up
+        proc = subprocess.Popen(self.cmd(ns) + [str(a) for a in argv], **kw)
+        self._procs.append(proc)
+        return proc
+
+    def curl(self, ns: str, *args: str, max_time: float = 10) -> subprocess.CompletedProcess[str]:
+        return self.run(ns, ["curl", "-sS", "--max-time", str(max_time), *args], timeout=max_time + 10)
+
+    def dns_query(
+        self,
+        ns: str,
+        name: str,
+        qtype: str = "A",
+        server: str = DNS_SERVER,
+        port: int = 53,
+        tcp: bool = False,
+        timeout: float = 3,
+    ) -> DnsAnswer:
+        """Ask `server` from inside `ns` with dnslib; raises on timeout or a non-DNS reply."""
+        self.assert_route_inside(ns, server)
+        # -P keeps the cwd (often the repo root, whose dns/ shadows dnspython) off sys.path.
+        argv = [sys.executable, "-P", "-c", _DNS_SCRIPT, name, qtype, server, str(port), str(int(tcp)), str(timeout)]
+        proc = self.run(ns, argv, timeout=timeout + 10)
+        if proc.returncode != 0:
+            raise RuntimeError(f"dns query {name} {qtype} @{server} from {ns} failed: {proc.stderr.strip()}")
+        data = json.loads(proc.stdout)
+        return DnsAnswer(data["rcode"], [tuple(r) for r in data["records"]])  # type: ignore[misc]
+
+    # ------------------------------------------------------------------------------------------- safety
+
+    def _check_ns(self, ns: str) -> None:
+        if ns not in self._owned:
+            raise AssertionError(f"{ns!r} is not a live namespace of topology {self.prefix}")
+
+    def assert_route_inside(self, ns: str, dst: str) -> None:
+        """Assert a packet from `ns` to `dst` leaves on a test-owned device, or has no route at all."""
+        self._check_ns(ns)
+        proc = _ip("-n", ns, "route", "get", dst, check=False)
+        text = (proc.stdout + proc.stderr).lower()
+        if proc.returncode != 0:
+            if any(marker in text for marker in _NO_ROUTE):
+                return  # unreachable: the packet never leaves, which is inside by definition
+            raise AssertionError(f"ip route get {dst} in {ns} failed oddly: {text.strip()}")
+        if proc.stdout.split()[:1] in (["unreachable"], ["blackhole"], ["prohibit"]):
+            return
+        match = re.search(r"\bdev (\S+)", proc.stdout)
+        if not match or match.group(1) not in self._devices[ns]:
+            raise AssertionError(f"route from {ns} to {dst} leaves via a device not owned by the test: {proc.stdout}")
+
+
+class FakeNet:
+    """Client for fakenet.py running in the topology's `net` namespace."""
+
+    script = Path(__file__).with_name("fakenet.py")
+
+    def __init__(self, cert: Path, key: Path, zone_default_ttl: int = 0) -> None:
+        self.cert, self.key, self.ttl = cert, key, zone_default_ttl
+        self.proc: subprocess.Popen[Any] | None = None
+        self.control: Path | None = None
+        self.workdir: Path | None = None
+
+    def start(self, topology: Topology, workdir: Path, timeout: float = 20) -> Self:
+        workdir.mkdir(parents=True, exist_ok=True)
+        self.workdir = workdir
+        self.control = workdir / "fakenet.sock"  # unix sockets are path-based, so they cross network namespaces
+        argv = [
+            sys.executable,
+            self.script,
+            "--control",
+            self.control,
+            "--cert",
+            self.cert,
+            "--key",
+            self.key,
+        ]
+        argv += ["--zone-default-ttl", str(self.ttl)]
+        with (workdir / "stdout.log").open("wb") as out, (workdir / "stderr.log").open("wb") as err:
+            self.proc = topology.popen(topology.net, argv, stdout=out, stderr=err, stdin=subprocess.DEVNULL)
+        deadline = time.monotonic() + timeout
+        while b"READY" not in (workdir / "stdout.log").read_bytes():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"fakenet did not start:\n{self.log_text()}")
+            time.sleep(0.05)
+        self.ping()
+        return self
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            _stop_proc(self.proc)
+            self.proc = None
+
+    def log_text(self) -> str:
+        """fakenet's stderr, for failure messages."""
+        path = self.workdir / "stderr.log" if self.workdir else None
+        return path.read_text(errors="replace") if path and path.exists() else ""
+
+    def _call(self, cmd: str) -> dict[str, Any]:
+        if self.control is None:
+            raise RuntimeError("fakenet not started")
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+            sock.settimeout(10)
+            sock.connect(str(self.control))
+            sock.sendall(json.dumps({"cmd": cmd}).encode() + b"\n")
+            with sock.makefile("rb") as reader:
+                answer = json.loads(reader.readline())
+        if "error" in answer:
+            raise RuntimeError(f"fakenet {cmd}: {answer['error']}")
+        return answer
+
+    def ping(self) -> dict[str, Any]:
+        return self._call("ping")
+
+    def stats(self) -> dict[str, Any]:
+        return self._call("stats")
+
+    def reset(self) -> None:
+        self._call("reset")
+
+    def connections(self, ip: str, port: int) -> int:
+        return self.stats()["connections"].get(f"{ip}:{port}", 0)
+
+    def bytes_in(self, ip: str, port: int) -> int:
+        """Application bytes received (decrypted on TLS ports)."""
+        return self.stats()["bytes_in"].get(f"{ip}:{port}", 0)
+
+    def total_connections(self) -> int:
+        return sum(self.stats()["connections"].values())
+
+    def dns_queries(self, name: str, qtype: str | None = None) -> int:
+        name = name.rstrip(".").lower()
+        stats = self.stats()
+        return stats["dns"].get(name, 0) if qtype is None else stats["dns_typed"].get(f"{name} {qtype}", 0)
+
+    def snis(self) -> list[str | None]:
+        return self.stats()["sni"]
+
+    def http_requests(self, dst: str | None = None) -> list[dict[str, Any]]:
+        """Requests seen (optionally only those sent to "ip:port"): line, host, headers, client, tls, sni, ..."""
+        return [r for r in self.stats()["http"] if dst is None or r["dst"] == dst]

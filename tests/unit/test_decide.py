@@ -1,0 +1,350 @@
+"""decide() and vet(): default deny, deny wins, wildcards, ports, CIDR exceptions, metadata never (brief §3, §4)."""
+
+from __future__ import annotations
+
+import ipaddress
+
+import pytest
+
+from airlock.policy import DEFAULT_ALLOW_PORTS, Profile, Rule, canonical_host, decide, parse_policy, vet
+
+POLICY = """\
+version: 1
+profiles:
+  default:
+    allow:
+      - host: exact.example.org              # line 5
+      - host: "*.example.com"                # line 6
+      - host: web.example.org                # line 7
+        ports: [80, 443]
+      - host: ssh.example.org                # line 9
+        ports: [22]
+        tunnel: true
+      - host: both.example.org               # line 12
+      - host: inner.blocked.example.com      # line 13
+      - cidr: 10.1.2.3/32                    # line 14
+        ports: [22, 443]
+        name: service
+      - cidr: 198.51.100.0/24                # line 17
+      - cidr: fd12:3456::/32                 # line 18
+        ports: [8443]
+    deny:
+      - host: both.example.org               # line 21
+      - host: "*.blocked.example.com"        # line 22
+      - host: web.example.org                # line 23
+        ports: [80]
+      - cidr: 198.51.100.66/32               # line 25
+      - cidr: 10.1.2.0/24                    # line 26
+        ports: [22]
+"""
+F = "p.yaml"
+
+
+@pytest.fixture(scope="module")
+def profile() -> Profile:
+    return parse_policy(POLICY, F).profile()
+
+
+# (id, raw target, port, allowed?, source line of the deciding rule or None)
+DECISIONS = [
+    ("default-deny", "other.example.net", 443, False, None),
+    ("default-deny-apex-lookalike", "xexample.com", 443, False, None),
+    ("default-deny-suffix-trick", "example.com.evil.test", 443, False, None),
+    ("exact", "exact.example.org", 443, True, 5),
+    ("exact-case-and-dot", "EXACT.Example.ORG.", 443, True, 5),
+    ("exact-not-subdomain", "a.exact.example.org", 443, False, None),
+    ("exact-not-parent", "example.org", 443, False, None),
+    ("allow-default-port-443-only", "exact.example.org", 80, False, None),
+    ("allow-default-not-8443", "exact.example.org", 8443, False, None),
+    ("wildcard-one-label", "a.example.com", 443, True, 6),
+    ("wildcard-two-labels", "a.b.example.com", 443, True, 6),
+    ("wildcard-not-apex", "example.com", 443, False, None),
+    ("wildcard-port", "a.example.com", 80, False, None),
+    ("explicit-ports-80", "web.example.org", 443, True, 7),
+    ("deny-port-wins", "web.example.org", 80, False, 23),
+    ("deny-wins-exact", "both.example.org", 443, False, 21),
+    ("deny-default-every-port", "both.example.org", 8080, False, 21),
+    ("wildcard-deny-over-wildcard-allow", "x.blocked.example.com", 443, False, 22),
+    ("wildcard-deny-over-exact-allow", "inner.blocked.example.com", 443, False, 22),
+    ("wildcard-deny-not-apex", "blocked.example.com", 443, True, 6),
+    ("tunnel-port", "ssh.example.org", 22, True, 9),
+    ("tunnel-other-port", "ssh.example.org", 443, False, None),
+    ("cidr-internal-on-its-port", "10.1.2.3", 443, True, 14),
+    ("cidr-internal-odd-spelling", "0xa010203", 443, True, 14),
+    ("cidr-internal-short-spelling", "10.66051", 443, True, 14),
+    ("cidr-internal-mapped", "::ffff:10.1.2.3", 443, True, 14),
+    ("cidr-internal-other-port", "10.1.2.3", 80, False, None),
+    ("cidr-deny-port-wins", "10.1.2.3", 22, False, 26),
+    ("cidr-internal-neighbour", "10.1.2.4", 443, False, None),
+    ("cidr-public", "198.51.100.7", 443, True, 17),
+    ("cidr-public-decimal", "3325256711", 443, True, 17),
+    ("cidr-public-default-port", "198.51.100.7", 80, False, None),
+    ("deny-cidr", "198.51.100.66", 443, False, 25),
+    ("deny-cidr-mapped", "::ffff:198.51.100.66", 443, False, 25),
+    ("public-ip-without-rule", "203.0.113.9", 443, False, None),
+    ("cidr-v6-ula", "[fd12:3456::1]", 8443, True, 18),
+    ("cidr-v6-ula-other-port", "fd12:3456::1", 443, False, None),
+    ("ula-outside-rule", "fd12:3457::1", 8443, False, None),
+    ("loopback", "127.0.0.1", 443, False, None),
+    ("loopback-decimal", "2130706433", 443, False, None),
+    ("loopback-hex-short", "0x7f.1", 443, False, None),
+    ("loopback-v6", "[::1]", 443, False, None),
+    ("loopback-mapped", "::ffff:127.0.0.1", 443, False, None),
+    ("metadata", "169.254.169.254", 80, False, None),
+    ("metadata-hex", "0xa9fea9fe", 80, False, None),
+    ("metadata-octal", "0251.0376.0251.0376", 80, False, None),
+    ("metadata-mapped", "::ffff:169.254.169.254", 80, False, None),
+    ("metadata-nat64", "64:ff9b::a9fe:a9fe", 80, False, None),
+    ("metadata-v6", "fd00:ec2::254", 80, False, None),
+    ("rfc1918", "192.168.1.1", 443, False, None),
+]
+
+
+@pytest.mark.parametrize(("raw", "port", "allow", "line"), [d[1:] for d in DECISIONS], ids=[d[0] for d in DECISIONS])
+def test_decide(profile: Profile, raw: str, port: int, allow: bool, line: int | None) -> None:
+    decision = decide(profile, canonical_host(raw), port)
+    assert decision.allow is allow, decision.reason
+    if line is None:
+        assert decision.rule is None
+    else:
+        assert decision.rule is not None
+        assert decision.rule.source == f"{F}:{line}"
+    assert decision.reason
+
+
+# On deny: what the user sees (fragments of reason and hint). Hint None: nothing may ever open it.
+HINTS = [
+    (
+        "not-listed",
+        "other.example.net",
+        443,
+        "not in the allowlist",
+        "allow: [{host: other.example.net, ports: [443]}]",
+    ),
+    ("wrong-port", "exact.example.org", 80, "port 80 is not allowed", "add 80 to the ports of allow exact.example.org"),
+    ("deny-rule", "both.example.org", 443, "denied by rule deny both.example.org", f"remove or narrow {F}:21"),
+    ("wildcard-deny", "x.blocked.example.com", 443, "*.blocked.example.com", f"remove or narrow {F}:22"),
+    ("deny-cidr", "198.51.100.66", 443, "denied by rule", f"remove or narrow {F}:25"),
+    (
+        "public-ip",
+        "203.0.113.9",
+        443,
+        "IP address that no rule allows",
+        "allow: [{cidr: 203.0.113.9/32, ports: [443]}]",
+    ),
+    ("internal", "10.9.9.9", 443, "internal address (rfc1918)", "allow: [{cidr: 10.9.9.9/32, ports: [443]}]"),
+    ("internal-mapped", "::ffff:10.9.9.9", 443, "10.9.9.9 is an internal address", "cidr: 10.9.9.9/32"),
+    ("internal-v6", "fd99::1", 443, "internal address (unique local)", "cidr: fd99::1/128"),
+    ("loopback", "127.0.0.1", 443, "internal address (loopback)", None),
+    ("this-network", "0.0.0.0", 443, "internal address (this network)", None),
+    ("metadata", "169.254.169.254", 80, "metadata/link-local address: never reachable", None),
+]
+
+
+@pytest.mark.parametrize(("raw", "port", "reason", "hint"), [h[1:] for h in HINTS], ids=[h[0] for h in HINTS])
+def test_deny_reason_and_hint(profile: Profile, raw: str, port: int, reason: str, hint: str | None) -> None:
+    decision = decide(profile, canonical_host(raw), port)
+    assert not decision.allow
+    assert reason in decision.reason
+    if hint is None:
+        assert decision.hint is None
+    else:
+        assert decision.hint is not None
+        assert hint in decision.hint
+
+
+@pytest.mark.parametrize(
+    ("raw", "port", "tunnel"),
+    [("ssh.example.org", 22, True), ("exact.example.org", 443, False), ("ssh.example.org", 443, False)],
+    ids=["tunnel-rule", "plain-rule", "denied-is-never-tunnel"],
+)
+def test_tunnel_flag(profile: Profile, raw: str, port: int, tunnel: bool) -> None:
+    assert decide(profile, raw, port).tunnel is tunnel
+
+
+def test_allow_default_ports_are_443_only() -> None:
+    assert frozenset({443}) == DEFAULT_ALLOW_PORTS
+
+
+# --- rules built directly, bypassing the loader's guard rails ------------------------------------------------
+
+
+def _profile(allow: list[Rule] = (), deny: list[Rule] = ()) -> Profile:  # type: ignore[assignment]
+    return Profile("t", tuple(allow), tuple(deny), "t:1")
+
+
+def _cidr(action: str, cidr: str, ports: set[int] | None = frozenset({443})) -> Rule:
+    ports = None if ports is None else frozenset(ports)
+    return Rule(action, "t:2", cidr=ipaddress.ip_network(cidr), ports=ports)  # type: ignore[arg-type]
+
+
+# (id, cidr in an allow rule the loader would refuse, target)
+NEVER_OPENED = [
+    ("metadata-host", "169.254.169.254/32", "169.254.169.254"),
+    ("link-local", "169.254.0.0/16", "169.254.170.2"),
+    ("everything", "0.0.0.0/0", "169.254.169.254"),
+    ("alibaba", "100.100.100.200/32", "100.100.100.200"),
+    ("azure", "168.63.129.16/32", "168.63.129.16"),
+    ("aws-v6", "fd00:ec2::/32", "fd00:ec2::254"),
+    ("v6-everything", "::/0", "fd00:ec2::254"),
+    ("mapped-metadata", "::ffff:169.254.0.0/112", "::ffff:169.254.169.254"),
+    ("metadata-via-mapped-target", "169.254.169.254/32", "::ffff:169.254.169.254"),
+    ("metadata-via-nat64-target", "169.254.169.254/32", "64:ff9b::a9fe:a9fe"),
+    # An allow rule written in an IPv6 form that embeds IPv4 opens nothing internal: the embedded
+    # address is what gets judged, and no v4 rule names it.
+    ("mapped-range-loopback", "::ffff:0:0/96", "::ffff:127.0.0.1"),
+    ("mapped-range-rfc1918", "::ffff:0:0/96", "::ffff:10.0.0.1"),
+    ("mapped-loopback", "::ffff:127.0.0.0/104", "::ffff:127.0.0.1"),
+    ("6to4-range-loopback", "2002::/16", "2002:7f00:1::"),
+    ("nat64-range-loopback", "64:ff9b::/96", "64:ff9b::7f00:1"),
+    ("compatible-range-loopback", "::/96", "::127.0.0.1"),
+]
+
+
+@pytest.mark.parametrize(("cidr", "target"), [n[1:] for n in NEVER_OPENED], ids=[n[0] for n in NEVER_OPENED])
+def test_cidr_rule_never_opens(cidr: str, target: str) -> None:
+    profile = _profile(allow=[_cidr("allow", cidr)])
+    host = canonical_host(target)
+    assert not decide(profile, host, 443).allow
+    assert not vet(profile, [ipaddress.ip_address(target)], 443).allowed
+
+
+def test_deny_cidr_default_covers_every_port() -> None:
+    profile = _profile(allow=[_cidr("allow", "10.0.0.0/8", {22, 443})], deny=[_cidr("deny", "10.0.0.9/32", None)])
+    assert decide(profile, "10.0.0.8", 22).allow
+    for port in (22, 443, 1):
+        assert not decide(profile, "10.0.0.9", port).allow
+
+
+# --- vet -----------------------------------------------------------------------------------------------------
+
+OWN = frozenset({ipaddress.ip_address("192.0.2.53"), ipaddress.ip_address("2001:db8::53")})
+
+# (id, resolved addresses, port, expected allowed, expected rejected)
+VETS = [
+    ("public", ["192.0.2.1", "203.0.113.5"], 443, ["192.0.2.1", "203.0.113.5"], []),
+    ("public-v6", ["2606:4700::1111"], 443, ["2606:4700::1111"], []),
+    ("mixed-keeps-public", ["192.0.2.1", "10.0.0.1", "127.0.0.1"], 443, ["192.0.2.1"], ["10.0.0.1", "127.0.0.1"]),
+    ("metadata", ["169.254.169.254"], 80, [], ["169.254.169.254"]),
+    ("metadata-mixed", ["192.0.2.1", "169.254.169.254", "fd00:ec2::254"], 80, ["192.0.2.1"], None),
+    ("rfc1918-only", ["10.0.0.1", "172.16.0.1", "192.168.0.1"], 443, [], None),
+    ("ula-and-link-local", ["fd12::1", "fe80::1"], 443, [], None),
+    ("mapped-internal", ["::ffff:10.0.0.1"], 443, [], ["::ffff:10.0.0.1"]),
+    ("mapped-loopback", ["::ffff:127.0.0.1"], 443, [], ["::ffff:127.0.0.1"]),
+    ("nat64-internal", ["64:ff9b::a00:1"], 443, [], ["64:ff9b::a00:1"]),
+    ("6to4-internal", ["2002:a00:1::"], 443, [], ["2002:a00:1::"]),
+    ("mapped-public", ["::ffff:192.0.2.1"], 443, ["::ffff:192.0.2.1"], []),
+    ("cidr-opens-internal-on-its-port", ["10.1.2.3"], 443, ["10.1.2.3"], []),
+    ("cidr-opens-mapped-on-its-port", ["::ffff:10.1.2.3"], 443, ["::ffff:10.1.2.3"], []),
+    ("cidr-closed-on-other-port", ["10.1.2.3"], 80, [], ["10.1.2.3"]),
+    ("cidr-deny-port", ["10.1.2.3"], 22, [], ["10.1.2.3"]),
+    ("cidr-neighbour", ["10.1.2.4"], 443, [], ["10.1.2.4"]),
+    ("deny-cidr-on-public", ["198.51.100.66", "198.51.100.67"], 443, ["198.51.100.67"], ["198.51.100.66"]),
+    ("own-address", ["192.0.2.53", "192.0.2.54"], 443, ["192.0.2.54"], ["192.0.2.53"]),
+    ("own-address-mapped", ["::ffff:192.0.2.53"], 443, [], ["::ffff:192.0.2.53"]),
+    ("own-address-v6", ["2001:db8::53"], 443, [], ["2001:db8::53"]),
+    ("unspecified", ["0.0.0.0", "::"], 443, [], ["0.0.0.0", "::"]),
+    ("duplicates-once", ["192.0.2.1", "192.0.2.1"], 443, ["192.0.2.1"], []),
+    ("empty", [], 443, [], []),
+]
+
+
+@pytest.mark.parametrize(("addresses", "port", "allowed", "rejected"), [v[1:] for v in VETS], ids=[v[0] for v in VETS])
+def test_vet(profile: Profile, addresses: list[str], port: int, allowed: list[str], rejected: list[str] | None) -> None:
+    ips = [ipaddress.ip_address(a) for a in addresses]
+    result = vet(profile, ips, port, OWN)
+    assert list(result.allowed) == [ipaddress.ip_address(a) for a in allowed]
+    if rejected is None:  # every address not allowed
+        expected = [ip for ip in ips if ip not in result.allowed]
+    else:
+        expected = [ipaddress.ip_address(a) for a in rejected]
+    assert [ip for ip, _ in result.rejected] == expected
+    assert all(why for _, why in result.rejected)
+
+
+@pytest.mark.parametrize(
+    ("addresses", "reason"),
+    [
+        (["192.0.2.1"], "ok"),
+        (["192.0.2.1", "10.0.0.1"], "dropped 10.0.0.1"),
+        (["10.0.0.1"], "every address is blocked: 10.0.0.1"),
+        (["192.0.2.53"], "the gateway's own address"),
+        ([], "name has no addresses"),
+    ],
+    ids=["ok", "dropped", "all-blocked", "own", "empty"],
+)
+def test_vet_reason(profile: Profile, addresses: list[str], reason: str) -> None:
+    result = vet(profile, [ipaddress.ip_address(a) for a in addresses], 443, OWN)
+    assert reason in result.reason
+
+
+def test_vet_metadata_reason_names_metadata(profile: Profile) -> None:
+    result = vet(profile, [ipaddress.ip_address("169.254.169.254")], 80)
+    assert "metadata" in result.rejected[0][1]
+
+
+# --- performance shape: decisions stay right with many rules (no timing assertions) --------------------------
+
+
+def _big_profile(n: int) -> Profile:
+    allow: list[Rule] = []
+    deny: list[Rule] = []
+    ports443 = frozenset({443})
+    for i in range(n):
+        kind = i % 3
+        if kind == 0:
+            allow.append(Rule("allow", f"big:{i}", host=f"h{i}.exact.example", ports=ports443))
+        elif kind == 1:
+            allow.append(Rule("allow", f"big:{i}", host=f"*.w{i}.wild.example", ports=ports443))
+        else:
+            net = ipaddress.IPv4Network((0x0A000000 + i, 32))
+            allow.append(Rule("allow", f"big:{i}", cidr=net, ports=ports443))
+        if i % 10 == 0:
+            deny.append(Rule("deny", f"bigdeny:{i}", host=f"d{i}.h{i}.exact.example"))
+            deny.append(Rule("deny", f"bigdeny:{i}", host=f"*.bad.w{i + 1}.wild.example"))
+    deny.append(Rule("deny", "bigdeny:cidr", cidr=ipaddress.ip_network("10.0.0.0/30")))
+    return Profile(f"big{n}", tuple(allow), tuple(deny), "big:0")
+
+
+@pytest.mark.parametrize("n", [100, 10_000], ids=["100-rules", "10000-rules"])
+def test_many_rules_still_decide_right(n: int) -> None:
+    profile = _big_profile(n)
+    last_exact = max(i for i in range(n) if i % 3 == 0)
+    last_wild = max(i for i in range(n) if i % 3 == 1)
+    last_cidr = max(i for i in range(n) if i % 3 == 2)
+    cases = [
+        ("h0.exact.example", 443, True, "big:0"),
+        (f"h{last_exact}.exact.example", 443, True, f"big:{last_exact}"),
+        (f"h{last_exact}.exact.example", 80, False, None),
+        (f"x.h{last_exact}.exact.example", 443, False, None),
+        (f"h{last_exact + 1}.exact.example", 443, False, None),
+        (f"a.w{last_wild}.wild.example", 443, True, f"big:{last_wild}"),
+        (f"a.b.c.w{last_wild}.wild.example", 443, True, f"big:{last_wild}"),
+        (f"w{last_wild}.wild.example", 443, False, None),
+        ("x.bad.w1.wild.example", 443, False, "bigdeny:0"),
+        ("d0.h0.exact.example", 443, False, "bigdeny:0"),
+        (str(ipaddress.IPv4Address(0x0A000000 + last_cidr)), 443, True, f"big:{last_cidr}"),
+        (str(ipaddress.IPv4Address(0x0A000000 + last_cidr)), 80, False, None),
+        (str(ipaddress.IPv4Address(0x0A000000 + n + 1)), 443, False, None),
+        ("10.0.0.2", 443, False, "bigdeny:cidr"),
+        ("nowhere.example", 443, False, None),
+    ]
+    for host, port, allow, source in cases:
+        decision = decide(profile, host, port)
+        assert decision.allow is allow, (host, port, decision.reason)
+        assert (decision.rule.source if decision.rule else None) == source, host
+    # The indexes hand decide() only the rules for this host/address, never the whole list.
+    assert len(profile.allow_rules_for_host(f"h{last_exact}.exact.example")) == 1
+    assert len(profile.allow_rules_for_host(f"a.b.w{last_wild}.wild.example")) == 1
+    assert len(profile.allow_rules_for_address(ipaddress.IPv4Address(0x0A000000 + last_cidr))) == 1
+    assert profile.allow_rules_for_host("nowhere.example") == []
+
+
+def test_many_rules_vet() -> None:
+    profile = _big_profile(10_000)
+    inside = ipaddress.IPv4Address(0x0A000000 + 9_998)  # 9998 % 3 == 2: a cidr rule
+    outside = ipaddress.IPv4Address(0x0A000000 + 20_000)
+    public = ipaddress.IPv4Address("192.0.2.1")
+    result = vet(profile, [inside, outside, public], 443)
+    assert result.allowed == (inside, public)
+    assert [ip for ip, _ in result.rejected] == [outside]
