@@ -179,6 +179,8 @@ def _gateway_config(args: argparse.Namespace, policy: Policy, listen: str, sandb
         idle_timeout=args.idle_timeout,
         max_tunnels_per_sandbox=args.max_tunnels,
         dns_min_ttl=args.dns_min_ttl,
+        dns_port=args.dns_port,
+        dns_rate=args.dns_rate,
     )
 
 
@@ -188,7 +190,10 @@ async def _serve(args: argparse.Namespace, policy: Policy) -> int:
     config = _gateway_config(args, policy, args.listen, _sandboxes(args.sandbox or [], args.profile, policy))
     gateway = Gateway(config)
     await gateway.start()
-    print(f"airlock gateway: proxy on {format_host_port(args.listen, args.proxy_port)}", file=sys.stderr, flush=True)
+    dns = f", DNS on port {args.dns_port}" if args.dns_port else ""
+    print(
+        f"airlock gateway: proxy on {format_host_port(args.listen, args.proxy_port)}{dns}", file=sys.stderr, flush=True
+    )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -237,7 +242,8 @@ async def _run_sandboxed(args: argparse.Namespace, policy: Policy) -> int:
     from airlock.sandbox.netns import NetnsSandbox, resolve_user
 
     resolve_user(args.user)  # fail before creating anything
-    sandbox = NetnsSandbox(args.sandbox_id, tcp_ports=(args.proxy_port,))
+    dns_ports = (args.dns_port,) if args.dns_port else ()
+    sandbox = NetnsSandbox(args.sandbox_id, tcp_ports=(args.proxy_port, *dns_ports), udp_ports=dns_ports)
     gateway = None
     child: asyncio.subprocess.Process | None = None
     loop = asyncio.get_running_loop()
@@ -288,6 +294,8 @@ def _gateway_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--connect-timeout", type=float, default=10.0, metavar="S")
     parser.add_argument("--idle-timeout", type=float, default=300.0, metavar="S")
     parser.add_argument("--max-tunnels", type=int, default=256, metavar="N", help="open tunnels per sandbox")
+    parser.add_argument("--dns-port", type=int, default=53, metavar="PORT", help="sandbox DNS; 0 turns it off")
+    parser.add_argument("--dns-rate", type=float, default=100.0, metavar="QPS", help="DNS queries/s per sandbox")
     parser.add_argument("--dns-min-ttl", type=int, default=5, metavar="S", help="shortest time an answer is cached")
 
 

@@ -17,6 +17,7 @@ from mitmproxy.addons import default_addons
 from mitmproxy.master import Master
 
 from airlock.audit import AuditLog
+from airlock.dns.server import DnsServer, DnsSettings, PolicyResolver
 from airlock.dns.upstream import Resolver, ResolverConfig, Server, system_servers
 from airlock.policy import IPAddress, Policy, Sandbox, SandboxRegistry
 from airlock.proxy.addon import GatewaySettings, build_addons
@@ -42,6 +43,8 @@ class GatewayConfig:
     idle_timeout: float = 300.0
     max_tunnels_per_sandbox: int = 256
     dns_min_ttl: int = 5
+    dns_port: int = 53  # 0: no DNS server for sandboxes
+    dns_rate: float = 100.0  # queries per second per sandbox
     state_dir: str | None = None
 
 
@@ -71,6 +74,8 @@ class Gateway:
         self._task: asyncio.Task[None] | None = None
         self.shared = None
         self.addons: list[object] = []
+        self.dns: PolicyResolver | None = None
+        self._dns_server: DnsServer | None = None
 
     async def start(self) -> None:
         config = self.config
@@ -80,8 +85,9 @@ class Gateway:
             confdir=str(Path(self._state_dir) / "mitmproxy"),
         )
         master = Master(opts)
+        gateway_addresses = own_addresses() | {ipaddress.ip_address(config.listen)}
         settings = GatewaySettings(
-            own_addresses=own_addresses() | {ipaddress.ip_address(config.listen)},
+            own_addresses=gateway_addresses,
             connect_timeout=config.connect_timeout,
             max_tunnels_per_sandbox=config.max_tunnels_per_sandbox,
         )
@@ -108,16 +114,29 @@ class Gateway:
             await self.stop()
             raise GatewayError(f"proxy could not listen on {config.listen}:{config.proxy_port}")
         log.info("airlock proxy listening on %s:%d", config.listen, config.proxy_port)
+        if config.dns_port:
+            dns_settings = DnsSettings(own_addresses=gateway_addresses, rate_per_second=config.dns_rate)
+            self.dns = PolicyResolver(config.policy, self.registry, self.resolver, self.audit.emit, dns_settings)
+            self._dns_server = DnsServer(self.dns, config.listen, config.dns_port)
+            try:
+                await self._dns_server.start()
+            except OSError as e:
+                await self.stop()
+                raise GatewayError(f"DNS server could not listen on {config.listen}:{config.dns_port}: {e}") from e
 
     def replace_policy(self, policy: Policy) -> None:
         """Swap in a new, already validated policy; connections already open keep the decision they had."""
         assert self.shared is not None
         self.shared.policy = policy
+        if self.dns is not None:
+            self.dns.policy = policy
 
     async def stop(self) -> None:
         if self._master is None:
             return
         master, self._master = self._master, None
+        if self._dns_server is not None:
+            await self._dns_server.stop()
         # Master.shutdown() alone leaves the listening sockets open: close the servers first.
         with contextlib.suppress(Exception):
             await master.addons.get("proxyserver").servers.update([])

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ipaddress
+import math
 import random
 import socket
 import struct
@@ -106,7 +107,8 @@ class Resolver:
             raise first if isinstance(first, BaseException) else ResolveError("no answer")
         addresses = tuple(a for answer in answers for a in answer.addresses)
         if not addresses:
-            raise NameNotFound(f"{name} has no A/AAAA records")
+            unavailable = [r for r in results if isinstance(r, ResolverUnavailable)]
+            raise unavailable[0] if unavailable else NameNotFound(f"{name} has no A/AAAA records")
         return Answer(
             addresses,
             min(a.ttl for a in answers),
@@ -118,10 +120,12 @@ class Resolver:
         """One cached question; concurrent identical questions share one upstream exchange."""
         key = (name, qtype)
         entry = self._cache.get(key)
-        if entry is not None and entry.expires > time.monotonic():
+        now = time.monotonic()
+        if entry is not None and entry.expires > now:
             if entry.answer is None:
                 raise NameNotFound(entry.error)
-            return Answer(entry.answer.addresses, entry.answer.ttl, entry.answer.cnames)
+            remaining = math.ceil(entry.expires - now)  # what is left, as a downstream cache must be told
+            return Answer(entry.answer.addresses, remaining, entry.answer.cnames)
         if key in self._inflight:
             return await asyncio.shield(self._inflight[key])
         future: asyncio.Future[Answer] = asyncio.get_running_loop().create_future()

@@ -2,10 +2,10 @@
 the policy file, no asyncio)."""
 
 from .addresses import Category, Classification, classify, embedded_ipv4
-from .decide import Decision, Vetted, decide, vet
+from .decide import Decision, Vetted, decide, decide_name, vet
 from .hosts import HostError, IPAddress, canonical_host, format_host_port, is_ip, parse_ip_literal
 from .loader import PolicyError, load_policy, parse_policy
-from .model import DEFAULT_ALLOW_PORTS, Policy, Profile, Rule
+from .model import DEFAULT_ALLOW_PORTS, DnsLimits, Policy, Profile, Rule
 from .records import AuditRecord, Sandbox, SandboxRegistry, new_request_id
 
 __all__ = [
@@ -14,6 +14,7 @@ __all__ = [
     "Category",
     "Classification",
     "Decision",
+    "DnsLimits",
     "HostError",
     "IPAddress",
     "Policy",
@@ -26,6 +27,7 @@ __all__ = [
     "canonical_host",
     "classify",
     "decide",
+    "decide_name",
     "embedded_ipv4",
     "format_host_port",
     "is_ip",

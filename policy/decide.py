@@ -72,6 +72,20 @@ def decide(profile: Profile, host: str, port: int) -> Decision:
     return Decision(False, f"{target} is not in the allowlist", None, f"allow: [{{host: {host}, ports: [{port}]}}]")
 
 
+def decide_name(profile: Profile, host: str) -> Decision:
+    """May the sandbox learn this name's addresses (DNS)? Yes if an allow rule names it for any port and no
+    deny rule closes it on every port."""
+    if is_ip(host):
+        return Decision(False, "an address is not a name to resolve")
+    for rule in profile.deny_rules_for_host(host):
+        if rule.matches_port(None):
+            return Decision(False, f"denied by rule {rule.describe()}", rule, f"remove or narrow {rule.source}")
+    allow_rules = profile.allow_rules_for_host(host)
+    if allow_rules:
+        return Decision(True, "allowed", allow_rules[0])
+    return Decision(False, f"{host} is not in the allowlist", None, f"allow: [{{host: {host}}}]")
+
+
 def _decide_address(profile: Profile, address: IPAddress, port: int) -> Decision:
     judged = embedded_ipv4(address) or address
     verdict = _judge_address(profile, address, port)
@@ -86,7 +100,7 @@ def _decide_address(profile: Profile, address: IPAddress, port: int) -> Decision
     )
 
 
-def _judge_address(profile: Profile, address: IPAddress, port: int) -> Decision | None:
+def _judge_address(profile: Profile, address: IPAddress, port: int | None) -> Decision | None:
     """Deny rules, the metadata block, and CIDR rules for one address; None when no rule speaks for it."""
     classification = classify(address)
     judged = classification.address
@@ -112,14 +126,15 @@ def _judge_address(profile: Profile, address: IPAddress, port: int) -> Decision 
 def vet(
     profile: Profile,
     addresses: Iterable[IPAddress],
-    port: int,
+    port: int | None,
     own_addresses: frozenset[IPAddress] = frozenset(),
 ) -> Vetted:
     """Split resolved addresses into those the gateway may connect to and those it must not.
 
     Public addresses pass unless a deny rule names them; internal ones pass only through a CIDR allow rule
     for this port; metadata never passes; neither do the gateway's own addresses (a request must not loop
-    back into the gateway). A mixed answer keeps only its allowed part (documented in README).
+    back into the gateway). A mixed answer keeps only its allowed part (documented in README). `port` None
+    vets for DNS: an internal address passes if a CIDR rule opens it on any port.
     """
     allowed: list[IPAddress] = []
     rejected: list[tuple[IPAddress, str]] = []

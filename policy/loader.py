@@ -15,10 +15,11 @@ from publicsuffixlist import PublicSuffixList
 
 from .addresses import covers_metadata
 from .hosts import HostError, canonical_host, is_ip
-from .model import DEFAULT_ALLOW_PORTS, Action, Policy, Profile, Rule
+from .model import DEFAULT_ALLOW_PORTS, Action, DnsLimits, Policy, Profile, Rule
 
 _TOP_KEYS = {"version", "default_profile", "profiles"}
-_PROFILE_KEYS = {"description", "allow", "deny"}
+_PROFILE_KEYS = {"description", "allow", "deny", "dns"}
+_DNS_KEYS = {"refuse_suspicious", "max_label_length", "max_label_entropy", "max_new_subdomains_per_minute"}
 _RULE_KEYS = {"host", "cidr", "ports", "tunnel", "name", "comment"}
 # Ranges a rule may never open: they are the gateway host itself.
 _EMBEDDING_NETWORKS = tuple(
@@ -133,7 +134,30 @@ class _Builder:
                 rule = self.rule(action, rule_node)
                 if rule is not None:
                     rules[action].append(rule)
-        return Profile(name, tuple(rules["allow"]), tuple(rules["deny"]), self.where(key_node))
+        dns = self.dns_limits(fields["dns"][1]) if "dns" in fields else DnsLimits()
+        return Profile(name, tuple(rules["allow"]), tuple(rules["deny"]), self.where(key_node), dns)
+
+    def dns_limits(self, node: yaml.Node) -> DnsLimits:
+        fields = self.mapping(node, "dns", _DNS_KEYS)
+        values: dict[str, object] = {}
+        for key, (_, value) in fields.items():
+            if key == "refuse_suspicious":
+                if value.tag != "tag:yaml.org,2002:bool":
+                    self.error(value, "dns.refuse_suspicious must be true or false")
+                else:
+                    values["refuse"] = value.value.lower() in {"true", "yes", "on"}
+                continue
+            number = self.scalar(value, f"dns.{key}")
+            try:
+                parsed = float(number) if key == "max_label_entropy" else int(number or "")
+            except ValueError:
+                self.error(value, f"dns.{key} must be a number")
+                continue
+            if parsed <= 0:
+                self.error(value, f"dns.{key} must be positive")
+                continue
+            values[key] = parsed
+        return DnsLimits(**values)  # type: ignore[arg-type]
 
     def rule(self, action: Action, node: yaml.Node) -> Rule | None:
         fields = self.mapping(node, f"{action} rule", _RULE_KEYS)

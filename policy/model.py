@@ -24,7 +24,11 @@ class Rule:
     tunnel: bool = False  # a CONNECT tunnel that is not TLS (e.g. ssh on 22) is allowed
     name: str | None = None
 
-    def matches_port(self, port: int) -> bool:
+    def matches_port(self, port: int | None) -> bool:
+        """`port` None asks about a name or address as such (DNS has no port): an allow rule opens it for
+        some port, a deny rule closes it only if it covers every port."""
+        if port is None:
+            return self.action == "allow" or self.ports is None
         return self.ports is None or port in self.ports
 
     @property
@@ -84,12 +88,33 @@ class _HostIndex:
             dot = host.find(".", dot + 1)
 
 
+@dataclass(frozen=True, slots=True)
+class DnsLimits:
+    """Exfiltration signals for DNS names. Always measured and audited; enforced when `refuse` is set."""
+
+    refuse: bool = False
+    max_label_length: int = 40
+    max_label_entropy: float = 4.0  # bits per character of the longest label
+    max_new_subdomains_per_minute: int = 60  # distinct names under one registrable domain
+
+    def flags(self, longest_label: int, entropy: float, new_subdomains: int) -> list[str]:
+        found = []
+        if longest_label > self.max_label_length:
+            found.append(f"label of {longest_label} characters > {self.max_label_length}")
+        if entropy > self.max_label_entropy:
+            found.append(f"label entropy {entropy:.2f} > {self.max_label_entropy}")
+        if new_subdomains > self.max_new_subdomains_per_minute:
+            found.append(f"{new_subdomains} distinct subdomains/min > {self.max_new_subdomains_per_minute}")
+        return found
+
+
 @dataclass(frozen=True)
 class Profile:
     name: str
     allow: tuple[Rule, ...]
     deny: tuple[Rule, ...]
     source: str
+    dns: DnsLimits = DnsLimits()
     _allow_hosts: _HostIndex = field(init=False, repr=False, compare=False)
     _deny_hosts: _HostIndex = field(init=False, repr=False, compare=False)
     _allow_cidrs: _CidrIndex = field(init=False, repr=False, compare=False)

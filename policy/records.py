@@ -38,6 +38,7 @@ class AuditRecord:
     bytes_in: int | None = None  # from the sandbox towards upstream
     bytes_out: int | None = None  # from upstream back to the sandbox
     duration_ms: float | None = None
+    extra: dict[str, object] = field(default_factory=dict)  # kind-specific details, e.g. DNS exfil signals
 
     def to_json(self) -> str:
         record = asdict(self)

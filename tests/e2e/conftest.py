@@ -79,8 +79,8 @@ def fakenet_clean(fakenet: FakeNet) -> FakeNet:
 
 @pytest.fixture(scope="session")
 def fence(topology: Topology) -> Iterator[Fence]:
-    """The kernel fence on the sandbox link: only the gateway's proxy port answers the sandbox."""
-    wall = Fence(f"{topology.prefix}_fence", topology.gw_sbx_if, GW_IP, (3128,))
+    """The kernel fence on the sandbox link: only the gateway's proxy and DNS ports answer the sandbox."""
+    wall = Fence(f"{topology.prefix}_fence", topology.gw_sbx_if, GW_IP, (3128, 53), (53,))
     wall.install(topology.cmd(topology.gw))
     try:
         yield wall
@@ -108,8 +108,8 @@ def own_gateway(
     gateway.stop()
     started: list[GatewayProcess] = []
 
-    def start(policy: Path = E2E_POLICY, extra: tuple[str, ...] = ()) -> GatewayProcess:
-        gw = GatewayProcess(topology, tmp_path / f"gw{len(started)}", policy, extra)
+    def start(policy: Path = E2E_POLICY, extra: tuple[str, ...] = (), **kw: str) -> GatewayProcess:
+        gw = GatewayProcess(topology, tmp_path / f"gw{len(started)}", policy, extra, **kw)
         gw.workdir.mkdir()
         started.append(gw)
         return gw.start()

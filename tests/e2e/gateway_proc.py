@@ -19,8 +19,16 @@ PROXY = (GW_IP, 3128)
 
 
 class GatewayProcess:
-    def __init__(self, topology: Topology, workdir: Path, policy: Path = E2E_POLICY, extra: tuple[str, ...] = ()):
+    def __init__(
+        self,
+        topology: Topology,
+        workdir: Path,
+        policy: Path = E2E_POLICY,
+        extra: tuple[str, ...] = (),
+        upstream_dns: str = DNS_SERVER,
+    ):
         self.topology = topology
+        self.upstream_dns = upstream_dns
         self.workdir = workdir
         self.policy = policy
         self.extra = extra
@@ -31,7 +39,7 @@ class GatewayProcess:
     def argv(self) -> list[str]:
         return [
             AIRLOCK, "gateway", "--policy", str(self.policy), "--listen", GW_IP,
-            "--upstream-dns", DNS_SERVER, "--audit", str(self.audit_path), "--sandbox", f"sbx={SBX_IP}/32",
+            "--upstream-dns", self.upstream_dns, "--audit", str(self.audit_path), "--sandbox", f"sbx={SBX_IP}/32",
             *self.extra,
         ]  # fmt: skip
 

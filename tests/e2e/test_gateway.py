@@ -28,7 +28,7 @@ from topology import DNS_SERVER, GW_IP, SBX_IP, FakeNet, Topology
 ALLOWED_IP = "192.0.2.10"
 AUDIT_FIELDS = {
     "ts", "request_id", "sandbox", "client", "kind", "method", "host", "port", "path", "resolved", "chosen_ip",
-    "decision", "reason", "rule", "bytes_in", "bytes_out", "duration_ms",
+    "decision", "reason", "rule", "bytes_in", "bytes_out", "duration_ms", "extra",
 }  # fmt: skip
 
 

@@ -1,0 +1,558 @@
+"""airlock benchmarks: one command, one run, one markdown report.
+
+    sudo .venv/bin/python bench/run.py [--duration 8] [--connections 8] [--bulk-mb 200] [--bulk-runs 3] [--output F]
+
+1. Small plain-HTTP requests (wrk, same script and concurrency for every column): direct from the gateway
+   namespace to the fake upstream, through a bare `mitmdump` (no addon), and through `airlock gateway`.
+2. CONNECT + TLS bulk download (curl, certificate verified against the test CA): direct, through a bare
+   `mitmdump --ignore-hosts '.*'` (TLS passthrough), and through airlock.
+3. `airlock.policy.decide` in-process, µs per call at 100 / 1,000 / 10,000 rules.
+
+All traffic stays inside the network namespaces of tests/e2e/topology.py (sandbox ─ gateway ─ fake internet, no
+link to the host's network); every process is started here and stopped by PID, the namespaces are deleted at the
+end. Needs root, `wrk` and `curl` (apt-get install -y wrk curl).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import platform
+import shlex
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import timeit
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+# The e2e helpers, not the repo root: the root's dns/ would shadow dnspython.
+sys.path.insert(0, str(REPO / "tests" / "e2e"))
+
+from gateway_proc import GatewayProcess  # noqa: E402
+from testca import make_test_ca  # noqa: E402
+from topology import GW_IP, FakeNet, Topology  # noqa: E402
+
+VENV_BIN = Path(sys.executable).parent
+MITMDUMP = VENV_BIN / "mitmdump"
+UPSTREAM_IP = "192.0.2.10"  # allowed.test in the fake internet
+HOST = "allowed.test"
+AIRLOCK_PORT = 3128
+BARE_HTTP_PORT = 3129
+BARE_PASS_PORT = 3130
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+# wrk: the request line is `GET <PATH> HTTP/1.1` with `Host: allowed.test`; against a proxy PATH is the absolute
+# URL, so wrk talks to the proxy as if it were the server. Only status 200 counts as a success.
+WRK_LUA = """
+wrk.method = "GET"
+wrk.path = "{path}"
+wrk.headers["Host"] = "{host}"
+
+local threads = {{}}
+function setup(thread) table.insert(threads, thread) end
+function init(args) ok = 0; other = 0 end
+function response(status, headers, body)
+  if status == 200 then ok = ok + 1 else other = other + 1 end
+end
+function done(summary, latency, requests)
+  local n_ok, n_other = 0, 0
+  for _, t in ipairs(threads) do n_ok = n_ok + t:get("ok"); n_other = n_other + t:get("other") end
+  local e = summary.errors
+  io.write(string.format("BENCH %.0f %.0f %.0f %.0f %.0f %.0f %.0f %.0f %.0f %.0f %.0f\\n",
+    summary.requests, summary.duration, n_ok, n_other, e.connect, e.read, e.write, e.status, e.timeout,
+    latency:percentile(50), latency:percentile(99)))
+end
+"""
+
+
+# ------------------------------------------------------------------------------------------------ helpers
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU of a process (all its threads) so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / CLK_TCK
+
+
+def tool_version(argv: list[str]) -> str:
+    try:
+        proc = subprocess.run(argv, capture_output=True, text=True, timeout=10, check=False)
+    except OSError:
+        return "missing"
+    text = (proc.stdout + proc.stderr).strip().splitlines()
+    return text[0].strip() if text else "?"
+
+
+def machine_info() -> dict[str, str]:
+    import mitmproxy.version
+
+    cpu = "?"
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    return {
+        "nproc": str(os.cpu_count()),
+        "cpu": cpu,
+        "kernel": platform.release(),
+        "python": platform.python_version(),
+        "mitmproxy": mitmproxy.version.VERSION,
+        "wrk": tool_version(["wrk", "--version"]).split(" [")[0],
+        "curl": " ".join(tool_version(["curl", "--version"]).split()[:2]),
+        "load": f"{os.getloadavg()[0]:.2f}",
+    }
+
+
+def fmt(value: float | None, digits: int = 0) -> str:
+    if value is None:
+        return "-"
+    return f"{value:,.{digits}f}"
+
+
+def ratio(a: float | None, b: float | None) -> str:
+    return "-" if not a or not b else f"{a / b:.2f}x"
+
+
+# ------------------------------------------------------------------------------------------------ processes
+
+
+class Mitmdump:
+    """Bare mitmproxy (no addon) in the gateway namespace. allowed.test resolves via a private /etc/hosts bind
+    mount (in its own mount namespace), so mitmproxy's getaddrinfo never asks any DNS server."""
+
+    def __init__(self, topo: Topology, workdir: Path, port: int, extra: tuple[str, ...] = ()) -> None:
+        self.topo, self.workdir, self.port, self.extra = topo, workdir, port, extra
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.log_path = workdir / f"mitmdump-{port}.log"
+
+    def start(self, timeout: float = 30) -> Mitmdump:
+        hosts = self.workdir / "hosts"
+        hosts.write_text(f"127.0.0.1 localhost\n{UPSTREAM_IP} {HOST}\n")
+        argv = [
+            "unshare", "--mount", "--propagation", "private",
+            "sh", "-c", 'mount --bind "$0" /etc/hosts && exec "$@"', hosts,
+            MITMDUMP, "-q", "--listen-host", GW_IP, "--listen-port", self.port,
+            "--set", "connection_strategy=lazy", "--set", f"confdir={self.workdir / 'mitmproxy'}",
+            *self.extra,
+        ]  # fmt: skip
+        with self.log_path.open("wb") as log:
+            self.proc = self.topo.popen(self.topo.gw, argv, stdout=log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"mitmdump exited with {self.proc.returncode}:\n{self.log_path.read_text()}")
+            listening = self.topo.run(self.topo.gw, ["ss", "-Hltn", f"sport = :{self.port}"]).stdout.strip()
+            if listening:
+                return self
+            time.sleep(0.1)
+        raise RuntimeError(f"mitmdump did not listen on {self.port} in {timeout}s")
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None
+        return self.proc.pid
+
+    def stop(self) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.terminate()
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(10)
+
+
+# ------------------------------------------------------------------------------------------------ 1. HTTP
+
+
+@dataclass
+class HttpResult:
+    name: str
+    requests: int
+    seconds: float
+    ok: int
+    non200: int
+    socket_errors: int
+    p50_ms: float
+    p99_ms: float
+    cpu_us_per_req: float | None  # the proxy's CPU per request (None for direct)
+    upstream_conns: int
+
+    @property
+    def rps(self) -> float:
+        return self.ok / self.seconds if self.seconds else 0.0
+
+
+def run_wrk(topo: Topology, ns: str, lua: Path, url: str, duration: float, connections: int) -> list[float]:
+    argv = ["wrk", "-t1", f"-c{connections}", f"-d{duration:g}s", "--timeout", "5s", "-s", lua, url]
+    proc = topo.run(ns, argv, timeout=duration + 60)
+    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("BENCH ")), None)
+    if proc.returncode != 0 or line is None:
+        raise RuntimeError(f"wrk failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
+    return [float(x) for x in line.split()[1:]]
+
+
+def http_column(
+    topo: Topology,
+    net: FakeNet,
+    workdir: Path,
+    name: str,
+    ns: str,
+    url: str,
+    path: str,
+    pid: int | None,
+    args: argparse.Namespace,
+) -> HttpResult:
+    lua = workdir / f"wrk-{name.split()[0]}.lua"
+    lua.write_text(WRK_LUA.format(path=path, host=HOST))
+    run_wrk(topo, ns, lua, url, 1, args.connections)  # warm-up: connections, DNS cache, imports
+    net.reset()
+    cpu0 = cpu_seconds(pid) if pid else 0.0
+    requests, duration_us, ok, other, conn_e, read_e, write_e, _status_e, timeout_e, p50, p99 = run_wrk(
+        topo, ns, lua, url, args.duration, args.connections
+    )
+    cpu = cpu_seconds(pid) - cpu0 if pid else 0.0
+    return HttpResult(
+        name=name,
+        requests=int(requests),
+        seconds=duration_us / 1e6,
+        ok=int(ok),
+        non200=int(other),
+        socket_errors=int(conn_e + read_e + write_e + timeout_e),
+        p50_ms=p50 / 1000,
+        p99_ms=p99 / 1000,
+        cpu_us_per_req=cpu / ok * 1e6 if pid and ok else None,
+        upstream_conns=net.connections(UPSTREAM_IP, 80),
+    )
+
+
+def check_http(topo: Topology, ns: str, curl_args: list[str]) -> None:
+    """One request by curl first: the column measures what it claims (200 from the fake upstream)."""
+    proc = topo.curl(ns, "-w", "\n%{http_code}", *curl_args)
+    lines = proc.stdout.strip().splitlines()
+    if proc.returncode != 0 or not lines or lines[-1] != "200" or not lines[0].startswith("fakenet"):
+        raise RuntimeError(f"sanity request failed in {ns}: {curl_args}: {proc.stdout} {proc.stderr}")
+
+
+# ------------------------------------------------------------------------------------------------ 2. TLS bulk
+
+
+@dataclass
+class BulkResult:
+    name: str
+    mbps: list[float]
+    cpu_ms_per_mb: float | None
+
+    @property
+    def mean(self) -> float:
+        return statistics.fmean(self.mbps)
+
+
+def curl_bulk(topo: Topology, ns: str, ca: Path, size: int, proxy: str | None) -> float:
+    route = ["-x", proxy] if proxy else ["--resolve", f"{HOST}:443:{UPSTREAM_IP}"]
+    url = f"https://{HOST}/big?n={size}"
+    write_out = "%{http_code} %{size_download} %{time_total}"
+    proc = topo.curl(ns, "-o", "/dev/null", "--cacert", str(ca), *route, "-w", write_out, url, max_time=120)
+    parts = proc.stdout.split()
+    if proc.returncode != 0 or len(parts) != 3 or parts[0] != "200" or int(parts[1]) != size:
+        raise RuntimeError(f"bulk download failed in {ns} via {proxy or 'direct'}: {proc.stdout} {proc.stderr}")
+    return size / float(parts[2]) / 1e6
+
+
+# ------------------------------------------------------------------------------------------------ 3. decide
+
+
+def policy_text(n: int) -> str:
+    """n rules: ~50% exact hosts, ~25% wildcards, ~23% CIDRs (/24, /28, /32), ~2% deny rules."""
+    allow, deny = [], []
+    for i in range(n):
+        kind = i % 50
+        if kind == 0:
+            deny.append(f"      - host: bad{i}.example.com")
+        elif kind < 26:
+            allow.append(f"      - host: svc{i}.corp{i % 97}.example.com")
+        elif kind < 38:
+            allow.append(f'      - host: "*.w{i}.example.org"')
+        else:
+            base = 0x0A000000 + i * 256  # 10.x.y.0, distinct per rule
+            offset, length = ((0, 24), (16, 28), (5, 32))[i % 3]
+            addr = base + offset
+            dotted = ".".join(str((addr >> s) & 255) for s in (24, 16, 8, 0))
+            allow.append(f"      - cidr: {dotted}/{length}\n        ports: [443]")
+    return (
+        "version: 1\nprofiles:\n  default:\n    allow:\n" + "\n".join(allow) + "\n    deny:\n" + "\n".join(deny) + "\n"
+    )
+
+
+def decide_queries(n: int) -> list[tuple[str, str, int, bool]]:
+    """(label, host, port, expected allow); the hit targets sit in the middle of the rule list."""
+
+    def last(kinds: range) -> int:
+        return max(i for i in range(n // 2) if i % 50 in kinds)
+
+    exact, wild, bad = last(range(1, 26)), last(range(26, 38)), last(range(1))
+    cidr = max(i for i in range(n // 2) if i % 50 >= 38 and i % 3 == 0)
+    base = 0x0A000000 + cidr * 256 + 77
+    inside = ".".join(str((base >> s) & 255) for s in (24, 16, 8, 0))
+    return [
+        ("exact host, allow", f"svc{exact}.corp{exact % 97}.example.com", 443, True),
+        ("wildcard, allow (2 labels below)", f"a.b.w{wild}.example.org", 443, True),
+        ("deny rule", f"bad{bad}.example.com", 443, False),
+        ("exact host, wrong port", f"svc{exact}.corp{exact % 97}.example.com", 80, False),
+        ("unknown name (5 labels), deny", "x.y.z.unknown.example.net", 443, False),
+        ("CIDR /24, allow", inside, 443, True),
+        ("public IP no rule, deny", "203.0.113.5", 443, False),
+    ]
+
+
+def bench_decide(sizes: list[int]) -> tuple[dict[int, float], dict[int, dict[str, float]], list[str]]:
+    from airlock.policy import decide, parse_policy
+
+    parse_ms: dict[int, float] = {}
+    per_call: dict[int, dict[str, float]] = {}
+    labels: list[str] = []
+    for n in sizes:
+        text = policy_text(n)
+        t0 = time.perf_counter()
+        profile = parse_policy(text, f"<bench {n}>").profile()
+        parse_ms[n] = (time.perf_counter() - t0) * 1000
+        assert len(profile.allow) + len(profile.deny) == n, (len(profile.allow), len(profile.deny))
+        per_call[n] = {}
+        queries = decide_queries(n)
+        labels = [q[0] for q in queries] + ["mix of the above"]
+        for label, host, port, expected in queries:
+            got = decide(profile, host, port).allow
+            assert got is expected, (n, label, host, port, got)
+            per_call[n][label] = best_us(lambda pr=profile, h=host, p=port: decide(pr, h, p))
+        mix = [(host, port) for _, host, port, _ in queries]
+
+        def run_mix(profile: Any = profile, mix: list[tuple[str, int]] = mix) -> None:
+            for h, p in mix:
+                decide(profile, h, p)
+
+        per_call[n]["mix of the above"] = best_us(run_mix) / len(mix)
+    return parse_ms, per_call, labels
+
+
+def best_us(fn: Any, budget_s: float = 0.03, repeat: int = 5) -> float:
+    """Best of `repeat` timings of about `budget_s` each, in µs per call."""
+    number = 1
+    while (elapsed := timeit.timeit(fn, number=number)) < 0.005:
+        number *= 4
+    number = max(1, int(number * budget_s / elapsed))
+    return min(timeit.repeat(fn, repeat=repeat, number=number)) / number * 1e6
+
+
+# ------------------------------------------------------------------------------------------------ report
+
+
+def report(
+    info: dict[str, str],
+    command: str,
+    args: argparse.Namespace,
+    http: list[HttpResult],
+    bulk: list[BulkResult],
+    decide_data: tuple[dict[int, float], dict[int, dict[str, float]], list[str]],
+    elapsed: float,
+) -> str:
+    out: list[str] = []
+    w = out.append
+    w("## airlock benchmarks\n")
+    w(f"`{command}` — {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {elapsed:.0f} s total\n")
+    w(
+        f"Machine: {info['nproc']} CPUs ({info['cpu']}), Linux {info['kernel']}; Python {info['python']}, "
+        f"mitmproxy {info['mitmproxy']}, {info['wrk']}, {info['curl']}. Load generator, proxy and fake upstream "
+        f"share these CPUs; 1-min load average at start: {info['load']}.\n"
+    )
+    if http:
+        direct, bare, air = (next((r for r in http if r.name.startswith(k)), None) for k in ("direct", "bare", "air"))
+        w(
+            f"### 1. Small plain-HTTP requests (`GET http://{HOST}/`, {args.connections} keep-alive connections, "
+            f"{args.duration:g} s, wrk -t1)\n"
+        )
+        w("| | req/s | p50 ms | p99 ms | proxy CPU µs/req | upstream conns | non-200 | socket errors |")
+        w("|---|---:|---:|---:|---:|---:|---:|---:|")
+        for r in http:
+            w(
+                f"| {r.name} | {fmt(r.rps)} | {fmt(r.p50_ms, 2)} | {fmt(r.p99_ms, 2)} | {fmt(r.cpu_us_per_req)} | "
+                f"{r.upstream_conns} | {r.non200} | {r.socket_errors} |"
+            )
+        if direct and bare and air:
+            w("")
+            w("| ratio | req/s | p50 latency | p99 latency | proxy CPU/req |")
+            w("|---|---:|---:|---:|---:|")
+            w(
+                f"| airlock / bare mitmproxy | {ratio(air.rps, bare.rps)} | {ratio(air.p50_ms, bare.p50_ms)} | "
+                f"{ratio(air.p99_ms, bare.p99_ms)} | {ratio(air.cpu_us_per_req, bare.cpu_us_per_req)} |"
+            )
+            w(
+                f"| airlock / direct | {ratio(air.rps, direct.rps)} | {ratio(air.p50_ms, direct.p50_ms)} | "
+                f"{ratio(air.p99_ms, direct.p99_ms)} | |"
+            )
+            w(f"| bare mitmproxy / direct | {ratio(bare.rps, direct.rps)} | {ratio(bare.p50_ms, direct.p50_ms)} | "
+              f"{ratio(bare.p99_ms, direct.p99_ms)} | |")  # fmt: skip
+        w("")
+    if bulk:
+        w(
+            f"### 2. CONNECT + TLS bulk download (`GET https://{HOST}/big?n={args.bulk_mb * 10**6}`, curl, "
+            f"certificate verified, mean of {args.bulk_runs} runs, MB = 10⁶ bytes)\n"
+        )
+        base = next((b for b in bulk if b.name.startswith("direct")), None)
+        w("| | MB/s (mean) | runs | proxy CPU ms/MB | vs direct |")
+        w("|---|---:|---|---:|---:|")
+        for b in bulk:
+            runs = ", ".join(f"{x:.0f}" for x in b.mbps)
+            vs_direct = ratio(b.mean, base.mean if base else None)
+            w(f"| {b.name} | {fmt(b.mean)} | {runs} | {fmt(b.cpu_ms_per_mb, 2)} | {vs_direct} |")
+        air_b = next((b for b in bulk if b.name.startswith("air")), None)
+        bare_b = next((b for b in bulk if b.name.startswith("bare")), None)
+        if air_b and bare_b:
+            w(f"\nairlock / bare passthrough: {ratio(air_b.mean, bare_b.mean)}")
+        w("")
+    parse_ms, per_call, labels = decide_data
+    if per_call:
+        sizes = sorted(per_call)
+        w("### 3. `airlock.policy.decide`, in-process, µs per call (best of 5)\n")
+        w("| query | " + " | ".join(f"{n:,} rules" for n in sizes) + " |")
+        w("|---|" + "---:|" * len(sizes))
+        for label in labels:
+            w(f"| {label} | " + " | ".join(f"{per_call[n][label]:.2f}" for n in sizes) + " |")
+        w("| *parse_policy, ms (once)* | " + " | ".join(f"{parse_ms[n]:,.0f}" for n in sizes) + " |")
+        w("")
+        w(
+            "Rules: ~50% exact hosts, ~25% `*.` wildcards, ~23% CIDRs (/24, /28, /32), ~2% deny. "
+            "Hosts are already canonical (as the proxy passes them)."
+        )
+    return "\n".join(out) + "\n"
+
+
+# ------------------------------------------------------------------------------------------------ main
+
+
+def network_benchmarks(args: argparse.Namespace, workdir: Path) -> tuple[list[HttpResult], list[BulkResult]]:
+    topo = Topology()
+    procs: list[Any] = []
+    net: FakeNet | None = None
+    try:
+        topo.create()
+        ca = make_test_ca(workdir / "ca")
+        net = FakeNet(ca.leaf_cert, ca.leaf_key).start(topo, workdir / "fakenet")
+        # Safety: every address we send to must leave on a device of this topology.
+        topo.assert_route_inside(topo.gw, UPSTREAM_IP)
+        topo.assert_route_inside(topo.sbx, GW_IP)
+        (workdir / "gateway").mkdir()
+        gateway = GatewayProcess(topo, workdir / "gateway").start()
+        assert gateway.proc is not None
+        procs.append(gateway)
+        bare_http = Mitmdump(topo, workdir, BARE_HTTP_PORT).start()
+        procs.append(bare_http)
+        bare_pass = Mitmdump(topo, workdir, BARE_PASS_PORT, ("--ignore-hosts", ".*")).start()
+        procs.append(bare_pass)
+
+        http: list[HttpResult] = []
+        if not args.skip_http:
+            check_http(topo, topo.gw, ["-H", f"Host: {HOST}", f"http://{UPSTREAM_IP}/"])
+            check_http(topo, topo.sbx, ["-x", f"http://{GW_IP}:{BARE_HTTP_PORT}", f"http://{HOST}/"])
+            check_http(topo, topo.sbx, ["-x", f"http://{GW_IP}:{AIRLOCK_PORT}", f"http://{HOST}/"])
+            columns = [
+                ("direct (gw → upstream)", topo.gw, f"http://{UPSTREAM_IP}:80/", "/", None),
+                ("bare mitmproxy", topo.sbx, f"http://{GW_IP}:{BARE_HTTP_PORT}/", f"http://{HOST}/", bare_http.pid),
+                ("airlock", topo.sbx, f"http://{GW_IP}:{AIRLOCK_PORT}/", f"http://{HOST}/", gateway.proc.pid),
+            ]
+            for name, ns, url, path, pid in columns:
+                print(f"  http: {name} ...", file=sys.stderr, flush=True)
+                http.append(http_column(topo, net, workdir, name, ns, url, path, pid, args))
+
+        bulk: list[BulkResult] = []
+        if not args.skip_bulk:
+            size = args.bulk_mb * 10**6
+            columns_b = [
+                ("direct (gw → upstream)", topo.gw, None, None),
+                ("bare mitmproxy passthrough", topo.sbx, f"http://{GW_IP}:{BARE_PASS_PORT}", bare_pass.pid),
+                ("airlock", topo.sbx, f"http://{GW_IP}:{AIRLOCK_PORT}", gateway.proc.pid),
+            ]
+            runs: dict[str, list[float]] = {c[0]: [] for c in columns_b}
+            cpu: dict[str, float] = {c[0]: 0.0 for c in columns_b}
+            for i in range(args.bulk_runs):  # interleaved, so drift hits every column alike
+                for name, ns, proxy, pid in columns_b:
+                    print(f"  tls bulk: {name} run {i + 1} ...", file=sys.stderr, flush=True)
+                    cpu0 = cpu_seconds(pid) if pid else 0.0
+                    runs[name].append(curl_bulk(topo, ns, ca.ca_cert, size, proxy))
+                    cpu[name] += cpu_seconds(pid) - cpu0 if pid else 0.0
+            total_mb = args.bulk_mb * args.bulk_runs
+            for name, _, _, pid in columns_b:
+                bulk.append(BulkResult(name, runs[name], cpu[name] * 1000 / total_mb if pid else None))
+        return http, bulk
+    finally:
+        for proc in reversed(procs):
+            with contextlib.suppress(Exception):
+                proc.stop()
+        if net is not None:
+            with contextlib.suppress(Exception):
+                net.stop()
+        topo.destroy()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--duration", type=float, default=8.0, help="seconds of load per HTTP column (default 8)")
+    parser.add_argument("--connections", type=int, default=8, help="keep-alive connections (default 8)")
+    parser.add_argument("--bulk-mb", type=int, default=200, help="MB per TLS download (default 200)")
+    parser.add_argument("--bulk-runs", type=int, default=3, help="TLS downloads per column (default 3)")
+    parser.add_argument("--rules", default="100,1000,10000", help="rule counts for decide (default 100,1000,10000)")
+    parser.add_argument("--skip-http", action="store_true")
+    parser.add_argument("--skip-bulk", action="store_true")
+    parser.add_argument("--skip-decide", action="store_true")
+    parser.add_argument("--output", type=Path, help="also write the markdown report here")
+    args = parser.parse_args(argv)
+    if not (1 <= args.duration <= 60 and 1 <= args.connections <= 256 and 1 <= args.bulk_runs <= 10):
+        parser.error("keep --duration in 1..60, --connections in 1..256, --bulk-runs in 1..10")
+    if not 1 <= args.bulk_mb <= 2000:
+        parser.error("keep --bulk-mb in 1..2000")
+    network = not (args.skip_http and args.skip_bulk)
+    if network and os.geteuid() != 0:
+        parser.error("needs root for network namespaces (or pass --skip-http --skip-bulk)")
+    for tool in ("wrk", "curl", "unshare", "ss") if network else ():
+        if shutil.which(tool) is None:
+            parser.error(f"{tool} not found (apt-get install -y wrk curl util-linux iproute2)")
+
+    def interrupt(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt(f"signal {signum}")  # so the finally blocks tear the topology down
+
+    signal.signal(signal.SIGTERM, interrupt)
+    command = " ".join(shlex.quote(a) for a in [os.path.relpath(sys.executable, REPO), "bench/run.py", *sys.argv[1:]])
+    started = time.monotonic()
+    info = machine_info()
+    if float(info["load"]) > 0.5:
+        print(f"warning: load average {info['load']}: something else is running, numbers will be low", file=sys.stderr)
+    decide_data: tuple[dict[int, float], dict[int, dict[str, float]], list[str]] = ({}, {}, [])
+    if not args.skip_decide:
+        print("  decide ...", file=sys.stderr, flush=True)
+        decide_data = bench_decide([int(x) for x in args.rules.split(",")])
+    http: list[HttpResult] = []
+    bulk: list[BulkResult] = []
+    if network:
+        workdir = Path(tempfile.mkdtemp(prefix="airlock-bench-"))
+        try:
+            http, bulk = network_benchmarks(args, workdir)
+        finally:
+            shutil.rmtree(workdir, ignore_errors=True)
+    text = report(info, "sudo " + command, args, http, bulk, decide_data, time.monotonic() - started)
+    print(text)
+    if args.output:
+        args.output.write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,312 @@
+"""The sandbox's only resolver: answers allowlisted names with vetted addresses, and nothing else.
+
+`PolicyResolver.resolve(request, handler)` is the one entry point, in the shape of dnslib's `BaseResolver`; it is
+a coroutine because it asks the gateway's shared `Resolver` (one cache, one upstream configuration, so the proxy
+and the sandbox see the same addresses). The transports are asyncio endpoints rather than dnslib's threaded
+`DNSServer`: the whole gateway is one asyncio loop, and a thread per packet plus a cross-thread hop into that loop
+would cost more than the resolver itself.
+
+Choices (README "DNS"): unlisted names get REFUSED, without any upstream query (an honest "not for you": NXDOMAIN
+would claim the name does not exist and be cached as such); only A and AAAA are answered with data, other types of
+an allowed name get an empty answer; CNAME chains are flattened to the final, vetted addresses (the sandbox never
+sees intermediate names); an answer whose every address was filtered becomes NXDOMAIN.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import math
+import struct
+import time
+from collections import Counter, defaultdict, deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from dnslib import AAAA, QTYPE, RCODE, RR, A, DNSError, DNSRecord
+from publicsuffixlist import PublicSuffixList
+
+from airlock.policy import (
+    AuditRecord,
+    HostError,
+    IPAddress,
+    Policy,
+    SandboxRegistry,
+    canonical_host,
+    decide_name,
+    vet,
+)
+
+from .upstream import NameNotFound, ResolveError, Resolver
+
+log = logging.getLogger("airlock.dns")
+
+MAX_QUERY_BYTES = 1232  # a query is small; anything larger is not a query we want (EDNS's safe size)
+ANSWERED_TYPES = {QTYPE.A, QTYPE.AAAA}
+
+
+@dataclass
+class DnsSettings:
+    own_addresses: frozenset[IPAddress] = frozenset()
+    rate_per_second: float = 100.0  # per sandbox; bursts of twice that are absorbed
+    answer_timeout: float = 4.0  # the whole upstream exchange; then SERVFAIL
+
+
+class _TokenBucket:
+    def __init__(self, rate: float, burst: int) -> None:
+        self.rate, self.burst = rate, burst
+        self.tokens, self.stamp = float(burst), time.monotonic()
+
+    def take(self) -> bool:
+        now = time.monotonic()
+        self.tokens = min(self.burst, self.tokens + (now - self.stamp) * self.rate)
+        self.stamp = now
+        if self.tokens < 1:
+            return False
+        self.tokens -= 1
+        return True
+
+
+class _SubdomainRate:
+    """Distinct names seen under each registrable domain in the last minute, per sandbox."""
+
+    WINDOW = 60.0
+
+    def __init__(self) -> None:
+        self._seen: dict[tuple[str, str], deque[tuple[float, str]]] = defaultdict(deque)
+
+    def observe(self, sandbox: str, base: str, name: str) -> int:
+        now = time.monotonic()
+        window = self._seen[(sandbox, base)]
+        while window and window[0][0] < now - self.WINDOW:
+            window.popleft()
+        if name not in {n for _, n in window}:
+            window.append((now, name))
+        return len(window)
+
+
+@functools.cache
+def _suffixes() -> PublicSuffixList:
+    return PublicSuffixList()
+
+
+@functools.lru_cache(maxsize=65536)
+def registrable_domain(name: str) -> str:
+    return _suffixes().privatesuffix(name) or name
+
+
+def label_entropy(label: str) -> float:
+    """Shannon entropy in bits per character: random-looking (encoded) labels score high."""
+    if not label:
+        return 0.0
+    counts = Counter(label)
+    return -sum(c / len(label) * math.log2(c / len(label)) for c in counts.values())
+
+
+@dataclass
+class Handler:
+    """Who asked: the client address and the transport (dnslib passes its request handler here)."""
+
+    client: str
+    protocol: str  # "udp" | "tcp"
+
+
+class PolicyResolver:
+    def __init__(
+        self,
+        policy: Policy,
+        registry: SandboxRegistry,
+        resolver: Resolver,
+        emit: Callable[[AuditRecord], None],
+        settings: DnsSettings,
+    ) -> None:
+        self.policy = policy
+        self.registry = registry
+        self.resolver = resolver
+        self.emit = emit
+        self.settings = settings
+        self.stats: Counter[str] = Counter()
+        self._buckets: dict[str, _TokenBucket] = {}
+        self._subdomains = _SubdomainRate()
+
+    async def resolve(self, request: DNSRecord, handler: Handler) -> DNSRecord | None:
+        """The reply to send, or None to stay silent (rate limit exceeded: no amplification, no answer)."""
+        started = time.monotonic()
+        reply = request.reply()
+        reply.header.ra = 1
+        sandbox = self.registry.identify(handler.client)
+        qname = str(request.q.qname)
+        qtype = QTYPE.get(request.q.qtype, str(request.q.qtype))
+        record = AuditRecord("dns", sandbox.id if sandbox else "-", handler.client, qname, None, "deny", "")
+        record.method = qtype
+        if sandbox is None:
+            return self._refuse(reply, record, "query from an address that belongs to no sandbox")
+        bucket = self._buckets.get(sandbox.id)
+        if bucket is None:
+            rate = self.settings.rate_per_second
+            bucket = self._buckets[sandbox.id] = _TokenBucket(rate, max(1, int(rate * 2)))
+        if not bucket.take():
+            self.stats["rate_limited"] += 1
+            return None
+        if request.header.opcode != 0 or len(request.questions) != 1:
+            reply.header.rcode = RCODE.NOTIMP if request.header.opcode != 0 else RCODE.FORMERR
+            return self._finish(reply, record, "deny", "only standard queries with one question", started)
+        try:
+            name = canonical_host(qname)
+        except HostError as e:
+            return self._refuse(reply, record, f"invalid name: {e}")
+        record.host = name
+        profile = self.policy.profile(sandbox.profile)
+        decision = decide_name(profile, name)
+        if not decision.allow:
+            record.rule = decision.rule.source if decision.rule else None
+            return self._refuse(reply, record, decision.reason)
+        record.rule = decision.rule.source if decision.rule else None
+        flags = self._signals(record, sandbox.id, name, profile.dns)
+        if flags and profile.dns.refuse:
+            return self._refuse(reply, record, "suspicious name: " + "; ".join(flags))
+        if request.q.qtype not in ANSWERED_TYPES:
+            return self._finish(reply, record, "allow", f"{qtype} is not answered with data", started)
+        return await self._answer(request, reply, record, profile, name, started)
+
+    async def _answer(self, request, reply, record, profile, name, started) -> DNSRecord:
+        try:
+            answer = await asyncio.wait_for(self.resolver.query(name, request.q.qtype), self.settings.answer_timeout)
+        except NameNotFound:
+            reply.header.rcode = RCODE.NXDOMAIN
+            return self._finish(reply, record, "allow", "name does not exist upstream", started)
+        except (ResolveError, TimeoutError) as e:
+            reply.header.rcode = RCODE.SERVFAIL
+            return self._finish(reply, record, "error", f"upstream failed: {e or 'timeout'}", started)
+        record.extra["upstream_ms"] = round(answer.upstream_ms, 1)
+        vetted = vet(profile, answer.addresses, None, self.settings.own_addresses)
+        record.resolved = [str(a) for a in answer.addresses]
+        if answer.addresses and not vetted.allowed:
+            reply.header.rcode = RCODE.NXDOMAIN
+            return self._finish(reply, record, "deny", vetted.reason, started)
+        for address in vetted.allowed:
+            rdata = A(str(address)) if address.version == 4 else AAAA(str(address))
+            reply.add_answer(RR(request.q.qname, request.q.qtype, rdata=rdata, ttl=answer.ttl))
+        reason = "answered" if not vetted.rejected else vetted.reason
+        return self._finish(reply, record, "allow", reason, started)
+
+    def _signals(self, record: AuditRecord, sandbox: str, name: str, limits) -> list[str]:
+        base = registrable_domain(name)
+        labels = name[: -len(base)].rstrip(".").split(".") if name != base else []
+        longest = max(labels, key=len, default="")
+        entropy = label_entropy(longest)
+        new_subdomains = self._subdomains.observe(sandbox, base, name)
+        flags = limits.flags(len(longest), entropy, new_subdomains)
+        record.extra.update(
+            base=base, longest_label=len(longest), entropy=round(entropy, 2), subdomains_per_min=new_subdomains
+        )
+        if flags:
+            record.extra["suspicious"] = flags
+        return flags
+
+    def _refuse(self, reply: DNSRecord, record: AuditRecord, reason: str) -> DNSRecord:
+        reply.header.rcode = RCODE.REFUSED
+        return self._finish(reply, record, "deny", reason, time.monotonic())
+
+    def _finish(self, reply: DNSRecord, record: AuditRecord, decision, reason: str, started: float) -> DNSRecord:
+        record.decision, record.reason = decision, reason
+        record.resolved = record.resolved or []
+        record.extra["answers"] = [str(rr.rdata) for rr in reply.rr]
+        record.extra["rcode"] = RCODE.get(reply.header.rcode)
+        record.duration_ms = round((time.monotonic() - started) * 1000, 1)
+        self.stats[f"rcode_{RCODE.get(reply.header.rcode)}"] += 1
+        self.emit(record)
+        return reply
+
+
+class _UdpProtocol(asyncio.DatagramProtocol):
+    def __init__(self, server: DnsServer) -> None:
+        self.server = server
+        self.transport: asyncio.DatagramTransport | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def datagram_received(self, data: bytes, addr: tuple) -> None:
+        self.server.spawn(self._handle(data, addr))
+
+    async def _handle(self, data: bytes, addr: tuple) -> None:
+        reply = await self.server.handle(data, Handler(addr[0], "udp"))
+        if reply is not None and self.transport is not None:
+            packet = reply.pack()
+            if len(packet) > 512:
+                # Classic UDP limit: send the header and question with TC set; the client retries over TCP.
+                truncated = reply.truncate()
+                packet = truncated.pack()
+            self.transport.sendto(packet, addr)
+
+
+class DnsServer:
+    """UDP and TCP listeners on the gateway's sandbox-facing address; malformed input is dropped and counted."""
+
+    def __init__(self, resolver: PolicyResolver, host: str, port: int = 53) -> None:
+        self.resolver = resolver
+        self.host, self.port = host, port
+        self._udp: asyncio.DatagramTransport | None = None
+        self._tcp: asyncio.Server | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    async def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        self._udp, _ = await loop.create_datagram_endpoint(
+            lambda: _UdpProtocol(self), local_addr=(self.host, self.port)
+        )
+        self._tcp = await asyncio.start_server(self._tcp_client, self.host, self.port, reuse_address=True)
+
+    async def stop(self) -> None:
+        if self._udp is not None:
+            self._udp.close()
+        if self._tcp is not None:
+            self._tcp.close()
+            await self._tcp.wait_closed()
+        for task in list(self._tasks):
+            task.cancel()
+
+    def spawn(self, coroutine) -> None:
+        task = asyncio.ensure_future(coroutine)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def handle(self, data: bytes, handler: Handler) -> DNSRecord | None:
+        stats = self.resolver.stats
+        if len(data) > MAX_QUERY_BYTES:
+            stats["dropped_oversize"] += 1
+            return None
+        try:
+            request = DNSRecord.parse(data)
+        except (DNSError, struct.error, ValueError, IndexError, UnicodeError):
+            stats["dropped_malformed"] += 1
+            return None
+        if request.header.qr or not request.questions:
+            stats["dropped_malformed"] += 1  # a response, or nothing asked: not for us to answer
+            return None
+        try:
+            return await self.resolver.resolve(request, handler)
+        except Exception:
+            log.exception("DNS resolver failed: answering SERVFAIL")
+            reply = request.reply()
+            reply.header.rcode = RCODE.SERVFAIL
+            return reply
+
+    async def _tcp_client(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        peer = writer.get_extra_info("peername")
+        try:
+            while True:
+                (length,) = struct.unpack("!H", await asyncio.wait_for(reader.readexactly(2), 10))
+                data = await asyncio.wait_for(reader.readexactly(length), 10)
+                reply = await self.handle(data, Handler(peer[0], "tcp"))
+                if reply is None:
+                    break
+                packet = reply.pack()
+                writer.write(struct.pack("!H", len(packet)) + packet)
+                await writer.drain()
+        except (asyncio.IncompleteReadError, TimeoutError, ConnectionError):
+            pass
+        finally:
+            writer.close()

@@ -1,0 +1,195 @@
+"""The sandbox's resolver end to end: queries from inside the sandbox namespace to the real airlock DNS server
+on the gateway, which forwards allowed names to the fake authoritative server (counting every query)."""
+
+from __future__ import annotations
+
+import os
+import secrets
+import socket
+import string
+import time
+
+import pytest
+from dnslib import QTYPE, RCODE, DNSRecord
+
+from gateway_proc import AIRLOCK, E2E_POLICY, POLICIES, PROXY, GatewayProcess
+from netclient import in_netns, proxy_http
+from topology import DNS_SERVER, GW_IP, FakeNet, Topology
+
+ALLOWED_IP = "192.0.2.10"
+
+
+def ask(name: str, qtype: str = "A", tcp: bool = False, server: str = GW_IP, timeout: float = 3) -> DNSRecord:
+    question = DNSRecord.question(name, qtype)
+    return DNSRecord.parse(question.send(server, 53, tcp=tcp, timeout=timeout))
+
+
+def answers(reply: DNSRecord) -> list[str]:
+    return [str(rr.rdata) for rr in reply.rr]
+
+
+def rcode(reply: DNSRecord) -> str:
+    return RCODE.get(reply.header.rcode)
+
+
+@pytest.mark.parametrize(("tcp", "name"), [(False, "allowed.test"), (True, "www.allowed.test")], ids=["udp", "tcp"])
+def test_allowed_name_is_answered_from_upstream(
+    topology: Topology, fakenet: FakeNet, gateway: GatewayProcess, tcp: bool, name: str
+):
+    reply = in_netns(topology.sbx, ask, name, "A", tcp)
+    assert rcode(reply) == "NOERROR" and answers(reply) == [ALLOWED_IP]
+    assert reply.rr[0].ttl >= 1
+    assert fakenet.dns_queries(name) >= 1
+
+
+@pytest.mark.parametrize("tcp", [False, True], ids=["udp", "tcp"])
+def test_unlisted_name_is_refused_without_any_upstream_query(
+    topology: Topology, fakenet: FakeNet, gateway: GatewayProcess, tcp
+):
+    reply = in_netns(topology.sbx, ask, "evil.test", "A", tcp)
+    assert rcode(reply) == "REFUSED" and answers(reply) == []
+    assert fakenet.dns_queries("evil.test") == 0
+
+
+@pytest.mark.parametrize("name", ["internal.allowed.test", "loop.allowed.test", "meta.allowed.test"])
+def test_internal_answers_never_reach_the_sandbox(topology: Topology, fakenet: FakeNet, gateway: GatewayProcess, name):
+    reply = in_netns(topology.sbx, ask, name)
+    assert answers(reply) == [] and rcode(reply) == "NXDOMAIN"
+    assert fakenet.dns_queries(name) >= 1  # it was asked, and the answer was filtered
+
+
+def test_cname_chains_are_flattened_and_vetted(topology: Topology, fakenet: FakeNet, gateway: GatewayProcess):
+    internal = in_netns(topology.sbx, ask, "cname-internal.allowed.test")
+    assert answers(internal) == [] and rcode(internal) == "NXDOMAIN"
+    public = in_netns(topology.sbx, ask, "cname-public.allowed.test")
+    assert answers(public) == [ALLOWED_IP]
+    assert all(rr.rtype == QTYPE.A and str(rr.rname) == "cname-public.allowed.test." for rr in public.rr)
+
+
+def test_mixed_answer_keeps_only_the_public_address(topology: Topology, fakenet: FakeNet, gateway: GatewayProcess):
+    assert answers(in_netns(topology.sbx, ask, "mixed.allowed.test")) == [ALLOWED_IP]
+
+
+def test_cidr_rule_lets_the_named_internal_service_resolve(topology, fakenet: FakeNet, gateway: GatewayProcess):
+    assert answers(in_netns(topology.sbx, ask, "svc.internal.test")) == ["10.1.2.4"]
+
+
+def test_rebinding_name_never_answers_internal(topology: Topology, fakenet: FakeNet, own_gateway):
+    own_gateway(extra=("--dns-min-ttl", "0"))
+    seen = [answers(in_netns(topology.sbx, ask, "rebind.allowed.test")) for _ in range(6)]
+    assert fakenet.dns_queries("rebind.allowed.test", "A") >= 6
+    assert [ALLOWED_IP] in seen and all(a in ([ALLOWED_IP], []) for a in seen), seen
+
+
+@pytest.mark.parametrize("qtype", ["TXT", "ANY", "MX", "NULL", "HTTPS", "SRV"])
+def test_other_types_get_no_data_and_no_upstream_query(
+    topology: Topology, fakenet: FakeNet, gateway: GatewayProcess, qtype: str
+):
+    reply = in_netns(topology.sbx, ask, "txt.allowed.test", qtype)
+    assert rcode(reply) == "NOERROR" and answers(reply) == []
+    assert fakenet.dns_queries("txt.allowed.test") == 0
+
+
+def test_garbage_packets_do_not_break_the_server(topology: Topology, fakenet: FakeNet, gateway: GatewayProcess):
+    valid = DNSRecord.question("allowed.test", "A").pack()
+
+    def hostile_then_valid() -> DNSRecord:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+            sock.settimeout(0.2)
+            payloads = [os.urandom(2048), os.urandom(12), b"", valid[:5], valid[:-3], b"\xff" * 512]
+            payloads += [valid[:2] + b"\x81\x80" + valid[4:]]  # a response, not a query
+            for payload in payloads:
+                sock.sendto(payload, (GW_IP, 53))
+            with __import__("contextlib").suppress(TimeoutError):
+                while True:
+                    sock.recv(4096)  # whatever comes back must not be a crash; drain it
+        with socket.create_connection((GW_IP, 53), timeout=3) as tcp:
+            tcp.sendall(b"\x00\x40" + os.urandom(20))  # announces 64 bytes, sends 20, then stops
+        return ask("allowed.test")
+
+    reply = in_netns(topology.sbx, hostile_then_valid)
+    assert answers(reply) == [ALLOWED_IP]
+    assert gateway.proc.poll() is None
+
+
+def test_no_other_resolver_is_reachable(topology: Topology, fakenet: FakeNet, gateway: GatewayProcess):
+    for server in (DNS_SERVER, "10.253.0.1", "8.8.8.8"):
+        topology.assert_route_inside(topology.sbx, server)
+        with pytest.raises(OSError):
+            in_netns(topology.sbx, ask, "allowed.test", "A", False, server, 2)
+    assert fakenet.dns_queries("allowed.test") == 0
+
+
+def test_upstream_down_gives_servfail(topology: Topology, fakenet: FakeNet, own_gateway):
+    own_gateway(upstream_dns="192.0.2.99")  # in the fake internet, where nobody answers
+    started = time.monotonic()
+    reply = in_netns(topology.sbx, ask, "allowed.test", "A", False, GW_IP, 10)
+    assert rcode(reply) == "SERVFAIL" and answers(reply) == []
+    assert time.monotonic() - started < 8
+    proxied = in_netns(topology.sbx, proxy_http, PROXY, "http://allowed.test/")
+    assert proxied.status == 403 and "resolution failed" in proxied.json()["reason"]
+    assert fakenet.total_connections() == 0
+
+
+def test_proxy_and_resolver_agree(topology: Topology, fakenet: FakeNet, gateway: GatewayProcess):
+    dns_view = answers(in_netns(topology.sbx, ask, "mixed.allowed.test"))
+    assert in_netns(topology.sbx, proxy_http, PROXY, "http://mixed.allowed.test/").status == 200
+    chosen = gateway.audit_for(host="mixed.allowed.test")
+    assert [r["chosen_ip"] for r in chosen if r["kind"] == "http"] == dns_view == [ALLOWED_IP]
+
+
+def _random_label(n: int) -> str:
+    return "".join(secrets.choice(string.ascii_lowercase + string.digits) for _ in range(n))
+
+
+def test_exfiltration_shaped_names_are_flagged(topology: Topology, fakenet: FakeNet, gateway: GatewayProcess):
+    name = f"{_random_label(63)}.allowed.test"
+    assert answers(in_netns(topology.sbx, ask, name)) == [ALLOWED_IP]  # flagged, not refused by default
+    record = [r for r in gateway.audit_for(host=name) if r["kind"] == "dns"][-1]
+    assert record["extra"]["longest_label"] == 63 and record["extra"]["entropy"] > 4
+    assert any("label of 63" in flag for flag in record["extra"]["suspicious"])
+
+
+def test_exfiltration_shaped_names_are_refused_when_the_switch_is_on(topology: Topology, fakenet: FakeNet, own_gateway):
+    gw = own_gateway(POLICIES / "dns-refuse.yaml")
+    name = f"{_random_label(63)}.allowed.test"
+    assert rcode(in_netns(topology.sbx, ask, name)) == "REFUSED"
+    assert fakenet.dns_queries(name) == 0
+    # Many distinct short names under one domain: the unique-subdomain rate trips too.
+    codes = [rcode(in_netns(topology.sbx, ask, f"x{i}.allowed.test")) for i in range(40)]
+    # The random name above was the first distinct name under allowed.test; the limit is 30 a minute.
+    assert codes[:29] == ["NOERROR"] * 29 and set(codes[29:]) == {"REFUSED"}
+    assert "distinct subdomains" in gw.audit_for(host="x39.allowed.test")[-1]["reason"]
+
+
+def test_rate_limit_per_sandbox(topology: Topology, fakenet: FakeNet, own_gateway):
+    own_gateway(extra=("--dns-rate", "5"))
+
+    def burst() -> int:
+        answered = 0
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+            sock.settimeout(1)
+            for i in range(40):
+                sock.sendto(DNSRecord.question(f"r{i}.allowed.test").pack(), (GW_IP, 53))
+            try:
+                while True:
+                    sock.recv(4096)
+                    answered += 1
+            except TimeoutError:
+                return answered
+
+    answered = in_netns(topology.sbx, burst)
+    assert 5 <= answered <= 15, answered  # a burst of ~10 passes, the rest is dropped silently
+
+
+def test_airlock_run_resolves_allowed_names_only(topology: Topology, fakenet: FakeNet):
+    def run(name: str):
+        argv = [AIRLOCK, "run", "--policy", E2E_POLICY, "--upstream-dns", DNS_SERVER,
+                "--sandbox-id", f"{topology.prefix}d{secrets.token_hex(1)}", "--", "getent", "hosts", name]  # fmt: skip
+        return topology.run(topology.gw, argv, timeout=60)
+
+    allowed = run("allowed.test")
+    assert allowed.returncode == 0 and allowed.stdout.split()[0] == ALLOWED_IP, (allowed.stdout, allowed.stderr)
+    unlisted = run("evil.test")
+    assert unlisted.returncode != 0 and unlisted.stdout == ""
+    assert fakenet.dns_queries("evil.test") == 0
