@@ -10,10 +10,12 @@ import logging
 import os
 import signal
 import sys
+import tempfile
 from importlib import resources
 from pathlib import Path
 from urllib.parse import urlsplit
 
+from airlock.broker.grants import GrantError, parse_grant
 from airlock.dns.upstream import parse_server
 from airlock.policy import (
     HostError,
@@ -34,6 +36,15 @@ log = logging.getLogger("airlock")
 
 class UsageError(Exception):
     pass
+
+
+def _duration(text: str) -> int:
+    """`90`, `90s`, `10m`, `1h` → seconds."""
+    units = {"s": 1, "m": 60, "h": 3600}
+    number, unit = (text[:-1], units[text[-1]]) if text[-1:] in units else (text, 1)
+    if not number.isdigit() or int(number) <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a duration like 90s, 10m or 1h")
+    return int(number) * unit
 
 
 def default_policy_path() -> Path:
@@ -158,6 +169,7 @@ def _sandboxes(specs: list[str], profile: str | None, policy: Policy) -> list[Sa
 
 
 def _gateway_config(args: argparse.Namespace, policy: Policy, listen: str, sandboxes: list[Sandbox]):
+    from airlock.brokerd import BrokerConfig
     from airlock.gateway import GatewayConfig
 
     try:
@@ -181,6 +193,20 @@ def _gateway_config(args: argparse.Namespace, policy: Policy, listen: str, sandb
         dns_min_ttl=args.dns_min_ttl,
         dns_port=args.dns_port,
         dns_rate=args.dns_rate,
+        state_dir=args.state_dir,
+        broker=BrokerConfig(
+            port=args.broker_port,
+            admin=args.broker_admin,
+            github_api=args.github_api,
+            github_app_id=args.github_app_id,
+            github_app_key=args.github_app_key,
+            github_installation_id=args.github_installation_id,
+            github_token_file=args.github_token_file,
+            github_token_env=args.github_token_env,
+            github_timeout=args.github_timeout,
+            token_ttl=args.token_ttl,
+            token_max_ttl=args.token_max_ttl,
+        ),
     )
 
 
@@ -215,7 +241,11 @@ def _reload(gateway, path: str | None) -> None:
         log.error("policy NOT reloaded, the running policy stays:\n%s", e)
 
 
+DEFAULT_STATE_DIR = "/var/lib/airlock"
+
+
 def cmd_gateway(args: argparse.Namespace) -> int:
+    args.state_dir = args.state_dir or DEFAULT_STATE_DIR
     policy = _load(args.policy)
     return asyncio.run(_serve(args, policy))
 
@@ -242,8 +272,15 @@ async def _run_sandboxed(args: argparse.Namespace, policy: Policy) -> int:
     from airlock.sandbox.netns import NetnsSandbox, resolve_user
 
     resolve_user(args.user)  # fail before creating anything
+    try:
+        [parse_grant(g) for g in args.grant or []]
+    except GrantError as e:
+        raise UsageError(f"--grant: {e}") from None
     dns_ports = (args.dns_port,) if args.dns_port else ()
-    sandbox = NetnsSandbox(args.sandbox_id, tcp_ports=(args.proxy_port, *dns_ports), udp_ports=dns_ports)
+    broker_ports = (args.broker_port,) if args.broker_port else ()
+    tcp_ports = (args.proxy_port, *dns_ports, *broker_ports)
+    sandbox = NetnsSandbox(args.sandbox_id, tcp_ports=tcp_ports, udp_ports=dns_ports)
+    state = tempfile.TemporaryDirectory(prefix="airlock-run-")
     gateway = None
     child: asyncio.subprocess.Process | None = None
     loop = asyncio.get_running_loop()
@@ -254,11 +291,18 @@ async def _run_sandboxed(args: argparse.Namespace, policy: Policy) -> int:
         sandbox.create()
         profile = args.profile or policy.default_profile
         registry = [Sandbox(sandbox.sandbox_id, profile, ipaddress.ip_network(f"{sandbox.sandbox_ip}/32"))]
-        gateway = Gateway(_gateway_config(args, policy, sandbox.gateway_ip, registry))
+        config = _gateway_config(args, policy, sandbox.gateway_ip, registry)
+        config.state_dir = config.state_dir or str(state.name)
+        gateway = Gateway(config)
         await gateway.start()
-        env = {k: v for k, v in os.environ.items() if not k.lower().endswith("_proxy")}
+        env = sandbox_environment(args.env or [], resolve_user(args.user))
         env.update(sandbox.proxy_env(args.proxy_port))
         env["AIRLOCK_SANDBOX"] = sandbox.sandbox_id
+        if args.grant and gateway.broker is not None:
+            token, _ = gateway.broker.mint(sandbox.sandbox_id, [parse_grant(g) for g in args.grant], args.token_ttl)
+            token_file = sandbox.place_token(token, resolve_user(args.user))
+            env["AIRLOCK_TOKEN_FILE"] = str(token_file)
+            env["AIRLOCK_BROKER_URL"] = f"http://{sandbox.gateway_ip}:{args.broker_port}"
         child = await asyncio.create_subprocess_exec(*sandbox.command(args.cmd, args.user), env=env)
         waiter = asyncio.create_task(child.wait())
         stopper = asyncio.create_task(interrupted.wait())
@@ -279,6 +323,72 @@ async def _run_sandboxed(args: argparse.Namespace, policy: Policy) -> int:
         if gateway is not None:
             await gateway.stop()
         sandbox.destroy()
+        state.cleanup()
+
+
+def sandbox_environment(passed: list[str], user) -> dict[str, str]:
+    """A clean environment: nothing of the host's leaks in (tokens live in environments) but what is named."""
+    env = {
+        "PATH": "/usr/local/bin:/usr/bin:/bin",
+        "HOME": user.pw_dir if os.path.isdir(user.pw_dir) else "/tmp",
+        "USER": user.pw_name,
+        "LOGNAME": user.pw_name,
+        "LANG": os.environ.get("LANG", "C.UTF-8"),
+    }
+    if "TERM" in os.environ:
+        env["TERM"] = os.environ["TERM"]
+    for item in passed:
+        name, sep, value = item.partition("=")
+        if not name.isidentifier():
+            raise UsageError(f"--env {item!r}: not a variable name")
+        if sep:
+            env[name] = value
+        elif name in os.environ:
+            env[name] = os.environ[name]
+    return env
+
+
+# --- tokens (through the running gateway's admin listener) -----------------------------------------------------
+
+
+async def _admin_call(args: argparse.Namespace, path: str, payload: dict) -> dict:
+    import aiohttp
+
+    address = args.admin or f"{args.state_dir or DEFAULT_STATE_DIR}/admin.sock"
+    if address.startswith("/"):
+        connector, base = aiohttp.UnixConnector(path=address), "http://airlock-admin"
+    else:
+        connector, base = aiohttp.TCPConnector(), f"http://{address}"
+    try:
+        timeout = aiohttp.ClientTimeout(total=10)
+        async with (
+            aiohttp.ClientSession(connector=connector, timeout=timeout) as session,
+            session.post(base + path, json=payload) as reply,
+        ):
+            body = await reply.json(content_type=None)
+            if reply.status != 200:
+                raise UsageError(f"broker refused: {body.get('message', reply.status)}")
+            return body
+    except (aiohttp.ClientError, OSError) as e:
+        raise UsageError(f"cannot reach the broker's admin listener at {address}: {e}") from None
+
+
+def cmd_token_issue(args: argparse.Namespace) -> int:
+    try:
+        grants = [parse_grant(g).to_claim() for g in args.grant]
+    except GrantError as e:
+        raise UsageError(f"--grant: {e}") from None
+    body = asyncio.run(_admin_call(args, "/v1/tokens", {"sandbox": args.sandbox, "grants": grants, "ttl": args.ttl}))
+    print(body["token"])
+    print(f"jti {body['jti']}, sandbox {body['sandbox']}, expires at {body['expires_at']}", file=sys.stderr)
+    return 0
+
+
+def cmd_token_revoke(args: argparse.Namespace) -> int:
+    payload = {"jti": args.jti} if args.jti else {"sandbox": args.sandbox}
+    body = asyncio.run(_admin_call(args, "/v1/revocations", payload))
+    print(f"revoked {body['revoked']}")
+    return 0
 
 
 # --- argument parsing --------------------------------------------------------------------------------------------
@@ -296,6 +406,18 @@ def _gateway_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-tunnels", type=int, default=256, metavar="N", help="open tunnels per sandbox")
     parser.add_argument("--dns-port", type=int, default=53, metavar="PORT", help="sandbox DNS; 0 turns it off")
     parser.add_argument("--dns-rate", type=float, default=100.0, metavar="QPS", help="DNS queries/s per sandbox")
+    parser.add_argument("--state-dir", metavar="DIR", help="keys, broker state, admin socket")
+    parser.add_argument("--broker-port", type=int, default=8080, metavar="PORT", help="0 turns the broker off")
+    parser.add_argument("--broker-admin", metavar="SOCKET|127.0.0.1:PORT", help="default: STATE_DIR/admin.sock")
+    parser.add_argument("--github-api", default="https://api.github.com", metavar="URL")
+    parser.add_argument("--github-app-id", metavar="ID")
+    parser.add_argument("--github-app-key", metavar="PEM", help="the GitHub App's private key file")
+    parser.add_argument("--github-installation-id", type=int, metavar="ID", help="default: looked up per repo")
+    parser.add_argument("--github-token-file", metavar="FILE", help="static-token mode (GitHub Enterprise)")
+    parser.add_argument("--github-token-env", metavar="VAR", help="static-token mode, from an environment variable")
+    parser.add_argument("--github-timeout", type=float, default=10.0, metavar="S")
+    parser.add_argument("--token-ttl", type=_duration, default=900, metavar="DURATION", help="e.g. 15m")
+    parser.add_argument("--token-max-ttl", type=_duration, default=3600, metavar="DURATION")
     parser.add_argument("--dns-min-ttl", type=int, default=5, metavar="S", help="shortest time an answer is cached")
 
 
@@ -324,9 +446,30 @@ def build_parser() -> argparse.ArgumentParser:
     gateway.add_argument("--audit-stdout", action="store_true")
     gateway.set_defaults(func=cmd_gateway)
 
+    token_parser = commands.add_parser("token", help="mint or revoke broker tokens (gateway admin listener)")
+    token = token_parser.add_subparsers(dest="action", required=True)
+    issue = token.add_parser("issue", help="print a new sandbox token")
+    issue.add_argument("--sandbox", required=True)
+    issue.add_argument("--grant", action="append", required=True, metavar="TOOL:OWNER/REPO[:base=B,head=P]")
+    issue.add_argument("--ttl", type=_duration, default=None, metavar="DURATION")
+    revoke = token.add_parser("revoke", help="revoke one token or every token of a sandbox")
+    which = revoke.add_mutually_exclusive_group(required=True)
+    which.add_argument("--jti")
+    which.add_argument("--sandbox")
+    for sub in (issue, revoke):
+        sub.add_argument("--admin", metavar="SOCKET|127.0.0.1:PORT")
+        sub.add_argument("--state-dir", metavar="DIR", help=f"the gateway's state directory ({DEFAULT_STATE_DIR})")
+    issue.set_defaults(func=cmd_token_issue)
+    revoke.set_defaults(func=cmd_token_revoke)
+
     run = commands.add_parser("run", help="run a command in a sandbox whose only network is the gateway")
     _gateway_options(run)
     run.add_argument("--user", help="run the command as this user (default: the sudo caller, else nobody)")
+    run.add_argument("--env", action="append", metavar="NAME[=VALUE]", help="pass a variable in (repeatable)")
+    run.add_argument(
+        "--grant", action="append", metavar="TOOL:OWNER/REPO[:base=B|B2,head=PATTERN]",
+        help="mint a broker token with this grant for the sandbox (repeatable)",
+    )  # fmt: skip
     run.add_argument("--sandbox-id", metavar="ID", help="name of the sandbox (default: random); [a-z0-9], 1-12 chars")
     run.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- CMD...")
     run.set_defaults(func=cmd_run)

@@ -1,4 +1,5 @@
-"""The gateway process: the policy, the one resolver, and mitmproxy with the airlock addon, wired together."""
+"""The gateway process: the policy, the one resolver, mitmproxy with the airlock addon, the sandbox DNS server
+and the broker, wired together."""
 
 from __future__ import annotations
 
@@ -17,6 +18,10 @@ from mitmproxy.addons import default_addons
 from mitmproxy.master import Master
 
 from airlock.audit import AuditLog
+from airlock.broker.service import Broker
+from airlock.broker.store import StoreError
+from airlock.broker.tokens import TokenError
+from airlock.brokerd import BrokerConfig, BrokerRuntime
 from airlock.dns.server import DnsServer, DnsSettings, PolicyResolver
 from airlock.dns.upstream import Resolver, ResolverConfig, Server, system_servers
 from airlock.policy import IPAddress, Policy, Sandbox, SandboxRegistry
@@ -46,6 +51,7 @@ class GatewayConfig:
     dns_port: int = 53  # 0: no DNS server for sandboxes
     dns_rate: float = 100.0  # queries per second per sandbox
     state_dir: str | None = None
+    broker: BrokerConfig = field(default_factory=BrokerConfig)
 
 
 def own_addresses() -> frozenset[IPAddress]:
@@ -76,6 +82,8 @@ class Gateway:
         self.addons: list[object] = []
         self.dns: PolicyResolver | None = None
         self._dns_server: DnsServer | None = None
+        self.broker: Broker | None = None
+        self._broker_runtime: BrokerRuntime | None = None
 
     async def start(self) -> None:
         config = self.config
@@ -123,6 +131,16 @@ class Gateway:
             except OSError as e:
                 await self.stop()
                 raise GatewayError(f"DNS server could not listen on {config.listen}:{config.dns_port}: {e}") from e
+        if config.broker.port:
+            runtime = BrokerRuntime(
+                config.broker, Path(self._state_dir), self.registry, self.resolver, self.audit.emit, config.upstream_ca
+            )
+            self._broker_runtime = runtime
+            try:
+                self.broker = await runtime.start(config.listen)
+            except (OSError, ValueError, StoreError, TokenError) as e:
+                await self.stop()
+                raise GatewayError(f"broker could not start: {e}") from e
 
     def replace_policy(self, policy: Policy) -> None:
         """Swap in a new, already validated policy; connections already open keep the decision they had."""
@@ -137,6 +155,8 @@ class Gateway:
         master, self._master = self._master, None
         if self._dns_server is not None:
             await self._dns_server.stop()
+        if self._broker_runtime is not None:
+            await self._broker_runtime.stop()
         # Master.shutdown() alone leaves the listening sockets open: close the servers first.
         with contextlib.suppress(Exception):
             await master.addons.get("proxyserver").servers.update([])

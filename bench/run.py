@@ -1,6 +1,6 @@
 """airlock benchmarks: one command, one run, one markdown report.
 
-    sudo .venv/bin/python bench/run.py [--duration 8] [--connections 8] [--bulk-mb 200] [--bulk-runs 3] [--output F]
+    sudo .venv/bin/python bench/run.py [--duration 6] [--rounds 2] [--connections 8] [--bulk-mb 200] [--output F]
 
 1. Small plain-HTTP requests (wrk, same script and concurrency for every column): direct from the gateway
    namespace to the fake upstream, through a bare `mitmdump` (no addon), and through `airlock gateway`.
@@ -82,6 +82,18 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / CLK_TCK
 
 
+def machine_busy() -> float:
+    """CPU seconds the whole machine spent in user + nice + system mode so far (all CPUs)."""
+    user, nice, system = (int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:4])
+    return (user + nice + system) / CLK_TCK
+
+
+def own_cpu() -> float:
+    """CPU seconds of this process and of every child it has reaped (wrk, curl, proxies, fake internet)."""
+    t = os.times()
+    return t.user + t.system + t.children_user + t.children_system
+
+
 def tool_version(argv: list[str]) -> str:
     try:
         proc = subprocess.run(argv, capture_output=True, text=True, timeout=10, check=False)
@@ -108,7 +120,6 @@ def machine_info() -> dict[str, str]:
         "mitmproxy": mitmproxy.version.VERSION,
         "wrk": tool_version(["wrk", "--version"]).split(" [")[0],
         "curl": " ".join(tool_version(["curl", "--version"]).split()[:2]),
-        "load": f"{os.getloadavg()[0]:.2f}",
     }
 
 
@@ -176,21 +187,56 @@ class Mitmdump:
 
 
 @dataclass
-class HttpResult:
-    name: str
-    requests: int
-    seconds: float
+class HttpRound:
     ok: int
+    seconds: float
     non200: int
     socket_errors: int
     p50_ms: float
     p99_ms: float
-    cpu_us_per_req: float | None  # the proxy's CPU per request (None for direct)
+    cpu_s: float | None  # the proxy's CPU during the round (None for direct)
     upstream_conns: int
 
     @property
     def rps(self) -> float:
         return self.ok / self.seconds if self.seconds else 0.0
+
+
+@dataclass
+class HttpResult:
+    name: str
+    rounds: list[HttpRound]
+
+    @property
+    def rps(self) -> float:
+        return sum(r.ok for r in self.rounds) / sum(r.seconds for r in self.rounds)
+
+    @property
+    def p50_ms(self) -> float:
+        return statistics.median(r.p50_ms for r in self.rounds)
+
+    @property
+    def p99_ms(self) -> float:
+        return statistics.median(r.p99_ms for r in self.rounds)
+
+    @property
+    def cpu_us_per_req(self) -> float | None:
+        ok = sum(r.ok for r in self.rounds)
+        if not ok or any(r.cpu_s is None for r in self.rounds):
+            return None
+        return sum(r.cpu_s or 0.0 for r in self.rounds) / ok * 1e6
+
+    @property
+    def upstream_conns(self) -> int:
+        return max(r.upstream_conns for r in self.rounds)
+
+    @property
+    def non200(self) -> int:
+        return sum(r.non200 for r in self.rounds)
+
+    @property
+    def socket_errors(self) -> int:
+        return sum(r.socket_errors for r in self.rounds)
 
 
 def run_wrk(topo: Topology, ns: str, lua: Path, url: str, duration: float, connections: int) -> list[float]:
@@ -202,36 +248,22 @@ def run_wrk(topo: Topology, ns: str, lua: Path, url: str, duration: float, conne
     return [float(x) for x in line.split()[1:]]
 
 
-def http_column(
-    topo: Topology,
-    net: FakeNet,
-    workdir: Path,
-    name: str,
-    ns: str,
-    url: str,
-    path: str,
-    pid: int | None,
-    args: argparse.Namespace,
-) -> HttpResult:
-    lua = workdir / f"wrk-{name.split()[0]}.lua"
-    lua.write_text(WRK_LUA.format(path=path, host=HOST))
-    run_wrk(topo, ns, lua, url, 1, args.connections)  # warm-up: connections, DNS cache, imports
+def http_round(
+    topo: Topology, net: FakeNet, ns: str, lua: Path, url: str, pid: int | None, args: argparse.Namespace
+) -> HttpRound:
     net.reset()
     cpu0 = cpu_seconds(pid) if pid else 0.0
-    requests, duration_us, ok, other, conn_e, read_e, write_e, _status_e, timeout_e, p50, p99 = run_wrk(
+    _requests, duration_us, ok, other, conn_e, read_e, write_e, _status_e, timeout_e, p50, p99 = run_wrk(
         topo, ns, lua, url, args.duration, args.connections
     )
-    cpu = cpu_seconds(pid) - cpu0 if pid else 0.0
-    return HttpResult(
-        name=name,
-        requests=int(requests),
-        seconds=duration_us / 1e6,
+    return HttpRound(
         ok=int(ok),
+        seconds=duration_us / 1e6,
         non200=int(other),
         socket_errors=int(conn_e + read_e + write_e + timeout_e),
         p50_ms=p50 / 1000,
         p99_ms=p99 / 1000,
-        cpu_us_per_req=cpu / ok * 1e6 if pid and ok else None,
+        cpu_s=cpu_seconds(pid) - cpu0 if pid else None,
         upstream_conns=net.connections(UPSTREAM_IP, 80),
     )
 
@@ -315,11 +347,13 @@ def decide_queries(n: int) -> list[tuple[str, str, int, bool]]:
     ]
 
 
-def bench_decide(sizes: list[int]) -> tuple[dict[int, float], dict[int, dict[str, float]], list[str]]:
+def bench_decide(sizes: list[int], repeat: int = 7) -> tuple[dict[int, float], dict[int, dict[str, float]], list[str]]:
+    """µs per decide() call by query kind and rule count. The sizes are measured round-robin, `repeat` times, and
+    the best timing kept, so that a slow moment of the machine cannot pass for a cost of the rule count."""
     from airlock.policy import decide, parse_policy
 
     parse_ms: dict[int, float] = {}
-    per_call: dict[int, dict[str, float]] = {}
+    cases: list[tuple[int, str, Any, int]] = []  # (rules, label, timed function, decide calls per call)
     labels: list[str] = []
     for n in sizes:
         text = policy_text(n)
@@ -327,30 +361,35 @@ def bench_decide(sizes: list[int]) -> tuple[dict[int, float], dict[int, dict[str
         profile = parse_policy(text, f"<bench {n}>").profile()
         parse_ms[n] = (time.perf_counter() - t0) * 1000
         assert len(profile.allow) + len(profile.deny) == n, (len(profile.allow), len(profile.deny))
-        per_call[n] = {}
         queries = decide_queries(n)
         labels = [q[0] for q in queries] + ["mix of the above"]
         for label, host, port, expected in queries:
             got = decide(profile, host, port).allow
             assert got is expected, (n, label, host, port, got)
-            per_call[n][label] = best_us(lambda pr=profile, h=host, p=port: decide(pr, h, p))
+            cases.append((n, label, lambda pr=profile, h=host, p=port: decide(pr, h, p), 1))
         mix = [(host, port) for _, host, port, _ in queries]
 
         def run_mix(profile: Any = profile, mix: list[tuple[str, int]] = mix) -> None:
             for h, p in mix:
                 decide(profile, h, p)
 
-        per_call[n]["mix of the above"] = best_us(run_mix) / len(mix)
+        cases.append((n, "mix of the above", run_mix, len(mix)))
+    numbers = [calibrate(fn) for _, _, fn, _ in cases]
+    best: dict[tuple[int, str], float] = {}
+    for _ in range(repeat):
+        for (n, label, fn, calls), number in zip(cases, numbers, strict=True):
+            us = timeit.timeit(fn, number=number) / number / calls * 1e6
+            best[n, label] = min(us, best.get((n, label), us))
+    per_call = {n: {label: best[n, label] for label in labels} for n in sizes}
     return parse_ms, per_call, labels
 
 
-def best_us(fn: Any, budget_s: float = 0.03, repeat: int = 5) -> float:
-    """Best of `repeat` timings of about `budget_s` each, in µs per call."""
+def calibrate(fn: Any, budget_s: float = 0.03) -> int:
+    """How many calls of `fn` take about `budget_s`."""
     number = 1
     while (elapsed := timeit.timeit(fn, number=number)) < 0.005:
         number *= 4
-    number = max(1, int(number * budget_s / elapsed))
-    return min(timeit.repeat(fn, repeat=repeat, number=number)) / number * 1e6
+    return max(1, int(number * budget_s / elapsed))
 
 
 # ------------------------------------------------------------------------------------------------ report
@@ -372,20 +411,21 @@ def report(
     w(
         f"Machine: {info['nproc']} CPUs ({info['cpu']}), Linux {info['kernel']}; Python {info['python']}, "
         f"mitmproxy {info['mitmproxy']}, {info['wrk']}, {info['curl']}. Load generator, proxy and fake upstream "
-        f"share these CPUs; 1-min load average at start: {info['load']}.\n"
+        f"share these CPUs; {info['others']}.\n"
     )
     if http:
         direct, bare, air = (next((r for r in http if r.name.startswith(k)), None) for k in ("direct", "bare", "air"))
         w(
-            f"### 1. Small plain-HTTP requests (`GET http://{HOST}/`, {args.connections} keep-alive connections, "
-            f"{args.duration:g} s, wrk -t1)\n"
+            f"### 1. Small plain-HTTP requests (`GET http://{HOST}/`, wrk -t1, {args.connections} keep-alive "
+            f"connections, {args.rounds} interleaved rounds of {args.duration:g} s; latency: median of the rounds)\n"
         )
-        w("| | req/s | p50 ms | p99 ms | proxy CPU µs/req | upstream conns | non-200 | socket errors |")
-        w("|---|---:|---:|---:|---:|---:|---:|---:|")
+        w("| | req/s | per round | p50 ms | p99 ms | proxy CPU µs/req | upstream conns | non-200 | socket errors |")
+        w("|---|---:|---|---:|---:|---:|---:|---:|---:|")
         for r in http:
+            per_round = ", ".join(f"{x.rps:,.0f}" for x in r.rounds)
             w(
-                f"| {r.name} | {fmt(r.rps)} | {fmt(r.p50_ms, 2)} | {fmt(r.p99_ms, 2)} | {fmt(r.cpu_us_per_req)} | "
-                f"{r.upstream_conns} | {r.non200} | {r.socket_errors} |"
+                f"| {r.name} | {fmt(r.rps)} | {per_round} | {fmt(r.p50_ms, 2)} | {fmt(r.p99_ms, 2)} | "
+                f"{fmt(r.cpu_us_per_req)} | {r.upstream_conns} | {r.non200} | {r.socket_errors} |"
             )
         if direct and bare and air:
             w("")
@@ -422,7 +462,7 @@ def report(
     parse_ms, per_call, labels = decide_data
     if per_call:
         sizes = sorted(per_call)
-        w("### 3. `airlock.policy.decide`, in-process, µs per call (best of 5)\n")
+        w("### 3. `airlock.policy.decide`, in-process, µs per call (best of 7, sizes measured round-robin)\n")
         w("| query | " + " | ".join(f"{n:,} rules" for n in sizes) + " |")
         w("|---|" + "---:|" * len(sizes))
         for label in labels:
@@ -469,9 +509,17 @@ def network_benchmarks(args: argparse.Namespace, workdir: Path) -> tuple[list[Ht
                 ("bare mitmproxy", topo.sbx, f"http://{GW_IP}:{BARE_HTTP_PORT}/", f"http://{HOST}/", bare_http.pid),
                 ("airlock", topo.sbx, f"http://{GW_IP}:{AIRLOCK_PORT}/", f"http://{HOST}/", gateway.proc.pid),
             ]
-            for name, ns, url, path, pid in columns:
-                print(f"  http: {name} ...", file=sys.stderr, flush=True)
-                http.append(http_column(topo, net, workdir, name, ns, url, path, pid, args))
+            luas = {}
+            for name, ns, url, path, _ in columns:
+                luas[name] = workdir / f"wrk-{name.split()[0]}.lua"
+                luas[name].write_text(WRK_LUA.format(path=path, host=HOST))
+                run_wrk(topo, ns, luas[name], url, 1, args.connections)  # warm-up: connections, DNS cache, imports
+            results = {name: HttpResult(name, []) for name, *_ in columns}
+            for i in range(args.rounds):  # interleaved, so drift hits every column alike
+                for name, ns, url, _, pid in columns:
+                    print(f"  http: {name} round {i + 1} ...", file=sys.stderr, flush=True)
+                    results[name].rounds.append(http_round(topo, net, ns, luas[name], url, pid, args))
+            http = list(results.values())
 
         bulk: list[BulkResult] = []
         if not args.skip_bulk:
@@ -505,7 +553,8 @@ def network_benchmarks(args: argparse.Namespace, workdir: Path) -> tuple[list[Ht
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--duration", type=float, default=8.0, help="seconds of load per HTTP column (default 8)")
+    parser.add_argument("--duration", type=float, default=6.0, help="seconds per HTTP round (default 6)")
+    parser.add_argument("--rounds", type=int, default=2, help="HTTP rounds per column, interleaved (default 2)")
     parser.add_argument("--connections", type=int, default=8, help="keep-alive connections (default 8)")
     parser.add_argument("--bulk-mb", type=int, default=200, help="MB per TLS download (default 200)")
     parser.add_argument("--bulk-runs", type=int, default=3, help="TLS downloads per column (default 3)")
@@ -515,8 +564,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--skip-decide", action="store_true")
     parser.add_argument("--output", type=Path, help="also write the markdown report here")
     args = parser.parse_args(argv)
-    if not (1 <= args.duration <= 60 and 1 <= args.connections <= 256 and 1 <= args.bulk_runs <= 10):
-        parser.error("keep --duration in 1..60, --connections in 1..256, --bulk-runs in 1..10")
+    if not (1 <= args.duration <= 60 and 1 <= args.rounds <= 10 and 1 <= args.connections <= 256):
+        parser.error("keep --duration in 1..60, --rounds in 1..10, --connections in 1..256")
+    if not 1 <= args.bulk_runs <= 10:
+        parser.error("keep --bulk-runs in 1..10")
     if not 1 <= args.bulk_mb <= 2000:
         parser.error("keep --bulk-mb in 1..2000")
     network = not (args.skip_http and args.skip_bulk)
@@ -531,10 +582,8 @@ def main(argv: list[str] | None = None) -> int:
 
     signal.signal(signal.SIGTERM, interrupt)
     command = " ".join(shlex.quote(a) for a in [os.path.relpath(sys.executable, REPO), "bench/run.py", *sys.argv[1:]])
-    started = time.monotonic()
+    started, busy0, own0 = time.monotonic(), machine_busy(), own_cpu()
     info = machine_info()
-    if float(info["load"]) > 0.5:
-        print(f"warning: load average {info['load']}: something else is running, numbers will be low", file=sys.stderr)
     decide_data: tuple[dict[int, float], dict[int, dict[str, float]], list[str]] = ({}, {}, [])
     if not args.skip_decide:
         print("  decide ...", file=sys.stderr, flush=True)
@@ -547,7 +596,15 @@ def main(argv: list[str] | None = None) -> int:
             http, bulk = network_benchmarks(args, workdir)
         finally:
             shutil.rmtree(workdir, ignore_errors=True)
-    text = report(info, "sudo " + command, args, http, bulk, decide_data, time.monotonic() - started)
+    elapsed = time.monotonic() - started
+    # Everything this run started has been reaped by now, so what the machine did beyond that was someone else.
+    others = max(0.0, (machine_busy() - busy0) - (own_cpu() - own0)) / (elapsed * (os.cpu_count() or 1))
+    info["others"] = f"other processes used {others:.0%} of the machine's CPU during the run"
+    if others > 0.05:
+        info["others"] += " (**over 5%: numbers are disturbed, run again on an idle machine**)"
+        print(f"warning: {info['others']}", file=sys.stderr)
+    sudo = "sudo " if os.environ.get("SUDO_USER") else ""
+    text = report(info, sudo + command, args, http, bulk, decide_data, elapsed)
     print(text)
     if args.output:
         args.output.write_text(text)

@@ -111,7 +111,23 @@ class NetnsSandbox:
         (etc / "resolv.conf").write_text(f"nameserver {self.gateway_ip}\noptions timeout:2 attempts:1\n")
         (etc / "hosts").write_text("127.0.0.1 localhost\n::1 localhost\n")
 
+    @property
+    def run_dir(self) -> Path:
+        return Path("/run") / self.netns
+
+    def place_token(self, token: str, user: pwd.struct_passwd) -> Path:
+        """The broker token as a file the sandbox user can read but not change (root owns it and its folder)."""
+        self.run_dir.mkdir(mode=0o750, exist_ok=True)
+        os.chown(self.run_dir, 0, user.pw_gid)
+        path = self.run_dir / "token"
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o440)
+        with os.fdopen(fd, "w") as f:
+            f.write(token)
+        os.chown(path, 0, user.pw_gid)
+        return path
+
     def destroy(self) -> None:
+        shutil.rmtree(self.run_dir, ignore_errors=True)
         if self.fence is not None:
             self.fence.remove()
         _run(["ip", "link", "del", self.host_if], check=False)
@@ -121,7 +137,8 @@ class NetnsSandbox:
     def proxy_env(self, proxy_port: int) -> dict[str, str]:
         proxy = f"http://{self.gateway_ip}:{proxy_port}"
         env = {name: proxy for name in ("HTTP_PROXY", "HTTPS_PROXY", "http_proxy", "https_proxy")}
-        env["NO_PROXY"] = env["no_proxy"] = "localhost,127.0.0.1,::1"
+        # The broker lives on the gateway's own address: talk to it directly (the fence allows its port).
+        env["NO_PROXY"] = env["no_proxy"] = f"localhost,127.0.0.1,::1,{self.gateway_ip}"
         return env
 
     def command(self, argv: list[str], user: str | None = None) -> list[str]:

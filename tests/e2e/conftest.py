@@ -16,9 +16,13 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from airlock.sandbox.fence import Fence
 
+from fakegithub_client import FakeGitHub, make_app_key, new_static_token
 from gateway_proc import E2E_POLICY, GatewayProcess
 from testca import TestCA, make_test_ca
 from topology import GW_IP, FakeNet, Topology
+
+FAKE_GITHUB_APP_ID = 4242
+FAKE_GITHUB_INSTALLATION_ID = 777
 
 
 @contextlib.contextmanager
@@ -71,6 +75,31 @@ def _fresh_fakenet_counters(request: pytest.FixtureRequest) -> None:
         request.getfixturevalue("fakenet").reset()
 
 
+@pytest.fixture(scope="session")
+def fake_github(topology: Topology, test_ca: TestCA, tmp_path_factory: pytest.TempPathFactory) -> Iterator[FakeGitHub]:
+    """The fake GitHub API on 192.0.2.20:443 (api.github.test). The App's private key is at `.app_key_path`
+    (PEM, 0600), the classic token at `.static_token_path`; `.app_id` and `.installation_id` go with them."""
+    workdir = tmp_path_factory.mktemp("fakegithub")
+    app_key = workdir / "app.private-key.pem"
+    public_pem = make_app_key(app_key)
+    github = FakeGitHub(test_ca.leaf_cert, test_ca.leaf_key, static_token=new_static_token(), app_key_path=app_key)
+    github.static_token_path = workdir / "static-token"
+    github.static_token_path.touch(mode=0o600)
+    github.static_token_path.write_text(f"{github.static_token}\n")
+    github.start(topology, workdir, FAKE_GITHUB_APP_ID, public_pem, FAKE_GITHUB_INSTALLATION_ID)
+    try:
+        yield github
+    finally:
+        github.stop()
+
+
+@pytest.fixture(autouse=True)
+def _fresh_fake_github(request: pytest.FixtureRequest) -> None:
+    # Like fakenet: only tests that use the fake GitHub reset it (calls, PRs, tokens and settings).
+    if "fake_github" in request.fixturenames:
+        request.getfixturevalue("fake_github").reset()
+
+
 @pytest.fixture
 def fakenet_clean(fakenet: FakeNet) -> FakeNet:
     """fakenet with zeroed counters (the autouse fixture already resets; this name makes it explicit)."""
@@ -79,8 +108,8 @@ def fakenet_clean(fakenet: FakeNet) -> FakeNet:
 
 @pytest.fixture(scope="session")
 def fence(topology: Topology) -> Iterator[Fence]:
-    """The kernel fence on the sandbox link: only the gateway's proxy and DNS ports answer the sandbox."""
-    wall = Fence(f"{topology.prefix}_fence", topology.gw_sbx_if, GW_IP, (3128, 53), (53,))
+    """The kernel fence on the sandbox link: only the gateway's proxy, DNS and broker ports answer the sandbox."""
+    wall = Fence(f"{topology.prefix}_fence", topology.gw_sbx_if, GW_IP, (3128, 53, 8080), (53,))
     wall.install(topology.cmd(topology.gw))
     try:
         yield wall
@@ -89,11 +118,26 @@ def fence(topology: Topology) -> Iterator[Fence]:
 
 
 @pytest.fixture(scope="session")
+def broker_args(fake_github: FakeGitHub, fakenet: FakeNet, test_ca: TestCA) -> tuple[str, ...]:
+    """The gateway's broker, as a GitHub App installed on acme/*, talking to the fake GitHub API (whose name
+    fakenet's DNS serves)."""
+    return (
+        "--github-api", fake_github.api_url, "--github-app-id", str(fake_github.app_id),
+        "--github-app-key", str(fake_github.app_key_path), "--upstream-ca", str(test_ca.ca_cert),
+        "--github-timeout", "3",
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="session")
 def gateway(
-    topology: Topology, fakenet: FakeNet, fence: Fence, tmp_path_factory: pytest.TempPathFactory
+    topology: Topology,
+    fakenet: FakeNet,
+    fence: Fence,
+    broker_args: tuple[str, ...],
+    tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[GatewayProcess]:
     """The shared `airlock gateway` process (e2e policy) for tests that do not need their own."""
-    gw = GatewayProcess(topology, tmp_path_factory.mktemp("gateway")).start()
+    gw = GatewayProcess(topology, tmp_path_factory.mktemp("gateway"), extra=broker_args).start()
     try:
         yield gw
     finally:
@@ -102,14 +146,19 @@ def gateway(
 
 @pytest.fixture
 def own_gateway(
-    topology: Topology, fakenet: FakeNet, fence: Fence, tmp_path: Path, gateway: GatewayProcess
+    topology: Topology,
+    fakenet: FakeNet,
+    fence: Fence,
+    tmp_path: Path,
+    gateway: GatewayProcess,
+    broker_args: tuple[str, ...],
 ) -> Iterator[Callable[..., GatewayProcess]]:
     """Start a gateway with its own policy/options; the shared one is stopped meanwhile and restarted after."""
     gateway.stop()
     started: list[GatewayProcess] = []
 
     def start(policy: Path = E2E_POLICY, extra: tuple[str, ...] = (), **kw: str) -> GatewayProcess:
-        gw = GatewayProcess(topology, tmp_path / f"gw{len(started)}", policy, extra, **kw)
+        gw = GatewayProcess(topology, tmp_path / f"gw{len(started)}", policy, broker_args + extra, **kw)
         gw.workdir.mkdir()
         started.append(gw)
         return gw.start()

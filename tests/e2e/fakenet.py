@@ -63,6 +63,7 @@ ZONE: dict[str, list[tuple[str, str]]] = {
     "svc.internal.test": [("A", "10.1.2.4")],
     "v6.allowed.test": [("AAAA", "2001:db8::10"), ("A", "192.0.2.10")],
     "txt.allowed.test": [("TXT", "hello")],
+    "api.github.test": [("A", "192.0.2.20")],  # fakegithub.py
 }
 RDATA = {"A": A, "AAAA": AAAA, "CNAME": CNAME, "NS": NS, "TXT": TXT}
 
@@ -468,7 +469,8 @@ async def serve(args: argparse.Namespace) -> None:
         async def on_client(r: asyncio.StreamReader, w: asyncio.StreamWriter, h: Handler = handler) -> None:
             await guarded(h, stats, r, w)
 
-        servers.append(await asyncio.start_server(on_client, args.bind, port, reuse_address=True))
+        # reuse_port lets fakegithub.py bind one fake address's :443 too; the kernel prefers its specific bind.
+        servers.append(await asyncio.start_server(on_client, args.bind, port, reuse_address=True, reuse_port=True))
     dns_servers = start_dns(stats, args.dns_addr, args.zone_default_ttl)
     args.control.unlink(missing_ok=True)
     servers.append(await asyncio.start_unix_server(lambda r, w: control(stats, r, w), str(args.control)))

@@ -39,7 +39,8 @@ class GatewayProcess:
     def argv(self) -> list[str]:
         return [
             AIRLOCK, "gateway", "--policy", str(self.policy), "--listen", GW_IP,
-            "--upstream-dns", self.upstream_dns, "--audit", str(self.audit_path), "--sandbox", f"sbx={SBX_IP}/32",
+            "--upstream-dns", self.upstream_dns, "--state-dir", str(self.workdir / "state"),
+            "--audit", str(self.audit_path), "--sandbox", f"sbx={SBX_IP}/32",
             *self.extra,
         ]  # fmt: skip
 

@@ -24,8 +24,10 @@ LEAF_DNS_NAMES = (
     "evil.test",
     "internal.test",
     "*.internal.test",
+    "api.github.test",
+    "github.test",
 )
-LEAF_IPS = ("192.0.2.10", "198.51.100.10", "203.0.113.66", "10.1.2.3", "10.1.2.4")
+LEAF_IPS = ("192.0.2.10", "192.0.2.20", "198.51.100.10", "203.0.113.66", "10.1.2.3", "10.1.2.4")
 
 
 @dataclass(frozen=True)

@@ -45,6 +45,7 @@ GW_ROUTES = (
 FAKE_ADDRS = {
     "192.0.2.10": "allowed.test",
     "192.0.2.11": "second public upstream",
+    "192.0.2.20": "fake GitHub API (api.github.test)",
     "192.0.2.53": "authoritative DNS for test.",
     "198.51.100.10": "other.test",
     "203.0.113.66": "evil.test",

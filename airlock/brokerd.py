@@ -1,0 +1,170 @@
+"""Running the broker inside the gateway: its state, its GitHub credential, and its two listeners."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import socket
+import ssl
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+from aiohttp.abc import AbstractResolver
+
+from airlock.broker.github import AppCredential, Credential, GitHubClient, StaticCredential
+from airlock.broker.service import Broker, BrokerSettings
+from airlock.broker.store import SqliteStore
+from airlock.broker.tokens import KeyRing, TokenAuthority
+from airlock.dns.upstream import ResolveError, Resolver
+from airlock.policy import HostError, SandboxRegistry, canonical_host, parse_ip_literal
+
+log = logging.getLogger("airlock.broker")
+
+
+class BrokerConfigError(ValueError):
+    pass
+
+
+@dataclass
+class BrokerConfig:
+    port: int = 8080  # sandbox-facing, on the gateway's sandbox address; 0: no broker
+    admin: str | None = None  # unix socket path or 127.0.0.1:PORT; default <state>/admin.sock
+    github_api: str = "https://api.github.com"
+    github_app_id: str | None = None
+    github_app_key: str | None = None  # PEM file
+    github_installation_id: int | None = None
+    github_token_file: str | None = None
+    github_token_env: str | None = None
+    github_timeout: float = 10.0
+    token_ttl: int = 900
+    token_max_ttl: int = 3600
+    calls_per_minute: int = 30
+
+    def credential(self) -> Credential | None:
+        if self.github_app_id or self.github_app_key:
+            if not (self.github_app_id and self.github_app_key):
+                raise BrokerConfigError("GitHub App mode needs both --github-app-id and --github-app-key")
+            try:
+                key = Path(self.github_app_key).read_text()
+            except OSError as e:
+                raise BrokerConfigError(f"cannot read the GitHub App key: {e}") from None
+            return AppCredential(self.github_app_id, key, self.github_installation_id)
+        if self.github_token_file:
+            try:
+                return StaticCredential(Path(self.github_token_file).read_text().strip())
+            except OSError as e:
+                raise BrokerConfigError(f"cannot read the GitHub token file: {e}") from None
+        if self.github_token_env:
+            token = os.environ.get(self.github_token_env, "").strip()
+            if not token:
+                raise BrokerConfigError(f"environment variable {self.github_token_env} is empty")
+            return StaticCredential(token)
+        return None
+
+
+class SharedResolver(AbstractResolver):
+    """aiohttp resolves through the gateway's one resolver (the gateway host may have no other)."""
+
+    def __init__(self, resolver: Resolver) -> None:
+        self.resolver = resolver
+
+    async def resolve(self, host: str, port: int = 0, family: socket.AddressFamily = socket.AF_INET) -> list[Any]:
+        try:
+            literal = parse_ip_literal(host)
+            addresses = [literal] if literal else list((await self.resolver.resolve(canonical_host(host))).addresses)
+        except (ResolveError, HostError) as e:
+            log.warning("broker cannot resolve %s: %s", host, e)
+            raise OSError(f"cannot resolve {host}: {e}") from None
+        return [
+            {
+                "hostname": host, "host": str(a), "port": port, "proto": 0, "flags": socket.AI_NUMERICHOST,
+                "family": socket.AF_INET if a.version == 4 else socket.AF_INET6,
+            }
+            for a in addresses
+            if family == socket.AF_UNSPEC or (family == socket.AF_INET) == (a.version == 4)
+        ]  # fmt: skip
+
+    async def close(self) -> None:
+        return None
+
+
+class BrokerRuntime:
+    def __init__(
+        self,
+        config: BrokerConfig,
+        state_dir: Path,
+        registry: SandboxRegistry,
+        resolver: Resolver,
+        emit: Any,
+        upstream_ca: str | None,
+    ) -> None:
+        self.config = config
+        self.state_dir = state_dir
+        self.registry = registry
+        self.resolver = resolver
+        self.emit = emit
+        self.upstream_ca = upstream_ca
+        self.broker: Broker | None = None
+        self._runners: list[web.AppRunner] = []
+        self._session: aiohttp.ClientSession | None = None
+        self.admin_address = config.admin or str(state_dir / "admin.sock")
+
+    async def start(self, listen: str) -> Broker:
+        config = self.config
+        keys = KeyRing(self.state_dir / "keys", config.token_max_ttl)
+        store = SqliteStore(self.state_dir / "broker.sqlite3")
+        credential = config.credential()
+        github = None
+        if credential is not None:
+            context = ssl.create_default_context(cafile=self.upstream_ca)
+            connector = aiohttp.TCPConnector(resolver=SharedResolver(self.resolver), ssl=context)
+            self._session = aiohttp.ClientSession(connector=connector)
+            github = GitHubClient(config.github_api, credential, self._session, config.github_timeout)
+
+        def identify(client: str) -> str | None:
+            sandbox = self.registry.identify(client) if client else None
+            return sandbox.id if sandbox else None
+
+        settings = BrokerSettings(calls_per_minute=config.calls_per_minute)
+        self.broker = Broker(TokenAuthority(keys, config.token_ttl), store, identify, github, self.emit, settings)
+        await self._serve(self.broker.sandbox_app(), listen, config.port)
+        await self._serve_admin(self.broker.admin_app())
+        return self.broker
+
+    async def _serve(self, app: web.Application, host: str, port: int) -> None:
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        self._runners.append(runner)
+        await web.TCPSite(runner, host, port, reuse_address=True).start()
+
+    async def _serve_admin(self, app: web.Application) -> None:
+        address = self.admin_address
+        if address.startswith("/") or not address.rpartition(":")[2].isdigit():
+            runner = web.AppRunner(app, access_log=None)
+            await runner.setup()
+            self._runners.append(runner)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(address)
+            old_umask = os.umask(0o177)  # the socket is the admin credential: owner only
+            try:
+                await web.UnixSite(runner, address).start()
+            finally:
+                os.umask(old_umask)
+            return
+        host, _, port = address.rpartition(":")
+        if host not in ("127.0.0.1", "::1", "localhost"):
+            raise BrokerConfigError("the admin listener must be loopback or a unix socket")
+        await self._serve(app, host, int(port))
+
+    async def stop(self) -> None:
+        for runner in self._runners:
+            await runner.cleanup()
+        self._runners.clear()
+        if self._session is not None:
+            await self._session.close()
+        if self.broker is not None:
+            self.broker.store.close()  # type: ignore[attr-defined]

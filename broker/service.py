@@ -1,0 +1,300 @@
+"""The broker's HTTP surfaces.
+
+- Sandbox-facing (through the fence, on the gateway's sandbox address): `POST /v1/tools/create_pull_request`.
+  The caller presents only its sandbox token; the broker checks it, checks the grant, and acts with its own
+  credential. Responses carry results, never credentials.
+- Admin (loopback or a unix socket the sandboxes cannot reach): mint and revoke tokens, rotate keys, JWKS.
+
+Errors are JSON `{error, message}` with honest statuses: 401 token invalid/expired/revoked, 403 outside the
+grant or wrong sandbox, 422 validation, 429 rate limit, 502/504 upstream, 503 broker state unavailable.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from aiohttp import web
+
+from airlock.policy import AuditRecord
+
+from .github import GitHubClient, UpstreamError
+from .grants import Grant, GrantError, valid_branch, validated
+from .store import BrokerStore, StoreError
+from .tokens import Claims, TokenAuthority, TokenError
+
+log = logging.getLogger("airlock.broker")
+
+MAX_TITLE = 256
+MAX_BODY = 65536
+MAX_REQUEST_BYTES = 128 * 1024
+UNKNOWN_SANDBOX = "-"  # what the audit record names a source address no sandbox owns
+
+
+@dataclass
+class BrokerSettings:
+    calls_per_minute: int = 30  # per token
+    burst: int = 10
+
+
+class BrokerError(Exception):
+    def __init__(self, status: int, code: str, message: str) -> None:
+        super().__init__(message)
+        self.status, self.code, self.message = status, code, message
+
+
+class _RateLimiter:
+    def __init__(self, per_minute: int, burst: int) -> None:
+        self.rate, self.burst = per_minute / 60.0, burst
+        self._buckets: dict[str, tuple[float, float]] = {}
+
+    def allow(self, key: str) -> bool:
+        now = time.monotonic()
+        tokens, stamp = self._buckets.get(key, (float(self.burst), now))
+        tokens = min(self.burst, tokens + (now - stamp) * self.rate)
+        if tokens < 1:
+            self._buckets[key] = (tokens, now)
+            return False
+        self._buckets[key] = (tokens - 1, now)
+        return True
+
+
+class Broker:
+    def __init__(
+        self,
+        authority: TokenAuthority,
+        store: BrokerStore,
+        identify: Callable[[str], str | None],
+        github: GitHubClient | None,
+        emit: Callable[[AuditRecord], None],
+        settings: BrokerSettings | None = None,
+    ) -> None:
+        self.authority = authority
+        self.store = store
+        self.identify = identify  # client address → sandbox id (from the gateway's registry)
+        self.github = github
+        self.emit = emit
+        self.settings = settings or BrokerSettings()
+        self._limiter = _RateLimiter(self.settings.calls_per_minute, self.settings.burst)
+        self._inflight: dict[tuple[str, str], asyncio.Lock] = {}
+
+    # --- sandbox-facing -----------------------------------------------------------------------------------------
+
+    def sandbox_app(self) -> web.Application:
+        app = web.Application(client_max_size=MAX_REQUEST_BYTES, middlewares=[_json_errors])
+        app.router.add_post("/v1/tools/create_pull_request", self.create_pull_request)
+        return app
+
+    async def create_pull_request(self, request: web.Request) -> web.Response:
+        client = request.remote or "-"
+        record = AuditRecord("broker", self.identify(client) or UNKNOWN_SANDBOX, client, "-", None, "deny", "")
+        record.method, record.path = "create_pull_request", request.path
+        try:
+            status, body = await self._create_pull_request(request, record)
+            record.decision, record.extra["status"] = "allow", status
+            return web.json_response(body, status=status, headers=_location(body))
+        except BrokerError as e:
+            record.decision = "error" if e.status >= 500 else "deny"
+            record.reason, record.extra["status"] = e.message, e.status
+            raise
+        finally:
+            record.reason = self._redact(record.reason)
+            self.emit(record)
+            try:
+                self.store.record_call(json.loads(record.to_json()))
+            except StoreError:
+                log.exception("could not record a brokered call")
+
+    async def _create_pull_request(self, request: web.Request, record: AuditRecord) -> tuple[int, dict[str, Any]]:
+        claims = self._authenticate(request, record)
+        if not self._limiter.allow(claims.jti):
+            raise BrokerError(429, "rate_limited", f"more than {self.settings.calls_per_minute} calls a minute")
+        fields = await _pull_request_fields(request)
+        repo = fields.pop("repo")
+        record.host = repo
+        record.extra.update(head=fields["head"], base=fields["base"])
+        refusals = [g.permits("create_pull_request", repo, fields["base"], fields["head"]) for g in claims.grants]
+        if all(refusals):
+            raise BrokerError(403, "outside_grant", refusals[0] or "no grant")
+        if self.github is None:
+            raise BrokerError(503, "not_configured", "the broker has no GitHub credential configured")
+        scope = claims.sandbox
+        request_hash = hashlib.sha256(json.dumps([repo, fields], sort_keys=True).encode()).hexdigest()
+        # Without a key, the same token asking the same thing twice is the same call.
+        key = request.headers.get("Idempotency-Key") or f"jti:{claims.jti}:{request_hash}"
+        lock = self._inflight.setdefault((scope, key), asyncio.Lock())
+        async with lock:
+            previous = self._idempotent(scope, key, request_hash)
+            if previous is not None:
+                record.reason = "replayed idempotent result"
+                return previous
+            try:
+                pull, existed = await self.github.create_pull_request(repo, fields)
+            except UpstreamError as e:
+                raise BrokerError(e.status, e.code, self._redact(e.message)) from None
+            body = _pull_summary(pull, existed)
+            record.extra["number"] = body["number"]
+            record.reason = "existing pull request" if existed else "created"
+            status = 200 if existed else 201
+            self._store(lambda: self.store.idempotent_put(scope, key, request_hash, status, body))
+        self._inflight.pop((scope, key), None)
+        return status, body
+
+    def _authenticate(self, request: web.Request, record: AuditRecord) -> Claims:
+        header = request.headers.get("Authorization", "")
+        scheme, _, token = header.partition(" ")
+        if scheme.lower() != "bearer" or not token.strip():
+            raise BrokerError(401, "missing_token", "send the sandbox token as 'Authorization: Bearer <token>'")
+        try:
+            claims = self.authority.verify(token.strip())
+        except TokenError as e:
+            raise BrokerError(401, "invalid_token", str(e)) from None
+        record.extra["jti"] = claims.jti
+        if record.sandbox == UNKNOWN_SANDBOX:
+            # Checked on its own: a token minted for a sandbox named "-" must not match an unknown source.
+            raise BrokerError(403, "unknown_sandbox", "requests must come from a sandbox's own network")
+        if record.sandbox != claims.sandbox:
+            # A token is usable only from the network of the sandbox it was minted for.
+            raise BrokerError(403, "wrong_sandbox", "this token belongs to another sandbox")
+        if self._store(lambda: self.store.is_revoked(claims.jti, claims.sandbox, claims.issued_at)):
+            raise BrokerError(401, "revoked_token", "token has been revoked")
+        return claims
+
+    def _idempotent(self, scope: str, key: str, request_hash: str) -> tuple[int, dict[str, Any]] | None:
+        previous = self._store(lambda: self.store.idempotent_get(scope, key))
+        if previous is None:
+            return None
+        stored_hash, status, body = previous
+        if stored_hash != request_hash:
+            raise BrokerError(422, "idempotency_conflict", "Idempotency-Key was used before with other arguments")
+        return status, body
+
+    def _store(self, action: Callable[[], Any]) -> Any:
+        try:
+            return action()
+        except StoreError as e:
+            log.error("broker state unavailable: %s", e)
+            raise BrokerError(503, "state_unavailable", "broker state is unavailable; refusing to act") from None
+
+    def _redact(self, text: str) -> str:
+        for value in self.github.secrets() if self.github else []:
+            text = text.replace(value, "[redacted]")
+        return text
+
+    # --- admin --------------------------------------------------------------------------------------------------
+
+    def admin_app(self) -> web.Application:
+        app = web.Application(client_max_size=MAX_REQUEST_BYTES, middlewares=[_json_errors])
+        app.router.add_post("/v1/tokens", self.issue_token)
+        app.router.add_post("/v1/revocations", self.revoke)
+        app.router.add_post("/v1/keys/rotate", self.rotate_keys)
+        app.router.add_get("/v1/jwks", self.jwks)
+        return app
+
+    def mint(self, sandbox: str, grants: list[Grant], ttl: int | None = None) -> tuple[str, Claims]:
+        try:
+            return self.authority.mint(sandbox, grants, ttl)
+        except TokenError as e:
+            raise BrokerError(422, "invalid_request", str(e)) from None
+
+    async def issue_token(self, request: web.Request) -> web.Response:
+        body = await _json_object(request)
+        sandbox = body.get("sandbox")
+        if not isinstance(sandbox, str) or not sandbox:
+            raise BrokerError(422, "invalid_request", "sandbox is required")
+        raw_grants = body.get("grants", [])
+        if not isinstance(raw_grants, list):  # a string or object would be iterated, a number would raise
+            raise BrokerError(422, "invalid_request", "grants must be a list of grant objects")
+        try:
+            grants = [Grant.from_claim(g) for g in raw_grants]
+        except GrantError as e:
+            raise BrokerError(422, "invalid_request", str(e)) from None
+        ttl = body.get("ttl")
+        if ttl is not None and (not isinstance(ttl, int) or isinstance(ttl, bool)):  # true is not 1 second
+            raise BrokerError(422, "invalid_request", "ttl must be whole seconds")
+        token, claims = self.mint(sandbox, grants, ttl)
+        return web.json_response(
+            {"token": token, "jti": claims.jti, "sandbox": sandbox, "expires_at": claims.expires_at}
+        )
+
+    async def revoke(self, request: web.Request) -> web.Response:
+        body = await _json_object(request)
+        if isinstance(body.get("jti"), str):
+            self._store(lambda: self.store.revoke_token(body["jti"], int(time.time()) + self.authority.keys.max_ttl))
+            return web.json_response({"revoked": {"jti": body["jti"]}})
+        if isinstance(body.get("sandbox"), str):
+            self._store(lambda: self.store.revoke_sandbox(body["sandbox"]))
+            return web.json_response({"revoked": {"sandbox": body["sandbox"]}})
+        raise BrokerError(422, "invalid_request", "give jti or sandbox")
+
+    async def rotate_keys(self, request: web.Request) -> web.Response:
+        return web.json_response({"kid": self.authority.keys.rotate()})
+
+    async def jwks(self, request: web.Request) -> web.Response:
+        return web.json_response(self.authority.keys.jwks())
+
+
+@web.middleware
+async def _json_errors(request: web.Request, handler: Callable) -> web.StreamResponse:
+    try:
+        return await handler(request)
+    except BrokerError as e:
+        return web.json_response({"error": e.code, "message": e.message}, status=e.status)
+    except web.HTTPException as e:
+        return web.json_response({"error": "http_error", "message": e.reason}, status=e.status)
+
+
+async def _json_object(request: web.Request) -> dict[str, Any]:
+    try:
+        body = await request.json()
+    except (ValueError, UnicodeDecodeError):
+        raise BrokerError(422, "invalid_json", "the request body must be a JSON object") from None
+    except web.HTTPRequestEntityTooLarge:
+        raise BrokerError(413, "too_large", f"request bodies are limited to {MAX_REQUEST_BYTES} bytes") from None
+    if not isinstance(body, dict):
+        raise BrokerError(422, "invalid_json", "the request body must be a JSON object")
+    return body
+
+
+async def _pull_request_fields(request: web.Request) -> dict[str, Any]:
+    body = await _json_object(request)
+    unknown = set(body) - {"repo", "head", "base", "title", "body", "draft"}
+    if unknown:
+        raise BrokerError(422, "invalid_request", f"unknown fields: {', '.join(sorted(unknown))}")
+    repo, head, base, title = (body.get(k) for k in ("repo", "head", "base", "title"))
+    text, draft = body.get("body", ""), body.get("draft", False)
+    if not all(isinstance(v, str) for v in (repo, head, base, title, text)) or not isinstance(draft, bool):
+        raise BrokerError(422, "invalid_request", "repo, head, base, title (and body) are strings; draft is a bool")
+    try:
+        validated("create_pull_request", repo, (base,), head)
+    except GrantError as e:
+        raise BrokerError(422, "invalid_request", str(e)) from None
+    if not (valid_branch(head) and valid_branch(base)):
+        raise BrokerError(422, "invalid_request", "head and base must be branch names")
+    if not 0 < len(title.strip()) <= MAX_TITLE or len(text) > MAX_BODY:
+        raise BrokerError(422, "invalid_request", f"title is 1-{MAX_TITLE} characters, body at most {MAX_BODY}")
+    return {"repo": repo, "head": head, "base": base, "title": title, "body": text, "draft": draft}
+
+
+def _pull_summary(pull: dict[str, Any], existed: bool) -> dict[str, Any]:
+    """Only what the agent needs; nothing GitHub returned about tokens or installations."""
+    return {
+        "number": pull.get("number"),
+        "url": pull.get("url"),
+        "html_url": pull.get("html_url"),
+        "state": pull.get("state"),
+        "draft": pull.get("draft"),
+        "head": (pull.get("head") or {}).get("ref"),
+        "base": (pull.get("base") or {}).get("ref"),
+        "existing": existed,
+    }
+
+
+def _location(body: dict[str, Any]) -> dict[str, str]:
+    return {"Location": str(body["url"])} if body.get("url") and not body.get("existing") else {}

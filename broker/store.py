@@ -1,0 +1,93 @@
+"""Broker state that must survive a restart: revocations, idempotency records, the record of brokered calls.
+
+`BrokerStore` is the interface; `SqliteStore` (WAL) is the default. A fleet of gateways would put a shared
+store behind the same methods. Any store failure raises `StoreError`, and the broker answers 503: an unreadable
+revocation list must never read as "not revoked".
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import threading
+import time
+from pathlib import Path
+from typing import Any, Protocol
+
+
+class StoreError(Exception):
+    pass
+
+
+class BrokerStore(Protocol):
+    def revoke_token(self, jti: str, expires_at: int) -> None: ...
+    def revoke_sandbox(self, sandbox: str) -> None: ...
+    def is_revoked(self, jti: str, sandbox: str, issued_at: int) -> bool: ...
+    def idempotent_get(self, scope: str, key: str) -> tuple[str, int, dict[str, Any]] | None: ...
+    def idempotent_put(self, scope: str, key: str, request_hash: str, status: int, body: dict[str, Any]) -> None: ...
+    def record_call(self, record: dict[str, Any]) -> None: ...
+
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS revoked_token (jti TEXT PRIMARY KEY, expires_at INTEGER NOT NULL);
+CREATE TABLE IF NOT EXISTS revoked_sandbox (sandbox TEXT PRIMARY KEY, revoked_at REAL NOT NULL);
+CREATE TABLE IF NOT EXISTS idempotency (
+    scope TEXT NOT NULL, key TEXT NOT NULL, request_hash TEXT NOT NULL, status INTEGER NOT NULL,
+    body TEXT NOT NULL, created REAL NOT NULL, PRIMARY KEY (scope, key)
+);
+CREATE TABLE IF NOT EXISTS brokered_call (ts REAL NOT NULL, record TEXT NOT NULL);
+"""
+
+
+class SqliteStore:
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._lock = threading.Lock()
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None, timeout=5)
+            self._db.execute("PRAGMA journal_mode=WAL")
+            self._db.execute("PRAGMA synchronous=NORMAL")
+            self._db.executescript(_SCHEMA)
+        except (sqlite3.Error, OSError) as e:
+            raise StoreError(f"cannot open broker state {path}: {e}") from e
+
+    def _run(self, sql: str, args: tuple = ()) -> list[tuple]:
+        try:
+            with self._lock:
+                return self._db.execute(sql, args).fetchall()
+        except sqlite3.Error as e:
+            raise StoreError(f"broker state {self.path}: {e}") from e
+
+    def revoke_token(self, jti: str, expires_at: int) -> None:
+        self._run("INSERT OR REPLACE INTO revoked_token VALUES (?, ?)", (jti, expires_at))
+
+    def revoke_sandbox(self, sandbox: str) -> None:
+        self._run("INSERT OR REPLACE INTO revoked_sandbox VALUES (?, ?)", (sandbox, time.time()))
+
+    def is_revoked(self, jti: str, sandbox: str, issued_at: int) -> bool:
+        if self._run("SELECT 1 FROM revoked_token WHERE jti = ?", (jti,)):
+            return True
+        # Every token the sandbox held when it was revoked (iat is whole seconds: compare generously).
+        rows = self._run("SELECT revoked_at FROM revoked_sandbox WHERE sandbox = ?", (sandbox,))
+        return bool(rows) and issued_at <= rows[0][0]
+
+    def idempotent_get(self, scope: str, key: str) -> tuple[str, int, dict[str, Any]] | None:
+        rows = self._run("SELECT request_hash, status, body FROM idempotency WHERE scope = ? AND key = ?", (scope, key))
+        if not rows:
+            return None
+        request_hash, status, body = rows[0]
+        return request_hash, status, json.loads(body)
+
+    def idempotent_put(self, scope: str, key: str, request_hash: str, status: int, body: dict[str, Any]) -> None:
+        self._run(
+            "INSERT OR REPLACE INTO idempotency VALUES (?, ?, ?, ?, ?, ?)",
+            (scope, key, request_hash, status, json.dumps(body), time.time()),
+        )
+
+    def record_call(self, record: dict[str, Any]) -> None:
+        self._run("INSERT INTO brokered_call VALUES (?, ?)", (time.time(), json.dumps(record)))
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()

@@ -1,0 +1,178 @@
+"""Sandbox tokens: short-lived Ed25519 JWTs, scoped by grants and bound to one sandbox.
+
+Keys live in the broker's state directory, one PEM per `kid`. Rotation adds a key and retires the old one;
+a retired key still verifies until every token it could have signed has expired (its retirement + max TTL).
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import secrets
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import jwt
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+
+from .grants import Grant, GrantError
+
+ISSUER = "airlock"
+AUDIENCE = "airlock-broker"
+ALGORITHM = "EdDSA"
+LEEWAY = 5  # seconds of clock skew tolerated on exp/nbf/iat
+
+
+class TokenError(Exception):
+    """The token is not acceptable; the message is safe to show to the caller."""
+
+
+@dataclass(frozen=True, slots=True)
+class Claims:
+    sandbox: str
+    jti: str
+    issued_at: int
+    expires_at: int
+    grants: tuple[Grant, ...]
+
+
+@dataclass
+class _Key:
+    kid: str
+    private: Ed25519PrivateKey
+    created: float
+    retired: float | None
+
+
+class KeyRing:
+    def __init__(self, directory: Path, max_ttl: int) -> None:
+        self.directory = directory
+        self.max_ttl = max_ttl
+        self._keys: dict[str, _Key] = {}
+        directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+        self._load()
+        if self.active() is None:
+            self.rotate()
+
+    def _load(self) -> None:
+        for meta_path in sorted(self.directory.glob("*.json")):
+            meta = json.loads(meta_path.read_text())
+            pem = (self.directory / f"{meta['kid']}.pem").read_bytes()
+            private = serialization.load_pem_private_key(pem, password=None)
+            if not isinstance(private, Ed25519PrivateKey):
+                raise TokenError(f"{meta_path}: not an Ed25519 key")
+            self._keys[meta["kid"]] = _Key(meta["kid"], private, meta["created"], meta.get("retired"))
+
+    def _save(self, key: _Key) -> None:
+        pem = key.private.private_bytes(
+            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+        )
+        pem_path = self.directory / f"{key.kid}.pem"
+        fd = os.open(pem_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            f.write(pem)
+        meta = {"kid": key.kid, "created": key.created, "retired": key.retired}
+        (self.directory / f"{key.kid}.json").write_text(json.dumps(meta))
+
+    def active(self) -> _Key | None:
+        live = [k for k in self._keys.values() if k.retired is None]
+        return max(live, key=lambda k: k.created) if live else None
+
+    def rotate(self) -> str:
+        now = time.time()
+        for key in self._keys.values():
+            if key.retired is None:
+                key.retired = now
+                self._save(key)
+        key = _Key(f"k{int(now)}-{secrets.token_hex(3)}", Ed25519PrivateKey.generate(), now, None)
+        self._keys[key.kid] = key
+        self._save(key)
+        return key.kid
+
+    def verifying_key(self, kid: str) -> Ed25519PublicKey | None:
+        key = self._keys.get(kid)
+        if key is None or (key.retired is not None and key.retired + self.max_ttl + LEEWAY < time.time()):
+            return None
+        return key.private.public_key()
+
+    def jwks(self) -> dict[str, Any]:
+        keys = []
+        for kid in self._keys:
+            public = self.verifying_key(kid)
+            if public is None:
+                continue
+            raw = public.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
+            x = base64.urlsafe_b64encode(raw).rstrip(b"=").decode()
+            keys.append({"kty": "OKP", "crv": "Ed25519", "alg": ALGORITHM, "use": "sig", "kid": kid, "x": x})
+        return {"keys": keys}
+
+
+class TokenAuthority:
+    def __init__(self, keys: KeyRing, default_ttl: int = 900) -> None:
+        self.keys = keys
+        self.default_ttl = default_ttl
+
+    def mint(self, sandbox: str, grants: list[Grant], ttl: int | None = None) -> tuple[str, Claims]:
+        ttl = self.default_ttl if ttl is None else ttl
+        if not 0 < ttl <= self.keys.max_ttl:
+            raise TokenError(f"ttl must be between 1 and {self.keys.max_ttl} seconds")
+        if not grants:
+            raise TokenError("a token needs at least one grant")
+        key = self.keys.active()
+        assert key is not None
+        now = int(time.time())
+        claims = Claims(sandbox, uuid.uuid4().hex, now, now + ttl, tuple(grants))
+        payload = {
+            "iss": ISSUER, "aud": AUDIENCE, "sub": sandbox, "iat": now, "nbf": now, "exp": now + ttl,
+            "jti": claims.jti, "grants": [g.to_claim() for g in grants],
+        }  # fmt: skip
+        token = jwt.encode(payload, key.private, algorithm=ALGORITHM, headers={"kid": key.kid})
+        return token, claims
+
+    def verify(self, token: str) -> Claims:
+        """Signature, algorithm, kid, iss, aud, exp/nbf/iat; the caller checks sandbox binding and revocation."""
+        try:
+            header = jwt.get_unverified_header(token)
+        except jwt.PyJWTError:
+            raise TokenError("malformed token") from None
+        if header.get("alg") != ALGORITHM:
+            raise TokenError("token algorithm is not allowed")
+        kid = header.get("kid")
+        public = self.keys.verifying_key(kid) if isinstance(kid, str) else None
+        if public is None:
+            raise TokenError("token signed by an unknown or retired key")
+        try:
+            payload = jwt.decode(
+                token,
+                public,
+                algorithms=[ALGORITHM],
+                audience=AUDIENCE,
+                issuer=ISSUER,
+                leeway=LEEWAY,
+                options={"require": ["exp", "iat", "nbf", "sub", "jti", "aud", "iss"]},
+            )
+        except jwt.ExpiredSignatureError:
+            raise TokenError("token has expired") from None
+        except jwt.ImmatureSignatureError:
+            raise TokenError("token is not valid yet") from None
+        except jwt.PyJWTError:
+            raise TokenError("token signature or claims are invalid") from None
+        # pyjwt accepts "123" and 1.5 for the times; we mint whole seconds, so anything else is not ours.
+        if any(type(payload[c]) is not int for c in ("exp", "iat", "nbf")):
+            raise TokenError("token signature or claims are invalid")
+        if payload["exp"] - payload["iat"] > self.keys.max_ttl:
+            raise TokenError("token lifetime exceeds the broker's maximum")
+        # A token without grants is never minted; refuse one here rather than fail later (or iterate a non-list).
+        raw_grants = payload.get("grants")
+        if not isinstance(raw_grants, list) or not raw_grants:
+            raise TokenError("token grants are invalid: a token needs a list of grants")
+        try:
+            grants = tuple(Grant.from_claim(g) for g in raw_grants)
+        except GrantError as e:
+            raise TokenError(f"token grants are invalid: {e}") from None
+        return Claims(str(payload["sub"]), str(payload["jti"]), int(payload["iat"]), int(payload["exp"]), grants)

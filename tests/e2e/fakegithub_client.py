@@ -1,0 +1,251 @@
+"""Client for fakegithub.py (the fake GitHub REST API) running in the topology's `net` namespace, plus an HTTPS
+client for calling it from inside a test namespace (run it through netclient.in_netns)."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import secrets
+import socket
+import ssl
+import string
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Self
+
+import jwt
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric import rsa
+
+from netclient import Reply
+from topology import Topology, _stop_proc
+
+GITHUB_IP = "192.0.2.20"
+GITHUB_HOST = "api.github.test"
+GITHUB_API = f"https://{GITHUB_HOST}"
+GITHUB_WEB = "https://github.test"
+ACCEPT = "application/vnd.github+json"
+API_VERSION = "2022-11-28"
+
+
+def make_app_key(path: Path) -> str:
+    """Write a fresh RSA-2048 GitHub App private key (PKCS#1 PEM, like the file GitHub hands out) to `path` with
+    mode 0600; return the public key PEM the fake verifies JWTs with."""
+    key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
+    pem = key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.TraditionalOpenSSL, serialization.NoEncryption()
+    )
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.touch(mode=0o600)
+    path.write_bytes(pem)
+    public = key.public_key().public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
+    return public.decode()
+
+
+class FakeGitHub:
+    """Client for fakegithub.py. After start(): app_id, installation_id, owner, static_token (and, when the fixture
+    made one, app_key_path / static_token_path) describe the App the broker is configured with."""
+
+    script = Path(__file__).with_name("fakegithub.py")
+    ip = GITHUB_IP
+    port = 443
+    host = GITHUB_HOST
+    api_url = GITHUB_API
+    web_url = GITHUB_WEB
+
+    def __init__(
+        self,
+        cert: Path,
+        key: Path,
+        owner: str = "acme",
+        static_token: str | None = None,
+        app_key_path: Path | None = None,
+    ) -> None:
+        self.cert, self.key, self.owner = cert, key, owner
+        self.static_token = static_token
+        self.static_token_path: Path | None = None
+        self.app_key_path = app_key_path
+        self.app_id: int | None = None
+        self.installation_id: int | None = None
+        self.proc: subprocess.Popen[Any] | None = None
+        self.control: Path | None = None
+        self.workdir: Path | None = None
+
+    def start(
+        self,
+        topology: Topology,
+        workdir: Path,
+        app_id: int,
+        app_public_key_pem: str | bytes,
+        installation_id: int,
+        timeout: float = 20,
+    ) -> Self:
+        workdir.mkdir(parents=True, exist_ok=True)
+        self.workdir, self.app_id, self.installation_id = workdir, app_id, installation_id
+        self.control = workdir / "fakegithub.sock"
+        public_key = workdir / "app.public.pem"
+        pem = app_public_key_pem.encode() if isinstance(app_public_key_pem, str) else app_public_key_pem
+        public_key.write_bytes(pem)
+        argv = [
+            sys.executable,
+            self.script,
+            "--control",
+            self.control,
+            "--cert",
+            self.cert,
+            "--key",
+            self.key,
+            "--listen",
+            self.ip,
+            "--port",
+            str(self.port),
+            "--app-id",
+            str(app_id),
+            "--app-public-key",
+            public_key,
+            "--installation-id",
+            str(installation_id),
+            "--owner",
+            self.owner,
+        ]
+        if self.static_token:
+            argv += ["--static-token", self.static_token]
+        with (workdir / "stdout.log").open("wb") as out, (workdir / "stderr.log").open("wb") as err:
+            self.proc = topology.popen(topology.net, argv, stdout=out, stderr=err, stdin=subprocess.DEVNULL)
+        deadline = time.monotonic() + timeout
+        while b"READY" not in (workdir / "stdout.log").read_bytes():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"fakegithub did not start:\n{self.log_text()}")
+            time.sleep(0.05)
+        self.ping()
+        return self
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            _stop_proc(self.proc)
+            self.proc = None
+
+    def log_text(self) -> str:
+        """fakegithub's stderr, for failure messages."""
+        path = self.workdir / "stderr.log" if self.workdir else None
+        return path.read_text(errors="replace") if path and path.exists() else ""
+
+    def _call(self, cmd: str, **kw: Any) -> dict[str, Any]:
+        if self.control is None:
+            raise RuntimeError("fakegithub not started")
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+            sock.settimeout(10)
+            sock.connect(str(self.control))
+            sock.sendall(json.dumps({"cmd": cmd, **kw}).encode() + b"\n")
+            with sock.makefile("rb") as reader:
+                answer = json.loads(reader.readline())
+        if "error" in answer:
+            raise RuntimeError(f"fakegithub {cmd}: {answer['error']}")
+        return answer
+
+    # ------------------------------------------------------------------------------------------- control
+
+    def ping(self) -> dict[str, Any]:
+        return self._call("ping")
+
+    def stats(self) -> dict[str, Any]:
+        """calls, prs, tokens (issued installation tokens), connections (TCP accepts) and settings."""
+        return self._call("stats")
+
+    def reset(self) -> None:
+        """Forget calls, PRs and tokens; settings back to their defaults."""
+        self._call("reset")
+
+    def set(self, **settings: Any) -> dict[str, Any]:
+        """Change behaviour: hang, hang_after_create, hang_seconds, fail_status, token_fail_status, token_ttl."""
+        return self._call("set", **settings)["settings"]
+
+    def expire_tokens(self) -> int:
+        """Make every installation token issued so far expired; returns how many."""
+        return self._call("expire_tokens")["expired"]
+
+    # ------------------------------------------------------------------------------------------- views
+
+    def calls(self, path_prefix: str | None = None, method: str | None = None) -> list[dict[str, Any]]:
+        """Recorded requests: method, path, query, auth_scheme, token (raw), credential (app_jwt | installation |
+        static | unknown | None), body, status, response, hung, user_agent, accept, api_version, client."""
+        return [
+            c
+            for c in self.stats()["calls"]
+            if (path_prefix is None or c["path"].startswith(path_prefix)) and (method is None or c["method"] == method)
+        ]
+
+    def prs(self) -> list[dict[str, Any]]:
+        """PRs created: repo, number, title, head, base, body, draft, state, user, token, credential, html_url, url."""
+        return self.stats()["prs"]
+
+    def tokens(self) -> list[dict[str, Any]]:
+        """Installation tokens issued: token, permissions, repositories (None = all), expires_at, revoked, ..."""
+        return self.stats()["tokens"]
+
+    def connections(self) -> int:
+        return self.stats()["connections"]
+
+    # ------------------------------------------------------------------------------------------- helpers
+
+    def app_jwt(self, lifetime: int = 540, iat_offset: int = -60, **claims: Any) -> str:
+        """An App JWT as the broker should mint it (iat 60 s back, exp iat + lifetime); claims override."""
+        if self.app_key_path is None or self.app_id is None:
+            raise RuntimeError("no App key: start the fake with app_key_path set")
+        iat = int(time.time()) + iat_offset
+        payload = {"iat": iat, "exp": iat + lifetime, "iss": str(self.app_id), **claims}
+        # PyJWS, not jwt.encode: PyJWT refuses a numeric iss, which GitHub (and octokit) accept.
+        return jwt.PyJWS().encode(json.dumps(payload).encode(), self.app_key_path.read_text(), algorithm="RS256")
+
+
+def new_static_token() -> str:
+    """A classic-PAT-shaped token: ghp_ and 36 alphanumerics."""
+    return "ghp_" + "".join(secrets.choice(string.ascii_letters + string.digits) for _ in range(36))
+
+
+def github_request(
+    ca_file: str | Path,
+    method: str,
+    path: str,
+    token: str | None = None,
+    scheme: str = "token",
+    body: Any = None,
+    raw_body: bytes | None = None,
+    headers: dict[str, str] | None = None,
+    timeout: float = 10,
+    address: tuple[str, int] = (GITHUB_IP, 443),
+) -> Reply:
+    """One HTTPS request to the fake from the calling thread's namespace (use in_netns), verified against ca_file
+    for api.github.test, with GitHub's usual headers (headers override; a None value drops one)."""
+    all_headers: dict[str, str | None] = {
+        "Accept": ACCEPT,
+        "X-GitHub-Api-Version": API_VERSION,
+        "User-Agent": "airlock-e2e",
+    }
+    if token is not None:
+        all_headers["Authorization"] = f"{scheme} {token}"
+    all_headers.update(headers or {})
+    data = raw_body if raw_body is not None else (json.dumps(body).encode() if body is not None else None)
+    if data is not None:
+        all_headers.setdefault("Content-Type", "application/json")
+        all_headers["Content-Length"] = str(len(data))
+    context = ssl.create_default_context(cafile=str(ca_file))
+    conn = http.client.HTTPSConnection(GITHUB_HOST, address[1], timeout=timeout, context=context)
+    try:
+        # Connect by address: names of the fake internet only resolve through fakenet, never the host's resolver.
+        raw = socket.create_connection(address, timeout=timeout)
+        conn.sock = context.wrap_socket(raw, server_hostname=GITHUB_HOST)
+        conn.putrequest(method, path, skip_accept_encoding=True)
+        for name, value in all_headers.items():
+            if value is not None:
+                conn.putheader(name, value)
+        conn.endheaders(data)
+        response = conn.getresponse()
+        return Reply(response.status, dict(response.getheaders()), response.read())
+    except (OSError, http.client.HTTPException) as e:
+        return Reply(0, {}, error=f"{type(e).__name__}: {e}")
+    finally:
+        conn.close()

@@ -1,0 +1,308 @@
+"""The credential broker end to end: the agent's call comes from inside the sandbox namespace with only its
+token; the broker acts on the fake GitHub API with its own, narrowed credential."""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import hmac
+import http.client
+import json
+import subprocess
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import jwt
+import pytest
+from cryptography.hazmat.primitives import serialization
+
+from airlock.broker.tokens import KeyRing
+
+from fakegithub_client import FakeGitHub
+from gateway_proc import AIRLOCK, E2E_POLICY, GatewayProcess
+from netclient import in_netns
+from topology import DNS_SERVER, GW_IP, Topology
+
+BROKER = (GW_IP, 8080)
+PR_PATH = "/v1/tools/create_pull_request"
+GRANT = "create_pull_request:acme/app:base=main|release,head=agent/*"
+PR = {"repo": "acme/app", "head": "agent/feature-1", "base": "main", "title": "Add the feature"}
+
+
+def issue_token(gw: GatewayProcess, sandbox: str = "sbx", grant: str = GRANT, ttl: str = "10m") -> str:
+    argv = [AIRLOCK, "token", "issue", "--state-dir", gw.workdir / "state", "--sandbox", sandbox, "--grant", grant]
+    result = subprocess.run([*map(str, argv), "--ttl", ttl], capture_output=True, text=True, timeout=30)
+    assert result.returncode == 0, result.stderr
+    return result.stdout.strip()
+
+
+def call(token: str | None, body: dict[str, Any] | bytes, headers: dict[str, str] | None = None, timeout: float = 15):
+    """POST a tool call from the current namespace; returns (status, json body, headers)."""
+    conn = http.client.HTTPConnection(*BROKER, timeout=timeout)
+    all_headers = {"Content-Type": "application/json", **(headers or {})}
+    if token is not None:
+        all_headers["Authorization"] = f"Bearer {token}"
+    conn.request("POST", PR_PATH, body if isinstance(body, bytes) else json.dumps(body), all_headers)
+    response = conn.getresponse()
+    payload = response.read()
+    conn.close()
+    return response.status, json.loads(payload or b"null"), dict(response.getheaders())
+
+
+def sandbox_call(topology: Topology, token: str | None, body=PR, headers=None, timeout: float = 15):
+    return in_netns(topology.sbx, call, token, body, headers, timeout)
+
+
+def forge(gw: GatewayProcess, **overrides: Any) -> str:
+    """A token signed with the gateway's real key but with claims of the test's choosing."""
+    ring = KeyRing(gw.workdir / "state" / "keys", 3600)
+    key = ring.active()
+    assert key is not None
+    now = int(time.time())
+    claims = {
+        "iss": "airlock", "aud": "airlock-broker", "sub": "sbx", "iat": now, "nbf": now, "exp": now + 600,
+        "jti": uuid.uuid4().hex,
+        "grants": [{"tool": "create_pull_request", "repo": "acme/app", "base": ["main"], "head": "agent/*"}],
+    }  # fmt: skip
+    claims.update(overrides)
+    return jwt.encode({k: v for k, v in claims.items() if v is not None}, key.private, "EdDSA", {"kid": key.kid})
+
+
+def _b64(data: bytes) -> str:
+    return base64.urlsafe_b64encode(data).rstrip(b"=").decode()
+
+
+def test_pull_request_with_a_valid_token(topology: Topology, gateway: GatewayProcess, fake_github: FakeGitHub):
+    token = issue_token(gateway)
+    status, body, headers = sandbox_call(topology, token)
+    assert status == 201, body
+    assert body["number"] >= 1 and body["html_url"].startswith("https://github.test/acme/app/pull/")
+    assert body["head"] == "agent/feature-1" and body["base"] == "main" and body["existing"] is False
+    assert headers["Location"] == body["url"]
+    # GitHub saw an installation token narrowed to the one repository and the one permission.
+    asked = fake_github.calls("/app/installations/", "POST")
+    assert [c["body"] for c in asked] == [{"repositories": ["app"], "permissions": {"pull_requests": "write"}}]
+    issued = fake_github.tokens()
+    assert len(issued) == 1 and issued[0]["repositories"] == ["app"]
+    assert issued[0]["permissions"] == {"pull_requests": "write", "metadata": "read"}  # GitHub adds metadata
+    pr_calls = fake_github.calls("/repos/acme/app/pulls", "POST")
+    assert [c["credential"] for c in pr_calls] == ["installation"]
+    secret = pr_calls[0]["token"]
+    assert secret not in json.dumps(body) and secret not in json.dumps(headers)
+    assert secret not in gateway.audit_path.read_text() and secret not in gateway.log()
+
+
+def test_installation_token_is_cached(topology: Topology, gateway: GatewayProcess, fake_github: FakeGitHub):
+    token = issue_token(gateway)
+    for head in ("agent/feature-1", "agent/feature-2"):
+        assert sandbox_call(topology, token, {**PR, "head": head})[0] in (200, 201)
+    assert len(fake_github.calls("/app/installations/", "POST")) <= 1
+
+
+@pytest.mark.parametrize(
+    ("case", "expected"),
+    [("none", "missing_token"), ("garbage", "invalid_token"), ("basic", "missing_token")],
+)
+def test_no_usable_token_is_401(topology: Topology, gateway, fake_github: FakeGitHub, case: str, expected: str):
+    headers = {"Authorization": "Basic dXNlcjpwdw=="} if case == "basic" else None
+    token = {"none": None, "garbage": "not.a.token", "basic": None}[case]
+    status, body, _ = sandbox_call(topology, token, PR, headers)
+    assert (status, body["error"]) == (401, expected)
+    assert fake_github.calls() == []
+
+
+def test_expired_and_not_yet_valid_tokens_are_401(topology: Topology, gateway, fake_github: FakeGitHub):
+    now = int(time.time())
+    expired = forge(gateway, iat=now - 700, nbf=now - 700, exp=now - 60)
+    future = forge(gateway, iat=now, nbf=now + 600, exp=now + 900)
+    too_long = forge(gateway, exp=now + 86400)
+    for token in (expired, future, too_long):
+        status, body, _ = sandbox_call(topology, token)
+        assert (status, body["error"]) == (401, "invalid_token"), body
+    assert fake_github.calls() == []
+
+
+def test_forged_tokens_are_401(topology: Topology, gateway: GatewayProcess, fake_github: FakeGitHub):
+    good = issue_token(gateway)
+    header, payload, signature = good.split(".")
+    claims = json.loads(base64.urlsafe_b64decode(payload + "=="))
+    claims["grants"][0]["repo"] = "acme/other"
+    tampered_payload = f"{header}.{_b64(json.dumps(claims).encode())}.{signature}"
+    flipped = signature[:-2] + ("AA" if signature[-2:] != "AA" else "BB")
+    tampered_signature = f"{header}.{payload}.{flipped}"
+    none_header = _b64(
+        json.dumps(
+            {"alg": "none", "typ": "JWT", "kid": json.loads(base64.urlsafe_b64decode(header + "=="))["kid"]}
+        ).encode()
+    )
+    alg_none = f"{none_header}.{payload}."
+    # HS256 keyed with the (public) Ed25519 key: the classic algorithm-confusion attack.
+    ring = KeyRing(gateway.workdir / "state" / "keys", 3600)
+    key = ring.active()
+    assert key is not None
+    public = key.private.public_key().public_bytes(
+        serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
+    )
+    hs_header = _b64(json.dumps({"alg": "HS256", "typ": "JWT", "kid": key.kid}).encode())
+    mac = hmac.new(public, f"{hs_header}.{payload}".encode(), hashlib.sha256).digest()
+    hs256 = f"{hs_header}.{payload}.{_b64(mac)}"
+    for token in (tampered_payload, tampered_signature, alg_none, hs256):
+        status, body, _ = sandbox_call(topology, token)
+        assert (status, body["error"]) == (401, "invalid_token"), (token, body)
+    assert fake_github.calls() == []
+
+
+@pytest.mark.parametrize(
+    "change",
+    [{"repo": "acme/other"}, {"base": "develop"}, {"head": "feature/x"}, {"head": "main"}],
+    ids=["repo", "base", "head", "head-is-base"],
+)
+def test_outside_the_grant_is_403(topology: Topology, gateway, fake_github: FakeGitHub, change: dict[str, str]):
+    status, body, _ = sandbox_call(topology, issue_token(gateway), {**PR, **change})
+    assert (status, body["error"]) == (403, "outside_grant"), body
+    assert fake_github.calls() == []
+
+
+def test_token_from_another_sandbox_is_403(topology: Topology, own_gateway, fake_github: FakeGitHub):
+    other = "10.254.0.6"
+    gw = own_gateway(extra=("--sandbox", f"other={other}/32"))
+    token = issue_token(gw, sandbox="other")
+    # The token is fine where it belongs...
+    topology.run(topology.sbx, ["ip", "addr", "add", f"{other}/32", "dev", topology.sbx_if])
+    topology.run(topology.gw, ["ip", "route", "add", f"{other}/32", "dev", topology.gw_sbx_if])
+    try:
+        # ...but it is presented from sandbox `sbx`'s network.
+        status, body, _ = sandbox_call(topology, token)
+        assert (status, body["error"]) == (403, "wrong_sandbox")
+    finally:
+        topology.run(topology.gw, ["ip", "route", "del", f"{other}/32", "dev", topology.gw_sbx_if])
+        topology.run(topology.sbx, ["ip", "addr", "del", f"{other}/32", "dev", topology.sbx_if])
+    assert fake_github.calls("/repos/") == []
+
+
+def test_revocation_holds_across_a_broker_restart(topology: Topology, own_gateway, fake_github: FakeGitHub):
+    gw = own_gateway()
+    by_jti, by_sandbox = issue_token(gw), issue_token(gw)
+    jti = jwt.decode(by_jti, options={"verify_signature": False})["jti"]
+    state = str(gw.workdir / "state")
+    for args in (["--jti", jti], ["--sandbox", "sbx"]):
+        if args[0] == "--sandbox":
+            assert sandbox_call(topology, by_sandbox)[0] == 201  # valid until the sandbox is revoked
+        revoked = subprocess.run(
+            [AIRLOCK, "token", "revoke", "--state-dir", state, *args], capture_output=True, text=True
+        )
+        assert revoked.returncode == 0, revoked.stderr
+    gw.stop()
+    gw.start()  # same state directory: a restarted broker
+    for token in (by_jti, by_sandbox):
+        status, body, _ = sandbox_call(topology, token, {**PR, "head": "agent/feature-2"})
+        assert (status, body["error"]) == (401, "revoked_token"), body
+    fresh = issue_token(gw)  # minted after the revocation: valid
+    assert sandbox_call(topology, fresh, {**PR, "head": "agent/feature-2"})[0] == 201
+
+
+def test_idempotency_key_gives_one_pull_request(topology: Topology, gateway, fake_github: FakeGitHub):
+    token = issue_token(gateway)
+    first = sandbox_call(topology, token, PR, {"Idempotency-Key": "k-1"})
+    second = sandbox_call(topology, token, PR, {"Idempotency-Key": "k-1"})
+    assert first[0] == second[0] == 201 and first[1] == second[1]
+    assert len(fake_github.prs()) == 1 and len(fake_github.calls("/repos/acme/app/pulls", "POST")) == 1
+    conflict = sandbox_call(topology, token, {**PR, "title": "other"}, {"Idempotency-Key": "k-1"})
+    assert (conflict[0], conflict[1]["error"]) == (422, "idempotency_conflict")
+
+
+def test_existing_pull_request_is_returned(topology: Topology, gateway, fake_github: FakeGitHub):
+    first = sandbox_call(topology, issue_token(gateway), PR)
+    again = sandbox_call(topology, issue_token(gateway), PR)  # another token: not an idempotent replay
+    assert first[0] == 201 and again[0] == 200
+    assert again[1]["existing"] is True and again[1]["number"] == first[1]["number"]
+    assert len(fake_github.prs()) == 1
+
+
+def test_github_validation_errors_are_422(topology: Topology, gateway, fake_github: FakeGitHub):
+    status, body, _ = sandbox_call(topology, issue_token(gateway), {**PR, "head": "agent/no-commits"})
+    assert (status, body["error"]) == (422, "upstream_validation") and "No commits" in body["message"]
+
+
+def test_upstream_hang_is_504_within_the_timeout(topology: Topology, gateway, fake_github: FakeGitHub):
+    token = issue_token(gateway)
+    fake_github.set(hang=True)
+    started = time.monotonic()
+    status, body, _ = sandbox_call(topology, token, PR, None, 30)
+    assert (status, body["error"]) == (504, "upstream_timeout")
+    assert time.monotonic() - started < 10  # --github-timeout 3
+
+
+@pytest.mark.parametrize(
+    "body",
+    [b"{", b"[]", {**PR, "extra": 1}, {**PR, "title": ""}, {**PR, "title": "x" * 300}, {**PR, "head": "agent/../x"},
+     {**PR, "draft": "yes"}, {k: v for k, v in PR.items() if k != "base"}],
+    ids=["bad-json", "not-object", "unknown-field", "empty-title", "long-title", "bad-branch", "draft-type", "no-base"],
+)  # fmt: skip
+def test_invalid_requests_are_422(topology: Topology, gateway, fake_github: FakeGitHub, body):
+    status, reply, _ = sandbox_call(topology, issue_token(gateway), body)
+    assert status == 422 and reply["error"] in ("invalid_json", "invalid_request"), reply
+    assert fake_github.calls("/repos/") == []
+
+
+def test_admin_listener_is_unreachable_from_the_sandbox(topology: Topology, gateway: GatewayProcess):
+    socket_path = gateway.workdir / "state" / "admin.sock"
+    assert socket_path.is_socket() and socket_path.stat().st_mode & 0o077 == 0
+    result = subprocess.run(
+        [AIRLOCK, "run", "--policy", E2E_POLICY, "--upstream-dns", DNS_SERVER, "--sandbox-id", f"{topology.prefix}adm",
+         "--", "curl", "-sS", "--max-time", "3", "--unix-socket", str(socket_path), "http://x/v1/jwks"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert result.returncode != 0 and '"keys"' not in result.stdout
+    for port in (8081, 9090, 22):
+        assert in_netns(topology.sbx, _tcp_refused_or_dropped, (GW_IP, port))
+
+
+def _tcp_refused_or_dropped(address: tuple[str, int]) -> bool:
+    import socket
+
+    try:
+        socket.create_connection(address, timeout=2).close()
+        return False
+    except OSError:
+        return True
+
+
+def test_every_call_is_audited_without_secrets(topology: Topology, gateway: GatewayProcess, fake_github):
+    token = issue_token(gateway)
+    sandbox_call(topology, token)
+    sandbox_call(topology, token, {**PR, "repo": "acme/other"})
+    sandbox_call(topology, None)
+    records = [r for r in gateway.audit() if r["kind"] == "broker"][-3:]
+    assert [(r["decision"], r["extra"]["status"]) for r in records] == [("allow", 201), ("deny", 403), ("deny", 401)]
+    assert all(r["sandbox"] == "sbx" and r["method"] == "create_pull_request" for r in records)
+    text = json.dumps(records)
+    assert token not in text and token.split(".")[2] not in text
+    for call_record in fake_github.calls():
+        assert call_record["token"] not in gateway.audit_path.read_text()
+
+
+def test_agent_in_airlock_run_opens_a_pull_request_with_only_its_token(
+    topology: Topology, fake_github: FakeGitHub, broker_args: tuple[str, ...], tmp_path: Path
+):
+    script = (
+        'curl -sS -H "Authorization: Bearer $(cat "$AIRLOCK_TOKEN_FILE")" -H "Content-Type: application/json" '
+        '-d \'{"repo":"acme/app","head":"agent/feature-1","base":"main","title":"From the sandbox"}\' '
+        '"$AIRLOCK_BROKER_URL/v1/tools/create_pull_request"; echo; env; ls -la "$AIRLOCK_TOKEN_FILE"; '
+        'echo x > "$AIRLOCK_TOKEN_FILE" 2>/dev/null && echo WROTE'
+    )
+    result = topology.run(
+        topology.gw,
+        [AIRLOCK, "run", "--policy", E2E_POLICY, "--upstream-dns", DNS_SERVER, "--sandbox-id", f"{topology.prefix}pr",
+         "--state-dir", tmp_path / "state", "--grant", GRANT, *broker_args, "--", "sh", "-c", script],
+        timeout=90,
+    )  # fmt: skip
+    first_line = result.stdout.splitlines()[0]
+    assert json.loads(first_line)["html_url"].startswith("https://github.test/acme/app/pull/"), result.stderr
+    assert "WROTE" not in result.stdout  # the token file is read-only for the agent
+    installation_tokens = [c["token"] for c in fake_github.calls("/repos/acme/app/pulls", "POST")]
+    assert installation_tokens
+    for secret in (*installation_tokens, fake_github.app_key_path.read_text().splitlines()[1]):
+        assert secret not in result.stdout and secret not in result.stderr

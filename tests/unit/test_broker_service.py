@@ -1,0 +1,995 @@
+"""The broker's HTTP surfaces end to end on 127.0.0.1: sandbox app → Broker → real GitHubClient → a fake GitHub.
+
+The fake GitHub is a small aiohttp app that checks what GitHub would check (App JWT shape, narrowing, credentials)
+and records every call, so each test can also say how many times GitHub was reached. Only loopback is used.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import sqlite3
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import jwt
+import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestClient, TestServer
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric import rsa
+
+from airlock.broker.github import AppCredential, GitHubClient, StaticCredential
+from airlock.broker.service import MAX_BODY, MAX_REQUEST_BYTES, MAX_TITLE, Broker, BrokerSettings
+from airlock.broker.store import SqliteStore, StoreError
+from airlock.broker.tokens import KeyRing, TokenAuthority
+from airlock.policy import AuditRecord
+
+LOOPBACK = "127.0.0.1"
+SANDBOX = "sbx-1"
+PATH = "/v1/tools/create_pull_request"
+APP_ID = "4242"
+INSTALLATION_ID = 777
+STATIC_SECRET = "ghp_SECRETstatic0123456789abcdefABCDEF"
+INSTALLATION_PREFIX = "ghs_INSTALLATIONsecret"
+GRANT = {"tool": "create_pull_request", "repo": "acme/app", "base": ["main", "release/*"], "head": "agent/*"}
+FIELDS = {"repo": "acme/app", "head": "agent/fix-1", "base": "main", "title": "Fix the thing", "body": "Details"}
+
+
+# --- a fake GitHub ----------------------------------------------------------------------------------------------
+
+
+class FakeGitHub:
+    """Just enough of the REST API; `mode` makes POST /pulls misbehave ("create", "hang", "error", "echo")."""
+
+    def __init__(self, app_public_key: Any) -> None:
+        self.app_public_key = app_public_key
+        self.calls: list[dict[str, Any]] = []
+        self.problems: list[str] = []  # what GitHub would have refused; every test asserts this stays empty
+        self.app_jwts: list[tuple[dict[str, Any], dict[str, Any], str]] = []
+        self.tokens_issued: list[str] = []
+        self.pulls: list[tuple[str, dict[str, Any]]] = []  # (owner/repo, pull)
+        self.mode = "create"
+        self.token_mode = "issue"  # or "echo": the access-token call fails, echoing the App JWT
+        self.pull_delay = 0.0
+        self.expires_at: Any = "in an hour"  # or what the access-token answer says instead
+        self.release = asyncio.Event()
+        self.base_url = ""
+
+    def app(self) -> web.Application:
+        app = web.Application()
+        app.router.add_get("/repos/{owner}/{repo}/installation", self.installation)
+        app.router.add_post("/app/installations/{id}/access_tokens", self.access_token)
+        app.router.add_post("/repos/{owner}/{repo}/pulls", self.create_pull)
+        app.router.add_get("/repos/{owner}/{repo}/pulls", self.list_pulls)
+        return app
+
+    def count(self, method: str, path_part: str) -> int:
+        return sum(1 for c in self.calls if c["method"] == method and path_part in c["path"])
+
+    @property
+    def pull_posts(self) -> int:
+        return self.count("POST", "/pulls")
+
+    async def _record(self, request: web.Request) -> dict[str, Any]:
+        text = await request.text()
+        call = {
+            "method": request.method,
+            "path": request.path,
+            "query": dict(request.query),
+            "auth": request.headers.get("Authorization", ""),
+            "json": json.loads(text) if text else None,
+        }
+        self.calls.append(call)
+        if request.headers.get("User-Agent") is None or request.headers.get("Accept") != "application/vnd.github+json":
+            self.problems.append(f"{request.path}: missing User-Agent or Accept")
+        return call
+
+    def _check_app_jwt(self, call: dict[str, Any]) -> bool:
+        scheme, _, token = call["auth"].partition(" ")
+        if scheme != "Bearer":
+            self.problems.append(f"{call['path']}: App JWT must be sent as Bearer, got {scheme!r}")
+            return False
+        try:
+            header = jwt.get_unverified_header(token)
+            claims = jwt.decode(token, self.app_public_key, algorithms=["RS256"])
+        except jwt.PyJWTError as e:
+            self.problems.append(f"{call['path']}: bad App JWT: {e}")
+            return False
+        self.app_jwts.append((header, claims, token))
+        now = time.time()
+        if header.get("alg") != "RS256" or claims.get("iss") != APP_ID:
+            self.problems.append(f"App JWT header/iss wrong: {header} {claims}")
+        if not claims["iat"] <= now - 30 or not claims["exp"] <= claims["iat"] + 600 or not claims["exp"] > now:
+            self.problems.append(f"App JWT times wrong: {claims}")
+        return True
+
+    def _installation_token_ok(self, call: dict[str, Any]) -> bool:
+        scheme, _, token = call["auth"].partition(" ")
+        return scheme == "token" and (token == STATIC_SECRET or token in self.tokens_issued)
+
+    async def installation(self, request: web.Request) -> web.Response:
+        call = await self._record(request)
+        if not self._check_app_jwt(call):
+            return web.json_response({"message": "A JSON web token could not be decoded"}, status=401)
+        return web.json_response({"id": INSTALLATION_ID, "app_id": int(APP_ID)})
+
+    async def access_token(self, request: web.Request) -> web.Response:
+        call = await self._record(request)
+        if not self._check_app_jwt(call):
+            return web.json_response({"message": "A JSON web token could not be decoded"}, status=401)
+        if self.token_mode == "echo":
+            return web.json_response({"message": f"Forbidden for {call['auth']}"}, status=403)
+        if request.match_info["id"] != str(INSTALLATION_ID):
+            return web.json_response({"message": "Not Found"}, status=404)
+        token = f"{INSTALLATION_PREFIX}{len(self.tokens_issued):04d}xyz"
+        self.tokens_issued.append(token)
+        expires = (datetime.now(UTC) + timedelta(hours=1)).strftime("%Y-%m-%dT%H:%M:%SZ")
+        expires = expires if self.expires_at == "in an hour" else self.expires_at
+        permissions = (call["json"] or {}).get("permissions")
+        return web.json_response({"token": token, "expires_at": expires, "permissions": permissions}, status=201)
+
+    def _pull(self, owner: str, repo: str, fields: dict[str, Any]) -> dict[str, Any]:
+        number = len(self.pulls) + 1
+        url = f"{self.base_url}/repos/{owner}/{repo}/pulls/{number}"
+        return {
+            "number": number, "url": url, "html_url": f"https://github.test/{owner}/{repo}/pull/{number}",
+            "state": "open", "draft": fields.get("draft", False), "title": fields.get("title"),
+            "head": {"ref": fields["head"], "label": f"{owner}:{fields['head']}"}, "base": {"ref": fields["base"]},
+            "user": {"login": "airlock-app[bot]"}, "_links": {"self": {"href": url}}, "node_id": "PR_secretish",
+        }  # fmt: skip
+
+    async def create_pull(self, request: web.Request) -> web.Response:
+        call = await self._record(request)
+        if not self._installation_token_ok(call):
+            return web.json_response({"message": "Bad credentials"}, status=401)
+        if self.pull_delay:
+            await asyncio.sleep(self.pull_delay)
+        if self.mode == "hang":
+            await self.release.wait()
+        if self.mode == "error":
+            return web.json_response({"message": "Server Error"}, status=500)
+        if self.mode == "echo":  # a hostile or buggy upstream repeating the credential it was sent
+            errors = [{"message": f"rejected {call['auth']}"}]
+            return web.json_response({"message": f"Bad request from {call['auth']}", "errors": errors}, status=400)
+        owner, repo, fields = request.match_info["owner"], request.match_info["repo"], call["json"]
+        if fields["head"].startswith("agent/no-commits"):
+            message = f"No commits between main and {fields['head']}"
+            errors = [{"resource": "PullRequest", "code": "custom", "message": message}]
+            return web.json_response({"message": "Validation Failed", "errors": errors}, status=422)
+        for where, pull in self.pulls:
+            if (where, pull["head"]["ref"], pull["base"]["ref"]) == (f"{owner}/{repo}", fields["head"], fields["base"]):
+                message = f"A pull request already exists for {owner}:{fields['head']}."
+                errors = [{"resource": "PullRequest", "code": "custom", "message": message}]
+                return web.json_response({"message": "Validation Failed", "errors": errors}, status=422)
+        pull = self._pull(owner, repo, fields)
+        self.pulls.append((f"{owner}/{repo}", pull))
+        return web.json_response(pull, status=201)
+
+    async def list_pulls(self, request: web.Request) -> web.Response:
+        call = await self._record(request)
+        if not self._installation_token_ok(call):
+            return web.json_response({"message": "Bad credentials"}, status=401)
+        query = call["query"]
+        owner, _, head = query.get("head", "").partition(":")
+        here = f"{request.match_info['owner']}/{request.match_info['repo']}"
+        found = [
+            p for where, p in self.pulls
+            if where == here and owner == request.match_info["owner"] and p["head"]["ref"] == head
+            and p["base"]["ref"] == query.get("base", p["base"]["ref"])
+        ]  # fmt: skip
+        return web.json_response(found)
+
+
+# --- the harness ------------------------------------------------------------------------------------------------
+
+
+class FlakyStore:
+    """A store whose named operations raise StoreError, as a broken disk would."""
+
+    def __init__(self, inner: SqliteStore) -> None:
+        self.inner = inner
+        self.failing: set[str] = set()
+
+    def __getattr__(self, name: str) -> Any:
+        if name in self.failing:
+
+            def fail(*args: Any, **kwargs: Any) -> Any:
+                raise StoreError(f"{name}: disk on fire")
+
+            return fail
+        return getattr(self.inner, name)
+
+
+@dataclass
+class Reply:
+    status: int
+    body: Any
+    headers: dict[str, str]
+
+
+@dataclass
+class Harness:
+    broker: Broker
+    sandbox: TestClient
+    admin: TestClient
+    github: FakeGitHub
+    store: FlakyStore
+    state: Path
+    audit: list[AuditRecord]
+    seen: list[str] = field(default_factory=list)  # every response the sandbox or admin saw, headers included
+    static_secret: str | None = None
+
+    async def _reply(self, response: aiohttp.ClientResponse) -> Reply:
+        text = await response.text()
+        headers = dict(response.headers)
+        self.seen += [text, json.dumps(headers)]
+        try:
+            body = json.loads(text) if text else None
+        except ValueError:
+            body = text
+        return Reply(response.status, body, headers)
+
+    async def admin_post(self, path: str, body: Any = None, data: bytes | None = None) -> Reply:
+        payload = data if data is not None else json.dumps(body).encode()
+        async with self.admin.post(path, data=payload, headers={"Content-Type": "application/json"}) as response:
+            return await self._reply(response)
+
+    async def token(self, sandbox: str = SANDBOX, grants: list[Any] | None = None, ttl: int | None = None) -> str:
+        body: dict[str, Any] = {"sandbox": sandbox, "grants": [GRANT] if grants is None else grants}
+        if ttl is not None:
+            body["ttl"] = ttl
+        reply = await self.admin_post("/v1/tokens", body)
+        assert reply.status == 200, reply.body
+        return reply.body["token"]
+
+    async def pr(
+        self,
+        token: str | None,
+        fields: dict[str, Any] | None = None,
+        *,
+        key: str | None = None,
+        data: bytes | None = None,
+        auth: str | None = None,
+    ) -> Reply:
+        headers = {"Content-Type": "application/json"}
+        if auth is not None:
+            headers["Authorization"] = auth
+        elif token is not None:
+            headers["Authorization"] = f"Bearer {token}"
+        if key is not None:
+            headers["Idempotency-Key"] = key
+        payload = data if data is not None else json.dumps(FIELDS | (fields or {})).encode()
+        async with self.sandbox.post(PATH, data=payload, headers=headers) as response:
+            return await self._reply(response)
+
+    def forge(self, **claims: Any) -> str:
+        """A token signed by the broker's own key with claims of the test's choosing."""
+        key = self.broker.authority.keys.active()
+        assert key is not None
+        now = int(time.time())
+        payload = {
+            "iss": "airlock", "aud": "airlock-broker", "sub": SANDBOX, "iat": now, "nbf": now, "exp": now + 300,
+            "jti": "forged-jti", "grants": [GRANT],
+        } | claims  # fmt: skip
+        return jwt.encode(payload, key.private, algorithm="EdDSA", headers={"kid": key.kid})
+
+    def secrets(self) -> list[str]:
+        values = [*self.github.tokens_issued, *(token for _, _, token in self.github.app_jwts)]
+        return values + ([self.static_secret] if self.static_secret else [])
+
+    def brokered_calls(self) -> list[str]:
+        with contextlib.closing(sqlite3.connect(self.state / "broker.sqlite3")) as db:
+            return [row[0] for row in db.execute("SELECT record FROM brokered_call")]
+
+    def assert_no_secrets(self) -> None:
+        haystacks = self.seen + [r.to_json() for r in self.audit] + self.brokered_calls()
+        secrets = self.secrets()
+        assert secrets, "the test should have exercised a credential"
+        for secret in secrets:
+            for text in haystacks:
+                assert secret not in text, f"credential leaked into: {text[:300]}"
+
+    def assert_github_happy(self) -> None:
+        assert self.github.problems == []
+
+
+Factory = Callable[..., Awaitable[Harness]]
+
+
+@pytest.fixture(scope="module")
+def app_key() -> rsa.RSAPrivateKey:
+    return rsa.generate_private_key(public_exponent=65537, key_size=2048)
+
+
+def identify_as(sandbox: str | None) -> Callable[[str], str | None]:
+    return lambda client: sandbox if client == LOOPBACK else None
+
+
+@pytest.fixture
+async def make(tmp_path: Path, app_key: rsa.RSAPrivateKey) -> AsyncIterator[Factory]:
+    """Builds a running broker (sandbox + admin apps on 127.0.0.1) in front of a fake GitHub on 127.0.0.1."""
+    async with contextlib.AsyncExitStack() as stack:
+        fake = FakeGitHub(app_key.public_key())
+        github_server = TestServer(fake.app(), host=LOOPBACK)
+        await github_server.start_server()
+        stack.push_async_callback(github_server.close)
+        stack.callback(fake.release.set)  # runs before the server closes: no handler is left hanging
+        fake.base_url = str(github_server.make_url("")).rstrip("/")
+        session = aiohttp.ClientSession()
+        stack.push_async_callback(session.close)
+
+        async def factory(
+            credential: str | None = "static",
+            identify: Callable[[str], str | None] | None = None,
+            settings: BrokerSettings | None = None,
+            timeout: float = 5.0,
+            api: str | None = None,
+            state: Path = tmp_path / "state",
+        ) -> Harness:
+            pem = app_key.private_bytes(
+                serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+            ).decode()
+            credentials = {
+                "static": StaticCredential(STATIC_SECRET),
+                "app": AppCredential(APP_ID, pem, INSTALLATION_ID),
+                "app-lookup": AppCredential(APP_ID, pem, None),
+            }
+            github = None
+            if credential is not None:
+                github = GitHubClient(api or fake.base_url, credentials[credential], session, timeout=timeout)
+            identify = identify or identify_as(SANDBOX)
+            inner = SqliteStore(state / "broker.sqlite3")
+            stack.callback(inner.close)
+            store = FlakyStore(inner)
+            audit: list[AuditRecord] = []
+            authority = TokenAuthority(KeyRing(state / "keys", 3600), default_ttl=600)
+            broker = Broker(authority, store, identify, github, audit.append, settings)  # type: ignore[arg-type]
+            sandbox = TestClient(TestServer(broker.sandbox_app(), host=LOOPBACK))
+            admin = TestClient(TestServer(broker.admin_app(), host=LOOPBACK))
+            for client in (sandbox, admin):
+                await client.start_server()
+                stack.push_async_callback(client.close)
+            static = STATIC_SECRET if credential == "static" else None
+            return Harness(broker, sandbox, admin, fake, store, state, audit, static_secret=static)
+
+        yield factory
+
+
+# --- creating pull requests -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("credential", ["static", "app", "app-lookup"])
+async def test_creates_pull_request(make: Factory, credential: str) -> None:
+    h = await make(credential=credential)
+    token = await h.token()
+    reply = await h.pr(token, {"draft": True})
+    assert reply.status == 201, reply.body
+    assert reply.body == {
+        "number": 1, "url": f"{h.github.base_url}/repos/acme/app/pulls/1",
+        "html_url": "https://github.test/acme/app/pull/1", "state": "open", "draft": True,
+        "head": "agent/fix-1", "base": "main", "existing": False,
+    }  # fmt: skip
+    assert reply.headers["Location"] == reply.body["url"]
+    (post,) = [c for c in h.github.calls if c["method"] == "POST" and c["path"] == "/repos/acme/app/pulls"]
+    assert post["json"] == {
+        "head": "agent/fix-1", "base": "main", "title": "Fix the thing", "body": "Details", "draft": True,
+    }  # fmt: skip
+    expected_secret = STATIC_SECRET if credential == "static" else h.github.tokens_issued[0]
+    assert post["auth"] == f"token {expected_secret}"
+    (record,) = h.audit
+    assert (record.kind, record.sandbox, record.client, record.host) == ("broker", SANDBOX, LOOPBACK, "acme/app")
+    assert (record.decision, record.reason, record.extra["status"]) == ("allow", "created", 201)
+    assert record.extra["number"] == 1
+    assert record.extra["head"] == "agent/fix-1" and record.extra["base"] == "main"
+    assert json.loads(h.brokered_calls()[0])["decision"] == "allow"
+    h.assert_no_secrets()
+    h.assert_github_happy()
+
+
+async def test_app_mode_jwt_and_narrowed_installation_token(make: Factory) -> None:
+    h = await make(credential="app-lookup")
+    reply = await h.pr(await h.token())
+    assert reply.status == 201
+    h.assert_github_happy()  # the fake checked RS256, iss, iat <= now-30, exp <= iat+600
+    assert [(c["method"], c["path"]) for c in h.github.calls] == [
+        ("GET", "/repos/acme/app/installation"),
+        ("POST", f"/app/installations/{INSTALLATION_ID}/access_tokens"),
+        ("POST", "/repos/acme/app/pulls"),
+    ]
+    assert len(h.github.app_jwts) == 2
+    for header, claims, _ in h.github.app_jwts:
+        assert header["alg"] == "RS256" and claims["iss"] == APP_ID
+        assert claims["iat"] <= time.time() - 30 and claims["exp"] - claims["iat"] <= 600
+    narrowing = h.github.calls[1]["json"]
+    assert narrowing == {"repositories": ["app"], "permissions": {"pull_requests": "write"}}
+
+
+async def test_installation_token_is_cached(make: Factory) -> None:
+    h = await make(credential="app-lookup")
+    token = await h.token()
+    for n in range(3):
+        reply = await h.pr(token, {"head": f"agent/fix-{n}"})
+        assert reply.status == 201, reply.body
+    assert h.github.count("POST", "/access_tokens") == 1
+    assert h.github.count("GET", "/installation") == 1
+    assert h.github.pull_posts == 3
+    assert {c["auth"] for c in h.github.calls if c["path"].endswith("/pulls")} == {f"token {h.github.tokens_issued[0]}"}
+    h.assert_no_secrets()
+
+
+EXPIRIES = [
+    pytest.param(None, 2, id="missing"),
+    pytest.param("soon", 2, id="garbage"),
+    pytest.param(12345, 2, id="number"),
+    pytest.param("2020-01-01T00:00:00Z", 2, id="already-expired"),
+    pytest.param("2999-01-01T00:00:00", 1, id="no-timezone-read-as-utc"),
+]
+
+
+@pytest.mark.parametrize(("expires_at", "token_calls"), EXPIRIES)
+async def test_unreadable_token_expiry_means_use_once(make: Factory, expires_at: Any, token_calls: int) -> None:
+    h = await make(credential="app")
+    h.github.expires_at = expires_at
+    token = await h.token()
+    for head in ("agent/a", "agent/b"):
+        reply = await h.pr(token, {"head": head})
+        assert reply.status == 201, reply.body
+    assert h.github.count("POST", "/access_tokens") == token_calls
+    h.assert_no_secrets()
+
+
+async def test_installation_token_is_per_repository(make: Factory) -> None:
+    h = await make(credential="app")
+    grants = [GRANT, GRANT | {"repo": "acme/other"}]
+    token = await h.token(grants=grants)
+    assert (await h.pr(token)).status == 201
+    assert (await h.pr(token, {"repo": "acme/other"})).status == 201
+    narrowings = [c["json"]["repositories"] for c in h.github.calls if c["path"].endswith("/access_tokens")]
+    assert narrowings == [["app"], ["other"]]
+
+
+async def test_existing_pull_request_is_returned(make: Factory) -> None:
+    h = await make()
+    first = await h.pr(await h.token())
+    assert first.status == 201
+    reply = await h.pr(await h.token())  # another token: not an idempotent replay, GitHub answers 422 "exists"
+    assert reply.status == 200, reply.body
+    assert reply.body["existing"] is True and reply.body["number"] == first.body["number"]
+    assert "Location" not in reply.headers
+    (listing,) = [c for c in h.github.calls if c["method"] == "GET"]
+    assert listing["path"] == "/repos/acme/app/pulls"
+    assert listing["query"] == {"head": "acme:agent/fix-1", "base": "main", "state": "open"}
+    assert h.audit[-1].reason == "existing pull request"
+
+
+async def test_no_commits_is_422(make: Factory) -> None:
+    h = await make()
+    reply = await h.pr(await h.token(), {"head": "agent/no-commits"})
+    assert reply.status == 422
+    assert reply.body["error"] == "upstream_validation"
+    assert "No commits between" in reply.body["message"]
+    assert h.audit[-1].decision == "deny"
+
+
+async def test_upstream_hang_is_504_within_timeout(make: Factory) -> None:
+    h = await make(timeout=0.5)
+    h.github.mode = "hang"
+    token = await h.token()
+    started = time.monotonic()
+    reply = await h.pr(token)
+    assert reply.status == 504 and reply.body["error"] == "upstream_timeout"
+    assert time.monotonic() - started < 3
+    assert h.audit[-1].decision == "error"
+
+
+async def test_upstream_500_is_502(make: Factory) -> None:
+    h = await make()
+    h.github.mode = "error"
+    reply = await h.pr(await h.token())
+    assert reply.status == 502 and reply.body["error"] == "upstream_error"
+    assert h.audit[-1].decision == "error"
+
+
+async def test_upstream_unreachable_is_502(make: Factory) -> None:
+    with contextlib.closing(__import__("socket").socket()) as sock:
+        sock.bind((LOOPBACK, 0))
+        closed_port = sock.getsockname()[1]  # bound but not listening: connections are refused
+        h = await make(api=f"http://{LOOPBACK}:{closed_port}")
+        reply = await h.pr(await h.token())
+    assert reply.status == 502 and reply.body["error"] == "upstream_unreachable"
+
+
+async def test_without_credential_is_503(make: Factory) -> None:
+    h = await make(credential=None)
+    reply = await h.pr(await h.token())
+    assert reply.status == 503 and reply.body["error"] == "not_configured"
+
+
+# --- tokens -----------------------------------------------------------------------------------------------------
+
+AUTH_CASES = [
+    pytest.param(None, "missing_token", id="no-header"),
+    pytest.param("", "missing_token", id="empty-header"),
+    pytest.param("Bearer", "missing_token", id="scheme-only"),
+    pytest.param("Bearer    ", "missing_token", id="blank-token"),
+    pytest.param("Basic dXNlcjpwYXNz", "missing_token", id="basic"),
+    pytest.param("token {token}", "missing_token", id="github-scheme"),
+    pytest.param("Bearer garbage", "invalid_token", id="garbage"),
+    pytest.param("Bearer a.b.c", "invalid_token", id="three-junk-parts"),
+    pytest.param("Bearer {token}x", "invalid_token", id="tampered"),
+    pytest.param("Bearer {expired}", "invalid_token", id="expired"),
+    pytest.param("Bearer {future}", "invalid_token", id="not-yet-valid"),
+]
+
+
+@pytest.mark.parametrize(("auth", "code"), AUTH_CASES)
+async def test_bad_tokens_are_401(make: Factory, auth: str | None, code: str) -> None:
+    h = await make()
+    now = int(time.time())
+    values = {
+        "token": await h.token(),
+        "expired": h.forge(iat=now - 600, nbf=now - 600, exp=now - 60),
+        "future": h.forge(nbf=now + 120),
+    }
+    reply = await h.pr(None, auth=None if auth is None else auth.format(**values))
+    assert reply.status == 401, reply.body
+    assert reply.body["error"] == code
+    assert h.github.calls == []
+    assert h.audit[-1].decision == "deny" and h.audit[-1].extra["status"] == 401
+
+
+async def test_bearer_scheme_is_case_insensitive(make: Factory) -> None:
+    h = await make()
+    assert (await h.pr(None, auth=f"bearer {await h.token()}")).status == 201
+
+
+async def test_revoked_by_jti_is_401(make: Factory) -> None:
+    h = await make()
+    revoked, kept = await h.token(), await h.token()
+    jti = jwt.decode(revoked, options={"verify_signature": False})["jti"]
+    assert (await h.admin_post("/v1/revocations", {"jti": jti})).body == {"revoked": {"jti": jti}}
+    reply = await h.pr(revoked)
+    assert reply.status == 401 and reply.body["error"] == "revoked_token"
+    assert (await h.pr(kept)).status == 201
+    assert h.github.pull_posts == 1
+
+
+async def test_revoked_by_sandbox_is_401_for_tokens_issued_before(make: Factory) -> None:
+    h = await make()
+    token = await h.token()
+    now = int(time.time())
+    older = h.forge(iat=now - 60, nbf=now - 60)
+    assert (await h.admin_post("/v1/revocations", {"sandbox": SANDBOX})).status == 200
+    for revoked in (token, older):
+        reply = await h.pr(revoked)
+        assert reply.status == 401 and reply.body["error"] == "revoked_token"
+    # A token minted after the revocation works (iat is whole seconds: move the revocation back instead of sleeping).
+    with contextlib.closing(sqlite3.connect(h.state / "broker.sqlite3")) as db, db:
+        db.execute("UPDATE revoked_sandbox SET revoked_at = revoked_at - 10")
+    assert (await h.pr(older)).status == 401
+    assert (await h.pr(await h.token())).status == 201
+    assert h.github.pull_posts == 1
+
+
+async def test_revocation_survives_restart(make: Factory, tmp_path: Path) -> None:
+    h = await make()
+    token = await h.token()
+    await h.admin_post("/v1/revocations", {"sandbox": SANDBOX})
+    restarted = await make()  # same state directory: same keys, same store
+    assert (await restarted.pr(token)).status == 401
+
+
+async def test_token_from_another_sandbox_is_403(make: Factory) -> None:
+    h = await make(identify=identify_as("sbx-2"))
+    reply = await h.pr(await h.token(sandbox=SANDBOX))
+    assert reply.status == 403 and reply.body["error"] == "wrong_sandbox"
+    assert h.audit[-1].sandbox == "sbx-2"
+    assert h.github.calls == []
+
+
+async def test_unknown_source_is_403_even_with_a_token_for_the_placeholder(make: Factory) -> None:
+    h = await make(identify=identify_as(None))
+    for sandbox in (SANDBOX, "-"):  # "-" is what the audit record says for an unknown source
+        reply = await h.pr(await h.token(sandbox=sandbox))
+        assert reply.status == 403, reply.body
+    assert h.github.calls == []
+
+
+# --- grants and validation --------------------------------------------------------------------------------------
+
+OUTSIDE_GRANT = [
+    pytest.param({"repo": "acme/other"}, id="other-repo"),
+    pytest.param({"repo": "evil/app"}, id="other-owner"),
+    pytest.param({"base": "develop"}, id="other-base"),
+    pytest.param({"base": "release"}, id="base-glob-needs-suffix"),
+    pytest.param({"head": "feature/x"}, id="head-outside-pattern"),
+    pytest.param({"head": "main"}, id="head-main"),
+    pytest.param({"head": "release/1", "base": "release/1"}, id="head-equals-base"),
+]
+
+
+@pytest.mark.parametrize("fields", OUTSIDE_GRANT)
+async def test_outside_grant_is_403(make: Factory, fields: dict[str, Any]) -> None:
+    h = await make()
+    grants = [GRANT, GRANT | {"base": ["release/*"], "head": "release/*"}]
+    reply = await h.pr(await h.token(grants=grants), fields)
+    assert reply.status == 403, reply.body
+    assert reply.body["error"] == "outside_grant"
+    assert h.github.calls == []
+    assert h.audit[-1].decision == "deny" and h.audit[-1].reason
+
+
+WITHIN_GRANT = [
+    pytest.param({"repo": "ACME/App"}, id="repo-case"),
+    pytest.param({"base": "release/2.0"}, id="base-glob"),
+    pytest.param({"head": "agent/deep/branch"}, id="head-nested"),
+]
+
+
+@pytest.mark.parametrize("fields", WITHIN_GRANT)
+async def test_within_grant_is_201(make: Factory, fields: dict[str, Any]) -> None:
+    h = await make()
+    reply = await h.pr(await h.token(), fields)
+    assert reply.status == 201, reply.body
+
+
+async def test_any_of_several_grants_suffices(make: Factory) -> None:
+    h = await make()
+    token = await h.token(grants=[GRANT | {"repo": "acme/other"}, GRANT])
+    assert (await h.pr(token)).status == 201
+
+
+INVALID_REQUESTS = [
+    pytest.param(b"{", "invalid_json", id="truncated-json"),
+    pytest.param(b"", "invalid_json", id="empty-body"),
+    pytest.param(b"[]", "invalid_json", id="array"),
+    pytest.param(b'"text"', "invalid_json", id="string"),
+    pytest.param(b"null", "invalid_json", id="null"),
+    pytest.param(b"\xff\xfe{}", "invalid_json", id="not-utf8"),
+    pytest.param({"maintainer_can_modify": True}, "invalid_request", id="unknown-field"),
+    pytest.param({"title": None}, "invalid_request", id="title-null"),
+    pytest.param({"title": ""}, "invalid_request", id="title-empty"),
+    pytest.param({"title": "   \n"}, "invalid_request", id="title-blank"),
+    pytest.param({"title": "t" * (MAX_TITLE + 1)}, "invalid_request", id="title-too-long"),
+    pytest.param({"body": "b" * (MAX_BODY + 1)}, "invalid_request", id="body-too-long"),
+    pytest.param({"body": None}, "invalid_request", id="body-null"),
+    pytest.param({"draft": "yes"}, "invalid_request", id="draft-string"),
+    pytest.param({"repo": ["acme/app"]}, "invalid_request", id="repo-list"),
+    pytest.param({"repo": "acme/app/../x"}, "invalid_request", id="repo-traversal"),
+    pytest.param({"repo": "acme/.."}, "invalid_request", id="repo-dotdot"),
+    pytest.param({"head": 1}, "invalid_request", id="head-number"),
+    pytest.param({"head": "agent/*"}, "invalid_request", id="head-pattern"),
+    pytest.param({"head": "agent/a..b"}, "invalid_request", id="head-dotdot"),
+    pytest.param({"head": "agent/x\n"}, "invalid_request", id="head-trailing-newline"),
+    pytest.param({"head": "agent/x y"}, "invalid_request", id="head-space"),
+    pytest.param({"head": "agent/x\x00"}, "invalid_request", id="head-nul"),
+    pytest.param({"head": "agent/x."}, "invalid_request", id="head-trailing-dot"),
+    pytest.param({"head": "agent/x/"}, "invalid_request", id="head-trailing-slash"),
+    pytest.param({"head": "-agent/x"}, "invalid_request", id="head-leading-dash"),
+    pytest.param({"head": "agent/x@{1}"}, "invalid_request", id="head-at-brace"),
+    pytest.param({"head": "agent/" + "x" * 250}, "invalid_request", id="head-256-chars"),
+    pytest.param({"base": "main*"}, "invalid_request", id="base-pattern"),
+    pytest.param({"base": ""}, "invalid_request", id="base-empty"),
+]
+
+
+@pytest.mark.parametrize(("request_body", "code"), INVALID_REQUESTS)
+async def test_invalid_requests_are_422(make: Factory, request_body: bytes | dict[str, Any], code: str) -> None:
+    h = await make()
+    token = await h.token()
+    if isinstance(request_body, bytes):
+        reply = await h.pr(token, data=request_body)
+    else:
+        reply = await h.pr(token, request_body)
+    assert reply.status == 422, reply.body
+    assert reply.body["error"] == code
+    assert h.github.calls == []
+
+
+async def test_missing_title_is_422(make: Factory) -> None:
+    h = await make()
+    fields = {k: v for k, v in FIELDS.items() if k != "title"}
+    reply = await h.pr(await h.token(), data=json.dumps(fields).encode())
+    assert reply.status == 422 and reply.body["error"] == "invalid_request"
+
+
+async def test_longest_allowed_fields_are_accepted(make: Factory) -> None:
+    h = await make()
+    reply = await h.pr(await h.token(), {"title": "t" * MAX_TITLE, "body": "b" * MAX_BODY})
+    assert reply.status == 201, reply.body
+
+
+async def test_oversized_request_is_413(make: Factory) -> None:
+    h = await make()
+    reply = await h.pr(await h.token(), {"body": "b" * (MAX_REQUEST_BYTES + 1)})
+    assert reply.status == 413, reply.body
+    assert reply.body["error"] == "too_large"
+    assert h.github.calls == []
+
+
+# --- idempotency ------------------------------------------------------------------------------------------------
+
+
+async def test_idempotency_key_replays_the_same_response(make: Factory) -> None:
+    h = await make()
+    token = await h.token()
+    first = await h.pr(token, key="op-1")
+    second = await h.pr(token, key="op-1")
+    assert first.status == second.status == 201
+    assert first.body == second.body
+    assert first.headers["Location"] == second.headers["Location"]
+    assert h.github.pull_posts == 1
+    assert h.audit[-1].reason == "replayed idempotent result"
+
+
+async def test_idempotency_key_with_other_arguments_is_422(make: Factory) -> None:
+    h = await make()
+    token = await h.token()
+    assert (await h.pr(token, key="op-1")).status == 201
+    reply = await h.pr(token, {"title": "Something else"}, key="op-1")
+    assert reply.status == 422 and reply.body["error"] == "idempotency_conflict"
+    assert h.github.pull_posts == 1
+
+
+async def test_idempotency_key_is_shared_by_the_sandboxs_tokens(make: Factory) -> None:
+    h = await make()
+    first = await h.pr(await h.token(), key="op-1")
+    second = await h.pr(await h.token(), key="op-1")
+    assert first.body == second.body and h.github.pull_posts == 1
+
+
+async def test_same_token_same_arguments_without_key_is_one_call(make: Factory) -> None:
+    h = await make()
+    token = await h.token()
+    first, second = await h.pr(token), await h.pr(token)
+    assert first.status == second.status == 201 and first.body == second.body
+    assert h.github.pull_posts == 1
+    third = await h.pr(token, {"head": "agent/fix-2"})  # other arguments: another call
+    assert third.status == 201 and third.body["number"] == 2
+    assert h.github.pull_posts == 2
+
+
+async def test_concurrent_identical_requests_make_one_call(make: Factory) -> None:
+    h = await make()
+    h.github.pull_delay = 0.3
+    token = await h.token()
+    replies = await asyncio.gather(*(h.pr(token, key="op-1") for _ in range(3)))
+    assert [r.status for r in replies] == [201, 201, 201]
+    assert len({json.dumps(r.body) for r in replies}) == 1
+    assert h.github.pull_posts == 1
+
+
+async def test_idempotency_survives_restart(make: Factory) -> None:
+    h = await make()
+    token = await h.token()
+    first = await h.pr(token, key="op-1")
+    restarted = await make()
+    second = await restarted.pr(token, key="op-1")
+    assert second.status == 201 and second.body == first.body
+    assert h.github.pull_posts == 1  # the same fake GitHub behind both
+
+
+async def test_failed_call_is_not_remembered(make: Factory) -> None:
+    h = await make()
+    h.github.mode = "error"
+    token = await h.token()
+    assert (await h.pr(token, key="op-1")).status == 502
+    h.github.mode = "create"
+    assert (await h.pr(token, key="op-1")).status == 201
+    assert h.github.pull_posts == 2
+
+
+# --- rate limit -------------------------------------------------------------------------------------------------
+
+
+async def test_rate_limit_per_token(make: Factory) -> None:
+    h = await make(settings=BrokerSettings(calls_per_minute=1, burst=2))
+    token, other = await h.token(), await h.token()
+    statuses = [(await h.pr(token, {"head": f"agent/r{n}"})).status for n in range(3)]
+    assert statuses == [201, 201, 429]
+    reply = await h.pr(token, {"head": "agent/r9"})
+    assert reply.status == 429 and reply.body["error"] == "rate_limited"
+    assert (await h.pr(other, {"head": "agent/other"})).status == 201  # another token has its own bucket
+    assert h.github.pull_posts == 3
+
+
+# --- broker state failures --------------------------------------------------------------------------------------
+
+STORE_FAILURES = [
+    pytest.param("is_revoked", 0, id="revocation-list"),
+    pytest.param("idempotent_get", 0, id="idempotency-read"),
+    pytest.param("idempotent_put", 1, id="idempotency-write"),
+]
+
+
+@pytest.mark.parametrize(("operation", "upstream_calls"), STORE_FAILURES)
+async def test_store_failure_is_503_never_success(make: Factory, operation: str, upstream_calls: int) -> None:
+    h = await make()
+    token = await h.token()
+    h.store.failing.add(operation)
+    reply = await h.pr(token, key="op-1")
+    assert reply.status == 503, reply.body
+    assert reply.body["error"] == "state_unavailable"
+    assert h.github.pull_posts == upstream_calls
+    assert h.audit[-1].decision == "error"
+
+
+async def test_closed_store_is_503(make: Factory) -> None:
+    h = await make()
+    token = await h.token()
+    h.store.inner.close()
+    reply = await h.pr(token)
+    assert reply.status == 503 and reply.body["error"] == "state_unavailable"
+    assert h.github.calls == []
+    assert len(h.audit) == 1  # still audited, even though the call record could not be stored
+
+
+async def test_call_record_failure_does_not_undo_a_created_pull_request(make: Factory) -> None:
+    # The PR exists upstream by then; the audit emit still has the record (the store copy is best effort).
+    h = await make()
+    h.store.failing.add("record_call")
+    reply = await h.pr(await h.token())
+    assert reply.status == 201
+    assert h.audit[-1].decision == "allow"
+
+
+async def test_admin_revocation_with_broken_store_is_503(make: Factory) -> None:
+    h = await make()
+    h.store.failing.update({"revoke_token", "revoke_sandbox"})
+    for body in ({"jti": "x"}, {"sandbox": SANDBOX}):
+        reply = await h.admin_post("/v1/revocations", body)
+        assert reply.status == 503 and reply.body["error"] == "state_unavailable"
+
+
+# --- credentials never leave ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("credential", ["static", "app"])
+async def test_credential_echoed_by_upstream_is_redacted(make: Factory, credential: str) -> None:
+    h = await make(credential=credential)
+    token = await h.token()
+    assert (await h.pr(token, {"head": "agent/warm-up"})).status == 201  # App mode: caches the installation token
+    h.github.mode = "echo"
+    reply = await h.pr(token)
+    assert reply.status == 502, reply.body
+    assert "[redacted]" in reply.body["message"]
+    assert "[redacted]" in h.audit[-1].reason
+    h.assert_no_secrets()
+
+
+async def test_app_jwt_echoed_by_upstream_is_redacted(make: Factory) -> None:
+    h = await make(credential="app")
+    h.github.token_mode = "echo"
+    reply = await h.pr(await h.token())
+    assert reply.status == 502, reply.body
+    assert h.github.app_jwts, "the App JWT was sent"
+    assert "[redacted]" in reply.body["message"]
+    h.assert_no_secrets()
+
+
+@pytest.mark.parametrize("credential", ["static", "app-lookup"])
+async def test_no_credential_in_any_response_or_record(make: Factory, credential: str) -> None:
+    h = await make(credential=credential)
+    token = await h.token()
+    await h.pr(token)
+    await h.pr(token)  # replay
+    await h.pr(await h.token())  # existing
+    await h.pr(token, {"head": "agent/no-commits"})
+    await h.pr(token, {"repo": "acme/other"})
+    await h.pr(None, auth="Bearer nope")
+    await h.pr(token, data=b"{")
+    await h.admin_post("/v1/keys/rotate", {})
+    async with h.admin.get("/v1/jwks") as response:
+        await h._reply(response)
+    h.github.mode = "error"
+    await h.pr(token, {"head": "agent/late"})
+    h.assert_no_secrets()
+    # Nor does the sandbox token itself appear in what is audited (only its jti).
+    for record in h.audit:
+        assert token not in record.to_json()
+
+
+async def test_every_request_is_audited_once(make: Factory) -> None:
+    h = await make()
+    token = await h.token()
+    replies = [await h.pr(token), await h.pr(None), await h.pr(token, {"repo": "acme/other"}), await h.pr(token)]
+    assert len(h.audit) == len(replies) == len(h.brokered_calls())
+    assert [r.extra["status"] for r in h.audit] == [r.status for r in replies]
+    assert [r.decision for r in h.audit] == ["allow", "deny", "deny", "allow"]
+    jti = jwt.decode(token, options={"verify_signature": False})["jti"]
+    assert h.audit[0].extra["jti"] == jti and "jti" not in h.audit[1].extra
+
+
+# --- admin ------------------------------------------------------------------------------------------------------
+
+
+async def test_admin_issues_a_working_token(make: Factory) -> None:
+    h = await make()
+    reply = await h.admin_post("/v1/tokens", {"sandbox": SANDBOX, "grants": [GRANT], "ttl": 60})
+    assert reply.status == 200
+    assert set(reply.body) == {"token", "jti", "sandbox", "expires_at"}
+    claims = h.broker.authority.verify(reply.body["token"])
+    assert claims.jti == reply.body["jti"] and claims.sandbox == SANDBOX
+    assert claims.expires_at == reply.body["expires_at"] and claims.expires_at - claims.issued_at == 60
+
+
+BAD_ISSUES = [
+    pytest.param({"grants": [GRANT]}, id="no-sandbox"),
+    pytest.param({"sandbox": "", "grants": [GRANT]}, id="empty-sandbox"),
+    pytest.param({"sandbox": 7, "grants": [GRANT]}, id="sandbox-number"),
+    pytest.param({"sandbox": SANDBOX}, id="no-grants"),
+    pytest.param({"sandbox": SANDBOX, "grants": []}, id="empty-grants"),
+    pytest.param({"sandbox": SANDBOX, "grants": 5}, id="grants-number"),
+    pytest.param({"sandbox": SANDBOX, "grants": "create_pull_request:acme/app"}, id="grants-string"),
+    pytest.param({"sandbox": SANDBOX, "grants": {"tool": "create_pull_request"}}, id="grants-object"),
+    pytest.param({"sandbox": SANDBOX, "grants": [GRANT | {"tool": "delete_repo"}]}, id="unknown-tool"),
+    pytest.param({"sandbox": SANDBOX, "grants": [GRANT | {"repo": "acme"}]}, id="bad-repo"),
+    pytest.param({"sandbox": SANDBOX, "grants": [GRANT | {"head": "*"}]}, id="head-star"),
+    pytest.param({"sandbox": SANDBOX, "grants": [GRANT | {"base": [1]}]}, id="base-number"),
+    pytest.param({"sandbox": SANDBOX, "grants": [GRANT], "ttl": 0}, id="ttl-zero"),
+    pytest.param({"sandbox": SANDBOX, "grants": [GRANT], "ttl": -5}, id="ttl-negative"),
+    pytest.param({"sandbox": SANDBOX, "grants": [GRANT], "ttl": 3601}, id="ttl-above-max"),
+    pytest.param({"sandbox": SANDBOX, "grants": [GRANT], "ttl": "60"}, id="ttl-string"),
+    pytest.param({"sandbox": SANDBOX, "grants": [GRANT], "ttl": 60.5}, id="ttl-float"),
+    pytest.param({"sandbox": SANDBOX, "grants": [GRANT], "ttl": True}, id="ttl-bool"),
+    pytest.param([], id="array"),
+]
+
+
+@pytest.mark.parametrize("body", BAD_ISSUES)
+async def test_admin_refuses_bad_token_requests(make: Factory, body: Any) -> None:
+    h = await make()
+    reply = await h.admin_post("/v1/tokens", body)
+    assert reply.status == 422, reply.body
+    assert reply.body["error"] in {"invalid_request", "invalid_json"}
+
+
+async def test_admin_invalid_json_is_422(make: Factory) -> None:
+    h = await make()
+    for path in ("/v1/tokens", "/v1/revocations"):
+        reply = await h.admin_post(path, data=b"{nope")
+        assert reply.status == 422 and reply.body["error"] == "invalid_json"
+
+
+async def test_admin_revocation_needs_jti_or_sandbox(make: Factory) -> None:
+    h = await make()
+    for body in ({}, {"jti": 5}, {"sandbox": None}):
+        reply = await h.admin_post("/v1/revocations", body)
+        assert reply.status == 422 and reply.body["error"] == "invalid_request"
+
+
+async def test_admin_jwks_and_rotation(make: Factory) -> None:
+    h = await make()
+    old_token = await h.token()
+    old_kid = jwt.get_unverified_header(old_token)["kid"]
+    async with h.admin.get("/v1/jwks") as response:
+        jwks = (await h._reply(response)).body
+    assert [k["kid"] for k in jwks["keys"]] == [old_kid]
+    assert all("d" not in k for k in jwks["keys"])
+    reply = await h.admin_post("/v1/keys/rotate", {})
+    new_kid = reply.body["kid"]
+    assert reply.status == 200 and new_kid != old_kid
+    new_token = await h.token()
+    assert jwt.get_unverified_header(new_token)["kid"] == new_kid
+    async with h.admin.get("/v1/jwks") as response:
+        jwks = (await h._reply(response)).body
+    assert {k["kid"] for k in jwks["keys"]} == {old_kid, new_kid}
+    assert (await h.pr(old_token)).status == 201  # old tokens live on until they expire
+    assert (await h.pr(new_token, {"head": "agent/new"})).status == 201
+
+
+async def test_admin_routes_are_not_on_the_sandbox_app(make: Factory) -> None:
+    h = await make()
+    async with h.sandbox.post("/v1/tokens", json={"sandbox": SANDBOX, "grants": [GRANT]}) as response:
+        assert response.status in (404, 405)
+    async with h.sandbox.get("/v1/jwks") as response:
+        assert response.status in (404, 405)
+    async with h.sandbox.get(PATH) as response:
+        assert response.status == 405
