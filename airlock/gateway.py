@@ -78,6 +78,7 @@ class Gateway:
         self._state_dir = config.state_dir or tempfile.mkdtemp(prefix="airlock-gw-")
         self._master: Master | None = None
         self._task: asyncio.Task[None] | None = None
+        self._flusher: asyncio.Task[None] | None = None
         self.shared = None
         self.addons: list[object] = []
         self.dns: PolicyResolver | None = None
@@ -113,6 +114,7 @@ class Gateway:
         )
         self._master = master
         self._task = asyncio.create_task(master.run())
+        self._flusher = asyncio.create_task(self._flush_audit())
         proxyserver = master.addons.get("proxyserver")
         for _ in range(200):
             if proxyserver.listen_addrs() or self._task.done():
@@ -142,6 +144,11 @@ class Gateway:
                 await self.stop()
                 raise GatewayError(f"broker could not start: {e}") from e
 
+    async def _flush_audit(self) -> None:
+        while True:
+            await asyncio.sleep(0.1)
+            self.audit.flush()
+
     def replace_policy(self, policy: Policy) -> None:
         """Swap in a new, already validated policy; connections already open keep the decision they had."""
         assert self.shared is not None
@@ -153,6 +160,8 @@ class Gateway:
         if self._master is None:
             return
         master, self._master = self._master, None
+        if self._flusher is not None:
+            self._flusher.cancel()
         if self._dns_server is not None:
             await self._dns_server.stop()
         if self._broker_runtime is not None:

@@ -15,14 +15,16 @@ sees intermediate names); an answer whose every address was filtered becomes NXD
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import math
+import socket
 import struct
 import time
 from collections import Counter, defaultdict, deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from dnslib import AAAA, QTYPE, RCODE, RR, A, DNSError, DNSRecord
 from publicsuffixlist import PublicSuffixList
@@ -32,6 +34,8 @@ from airlock.policy import (
     HostError,
     IPAddress,
     Policy,
+    RepeatedRecord,
+    Sandbox,
     SandboxRegistry,
     canonical_host,
     decide_name,
@@ -104,6 +108,35 @@ def label_entropy(label: str) -> float:
     return -sum(c / len(label) * math.log2(c / len(label)) for c in counts.values())
 
 
+REPLY_CACHE_SECONDS = 1.0
+REPLY_CACHE_SIZE = 10_000
+
+
+@dataclass(slots=True)
+class _Reply:
+    packet: bytes
+    audit_template: str
+    expires: float
+    policy: Policy
+
+
+def _question(data: bytes) -> tuple[bytes, int] | None:
+    """(question with the name lowercased, offset where it ends) for a plain one-question query, else None."""
+    if len(data) < 17 or data[2] & 0xF8 or data[4:10] != b"\x00\x01\x00\x00\x00\x00" or data[10] or data[11] > 1:
+        return None  # a response, not opcode QUERY, not exactly one question, or records beyond one EDNS OPT
+    position = 12
+    while (length := data[position]) != 0:
+        if length & 0xC0:
+            return None  # compression pointers have no place in a question
+        position += length + 1
+        if position >= len(data):
+            return None
+    end = position + 5
+    if end > len(data):
+        return None
+    return bytes(data[12 : position + 1].lower() + data[position + 1 : end]), end
+
+
 @dataclass
 class Handler:
     """Who asked: the client address and the transport (dnslib passes its request handler here)."""
@@ -118,7 +151,7 @@ class PolicyResolver:
         policy: Policy,
         registry: SandboxRegistry,
         resolver: Resolver,
-        emit: Callable[[AuditRecord], None],
+        emit: Callable[[AuditRecord | RepeatedRecord], None],
         settings: DnsSettings,
     ) -> None:
         self.policy = policy
@@ -129,26 +162,41 @@ class PolicyResolver:
         self.stats: Counter[str] = Counter()
         self._buckets: dict[str, _TokenBucket] = {}
         self._subdomains = _SubdomainRate()
+        self._replies: dict[tuple[str, int, bytes], _Reply] = {}
 
-    async def resolve(self, request: DNSRecord, handler: Handler) -> DNSRecord | None:
-        """The reply to send, or None to stay silent (rate limit exceeded: no amplification, no answer)."""
-        started = time.monotonic()
-        reply = request.reply()
-        reply.header.ra = 1
-        sandbox = self.registry.identify(handler.client)
-        qname = str(request.q.qname)
-        qtype = QTYPE.get(request.q.qtype, str(request.q.qtype))
-        record = AuditRecord("dns", sandbox.id if sandbox else "-", handler.client, qname, None, "deny", "")
-        record.method = qtype
+    def admit(self, client: str) -> Sandbox | bool | None:
+        """The asking sandbox; None for an unknown network (refused); False when over its rate (dropped)."""
+        sandbox = self.registry.identify(client)
         if sandbox is None:
-            return self._refuse(reply, record, "query from an address that belongs to no sandbox")
+            return None
         bucket = self._buckets.get(sandbox.id)
         if bucket is None:
             rate = self.settings.rate_per_second
             bucket = self._buckets[sandbox.id] = _TokenBucket(rate, max(1, int(rate * 2)))
         if not bucket.take():
             self.stats["rate_limited"] += 1
+            return False
+        return sandbox
+
+    async def resolve(self, request: DNSRecord, handler: Handler) -> DNSRecord | None:
+        """The reply to send, or None to stay silent (rate limit exceeded: no amplification, no answer)."""
+        sandbox = self.admit(handler.client)
+        if sandbox is False:
             return None
+        reply, _ = await self.decide(request, sandbox or None, handler.client)
+        return reply
+
+    async def decide(self, request: DNSRecord, sandbox: Sandbox | None, client: str) -> tuple[DNSRecord, AuditRecord]:
+        """The full judgement of one admitted query: the reply, and the audit record it was logged with."""
+        started = time.monotonic()
+        reply = request.reply()
+        reply.header.ra = 1
+        qname = str(request.q.qname)
+        qtype = QTYPE.get(request.q.qtype, str(request.q.qtype))
+        record = AuditRecord("dns", sandbox.id if sandbox else "-", client, qname, None, "deny", "")
+        record.method = qtype
+        if sandbox is None:
+            return self._refuse(reply, record, "query from an address that belongs to no sandbox")
         if request.header.opcode != 0 or len(request.questions) != 1:
             reply.header.rcode = RCODE.NOTIMP if request.header.opcode != 0 else RCODE.FORMERR
             return self._finish(reply, record, "deny", "only standard queries with one question", started)
@@ -170,7 +218,7 @@ class PolicyResolver:
             return self._finish(reply, record, "allow", f"{qtype} is not answered with data", started)
         return await self._answer(request, reply, record, profile, name, started)
 
-    async def _answer(self, request, reply, record, profile, name, started) -> DNSRecord:
+    async def _answer(self, request, reply, record, profile, name, started) -> tuple[DNSRecord, AuditRecord]:
         try:
             answer = await asyncio.wait_for(self.resolver.query(name, request.q.qtype), self.settings.answer_timeout)
         except NameNotFound:
@@ -180,6 +228,7 @@ class PolicyResolver:
             reply.header.rcode = RCODE.SERVFAIL
             return self._finish(reply, record, "error", f"upstream failed: {e or 'timeout'}", started)
         record.extra["upstream_ms"] = round(answer.upstream_ms, 1)
+        record.extra["ttl"] = answer.ttl
         vetted = vet(profile, answer.addresses, None, self.settings.own_addresses)
         record.resolved = [str(a) for a in answer.addresses]
         if answer.addresses and not vetted.allowed:
@@ -205,11 +254,13 @@ class PolicyResolver:
             record.extra["suspicious"] = flags
         return flags
 
-    def _refuse(self, reply: DNSRecord, record: AuditRecord, reason: str) -> DNSRecord:
+    def _refuse(self, reply: DNSRecord, record: AuditRecord, reason: str) -> tuple[DNSRecord, AuditRecord]:
         reply.header.rcode = RCODE.REFUSED
         return self._finish(reply, record, "deny", reason, time.monotonic())
 
-    def _finish(self, reply: DNSRecord, record: AuditRecord, decision, reason: str, started: float) -> DNSRecord:
+    def _finish(
+        self, reply: DNSRecord, record: AuditRecord, decision: str, reason: str, started: float
+    ) -> tuple[DNSRecord, AuditRecord]:
         record.decision, record.reason = decision, reason
         record.resolved = record.resolved or []
         record.extra["answers"] = [str(rr.rdata) for rr in reply.rr]
@@ -217,29 +268,38 @@ class PolicyResolver:
         record.duration_ms = round((time.monotonic() - started) * 1000, 1)
         self.stats[f"rcode_{RCODE.get(reply.header.rcode)}"] += 1
         self.emit(record)
-        return reply
+        return reply, record
 
+    # --- replies remembered at the wire level --------------------------------------------------------------------
+    # A sandbox asking the same question again within a second gets the same answer: the reply bytes are kept
+    # and only the query ID and question spelling are patched in. Parsing, deciding and packing are skipped;
+    # the audit line is still written, one per query.
 
-class _UdpProtocol(asyncio.DatagramProtocol):
-    def __init__(self, server: DnsServer) -> None:
-        self.server = server
-        self.transport: asyncio.DatagramTransport | None = None
+    def cached_reply(self, data: bytes, sandbox: Sandbox, client: str) -> bytes | None:
+        question = _question(data)
+        if question is None:
+            return None
+        entry = self._replies.get((sandbox.id, data[2] & 1, question[0]))
+        if entry is None or entry.expires < time.monotonic() or entry.policy is not self.policy:
+            return None
+        self.emit(RepeatedRecord(entry.audit_template, client))
+        end = question[1]
+        return data[:2] + entry.packet[2:12] + data[12:end] + entry.packet[end:]
 
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]
-
-    def datagram_received(self, data: bytes, addr: tuple) -> None:
-        self.server.spawn(self._handle(data, addr))
-
-    async def _handle(self, data: bytes, addr: tuple) -> None:
-        reply = await self.server.handle(data, Handler(addr[0], "udp"))
-        if reply is not None and self.transport is not None:
-            packet = reply.pack()
-            if len(packet) > 512:
-                # Classic UDP limit: send the header and question with TC set; the client retries over TCP.
-                truncated = reply.truncate()
-                packet = truncated.pack()
-            self.transport.sendto(packet, addr)
+    def remember(self, data: bytes, sandbox: Sandbox, packet: bytes, reply: DNSRecord, record: AuditRecord) -> None:
+        question = _question(data)
+        if question is None or reply.header.rcode not in (RCODE.NOERROR, RCODE.NXDOMAIN, RCODE.REFUSED):
+            return
+        ttl = record.extra.get("ttl", REPLY_CACHE_SECONDS)  # set when an upstream answer was used, even if filtered
+        lifetime = min(REPLY_CACHE_SECONDS, ttl if isinstance(ttl, int | float) else 0)
+        if lifetime <= 0:
+            return  # TTL 0 means ask again every time: a rebinding name must get no second helping
+        if len(self._replies) >= REPLY_CACHE_SIZE:
+            self._replies.pop(next(iter(self._replies)))
+        key = (sandbox.id, data[2] & 1, question[0])
+        repeated = replace(record, duration_ms=0.0, reason=f"{record.reason} (remembered)")
+        audit_template = RepeatedRecord.template(repeated)
+        self._replies[key] = _Reply(packet, audit_template, time.monotonic() + lifetime, self.policy)
 
 
 class DnsServer:
@@ -248,20 +308,31 @@ class DnsServer:
     def __init__(self, resolver: PolicyResolver, host: str, port: int = 53) -> None:
         self.resolver = resolver
         self.host, self.port = host, port
-        self._udp: asyncio.DatagramTransport | None = None
+        self._udp: socket.socket | None = None
         self._tcp: asyncio.Server | None = None
         self._tasks: set[asyncio.Task[None]] = set()
 
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
-        self._udp, _ = await loop.create_datagram_endpoint(
-            lambda: _UdpProtocol(self), local_addr=(self.host, self.port)
-        )
+        family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
+        udp = socket.socket(family, socket.SOCK_DGRAM)
+        try:
+            udp.setblocking(False)
+            udp.bind((self.host, self.port))
+        except OSError:
+            udp.close()
+            raise
+        self._udp = udp
+        # Drain many datagrams per wakeup and answer remembered questions inline: a task and a 256 KiB
+        # receive buffer per packet (asyncio's datagram transport) cost more than answering.
+        loop.add_reader(udp.fileno(), self._readable)
         self._tcp = await asyncio.start_server(self._tcp_client, self.host, self.port, reuse_address=True)
 
     async def stop(self) -> None:
         if self._udp is not None:
+            asyncio.get_running_loop().remove_reader(self._udp.fileno())
             self._udp.close()
+            self._udp = None
         if self._tcp is not None:
             self._tcp.close()
             await self._tcp.wait_closed()
@@ -273,11 +344,57 @@ class DnsServer:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def handle(self, data: bytes, handler: Handler) -> DNSRecord | None:
+    def _readable(self) -> None:
+        assert self._udp is not None
+        for _ in range(64):
+            try:
+                data, address = self._udp.recvfrom(MAX_QUERY_BYTES + 1)
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:
+                return  # e.g. an ICMP error queued on the socket: nothing to answer
+            self._datagram(data, address)
+
+    def _datagram(self, data: bytes, address: tuple) -> None:
         stats = self.resolver.stats
         if len(data) > MAX_QUERY_BYTES:
             stats["dropped_oversize"] += 1
-            return None
+            return
+        sandbox = self.resolver.admit(address[0])
+        if sandbox is False:
+            return
+        if sandbox is not None:
+            packet = self.resolver.cached_reply(data, sandbox, address[0])
+            if packet is not None:
+                self._send(packet, address)
+                return
+        self.spawn(self._udp_query(data, address, sandbox))
+
+    async def _udp_query(self, data: bytes, address: tuple, sandbox: Sandbox | None) -> None:
+        request = self._parse(data)
+        if request is None:
+            return
+        try:
+            reply, record = await self.resolver.decide(request, sandbox, address[0])
+        except Exception:
+            log.exception("DNS resolver failed: answering SERVFAIL")
+            self._send(_servfail(request).pack(), address)
+            return
+        packet = reply.pack()
+        if len(packet) > 512:
+            # Classic UDP limit: send the header and question with TC set; the client retries over TCP.
+            packet = reply.truncate().pack()
+        elif sandbox is not None:
+            self.resolver.remember(data, sandbox, packet, reply, record)
+        self._send(packet, address)
+
+    def _send(self, packet: bytes, address: tuple) -> None:
+        if self._udp is not None:
+            with contextlib.suppress(OSError):
+                self._udp.sendto(packet, address)
+
+    def _parse(self, data: bytes) -> DNSRecord | None:
+        stats = self.resolver.stats
         try:
             request = DNSRecord.parse(data)
         except (DNSError, struct.error, ValueError, IndexError, UnicodeError):
@@ -286,13 +403,20 @@ class DnsServer:
         if request.header.qr or not request.questions:
             stats["dropped_malformed"] += 1  # a response, or nothing asked: not for us to answer
             return None
+        return request
+
+    async def handle(self, data: bytes, handler: Handler) -> DNSRecord | None:
+        if len(data) > MAX_QUERY_BYTES:
+            self.resolver.stats["dropped_oversize"] += 1
+            return None
+        request = self._parse(data)
+        if request is None:
+            return None
         try:
             return await self.resolver.resolve(request, handler)
         except Exception:
             log.exception("DNS resolver failed: answering SERVFAIL")
-            reply = request.reply()
-            reply.header.rcode = RCODE.SERVFAIL
-            return reply
+            return _servfail(request)
 
     async def _tcp_client(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         peer = writer.get_extra_info("peername")
@@ -310,3 +434,9 @@ class DnsServer:
             pass
         finally:
             writer.close()
+
+
+def _servfail(request: DNSRecord) -> DNSRecord:
+    reply = request.reply()
+    reply.header.rcode = RCODE.SERVFAIL
+    return reply

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import ipaddress
+import itertools
 import json
+import secrets
 import time
-import uuid
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Literal
 
 from .addresses import Network
@@ -15,8 +16,25 @@ from .hosts import IPAddress
 type Kind = Literal["http", "connect", "dns", "broker"]
 
 
+_ID_PREFIX = secrets.token_hex(4)
+_ID_COUNTER = itertools.count()
+
+
 def new_request_id() -> str:
-    return uuid.uuid4().hex[:16]
+    """Unique per decision: a random per-process prefix and a counter (cheap enough for every DNS query)."""
+    return f"{_ID_PREFIX}{next(_ID_COUNTER):08x}"
+
+
+_encode = json.JSONEncoder(separators=(",", ":"), ensure_ascii=True).encode
+_second_text: tuple[int, str] = (-1, "")
+
+
+def _timestamp(ts: float) -> str:
+    global _second_text
+    second = int(ts)
+    if _second_text[0] != second:
+        _second_text = (second, time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(second)))
+    return f"{_second_text[1]}.{int(ts % 1 * 1000):03d}Z"
 
 
 @dataclass(slots=True)
@@ -41,9 +59,33 @@ class AuditRecord:
     extra: dict[str, object] = field(default_factory=dict)  # kind-specific details, e.g. DNS exfil signals
 
     def to_json(self) -> str:
-        record = asdict(self)
-        record["ts"] = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(self.ts)) + f".{int(self.ts % 1 * 1000):03d}Z"
-        return json.dumps(record, separators=(",", ":"), ensure_ascii=True)
+        record = {name: getattr(self, name) for name in _AUDIT_FIELDS}  # asdict() deep-copies: too slow per query
+        record["ts"] = _timestamp(self.ts)
+        return _encode(record)
+
+
+_AUDIT_FIELDS = tuple(f.name for f in fields(AuditRecord))
+_PER_EVENT = ("ts", "request_id", "client")
+
+
+@dataclass(slots=True)
+class RepeatedRecord:
+    """A decision repeated exactly (a remembered DNS answer): everything but its time, id and client is
+    serialized once, so that writing one line per query stays cheap."""
+
+    static_json: str  # the template's fields, as `"key":value,...}`
+    client: str
+    request_id: str = field(default_factory=new_request_id)
+    ts: float = field(default_factory=time.time)
+
+    @classmethod
+    def template(cls, record: AuditRecord) -> str:
+        fixed = {name: getattr(record, name) for name in _AUDIT_FIELDS if name not in _PER_EVENT}
+        return _encode(fixed)[1:]
+
+    def to_json(self) -> str:
+        head = f'{{"ts":"{_timestamp(self.ts)}","request_id":"{self.request_id}","client":{_encode(self.client)},'
+        return head + self.static_json
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,19 +101,32 @@ class SandboxRegistry:
 
     def __init__(self, sandboxes: list[Sandbox] | None = None) -> None:
         self._sandboxes: list[Sandbox] = []
+        self._known: dict[IPAddress | str, Sandbox | None] = {}  # source address → sandbox, asked per packet
         for sandbox in sandboxes or []:
             self.add(sandbox)
 
     def add(self, sandbox: Sandbox) -> None:
+        self._known.clear()
         for other in self._sandboxes:
             if other.network.version == sandbox.network.version and other.network.overlaps(sandbox.network):
                 raise ValueError(f"sandbox {sandbox.id}: {sandbox.network} overlaps {other.id}'s {other.network}")
         self._sandboxes.append(sandbox)
 
     def remove(self, sandbox_id: str) -> None:
+        self._known.clear()
         self._sandboxes = [s for s in self._sandboxes if s.id != sandbox_id]
 
     def identify(self, address: IPAddress | str) -> Sandbox | None:
+        known = self._known.get(address)
+        if known is not None or address in self._known:
+            return known
+        sandbox = self._identify(address)
+        if len(self._known) >= 65536:
+            self._known.clear()
+        self._known[address] = sandbox
+        return sandbox
+
+    def _identify(self, address: IPAddress | str) -> Sandbox | None:
         ip = ipaddress.ip_address(address) if isinstance(address, str) else address
         if ip.version == 6 and ip.ipv4_mapped is not None:
             ip = ip.ipv4_mapped

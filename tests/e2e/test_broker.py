@@ -271,11 +271,20 @@ def _tcp_refused_or_dropped(address: tuple[str, int]) -> bool:
 
 
 def test_every_call_is_audited_without_secrets(topology: Topology, gateway: GatewayProcess, fake_github):
+    def broker_records() -> list[dict]:
+        return [r for r in gateway.audit() if r["kind"] == "broker"]
+
+    time.sleep(0.3)  # earlier tests' lines are flushed
+    before = len(broker_records())
     token = issue_token(gateway)
     sandbox_call(topology, token)
     sandbox_call(topology, token, {**PR, "repo": "acme/other"})
     sandbox_call(topology, None)
-    records = [r for r in gateway.audit() if r["kind"] == "broker"][-3:]
+    deadline = time.monotonic() + 3
+    while len(broker_records()) < before + 3:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    records = broker_records()[before:]
     assert [(r["decision"], r["extra"]["status"]) for r in records] == [("allow", 201), ("deny", 403), ("deny", 401)]
     assert all(r["sandbox"] == "sbx" and r["method"] == "create_pull_request" for r in records)
     text = json.dumps(records)

@@ -193,3 +193,20 @@ def test_airlock_run_resolves_allowed_names_only(topology: Topology, fakenet: Fa
     unlisted = run("evil.test")
     assert unlisted.returncode != 0 and unlisted.stdout == ""
     assert fakenet.dns_queries("evil.test") == 0
+
+
+def test_repeated_questions_are_answered_from_memory_and_still_audited(
+    topology: Topology, fakenet: FakeNet, gateway: GatewayProcess
+):
+    def three_times() -> list[DNSRecord]:
+        return [ask("www.allowed.test"), ask("WwW.AlLoWeD.tEsT"), ask("www.allowed.test", "AAAA")]
+
+    first, shouting, aaaa = in_netns(topology.sbx, three_times)
+    assert answers(first) == answers(shouting) == [ALLOWED_IP]
+    assert str(shouting.q.qname) == "WwW.AlLoWeD.tEsT."  # the question is echoed as asked (0x20 randomization)
+    assert first.header.id != shouting.header.id
+    assert rcode(aaaa) == "NOERROR" and answers(aaaa) == []  # another question, not the remembered answer
+    deadline = time.monotonic() + 3
+    while len([r for r in gateway.audit() if r["host"] == "www.allowed.test" and r["kind"] == "dns"]) < 3:
+        assert time.monotonic() < deadline, "every query, remembered or not, writes its audit line"
+        time.sleep(0.05)

@@ -220,6 +220,9 @@ def test_unknown_source_network_is_refused(topology: Topology, fakenet: FakeNet,
 
         assert in_netns(topology.sbx, from_other_address) == b""
         assert fakenet.total_connections() == 0
+        deadline = time.monotonic() + 3
+        while not gw.audit() and time.monotonic() < deadline:
+            time.sleep(0.05)  # audit lines are flushed every 100 ms
         assert [(r["client"], r["decision"], r["reason"]) for r in gw.audit()] == [
             (stranger, "deny", "unknown sandbox network")
         ]
