@@ -315,3 +315,23 @@ def test_enforcement_point_holds_when_the_early_hooks_do_nothing(
     tunnel = in_netns(topology.sbx, tls_get, PROXY, f"{target}:443", target, test_ca.ca_cert)
     assert tunnel.status != 200 or tunnel.error, tunnel
     assert fakenet.total_connections() == 0
+
+
+def test_idle_tunnel_is_closed_after_the_idle_timeout(topology: Topology, fakenet: FakeNet, own_gateway):
+    own_gateway(extra=("--idle-timeout", "2"))
+
+    def idle_tunnel() -> float:
+        from netclient import connect_tunnel
+
+        sock, reply = connect_tunnel(PROXY, "ssh.allowed.test:22")
+        assert sock is not None, reply
+        with sock:
+            sock.sendall(b"SSH-2.0-idle\r\n")
+            sock.settimeout(15)
+            assert sock.recv(100).startswith(b"SSH-2.0-idle")
+            started = time.monotonic()
+            while sock.recv(100):  # nothing more comes: the gateway closes the idle tunnel
+                pass
+            return time.monotonic() - started
+
+    assert 1 <= in_netns(topology.sbx, idle_tunnel) < 10
