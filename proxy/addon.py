@@ -23,9 +23,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mitmproxy import connection, http
-from mitmproxy.proxy import layer, layers
+from mitmproxy.net.tls import starts_like_tls_record
+from mitmproxy.proxy import events, layer, layers
+from mitmproxy.proxy.context import Context
+from mitmproxy.proxy.layers.tcp import TcpMessageInjected
+from mitmproxy.proxy.layers.tls import parse_client_hello
 from mitmproxy.proxy.server_hooks import ServerConnectionHookData
-from mitmproxy.tls import ClientHelloData
+from mitmproxy.proxy.utils import expect
 
 from airlock.dns.upstream import ResolveError, Resolver
 from airlock.policy import (
@@ -313,55 +317,81 @@ def _names_target(text: str, host: str, port: int, default_port: int) -> bool:
     return same_host and (text_port == str(port) or (text_port == "" and port == default_port))
 
 
+class _MeteredTunnel(layers.TCPLayer):
+    """A passed-through tunnel (no flow, no per-chunk hooks) that counts the bytes it relays for the audit."""
+
+    def __init__(self, context: Context, record: AuditRecord) -> None:
+        super().__init__(context, ignore=True)
+        self.record = record
+
+    @expect(events.DataReceived, events.ConnectionClosed, TcpMessageInjected)
+    def relay_messages(self, event: events.Event) -> layer.CommandGenerator[None]:
+        if isinstance(event, events.DataReceived):
+            if event.connection == self.context.client:
+                self.record.bytes_in = (self.record.bytes_in or 0) + len(event.data)
+            else:
+                self.record.bytes_out = (self.record.bytes_out or 0) + len(event.data)
+        yield from super().relay_messages(event)
+
+
 class TunnelPolicy:
-    """What travels inside an allowed CONNECT tunnel: TLS whose SNI names the CONNECT host, passed through
-    untouched; anything else only where the rule says `tunnel: true`."""
+    """What travels inside an allowed CONNECT tunnel: TLS whose SNI names the CONNECT host, or anything where
+    the rule says `tunnel: true`; either way passed through untouched (never intercepted) and metered.
+
+    mitmproxy's own next-layer choice (TLS layers, HTTP, raw TCP) is replaced here, so that no TLS layer is
+    ever built for a tunnel: the ClientHello is read from the first bytes, and until it is complete the
+    decision waits (`nextlayer.layer = None`)."""
 
     def __init__(self, shared: _Shared) -> None:
         self.shared = shared
 
-    def _deny_hello(self, data: ClientHelloData) -> None:
-        self.shared.client(data.context.client).denied = "internal error"
-        data.ignore_connection = True
-
     def _deny_layer(self, nextlayer: layer.NextLayer) -> None:
-        self.shared.client(nextlayer.context.client).denied = "internal error"
+        state = self.shared.client(nextlayer.context.client)
+        self._deny(state, "internal error")
         nextlayer.layer = layers.TCPLayer(nextlayer.context, ignore=True)
 
     def _deny(self, state: _ClientState, reason: str) -> None:
-        state.denied = reason
+        state.denied = reason  # server_connect refuses to open anything for this connection
         if state.tunnel is not None:
             state.tunnel.decision, state.tunnel.reason = "deny", reason
-
-    @_fail_closed(_deny_hello)
-    def tls_clienthello(self, data: ClientHelloData) -> None:
-        data.ignore_connection = True  # never intercept: the sandbox's TLS goes end to end
-        state = self.shared.client(data.context.client)
-        if state.tunnel is None:
-            return self._deny(state, "TLS without an allowed CONNECT")
-        sni = data.client_hello.sni
-        expected = state.tunnel.host
-        if sni is None and is_ip(expected):
-            return None
-        try:
-            matches = sni is not None and canonical_host(sni) == expected
-        except HostError:
-            matches = False
-        if not matches:
-            self._deny(state, f"TLS SNI {sni!r} does not match CONNECT host {expected}")
 
     @_fail_closed(_deny_layer)
     def next_layer(self, nextlayer: layer.NextLayer) -> None:
         state = self.shared.clients.get(nextlayer.context.client.id)
-        if state is None or state.tunnel is None or nextlayer.layer is None:
+        if state is None or state.tunnel is None or not nextlayer.context.server.address:
+            return  # not the inside of one of our tunnels (e.g. the connection's first layer)
+        raw_allowed = bool(state.tunnel_decision and state.tunnel_decision.tunnel)
+        data = nextlayer.data_client()
+        if starts_like_tls_record(data):
+            try:
+                hello = parse_client_hello(data)
+            except ValueError:
+                hello = None
+                self._deny(state, "malformed TLS ClientHello")
+            else:
+                if hello is None:
+                    nextlayer.layer = None  # wait for the rest of the ClientHello
+                    return
+                if not raw_allowed and (mismatch := _sni_mismatch(hello.sni, state.tunnel.host)):
+                    self._deny(state, mismatch)
+        elif not data and not raw_allowed:
+            nextlayer.layer = None  # nothing sent yet: wait to see whether it is TLS
             return
-        if isinstance(nextlayer.layer, layers.ServerTLSLayer | layers.ClientTLSLayer):
-            return  # TLS: judged in tls_clienthello
-        if not (isinstance(nextlayer.layer, layers.HttpLayer | layers.TCPLayer) and nextlayer.context.server.address):
-            return
-        if not (state.tunnel_decision and state.tunnel_decision.tunnel):
+        elif not raw_allowed:
             self._deny(state, "tunnel carries something other than TLS and no rule allows a raw tunnel")
-        nextlayer.layer = layers.TCPLayer(nextlayer.context, ignore=True)
+        nextlayer.layer = _MeteredTunnel(nextlayer.context, state.tunnel)
+
+
+def _sni_mismatch(sni: str | None, expected: str) -> str | None:
+    """The TLS SNI must name the CONNECT host (an IP-literal CONNECT may send none)."""
+    if sni is None and is_ip(expected):
+        return None
+    try:
+        if sni is not None and canonical_host(sni) == expected:
+            return None
+    except HostError:
+        pass
+    return f"TLS SNI {sni!r} does not match CONNECT host {expected}"
 
 
 class PinnedConnect:

@@ -196,6 +196,8 @@ def test_every_decision_writes_one_audit_line(topology: Topology, fakenet: FakeN
     assert http_denied["request_id"] == denied.json()["request_id"] and http_denied["resolved"] == []
     connect = by_kind[("connect", "allow")]
     assert connect["method"] == "CONNECT" and connect["port"] == 443 and connect["duration_ms"] >= 0
+    # Tunnels are metered though never decrypted: at least the TLS handshake one way, handshake + body back.
+    assert connect["bytes_in"] > 200 and connect["bytes_out"] > len(tunnel.body) + 500
 
 
 def test_unknown_source_network_is_refused(topology: Topology, fakenet: FakeNet, own_gateway):
