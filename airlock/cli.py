@@ -264,22 +264,126 @@ def cmd_run(args: argparse.Namespace) -> int:
         )
         return EXIT_USAGE
     policy = _load(args.policy)
-    return asyncio.run(_run_sandboxed(args, policy))
-
-
-async def _run_sandboxed(args: argparse.Namespace, policy: Policy) -> int:
-    from airlock.gateway import Gateway
-    from airlock.sandbox.netns import NetnsSandbox, resolve_user
-
-    resolve_user(args.user)  # fail before creating anything
     try:
         [parse_grant(g) for g in args.grant or []]
     except GrantError as e:
         raise UsageError(f"--grant: {e}") from None
-    dns_ports = (args.dns_port,) if args.dns_port else ()
-    broker_ports = (args.broker_port,) if args.broker_port else ()
-    tcp_ports = (args.proxy_port, *dns_ports, *broker_ports)
-    sandbox = NetnsSandbox(args.sandbox_id, tcp_ports=tcp_ports, udp_ports=dns_ports)
+    backend = _choose_backend(args)
+    print(f"airlock: backend {backend}" + (f", image {args.image}" if backend == "docker" else ""), file=sys.stderr)
+    if backend == "docker":
+        return asyncio.run(_run_docker(args, policy))
+    return asyncio.run(_run_sandboxed(args, policy))
+
+
+def _choose_backend(args: argparse.Namespace) -> str:
+    """docker when asked (or when an image is named and an engine answers); netns otherwise."""
+    if args.backend == "netns":
+        if args.image:
+            raise UsageError("--image needs --backend docker")
+        return "netns"
+    if args.backend == "docker" and not args.image:
+        raise UsageError("--backend docker needs --image IMAGE")
+    if args.image:
+        return "docker"
+    return "netns"
+
+
+def _ports(args: argparse.Namespace) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The gateway's TCP and UDP ports the fence opens to the sandbox."""
+    dns = (args.dns_port,) if args.dns_port else ()
+    broker = (args.broker_port,) if args.broker_port else ()
+    return (args.proxy_port, *dns, *broker), dns
+
+
+async def _start_gateway(args: argparse.Namespace, policy: Policy, gateway_ip: str, sandbox_id: str, sandbox_ip: str):
+    from airlock.gateway import Gateway
+
+    profile = args.profile or policy.default_profile
+    registry = [Sandbox(sandbox_id, profile, ipaddress.ip_network(f"{sandbox_ip}/32"))]
+    config = _gateway_config(args, policy, gateway_ip, registry)
+    gateway = Gateway(config)
+    await gateway.start()
+    return gateway
+
+
+def _mint(args: argparse.Namespace, gateway, sandbox_id: str) -> str | None:
+    if not args.grant or gateway.broker is None:
+        return None
+    token, _ = gateway.broker.mint(sandbox_id, [parse_grant(g) for g in args.grant], args.token_ttl)
+    return token
+
+
+async def _run_docker(args: argparse.Namespace, policy: Policy) -> int:
+    import docker
+
+    from airlock.sandbox import proxy_environment
+    from airlock.sandbox.docker import TOKEN_PATH, DockerSandbox, Limits
+
+    try:
+        client = docker.from_env()
+        client.ping()
+    except docker.errors.DockerException as e:
+        raise UsageError(f"no docker engine answers ({e}); use --backend netns") from None
+    limits = Limits(args.cpus, args.memory, args.pids, timeout=args.timeout, output_limit=args.output_limit)
+    mounts = [_mount(m) for m in args.mount or []]
+    tcp_ports, udp_ports = _ports(args)
+    sandbox = DockerSandbox(client, args.image, args.sandbox_id, tcp_ports, udp_ports, limits, mounts)
+    state = tempfile.TemporaryDirectory(prefix="airlock-run-")
+    args.state_dir = args.state_dir or state.name
+    gateway = None
+    interrupted = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        loop.add_signal_handler(sig, interrupted.set)
+    try:
+        sandbox.create()
+        gateway = await _start_gateway(args, policy, sandbox.gateway_ip, sandbox.sandbox_id, sandbox.sandbox_ip)
+        env = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "HOME": "/tmp"}
+        env |= _passed_env(args.env or [])
+        env |= proxy_environment(sandbox.gateway_ip, args.proxy_port, args.broker_port if args.grant else None)
+        env["AIRLOCK_SANDBOX"] = sandbox.sandbox_id
+        if token := _mint(args, gateway, sandbox.sandbox_id):
+            sandbox.place_token(token)
+            env["AIRLOCK_TOKEN_FILE"] = TOKEN_PATH
+        sandbox.start(args.cmd, env)
+        waiter = asyncio.ensure_future(asyncio.to_thread(sandbox.wait))
+        stopper = asyncio.ensure_future(interrupted.wait())
+        await asyncio.wait({waiter, stopper}, return_when=asyncio.FIRST_COMPLETED)
+        if not waiter.done():
+            sandbox.kill()
+        code = await waiter
+        stopper.cancel()
+        stdout, stderr = sandbox.output()
+        sys.stdout.buffer.write(stdout)
+        sys.stdout.flush()
+        sys.stderr.buffer.write(stderr)
+        if code is None:
+            print(f"airlock: killed after the {args.timeout:g}s timeout", file=sys.stderr)
+            return 124
+        if sandbox.state().get("OOMKilled"):
+            print(f"airlock: killed at the {args.memory} memory limit", file=sys.stderr)
+        return code
+    finally:
+        if gateway is not None:
+            await gateway.stop()
+        sandbox.destroy()
+        state.cleanup()
+
+
+def _mount(text: str) -> tuple[str, str]:
+    host, sep, target = text.partition(":")
+    if not sep or not host.startswith("/") or not target.startswith("/"):
+        raise UsageError(f"--mount {text!r}: expected /host/path:/container/path (always read-only)")
+    return host, target.removesuffix(":ro")
+
+
+async def _run_sandboxed(args: argparse.Namespace, policy: Policy) -> int:
+    from airlock.sandbox import proxy_environment
+    from airlock.sandbox.netns import NetnsSandbox, resolve_user
+
+    resolve_user(args.user)  # fail before creating anything
+    tcp_ports, udp_ports = _ports(args)
+    sandbox = NetnsSandbox(args.sandbox_id, tcp_ports=tcp_ports, udp_ports=udp_ports)
     state = tempfile.TemporaryDirectory(prefix="airlock-run-")
     gateway = None
     child: asyncio.subprocess.Process | None = None
@@ -289,20 +393,13 @@ async def _run_sandboxed(args: argparse.Namespace, policy: Policy) -> int:
         loop.add_signal_handler(sig, interrupted.set)
     try:
         sandbox.create()
-        profile = args.profile or policy.default_profile
-        registry = [Sandbox(sandbox.sandbox_id, profile, ipaddress.ip_network(f"{sandbox.sandbox_ip}/32"))]
-        config = _gateway_config(args, policy, sandbox.gateway_ip, registry)
-        config.state_dir = config.state_dir or str(state.name)
-        gateway = Gateway(config)
-        await gateway.start()
+        args.state_dir = args.state_dir or state.name
+        gateway = await _start_gateway(args, policy, sandbox.gateway_ip, sandbox.sandbox_id, sandbox.sandbox_ip)
         env = sandbox_environment(args.env or [], resolve_user(args.user))
-        env.update(sandbox.proxy_env(args.proxy_port))
+        env |= proxy_environment(sandbox.gateway_ip, args.proxy_port, args.broker_port if args.grant else None)
         env["AIRLOCK_SANDBOX"] = sandbox.sandbox_id
-        if args.grant and gateway.broker is not None:
-            token, _ = gateway.broker.mint(sandbox.sandbox_id, [parse_grant(g) for g in args.grant], args.token_ttl)
-            token_file = sandbox.place_token(token, resolve_user(args.user))
-            env["AIRLOCK_TOKEN_FILE"] = str(token_file)
-            env["AIRLOCK_BROKER_URL"] = f"http://{sandbox.gateway_ip}:{args.broker_port}"
+        if token := _mint(args, gateway, sandbox.sandbox_id):
+            env["AIRLOCK_TOKEN_FILE"] = str(sandbox.place_token(token, resolve_user(args.user)))
         child = await asyncio.create_subprocess_exec(*sandbox.command(args.cmd, args.user), env=env)
         waiter = asyncio.create_task(child.wait())
         stopper = asyncio.create_task(interrupted.wait())
@@ -337,6 +434,12 @@ def sandbox_environment(passed: list[str], user) -> dict[str, str]:
     }
     if "TERM" in os.environ:
         env["TERM"] = os.environ["TERM"]
+    return env | _passed_env(passed)
+
+
+def _passed_env(passed: list[str]) -> dict[str, str]:
+    """`--env NAME` (from this environment) and `--env NAME=VALUE`."""
+    env: dict[str, str] = {}
     for item in passed:
         name, sep, value = item.partition("=")
         if not name.isidentifier():
@@ -346,6 +449,27 @@ def sandbox_environment(passed: list[str], user) -> dict[str, str]:
         elif name in os.environ:
             env[name] = os.environ[name]
     return env
+
+
+def cmd_reap(args: argparse.Namespace) -> int:
+    """Remove sandboxes whose lifetime has passed (docker labels) and leftovers of crashed runs."""
+    import docker
+
+    from airlock.sandbox.docker import reap
+    from airlock.sandbox.netns import reap_netns
+
+    removed: list[str] = []
+    try:
+        client = docker.from_env()
+        client.ping()
+        removed += [f"docker {s}" for s in reap(client, args.older_than)]
+    except docker.errors.DockerException:
+        print("airlock reap: no docker engine answers; docker sandboxes not checked", file=sys.stderr)
+    if args.older_than is not None:
+        removed += [f"netns {s}" for s in reap_netns(args.older_than)]
+    for item in removed:
+        print(f"removed {item}")
+    return 0
 
 
 # --- tokens (through the running gateway's admin listener) -----------------------------------------------------
@@ -462,8 +586,20 @@ def build_parser() -> argparse.ArgumentParser:
     issue.set_defaults(func=cmd_token_issue)
     revoke.set_defaults(func=cmd_token_revoke)
 
+    reap = commands.add_parser("reap", help="remove expired sandboxes and leftovers of crashed runs")
+    reap.add_argument("--older-than", type=_duration, metavar="DURATION", help="also anything older than this")
+    reap.set_defaults(func=cmd_reap)
+
     run = commands.add_parser("run", help="run a command in a sandbox whose only network is the gateway")
     _gateway_options(run)
+    run.add_argument("--backend", choices=("auto", "netns", "docker"), default="auto", help="auto: docker if --image")
+    run.add_argument("--image", help="docker backend: the image to run")
+    run.add_argument("--cpus", type=float, default=1.0, help="docker backend: CPU limit")
+    run.add_argument("--memory", default="512m", help="docker backend: memory limit (memory+swap alike)")
+    run.add_argument("--pids", type=int, default=256, help="docker backend: process limit")
+    run.add_argument("--timeout", type=float, default=3600.0, metavar="S", help="docker backend: then kill")
+    run.add_argument("--output-limit", type=int, default=10 * 1024 * 1024, metavar="BYTES")
+    run.add_argument("--mount", action="append", metavar="HOST:CONTAINER", help="docker backend: read-only mount")
     run.add_argument("--user", help="run the command as this user (default: the sudo caller, else nobody)")
     run.add_argument("--env", action="append", metavar="NAME[=VALUE]", help="pass a variable in (repeatable)")
     run.add_argument(

@@ -17,6 +17,7 @@ import re
 import secrets
 import shutil
 import subprocess
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -128,18 +129,10 @@ class NetnsSandbox:
 
     def destroy(self) -> None:
         shutil.rmtree(self.run_dir, ignore_errors=True)
-        if self.fence is not None:
-            self.fence.remove()
+        (self.fence or Fence(f"airlock_{self.sandbox_id}", self.host_if, "", ())).remove()
         _run(["ip", "link", "del", self.host_if], check=False)
         _run(["ip", "netns", "del", self.netns], check=False)
         shutil.rmtree(Path("/etc/netns") / self.netns, ignore_errors=True)
-
-    def proxy_env(self, proxy_port: int) -> dict[str, str]:
-        proxy = f"http://{self.gateway_ip}:{proxy_port}"
-        env = {name: proxy for name in ("HTTP_PROXY", "HTTPS_PROXY", "http_proxy", "https_proxy")}
-        # The broker lives on the gateway's own address: talk to it directly (the fence allows its port).
-        env["NO_PROXY"] = env["no_proxy"] = f"localhost,127.0.0.1,::1,{self.gateway_ip}"
-        return env
 
     def command(self, argv: list[str], user: str | None = None) -> list[str]:
         """The argv that runs `argv` inside the namespace as an unprivileged user without capabilities."""
@@ -167,3 +160,18 @@ def resolve_user(user: str | None) -> pwd.struct_passwd:
     if pw.pw_uid == 0:
         raise SandboxError("refusing to run the sandboxed command as root: it could leave the namespace")
     return pw
+
+
+def reap_netns(older_than: float, now: float | None = None) -> list[str]:
+    """Remove `airlock run` namespaces left by a crashed run: older than `older_than` seconds, no process inside."""
+    now = time.time() if now is None else now
+    removed = []
+    for path in sorted(Path("/run/netns").glob("airlock-*")):
+        sandbox_id = path.name.removeprefix("airlock-")
+        if not re.fullmatch(r"[a-z0-9]{1,12}", sandbox_id) or path.stat().st_mtime > now - older_than:
+            continue
+        if _run(["ip", "netns", "pids", path.name], check=False).stdout.strip():
+            continue  # something still runs in it: not a leftover
+        NetnsSandbox(sandbox_id).destroy()
+        removed.append(sandbox_id)
+    return removed

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import os
 import signal
+import subprocess
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -16,6 +18,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from airlock.sandbox.fence import Fence
 
+from dockerenv import DockerDaemon, DockerEnv, docker_problem
 from fakegithub_client import FakeGitHub, make_app_key, new_static_token
 from gateway_proc import E2E_POLICY, GatewayProcess
 from testca import TestCA, make_test_ca
@@ -169,3 +172,42 @@ def own_gateway(
         for gw in started:
             gw.stop(signal.SIGKILL)
         gateway.start()
+
+
+# ------------------------------------------------------------------------------------------- docker
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+BUILD_TEST_IMAGE = REPO_ROOT / "scripts" / "build-test-image"
+
+
+def _docker_unavailable(problem: str) -> None:
+    # Same policy as require_privileged() in tests/conftest.py: skip locally, fail under CI.
+    if os.environ.get("AIRLOCK_REQUIRE_PRIVILEGED") == "1":
+        pytest.fail(f"docker e2e tests required (AIRLOCK_REQUIRE_PRIVILEGED=1), cannot run: {problem}", pytrace=False)
+    pytest.skip(f"needs docker.io + debootstrap: {problem}")
+
+
+@pytest.fixture(scope="session")
+def docker_env(topology: Topology, tmp_path_factory: pytest.TempPathFactory) -> Iterator[DockerEnv]:
+    """A dockerd of this run inside the gateway namespace, with the sandbox test image imported.
+
+    The image is built (or reused from its cache) by scripts/build-test-image; .ci/run builds it ahead of the
+    tests, so here it is normally instant."""
+    problem = docker_problem()
+    if problem:
+        _docker_unavailable(problem)
+    build = subprocess.run(
+        [str(BUILD_TEST_IMAGE)], capture_output=True, text=True, timeout=900, check=False, stdin=subprocess.DEVNULL
+    )
+    if build.returncode != 0 or not build.stdout.strip():
+        pytest.fail(f"scripts/build-test-image failed ({build.returncode}):\n{build.stderr[-4000:]}", pytrace=False)
+    tarball = Path(build.stdout.strip().splitlines()[-1])
+    daemon = DockerDaemon(topology, tmp_path_factory.mktemp("docker"))
+    atexit.register(daemon.stop)  # start() registers too; stop() is idempotent and unregisters itself
+    with _sigterm_as_interrupt():
+        try:
+            daemon.start()
+            image = daemon.import_image(tarball)
+            yield DockerEnv(daemon.host, image, daemon.client(), daemon.env(), daemon, tarball)
+        finally:
+            daemon.stop()

@@ -376,3 +376,40 @@ def test_jwks_lists_verifying_keys_without_private_material(authority: TokenAuth
     entry = next(k for k in keys if k["kid"] == jwt.get_unverified_header(token)["kid"])
     public = jwt.PyJWK(entry).key
     assert jwt.decode(token, public, algorithms=["EdDSA"], audience=AUDIENCE)["sub"] == "sbx-1"
+
+
+def test_verified_tokens_are_remembered_until_exp_or_key_retirement(
+    authority: TokenAuthority, ring: KeyRing, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    token, _ = authority.mint("sbx-1", [Grant("create_pull_request", "acme/app")], ttl=60)
+    signed = []
+    original = authority._verify_signed
+
+    def counting(text: str):
+        signed.append(text)
+        return original(text)
+
+    monkeypatch.setattr(authority, "_verify_signed", counting)
+    assert authority.verify(token).sandbox == authority.verify(token).sandbox == "sbx-1"
+    assert len(signed) == 1  # the second presentation costs no signature check
+    now = time.time()
+    monkeypatch.setattr(time, "time", lambda: now + 60 + LEEWAY + 1)  # past exp by the cache's clock
+    authority.verify(token)  # (pyjwt's own clock is not moved, so the signed check itself still passes)
+    assert len(signed) == 2  # the remembered result was not used past the token's exp
+
+
+def test_remembered_token_stops_working_when_its_key_stops_verifying(
+    authority: TokenAuthority, ring: KeyRing, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    token, _ = authority.mint("sbx-1", [Grant("create_pull_request", "acme/app")], ttl=60)
+    authority.verify(token)
+    ring.rotate()
+    now = time.time()
+    monkeypatch.setattr(time, "time", lambda: now + ring.max_ttl + LEEWAY + 1)
+    with pytest.raises(TokenError):
+        authority.verify(token)
+    forged = forge(ring, payload(), kid="nope")
+    with pytest.raises(TokenError):
+        authority.verify(forged)
+    with pytest.raises(TokenError):
+        authority.verify(forged)  # failures are never remembered as successes

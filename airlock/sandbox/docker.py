@@ -1,0 +1,268 @@
+"""The docker backend: a hardened container on an internal network of its own, whose only reachable address is
+the gateway's address on that network, fenced by nftables like the netns backend.
+
+Hardening is not optional: read-only root, `/tmp` as a size-capped noexec/nosuid tmpfs, every capability
+dropped, no-new-privileges, pids/memory(=memory+swap)/CPU limits, a non-root user, an init as PID 1, no host
+paths but read-only mounts the caller names (never the docker socket), DNS and proxy pointing at the gateway, a
+hard timeout, capped output. Limits can be changed; the rest cannot be turned off.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ipaddress
+import json
+import os
+import re
+import secrets
+import subprocess
+import time
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import docker
+import docker.errors
+import requests.exceptions
+from docker.types import IPAMConfig, IPAMPool
+
+from .fence import Fence
+
+SUBNET_POOL = ipaddress.ip_network("10.232.0.0/16")
+LABEL = "airlock.sandbox"
+EXPIRES_LABEL = "airlock.expires"
+TOKEN_PATH = "/run/airlock/token"
+FORBIDDEN_MOUNTS = ("/var/run/docker.sock", "/run/docker.sock", "/run/containerd", "/var/run/containerd")
+
+
+class DockerSandboxError(RuntimeError):
+    pass
+
+
+@dataclass
+class Limits:
+    cpus: float = 1.0
+    memory: str = "512m"  # swap is never added on top: memory+swap = memory
+    pids: int = 256
+    tmp_size: str = "64m"
+    timeout: float = 3600.0  # then the container is killed and removed
+    output_limit: int = 10 * 1024 * 1024
+    user: str = "65534:65534"
+
+    def check(self) -> None:
+        if not (0 < self.cpus <= 64 and 0 < self.pids <= 100_000 and self.timeout > 0 and self.output_limit > 0):
+            raise DockerSandboxError("--cpus, --pids, --timeout and --output-limit must be positive")
+        if self.user.split(":")[0] in ("0", "root"):
+            raise DockerSandboxError("refusing to run the container as root")
+
+
+@dataclass
+class DockerSandbox:
+    """One sandbox: `create()`, `start(cmd, env)`, `wait()`, `output()`; `destroy()` always."""
+
+    client: docker.DockerClient
+    image: str
+    sandbox_id: str | None = None
+    tcp_ports: tuple[int, ...] = (3128,)
+    udp_ports: tuple[int, ...] = ()
+    limits: Limits = field(default_factory=Limits)
+    mounts: list[tuple[str, str]] = field(default_factory=list)  # (host path, container path), always read-only
+
+    def __post_init__(self) -> None:
+        self.sandbox_id = self.sandbox_id or secrets.token_hex(4)
+        if not re.fullmatch(r"[a-z0-9]{1,12}", self.sandbox_id):
+            raise DockerSandboxError(f"sandbox id {self.sandbox_id!r}: use 1-12 characters a-z, 0-9")
+        self.name = f"airlock-{self.sandbox_id}"
+        self.bridge = f"alb{self.sandbox_id}"[:15]
+        self.subnet: ipaddress.IPv4Network | None = None
+        self.fence: Fence | None = None
+        self.container_id: str | None = None
+        self.token_file: Path | None = None
+        self.limits.check()
+        for host, _ in self.mounts:
+            if any(Path(host).resolve().as_posix().startswith(f) for f in FORBIDDEN_MOUNTS):
+                raise DockerSandboxError(f"refusing to mount {host} into a sandbox")
+
+    @property
+    def gateway_ip(self) -> str:
+        assert self.subnet is not None
+        return str(self.subnet.network_address + 1)
+
+    @property
+    def sandbox_ip(self) -> str:
+        assert self.subnet is not None
+        return str(self.subnet.network_address + 2)
+
+    def labels(self) -> dict[str, str]:
+        expires = int(time.time() + self.limits.timeout + 60)
+        return {LABEL: self.sandbox_id or "", EXPIRES_LABEL: str(expires)}
+
+    def create(self) -> None:
+        """The network and its fence; the gateway must listen on `gateway_ip` before `start()`."""
+        self.subnet = self._free_subnet()
+        self.fence = Fence(f"airlock_{self.sandbox_id}", self.bridge, self.gateway_ip, self.tcp_ports, self.udp_ports)
+        self.fence.install()  # before anything is attached: the bridge is never open and unfenced
+        pool = IPAMPool(subnet=str(self.subnet), gateway=self.gateway_ip)
+        try:
+            self.client.networks.create(
+                self.name,
+                driver="bridge",
+                internal=True,  # no route out through docker, and no NAT
+                ipam=IPAMConfig(pool_configs=[pool]),
+                options={
+                    "com.docker.network.bridge.name": self.bridge,
+                    "com.docker.network.bridge.enable_icc": "false",
+                },
+                labels=self.labels(),
+            )
+        except docker.errors.APIError as e:
+            raise DockerSandboxError(f"cannot create network {self.name}: {e.explanation or e}") from None
+
+    def _free_subnet(self) -> ipaddress.IPv4Network:
+        used: list[ipaddress.IPv4Network | ipaddress.IPv6Network] = []
+        for network in self.client.networks.list():
+            for config in (network.attrs.get("IPAM") or {}).get("Config") or []:
+                if config.get("Subnet"):
+                    used.append(ipaddress.ip_network(config["Subnet"], strict=False))
+        out = subprocess.run(["ip", "-j", "-4", "addr", "show"], capture_output=True, text=True, timeout=10).stdout
+        for interface in json.loads(out or "[]"):
+            for info in interface.get("addr_info", []):
+                used.append(ipaddress.ip_network(f"{info['local']}/{info['prefixlen']}", strict=False))
+        for _ in range(64):
+            candidate = ipaddress.ip_network(f"{SUBNET_POOL.network_address + secrets.randbelow(256) * 256}/24")
+            if not any(candidate.version == u.version and candidate.overlaps(u) for u in used):
+                return candidate
+        raise DockerSandboxError(f"no free /24 left in {SUBNET_POOL}")
+
+    def place_token(self, token: str) -> None:
+        run_dir = Path("/run") / self.name
+        run_dir.mkdir(mode=0o755, exist_ok=True)
+        self.token_file = run_dir / "token"
+        self.token_file.write_text(token)
+        gid = int(self.limits.user.split(":")[1]) if ":" in self.limits.user else 65534
+        self.token_file.chmod(0o440)
+        os.chown(self.token_file, 0, gid)  # readable by the container's group, writable by nobody in it
+
+    def start(self, command: list[str], env: dict[str, str]) -> None:
+        api = self.client.api
+        limits = self.limits
+        binds = {host: {"bind": target, "mode": "ro"} for host, target in self.mounts}
+        if self.token_file is not None:
+            binds[str(self.token_file)] = {"bind": TOKEN_PATH, "mode": "ro"}
+        host_config = api.create_host_config(
+            network_mode=self.name,
+            read_only=True,
+            tmpfs={"/tmp": f"rw,noexec,nosuid,nodev,size={limits.tmp_size}"},
+            cap_drop=["ALL"],
+            security_opt=["no-new-privileges"],
+            pids_limit=limits.pids,
+            mem_limit=limits.memory,
+            memswap_limit=limits.memory,
+            nano_cpus=int(limits.cpus * 1e9),
+            init=True,
+            dns=[self.gateway_ip],
+            binds=binds,
+            ipc_mode="private",
+            log_config={"type": "json-file", "config": {"max-size": str(limits.output_limit), "max-file": "1"}},
+        )
+        networking = api.create_networking_config({self.name: api.create_endpoint_config(ipv4_address=self.sandbox_ip)})
+        try:
+            created = api.create_container(
+                self.image,
+                command=command,
+                user=limits.user,
+                environment=env,
+                host_config=host_config,
+                networking_config=networking,
+                labels=self.labels(),
+                name=self.name,
+                working_dir="/tmp",
+            )
+            self.container_id = created["Id"]
+            api.start(self.container_id)
+        except docker.errors.ImageNotFound:
+            raise DockerSandboxError(f"image {self.image!r} not found") from None
+        except docker.errors.APIError as e:
+            raise DockerSandboxError(f"cannot start the container: {e.explanation or e}") from None
+
+    def wait(self, timeout: float | None = None) -> int | None:
+        """The exit code, or None when the timeout passed (the container is then killed)."""
+        assert self.container_id is not None
+        try:
+            result = self.client.api.wait(self.container_id, timeout=timeout or self.limits.timeout)
+            return int(result.get("StatusCode", 1))
+        except (requests.exceptions.ReadTimeout, requests.exceptions.ConnectionError):
+            self.kill()
+            return None
+
+    def kill(self) -> None:
+        if self.container_id is not None:
+            with contextlib.suppress(docker.errors.APIError):  # already gone
+                self.client.api.kill(self.container_id)
+
+    def state(self) -> dict[str, Any]:
+        assert self.container_id is not None
+        return self.client.api.inspect_container(self.container_id)["State"]
+
+    def output(self) -> tuple[bytes, bytes]:
+        """stdout and stderr, each capped at the output limit."""
+        assert self.container_id is not None
+        cap = self.limits.output_limit
+        api = self.client.api
+        stdout = api.logs(self.container_id, stdout=True, stderr=False)[:cap]
+        stderr = api.logs(self.container_id, stdout=False, stderr=True)[:cap]
+        return stdout, stderr
+
+    def destroy(self) -> None:
+        remove_sandbox(self.client, self.sandbox_id or "")
+        if self.fence is not None:
+            self.fence.remove()
+        if self.token_file is not None:
+            self.token_file.unlink(missing_ok=True)
+            self.token_file.parent.rmdir()
+
+
+def remove_sandbox(client: docker.DockerClient, sandbox_id: str) -> None:
+    """Container(s) and network of one sandbox, found by label; the fence table by name."""
+    for container in client.containers.list(all=True, filters={"label": f"{LABEL}={sandbox_id}"}):
+        with contextlib.suppress(docker.errors.NotFound):
+            container.remove(force=True)
+    for network in client.networks.list(filters={"label": f"{LABEL}={sandbox_id}"}):
+        with contextlib.suppress(docker.errors.NotFound):
+            network.remove()
+    Fence(f"airlock_{sandbox_id}", "", "", ()).remove()
+
+
+def reap(client: docker.DockerClient, older_than: float | None = None, now: float | None = None) -> list[str]:
+    """Remove airlock sandboxes whose lifetime has passed (label), or older than `older_than` seconds."""
+    now = time.time() if now is None else now
+    victims: set[str] = set()
+    for obj in [
+        *client.containers.list(all=True, filters={"label": LABEL}),
+        *client.networks.list(filters={"label": LABEL}),
+    ]:
+        labels = obj.attrs.get("Labels") or obj.attrs.get("Config", {}).get("Labels") or {}
+        sandbox_id = labels.get(LABEL)
+        if not sandbox_id:
+            continue
+        expires = float(labels.get(EXPIRES_LABEL, "0") or 0)
+        created = _created(obj.attrs)
+        if expires < now or (older_than is not None and created is not None and created < now - older_than):
+            victims.add(sandbox_id)
+    for sandbox_id in sorted(victims):
+        remove_sandbox(client, sandbox_id)
+    return sorted(victims)
+
+
+def _created(attrs: dict[str, Any]) -> float | None:
+    text = attrs.get("Created")
+    if not isinstance(text, str):
+        return None
+    try:
+        # Docker prints nanoseconds; Python parses microseconds.
+        head, _, rest = text.partition(".")
+        fraction = "".join(ch for ch in rest if ch.isdigit())[:6]
+        return datetime.fromisoformat(f"{head}.{fraction or '0'}+00:00").timestamp()
+    except ValueError:
+        return None
