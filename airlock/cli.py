@@ -316,8 +316,8 @@ def _mint(args: argparse.Namespace, gateway, sandbox_id: str) -> str | None:
 async def _run_docker(args: argparse.Namespace, policy: Policy) -> int:
     import docker
 
-    from airlock.sandbox import proxy_environment
-    from airlock.sandbox.docker import TOKEN_PATH, DockerSandbox, Limits
+    from airlock.sandbox.docker import Limits
+    from airlock.sandbox.launch import launch
 
     try:
         client = docker.from_env()
@@ -325,48 +325,38 @@ async def _run_docker(args: argparse.Namespace, policy: Policy) -> int:
     except docker.errors.DockerException as e:
         raise UsageError(f"no docker engine answers ({e}); use --backend netns") from None
     limits = Limits(args.cpus, args.memory, args.pids, timeout=args.timeout, output_limit=args.output_limit)
-    mounts = [_mount(m) for m in args.mount or []]
-    tcp_ports, udp_ports = _ports(args)
-    sandbox = DockerSandbox(client, args.image, args.sandbox_id, tcp_ports, udp_ports, limits, mounts)
     state = tempfile.TemporaryDirectory(prefix="airlock-run-")
     args.state_dir = args.state_dir or state.name
-    gateway = None
     interrupted = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         loop.add_signal_handler(sig, interrupted.set)
     try:
-        sandbox.create()
-        gateway = await _start_gateway(args, policy, sandbox.gateway_ip, sandbox.sandbox_id, sandbox.sandbox_ip)
-        env = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "HOME": "/tmp"}
-        env |= _passed_env(args.env or [])
-        env |= proxy_environment(sandbox.gateway_ip, args.proxy_port, args.broker_port if args.grant else None)
-        env["AIRLOCK_SANDBOX"] = sandbox.sandbox_id
-        if token := _mint(args, gateway, sandbox.sandbox_id):
-            sandbox.place_token(token)
-            env["AIRLOCK_TOKEN_FILE"] = TOKEN_PATH
-        sandbox.start(args.cmd, env)
-        waiter = asyncio.ensure_future(asyncio.to_thread(sandbox.wait))
-        stopper = asyncio.ensure_future(interrupted.wait())
-        await asyncio.wait({waiter, stopper}, return_when=asyncio.FIRST_COMPLETED)
-        if not waiter.done():
-            sandbox.kill()
-        code = await waiter
-        stopper.cancel()
-        stdout, stderr = sandbox.output()
-        sys.stdout.buffer.write(stdout)
-        sys.stdout.flush()
-        sys.stderr.buffer.write(stderr)
-        if code is None:
-            print(f"airlock: killed after the {args.timeout:g}s timeout", file=sys.stderr)
-            return 124
-        if sandbox.state().get("OOMKilled"):
-            print(f"airlock: killed at the {args.memory} memory limit", file=sys.stderr)
-        return code
+        handle = await launch(
+            client, args.image, args.cmd, _gateway_config(args, policy, "0.0.0.0", []),
+            profile=args.profile, sandbox_id=args.sandbox_id, limits=limits,
+            mounts=[_mount(m) for m in args.mount or []], env=_passed_env(args.env or []),
+            grants=[parse_grant(g) for g in args.grant or []], token_ttl=args.token_ttl,
+        )  # fmt: skip
+        async with handle:
+            waiter = asyncio.ensure_future(handle.wait())
+            stopper = asyncio.ensure_future(interrupted.wait())
+            await asyncio.wait({waiter, stopper}, return_when=asyncio.FIRST_COMPLETED)
+            if not waiter.done():
+                handle.kill()
+            code = await waiter
+            stopper.cancel()
+            stdout, stderr = handle.logs()
+            sys.stdout.buffer.write(stdout)
+            sys.stdout.flush()
+            sys.stderr.buffer.write(stderr)
+            if code is None:
+                print(f"airlock: killed after the {args.timeout:g}s timeout", file=sys.stderr)
+                return 124
+            if handle.oom_killed():
+                print(f"airlock: killed at the {args.memory} memory limit", file=sys.stderr)
+            return code
     finally:
-        if gateway is not None:
-            await gateway.stop()
-        sandbox.destroy()
         state.cleanup()
 
 
@@ -631,10 +621,11 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_USAGE
     except Exception as e:  # the gateway's and sandbox's own errors: one clear line, no traceback
         from airlock.gateway import GatewayError
+        from airlock.sandbox.docker import DockerSandboxError
         from airlock.sandbox.fence import FenceError
         from airlock.sandbox.netns import SandboxError
 
-        if isinstance(e, GatewayError | SandboxError | FenceError):
+        if isinstance(e, GatewayError | SandboxError | FenceError | DockerSandboxError):
             print(f"airlock: {e}", file=sys.stderr)
             return EXIT_USAGE
         raise

@@ -208,13 +208,6 @@ def test_reap_removes_an_orphaned_sandbox(topology: Topology, docker_env, fakene
     assert f"airlock_{orphan.sandbox_id}" not in topology.run(topology.gw, ["nft", "list", "tables"]).stdout
 
 
-def test_nothing_of_airlock_is_left(topology: Topology, docker_env):
-    assert not docker_env.client.containers.list(all=True, filters={"label": LABEL})
-    assert not docker_env.client.networks.list(filters={"label": LABEL})
-    tables = topology.run(topology.gw, ["nft", "list", "tables"]).stdout
-    assert "airlock_" not in tables
-
-
 def _in_namespace(fd: int, fn: Any) -> None:
     """Run fn in a thread that joined the namespace behind fd (nft and ip act on the caller's namespace)."""
     import threading
@@ -233,3 +226,59 @@ def _in_namespace(fd: int, fn: Any) -> None:
     thread.join()
     if "error" in box:
         raise box["error"]
+
+
+def test_python_launch_api(topology: Topology, docker_env, fakenet: FakeNet, tmp_path):
+    """What an orchestrator uses: launch() → handle with wait, logs, kill, close."""
+    from airlock.gateway import GatewayConfig
+    from airlock.policy import load_policy
+    from airlock.sandbox.launch import launch
+
+    config = GatewayConfig(
+        policy=load_policy(E2E_POLICY), listen="0.0.0.0", upstream_dns=[(DNS_SERVER, 53)], state_dir=str(tmp_path)
+    )
+
+    async def orchestrate() -> tuple[int | None, bytes, int | None]:
+        import asyncio
+
+        async with await launch(
+            docker_env.client, docker_env.image, ["curl", "-sS", "http://allowed.test/api"], config,
+            sandbox_id=f"{topology.prefix}api",
+        ) as handle:  # fmt: skip
+            code = await handle.wait(60)
+            stdout, _ = handle.logs()
+        sleeper = await launch(
+            docker_env.client, docker_env.image, ["sleep", "60"], config, sandbox_id=f"{topology.prefix}slp"
+        )
+        try:
+            waiting = asyncio.ensure_future(sleeper.wait(60))
+            await asyncio.sleep(1)
+            sleeper.kill()
+            killed = await waiting
+        finally:
+            await sleeper.close()
+        return code, stdout, killed
+
+    def run() -> tuple[int | None, bytes, int | None]:
+        import asyncio
+
+        return asyncio.run(orchestrate())
+
+    in_gw = os.open(f"/run/netns/{topology.gw}", os.O_RDONLY)
+    box: dict[str, Any] = {}
+    try:
+        _in_namespace(in_gw, lambda: box.setdefault("result", run()))
+    finally:
+        os.close(in_gw)
+    code, stdout, killed = box["result"]
+    assert code == 0 and stdout == f"fakenet {ALLOWED_IP}:80 host=allowed.test path=/api\n".encode()
+    assert killed == 137
+    for sandbox_id in (f"{topology.prefix}api", f"{topology.prefix}slp"):
+        assert not docker_env.client.containers.list(all=True, filters={"label": f"{LABEL}={sandbox_id}"})
+
+
+def test_nothing_of_airlock_is_left(topology: Topology, docker_env):
+    assert not docker_env.client.containers.list(all=True, filters={"label": LABEL})
+    assert not docker_env.client.networks.list(filters={"label": LABEL})
+    tables = topology.run(topology.gw, ["nft", "list", "tables"]).stdout
+    assert "airlock_" not in tables

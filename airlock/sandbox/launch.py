@@ -1,0 +1,104 @@
+"""`launch()`: a hardened docker sandbox with its own embedded gateway, as one handle — for orchestrators, and
+what `airlock run --backend docker` uses."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import ipaddress
+from dataclasses import dataclass
+
+import docker
+
+from airlock.broker.grants import Grant
+from airlock.gateway import Gateway, GatewayConfig
+from airlock.policy import Sandbox
+
+from . import proxy_environment
+from .docker import TOKEN_PATH, DockerSandbox, Limits
+
+IMAGE_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+
+
+@dataclass
+class DockerHandle:
+    sandbox: DockerSandbox
+    gateway: Gateway
+
+    async def wait(self, timeout: float | None = None) -> int | None:
+        """The exit code; None when the (given or hard) timeout passed and the container was killed."""
+        return await asyncio.to_thread(self.sandbox.wait, timeout)
+
+    def logs(self) -> tuple[bytes, bytes]:
+        return self.sandbox.output()
+
+    def kill(self) -> None:
+        self.sandbox.kill()
+
+    def oom_killed(self) -> bool:
+        return bool(self.sandbox.state().get("OOMKilled"))
+
+    async def close(self) -> None:
+        """Stop the gateway and remove the container, its network and its fence."""
+        try:
+            await self.gateway.stop()
+        finally:
+            self.sandbox.destroy()
+
+    async def __aenter__(self) -> DockerHandle:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+
+async def launch(
+    client: docker.DockerClient,
+    image: str,
+    command: list[str],
+    gateway: GatewayConfig,
+    *,
+    profile: str | None = None,
+    sandbox_id: str | None = None,
+    limits: Limits | None = None,
+    mounts: list[tuple[str, str]] | None = None,
+    env: dict[str, str] | None = None,
+    grants: list[Grant] | None = None,
+    token_ttl: int | None = None,
+) -> DockerHandle:
+    """Network + fence, then the gateway on the network's gateway address, then the container.
+
+    `gateway` gives the gateway's settings (policy, upstream DNS, ports, broker...); its `listen` and
+    `sandboxes` are filled in here. On any failure everything created so far is removed again."""
+    dns = (gateway.dns_port,) if gateway.dns_port else ()
+    broker = (gateway.broker.port,) if gateway.broker.port else ()
+    sandbox = DockerSandbox(
+        client, image, sandbox_id, (gateway.proxy_port, *dns, *broker), dns, limits or Limits(), mounts or []
+    )
+    running: Gateway | None = None
+    try:
+        sandbox.create()
+        assert sandbox.sandbox_id is not None
+        identity = Sandbox(
+            sandbox.sandbox_id,
+            profile or gateway.policy.default_profile,
+            ipaddress.ip_network(f"{sandbox.sandbox_ip}/32"),
+        )
+        running = Gateway(dataclasses.replace(gateway, listen=sandbox.gateway_ip, sandboxes=[identity]))
+        await running.start()
+        environment = {"PATH": IMAGE_PATH, "HOME": "/tmp", **(env or {})}
+        environment |= proxy_environment(
+            sandbox.gateway_ip, gateway.proxy_port, broker[0] if grants and broker else None
+        )
+        environment["AIRLOCK_SANDBOX"] = sandbox.sandbox_id
+        if grants and running.broker is not None:
+            token, _ = running.broker.mint(sandbox.sandbox_id, grants, token_ttl)
+            sandbox.place_token(token)
+            environment["AIRLOCK_TOKEN_FILE"] = TOKEN_PATH
+        sandbox.start(command, environment)
+    except BaseException:
+        if running is not None:
+            await running.stop()
+        sandbox.destroy()
+        raise
+    return DockerHandle(sandbox, running)
