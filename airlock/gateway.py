@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from mitmproxy import options
-from mitmproxy.addons import default_addons
+from mitmproxy.addons import core, disable_h2c, next_layer, tlsconfig
+from mitmproxy.addons.proxyserver import Proxyserver
 from mitmproxy.master import Master
 
 from airlock.audit import AuditLog
@@ -101,15 +102,21 @@ class Gateway:
             max_tunnels_per_sandbox=config.max_tunnels_per_sandbox,
         )
         self.shared, self.addons = build_addons(config.policy, self.registry, self.resolver, self.audit.emit, settings)
-        master.addons.add(*default_addons(), *self.addons)
+        # Only the addons a proxy needs: no script loader, replay, onboarding app (mitm.it), header or body
+        # rewriting — less to dispatch on every event, and nothing a request could reach but airlock's hooks.
+        essentials = (
+            core.Core(),
+            Proxyserver(),
+            next_layer.NextLayer(),
+            tlsconfig.TlsConfig(),
+            disable_h2c.DisableH2C(),
+        )
+        master.addons.add(*essentials, *self.addons)
         opts.update(
             # lazy: never connect upstream before the SNI and Host header have been checked
             connection_strategy="lazy",
             tcp_timeout=int(config.idle_timeout),
             stream_large_bodies="1m",
-            # these judge the *client* address; sandbox identity does that job here
-            block_global=False,
-            block_private=False,
             ssl_verify_upstream_trusted_ca=config.upstream_ca,
         )
         self._master = master

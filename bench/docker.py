@@ -12,10 +12,12 @@ DNS server 192.0.2.53); the sandbox image is scripts/build-test-image's Debian r
      pointing at the private daemon, timed end to end from the host: network + fence, embedded gateway (proxy,
      DNS, broker), container, the request, teardown, and the CLI's own start-up (Python imports) — what a user
      waits for.
-   - The same pieces in-process, as `airlock run` wires them (`airlock.cli._start_gateway`, `DockerSandbox`), in a
-     thread that joined the gateway namespace, with a timestamp after each: network + fence
-     (`DockerSandbox.create`), gateway start, container create + start (API), then the first byte; teardown
-     (gateway stop, then `DockerSandbox.destroy`: container, network and fence removed).
+   - The same in-process, as `airlock run` does it (`airlock.sandbox.launch.launch`, then `DockerHandle.close`),
+     in a thread that joined the gateway namespace, with a timestamp after each step `launch()` takes (its methods
+     wrapped in this process only): network + fence (`DockerSandbox.create`), gateway start (`Gateway.start`:
+     proxy, DNS, broker), container create + start (`DockerSandbox.start`, docker API), then the first byte;
+     teardown (`Gateway.stop`, then `DockerSandbox.destroy`: container, network and fence removed). A 5 ms ticker
+     on the same event loop measures how long `launch()` keeps that loop from running anything else.
    PROBE prints the time (`date +%s.%N`, the host's clock: containers share its kernel) before and after one
    `curl -sS http://allowed.test/` through the proxy, and curl's own time to first byte and total time; "first
    byte" = the time after curl minus curl's time from first byte to its end. The body must be fakenet's answer.
@@ -34,6 +36,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import inspect
 import os
 import platform
 import shlex
@@ -54,8 +57,9 @@ sys.path.insert(0, str(REPO / "tests" / "e2e"))
 import docker  # noqa: E402
 
 from airlock import cli  # noqa: E402
-from airlock.sandbox import proxy_environment  # noqa: E402
+from airlock.gateway import Gateway  # noqa: E402
 from airlock.sandbox.docker import LABEL, DockerSandbox, Limits  # noqa: E402
+from airlock.sandbox.launch import launch  # noqa: E402
 
 from dockerenv import DockerDaemon, docker_problem  # noqa: E402
 from gateway_proc import AIRLOCK, E2E_POLICY  # noqa: E402
@@ -208,53 +212,95 @@ def startup_once(topo: Topology, env: dict[str, str]) -> dict[str, float]:
     return {"startup": time.time() - t0}
 
 
+MARKS: dict[str, float] = {}  # step -> time.time() when it returned, for the in-process run in progress
+
+
+def instrument() -> None:
+    """Timestamp the steps `launch()` and `DockerHandle.close()` take, by wrapping the methods they call (the code
+    that runs is unchanged; only this process, never the `airlock run` subprocesses, is instrumented)."""
+
+    def after(cls: type, name: str, mark: str) -> None:
+        original = getattr(cls, name)
+        if inspect.iscoroutinefunction(original):
+
+            async def wrapped_async(self: Any, *args: Any, **kw: Any) -> Any:
+                try:
+                    return await original(self, *args, **kw)
+                finally:
+                    MARKS[mark] = time.time()
+
+            setattr(cls, name, wrapped_async)
+        else:
+
+            def wrapped(self: Any, *args: Any, **kw: Any) -> Any:
+                try:
+                    return original(self, *args, **kw)
+                finally:
+                    MARKS[mark] = time.time()
+
+            setattr(cls, name, wrapped)
+
+    after(DockerSandbox, "create", "created")
+    after(Gateway, "start", "gateway")
+    after(DockerSandbox, "start", "started")
+    after(Gateway, "stop", "gateway_stopped")
+    after(DockerSandbox, "destroy", "destroyed")
+
+
+async def _ticker(stalls: list[float], period: float = 0.005) -> None:
+    """The longest gap between ticks of this event loop: how long `launch()` keeps it from serving anything else
+    (in an orchestrator: every other sandbox's gateway on the same loop)."""
+    last = time.monotonic()
+    while True:
+        await asyncio.sleep(period)
+        now = time.monotonic()
+        stalls.append(now - last - period)
+        last = now
+
+
 async def _inprocess(client: docker.DockerClient, image: str, sandbox_id: str, state_dir: Path) -> dict[str, float]:
-    """What `airlock run --backend docker` does (airlock/cli.py `_run_docker`), with a timestamp after each step."""
+    """What `airlock run --backend docker` does (airlock/cli.py `_run_docker`): `launch()`, wait, logs, close."""
     argv = ["run", "--backend", "docker", "--image", image, "--policy", str(E2E_POLICY)]
     argv += ["--upstream-dns", DNS_SERVER, "--sandbox-id", sandbox_id, "--state-dir", str(state_dir), "--", "true"]
     args = cli.build_parser().parse_args(argv)
     policy = cli._load(args.policy)
     limits = Limits(args.cpus, args.memory, args.pids, timeout=args.timeout, output_limit=args.output_limit)
-    tcp_ports, udp_ports = cli._ports(args)
-    gateway = None
-    marks: dict[str, float] = {}
+    config = cli._gateway_config(args, policy, "0.0.0.0", [])
+    MARKS.clear()
+    stalls: list[float] = []
+    ticker = asyncio.ensure_future(_ticker(stalls))
+    await asyncio.sleep(0.02)
     t0 = time.time()
-    sandbox = DockerSandbox(client, image, sandbox_id, tcp_ports, udp_ports, limits)
+    handle = await launch(
+        client, image, ["sh", "-c", PROBE], config, profile=args.profile, sandbox_id=sandbox_id, limits=limits,
+        mounts=[], env={}, grants=[], token_ttl=args.token_ttl,
+    )  # fmt: skip
+    launched = time.time()
+    await asyncio.sleep(0.02)  # the ticker wakes and records the gap launch()'s last blocking call left
+    ticker.cancel()
     try:
-        sandbox.create()
-        marks["created"] = time.time()
-        gateway = await cli._start_gateway(args, policy, sandbox.gateway_ip, sandbox.sandbox_id, sandbox.sandbox_ip)
-        marks["gateway"] = time.time()
-        env = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "HOME": "/tmp"}
-        env |= proxy_environment(sandbox.gateway_ip, args.proxy_port, None)
-        env["AIRLOCK_SANDBOX"] = sandbox_id
-        # In a worker thread, as `airlock run` waits: the gateway's loop must serve the container meanwhile.
-        await asyncio.to_thread(sandbox.start, ["sh", "-c", PROBE], env)
-        marks["started"] = time.time()
-        code = await asyncio.to_thread(sandbox.wait, 120)
-        stdout, stderr = sandbox.output()
-        marks["output"] = time.time()
+        code = await handle.wait(120)
+        stdout, stderr = handle.logs()
+        output = time.time()
         if code != 0:
             raise RuntimeError(f"sandbox {sandbox_id} exited {code}:\n{stdout!r}\n{stderr!r}")
     finally:
-        marks["teardown"] = time.time()
-        if gateway is not None:
-            await gateway.stop()
-        marks["gateway_stopped"] = time.time()
-        sandbox.destroy()
-        marks["destroyed"] = time.time()
+        teardown = time.time()
+        await handle.close()
     probe = parse_probe(stdout.decode())
     return {
-        "create": marks["created"] - t0,
-        "gateway": marks["gateway"] - marks["created"],
-        "container": marks["started"] - marks["gateway"],
-        "to_first_byte": probe.first_byte - marks["started"],
+        "create": MARKS["created"] - t0,
+        "gateway": MARKS["gateway"] - MARKS["created"],
+        "container": MARKS["started"] - MARKS["gateway"],
+        "launched": launched - t0,
+        "stall": max(stalls, default=0.0),
+        "to_first_byte": probe.first_byte - MARKS["started"],
         "ttfb": probe.ttfb,
         "total": probe.first_byte - t0,
-        "output": marks["output"] - t0,
-        "gateway_stop": marks["gateway_stopped"] - marks["teardown"],
-        "destroy": marks["destroyed"] - marks["gateway_stopped"],
-        "teardown": marks["destroyed"] - marks["teardown"],
+        "output": output - t0,
+        "gateway_stop": MARKS["gateway_stopped"] - teardown,
+        "destroy": MARKS["destroyed"] - MARKS["gateway_stopped"],
+        "teardown": MARKS["destroyed"] - teardown,
     }
 
 
@@ -280,7 +326,7 @@ def leftovers(topo: Topology, client: docker.DockerClient) -> dict[str, list[str
     tables = topo.run(topo.gw, ["nft", "list", "tables"]).stdout.split("\n")
     bridges = topo.run(topo.gw, ["ip", "-o", "link", "show", "type", "bridge"]).stdout.splitlines()
     return {
-        "containers": [c.name for c in client.containers.list(all=True, filters={"label": LABEL})],
+        "containers": [c["Names"][0] for c in client.api.containers(all=True, filters={"label": LABEL})],
         "networks": [n.name for n in client.networks.list(filters={"label": LABEL})],
         "fence tables": [t.strip() for t in tables if "airlock_" in t],
         "bridges": [b.split(": ")[1] for b in bridges if ": alb" in b],
@@ -312,7 +358,8 @@ def concurrent(
     while len(exits) < count:
         if time.monotonic() > deadline:
             raise RuntimeError("the concurrent sandboxes did not finish within 600 s")
-        running = client.containers.list(filters={"label": LABEL, "status": "running"})
+        # The low-level call: containers.list() inspects each one, which races with their removal.
+        running = client.api.containers(filters={"label": LABEL, "status": "running"})
         alive_max = max(alive_max, len(running))
         for i, proc in enumerate(ours):
             if i not in exits and proc.poll() is not None:
@@ -376,6 +423,7 @@ def run_bench(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         env = {**os.environ, **daemon.env()}
         info = machine_info(client)
 
+        instrument()
         cli_samples, proc_samples = Samples(), Samples()
         print("  warm-up ...", file=sys.stderr, flush=True)
         cold_cli = cli_once(topo, env, image, f"{topo.prefix}bw")
@@ -451,12 +499,14 @@ def report(command: str, args: argparse.Namespace, data: dict[str, Any]) -> str:
     row("for comparison, alone: `ip netns exec` + Python + airlock's imports", c, "startup")
     lines += [
         "",
-        "| the same in-process (`DockerSandbox` + `cli._start_gateway`), phase | p50 | p95 | min | max |",
+        "| the same in-process (`airlock.sandbox.launch.launch`, then `close()`), phase | p50 | p95 | min | max |",
         "|---|---:|---:|---:|---:|",
     ]
     row("network + fence (`DockerSandbox.create`)", p, "create")
-    row("gateway start (proxy, DNS, broker)", p, "gateway")
-    row("container create + start (docker API)", p, "container")
+    row("gateway start (`Gateway.start`: proxy, DNS, broker)", p, "gateway")
+    row("container create + start (`DockerSandbox.start`, docker API)", p, "container")
+    row("`launch()` returned (the three above)", p, "launched")
+    row("  longest stall of the caller's event loop during `launch()`", p, "stall")
     row("start returned → first byte in the container", p, "to_first_byte")
     row("  curl's own time to first byte (through the proxy)", p, "ttfb")
     row("**total: launch → first byte**", p, "total")

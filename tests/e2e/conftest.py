@@ -22,7 +22,7 @@ from dockerenv import DockerDaemon, DockerEnv, docker_problem
 from fakegithub_client import FakeGitHub, make_app_key, new_static_token
 from gateway_proc import E2E_POLICY, GatewayProcess
 from testca import TestCA, make_test_ca
-from topology import GW_IP, FakeNet, Topology
+from topology import FAKE_ADDRS, GW_IP, FakeNet, Topology
 
 FAKE_GITHUB_APP_ID = 4242
 FAKE_GITHUB_INSTALLATION_ID = 777
@@ -52,7 +52,12 @@ def topology(privileged: None) -> Iterator[Topology]:
     atexit.register(topo.destroy)  # also covers a pytest run that dies before fixture finalizers run
     with _sigterm_as_interrupt():
         try:
-            yield topo.create()
+            topo.create()
+            # Before any traffic: whatever the sandbox or the gateway under test dials stays on test-owned links.
+            for ns in (topo.sbx, topo.gw):
+                for destination in (*FAKE_ADDRS, "8.8.8.8", "1.1.1.1", "10.0.0.1", "192.168.1.1", "2001:4860::8888"):
+                    topo.assert_route_inside(ns, destination)
+            yield topo
         finally:
             topo.destroy()
 

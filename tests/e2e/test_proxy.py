@@ -286,3 +286,10 @@ def test_odd_request_forms_are_judged_as_the_target_actually_used(
     assert fakenet.stats()["connections"] == {f"{ALLOWED_IP}:80": 1}
     denied = in_netns(topology.sbx, raw_request, PROXY, b"GET /origin-form HTTP/1.1\r\nHost: evil.test\r\n\r\n")
     assert denied.status == 403
+
+
+def test_mitmproxy_onboarding_app_is_not_served(topology: Topology, fakenet: FakeNet, gateway: GatewayProcess):
+    # mitmproxy's own apps (mitm.it hands out its CA) are not part of the gateway: an unlisted host, like any.
+    reply = in_netns(topology.sbx, proxy_http, PROXY, "http://mitm.it/cert/pem")
+    assert_denied_json(reply, "not in the allowlist")
+    assert fakenet.total_connections() == 0
