@@ -100,24 +100,28 @@ class DockerSandbox:
 
     def create(self) -> None:
         """The network and its fence; the gateway must listen on `gateway_ip` before `start()`."""
-        self.subnet = self._free_subnet()
-        self.fence = Fence(f"airlock_{self.sandbox_id}", self.bridge, self.gateway_ip, self.tcp_ports, self.udp_ports)
-        self.fence.install()  # before anything is attached: the bridge is never open and unfenced
-        pool = IPAMPool(subnet=str(self.subnet), gateway=self.gateway_ip)
-        try:
-            self.client.networks.create(
-                self.name,
-                driver="bridge",
-                internal=True,  # no route out through docker, and no NAT
-                ipam=IPAMConfig(pool_configs=[pool]),
-                options={
-                    "com.docker.network.bridge.name": self.bridge,
-                    "com.docker.network.bridge.enable_icc": "false",
-                },
-                labels=self.labels(),
+        for _ in range(8):
+            self.subnet = self._free_subnet()
+            self.fence = Fence(
+                f"airlock_{self.sandbox_id}", self.bridge, self.gateway_ip, self.tcp_ports, self.udp_ports
             )
-        except docker.errors.APIError as e:
-            raise DockerSandboxError(f"cannot create network {self.name}: {e.explanation or e}") from None
+            self.fence.install()  # before anything is attached: the bridge is never open and unfenced
+            pool = IPAMPool(subnet=str(self.subnet), gateway=self.gateway_ip)
+            try:
+                self.client.networks.create(
+                    self.name,
+                    driver="bridge",
+                    internal=True,  # no route out through docker, and no NAT
+                    ipam=IPAMConfig(pool_configs=[pool]),
+                    options={"com.docker.network.bridge.name": self.bridge},  # one container: no neighbours
+                    labels=self.labels(),
+                )
+                return
+            except docker.errors.APIError as e:
+                if "overlap" not in str(e).lower():
+                    raise DockerSandboxError(f"cannot create network {self.name}: {e.explanation or e}") from None
+                # Another launch took this subnet between our look and our create: pick again.
+        raise DockerSandboxError(f"no free subnet for {self.name} after 8 tries")
 
     def _free_subnet(self) -> ipaddress.IPv4Network:
         used: list[ipaddress.IPv4Network | ipaddress.IPv6Network] = []

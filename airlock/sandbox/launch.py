@@ -43,7 +43,7 @@ class DockerHandle:
         try:
             await self.gateway.stop()
         finally:
-            self.sandbox.destroy()
+            await asyncio.to_thread(self.sandbox.destroy)
 
     async def __aenter__(self) -> DockerHandle:
         return self
@@ -77,7 +77,8 @@ async def launch(
     )
     running: Gateway | None = None
     try:
-        sandbox.create()
+        # Docker API calls block: off the event loop, so other sandboxes' gateways on it keep answering.
+        await asyncio.to_thread(sandbox.create)
         assert sandbox.sandbox_id is not None
         identity = Sandbox(
             sandbox.sandbox_id,
@@ -95,10 +96,10 @@ async def launch(
             token, _ = running.broker.mint(sandbox.sandbox_id, grants, token_ttl)
             sandbox.place_token(token)
             environment["AIRLOCK_TOKEN_FILE"] = TOKEN_PATH
-        sandbox.start(command, environment)
+        await asyncio.to_thread(sandbox.start, command, environment)
     except BaseException:
         if running is not None:
             await running.stop()
-        sandbox.destroy()
+        await asyncio.to_thread(sandbox.destroy)
         raise
     return DockerHandle(sandbox, running)
