@@ -190,6 +190,7 @@ def _gateway_config(args: argparse.Namespace, policy: Policy, listen: str, sandb
         connect_timeout=args.connect_timeout,
         idle_timeout=args.idle_timeout,
         max_tunnels_per_sandbox=args.max_tunnels,
+        max_connections_per_sandbox=args.max_connections,
         dns_min_ttl=args.dns_min_ttl,
         dns_port=args.dns_port,
         dns_rate=args.dns_rate,
@@ -518,6 +519,7 @@ def _gateway_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--connect-timeout", type=float, default=10.0, metavar="S")
     parser.add_argument("--idle-timeout", type=float, default=300.0, metavar="S")
     parser.add_argument("--max-tunnels", type=int, default=256, metavar="N", help="open tunnels per sandbox")
+    parser.add_argument("--max-connections", type=int, default=1024, metavar="N", help="open proxy connections/sandbox")
     parser.add_argument("--dns-port", type=int, default=53, metavar="PORT", help="sandbox DNS; 0 turns it off")
     parser.add_argument("--dns-rate", type=float, default=100.0, metavar="QPS", help="DNS queries/s per sandbox")
     parser.add_argument("--state-dir", metavar="DIR", help="keys, broker state, admin socket")

@@ -48,6 +48,7 @@ class GatewayConfig:
     connect_timeout: float = 10.0
     idle_timeout: float = 300.0
     max_tunnels_per_sandbox: int = 256
+    max_connections_per_sandbox: int = 1024
     dns_min_ttl: int = 5
     dns_port: int = 53  # 0: no DNS server for sandboxes
     dns_rate: float = 100.0  # queries per second per sandbox
@@ -100,6 +101,7 @@ class Gateway:
             own_addresses=gateway_addresses,
             connect_timeout=config.connect_timeout,
             max_tunnels_per_sandbox=config.max_tunnels_per_sandbox,
+            max_connections_per_sandbox=config.max_connections_per_sandbox,
         )
         self.shared, self.addons = build_addons(config.policy, self.registry, self.resolver, self.audit.emit, settings)
         # Only the addons a proxy needs: no script loader, replay, onboarding app (mitm.it), header or body

@@ -62,8 +62,7 @@ class _TokenBucket:
         self.rate, self.burst = rate, burst
         self.tokens, self.stamp = float(burst), time.monotonic()
 
-    def take(self) -> bool:
-        now = time.monotonic()
+    def take(self, now: float) -> bool:
         self.tokens = min(self.burst, self.tokens + (now - self.stamp) * self.rate)
         self.stamp = now
         if self.tokens < 1:
@@ -164,7 +163,7 @@ class PolicyResolver:
         self._subdomains = _SubdomainRate()
         self._replies: dict[tuple[str, int, bytes], _Reply] = {}
 
-    def admit(self, client: str) -> Sandbox | bool | None:
+    def admit(self, client: str, now: float | None = None) -> Sandbox | bool | None:
         """The asking sandbox; None for an unknown network (refused); False when over its rate (dropped)."""
         sandbox = self.registry.identify(client)
         if sandbox is None:
@@ -173,7 +172,7 @@ class PolicyResolver:
         if bucket is None:
             rate = self.settings.rate_per_second
             bucket = self._buckets[sandbox.id] = _TokenBucket(rate, max(1, int(rate * 2)))
-        if not bucket.take():
+        if not bucket.take(time.monotonic() if now is None else now):
             self.stats["rate_limited"] += 1
             return False
         return sandbox
@@ -275,14 +274,15 @@ class PolicyResolver:
     # and only the query ID and question spelling are patched in. Parsing, deciding and packing are skipped;
     # the audit line is still written, one per query.
 
-    def cached_reply(self, data: bytes, sandbox: Sandbox, client: str) -> bytes | None:
+    def cached_reply(self, data: bytes, sandbox: Sandbox, client: str, now: float, wall: float) -> bytes | None:
+        """`now` (monotonic) and `wall` (time.time) are read once per batch of datagrams, not per query."""
         question = _question(data)
         if question is None:
             return None
         entry = self._replies.get((sandbox.id, data[2] & 1, question[0]))
-        if entry is None or entry.expires < time.monotonic() or entry.policy is not self.policy:
+        if entry is None or entry.expires < now or entry.policy is not self.policy:
             return None
-        self.emit(RepeatedRecord(entry.audit_template, client))
+        self.emit(RepeatedRecord(entry.audit_template, client, ts=wall))
         end = question[1]
         return data[:2] + entry.packet[2:12] + data[12:end] + entry.packet[end:]
 
@@ -345,30 +345,30 @@ class DnsServer:
         task.add_done_callback(self._tasks.discard)
 
     def _readable(self) -> None:
-        assert self._udp is not None
+        udp, resolver = self._udp, self.resolver
+        assert udp is not None
+        now, wall = time.monotonic(), time.time()
         for _ in range(64):
             try:
-                data, address = self._udp.recvfrom(MAX_QUERY_BYTES + 1)
+                data, address = udp.recvfrom(MAX_QUERY_BYTES + 1)
             except (BlockingIOError, InterruptedError):
                 return
             except OSError:
                 return  # e.g. an ICMP error queued on the socket: nothing to answer
-            self._datagram(data, address)
-
-    def _datagram(self, data: bytes, address: tuple) -> None:
-        stats = self.resolver.stats
-        if len(data) > MAX_QUERY_BYTES:
-            stats["dropped_oversize"] += 1
-            return
-        sandbox = self.resolver.admit(address[0])
-        if sandbox is False:
-            return
-        if sandbox is not None:
-            packet = self.resolver.cached_reply(data, sandbox, address[0])
-            if packet is not None:
-                self._send(packet, address)
-                return
-        self.spawn(self._udp_query(data, address, sandbox))
+            if len(data) > MAX_QUERY_BYTES:
+                resolver.stats["dropped_oversize"] += 1
+                continue
+            sandbox = resolver.admit(address[0], now)
+            if sandbox is False:
+                continue
+            packet = resolver.cached_reply(data, sandbox, address[0], now, wall) if sandbox is not None else None
+            if packet is None:
+                self.spawn(self._udp_query(data, address, sandbox))
+                continue
+            try:
+                udp.sendto(packet, address)
+            except OSError:  # the sandbox went away: nothing to tell it
+                continue
 
     async def _udp_query(self, data: bytes, address: tuple, sandbox: Sandbox | None) -> None:
         request = self._parse(data)

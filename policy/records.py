@@ -84,7 +84,8 @@ class RepeatedRecord:
         return _encode(fixed)[1:]
 
     def to_json(self) -> str:
-        head = f'{{"ts":"{_timestamp(self.ts)}","request_id":"{self.request_id}","client":{_encode(self.client)},'
+        # client is a socket's address text (digits, hex, '.', ':'): nothing in it needs JSON escaping.
+        head = f'{{"ts":"{_timestamp(self.ts)}","request_id":"{self.request_id}","client":"{self.client}",'
         return head + self.static_json
 
 

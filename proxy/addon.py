@@ -60,6 +60,7 @@ class GatewaySettings:
     own_addresses: frozenset[IPAddress] = frozenset()
     connect_timeout: float = 10.0
     max_tunnels_per_sandbox: int = 256
+    max_connections_per_sandbox: int = 1024  # a flood of idle connections must not starve the gateway
 
 
 @dataclass
@@ -74,6 +75,7 @@ class _ClientState:
     # goes to exactly the address that was checked, and a rebinding name gets no second answer.
     vetted: dict[tuple[str, int], Outcome] = field(default_factory=dict)
     started: float = field(default_factory=time.monotonic)
+    counted: bool = False  # holds one of the sandbox's connection slots
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,6 +110,7 @@ class _Shared:
         self.settings = settings
         self.clients: dict[str, _ClientState] = {}
         self.tunnels: Counter[str] = Counter()
+        self.connections: Counter[str] = Counter()  # open client connections per sandbox
         self.resolved: dict[str, list[str]] = {}  # server connection id → addresses the name resolved to
 
     def client(self, client: connection.Client) -> _ClientState:
@@ -213,9 +216,20 @@ class SandboxIdentity:
             self.shared.emit(
                 AuditRecord("connect", "-", client.peername[0], "-", None, "deny", "unknown sandbox network")
             )
+            return
+        limit = self.shared.settings.max_connections_per_sandbox
+        if self.shared.connections[state.sandbox.id] >= limit:
+            client.error = f"airlock: sandbox already has {limit} connections open"
+            reason = f"more than {limit} open connections"
+            self.shared.emit(AuditRecord("connect", state.sandbox.id, client.peername[0], "-", None, "deny", reason))
+            return
+        self.shared.connections[state.sandbox.id] += 1
+        state.counted = True
 
     def client_disconnected(self, client: connection.Client) -> None:
         state = self.shared.clients.pop(client.id, None)
+        if state is not None and state.counted and state.sandbox is not None:
+            self.shared.connections[state.sandbox.id] -= 1
         if state is None or state.tunnel is None:
             return
         self.shared.tunnels[state.tunnel.sandbox] -= 1

@@ -337,3 +337,28 @@ def test_idle_tunnel_is_closed_after_the_idle_timeout(topology: Topology, fakene
             return time.monotonic() - started
 
     assert 1 <= in_netns(topology.sbx, idle_tunnel) < 10
+
+
+def test_connection_cap_per_sandbox(topology: Topology, fakenet: FakeNet, own_gateway):
+    own_gateway(extra=("--max-connections", "3"))
+
+    def flood() -> tuple[bytes, int]:
+        held = [socket.create_connection(PROXY, timeout=5) for _ in range(3)]
+        time.sleep(0.3)  # the gateway has counted them
+        extra = socket.create_connection(PROXY, timeout=5)
+        extra.sendall(b"GET http://allowed.test/ HTTP/1.1\r\nHost: allowed.test\r\n\r\n")
+        try:
+            refused = extra.recv(100)
+        except ConnectionResetError:
+            refused = b""
+        extra.close()
+        held.pop().close()
+        time.sleep(0.3)
+        status = proxy_http(PROXY, "http://allowed.test/").status  # a freed slot serves again
+        for sock in held:
+            sock.close()
+        return refused, status
+
+    refused, status = in_netns(topology.sbx, flood)
+    assert refused == b"" and status == 200
+    assert fakenet.connections(ALLOWED_IP, 80) == 1
