@@ -43,19 +43,15 @@ from __future__ import annotations
 
 import argparse
 import base64
-import contextlib
 import http.client
 import json
 import os
-import platform
 import shlex
 import shutil
-import signal
 import socket
 import ssl
 import statistics
 import sys
-import tempfile
 import time
 import timeit
 import uuid
@@ -67,18 +63,21 @@ from typing import Any
 import jwt
 
 REPO = Path(__file__).resolve().parent.parent
-# The e2e helpers, not the repo root: the root's dns/ would shadow dnspython.
+# The e2e helpers, not the repo root: the root's dns/ would shadow dnspython. bench/ last: its dns.py and
+# docker.py must not shadow dnspython and docker-py.
 sys.path.insert(0, str(REPO / "tests" / "e2e"))
+sys.path.append(str(REPO / "bench"))
 
 from airlock.broker.grants import parse_grant  # noqa: E402
 from airlock.broker.store import SqliteStore  # noqa: E402
 from airlock.broker.tokens import KeyRing, TokenAuthority  # noqa: E402
 
+import common  # noqa: E402
+from common import CLK_TCK, cpu_seconds, fmt, percentile  # noqa: E402
 from fakegithub_client import ACCEPT, API_VERSION, GITHUB_HOST, GITHUB_IP, FakeGitHub, make_app_key  # noqa: E402
 from gateway_proc import GatewayProcess  # noqa: E402
 from netclient import in_netns  # noqa: E402
-from testca import make_test_ca  # noqa: E402
-from topology import GW_IP, FakeNet, Topology  # noqa: E402
+from topology import GW_IP, Topology  # noqa: E402
 
 APP_ID = 4242
 INSTALLATION_ID = 777
@@ -90,64 +89,24 @@ GITHUB_PULLS = "/repos/acme/app/pulls"
 CALLS_PER_TOKEN = 8  # the broker's per-token bucket holds 10
 WARMUP = 20
 TIMEOUT = 15.0
-CLK_TCK = os.sysconf("SC_CLK_TCK")
 SERIES = ("direct", "create", "replay", "refusal")
 
 
 # ------------------------------------------------------------------------------------------------ helpers
 
 
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU of a process (all its threads) so far."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / CLK_TCK
-
-
-def machine_busy() -> float:
-    """CPU seconds the whole machine spent in user + nice + system mode so far (all CPUs)."""
-    user, nice, system = (int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:4])
-    return (user + nice + system) / CLK_TCK
-
-
-def own_cpu() -> float:
-    """CPU seconds of this process and of every child it has reaped (gateway, fake GitHub, fakenet, ip)."""
-    t = os.times()
-    return t.user + t.system + t.children_user + t.children_system
-
-
-def machine_info() -> dict[str, str]:
+def bench_info() -> dict[str, str]:
     import aiohttp
     import cryptography
     import jwt
 
-    cpu = "?"
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    return {
-        "nproc": str(os.cpu_count()),
-        "cpu": cpu,
-        "kernel": platform.release(),
-        "python": platform.python_version(),
-        "pyjwt": jwt.__version__,
-        "cryptography": cryptography.__version__,
-        "aiohttp": aiohttp.__version__,
-        "sqlite": __import__("sqlite3").sqlite_version,
-        "load": f"{os.getloadavg()[0]:.2f}",
-    }
-
-
-def percentile(sorted_values: list[float], q: float) -> float | None:
-    if not sorted_values:
-        return None
-    index = min(len(sorted_values) - 1, max(0, round(q * (len(sorted_values) - 1))))
-    return sorted_values[index]
-
-
-def fmt(value: float | None, digits: int = 0) -> str:
-    return "-" if value is None else f"{value:,.{digits}f}"
+    return common.machine_info(
+        pyjwt=jwt.__version__,
+        cryptography=cryptography.__version__,
+        aiohttp=aiohttp.__version__,
+        sqlite=__import__("sqlite3").sqlite_version,
+        load=f"{os.getloadavg()[0]:.2f}",
+    )
 
 
 # ------------------------------------------------------------------------------------------------ 1. in-process
@@ -162,14 +121,6 @@ class Rate:
     @property
     def us(self) -> float:
         return 1e6 / self.best_per_s
-
-
-def calibrate(fn: Any, budget_s: float) -> int:
-    """How many calls of `fn` take about `budget_s`."""
-    number = 1
-    while (elapsed := timeit.timeit(fn, number=number)) < 0.02:
-        number *= 4
-    return max(1, int(number * budget_s / elapsed))
 
 
 def bench_verify(seconds: float, workdir: Path) -> list[Rate]:
@@ -223,7 +174,7 @@ def bench_verify(seconds: float, workdir: Path) -> list[Rate]:
             ("verify + sandbox binding + revocation lookup (per call)", check),
         ]
         repeat = 5
-        numbers = [calibrate(fn, seconds / repeat) for _, fn in cases]
+        numbers = [common.calibrate(fn, seconds / repeat, 0.02) for _, fn in cases]
         rates: dict[str, list[float]] = {label: [] for label, _ in cases}
         for _ in range(repeat):  # interleaved, so drift hits every case alike
             for (label, fn), number in zip(cases, numbers, strict=True):
@@ -387,7 +338,7 @@ class Clients:
             return self.broker(f"agent/bench-{i}", key=f"bench-{i}")
         return self.broker(f"agent/refused-{i}", base="develop")  # the grant allows main and release
 
-    def close(self) -> None:
+    def stop(self) -> None:
         self.github_conn.close()
         self.broker_conn.close()
 
@@ -409,18 +360,11 @@ def check(series: str, i: int, status: int, body: Any, clients: Clients) -> None
 
 
 def run_e2e(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
-    topo = Topology()
-    net: FakeNet | None = None
-    github: FakeGitHub | None = None
-    gateway: GatewayProcess | None = None
-    clients: Clients | None = None
-    try:
-        topo.create()
-        ca = make_test_ca(workdir / "ca")
-        net = FakeNet(ca.leaf_cert, ca.leaf_key).start(topo, workdir / "fakenet")
+    with common.fake_internet(workdir) as (topo, _, ca, procs):
         app_key = workdir / "github" / "app.private-key.pem"
         public_pem = make_app_key(app_key)
         github = FakeGitHub(ca.leaf_cert, ca.leaf_key, app_key_path=app_key)
+        procs.append(github)
         github.start(topo, workdir / "github", APP_ID, public_pem, INSTALLATION_ID)
         # Safety: the direct client dials the fake GitHub from the gateway namespace, the broker client the
         # gateway from the sandbox namespace; both routes must stay on devices of this topology.
@@ -432,12 +376,14 @@ def run_e2e(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         )  # fmt: skip
         (workdir / "gateway").mkdir()
         gateway = GatewayProcess(topo, workdir / "gateway", extra=broker_args).start()
+        procs.append(gateway)
         assert gateway.proc is not None and github.proc is not None
         admin = workdir / "gateway" / "state" / "admin.sock"
 
         total_broker_calls = 3 * args.calls + 2 * WARMUP
         tokens = Tokens(admin, -(-total_broker_calls // CALLS_PER_TOKEN) + 1)
         clients = Clients(topo, github, ca.ca_cert, tokens)
+        procs.append(clients)  # stopped first: closes its connections
 
         print("  warming up ...", file=sys.stderr, flush=True)
         for i in range(WARMUP):
@@ -483,15 +429,6 @@ def run_e2e(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
             "client_connects": {"direct": clients.github_conn.connects, "broker": clients.broker_conn.connects},
             "gw_argv": gateway.argv(),
         }
-    finally:
-        if clients is not None:
-            with contextlib.suppress(Exception):
-                clients.close()
-        for proc in (gateway, github, net):
-            if proc is not None:
-                with contextlib.suppress(Exception):
-                    proc.stop()
-        topo.destroy()
 
 
 # ------------------------------------------------------------------------------------------------ report
@@ -505,7 +442,7 @@ def report(
         "",
         f"`{command}`",
         "",
-        "machine: " + ", ".join(f"{k} {v}" for k, v in info.items()),
+        common.machine_line(info),
         "",
         "## Token checks, in-process",
         "",
@@ -578,13 +515,12 @@ def report(
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = common.bench_parser(__doc__)
     parser.add_argument("--calls", type=int, default=300, help="measured calls per series (default 300)")
     parser.add_argument("--chunk", type=int, default=50, help="calls per series per round (default 50)")
     parser.add_argument("--verify-seconds", type=float, default=2.0, help="seconds per in-process case (default 2)")
     parser.add_argument("--skip-e2e", action="store_true", help="only the in-process token checks (no root needed)")
-    parser.add_argument("--output", type=Path, help="also write the markdown report here")
-    args = parser.parse_args(argv)
+    args = common.parse_args(parser, argv)
     if not (10 <= args.calls <= 5000 and 1 <= args.chunk <= args.calls and 0.5 <= args.verify_seconds <= 60):
         parser.error("keep --calls in 10..5000, --chunk in 1..calls and --verify-seconds in 0.5..60")
     if not args.skip_e2e:
@@ -593,26 +529,17 @@ def main(argv: list[str] | None = None) -> int:
         if shutil.which("ip") is None:
             parser.error("ip not found (apt-get install -y iproute2)")
 
-    def interrupt(signum: int, frame: object) -> None:
-        raise KeyboardInterrupt(f"signal {signum}")  # so the finally blocks tear the topology down
-
-    signal.signal(signal.SIGTERM, interrupt)
-    command = shlex.join([os.path.relpath(sys.executable, REPO), "-P", "bench/broker.py", *sys.argv[1:]])
-    if os.environ.get("SUDO_USER"):
-        command = "sudo " + command
-    info = machine_info()
-    if float(info["load"]) > 0.5:
-        print(f"warning: load average {info['load']}: something else is running, numbers will be low", file=sys.stderr)
-    workdir = Path(tempfile.mkdtemp(prefix="airlock-bench-broker-"))
-    busy0, own0, wall0 = machine_busy(), own_cpu(), time.monotonic()
-    try:
+    common.interrupt_on_sigterm()
+    command = common.command_line("-P", "bench/broker.py")
+    info = bench_info()
+    common.warn_if_loaded(float(info["load"]))
+    with common.scratch_dir("airlock-bench-broker-") as workdir:
+        other_cpu, wall0 = common.OtherCpu(), time.monotonic()
         print("  token checks, in-process ...", file=sys.stderr, flush=True)
         rates = bench_verify(args.verify_seconds, workdir / "verify")
         e2e = None if args.skip_e2e else run_e2e(args, workdir / "e2e")
-    finally:
-        shutil.rmtree(workdir, ignore_errors=True)
     # Everything started here has been stopped and reaped: what is left of the machine's busy time is others'.
-    other = max(0.0, (machine_busy() - busy0) - (own_cpu() - own0))
+    other = other_cpu.seconds()
     share = other * 100 / ((time.monotonic() - wall0) * (os.cpu_count() or 1))
     text = report(info, command, args, rates, e2e)
     text += (
@@ -620,9 +547,7 @@ def main(argv: list[str] | None = None) -> int:
         + (" (**above 5%: numbers are disturbed, run again on an idle machine**)" if share > 5 else "")
         + "\n"
     )
-    print(text)
-    if args.output:
-        args.output.write_text(text)
+    common.emit(text, args.output)
     return 0
 
 

@@ -34,18 +34,14 @@ dnsmasq-base) and preferably dnsperf (apt-get install -y dnsperf).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
-import platform
 import re
 import resource
 import shlex
 import shutil
-import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -53,21 +49,23 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
-# The e2e helpers, not the repo root: the root's dns/ would shadow dnspython.
+# The e2e helpers, not the repo root: the root's dns/ would shadow dnspython. bench/ last: its dns.py and
+# docker.py must not shadow dnspython and docker-py.
 sys.path.insert(0, str(REPO / "tests" / "e2e"))
+sys.path.append(str(REPO / "bench"))
 
 from dnslib import QTYPE, RCODE, DNSRecord  # noqa: E402
 
+import common  # noqa: E402
+from common import cpu_seconds, fmt, percentile, ratio  # noqa: E402
 from gateway_proc import GatewayProcess  # noqa: E402
 from netclient import in_netns  # noqa: E402
-from testca import make_test_ca  # noqa: E402
 from topology import DNS_SERVER, GW_IP, FakeNet, Topology  # noqa: E402
 
 DNSMASQ = "/usr/sbin/dnsmasq"
 AIRLOCK_PORT = 53
 DNSMASQ_PORT = 5353
 ZONE_TTL = 3600
-CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 # Allowlisted by tests/e2e/policies/e2e.yaml and answered by the fake zone (the *.allowed.test wildcard included).
 ALLOWED = {
@@ -87,61 +85,19 @@ REFUSED = ["evil.test", "www.evil.test", "example.com", "pypi.org", "denied.allo
 # ------------------------------------------------------------------------------------------------ helpers
 
 
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU of a process (all its threads) so far."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / CLK_TCK
-
-
 def children_cpu() -> float:
     usage = resource.getrusage(resource.RUSAGE_CHILDREN)
     return usage.ru_utime + usage.ru_stime
 
 
-def tool_version(argv: list[str], pattern: str) -> str:
-    """The version a tool prints, found with `pattern` (its first group) in what `argv` printed."""
-    try:
-        proc = subprocess.run(argv, capture_output=True, text=True, timeout=10, check=False)
-    except OSError:
-        return "missing"
-    match = re.search(pattern, proc.stdout + proc.stderr)
-    return match.group(1) if match else "?"
-
-
-def machine_info() -> dict[str, str]:
+def bench_info() -> dict[str, str]:
     import dnslib
 
-    cpu = "?"
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    return {
-        "nproc": str(os.cpu_count()),
-        "cpu": cpu,
-        "kernel": platform.release(),
-        "python": platform.python_version(),
-        "dnslib": getattr(dnslib, "version", "?"),
-        "dnsmasq": tool_version([DNSMASQ, "--version"], r"Dnsmasq version (\S+)"),
-        "dnsperf": tool_version(["dnsperf", "-h"], r"Version (\S+)") if shutil.which("dnsperf") else "not installed",
-        "load": f"{os.getloadavg()[0]:.2f}",
-    }
-
-
-def percentile(sorted_values: list[float], q: float) -> float | None:
-    if not sorted_values:
-        return None
-    index = min(len(sorted_values) - 1, max(0, round(q * (len(sorted_values) - 1))))
-    return sorted_values[index]
-
-
-def fmt(value: float | None, digits: int = 0) -> str:
-    return "-" if value is None else f"{value:,.{digits}f}"
-
-
-def ratio(a: float | None, b: float | None) -> str:
-    return "-" if not a or not b else f"{a / b:.2f}x"
+    dnsmasq = common.tool_version([DNSMASQ, "--version"], r"Dnsmasq version (\S+)")
+    dnsperf = common.tool_version(["dnsperf", "-h"], r"Version (\S+)") if shutil.which("dnsperf") else "not installed"
+    return common.machine_info(
+        dnslib=getattr(dnslib, "version", "?"), dnsmasq=dnsmasq, dnsperf=dnsperf, load=f"{os.getloadavg()[0]:.2f}"
+    )
 
 
 def upstream_queries(net: FakeNet) -> int:
@@ -151,13 +107,13 @@ def upstream_queries(net: FakeNet) -> int:
 # ------------------------------------------------------------------------------------------------ servers
 
 
-class Dnsmasq:
+class Dnsmasq(common.ListeningServer):
     """dnsmasq in the gateway namespace, forwarding only the allowlisted domains; stopped by PID."""
 
+    name, ss_flags, poll_s = "dnsmasq", "-Hlun", 0.05
+
     def __init__(self, topo: Topology, workdir: Path, port: int) -> None:
-        self.topo, self.workdir, self.port = topo, workdir, port
-        self.proc: subprocess.Popen[bytes] | None = None
-        self.log_path = workdir / "dnsmasq.log"
+        super().__init__(topo, workdir, port, "dnsmasq.log")
 
     def argv(self) -> list[str]:
         return [
@@ -173,31 +129,8 @@ class Dnsmasq:
         ]  # fmt: skip
 
     def start(self, timeout: float = 10) -> Dnsmasq:
-        with self.log_path.open("wb") as log:
-            self.proc = self.topo.popen(self.topo.gw, self.argv(), stdout=log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"dnsmasq exited with {self.proc.returncode}:\n{self.log_path.read_text()}")
-            if self.topo.run(self.topo.gw, ["ss", "-Hlun", f"sport = :{self.port}"]).stdout.strip():
-                return self
-            time.sleep(0.05)
-        raise RuntimeError(f"dnsmasq did not listen on {self.port} in {timeout}s")
-
-    @property
-    def pid(self) -> int:
-        assert self.proc is not None
-        return self.proc.pid
-
-    def stop(self) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        self.proc.terminate()
-        try:
-            self.proc.wait(10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(10)
+        self._launch(self.argv(), timeout)
+        return self
 
 
 def ask(server: str, port: int, name: str, qtype: str = "A", timeout: float = 2.0) -> DNSRecord:
@@ -431,13 +364,7 @@ def plan(args: argparse.Namespace) -> list[Run]:
 
 
 def run_bench(args: argparse.Namespace, workdir: Path, gen: str) -> dict[str, Any]:
-    topo = Topology()
-    net: FakeNet | None = None
-    procs: list[Any] = []
-    try:
-        topo.create()
-        ca = make_test_ca(workdir / "ca")
-        net = FakeNet(ca.leaf_cert, ca.leaf_key, zone_default_ttl=ZONE_TTL).start(topo, workdir / "fakenet")
+    with common.fake_internet(workdir, zone_default_ttl=ZONE_TTL) as (topo, net, _, procs):
         # Safety: the servers forward to the fake DNS server, the load goes from the sandbox to the gateway.
         topo.assert_route_inside(topo.gw, DNS_SERVER)
         topo.assert_route_inside(topo.sbx, GW_IP)
@@ -467,14 +394,6 @@ def run_bench(args: argparse.Namespace, workdir: Path, gen: str) -> dict[str, An
             "gw_argv": gateway.argv(),
             "audit_lines": sum(1 for _ in gateway.audit_path.open()) if gateway.audit_path.exists() else 0,
         }
-    finally:
-        for proc in reversed(procs):
-            with contextlib.suppress(Exception):
-                proc.stop()
-        if net is not None:
-            with contextlib.suppress(Exception):
-                net.stop()
-        topo.destroy()
 
 
 def report(info: dict[str, str], command: str, args: argparse.Namespace, gen: str, data: dict[str, Any]) -> str:
@@ -484,7 +403,7 @@ def report(info: dict[str, str], command: str, args: argparse.Namespace, gen: st
         "",
         f"`{command}`",
         "",
-        "machine: " + ", ".join(f"{k} {v}" for k, v in info.items()),
+        common.machine_line(info),
         "",
         f"load generator: **{gen}** in the sandbox namespace, one socket, UDP; {len(ALLOWED)} allowlisted / "
         f"{len(REFUSED)} unlisted names round robin; window {args.window} outstanding queries",
@@ -551,13 +470,12 @@ def report(info: dict[str, str], command: str, args: argparse.Namespace, gen: st
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = common.bench_parser(__doc__)
     parser.add_argument("--duration", type=float, default=8.0, help="seconds per measured run (default 8)")
     parser.add_argument("--window", type=int, default=64, help="queries outstanding (default 64)")
     parser.add_argument("--rate", type=float, default=1000.0, help="queries/s of the steady-latency run (default 1000)")
     parser.add_argument("--generator", choices=("auto", "dnsperf", "python"), default="auto")
-    parser.add_argument("--output", type=Path, help="also write the markdown report here")
-    args = parser.parse_args(argv)
+    args = common.parse_args(parser, argv)
     if not (1 <= args.duration <= 60 and 1 <= args.window <= 1000 and 1 <= args.rate <= 100_000):
         parser.error("keep --duration in 1..60, --window in 1..1000 and --rate in 1..100000")
     if os.geteuid() != 0:
@@ -571,25 +489,14 @@ def main(argv: list[str] | None = None) -> int:
     elif gen == "dnsperf" and shutil.which("dnsperf") is None:
         parser.error("dnsperf not found (apt-get install -y dnsperf)")
 
-    def interrupt(signum: int, frame: object) -> None:
-        raise KeyboardInterrupt(f"signal {signum}")  # so the finally blocks tear the topology down
-
-    signal.signal(signal.SIGTERM, interrupt)
-    command = shlex.join([os.path.relpath(sys.executable, REPO), "-P", "bench/dns.py", *sys.argv[1:]])
-    if os.environ.get("SUDO_USER"):
-        command = "sudo " + command
-    info = machine_info()
-    if float(info["load"]) > 0.5:
-        print(f"warning: load average {info['load']}: something else is running, numbers will be low", file=sys.stderr)
-    workdir = Path(tempfile.mkdtemp(prefix="airlock-bench-dns-"))
-    try:
+    common.interrupt_on_sigterm()
+    command = common.command_line("-P", "bench/dns.py")
+    info = bench_info()
+    common.warn_if_loaded(float(info["load"]))
+    with common.scratch_dir("airlock-bench-dns-") as workdir:
         data = run_bench(args, workdir, gen)
-    finally:
-        shutil.rmtree(workdir, ignore_errors=True)
     text = report(info, command, args, gen, data)
-    print(text)
-    if args.output:
-        args.output.write_text(text)
+    common.emit(text, args.output)
     return 0
 
 

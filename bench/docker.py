@@ -41,18 +41,18 @@ import os
 import platform
 import shlex
 import shutil
-import signal
 import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
-# The e2e helpers, not the repo root: the root's dns/ would shadow dnspython.
+# The e2e helpers, not the repo root: the root's dns/ would shadow dnspython. bench/ last: its dns.py and
+# docker.py must not shadow dnspython and docker-py.
 sys.path.insert(0, str(REPO / "tests" / "e2e"))
+sys.path.append(str(REPO / "bench"))
 
 import docker  # noqa: E402
 
@@ -61,10 +61,11 @@ from airlock.gateway import Gateway  # noqa: E402
 from airlock.sandbox.docker import LABEL, DockerSandbox, Limits  # noqa: E402
 from airlock.sandbox.launch import launch  # noqa: E402
 
+import common  # noqa: E402
+from common import fmt, percentile  # noqa: E402
 from dockerenv import DockerDaemon, docker_problem  # noqa: E402
 from gateway_proc import AIRLOCK, E2E_POLICY  # noqa: E402
 from netclient import in_netns  # noqa: E402
-from testca import make_test_ca  # noqa: E402
 from topology import DNS_SERVER, FakeNet, Topology  # noqa: E402
 
 BUILD_TEST_IMAGE = REPO / "scripts" / "build-test-image"
@@ -85,24 +86,7 @@ LOOP = (
 # ------------------------------------------------------------------------------------------------ helpers
 
 
-def percentile(sorted_values: list[float], q: float) -> float | None:
-    if not sorted_values:
-        return None
-    index = min(len(sorted_values) - 1, max(0, round(q * (len(sorted_values) - 1))))
-    return sorted_values[index]
-
-
-def fmt(value: float | None, digits: int = 0) -> str:
-    return "-" if value is None else f"{value:,.{digits}f}"
-
-
 def machine_info(client: docker.DockerClient) -> dict[str, str]:
-    cpu = "?"
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
     mem = "?"
     with contextlib.suppress(OSError, ValueError, IndexError):
         mem = f"{int(Path('/proc/meminfo').read_text().split()[1]) / 2**20:.1f} GiB"
@@ -114,7 +98,7 @@ def machine_info(client: docker.DockerClient) -> dict[str, str]:
         cli_version = subprocess.run(["docker", "--version"], capture_output=True, text=True, timeout=10).stdout
     return {
         "nproc": str(os.cpu_count()),
-        "cpu": cpu,
+        "cpu": common.cpu_model(),
         "memory": mem,
         "kernel": platform.release(),
         "python": platform.python_version(),
@@ -405,66 +389,67 @@ def concurrent(
 
 
 def run_bench(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
-    topo = Topology()
-    net: FakeNet | None = None
-    daemon: DockerDaemon | None = None
-    procs: list[subprocess.Popen[str]] = []
-    try:
-        topo.create()
+    with common.fake_internet(workdir) as (topo, net, _, stoppable):
         # Safety: everything the gateway dials must land in the fake internet.
         for address in (ALLOWED_IP, DNS_SERVER):
             topo.assert_route_inside(topo.gw, address)
-        ca = make_test_ca(workdir / "ca")
-        net = FakeNet(ca.leaf_cert, ca.leaf_key).start(topo, workdir / "fakenet")
         daemon = DockerDaemon(topo, workdir / "docker").start()
-        client = daemon.client()
-        print("  importing the sandbox image ...", file=sys.stderr, flush=True)
-        image, tarball = build_image(daemon)
-        env = {**os.environ, **daemon.env()}
-        info = machine_info(client)
+        stoppable.append(daemon)
+        procs: list[subprocess.Popen[str]] = []
+        try:
+            return measure(args, workdir, topo, net, daemon, procs)
+        finally:
+            for proc in procs:  # airlock runs still going: SIGTERM lets each remove its own sandbox
+                if proc.poll() is None:
+                    proc.terminate()
+                    try:
+                        proc.wait(30)
+                    except subprocess.TimeoutExpired:
+                        proc.kill()
+                        proc.wait(10)
 
-        instrument()
-        cli_samples, proc_samples = Samples(), Samples()
-        print("  warm-up ...", file=sys.stderr, flush=True)
-        cold_cli = cli_once(topo, env, image, f"{topo.prefix}bw")
-        cold_proc = inprocess_once(topo, client, image, f"{topo.prefix}pw", workdir)
-        for i in range(args.sandboxes):
-            print(f"  sandbox {i + 1}/{args.sandboxes} ...", file=sys.stderr, flush=True)
-            cli_samples.add(cli_once(topo, env, image, f"{topo.prefix}b{i}"))
-            cli_samples.add(startup_once(topo, env))
-            proc_samples.add(inprocess_once(topo, client, image, f"{topo.prefix}p{i}", workdir))
-        left_sequential = leftovers(topo, client)
 
-        print(f"  {args.concurrent} sandboxes at once, {args.requests} requests each ...", file=sys.stderr, flush=True)
-        conc = concurrent(topo, env, client, image, net, procs, args.concurrent, args.requests)
-        return {
-            "info": info,
-            "image": image,
-            "tarball": tarball,
-            "cli": cli_samples,
-            "proc": proc_samples,
-            "cold_cli": cold_cli,
-            "cold_proc": cold_proc,
-            "left_sequential": left_sequential,
-            "concurrent": conc,
-            "probe_argv": run_argv(image, f"{topo.prefix}b0", "sh", "-c", PROBE),
-        }
-    finally:
-        for proc in procs:  # airlock runs still going: SIGTERM lets each remove its own sandbox
-            if proc.poll() is None:
-                proc.terminate()
-                try:
-                    proc.wait(30)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait(10)
-        if daemon is not None:
-            with contextlib.suppress(Exception):
-                daemon.stop()
-        if net is not None:
-            with contextlib.suppress(Exception):
-                net.stop()
-        topo.destroy()
+def measure(
+    args: argparse.Namespace,
+    workdir: Path,
+    topo: Topology,
+    net: FakeNet,
+    daemon: DockerDaemon,
+    procs: list[subprocess.Popen[str]],
+) -> dict[str, Any]:
+    """Both parts; `procs` collects the `airlock run`s started, for the caller to stop."""
+    client = daemon.client()
+    print("  importing the sandbox image ...", file=sys.stderr, flush=True)
+    image, tarball = build_image(daemon)
+    env = {**os.environ, **daemon.env()}
+    info = machine_info(client)
+
+    instrument()
+    cli_samples, proc_samples = Samples(), Samples()
+    print("  warm-up ...", file=sys.stderr, flush=True)
+    cold_cli = cli_once(topo, env, image, f"{topo.prefix}bw")
+    cold_proc = inprocess_once(topo, client, image, f"{topo.prefix}pw", workdir)
+    for i in range(args.sandboxes):
+        print(f"  sandbox {i + 1}/{args.sandboxes} ...", file=sys.stderr, flush=True)
+        cli_samples.add(cli_once(topo, env, image, f"{topo.prefix}b{i}"))
+        cli_samples.add(startup_once(topo, env))
+        proc_samples.add(inprocess_once(topo, client, image, f"{topo.prefix}p{i}", workdir))
+    left_sequential = leftovers(topo, client)
+
+    print(f"  {args.concurrent} sandboxes at once, {args.requests} requests each ...", file=sys.stderr, flush=True)
+    conc = concurrent(topo, env, client, image, net, procs, args.concurrent, args.requests)
+    return {
+        "info": info,
+        "image": image,
+        "tarball": tarball,
+        "cli": cli_samples,
+        "proc": proc_samples,
+        "cold_cli": cold_cli,
+        "cold_proc": cold_proc,
+        "left_sequential": left_sequential,
+        "concurrent": conc,
+        "probe_argv": run_argv(image, f"{topo.prefix}b0", "sh", "-c", PROBE),
+    }
 
 
 def report(command: str, args: argparse.Namespace, data: dict[str, Any]) -> str:
@@ -477,7 +462,7 @@ def report(command: str, args: argparse.Namespace, data: dict[str, Any]) -> str:
         "",
         f"`{command}`",
         "",
-        "machine: " + ", ".join(f"{k} {v}" for k, v in data["info"].items()),
+        common.machine_line(data["info"]),
         "",
         f"image `{data['image']}` (scripts/build-test-image, {data['tarball'].stat().st_size / 1e6:.0f} MB rootfs); "
         "dockerd in the gateway namespace of the e2e topology, overlay2; upstream: fakenet's allowed.test",
@@ -580,12 +565,11 @@ def report(command: str, args: argparse.Namespace, data: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = common.bench_parser(__doc__)
     parser.add_argument("--sandboxes", type=int, default=20, help="sandboxes one after another (default 20)")
     parser.add_argument("--concurrent", type=int, default=10, help="sandboxes at once (default 10)")
     parser.add_argument("--requests", type=int, default=50, help="requests per concurrent sandbox (default 50)")
-    parser.add_argument("--output", type=Path, help="also write the markdown report here")
-    args = parser.parse_args(argv)
+    args = common.parse_args(parser, argv)
     if not (1 <= args.sandboxes <= 99 and 1 <= args.concurrent <= 50 and 1 <= args.requests <= 10_000):
         parser.error("keep --sandboxes in 1..99, --concurrent in 1..50 and --requests in 1..10000")
     if os.geteuid() != 0:
@@ -594,25 +578,13 @@ def main(argv: list[str] | None = None) -> int:
     if problem:
         parser.error(problem)
 
-    def interrupt(signum: int, frame: object) -> None:
-        raise KeyboardInterrupt(f"signal {signum}")  # so the finally blocks tear everything down
-
-    signal.signal(signal.SIGTERM, interrupt)
-    command = shlex.join([os.path.relpath(sys.executable, REPO), "-P", "bench/docker.py", *sys.argv[1:]])
-    if os.environ.get("SUDO_USER"):
-        command = "sudo " + command
-    load = os.getloadavg()[0]
-    if load > 0.5:
-        print(f"warning: load average {load:.2f}: something else is running, numbers will be worse", file=sys.stderr)
-    workdir = Path(tempfile.mkdtemp(prefix="airlock-bench-docker-"))
-    try:
+    common.interrupt_on_sigterm()
+    command = common.command_line("-P", "bench/docker.py")
+    common.warn_if_loaded(os.getloadavg()[0], "worse")
+    with common.scratch_dir("airlock-bench-docker-") as workdir:
         data = run_bench(args, workdir)
-    finally:
-        shutil.rmtree(workdir, ignore_errors=True)
     text = report(command, args, data)
-    print(text)
-    if args.output:
-        args.output.write_text(text)
+    common.emit(text, args.output)
     return 1 if data["concurrent"]["failures"] else 0
 
 

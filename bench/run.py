@@ -16,16 +16,10 @@ end. Needs root, `wrk` and `curl` (apt-get install -y wrk curl).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
-import platform
-import shlex
 import shutil
-import signal
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 import timeit
 from dataclasses import dataclass
@@ -33,11 +27,14 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
-# The e2e helpers, not the repo root: the root's dns/ would shadow dnspython.
+# The e2e helpers, not the repo root: the root's dns/ would shadow dnspython. bench/ last: its dns.py and
+# docker.py must not shadow dnspython and docker-py.
 sys.path.insert(0, str(REPO / "tests" / "e2e"))
+sys.path.append(str(REPO / "bench"))
 
+import common  # noqa: E402
+from common import cpu_seconds, fmt, ratio  # noqa: E402
 from gateway_proc import GatewayProcess  # noqa: E402
-from testca import make_test_ca  # noqa: E402
 from topology import GW_IP, FakeNet, Topology  # noqa: E402
 
 VENV_BIN = Path(sys.executable).parent
@@ -47,7 +44,6 @@ HOST = "allowed.test"
 AIRLOCK_PORT = 3128
 BARE_HTTP_PORT = 3129
 BARE_PASS_PORT = 3130
-CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 # wrk: the request line is `GET <PATH> HTTP/1.1` with `Host: allowed.test`; against a proxy PATH is the absolute
 # URL, so wrk talks to the proxy as if it were the server. Only status 200 counts as a success.
@@ -76,74 +72,28 @@ end
 # ------------------------------------------------------------------------------------------------ helpers
 
 
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU of a process (all its threads) so far."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / CLK_TCK
-
-
-def machine_busy() -> float:
-    """CPU seconds the whole machine spent in user + nice + system mode so far (all CPUs)."""
-    user, nice, system = (int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:4])
-    return (user + nice + system) / CLK_TCK
-
-
-def own_cpu() -> float:
-    """CPU seconds of this process and of every child it has reaped (wrk, curl, proxies, fake internet)."""
-    t = os.times()
-    return t.user + t.system + t.children_user + t.children_system
-
-
-def tool_version(argv: list[str]) -> str:
-    try:
-        proc = subprocess.run(argv, capture_output=True, text=True, timeout=10, check=False)
-    except OSError:
-        return "missing"
-    text = (proc.stdout + proc.stderr).strip().splitlines()
-    return text[0].strip() if text else "?"
-
-
-def machine_info() -> dict[str, str]:
+def bench_info() -> dict[str, str]:
     import mitmproxy.version
 
-    cpu = "?"
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    return {
-        "nproc": str(os.cpu_count()),
-        "cpu": cpu,
-        "kernel": platform.release(),
-        "python": platform.python_version(),
-        "mitmproxy": mitmproxy.version.VERSION,
-        "wrk": tool_version(["wrk", "--version"]).split(" [")[0],
-        "curl": " ".join(tool_version(["curl", "--version"]).split()[:2]),
-    }
-
-
-def fmt(value: float | None, digits: int = 0) -> str:
-    if value is None:
-        return "-"
-    return f"{value:,.{digits}f}"
-
-
-def ratio(a: float | None, b: float | None) -> str:
-    return "-" if not a or not b else f"{a / b:.2f}x"
+    return common.machine_info(
+        mitmproxy=mitmproxy.version.VERSION,
+        wrk=common.tool_version(["wrk", "--version"]).split(" [")[0],
+        curl=" ".join(common.tool_version(["curl", "--version"]).split()[:2]),
+    )
 
 
 # ------------------------------------------------------------------------------------------------ processes
 
 
-class Mitmdump:
+class Mitmdump(common.ListeningServer):
     """Bare mitmproxy (no addon) in the gateway namespace. allowed.test resolves via a private /etc/hosts bind
     mount (in its own mount namespace), so mitmproxy's getaddrinfo never asks any DNS server."""
 
+    name, ss_flags, poll_s = "mitmdump", "-Hltn", 0.1
+
     def __init__(self, topo: Topology, workdir: Path, port: int, extra: tuple[str, ...] = ()) -> None:
-        self.topo, self.workdir, self.port, self.extra = topo, workdir, port, extra
-        self.proc: subprocess.Popen[bytes] | None = None
-        self.log_path = workdir / f"mitmdump-{port}.log"
+        super().__init__(topo, workdir, port, f"mitmdump-{port}.log")
+        self.extra = extra
 
     def start(self, timeout: float = 30) -> Mitmdump:
         hosts = self.workdir / "hosts"
@@ -155,32 +105,8 @@ class Mitmdump:
             "--set", "connection_strategy=lazy", "--set", f"confdir={self.workdir / 'mitmproxy'}",
             *self.extra,
         ]  # fmt: skip
-        with self.log_path.open("wb") as log:
-            self.proc = self.topo.popen(self.topo.gw, argv, stdout=log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"mitmdump exited with {self.proc.returncode}:\n{self.log_path.read_text()}")
-            listening = self.topo.run(self.topo.gw, ["ss", "-Hltn", f"sport = :{self.port}"]).stdout.strip()
-            if listening:
-                return self
-            time.sleep(0.1)
-        raise RuntimeError(f"mitmdump did not listen on {self.port} in {timeout}s")
-
-    @property
-    def pid(self) -> int:
-        assert self.proc is not None
-        return self.proc.pid
-
-    def stop(self) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        self.proc.terminate()
-        try:
-            self.proc.wait(10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(10)
+        self._launch(argv, timeout)
+        return self
 
 
 # ------------------------------------------------------------------------------------------------ 1. HTTP
@@ -374,7 +300,7 @@ def bench_decide(sizes: list[int], repeat: int = 7) -> tuple[dict[int, float], d
                 decide(profile, h, p)
 
         cases.append((n, "mix of the above", run_mix, len(mix)))
-    numbers = [calibrate(fn) for _, _, fn, _ in cases]
+    numbers = [common.calibrate(fn, 0.03, 0.005) for _, _, fn, _ in cases]
     best: dict[tuple[int, str], float] = {}
     for _ in range(repeat):
         for (n, label, fn, calls), number in zip(cases, numbers, strict=True):
@@ -382,14 +308,6 @@ def bench_decide(sizes: list[int], repeat: int = 7) -> tuple[dict[int, float], d
             best[n, label] = min(us, best.get((n, label), us))
     per_call = {n: {label: best[n, label] for label in labels} for n in sizes}
     return parse_ms, per_call, labels
-
-
-def calibrate(fn: Any, budget_s: float = 0.03) -> int:
-    """How many calls of `fn` take about `budget_s`."""
-    number = 1
-    while (elapsed := timeit.timeit(fn, number=number)) < 0.005:
-        number *= 4
-    return max(1, int(number * budget_s / elapsed))
 
 
 # ------------------------------------------------------------------------------------------------ report
@@ -480,13 +398,7 @@ def report(
 
 
 def network_benchmarks(args: argparse.Namespace, workdir: Path) -> tuple[list[HttpResult], list[BulkResult]]:
-    topo = Topology()
-    procs: list[Any] = []
-    net: FakeNet | None = None
-    try:
-        topo.create()
-        ca = make_test_ca(workdir / "ca")
-        net = FakeNet(ca.leaf_cert, ca.leaf_key).start(topo, workdir / "fakenet")
+    with common.fake_internet(workdir) as (topo, net, ca, procs):
         # Safety: every address we send to must leave on a device of this topology.
         topo.assert_route_inside(topo.gw, UPSTREAM_IP)
         topo.assert_route_inside(topo.sbx, GW_IP)
@@ -541,18 +453,10 @@ def network_benchmarks(args: argparse.Namespace, workdir: Path) -> tuple[list[Ht
             for name, _, _, pid in columns_b:
                 bulk.append(BulkResult(name, runs[name], cpu[name] * 1000 / total_mb if pid else None))
         return http, bulk
-    finally:
-        for proc in reversed(procs):
-            with contextlib.suppress(Exception):
-                proc.stop()
-        if net is not None:
-            with contextlib.suppress(Exception):
-                net.stop()
-        topo.destroy()
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = common.bench_parser(__doc__)
     parser.add_argument("--duration", type=float, default=6.0, help="seconds per HTTP round (default 6)")
     parser.add_argument("--rounds", type=int, default=2, help="HTTP rounds per column, interleaved (default 2)")
     parser.add_argument("--connections", type=int, default=8, help="keep-alive connections (default 8)")
@@ -562,8 +466,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--skip-http", action="store_true")
     parser.add_argument("--skip-bulk", action="store_true")
     parser.add_argument("--skip-decide", action="store_true")
-    parser.add_argument("--output", type=Path, help="also write the markdown report here")
-    args = parser.parse_args(argv)
+    args = common.parse_args(parser, argv)
     if not (1 <= args.duration <= 60 and 1 <= args.rounds <= 10 and 1 <= args.connections <= 256):
         parser.error("keep --duration in 1..60, --rounds in 1..10, --connections in 1..256")
     if not 1 <= args.bulk_runs <= 10:
@@ -577,13 +480,10 @@ def main(argv: list[str] | None = None) -> int:
         if shutil.which(tool) is None:
             parser.error(f"{tool} not found (apt-get install -y wrk curl util-linux iproute2)")
 
-    def interrupt(signum: int, frame: object) -> None:
-        raise KeyboardInterrupt(f"signal {signum}")  # so the finally blocks tear the topology down
-
-    signal.signal(signal.SIGTERM, interrupt)
-    command = " ".join(shlex.quote(a) for a in [os.path.relpath(sys.executable, REPO), "bench/run.py", *sys.argv[1:]])
-    started, busy0, own0 = time.monotonic(), machine_busy(), own_cpu()
-    info = machine_info()
+    common.interrupt_on_sigterm()
+    command = common.command_line("bench/run.py")
+    started, other_cpu = time.monotonic(), common.OtherCpu()
+    info = bench_info()
     decide_data: tuple[dict[int, float], dict[int, dict[str, float]], list[str]] = ({}, {}, [])
     if not args.skip_decide:
         print("  decide ...", file=sys.stderr, flush=True)
@@ -591,23 +491,17 @@ def main(argv: list[str] | None = None) -> int:
     http: list[HttpResult] = []
     bulk: list[BulkResult] = []
     if network:
-        workdir = Path(tempfile.mkdtemp(prefix="airlock-bench-"))
-        try:
+        with common.scratch_dir("airlock-bench-") as workdir:
             http, bulk = network_benchmarks(args, workdir)
-        finally:
-            shutil.rmtree(workdir, ignore_errors=True)
     elapsed = time.monotonic() - started
     # Everything this run started has been reaped by now, so what the machine did beyond that was someone else.
-    others = max(0.0, (machine_busy() - busy0) - (own_cpu() - own0)) / (elapsed * (os.cpu_count() or 1))
+    others = other_cpu.seconds() / (elapsed * (os.cpu_count() or 1))
     info["others"] = f"other processes used {others:.0%} of the machine's CPU during the run"
     if others > 0.05:
         info["others"] += " (**over 5%: numbers are disturbed, run again on an idle machine**)"
         print(f"warning: {info['others']}", file=sys.stderr)
-    sudo = "sudo " if os.environ.get("SUDO_USER") else ""
-    text = report(info, sudo + command, args, http, bulk, decide_data, elapsed)
-    print(text)
-    if args.output:
-        args.output.write_text(text)
+    text = report(info, command, args, http, bulk, decide_data, elapsed)
+    common.emit(text, args.output)
     return 0
 
 

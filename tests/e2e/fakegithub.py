@@ -34,9 +34,7 @@ import contextlib
 import hashlib
 import itertools
 import json
-import os
 import secrets
-import signal
 import socket
 import ssl
 import string
@@ -51,6 +49,8 @@ from typing import Any
 
 import jwt
 from aiohttp import web
+
+from control import Commands, serve_until_signalled, start_control
 
 API_URL = "https://api.github.test"
 WEB_URL = "https://github.test"
@@ -875,41 +875,29 @@ def make_app(state: State) -> web.Application:
     return app
 
 
-async def control(state: State, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-    try:
-        while line := await reader.readline():
-            try:
-                request = json.loads(line)
-                cmd = request.get("cmd")
-                if cmd == "stats":
-                    answer: dict[str, Any] = state.snapshot()
-                elif cmd == "reset":
-                    state.reset()
-                    answer = {"ok": True}
-                elif cmd == "set":
-                    changes = {k: v for k, v in request.items() if k != "cmd"}
-                    unknown = sorted(set(changes) - set(DEFAULTS))
-                    if unknown:
-                        answer = {"error": f"unknown settings {unknown}; known: {sorted(DEFAULTS)}"}
-                    else:
-                        state.settings.update(changes)
-                        answer = {"ok": True, "settings": state.settings}
-                elif cmd == "expire_tokens":
-                    for token in state.tokens.values():
-                        token.expires_at = time.time() - 1
-                    answer = {"ok": True, "expired": len(state.tokens)}
-                elif cmd == "ping":
-                    answer = {"ok": True, "pid": os.getpid()}
-                else:
-                    answer = {"error": f"unknown command {cmd!r}"}
-            except (ValueError, AttributeError) as exc:
-                answer = {"error": f"bad request: {exc}"}
-            writer.write(json.dumps(answer, default=str).encode() + b"\n")
-            await writer.drain()
-    except Exception:
-        log(f"control: {traceback.format_exc()}")
-    finally:
-        writer.close()
+def commands(state: State) -> Commands:
+    """The control commands besides ping: {"cmd": "stats" | "reset" | "set" | "expire_tokens"}."""
+
+    def answer(cmd: Any, request: dict[str, Any]) -> dict[str, Any] | None:
+        if cmd == "stats":
+            return state.snapshot()
+        if cmd == "reset":
+            state.reset()
+            return {"ok": True}
+        if cmd == "set":
+            changes = {k: v for k, v in request.items() if k != "cmd"}
+            unknown = sorted(set(changes) - set(DEFAULTS))
+            if unknown:
+                return {"error": f"unknown settings {unknown}; known: {sorted(DEFAULTS)}"}
+            state.settings.update(changes)
+            return {"ok": True, "settings": state.settings}
+        if cmd == "expire_tokens":
+            for token in state.tokens.values():
+                token.expires_at = time.time() - 1
+            return {"ok": True, "expired": len(state.tokens)}
+        return None
+
+    return answer
 
 
 def listening_socket(address: str, port: int) -> socket.socket:
@@ -948,14 +936,9 @@ async def serve(args: argparse.Namespace) -> None:
     loop = asyncio.get_running_loop()
     sock = listening_socket(args.listen, args.port)
     server = await loop.create_server(protocol, sock=sock, ssl=ctx, ssl_handshake_timeout=10)
-    args.control.unlink(missing_ok=True)
-    ctl = await asyncio.start_unix_server(lambda r, w: control(state, r, w), str(args.control))
+    ctl = await start_control(args.control, commands(state), log, json_default=str)
 
-    stop = asyncio.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    print("READY", flush=True)
-    await stop.wait()
+    await serve_until_signalled()
 
     server.close()
     ctl.close()

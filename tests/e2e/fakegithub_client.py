@@ -9,8 +9,6 @@ import secrets
 import socket
 import ssl
 import string
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any, Self
@@ -19,8 +17,9 @@ import jwt
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import rsa
 
+from control import ControlledFake
 from netclient import Reply
-from topology import Topology, _stop_proc
+from topology import Topology
 
 GITHUB_IP = "192.0.2.20"
 GITHUB_HOST = "api.github.test"
@@ -44,10 +43,11 @@ def make_app_key(path: Path) -> str:
     return public.decode()
 
 
-class FakeGitHub:
+class FakeGitHub(ControlledFake):
     """Client for fakegithub.py. After start(): app_id, installation_id, owner, static_token (and, when the fixture
     made one, app_key_path / static_token_path) describe the App the broker is configured with."""
 
+    name = "fakegithub"
     script = Path(__file__).with_name("fakegithub.py")
     ip = GITHUB_IP
     port = 443
@@ -63,15 +63,13 @@ class FakeGitHub:
         static_token: str | None = None,
         app_key_path: Path | None = None,
     ) -> None:
-        self.cert, self.key, self.owner = cert, key, owner
+        super().__init__(cert, key)
+        self.owner = owner
         self.static_token = static_token
         self.static_token_path: Path | None = None
         self.app_key_path = app_key_path
         self.app_id: int | None = None
         self.installation_id: int | None = None
-        self.proc: subprocess.Popen[Any] | None = None
-        self.control: Path | None = None
-        self.workdir: Path | None = None
 
     def start(
         self,
@@ -82,21 +80,12 @@ class FakeGitHub:
         installation_id: int,
         timeout: float = 20,
     ) -> Self:
-        workdir.mkdir(parents=True, exist_ok=True)
-        self.workdir, self.app_id, self.installation_id = workdir, app_id, installation_id
-        self.control = workdir / "fakegithub.sock"
+        self._prepare(workdir)
+        self.app_id, self.installation_id = app_id, installation_id
         public_key = workdir / "app.public.pem"
         pem = app_public_key_pem.encode() if isinstance(app_public_key_pem, str) else app_public_key_pem
         public_key.write_bytes(pem)
         argv = [
-            sys.executable,
-            self.script,
-            "--control",
-            self.control,
-            "--cert",
-            self.cert,
-            "--key",
-            self.key,
             "--listen",
             self.ip,
             "--port",
@@ -112,44 +101,10 @@ class FakeGitHub:
         ]
         if self.static_token:
             argv += ["--static-token", self.static_token]
-        with (workdir / "stdout.log").open("wb") as out, (workdir / "stderr.log").open("wb") as err:
-            self.proc = topology.popen(topology.net, argv, stdout=out, stderr=err, stdin=subprocess.DEVNULL)
-        deadline = time.monotonic() + timeout
-        while b"READY" not in (workdir / "stdout.log").read_bytes():
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError(f"fakegithub did not start:\n{self.log_text()}")
-            time.sleep(0.05)
-        self.ping()
+        self._launch(topology, argv, timeout)
         return self
 
-    def stop(self) -> None:
-        if self.proc is not None:
-            _stop_proc(self.proc)
-            self.proc = None
-
-    def log_text(self) -> str:
-        """fakegithub's stderr, for failure messages."""
-        path = self.workdir / "stderr.log" if self.workdir else None
-        return path.read_text(errors="replace") if path and path.exists() else ""
-
-    def _call(self, cmd: str, **kw: Any) -> dict[str, Any]:
-        if self.control is None:
-            raise RuntimeError("fakegithub not started")
-        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
-            sock.settimeout(10)
-            sock.connect(str(self.control))
-            sock.sendall(json.dumps({"cmd": cmd, **kw}).encode() + b"\n")
-            with sock.makefile("rb") as reader:
-                answer = json.loads(reader.readline())
-        if "error" in answer:
-            raise RuntimeError(f"fakegithub {cmd}: {answer['error']}")
-        return answer
-
     # ------------------------------------------------------------------------------------------- control
-
-    def ping(self) -> dict[str, Any]:
-        return self._call("ping")
 
     def stats(self) -> dict[str, Any]:
         """calls, prs, tokens (issued installation tokens), connections (TCP accepts) and settings."""

@@ -17,8 +17,6 @@ import argparse
 import asyncio
 import contextlib
 import json
-import os
-import signal
 import ssl
 import sys
 import threading
@@ -31,6 +29,8 @@ from urllib.parse import parse_qs, urlsplit
 
 from dnslib import AAAA, CNAME, NS, QTYPE, RCODE, RR, SOA, TXT, A, DNSRecord
 from dnslib.server import BaseResolver, DNSHandler, DNSLogger, DNSServer
+
+from control import Commands, serve_until_signalled, start_control
 
 HTTP_PORTS = (80, 8080)
 HTTPS_PORTS = (443, 8443)
@@ -431,28 +431,18 @@ def https(ctx: ssl.SSLContext) -> Handler:
 # --------------------------------------------------------------------------------------------------- control
 
 
-async def control(stats: Stats, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-    try:
-        while line := await reader.readline():
-            try:
-                cmd = json.loads(line).get("cmd")
-                if cmd == "stats":
-                    answer: dict[str, Any] = stats.snapshot()
-                elif cmd == "reset":
-                    stats.reset()
-                    answer = {"ok": True}
-                elif cmd == "ping":
-                    answer = {"ok": True, "pid": os.getpid()}
-                else:
-                    answer = {"error": f"unknown command {cmd!r}"}
-            except (ValueError, AttributeError) as exc:
-                answer = {"error": f"bad request: {exc}"}
-            writer.write(json.dumps(answer).encode() + b"\n")
-            await writer.drain()
-    except Exception:
-        log(f"control: {traceback.format_exc()}")
-    finally:
-        writer.close()
+def commands(stats: Stats) -> Commands:
+    """The control commands besides ping: {"cmd": "stats" | "reset"}."""
+
+    def answer(cmd: Any, request: dict[str, Any]) -> dict[str, Any] | None:
+        if cmd == "stats":
+            return stats.snapshot()
+        if cmd == "reset":
+            stats.reset()
+            return {"ok": True}
+        return None
+
+    return answer
 
 
 # --------------------------------------------------------------------------------------------------- main
@@ -472,15 +462,9 @@ async def serve(args: argparse.Namespace) -> None:
         # reuse_port lets fakegithub.py bind one fake address's :443 too; the kernel prefers its specific bind.
         servers.append(await asyncio.start_server(on_client, args.bind, port, reuse_address=True, reuse_port=True))
     dns_servers = start_dns(stats, args.dns_addr, args.zone_default_ttl)
-    args.control.unlink(missing_ok=True)
-    servers.append(await asyncio.start_unix_server(lambda r, w: control(stats, r, w), str(args.control)))
+    servers.append(await start_control(args.control, commands(stats), log))
 
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    print("READY", flush=True)
-    await stop.wait()
+    await serve_until_signalled()
 
     for server in servers:
         server.close()

@@ -20,13 +20,14 @@ import os
 import re
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Self
+
+from control import ControlledFake, stop_proc
 
 SBX_IP = "10.254.0.2"
 GW_IP = "10.254.0.1"
@@ -91,17 +92,6 @@ def _stop_pid(pid: int, wait: float = 3.0) -> None:
             time.sleep(0.05)
         if _alive(pid):
             os.kill(pid, signal.SIGKILL)
-
-
-def _stop_proc(proc: subprocess.Popen[Any], wait: float = 3.0) -> None:
-    if proc.poll() is not None:
-        return
-    proc.terminate()
-    try:
-        proc.wait(wait)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait(wait)
 
 
 @dataclass
@@ -249,7 +239,7 @@ class Topology:
         """Idempotent: stop our processes, then delete the namespaces we created (veths die with them)."""
         for proc in self._procs:
             with contextlib.suppress(Exception):
-                _stop_proc(proc)
+                stop_proc(proc)
         self._procs.clear()
         for ns in reversed(self._owned):
             # Anything still inside our namespace was started by this run (e.g. via ip netns exec in a test).
@@ -333,68 +323,20 @@ class Topology:
             raise AssertionError(f"route from {ns} to {dst} leaves via a device not owned by the test: {proc.stdout}")
 
 
-class FakeNet:
+class FakeNet(ControlledFake):
     """Client for fakenet.py running in the topology's `net` namespace."""
 
+    name = "fakenet"
     script = Path(__file__).with_name("fakenet.py")
 
     def __init__(self, cert: Path, key: Path, zone_default_ttl: int = 0) -> None:
-        self.cert, self.key, self.ttl = cert, key, zone_default_ttl
-        self.proc: subprocess.Popen[Any] | None = None
-        self.control: Path | None = None
-        self.workdir: Path | None = None
+        super().__init__(cert, key)
+        self.ttl = zone_default_ttl
 
     def start(self, topology: Topology, workdir: Path, timeout: float = 20) -> Self:
-        workdir.mkdir(parents=True, exist_ok=True)
-        self.workdir = workdir
-        self.control = workdir / "fakenet.sock"  # unix sockets are path-based, so they cross network namespaces
-        argv = [
-            sys.executable,
-            self.script,
-            "--control",
-            self.control,
-            "--cert",
-            self.cert,
-            "--key",
-            self.key,
-        ]
-        argv += ["--zone-default-ttl", str(self.ttl)]
-        with (workdir / "stdout.log").open("wb") as out, (workdir / "stderr.log").open("wb") as err:
-            self.proc = topology.popen(topology.net, argv, stdout=out, stderr=err, stdin=subprocess.DEVNULL)
-        deadline = time.monotonic() + timeout
-        while b"READY" not in (workdir / "stdout.log").read_bytes():
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError(f"fakenet did not start:\n{self.log_text()}")
-            time.sleep(0.05)
-        self.ping()
+        self._prepare(workdir)
+        self._launch(topology, ["--zone-default-ttl", str(self.ttl)], timeout)
         return self
-
-    def stop(self) -> None:
-        if self.proc is not None:
-            _stop_proc(self.proc)
-            self.proc = None
-
-    def log_text(self) -> str:
-        """fakenet's stderr, for failure messages."""
-        path = self.workdir / "stderr.log" if self.workdir else None
-        return path.read_text(errors="replace") if path and path.exists() else ""
-
-    def _call(self, cmd: str) -> dict[str, Any]:
-        if self.control is None:
-            raise RuntimeError("fakenet not started")
-        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
-            sock.settimeout(10)
-            sock.connect(str(self.control))
-            sock.sendall(json.dumps({"cmd": cmd}).encode() + b"\n")
-            with sock.makefile("rb") as reader:
-                answer = json.loads(reader.readline())
-        if "error" in answer:
-            raise RuntimeError(f"fakenet {cmd}: {answer['error']}")
-        return answer
-
-    def ping(self) -> dict[str, Any]:
-        return self._call("ping")
 
     def stats(self) -> dict[str, Any]:
         return self._call("stats")

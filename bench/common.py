@@ -1,0 +1,243 @@
+"""What the benchmark scripts share: machine facts, CPU accounting, number formatting, servers started and stopped
+by PID, the e2e topology with its fake internet, and the command-line and report boilerplate.
+
+Not a script. Each bench script puts tests/e2e first on sys.path (never the repo root: its dns/ would shadow
+dnspython) and this folder last (its dns.py and docker.py must not shadow dnspython and docker-py), then imports
+this module.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import platform
+import re
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import timeit
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from control import stop_proc
+from testca import TestCA, make_test_ca
+from topology import FakeNet, Topology
+
+REPO = Path(__file__).resolve().parent.parent
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+# ------------------------------------------------------------------------------------------------ CPU and machine
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU of a process (all its threads) so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / CLK_TCK
+
+
+def machine_busy() -> float:
+    """CPU seconds the whole machine spent in user + nice + system mode so far (all CPUs)."""
+    user, nice, system = (int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:4])
+    return (user + nice + system) / CLK_TCK
+
+
+def own_cpu() -> float:
+    """CPU seconds of this process and of every child it has reaped (load generators, servers, fakes, ip)."""
+    t = os.times()
+    return t.user + t.system + t.children_user + t.children_system
+
+
+class OtherCpu:
+    """CPU seconds other processes used since this was made: the machine's busy time minus this process's own and
+    its reaped children's. Read it once everything started has been stopped and reaped."""
+
+    def __init__(self) -> None:
+        self.busy0, self.own0 = machine_busy(), own_cpu()
+
+    def seconds(self) -> float:
+        return max(0.0, (machine_busy() - self.busy0) - (own_cpu() - self.own0))
+
+
+def cpu_model() -> str:
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return "?"
+
+
+def machine_info(**extra: str) -> dict[str, str]:
+    """CPUs, kernel and Python, then `extra` (versions of what the benchmark exercises), in that order."""
+    return {
+        "nproc": str(os.cpu_count()),
+        "cpu": cpu_model(),
+        "kernel": platform.release(),
+        "python": platform.python_version(),
+        **extra,
+    }
+
+
+def machine_line(info: dict[str, str]) -> str:
+    return "machine: " + ", ".join(f"{k} {v}" for k, v in info.items())
+
+
+def tool_version(argv: list[str], pattern: str | None = None) -> str:
+    """The first line a tool prints for `argv`, or with `pattern` the pattern's first group in what it printed."""
+    try:
+        proc = subprocess.run(argv, capture_output=True, text=True, timeout=10, check=False)
+    except OSError:
+        return "missing"
+    if pattern is None:
+        text = (proc.stdout + proc.stderr).strip().splitlines()
+        return text[0].strip() if text else "?"
+    match = re.search(pattern, proc.stdout + proc.stderr)
+    return match.group(1) if match else "?"
+
+
+def warn_if_loaded(load: float, numbers: str = "low") -> None:
+    if load > 0.5:
+        print(
+            f"warning: load average {load:.2f}: something else is running, numbers will be {numbers}", file=sys.stderr
+        )
+
+
+# ------------------------------------------------------------------------------------------------ numbers
+
+
+def percentile(sorted_values: list[float], q: float) -> float | None:
+    if not sorted_values:
+        return None
+    index = min(len(sorted_values) - 1, max(0, round(q * (len(sorted_values) - 1))))
+    return sorted_values[index]
+
+
+def fmt(value: float | None, digits: int = 0) -> str:
+    return "-" if value is None else f"{value:,.{digits}f}"
+
+
+def ratio(a: float | None, b: float | None) -> str:
+    return "-" if not a or not b else f"{a / b:.2f}x"
+
+
+def calibrate(fn: Any, budget_s: float, min_s: float) -> int:
+    """How many calls of `fn` take about `budget_s` (measured over at least `min_s`)."""
+    number = 1
+    while (elapsed := timeit.timeit(fn, number=number)) < min_s:
+        number *= 4
+    return max(1, int(number * budget_s / elapsed))
+
+
+# ------------------------------------------------------------------------------------------------ processes
+
+
+class ListeningServer:
+    """A server in the gateway namespace, ready once something listens on `port` (`ss_flags`: -Hltn for TCP,
+    -Hlun for UDP); its output goes to `log_path`; stopped by PID."""
+
+    name: str
+    ss_flags: str
+    poll_s: float
+
+    def __init__(self, topo: Topology, workdir: Path, port: int, log_name: str) -> None:
+        self.topo, self.workdir, self.port = topo, workdir, port
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.log_path = workdir / log_name
+
+    def _launch(self, argv: list[Any], timeout: float) -> None:
+        with self.log_path.open("wb") as log:
+            self.proc = self.topo.popen(self.topo.gw, argv, stdout=log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name} exited with {self.proc.returncode}:\n{self.log_path.read_text()}")
+            if self.topo.run(self.topo.gw, ["ss", self.ss_flags, f"sport = :{self.port}"]).stdout.strip():
+                return
+            time.sleep(self.poll_s)
+        raise RuntimeError(f"{self.name} did not listen on {self.port} in {timeout}s")
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None
+        return self.proc.pid
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            stop_proc(self.proc, wait=10)
+
+
+def stop_all(procs: list[Any]) -> None:
+    """Stop what was started, last first; one failing stop does not keep the others running."""
+    for proc in reversed(procs):
+        with contextlib.suppress(Exception):
+            proc.stop()
+
+
+@contextlib.contextmanager
+def fake_internet(workdir: Path, **fakenet: Any) -> Iterator[tuple[Topology, FakeNet, TestCA, list[Any]]]:
+    """The e2e topology (sbx ─ gw ─ net namespaces), a test CA in workdir/ca, fakenet in the `net` namespace
+    (`fakenet`: FakeNet's options) and a list for what the caller starts (anything with a stop() method). On the way
+    out, also on an error or a KeyboardInterrupt: what is in the list is stopped, last first, then fakenet, then
+    the namespaces are deleted."""
+    topo = Topology()
+    net: FakeNet | None = None
+    procs: list[Any] = []
+    try:
+        topo.create()
+        ca = make_test_ca(workdir / "ca")
+        net = FakeNet(ca.leaf_cert, ca.leaf_key, **fakenet).start(topo, workdir / "fakenet")
+        yield topo, net, ca, procs
+    finally:
+        stop_all(procs)
+        if net is not None:
+            with contextlib.suppress(Exception):
+                net.stop()
+        topo.destroy()
+
+
+# ------------------------------------------------------------------------------------------------ main
+
+
+def bench_parser(doc: str | None) -> argparse.ArgumentParser:
+    return argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+
+
+def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """The script's own options, then --output."""
+    parser.add_argument("--output", type=Path, help="also write the markdown report here")
+    return parser.parse_args(argv)
+
+
+def interrupt_on_sigterm() -> None:
+    def interrupt(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt(f"signal {signum}")  # so the finally blocks tear everything down
+
+    signal.signal(signal.SIGTERM, interrupt)
+
+
+def command_line(*args: str) -> str:
+    """How this run was started, for the report: the interpreter (relative to the repo), `args`, the options."""
+    command = shlex.join([os.path.relpath(sys.executable, REPO), *args, *sys.argv[1:]])
+    return "sudo " + command if os.environ.get("SUDO_USER") else command
+
+
+@contextlib.contextmanager
+def scratch_dir(prefix: str) -> Iterator[Path]:
+    workdir = Path(tempfile.mkdtemp(prefix=prefix))
+    try:
+        yield workdir
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def emit(text: str, output: Path | None) -> None:
+    """Print the report, and write it to `output` too when given."""
+    print(text)
+    if output:
+        output.write_text(text)
