@@ -270,10 +270,24 @@ def cmd_run(args: argparse.Namespace) -> int:
     except GrantError as e:
         raise UsageError(f"--grant: {e}") from None
     backend = _choose_backend(args)
-    print(f"airlock: backend {backend}" + (f", image {args.image}" if backend == "docker" else ""), file=sys.stderr)
+    if backend == "netns":
+        args.isolation = _choose_isolation(args.isolation)
+    detail = f", image {args.image}" if backend == "docker" else f", filesystem isolation {args.isolation}"
+    print(f"airlock: backend {backend}{detail}", file=sys.stderr)
     if backend == "docker":
         return asyncio.run(_run_docker(args, policy))
     return asyncio.run(_run_sandboxed(args, policy))
+
+
+def _choose_isolation(requested: str) -> str:
+    """bwrap when installed (auto) or asked for; `none` keeps the host filesystem as the user sees it."""
+    from airlock.sandbox.netns import bubblewrap_available
+
+    if requested == "auto":
+        return "bwrap" if bubblewrap_available() else "none"
+    if requested == "bwrap" and not bubblewrap_available():
+        raise UsageError("--isolation bwrap needs bubblewrap (apt-get install bubblewrap)")
+    return requested
 
 
 def _choose_backend(args: argparse.Namespace) -> str:
@@ -391,7 +405,8 @@ async def _run_sandboxed(args: argparse.Namespace, policy: Policy) -> int:
         env["AIRLOCK_SANDBOX"] = sandbox.sandbox_id
         if token := _mint(args, gateway, sandbox.sandbox_id):
             env["AIRLOCK_TOKEN_FILE"] = str(sandbox.place_token(token, resolve_user(args.user)))
-        child = await asyncio.create_subprocess_exec(*sandbox.command(args.cmd, args.user), env=env)
+        command = sandbox.command(args.cmd, args.user, isolate_fs=args.isolation == "bwrap")
+        child = await asyncio.create_subprocess_exec(*command, env=env)
         waiter = asyncio.create_task(child.wait())
         stopper = asyncio.create_task(interrupted.wait())
         await asyncio.wait({waiter, stopper}, return_when=asyncio.FIRST_COMPLETED)
@@ -593,6 +608,10 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--output-limit", type=int, default=10 * 1024 * 1024, metavar="BYTES")
     run.add_argument("--mount", action="append", metavar="HOST:CONTAINER", help="docker backend: read-only mount")
     run.add_argument("--user", help="run the command as this user (default: the sudo caller, else nobody)")
+    run.add_argument(
+        "--isolation", choices=("auto", "bwrap", "none"), default="auto",
+        help="netns backend: read-only host, private /tmp and PIDs via bubblewrap (auto: when installed)",
+    )  # fmt: skip
     run.add_argument("--env", action="append", metavar="NAME[=VALUE]", help="pass a variable in (repeatable)")
     run.add_argument(
         "--grant", action="append", metavar="TOOL:OWNER/REPO[:base=B|B2,head=PATTERN]",

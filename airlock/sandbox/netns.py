@@ -134,15 +134,30 @@ class NetnsSandbox:
         _run(["ip", "netns", "del", self.netns], check=False)
         shutil.rmtree(Path("/etc/netns") / self.netns, ignore_errors=True)
 
-    def command(self, argv: list[str], user: str | None = None) -> list[str]:
-        """The argv that runs `argv` inside the namespace as an unprivileged user without capabilities."""
+    def command(self, argv: list[str], user: str | None = None, isolate_fs: bool = True) -> list[str]:
+        """The argv that runs `argv` inside the namespace as an unprivileged user without capabilities; with
+        `isolate_fs`, bubblewrap also gives it a read-only view of the host, its own /tmp and PID namespace."""
         pw = resolve_user(user)
-        return [
-            "ip", "netns", "exec", self.netns,
+        drop_privileges = [
             "setpriv", f"--reuid={pw.pw_uid}", f"--regid={pw.pw_gid}", "--init-groups",
-            "--no-new-privs", "--bounding-set=-all", "--inh-caps=-all",
-            "--", *argv,
+            "--no-new-privs", "--bounding-set=-all", "--inh-caps=-all", "--",
         ]  # fmt: skip
+        return ["ip", "netns", "exec", self.netns, *(_bubblewrap() if isolate_fs else []), *drop_privileges, *argv]
+
+
+def _bubblewrap() -> list[str]:
+    """The whole host read-only (so nothing planted for root to run later), the working directory writable as its
+    permissions say, a private /tmp, and the command's own PID, IPC and UTS namespaces."""
+    cwd = os.getcwd()
+    return [
+        "bwrap", "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", "--perms", "1777", "--tmpfs", "/tmp",
+        "--bind", cwd, cwd, "--chdir", cwd,
+        "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--die-with-parent", "--new-session", "--",
+    ]  # fmt: skip
+
+
+def bubblewrap_available() -> bool:
+    return shutil.which("bwrap") is not None
 
 
 def resolve_user(user: str | None) -> pwd.struct_passwd:

@@ -8,6 +8,7 @@ import signal
 import subprocess
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -106,3 +107,18 @@ def test_run_tears_down_on_interrupt(topology: Topology, run_in_gw):
     assert proc.wait(20) != 0
     assert f"airlock-{sandbox_id}" not in _netns_list()
     assert f"airlock_{sandbox_id}" not in topology.run(topology.gw, ["nft", "list", "tables"]).stdout
+
+
+def test_run_sees_the_host_read_only_with_a_private_tmp(run_in_gw, tmp_path):
+    marker = f"airlock-plant-{tmp_path.name}"
+    result = run_in_gw("sh", "-c", f"touch /etc/planted; echo x > /tmp/{marker} && echo TMP-OK; echo pid=$$")
+    assert "Read-only file system" in result.stderr and "TMP-OK" in result.stdout
+    assert not (Path("/tmp") / marker).exists()  # the sandbox's /tmp is its own, gone with it
+    assert int(result.stdout.split("pid=")[1]) < 10  # its own PID namespace: host processes are invisible
+    assert "filesystem isolation bwrap" in result.stderr
+
+
+def test_run_without_filesystem_isolation_when_asked(run_in_gw):
+    result = run_in_gw("sh", "-c", "echo pid=$$", options=("--isolation", "none"))
+    assert result.returncode == 0 and int(result.stdout.split("pid=")[1]) > 10
+    assert "filesystem isolation none" in result.stderr
