@@ -354,6 +354,7 @@ async def _run_docker(args: argparse.Namespace, policy: Policy) -> int:
             grants=[parse_grant(g) for g in args.grant or []], token_ttl=args.token_ttl,
         )  # fmt: skip
         async with handle:
+            output = asyncio.ensure_future(handle.stream(sys.stdout.buffer, sys.stderr.buffer))
             waiter = asyncio.ensure_future(handle.wait())
             stopper = asyncio.ensure_future(interrupted.wait())
             await asyncio.wait({waiter, stopper}, return_when=asyncio.FIRST_COMPLETED)
@@ -361,10 +362,8 @@ async def _run_docker(args: argparse.Namespace, policy: Policy) -> int:
                 handle.kill()
             code = await waiter
             stopper.cancel()
-            stdout, stderr = handle.logs()
-            sys.stdout.buffer.write(stdout)
-            sys.stdout.flush()
-            sys.stderr.buffer.write(stderr)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(output, 10)  # the streams end when the container stops
             if code is None:
                 print(f"airlock: killed after the {args.timeout:g}s timeout", file=sys.stderr)
                 return 124

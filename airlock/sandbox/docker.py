@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import docker
 import docker.errors
@@ -217,6 +217,21 @@ class DockerSandbox:
         stdout = api.logs(self.container_id, stdout=True, stderr=False)[:cap]
         stderr = api.logs(self.container_id, stdout=False, stderr=True)[:cap]
         return stdout, stderr
+
+    def follow(self, stderr: bool, sink: BinaryIO) -> None:
+        """Copy one of the container's streams to `sink` as it comes (until the container stops), capped at the
+        output limit; what is beyond the cap is read and dropped, so the container never blocks on it."""
+        assert self.container_id is not None
+        room = self.limits.output_limit
+        chunks = self.client.api.logs(self.container_id, stdout=not stderr, stderr=stderr, stream=True, follow=True)
+        for chunk in chunks:
+            if room > 0:
+                sink.write(chunk[:room])
+                sink.flush()
+            room -= len(chunk)
+        if room < 0:
+            sink.write(f"\n[airlock: output beyond {self.limits.output_limit} bytes dropped]\n".encode())
+            sink.flush()
 
     def destroy(self) -> None:
         remove_sandbox(self.client, self.sandbox_id or "")

@@ -7,6 +7,7 @@ import asyncio
 import dataclasses
 import ipaddress
 from dataclasses import dataclass
+from typing import BinaryIO
 
 import docker
 
@@ -31,6 +32,12 @@ class DockerHandle:
 
     def logs(self) -> tuple[bytes, bytes]:
         return self.sandbox.output()
+
+    async def stream(self, stdout: BinaryIO, stderr: BinaryIO) -> None:
+        """Copy the container's output to these sinks as it comes, until it stops (each capped)."""
+        await asyncio.gather(
+            asyncio.to_thread(self.sandbox.follow, False, stdout), asyncio.to_thread(self.sandbox.follow, True, stderr)
+        )
 
     def kill(self) -> None:
         self.sandbox.kill()

@@ -191,6 +191,21 @@ def test_busy_loop_is_killed_at_the_timeout_and_removed(docker_run, docker_env):
     # the fixture checks that its container, network and fence are gone
 
 
+def test_output_is_streamed_live_and_capped(topology: Topology, docker_run, docker_env):
+    capped = docker_run("python3", "-c", "print('x' * 5000)", options=("--output-limit", "100"))
+    assert capped.returncode == 0 and capped.stdout.startswith("x" * 100) and "x" * 101 not in capped.stdout
+    assert "output beyond 100 bytes dropped" in capped.stdout
+    argv = docker_run.argv("sh", "-c", "echo first; sleep 4; echo second")
+    proc = topology.popen(topology.gw, argv, env=_env(docker_env), stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline() == "first\n"
+        first_seen = time.monotonic()
+        assert proc.stdout.readline() == "second\n"
+        assert time.monotonic() - first_seen > 2  # "first" arrived while the command still ran, not at its end
+    finally:
+        proc.communicate(timeout=60)
+
+
 def test_reap_removes_an_orphaned_sandbox(topology: Topology, docker_env, fakenet: FakeNet):
     orphan = DockerSandbox(docker_env.client, docker_env.image, f"{topology.prefix}orph", limits=Limits(timeout=3600))
     in_gw = os.open(f"/run/netns/{topology.gw}", os.O_RDONLY)
