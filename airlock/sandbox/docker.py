@@ -218,19 +218,34 @@ class DockerSandbox:
         stderr = api.logs(self.container_id, stdout=False, stderr=True)[:cap]
         return stdout, stderr
 
-    def follow(self, stderr: bool, sink: BinaryIO) -> None:
+    def follow(self, stderr: bool, sink: BinaryIO) -> int:
         """Copy one of the container's streams to `sink` as it comes (until the container stops), capped at the
-        output limit; what is beyond the cap is read and dropped, so the container never blocks on it."""
+        output limit; what is beyond the cap is read and dropped, so the container never blocks on it. Returns
+        how many bytes it saw."""
         assert self.container_id is not None
-        room = self.limits.output_limit
-        chunks = self.client.api.logs(self.container_id, stdout=not stderr, stderr=stderr, stream=True, follow=True)
-        for chunk in chunks:
-            if room > 0:
-                sink.write(chunk[:room])
-                sink.flush()
-            room -= len(chunk)
-        if room < 0:
+        seen = 0
+        for chunk in self.client.api.logs(
+            self.container_id, stdout=not stderr, stderr=stderr, stream=True, follow=True
+        ):
+            self._write_capped(sink, chunk, seen)
+            seen += len(chunk)
+        return seen
+
+    def catch_up(self, stderr: bool, sink: BinaryIO, seen: int) -> None:
+        """After the container stopped: what a follow missed (docker may close it before the last bytes are
+        logged), then the truncation note."""
+        assert self.container_id is not None
+        full = self.client.api.logs(self.container_id, stdout=not stderr, stderr=stderr)
+        if len(full) > seen:
+            self._write_capped(sink, full[seen:], seen)
+        if max(seen, len(full)) > self.limits.output_limit:
             sink.write(f"\n[airlock: output beyond {self.limits.output_limit} bytes dropped]\n".encode())
+            sink.flush()
+
+    def _write_capped(self, sink: BinaryIO, chunk: bytes, offset: int) -> None:
+        room = self.limits.output_limit - offset
+        if room > 0:
+            sink.write(chunk[:room])
             sink.flush()
 
     def destroy(self) -> None:

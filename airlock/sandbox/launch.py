@@ -35,9 +35,12 @@ class DockerHandle:
 
     async def stream(self, stdout: BinaryIO, stderr: BinaryIO) -> None:
         """Copy the container's output to these sinks as it comes, until it stops (each capped)."""
-        await asyncio.gather(
+        seen = await asyncio.gather(
             asyncio.to_thread(self.sandbox.follow, False, stdout), asyncio.to_thread(self.sandbox.follow, True, stderr)
         )
+        await self.wait()  # stopped: its logs are complete
+        await asyncio.to_thread(self.sandbox.catch_up, False, stdout, seen[0])
+        await asyncio.to_thread(self.sandbox.catch_up, True, stderr, seen[1])
 
     def kill(self) -> None:
         self.sandbox.kill()
