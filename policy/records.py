@@ -113,10 +113,6 @@ class SandboxRegistry:
                 raise ValueError(f"sandbox {sandbox.id}: {sandbox.network} overlaps {other.id}'s {other.network}")
         self._sandboxes.append(sandbox)
 
-    def remove(self, sandbox_id: str) -> None:
-        self._known.clear()
-        self._sandboxes = [s for s in self._sandboxes if s.id != sandbox_id]
-
     def identify(self, address: IPAddress | str) -> Sandbox | None:
         known = self._known.get(address)
         if known is not None or address in self._known:
@@ -135,6 +131,3 @@ class SandboxRegistry:
             if ip.version == sandbox.network.version and ip in sandbox.network:
                 return sandbox
         return None
-
-    def __iter__(self):
-        return iter(self._sandboxes)

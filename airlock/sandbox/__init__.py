@@ -1,5 +1,10 @@
 """Sandbox backends (netns, docker) and the kernel fence that makes the gateway their only route."""
 
+import re
+
+# Sandbox ids name namespaces, interfaces (15 characters at most with their prefix) and nft tables.
+SANDBOX_ID = re.compile(r"[a-z0-9]{1,12}")
+
 
 def proxy_environment(gateway_ip: str, proxy_port: int, broker_port: int | None = None) -> dict[str, str]:
     """What a sandboxed command needs to find the gateway: proxy variables, and the broker if there is one."""

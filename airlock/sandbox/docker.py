@@ -13,7 +13,6 @@ import contextlib
 import ipaddress
 import json
 import os
-import re
 import secrets
 import subprocess
 import time
@@ -27,6 +26,7 @@ import docker.errors
 import requests.exceptions
 from docker.types import IPAMConfig, IPAMPool
 
+from . import SANDBOX_ID
 from .fence import Fence
 
 SUBNET_POOL = ipaddress.ip_network("10.232.0.0/16")
@@ -71,7 +71,7 @@ class DockerSandbox:
 
     def __post_init__(self) -> None:
         self.sandbox_id = self.sandbox_id or secrets.token_hex(4)
-        if not re.fullmatch(r"[a-z0-9]{1,12}", self.sandbox_id):
+        if not SANDBOX_ID.fullmatch(self.sandbox_id):
             raise DockerSandboxError(f"sandbox id {self.sandbox_id!r}: use 1-12 characters a-z, 0-9")
         self.name = f"airlock-{self.sandbox_id}"
         self.bridge = f"alb{self.sandbox_id}"[:15]

@@ -13,7 +13,6 @@ import ipaddress
 import json
 import os
 import pwd
-import re
 import secrets
 import shutil
 import subprocess
@@ -21,6 +20,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from . import SANDBOX_ID
 from .fence import Fence
 
 LINK_POOL = ipaddress.ip_network("10.231.0.0/16")
@@ -70,7 +70,7 @@ class NetnsSandbox:
 
     def __post_init__(self) -> None:
         self.sandbox_id = self.sandbox_id or secrets.token_hex(4)
-        if not re.fullmatch(r"[a-z0-9]{1,12}", self.sandbox_id):
+        if not SANDBOX_ID.fullmatch(self.sandbox_id):
             raise SandboxError(f"sandbox id {self.sandbox_id!r}: use 1-12 characters a-z, 0-9")
         self.netns = f"airlock-{self.sandbox_id}"
         self.host_if = f"alh{self.sandbox_id}"[:15]
@@ -183,7 +183,7 @@ def reap_netns(older_than: float, now: float | None = None) -> list[str]:
     removed = []
     for path in sorted(Path("/run/netns").glob("airlock-*")):
         sandbox_id = path.name.removeprefix("airlock-")
-        if not re.fullmatch(r"[a-z0-9]{1,12}", sandbox_id) or path.stat().st_mtime > now - older_than:
+        if not SANDBOX_ID.fullmatch(sandbox_id) or path.stat().st_mtime > now - older_than:
             continue
         if _run(["ip", "netns", "pids", path.name], check=False).stdout.strip():
             continue  # something still runs in it: not a leftover
