@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 from typing import TextIO
 
-from airlock.policy import AuditRecord, RepeatedRecord
+from airlock.policy import AuditRecord, RepeatedDecisions
 
 FLUSH_LINES = 512
 
@@ -27,7 +27,7 @@ class AuditLog:
         if stdout:
             self._streams.append(sys.stdout)
 
-    def emit(self, record: AuditRecord | RepeatedRecord) -> None:
+    def emit(self, record: AuditRecord | RepeatedDecisions) -> None:
         if not self._streams:
             return
         self._pending.append(record.to_json())

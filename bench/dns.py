@@ -379,20 +379,26 @@ def run_bench(args: argparse.Namespace, workdir: Path, gen: str) -> dict[str, An
         print("  checking answers and warming the caches ...", file=sys.stderr, flush=True)
         unlisted = {t.name: check_answers(topo, t.port) for t in targets}
         warm = Run("warm", "warm-up", list(ALLOWED), args.window, 1.0)
+        # Every query airlock answered must have its audit line: the checks above, then every run's answers.
+        answered = {"airlock": len(ALLOWED) + len(REFUSED)}
         for t in targets:  # a short run under load: caches, code paths, socket buffers
-            measure(topo, net, workdir, t, warm, gen)
+            load = measure(topo, net, workdir, t, warm, gen)
+            answered[t.name] = answered.get(t.name, 0) + load.completed
 
         results: dict[tuple[str, str], Load] = {}
         for run in plan(args):
             for t in targets:
                 print(f"  {run.title}: {t.name} ({run.duration:g} s) ...", file=sys.stderr, flush=True)
-                results[(run.kind, t.name)] = measure(topo, net, workdir, t, run, gen)
+                results[(run.kind, t.name)] = load = measure(topo, net, workdir, t, run, gen)
+                answered[t.name] += load.completed
+        gateway.stop()  # writes out the last audit lines
         return {
             "results": results,
             "unlisted": unlisted,
             "dnsmasq_argv": dnsmasq.argv(),
             "gw_argv": gateway.argv(),
             "audit_lines": sum(1 for _ in gateway.audit_path.open()) if gateway.audit_path.exists() else 0,
+            "answered": answered["airlock"],
         }
 
 
@@ -459,7 +465,10 @@ def report(info: dict[str, str], command: str, args: argparse.Namespace, gen: st
             if gen == "dnsperf"
             else ""
         )
-        + f"airlock audits every query (one JSON line, flushed, to a file: {data['audit_lines']:,} lines this run); "
+        + f"airlock audits every query (one JSON line, flushed, to a file: {data['audit_lines']:,} lines this run "
+        f"for {data['answered']:,} queries answered: "
+        f"{'every answer has its line' if data['audit_lines'] >= data['answered'] else 'LINES MISSING'}; "
+        "a query answered after the generator gave up on it is logged but not counted as answered); "
         "dnsmasq logs nothing. Both servers share the machine's CPUs with the load generator.",
         "",
         "airlock: `" + shlex.join(str(x) for x in data["gw_argv"]) + "`",

@@ -34,7 +34,7 @@ from airlock.policy import (
     HostError,
     IPAddress,
     Policy,
-    RepeatedRecord,
+    RepeatedDecisions,
     Sandbox,
     SandboxRegistry,
     canonical_host,
@@ -42,6 +42,7 @@ from airlock.policy import (
     vet,
 )
 
+from .memory import ReplyMemory
 from .upstream import NameNotFound, ResolveError, Resolver
 
 log = logging.getLogger("airlock.dns")
@@ -63,8 +64,9 @@ class _TokenBucket:
         self.tokens, self.stamp = float(burst), time.monotonic()
 
     def take(self, now: float) -> bool:
-        self.tokens = min(self.burst, self.tokens + (now - self.stamp) * self.rate)
-        self.stamp = now
+        if now != self.stamp:  # the UDP server reads the clock once per batch of datagrams
+            self.tokens = min(self.burst, self.tokens + (now - self.stamp) * self.rate)
+            self.stamp = now
         if self.tokens < 1:
             return False
         self.tokens -= 1
@@ -107,35 +109,6 @@ def label_entropy(label: str) -> float:
     return -sum(c / len(label) * math.log2(c / len(label)) for c in counts.values())
 
 
-REPLY_CACHE_SECONDS = 1.0
-REPLY_CACHE_SIZE = 10_000
-
-
-@dataclass(slots=True)
-class _Reply:
-    packet: bytes
-    audit_template: str
-    expires: float
-    policy: Policy
-
-
-def _question(data: bytes) -> tuple[bytes, int] | None:
-    """(question with the name lowercased, offset where it ends) for a plain one-question query, else None."""
-    if len(data) < 17 or data[2] & 0xF8 or data[4:10] != b"\x00\x01\x00\x00\x00\x00" or data[10] or data[11] > 1:
-        return None  # a response, not opcode QUERY, not exactly one question, or records beyond one EDNS OPT
-    position = 12
-    while (length := data[position]) != 0:
-        if length & 0xC0:
-            return None  # compression pointers have no place in a question
-        position += length + 1
-        if position >= len(data):
-            return None
-    end = position + 5
-    if end > len(data):
-        return None
-    return bytes(data[12 : position + 1].lower() + data[position + 1 : end]), end
-
-
 @dataclass
 class Handler:
     """Who asked: the client address and the transport (dnslib passes its request handler here)."""
@@ -150,7 +123,7 @@ class PolicyResolver:
         policy: Policy,
         registry: SandboxRegistry,
         resolver: Resolver,
-        emit: Callable[[AuditRecord | RepeatedRecord], None],
+        emit: Callable[[AuditRecord | RepeatedDecisions], None],
         settings: DnsSettings,
     ) -> None:
         self.policy = policy
@@ -161,7 +134,7 @@ class PolicyResolver:
         self.stats: Counter[str] = Counter()
         self._buckets: dict[str, _TokenBucket] = {}
         self._subdomains = _SubdomainRate()
-        self._replies: dict[tuple[str, int, bytes], _Reply] = {}
+        self.memory = ReplyMemory()
 
     def admit(self, client: str, now: float | None = None) -> Sandbox | bool | None:
         """The asking sandbox; None for an unknown network (refused); False when over its rate (dropped)."""
@@ -269,37 +242,21 @@ class PolicyResolver:
         self.emit(record)
         return reply, record
 
-    # --- replies remembered at the wire level --------------------------------------------------------------------
-    # A sandbox asking the same question again within a second gets the same answer: the reply bytes are kept
-    # and only the query ID and question spelling are patched in. Parsing, deciding and packing are skipped;
-    # the audit line is still written, one per query.
+    # --- replies remembered at the wire level (dns/memory.py) ---------------------------------------------------
 
-    def cached_reply(self, data: bytes, sandbox: Sandbox, client: str, now: float, wall: float) -> bytes | None:
-        """`now` (monotonic) and `wall` (time.time) are read once per batch of datagrams, not per query."""
-        question = _question(data)
-        if question is None:
-            return None
-        entry = self._replies.get((sandbox.id, data[2] & 1, question[0]))
-        if entry is None or entry.expires < now or entry.policy is not self.policy:
-            return None
-        self.emit(RepeatedRecord(entry.audit_template, client, ts=wall))
-        end = question[1]
-        return data[:2] + entry.packet[2:12] + data[12:end] + entry.packet[end:]
+    def recall(self, data: bytes, sandbox: Sandbox, now: float) -> tuple[bytes, str] | None:
+        """(reply, audit template) when this sandbox asked the same question moments ago, under this policy."""
+        return self.memory.recall(sandbox.id, data, self.policy, now)
 
     def remember(self, data: bytes, sandbox: Sandbox, packet: bytes, reply: DNSRecord, record: AuditRecord) -> None:
-        question = _question(data)
-        if question is None or reply.header.rcode not in (RCODE.NOERROR, RCODE.NXDOMAIN, RCODE.REFUSED):
+        if reply.header.rcode not in (RCODE.NOERROR, RCODE.NXDOMAIN, RCODE.REFUSED):
+            return  # failures are asked again
+        ttl = record.extra.get("ttl", self.memory.seconds)  # set when an upstream answer was used, even if filtered
+        if not isinstance(ttl, int | float):
             return
-        ttl = record.extra.get("ttl", REPLY_CACHE_SECONDS)  # set when an upstream answer was used, even if filtered
-        lifetime = min(REPLY_CACHE_SECONDS, ttl if isinstance(ttl, int | float) else 0)
-        if lifetime <= 0:
-            return  # TTL 0 means ask again every time: a rebinding name must get no second helping
-        if len(self._replies) >= REPLY_CACHE_SIZE:
-            self._replies.pop(next(iter(self._replies)))
-        key = (sandbox.id, data[2] & 1, question[0])
         repeated = replace(record, duration_ms=0.0, reason=f"{record.reason} (remembered)")
-        audit_template = RepeatedRecord.template(repeated)
-        self._replies[key] = _Reply(packet, audit_template, time.monotonic() + lifetime, self.policy)
+        template = RepeatedDecisions.template(repeated)
+        self.memory.remember(sandbox.id, data, packet, template, ttl, self.policy, time.monotonic())
 
 
 class DnsServer:
@@ -348,27 +305,34 @@ class DnsServer:
         udp, resolver = self._udp, self.resolver
         assert udp is not None
         now, wall = time.monotonic(), time.time()
-        for _ in range(64):
-            try:
-                data, address = udp.recvfrom(MAX_QUERY_BYTES + 1)
-            except (BlockingIOError, InterruptedError):
-                return
-            except OSError:
-                return  # e.g. an ICMP error queued on the socket: nothing to answer
-            if len(data) > MAX_QUERY_BYTES:
-                resolver.stats["dropped_oversize"] += 1
-                continue
-            sandbox = resolver.admit(address[0], now)
-            if sandbox is False:
-                continue
-            packet = resolver.cached_reply(data, sandbox, address[0], now, wall) if sandbox is not None else None
-            if packet is None:
-                self.spawn(self._udp_query(data, address, sandbox))
-                continue
-            try:
-                udp.sendto(packet, address)
-            except OSError:  # the sandbox went away: nothing to tell it
-                continue
+        repeated: list[tuple[str, str]] = []  # (audit template, client) of the remembered replies sent
+        try:
+            for _ in range(64):
+                try:
+                    data, address = udp.recvfrom(MAX_QUERY_BYTES + 1)
+                except (BlockingIOError, InterruptedError):
+                    return
+                except OSError:
+                    return  # e.g. an ICMP error queued on the socket: nothing to answer
+                if len(data) > MAX_QUERY_BYTES:
+                    resolver.stats["dropped_oversize"] += 1
+                    continue
+                client = address[0]
+                sandbox = resolver.admit(client, now)
+                if sandbox is False:
+                    continue
+                remembered = resolver.recall(data, sandbox, now) if sandbox is not None else None
+                if remembered is None:
+                    self.spawn(self._udp_query(data, address, sandbox))
+                    continue
+                repeated.append((remembered[1], client))
+                try:
+                    udp.sendto(remembered[0], address)
+                except OSError:  # the sandbox went away: nothing to tell it
+                    continue
+        finally:
+            if repeated:
+                resolver.emit(RepeatedDecisions(wall, repeated))
 
     async def _udp_query(self, data: bytes, address: tuple, sandbox: Sandbox | None) -> None:
         request = self._parse(data)

@@ -6,7 +6,7 @@ from .decide import Decision, Vetted, decide, decide_name, vet
 from .hosts import HostError, IPAddress, canonical_host, format_host_port, is_ip, parse_ip_literal
 from .loader import PolicyError, load_policy, parse_policy
 from .model import DEFAULT_ALLOW_PORTS, DnsLimits, Policy, Profile, Rule
-from .records import AuditRecord, RepeatedRecord, Sandbox, SandboxRegistry, new_request_id
+from .records import AuditRecord, RepeatedDecisions, Sandbox, SandboxRegistry, new_request_id
 
 __all__ = [
     "DEFAULT_ALLOW_PORTS",
@@ -20,7 +20,7 @@ __all__ = [
     "Policy",
     "PolicyError",
     "Profile",
-    "RepeatedRecord",
+    "RepeatedDecisions",
     "Rule",
     "Sandbox",
     "SandboxRegistry",

@@ -69,24 +69,25 @@ _PER_EVENT = ("ts", "request_id", "client")
 
 
 @dataclass(slots=True)
-class RepeatedRecord:
-    """A decision repeated exactly (a remembered DNS answer): everything but its time, id and client is
-    serialized once, so that writing one line per query stays cheap."""
+class RepeatedDecisions:
+    """Decisions repeated exactly (remembered DNS answers) in one batch read at time `ts`: one audit line each,
+    with its own request id and client; everything else was serialized once, into the template."""
 
-    static_json: str  # the template's fields, as `"key":value,...}`
-    client: str
-    request_id: str = field(default_factory=new_request_id)
-    ts: float = field(default_factory=time.time)
+    ts: float
+    events: list[tuple[str, str]]  # (template, client)
 
-    @classmethod
-    def template(cls, record: AuditRecord) -> str:
+    @staticmethod
+    def template(record: AuditRecord) -> str:
+        """The record's fields but its time, id and client, as `"key":value,...}`."""
         fixed = {name: getattr(record, name) for name in _AUDIT_FIELDS if name not in _PER_EVENT}
         return _encode(fixed)[1:]
 
     def to_json(self) -> str:
+        """One JSON line per decision, newline-separated."""
         # client is a socket's address text (digits, hex, '.', ':'): nothing in it needs JSON escaping.
-        head = f'{{"ts":"{_timestamp(self.ts)}","request_id":"{self.request_id}","client":"{self.client}",'
-        return head + self.static_json
+        head = f'{{"ts":"{_timestamp(self.ts)}","request_id":"{_ID_PREFIX}'
+        ids = _ID_COUNTER
+        return "\n".join([f'{head}{next(ids):08x}","client":"{client}",{fixed}' for fixed, client in self.events])
 
 
 @dataclass(frozen=True, slots=True)

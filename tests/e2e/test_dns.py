@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import os
 import secrets
+import signal
 import socket
 import string
+import threading
 import time
 
 import pytest
@@ -210,3 +212,38 @@ def test_repeated_questions_are_answered_from_memory_and_still_audited(
     while len([r for r in gateway.audit() if r["host"] == "www.allowed.test" and r["kind"] == "dns"]) < 3:
         assert time.monotonic() < deadline, "every query, remembered or not, writes its audit line"
         time.sleep(0.05)
+
+
+def test_a_policy_reload_forgets_remembered_answers_at_once(topology: Topology, own_gateway, tmp_path):
+    policy = tmp_path / "live.yaml"
+    policy.write_text(E2E_POLICY.read_text())
+    gw = own_gateway(policy)
+    stop = threading.Event()
+    seen: list[tuple[float, str]] = []  # (when answered, rcode), asked every 20 ms from the sandbox
+
+    def keep_asking() -> None:
+        while not stop.is_set():
+            seen.append((time.monotonic(), rcode(ask("www.allowed.test"))))
+            time.sleep(0.02)
+
+    asker = threading.Thread(target=in_netns, args=(topology.sbx, keep_asking))
+    asker.start()
+    try:
+        deadline = time.monotonic() + 5
+        while not any("(remembered)" in r["reason"] for r in gw.audit_for(host="www.allowed.test")):
+            assert time.monotonic() < deadline, "repeats are answered from memory"
+            time.sleep(0.05)
+        policy.write_text("version: 1\nprofiles:\n  default:\n    allow:\n      - host: other.test\n")
+        gw.proc.send_signal(signal.SIGHUP)
+        while "policy reloaded" not in gw.log():
+            assert time.monotonic() < deadline, gw.log()
+            time.sleep(0.01)
+        reloaded = time.monotonic()
+        time.sleep(0.5)  # well inside the second a remembered answer may live
+    finally:
+        stop.set()
+        asker.join()
+    before = [code for at, code in seen if at < reloaded - 0.2]
+    after = [code for at, code in seen if at > reloaded]
+    assert before and set(before) == {"NOERROR"}
+    assert len(after) >= 5 and set(after) == {"REFUSED"}, after
