@@ -22,11 +22,11 @@ import math
 import socket
 import struct
 import time
-from collections import Counter, defaultdict, deque
+from collections import Counter, defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-from dnslib import AAAA, QTYPE, RCODE, RR, A, DNSError, DNSRecord
+from dnslib import AAAA, CLASS, QTYPE, RCODE, RR, A, DNSError, DNSRecord
 from publicsuffixlist import PublicSuffixList
 
 from airlock.policy import (
@@ -56,6 +56,7 @@ class DnsSettings:
     own_addresses: frozenset[IPAddress] = frozenset()
     rate_per_second: float = 100.0  # per sandbox; bursts of twice that are absorbed
     answer_timeout: float = 4.0  # the whole upstream exchange; then SERVFAIL
+    max_tcp_per_sandbox: int = 16  # open TCP connections; more are closed at once (no exhausting the gateway)
 
 
 class _TokenBucket:
@@ -73,21 +74,21 @@ class _TokenBucket:
         return True
 
 
-class _SubdomainRate:
+class SubdomainRate:
     """Distinct names seen under each registrable domain in the last minute, per sandbox."""
 
     WINDOW = 60.0
 
     def __init__(self) -> None:
-        self._seen: dict[tuple[str, str], deque[tuple[float, str]]] = defaultdict(deque)
+        # name → when last asked, oldest first: constant work per query, however many names a sandbox tries
+        self._seen: dict[tuple[str, str], dict[str, float]] = defaultdict(dict)
 
-    def observe(self, sandbox: str, base: str, name: str) -> int:
-        now = time.monotonic()
+    def observe(self, sandbox: str, base: str, name: str, now: float) -> int:
         window = self._seen[(sandbox, base)]
-        while window and window[0][0] < now - self.WINDOW:
-            window.popleft()
-        if name not in {n for _, n in window}:
-            window.append((now, name))
+        window.pop(name, None)
+        window[name] = now
+        while (oldest := next(iter(window.items())))[1] < now - self.WINDOW:
+            del window[oldest[0]]
         return len(window)
 
 
@@ -133,7 +134,7 @@ class PolicyResolver:
         self.settings = settings
         self.stats: Counter[str] = Counter()
         self._buckets: dict[str, _TokenBucket] = {}
-        self._subdomains = _SubdomainRate()
+        self._subdomains = SubdomainRate()
         self.memory = ReplyMemory()
 
     def admit(self, client: str, now: float | None = None) -> Sandbox | bool | None:
@@ -172,6 +173,8 @@ class PolicyResolver:
         if request.header.opcode != 0 or len(request.questions) != 1:
             reply.header.rcode = RCODE.NOTIMP if request.header.opcode != 0 else RCODE.FORMERR
             return self._finish(reply, record, "deny", "only standard queries with one question", started)
+        if request.q.qclass != CLASS.IN:
+            return self._refuse(reply, record, f"class {CLASS.get(request.q.qclass)} is not answered (only IN)")
         try:
             name = canonical_host(qname)
         except HostError as e:
@@ -217,7 +220,7 @@ class PolicyResolver:
         labels = name[: -len(base)].rstrip(".").split(".") if name != base else []
         longest = max(labels, key=len, default="")
         entropy = label_entropy(longest)
-        new_subdomains = self._subdomains.observe(sandbox, base, name)
+        new_subdomains = self._subdomains.observe(sandbox, base, name, time.monotonic())
         flags = limits.flags(len(longest), entropy, new_subdomains)
         record.extra.update(
             base=base, longest_label=len(longest), entropy=round(entropy, 2), subdomains_per_min=new_subdomains
@@ -268,6 +271,7 @@ class DnsServer:
         self._udp: socket.socket | None = None
         self._tcp: asyncio.Server | None = None
         self._tasks: set[asyncio.Task[None]] = set()
+        self._tcp_open: Counter[str] = Counter()  # per sandbox id ("-": sources that are no sandbox)
 
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
@@ -384,6 +388,13 @@ class DnsServer:
 
     async def _tcp_client(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         peer = writer.get_extra_info("peername")
+        sandbox = self.resolver.registry.identify(peer[0])
+        owner = sandbox.id if sandbox is not None else "-"
+        if self._tcp_open[owner] >= self.resolver.settings.max_tcp_per_sandbox:
+            self.resolver.stats["tcp_over_limit"] += 1
+            writer.close()
+            return
+        self._tcp_open[owner] += 1
         try:
             while True:
                 (length,) = struct.unpack("!H", await asyncio.wait_for(reader.readexactly(2), 10))
@@ -397,6 +408,7 @@ class DnsServer:
         except (asyncio.IncompleteReadError, TimeoutError, ConnectionError):
             pass
         finally:
+            self._tcp_open[owner] -= 1
             writer.close()
 
 

@@ -247,3 +247,42 @@ def test_a_policy_reload_forgets_remembered_answers_at_once(topology: Topology, 
     after = [code for at, code in seen if at > reloaded]
     assert before and set(before) == {"NOERROR"}
     assert len(after) >= 5 and set(after) == {"REFUSED"}, after
+
+
+def test_other_classes_are_refused_without_an_upstream_query(topology: Topology, fakenet: FakeNet, gateway):
+    def chaos() -> DNSRecord:
+        question = DNSRecord.question("chaos.allowed.test", "A", "CH")
+        return DNSRecord.parse(question.send(GW_IP, 53, timeout=3))
+
+    reply = in_netns(topology.sbx, chaos)
+    assert rcode(reply) == "REFUSED" and answers(reply) == []
+    assert fakenet.dns_queries("chaos.allowed.test") == 0
+
+
+def test_tcp_connections_per_sandbox_are_capped(topology: Topology, fakenet: FakeNet, gateway: GatewayProcess):
+    def over_the_cap() -> tuple[int, bool, bool]:
+        query = DNSRecord.question("allowed.test").pack()
+        framed = len(query).to_bytes(2, "big") + query
+        held = [socket.create_connection((GW_IP, 53), timeout=3) for _ in range(16)]
+
+        def answered(sock: socket.socket) -> bool:
+            try:
+                sock.sendall(framed)
+                return len(sock.recv(4096)) > 2
+            except OSError:
+                return False
+
+        try:
+            working = sum(answered(sock) for sock in held)  # every held connection is served
+            with socket.create_connection((GW_IP, 53), timeout=3) as extra:
+                seventeenth = answered(extra)  # closed by the gateway at once
+            held.pop().close()
+            time.sleep(0.2)
+            with socket.create_connection((GW_IP, 53), timeout=3) as again:
+                after_one_closed = answered(again)
+            return working, seventeenth, after_one_closed
+        finally:
+            for sock in held:
+                sock.close()
+
+    assert in_netns(topology.sbx, over_the_cap) == (16, False, True)

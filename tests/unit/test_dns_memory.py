@@ -1,4 +1,5 @@
-"""Replies remembered at the wire level (airlock.dns.memory) and the audit lines of repeated decisions."""
+"""Replies remembered at the wire level (airlock.dns.memory), the audit lines of repeated decisions and the
+distinct-subdomain rate."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import pytest
 from dnslib import EDNS0, QTYPE, RR, A, DNSRecord
 
 from airlock.dns.memory import ReplyMemory, name_end
+from airlock.dns.server import SubdomainRate
 from airlock.policy import AuditRecord, RepeatedDecisions, parse_policy
 
 POLICY = parse_policy("version: 1\nprofiles:\n  default:\n    allow:\n      - host: allowed.test\n")
@@ -181,3 +183,17 @@ def test_repeated_decisions_write_one_line_each_with_its_own_id_and_client() -> 
         assert {k: v for k, v in line.items() if k not in ("ts", "request_id", "client")} == {
             k: v for k, v in original.items() if k not in ("ts", "request_id", "client")
         }
+
+
+# ------------------------------------------------------------------------------------------------ subdomain rate
+
+
+def test_distinct_names_per_minute_per_sandbox_and_base() -> None:
+    rate = SubdomainRate()
+    counts = [rate.observe("a", "allowed.test", f"n{i}.allowed.test", NOW + i) for i in range(5)]
+    assert counts == [1, 2, 3, 4, 5]
+    assert rate.observe("a", "allowed.test", "n0.allowed.test", NOW + 5) == 5  # asked again: not new
+    assert rate.observe("b", "allowed.test", "n0.allowed.test", NOW + 5) == 1  # another sandbox
+    assert rate.observe("a", "other.test", "x.other.test", NOW + 5) == 1  # another base
+    # At +62.5 only names asked since +2.5 count: n3, n4, n0 (asked again at +5) and the new one.
+    assert rate.observe("a", "allowed.test", "late.allowed.test", NOW + 62.5) == 4
