@@ -340,6 +340,7 @@ async def _run_docker(args: argparse.Namespace, policy: Policy) -> int:
     except docker.errors.DockerException as e:
         raise UsageError(f"no docker engine answers ({e}); use --backend netns") from None
     limits = Limits(args.cpus, args.memory, args.pids, timeout=args.timeout, output_limit=args.output_limit)
+    mounts = [_mount(m, _gateway_credentials(args)) for m in args.mount or []]
     state = tempfile.TemporaryDirectory(prefix="airlock-run-")
     args.state_dir = args.state_dir or state.name
     interrupted = asyncio.Event()
@@ -350,7 +351,7 @@ async def _run_docker(args: argparse.Namespace, policy: Policy) -> int:
         handle = await launch(
             client, args.image, args.cmd, _gateway_config(args, policy, "0.0.0.0", []),
             profile=args.profile, sandbox_id=args.sandbox_id, limits=limits,
-            mounts=[_mount(m) for m in args.mount or []], env=_passed_env(args.env or []),
+            mounts=mounts, env=_passed_env(args.env or []),
             grants=[parse_grant(g) for g in args.grant or []], token_ttl=args.token_ttl,
         )  # fmt: skip
         async with handle:
@@ -374,10 +375,14 @@ async def _run_docker(args: argparse.Namespace, policy: Policy) -> int:
         state.cleanup()
 
 
-def _mount(text: str) -> tuple[str, str]:
+def _mount(text: str, credentials: list[str]) -> tuple[str, str]:
     host, sep, target = text.partition(":")
     if not sep or not host.startswith("/") or not target.startswith("/"):
         raise UsageError(f"--mount {text!r}: expected /host/path:/container/path (always read-only)")
+    source = Path(host).resolve()
+    for credential in credentials:
+        if Path(credential).resolve().is_relative_to(source):
+            raise UsageError(f"--mount {text!r}: would show the container {credential}, a gateway credential")
     return host, target.removesuffix(":ro")
 
 
@@ -385,7 +390,7 @@ async def _run_sandboxed(args: argparse.Namespace, policy: Policy) -> int:
     from airlock.sandbox import proxy_environment
     from airlock.sandbox.netns import NetnsSandbox, resolve_user
 
-    resolve_user(args.user)  # fail before creating anything
+    hidden = _keep_credentials_out(args, resolve_user(args.user))  # fail before creating anything
     tcp_ports, udp_ports = _ports(args)
     sandbox = NetnsSandbox(args.sandbox_id, tcp_ports=tcp_ports, udp_ports=udp_ports)
     state = tempfile.TemporaryDirectory(prefix="airlock-run-")
@@ -404,7 +409,7 @@ async def _run_sandboxed(args: argparse.Namespace, policy: Policy) -> int:
         env["AIRLOCK_SANDBOX"] = sandbox.sandbox_id
         if token := _mint(args, gateway, sandbox.sandbox_id):
             env["AIRLOCK_TOKEN_FILE"] = str(sandbox.place_token(token, resolve_user(args.user)))
-        command = sandbox.command(args.cmd, args.user, isolate_fs=args.isolation == "bwrap")
+        command = sandbox.command(args.cmd, args.user, isolate_fs=args.isolation == "bwrap", hidden=hidden)
         child = await asyncio.create_subprocess_exec(*command, env=env)
         waiter = asyncio.create_task(child.wait())
         stopper = asyncio.create_task(interrupted.wait())
@@ -426,6 +431,28 @@ async def _run_sandboxed(args: argparse.Namespace, policy: Policy) -> int:
             await gateway.stop()
         sandbox.destroy()
         state.cleanup()
+
+
+def _gateway_credentials(args: argparse.Namespace) -> list[str]:
+    """What the gateway holds that the sandbox must never read: the GitHub key or token file, and a state
+    directory named with --state-dir (signing keys, broker store, admin socket). A temporary one is 0700 root."""
+    return [p for p in (args.github_app_key, args.github_token_file, args.state_dir) if p]
+
+
+def _keep_credentials_out(args: argparse.Namespace, user) -> list[Path]:
+    """The paths bubblewrap hides from the command. Without bubblewrap nothing can be hidden: refuse to start
+    while the command's user could read or change one of the gateway's credentials."""
+    from airlock.sandbox.netns import accessible_by, credential_paths
+
+    if args.isolation == "bwrap":
+        return credential_paths(user, _gateway_credentials(args))
+    for path in credential_paths(user, _gateway_credentials(args)):
+        if exposed := accessible_by(path, user):
+            raise UsageError(
+                f"{exposed[0]} is readable or writable by {user.pw_name}, who runs the sandboxed command, and "
+                "--isolation none cannot hide it: make it root's alone (chown root; chmod 600), or use bubblewrap"
+            )
+    return []
 
 
 def sandbox_environment(passed: list[str], user) -> dict[str, str]:

@@ -25,7 +25,7 @@ from airlock.broker.tokens import TokenError
 from airlock.brokerd import BrokerConfig, BrokerRuntime
 from airlock.dns.server import DnsServer, DnsSettings, PolicyResolver
 from airlock.dns.upstream import Resolver, ResolverConfig, Server, system_servers
-from airlock.policy import IPAddress, Policy, Sandbox, SandboxRegistry
+from airlock.policy import IPAddress, Policy, PolicyError, Sandbox, SandboxRegistry
 from airlock.proxy.addon import GatewaySettings, build_addons
 
 log = logging.getLogger("airlock.gateway")
@@ -66,6 +66,18 @@ def own_addresses() -> frozenset[IPAddress]:
                 with contextlib.suppress(ValueError, KeyError):
                     found.add(ipaddress.ip_address(info["local"]))
     return frozenset(found)
+
+
+def _missing_profiles(policy: Policy, sandboxes: list[Sandbox]) -> list[str]:
+    users: dict[str, set[str]] = {}
+    for sandbox in sandboxes:
+        if sandbox.profile not in policy.profiles:
+            users.setdefault(sandbox.profile, set()).add(sandbox.id)
+    known = ", ".join(sorted(policy.profiles))
+    return [
+        f"{policy.source}: no profile {name!r}, which sandbox {', '.join(sorted(ids))} uses (profiles: {known})"
+        for name, ids in sorted(users.items())
+    ]
 
 
 class Gateway:
@@ -119,6 +131,8 @@ class Gateway:
             connection_strategy="lazy",
             tcp_timeout=int(config.idle_timeout),
             stream_large_bodies="1m",
+            # mitmproxy's default, pinned: ambiguous request framing (CL+TE, ...) is refused, never smuggled through
+            validate_inbound_headers=True,
             ssl_verify_upstream_trusted_ca=config.upstream_ca,
         )
         self._master = master
@@ -159,8 +173,13 @@ class Gateway:
             self.audit.flush()
 
     def replace_policy(self, policy: Policy) -> None:
-        """Swap in a new, already validated policy; connections already open keep the decision they had."""
+        """Swap in a new, already validated policy; connections already open keep the decision they had.
+
+        A policy without a profile that a running sandbox uses would fail its every request and DNS query:
+        PolicyError, and the running policy stays."""
         assert self.shared is not None
+        if errors := _missing_profiles(policy, self.config.sandboxes):
+            raise PolicyError(errors)
         self.shared.policy = policy
         if self.dns is not None:
             self.dns.policy = policy

@@ -51,7 +51,7 @@ class GitHubClient:
         self.credential = credential
         self.session = session
         self.timeout = timeout
-        self._tokens: dict[str, tuple[str, float]] = {}  # repo → (installation token, expires at)
+        self._tokens: dict[str, tuple[str, float]] = {}  # _token_key(repo) → (installation token, expires at)
         self._token_locks: dict[str, asyncio.Lock] = {}
         self._app_jwts: dict[str, float] = {}  # App JWTs still valid (→ expiry): a credential too, so redacted
 
@@ -67,7 +67,7 @@ class GitHubClient:
         status, body = await self._call("POST", f"/repos/{repo}/pulls", token, fields)
         if status == 401 and isinstance(self.credential, AppCredential):
             # The cached installation token was revoked or expired early upstream: mint a fresh one, once.
-            self._tokens.pop(repo, None)
+            self._tokens.pop(_token_key(repo), None)
             token = await self._repo_token(repo)
             status, body = await self._call("POST", f"/repos/{repo}/pulls", token, fields)
         if status == 201:
@@ -84,13 +84,14 @@ class GitHubClient:
     async def _repo_token(self, repo: str) -> str:
         if isinstance(self.credential, StaticCredential):
             return self.credential.token
-        lock = self._token_locks.setdefault(repo, asyncio.Lock())
+        key = _token_key(repo)
+        lock = self._token_locks.setdefault(key, asyncio.Lock())
         async with lock:
-            cached = self._tokens.get(repo)
+            cached = self._tokens.get(key)
             if cached is not None and cached[1] - TOKEN_REFRESH_MARGIN > time.time():
                 return cached[0]
             token, expires = await self._installation_token(repo)
-            self._tokens[repo] = (token, expires)
+            self._tokens[key] = (token, expires)
             return token
 
     async def _installation_token(self, repo: str) -> tuple[str, float]:
@@ -149,6 +150,11 @@ class GitHubClient:
             raise UpstreamError(
                 502, "upstream_unreachable", f"GitHub is unreachable: {type(e).__name__}: {e}"
             ) from None
+
+
+def _token_key(repo: str) -> str:
+    """GitHub's repository names are case-insensitive: one installation token per repository, however spelled."""
+    return repo.lower()
 
 
 def _expiry(value: Any) -> float:

@@ -6,18 +6,21 @@
 - Admin (loopback or a unix socket the sandboxes cannot reach): mint and revoke tokens, rotate keys, JWKS.
 
 Errors are JSON `{error, message}` with honest statuses: 401 token invalid/expired/revoked, 403 outside the
-grant or wrong sandbox, 422 validation, 429 rate limit, 502/504 upstream, 503 broker state unavailable.
+grant or wrong sandbox, 422 validation, 429 rate limit (per token; and per source address for failed
+authentications, checked before any token is looked at), 502/504 upstream, 503 broker state unavailable.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import json
 import logging
+import math
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 from aiohttp import web
@@ -35,34 +38,68 @@ MAX_TITLE = 256
 MAX_BODY = 65536
 MAX_REQUEST_BYTES = 128 * 1024
 UNKNOWN_SANDBOX = "-"  # what the audit record names a source address no sandbox owns
+AUTH_FAILURES = (401, 403)  # what `_authenticate` refuses with, as opposed to 503 (its state unreadable)
 
 
 @dataclass
 class BrokerSettings:
     calls_per_minute: int = 30  # per token
     burst: int = 10
+    # Per source address. Refusing a token is cheap but not free (a signature check, an audit line): past this,
+    # a source gets 429 without anything being verified until its budget refills.
+    failed_auths_per_second: float = 2.0
+    failed_auth_burst: int = 20
+
+    def __post_init__(self) -> None:
+        if min(self.calls_per_minute, self.burst, self.failed_auths_per_second, self.failed_auth_burst) <= 0:
+            raise ValueError("broker rate limits must be positive")
 
 
 class BrokerError(Exception):
-    def __init__(self, status: int, code: str, message: str) -> None:
+    def __init__(self, status: int, code: str, message: str, headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status, self.code, self.message = status, code, message
+        self.headers = headers or {}
 
 
 class _RateLimiter:
-    def __init__(self, per_minute: int, burst: int) -> None:
-        self.rate, self.burst = per_minute / 60.0, burst
-        self._buckets: dict[str, tuple[float, float]] = {}
+    """Token buckets by key: `rate` tokens a second, at most `burst` saved up."""
 
-    def allow(self, key: str) -> bool:
-        now = time.monotonic()
+    def __init__(self, rate: float, burst: int) -> None:
+        self.rate, self.burst = rate, burst
+        self._buckets: dict[str, tuple[float, float]] = {}  # key → (tokens, when counted)
+        self._swept = time.monotonic()
+
+    def _level(self, key: str, now: float) -> float:
         tokens, stamp = self._buckets.get(key, (float(self.burst), now))
-        tokens = min(self.burst, tokens + (now - stamp) * self.rate)
-        if tokens < 1:
-            self._buckets[key] = (tokens, now)
-            return False
-        self._buckets[key] = (tokens - 1, now)
-        return True
+        return min(self.burst, tokens + (now - stamp) * self.rate)
+
+    def take(self, key: str) -> bool:
+        """Spend one token of `key`'s bucket if it has one."""
+        now = time.monotonic()
+        self._forget_full(now)
+        tokens = self._level(key, now)
+        allowed = tokens >= 1
+        self._buckets[key] = (tokens - 1 if allowed else tokens, now)
+        return allowed
+
+    def wait(self, key: str) -> float:
+        """Seconds until `key` has a token to spend; 0 when it has one now."""
+        return max(0.0, (1 - self._level(key, time.monotonic())) / self.rate)
+
+    def _forget_full(self, now: float) -> None:
+        # A full bucket means what a missing one does; dropping them once per refill time keeps memory to the
+        # keys seen lately, however many distinct keys (source addresses, tokens) come by.
+        if now - self._swept < self.burst / self.rate:
+            return
+        self._swept = now
+        self._buckets = {key: value for key, value in self._buckets.items() if self._level(key, now) < self.burst}
+
+
+@dataclass
+class _Inflight:
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    users: int = 0  # calls holding or waiting for the lock
 
 
 class Broker:
@@ -81,8 +118,9 @@ class Broker:
         self.github = github
         self.emit = emit
         self.settings = settings or BrokerSettings()
-        self._limiter = _RateLimiter(self.settings.calls_per_minute, self.settings.burst)
-        self._inflight: dict[tuple[str, str], asyncio.Lock] = {}
+        self._limiter = _RateLimiter(self.settings.calls_per_minute / 60, self.settings.burst)
+        self._failures = _RateLimiter(self.settings.failed_auths_per_second, self.settings.failed_auth_burst)
+        self._inflight: dict[tuple[str, str], _Inflight] = {}
 
     # --- sandbox-facing -----------------------------------------------------------------------------------------
 
@@ -106,36 +144,41 @@ class Broker:
         finally:
             record.reason = self._redact(record.reason)
             self.emit(record)
-            try:
-                self.store.record_call(json.loads(record.to_json()))
-            except StoreError:
-                log.exception("could not record a brokered call")
+            self._record_call(record)
+
+    def _record_call(self, record: AuditRecord) -> None:
+        # Only calls whose token verified (they carry its jti): otherwise whoever reaches the port could fill the
+        # disk, one row per request. The audit line above has every call.
+        if "jti" not in record.extra:
+            return
+        try:
+            self.store.record_call(json.loads(record.to_json()))
+        except StoreError:
+            log.exception("could not record a brokered call")
 
     async def _create_pull_request(self, request: web.Request, record: AuditRecord) -> tuple[int, dict[str, Any]]:
-        claims = self._authenticate(request, record)
-        if not self._limiter.allow(claims.jti):
+        claims = self._authenticate_limited(request, record)
+        if not self._limiter.take(claims.jti):
             raise BrokerError(429, "rate_limited", f"more than {self.settings.calls_per_minute} calls a minute")
         fields = await _pull_request_fields(request)
         repo = fields.pop("repo")
         record.host = repo
         record.extra.update(head=fields["head"], base=fields["base"])
-        refusals = [g.permits("create_pull_request", repo, fields["base"], fields["head"]) for g in claims.grants]
-        if all(refusals):
-            raise BrokerError(403, "outside_grant", refusals[0] or "no grant")
+        grant = _covering_grant(claims.grants, repo, fields["base"], fields["head"])
         if self.github is None:
             raise BrokerError(503, "not_configured", "the broker has no GitHub credential configured")
         scope = claims.sandbox
         request_hash = hashlib.sha256(json.dumps([repo, fields], sort_keys=True).encode()).hexdigest()
         # Without a key, the same token asking the same thing twice is the same call.
         key = request.headers.get("Idempotency-Key") or f"jti:{claims.jti}:{request_hash}"
-        lock = self._inflight.setdefault((scope, key), asyncio.Lock())
-        async with lock:
+        async with self._one_at_a_time((scope, key)):
             previous = self._idempotent(scope, key, request_hash)
             if previous is not None:
                 record.reason = "replayed idempotent result"
                 return previous
             try:
-                pull, existed = await self.github.create_pull_request(repo, fields)
+                # The grant's spelling, not the caller's: GitHub sees one name per repository (one cached token).
+                pull, existed = await self.github.create_pull_request(grant.repo, fields)
             except UpstreamError as e:
                 raise BrokerError(e.status, e.code, self._redact(e.message)) from None
             body = _pull_summary(pull, existed)
@@ -143,8 +186,37 @@ class Broker:
             record.reason = "existing pull request" if existed else "created"
             status = 200 if existed else 201
             self._store(lambda: self.store.idempotent_put(scope, key, request_hash, status, body))
-        self._inflight.pop((scope, key), None)
         return status, body
+
+    @contextlib.asynccontextmanager
+    async def _one_at_a_time(self, key: tuple[str, str]) -> AsyncIterator[None]:
+        """Serialise the calls with one idempotency key; the entry goes when no call holds or awaits it."""
+        entry = self._inflight.setdefault(key, _Inflight())
+        entry.users += 1
+        try:
+            async with entry.lock:
+                yield
+        finally:
+            entry.users -= 1
+            if entry.users == 0:
+                del self._inflight[key]
+
+    def _authenticate_limited(self, request: web.Request, record: AuditRecord) -> Claims:
+        """`_authenticate`, with its refusals limited per source address; past the limit nothing is verified."""
+        wait = self._failures.wait(record.client)
+        if wait > 0:
+            raise BrokerError(
+                429,
+                "auth_rate_limited",
+                "too many failed authentications from this address",
+                {"Retry-After": str(math.ceil(wait))},
+            )
+        try:
+            return self._authenticate(request, record)
+        except BrokerError as e:
+            if e.status in AUTH_FAILURES:
+                self._failures.take(record.client)
+            raise
 
     def _authenticate(self, request: web.Request, record: AuditRecord) -> Claims:
         header = request.headers.get("Authorization", "")
@@ -245,7 +317,7 @@ async def _json_errors(request: web.Request, handler: Callable) -> web.StreamRes
     try:
         return await handler(request)
     except BrokerError as e:
-        return web.json_response({"error": e.code, "message": e.message}, status=e.status)
+        return web.json_response({"error": e.code, "message": e.message}, status=e.status, headers=e.headers)
     except web.HTTPException as e:
         return web.json_response({"error": "http_error", "message": e.reason}, status=e.status)
 
@@ -277,9 +349,17 @@ async def _pull_request_fields(request: web.Request) -> dict[str, Any]:
         raise BrokerError(422, "invalid_request", str(e)) from None
     if not (valid_branch(head) and valid_branch(base)):
         raise BrokerError(422, "invalid_request", "head and base must be branch names")
-    if not 0 < len(title.strip()) <= MAX_TITLE or len(text) > MAX_BODY:
+    if not title.strip() or len(title) > MAX_TITLE or len(text) > MAX_BODY:
         raise BrokerError(422, "invalid_request", f"title is 1-{MAX_TITLE} characters, body at most {MAX_BODY}")
     return {"repo": repo, "head": head, "base": base, "title": title, "body": text, "draft": draft}
+
+
+def _covering_grant(grants: tuple[Grant, ...], repo: str, base: str, head: str) -> Grant:
+    """The first grant that covers the call, else 403 with why the first one does not."""
+    refusals = [g.permits("create_pull_request", repo, base, head) for g in grants]
+    if None in refusals:
+        return grants[refusals.index(None)]
+    raise BrokerError(403, "outside_grant", refusals[0] if refusals else "no grant")
 
 
 def _pull_summary(pull: dict[str, Any], existed: bool) -> dict[str, Any]:

@@ -9,7 +9,8 @@ would cost more than the resolver itself.
 Choices (README "DNS"): unlisted names get REFUSED, without any upstream query (an honest "not for you": NXDOMAIN
 would claim the name does not exist and be cached as such); only A and AAAA are answered with data, other types of
 an allowed name get an empty answer; CNAME chains are flattened to the final, vetted addresses (the sandbox never
-sees intermediate names); an answer whose every address was filtered becomes NXDOMAIN.
+sees intermediate names), and refused when a deny rule closes a name on the chain; an answer whose every address
+was filtered becomes NXDOMAIN.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from collections import Counter, defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-from dnslib import AAAA, CLASS, QTYPE, RCODE, RR, A, DNSError, DNSRecord
+from dnslib import AAAA, CLASS, QTYPE, RCODE, RR, A, DNSRecord
 from publicsuffixlist import PublicSuffixList
 
 from airlock.policy import (
@@ -38,12 +39,13 @@ from airlock.policy import (
     Sandbox,
     SandboxRegistry,
     canonical_host,
+    decide_alias,
     decide_name,
     vet,
 )
 
 from .memory import ReplyMemory
-from .upstream import NameNotFound, ResolveError, Resolver
+from .upstream import Answer, NameNotFound, ResolveError, Resolver
 
 log = logging.getLogger("airlock.dns")
 
@@ -57,6 +59,12 @@ class DnsSettings:
     rate_per_second: float = 100.0  # per sandbox; bursts of twice that are absorbed
     answer_timeout: float = 4.0  # the whole upstream exchange; then SERVFAIL
     max_tcp_per_sandbox: int = 16  # open TCP connections; more are closed at once (no exhausting the gateway)
+    max_inflight_per_sandbox: int = 32  # queries waiting on upstream at once; more get SERVFAIL, nothing is asked
+    tcp_timeout: float = 10.0  # to receive each TCP query, and to hand over each reply
+
+
+class _Overloaded(Exception):
+    """The sandbox already has max_inflight_per_sandbox queries waiting on upstream."""
 
 
 class _TokenBucket:
@@ -134,6 +142,7 @@ class PolicyResolver:
         self.settings = settings
         self.stats: Counter[str] = Counter()
         self._buckets: dict[str, _TokenBucket] = {}
+        self._inflight: Counter[str] = Counter()  # per sandbox id: queries waiting on upstream
         self._subdomains = SubdomainRate()
         self.memory = ReplyMemory()
 
@@ -160,14 +169,25 @@ class PolicyResolver:
         return reply
 
     async def decide(self, request: DNSRecord, sandbox: Sandbox | None, client: str) -> tuple[DNSRecord, AuditRecord]:
-        """The full judgement of one admitted query: the reply, and the audit record it was logged with."""
+        """The full judgement of one admitted query: the reply, and the audit record it was logged with. A failure
+        anywhere is SERVFAIL, audited as an error: every query leaves its audit line."""
         started = time.monotonic()
         reply = request.reply()
         reply.header.ra = 1
-        qname = str(request.q.qname)
         qtype = QTYPE.get(request.q.qtype, str(request.q.qtype))
-        record = AuditRecord("dns", sandbox.id if sandbox else "-", client, qname, None, "deny", "")
+        record = AuditRecord("dns", sandbox.id if sandbox else "-", client, str(request.q.qname), None, "deny", "")
         record.method = qtype
+        try:
+            return await self._judge(request, reply, record, sandbox, started)
+        except Exception as e:
+            log.exception("DNS query failed: answering SERVFAIL")
+            failed = request.reply()
+            failed.header.ra, failed.header.rcode = 1, RCODE.SERVFAIL
+            return self._finish(failed, record, "error", f"internal error: {type(e).__name__}: {e}", started)
+
+    async def _judge(
+        self, request: DNSRecord, reply: DNSRecord, record: AuditRecord, sandbox: Sandbox | None, started: float
+    ) -> tuple[DNSRecord, AuditRecord]:
         if sandbox is None:
             return self._refuse(reply, record, "query from an address that belongs to no sandbox")
         if request.header.opcode != 0 or len(request.questions) != 1:
@@ -176,7 +196,7 @@ class PolicyResolver:
         if request.q.qclass != CLASS.IN:
             return self._refuse(reply, record, f"class {CLASS.get(request.q.qclass)} is not answered (only IN)")
         try:
-            name = canonical_host(qname)
+            name = canonical_host(record.host)
         except HostError as e:
             return self._refuse(reply, record, f"invalid name: {e}")
         record.host = name
@@ -190,12 +210,20 @@ class PolicyResolver:
         if flags and profile.dns.refuse:
             return self._refuse(reply, record, "suspicious name: " + "; ".join(flags))
         if request.q.qtype not in ANSWERED_TYPES:
-            return self._finish(reply, record, "allow", f"{qtype} is not answered with data", started)
+            return self._finish(reply, record, "allow", f"{record.method} is not answered with data", started)
         return await self._answer(request, reply, record, profile, name, started)
 
     async def _answer(self, request, reply, record, profile, name, started) -> tuple[DNSRecord, AuditRecord]:
         try:
-            answer = await asyncio.wait_for(self.resolver.query(name, request.q.qtype), self.settings.answer_timeout)
+            answer = self.resolver.cached(name, request.q.qtype)
+            if answer is None:
+                answer = await self._ask_upstream(record.sandbox, name, request.q.qtype)
+        except _Overloaded:
+            self.stats["over_inflight_limit"] += 1
+            reply.header.rcode = RCODE.SERVFAIL
+            limit = self.settings.max_inflight_per_sandbox
+            reason = f"not asked upstream: {limit} queries of this sandbox are already waiting on upstream"
+            return self._finish(reply, record, "error", reason, started)
         except NameNotFound:
             reply.header.rcode = RCODE.NXDOMAIN
             return self._finish(reply, record, "allow", "name does not exist upstream", started)
@@ -204,8 +232,15 @@ class PolicyResolver:
             return self._finish(reply, record, "error", f"upstream failed: {e or 'timeout'}", started)
         record.extra["upstream_ms"] = round(answer.upstream_ms, 1)
         record.extra["ttl"] = answer.ttl
-        vetted = vet(profile, answer.addresses, None, self.settings.own_addresses)
         record.resolved = [str(a) for a in answer.addresses]
+        if answer.cnames:
+            record.extra["cnames"] = list(answer.cnames)
+            denied = decide_alias(profile, answer.cnames, None)
+            if denied is not None:
+                record.rule = denied.rule.source if denied.rule else None
+                reply.header.rcode = RCODE.REFUSED
+                return self._finish(reply, record, "deny", denied.reason, started)
+        vetted = vet(profile, answer.addresses, None, self.settings.own_addresses)
         if answer.addresses and not vetted.allowed:
             reply.header.rcode = RCODE.NXDOMAIN
             return self._finish(reply, record, "deny", vetted.reason, started)
@@ -214,6 +249,17 @@ class PolicyResolver:
             reply.add_answer(RR(request.q.qname, request.q.qtype, rdata=rdata, ttl=answer.ttl))
         reason = "answered" if not vetted.rejected else vetted.reason
         return self._finish(reply, record, "allow", reason, started)
+
+    async def _ask_upstream(self, sandbox: str, name: str, qtype: int) -> Answer:
+        """The shared resolver's answer, at most max_inflight_per_sandbox at once per sandbox: with a silent
+        upstream, distinct names at the full query rate would otherwise hold hundreds of sockets."""
+        if self._inflight[sandbox] >= self.settings.max_inflight_per_sandbox:
+            raise _Overloaded
+        self._inflight[sandbox] += 1
+        try:
+            return await asyncio.wait_for(self.resolver.query(name, qtype), self.settings.answer_timeout)
+        finally:
+            self._inflight[sandbox] -= 1
 
     def _signals(self, record: AuditRecord, sandbox: str, name: str, limits) -> list[str]:
         base = registrable_domain(name)
@@ -342,12 +388,7 @@ class DnsServer:
         request = self._parse(data)
         if request is None:
             return
-        try:
-            reply, record = await self.resolver.decide(request, sandbox, address[0])
-        except Exception:
-            log.exception("DNS resolver failed: answering SERVFAIL")
-            self._send(_servfail(request).pack(), address)
-            return
+        reply, record = await self.resolver.decide(request, sandbox, address[0])
         packet = reply.pack()
         if len(packet) > 512:
             # Classic UDP limit: send the header and question with TC set; the client retries over TCP.
@@ -365,7 +406,7 @@ class DnsServer:
         stats = self.resolver.stats
         try:
             request = DNSRecord.parse(data)
-        except (DNSError, struct.error, ValueError, IndexError, UnicodeError):
+        except Exception:  # hostile bytes can make dnslib raise anything (e.g. RecursionError on pointer chains)
             stats["dropped_malformed"] += 1
             return None
         if request.header.qr or not request.questions:
@@ -374,17 +415,9 @@ class DnsServer:
         return request
 
     async def handle(self, data: bytes, handler: Handler) -> DNSRecord | None:
-        if len(data) > MAX_QUERY_BYTES:
-            self.resolver.stats["dropped_oversize"] += 1
-            return None
+        """The reply to one query of at most MAX_QUERY_BYTES, or None to send nothing."""
         request = self._parse(data)
-        if request is None:
-            return None
-        try:
-            return await self.resolver.resolve(request, handler)
-        except Exception:
-            log.exception("DNS resolver failed: answering SERVFAIL")
-            return _servfail(request)
+        return None if request is None else await self.resolver.resolve(request, handler)
 
     async def _tcp_client(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         peer = writer.get_extra_info("peername")
@@ -395,24 +428,24 @@ class DnsServer:
             writer.close()
             return
         self._tcp_open[owner] += 1
+        timeout = self.resolver.settings.tcp_timeout
         try:
             while True:
-                (length,) = struct.unpack("!H", await asyncio.wait_for(reader.readexactly(2), 10))
-                data = await asyncio.wait_for(reader.readexactly(length), 10)
+                (length,) = struct.unpack("!H", await asyncio.wait_for(reader.readexactly(2), timeout))
+                if length > MAX_QUERY_BYTES:
+                    self.resolver.stats["dropped_oversize"] += 1
+                    break  # no query is that long: not worth reading
+                data = await asyncio.wait_for(reader.readexactly(length), timeout)
                 reply = await self.handle(data, Handler(peer[0], "tcp"))
                 if reply is None:
                     break
                 packet = reply.pack()
                 writer.write(struct.pack("!H", len(packet)) + packet)
-                await writer.drain()
+                await asyncio.wait_for(writer.drain(), timeout)  # a client that never reads must not hold on
         except (asyncio.IncompleteReadError, TimeoutError, ConnectionError):
             pass
         finally:
             self._tcp_open[owner] -= 1
-            writer.close()
-
-
-def _servfail(request: DNSRecord) -> DNSRecord:
-    reply = request.reply()
-    reply.header.rcode = RCODE.SERVFAIL
-    return reply
+            # Not close(): it keeps the socket until a client that never reads has taken the buffered replies.
+            # What the kernel already holds is still delivered.
+            writer.transport.abort()

@@ -11,13 +11,14 @@ import asyncio
 import contextlib
 import ipaddress
 import math
-import random
+import secrets
 import socket
 import struct
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 
-from dnslib import CLASS, QTYPE, RCODE, DNSError, DNSRecord
+from dnslib import CLASS, OPCODE, QTYPE, RCODE, DNSRecord
 
 from airlock.policy import IPAddress
 
@@ -36,6 +37,10 @@ class NameNotFound(ResolveError):
 
 class ResolverUnavailable(ResolveError):
     pass
+
+
+class MalformedReply(ValueError):
+    """Bytes from an upstream server that are no reply to our question: unparsable, or answering something else."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,6 +102,7 @@ class Resolver:
         self.config = config
         self._cache: dict[tuple[str, int], _Entry] = {}
         self._inflight: dict[tuple[str, int], asyncio.Future[Answer]] = {}
+        self.stats: Counter[str] = Counter()  # malformed_replies, mismatched_replies
 
     async def resolve(self, name: str) -> Answer:
         """All A and AAAA addresses of a canonical name (CNAMEs followed)."""
@@ -109,23 +115,27 @@ class Resolver:
         if not addresses:
             unavailable = [r for r in results if isinstance(r, ResolverUnavailable)]
             raise unavailable[0] if unavailable else NameNotFound(f"{name} has no A/AAAA records")
-        return Answer(
-            addresses,
-            min(a.ttl for a in answers),
-            answers[0].cnames,
-            sum(a.upstream_ms for a in answers),
-        )
+        # Both chains: a caller refusing chains through denied names must see the AAAA lookup's as well.
+        cnames = tuple(dict.fromkeys(name for answer in answers for name in answer.cnames))
+        return Answer(addresses, min(a.ttl for a in answers), cnames, sum(a.upstream_ms for a in answers))
+
+    def cached(self, name: str, qtype: int) -> Answer | None:
+        """The cached answer, or None when upstream must be asked; NameNotFound for a cached negative answer."""
+        entry = self._cache.get((name, qtype))
+        now = time.monotonic()
+        if entry is None or entry.expires <= now:
+            return None
+        if entry.answer is None:
+            raise NameNotFound(entry.error)
+        remaining = math.ceil(entry.expires - now)  # what is left, as a downstream cache must be told
+        return Answer(entry.answer.addresses, remaining, entry.answer.cnames)
 
     async def query(self, name: str, qtype: int) -> Answer:
         """One cached question; concurrent identical questions share one upstream exchange."""
+        answer = self.cached(name, qtype)
+        if answer is not None:
+            return answer
         key = (name, qtype)
-        entry = self._cache.get(key)
-        now = time.monotonic()
-        if entry is not None and entry.expires > now:
-            if entry.answer is None:
-                raise NameNotFound(entry.error)
-            remaining = math.ceil(entry.expires - now)  # what is left, as a downstream cache must be told
-            return Answer(entry.answer.addresses, remaining, entry.answer.cnames)
         if key in self._inflight:
             return await asyncio.shield(self._inflight[key])
         future: asyncio.Future[Answer] = asyncio.get_running_loop().create_future()
@@ -187,17 +197,17 @@ class Resolver:
 
     async def _exchange(self, name: str, qtype: int) -> DNSRecord:
         question = DNSRecord.question(name, QTYPE.get(qtype))
-        question.header.id = random.randrange(1 << 16)
+        question.header.id = secrets.randbits(16)  # unpredictable: an off-path spoofer has to guess it
         question.header.rd = 1
         problems: list[str] = []
         for _ in range(self.config.attempts):
             for server in self.config.servers:
                 try:
-                    reply = await asyncio.wait_for(_udp_exchange(question, server), self.config.timeout)
+                    reply = await asyncio.wait_for(_udp_exchange(question, server, self.stats), self.config.timeout)
                     if reply.header.tc:
-                        reply = await asyncio.wait_for(_tcp_exchange(question, server), self.config.timeout)
+                        reply = await asyncio.wait_for(_tcp_exchange(question, server, self.stats), self.config.timeout)
                     return reply
-                except (TimeoutError, OSError, DNSError, ValueError) as e:
+                except (TimeoutError, OSError, MalformedReply) as e:
                     problems.append(f"{server[0]}:{server[1]}: {type(e).__name__} {e}".strip())
         raise ResolverUnavailable(f"no upstream DNS answer for {name} ({'; '.join(problems[-2:])})")
 
@@ -226,13 +236,33 @@ def _follow(reply: DNSRecord, name: str, qtype: int) -> tuple[list[IPAddress], l
     return [], chain, (ttl if chain else 0)
 
 
-def _check_reply(reply: DNSRecord, question: DNSRecord) -> DNSRecord:
-    if reply.header.id != question.header.id or reply.q.qname != question.q.qname or reply.q.qtype != question.q.qtype:
-        raise ValueError("reply does not match the question")
+def _parse_reply(data: bytes, question: DNSRecord, stats: Counter[str]) -> DNSRecord:
+    """The reply to `question` in `data`; MalformedReply (and counted) for anything else."""
+    try:
+        reply = DNSRecord.parse(data)
+    except Exception as e:
+        # Hostile bytes make dnslib raise more than DNSError: a long chain of compression pointers, RecursionError.
+        stats["malformed_replies"] += 1
+        raise MalformedReply(f"unparsable reply ({type(e).__name__})") from None
+    if not _answers(reply, question):
+        stats["mismatched_replies"] += 1
+        raise MalformedReply("reply does not match the question")
     return reply
 
 
-async def _udp_exchange(question: DNSRecord, server: Server) -> DNSRecord:
+def _answers(reply: DNSRecord, question: DNSRecord) -> bool:
+    """A response (QR set, opcode QUERY) with our ID and exactly our question: name (in any letter case), type
+    and class (IN: the only class we ask)."""
+    header = reply.header
+    return (
+        header.id == question.header.id
+        and header.qr == 1
+        and header.opcode == OPCODE.QUERY
+        and reply.questions == question.questions
+    )
+
+
+async def _udp_exchange(question: DNSRecord, server: Server, stats: Counter[str]) -> DNSRecord:
     loop = asyncio.get_running_loop()
     family = socket.AF_INET6 if ":" in server[0] else socket.AF_INET
     with socket.socket(family, socket.SOCK_DGRAM) as sock:
@@ -241,18 +271,18 @@ async def _udp_exchange(question: DNSRecord, server: Server) -> DNSRecord:
         await loop.sock_sendall(sock, question.pack())
         while True:
             data = await loop.sock_recv(sock, 65535)
-            with contextlib.suppress(ValueError, DNSError):
-                return _check_reply(DNSRecord.parse(data), question)
+            with contextlib.suppress(MalformedReply):  # spoofed or broken: the real reply may still come
+                return _parse_reply(data, question, stats)
 
 
-async def _tcp_exchange(question: DNSRecord, server: Server) -> DNSRecord:
+async def _tcp_exchange(question: DNSRecord, server: Server, stats: Counter[str]) -> DNSRecord:
     reader, writer = await asyncio.open_connection(*server)
     try:
         packet = question.pack()
         writer.write(struct.pack("!H", len(packet)) + packet)
         await writer.drain()
         (length,) = struct.unpack("!H", await reader.readexactly(2))
-        return _check_reply(DNSRecord.parse(await reader.readexactly(length)), question)
+        return _parse_reply(await reader.readexactly(length), question, stats)
     except asyncio.IncompleteReadError as e:
         raise OSError("TCP DNS reply cut short") from e
     finally:

@@ -1,8 +1,8 @@
 """The policy core: pure functions shared by the proxy, the DNS resolver and the broker (no I/O but reading
 the policy file, no asyncio)."""
 
-from .addresses import Category, Classification, classify, embedded_ipv4
-from .decide import Decision, Vetted, decide, decide_name, vet
+from .addresses import SANDBOX_LINK_NETWORKS, Category, Classification, classify, embedded_ipv4
+from .decide import Decision, Vetted, decide, decide_alias, decide_name, vet
 from .hosts import HostError, IPAddress, canonical_host, format_host_port, is_ip, parse_ip_literal
 from .loader import PolicyError, load_policy, parse_policy
 from .model import DEFAULT_ALLOW_PORTS, DnsLimits, Policy, Profile, Rule
@@ -10,6 +10,7 @@ from .records import AuditRecord, RepeatedDecisions, Sandbox, SandboxRegistry, n
 
 __all__ = [
     "DEFAULT_ALLOW_PORTS",
+    "SANDBOX_LINK_NETWORKS",
     "AuditRecord",
     "Category",
     "Classification",
@@ -28,6 +29,7 @@ __all__ = [
     "canonical_host",
     "classify",
     "decide",
+    "decide_alias",
     "decide_name",
     "embedded_ipv4",
     "format_host_port",

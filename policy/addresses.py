@@ -1,8 +1,9 @@
 """The one address classifier: is this IP on the public internet, internal, or cloud metadata?
 
 `ipaddress.is_global` is not enough: it calls 100.64/10 shared but not 6to4 or NAT64 addresses that embed an
-internal IPv4, and knows nothing about metadata services. IPv6 forms that carry an IPv4 address are judged by
-the address they carry.
+internal IPv4, knows nothing about metadata services, and its IPv6 answers change between Python patch releases.
+Here IPv6 is public only inside 2000::/3, minus the special-purpose blocks listed below. IPv6 forms that carry
+an IPv4 address are judged by the address they carry.
 """
 
 from __future__ import annotations
@@ -29,22 +30,28 @@ class Classification:
     address: IPAddress  # the address actually judged: the embedded IPv4 for mapped/6to4/NAT64 forms
 
 
-# Cloud metadata and host services: AWS/GCP/Azure/OCI IMDS, ECS task metadata, EKS pod identity,
-# Alibaba, Azure wireserver, AWS IMDS over IPv6. Link-local as a whole is treated like them: no legitimate
-# named service lives there, and a CIDR rule must never open it.
+# Cloud metadata and host services: AWS/GCP/Azure/OCI IMDS, ECS task metadata, EKS pod identity (all in
+# 169.254/16), Alibaba, Azure wireserver, OCI Classic, and the IPv6 endpoints of AWS (fd00:ec2::/32), GCP and
+# Oracle Cloud. Link-local as a whole is treated like them: no legitimate named service lives there, and a CIDR
+# rule must never open it.
 METADATA_NETWORKS: tuple[Network, ...] = tuple(
     ipaddress.ip_network(n)
     for n in (
         "169.254.0.0/16",
         "100.100.100.200/32",
         "168.63.129.16/32",
+        "192.0.0.192/32",
         "fd00:ec2::/32",
+        "fd20:ce::254/128",
+        "fd00:c1::a9fe:a9fe/128",
         "fe80::/10",
     )
 )
 
 # The RFC 5737 documentation ranges (192.0.2/24, 198.51.100/24, 203.0.113/24) are deliberately absent: they are
 # never routed on the internet, so they cannot reach anything internal, and test beds use them as one.
+# IPv6 is public only inside 2000::/3 (see classify), so the IPv6 rows here are the special-purpose blocks inside
+# it, plus labels for well-known blocks outside it. First match wins: narrower blocks come first.
 _INTERNAL: tuple[tuple[Network, str], ...] = tuple(
     (ipaddress.ip_network(net), label)
     for net, label in (
@@ -64,15 +71,35 @@ _INTERNAL: tuple[tuple[Network, str], ...] = tuple(
         ("64:ff9b:1::/48", "local-use NAT64"),
         ("100::/64", "discard-only"),
         ("2001::/32", "Teredo"),
+        # IETF protocol assignments, including the globally reachable anycast (PCP, TURN, AMT, AS112) and
+        # ORCHIDv2/DET blocks: no sandbox needs them, so they stay closed unless a CIDR rule names them.
+        ("2001::/23", "IETF protocol assignments"),
         ("2001:db8::/32", "documentation"),
+        ("3fff::/20", "documentation"),
+        ("5f00::/16", "SRv6 SIDs"),
         ("fc00::/7", "unique local"),
         ("fec0::/10", "site-local"),
         ("ff00::/8", "multicast"),
     )
 )
 
+# The only IPv6 space where public unicast lives. A fixed list instead of `ipaddress.is_global`, whose answer
+# has changed between Python patch releases.
+_GLOBAL_UNICAST = ipaddress.IPv6Network("2000::/3")
+_BROADCAST = ipaddress.IPv4Address("255.255.255.255")
 _NAT64 = ipaddress.IPv6Network("64:ff9b::/96")
 _V4_COMPATIBLE = ipaddress.IPv6Network("::/96")
+_V4_TRANSLATED = ipaddress.IPv6Network("::ffff:0:0:0/96")  # SIIT "IPv4-translated" (RFC 2765)
+
+# IPv6 ranges whose addresses are judged by the IPv4 address they carry (see embedded_ipv4): mapped, SIIT
+# translated, IPv4-compatible, NAT64, 6to4.
+EMBEDDING_NETWORKS: tuple[ipaddress.IPv6Network, ...] = (
+    ipaddress.IPv6Network("::ffff:0:0/96"),
+    _V4_TRANSLATED,
+    _V4_COMPATIBLE,
+    _NAT64,
+    ipaddress.IPv6Network("2002::/16"),
+)
 
 
 def classify(address: IPAddress) -> Classification:
@@ -85,13 +112,23 @@ def classify(address: IPAddress) -> Classification:
     for net, label in _INTERNAL:
         if judged.version == net.version and judged in net:
             return Classification(Category.INTERNAL, label, judged)
-    if judged.version == 6 and not judged.is_global:
-        # Whatever else IANA does not call global (benchmarking, ORCHID, future blocks) stays closed.
-        return Classification(Category.INTERNAL, "not globally routable", judged)
+    if judged.version == 6 and judged not in _GLOBAL_UNICAST:
+        # ::/8 reserved, 4000::/3 unallocated, and every other block outside global unicast stays closed.
+        return Classification(Category.INTERNAL, "outside global unicast 2000::/3", judged)
     return Classification(Category.PUBLIC, "public", judged)
 
 
-_BROADCAST = ipaddress.IPv4Address("255.255.255.255")
+# The links airlock's launchers give sandboxes (netns veths, docker networks): a sandbox's side and a gateway's side
+# live there. Never an upstream, whatever CIDR rule covers them: that would be one sandbox reaching another, or a
+# host service through a gateway address that appeared after the gateway started.
+SANDBOX_LINK_NETWORKS: tuple[ipaddress.IPv4Network, ...] = (
+    ipaddress.IPv4Network("10.231.0.0/16"),  # `airlock run` netns veth /30s
+    ipaddress.IPv4Network("10.232.0.0/16"),  # `airlock run --backend docker` networks, one /24 each
+)
+
+
+def in_sandbox_links(address: IPAddress) -> bool:
+    return address.version == 4 and any(address in net for net in SANDBOX_LINK_NETWORKS)
 
 
 def _in_metadata(address: IPAddress) -> bool:
@@ -99,7 +136,7 @@ def _in_metadata(address: IPAddress) -> bool:
 
 
 def embedded_ipv4(address: IPAddress) -> ipaddress.IPv4Address | None:
-    """The IPv4 address that an IPv6 form carries (mapped, compatible, NAT64, 6to4), if any."""
+    """The IPv4 address that an IPv6 form carries (mapped, SIIT translated, compatible, NAT64, 6to4), if any."""
     if address.version != 6:
         return None
     assert isinstance(address, ipaddress.IPv6Address)
@@ -107,8 +144,8 @@ def embedded_ipv4(address: IPAddress) -> ipaddress.IPv4Address | None:
         return address.ipv4_mapped
     if address.sixtofour is not None:
         return address.sixtofour
-    if address in _NAT64 or (address in _V4_COMPATIBLE and int(address) > 1):
-        # NAT64 and the deprecated IPv4-compatible form both carry the IPv4 address in the low 32 bits.
+    if address in _NAT64 or address in _V4_TRANSLATED or (address in _V4_COMPATIBLE and int(address) > 1):
+        # These forms carry the IPv4 address in the low 32 bits.
         return ipaddress.IPv4Address(int(address) & 0xFFFFFFFF)
     return None
 

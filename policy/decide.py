@@ -10,7 +10,7 @@ import ipaddress
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from .addresses import Category, classify, embedded_ipv4
+from .addresses import Category, classify, embedded_ipv4, in_sandbox_links
 from .hosts import IPAddress, format_host_port, is_ip
 from .model import Profile, Rule
 
@@ -27,6 +27,11 @@ class Decision:
         """Whether a CONNECT tunnel that is not TLS may carry this traffic."""
         return self.allow and self.rule is not None and self.rule.tunnel
 
+    @property
+    def ech(self) -> bool:
+        """Whether TLS with Encrypted Client Hello may carry this traffic (the inner name is hidden)."""
+        return self.allow and self.rule is not None and self.rule.ech
+
 
 @dataclass(frozen=True, slots=True)
 class Vetted:
@@ -42,7 +47,8 @@ class Vetted:
         return "every address is blocked: " + _summary(self.rejected)
 
 
-_NEVER_OPENED = frozenset({"loopback", "this network", "unspecified"})
+# Internal ranges the loader refuses in allow rules (the gateway itself; tunnels nobody can vet): no hint offered.
+_NEVER_OPENED = frozenset({"loopback", "this network", "unspecified", "Teredo", "local-use NAT64"})
 
 
 def _summary(rejected: tuple[tuple[IPAddress, str], ...]) -> str:
@@ -116,10 +122,21 @@ def _judge_address(profile: Profile, address: IPAddress, port: int | None) -> De
         if rule.matches_port(port):
             return Decision(True, f"allowed by CIDR rule for {classification.label} address", rule)
     if classification.category is Category.INTERNAL:
-        hint = None  # the gateway host's own loopback/unspecified ranges can never be opened by a rule
+        hint = None
         if classification.label not in _NEVER_OPENED:
             hint = f"allow: [{{cidr: {judged}/{judged.max_prefixlen}, ports: [{port}]}}] (named internal service)"
         return Decision(False, f"{judged} is an internal address ({classification.label})", None, hint)
+    return None
+
+
+def decide_alias(profile: Profile, cnames: Iterable[str], port: int | None) -> Decision | None:
+    """The refusal of a CNAME chain that passes through a name a deny rule closes for `port` (None: on every
+    port, as DNS judges names), else None. Only deny rules apply: a chain's targets (CDNs) are rarely
+    allowlisted, but an allowed name must not hand out the addresses of a denied one."""
+    for name in cnames:
+        for rule in profile.deny_rules_for_host(name):
+            if rule.matches_port(port):
+                return Decision(False, f"CNAME chain passes through {name}, denied by rule {rule.describe()}", rule)
     return None
 
 
@@ -133,8 +150,8 @@ def vet(
 
     Public addresses pass unless a deny rule names them; internal ones pass only through a CIDR allow rule
     for this port; metadata never passes; neither do the gateway's own addresses (a request must not loop
-    back into the gateway). A mixed answer keeps only its allowed part (documented in README). `port` None
-    vets for DNS: an internal address passes if a CIDR rule opens it on any port.
+    back into the gateway) nor airlock's sandbox links. A mixed answer keeps only its allowed part (documented
+    in README). `port` None vets for DNS: an internal address passes if a CIDR rule opens it on any port.
     """
     allowed: list[IPAddress] = []
     rejected: list[tuple[IPAddress, str]] = []
@@ -142,6 +159,9 @@ def vet(
         judged = embedded_ipv4(address) or address
         if address in own_addresses or judged in own_addresses or judged.is_unspecified:
             rejected.append((address, "the gateway's own address"))
+            continue
+        if in_sandbox_links(judged):
+            rejected.append((address, "an airlock sandbox link, never an upstream"))
             continue
         verdict = _judge_address(profile, address, port)
         if verdict is None or verdict.allow:

@@ -14,10 +14,14 @@ import idna
 type IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 
 MAX_NAME_LENGTH = 253
-_LABEL = re.compile(r"^[a-z0-9_]([a-z0-9_-]{0,61}[a-z0-9_])?$")
-# Characters that never belong in a host: URL structure, userinfo, zone IDs, whitespace, brackets.
-_FORBIDDEN = re.compile(r"[\x00-\x20\x7f@/\\?#%\[\]<>\"'`{}|^,;:*=+!$&()~]")
-_NUMERIC_PART = re.compile(r"^(0[xX][0-9a-fA-F]*|[0-9]+)$")
+# Used with fullmatch: `$` also matches before a final newline, and int() then ignored it (`127.0.0.1\n`).
+# Digits are spelled [0-9] because `\d` and str.isdigit() accept non-ASCII digits.
+_LABEL = re.compile(r"[a-z0-9_]([a-z0-9_-]{0,61}[a-z0-9_])?")
+_NUMERIC_PART = re.compile(r"0[xX][0-9a-fA-F]*|[0-9]+")
+# Whitespace (Unicode's, not only ASCII's) and C0/C1 control characters: never part of any host.
+_SPACE_OR_CONTROL = re.compile(r"[\s\x00-\x1f\x7f-\x9f]")
+# Characters that never belong in a name: URL structure, userinfo, zone IDs, brackets.
+_FORBIDDEN = re.compile(r"[@/\\?#%\[\]<>\"'`{}|^,;:*=+!$&()~]")
 
 
 class HostError(ValueError):
@@ -32,7 +36,7 @@ def parse_ipv4_libc(text: str) -> ipaddress.IPv4Address | None:
     Raises HostError when it looks numeric but is out of range (e.g. `256.1.1.1`, `1.2.3.4.5`).
     """
     parts = text.split(".")
-    if not all(_NUMERIC_PART.match(p) for p in parts):
+    if not all(_NUMERIC_PART.fullmatch(p) for p in parts):
         return None
     if len(parts) > 4:
         raise HostError(f"{text!r}: too many parts for an IPv4 address")
@@ -64,6 +68,8 @@ def parse_ip_literal(text: str) -> IPAddress | None:
     IPv6 may come bracketed (as in URLs and CONNECT). Zone IDs (`fe80::1%eth0`) are refused: they name an
     interface of the gateway, never a remote host.
     """
+    if _SPACE_OR_CONTROL.search(text):
+        raise HostError(f"{text!r}: forbidden character in host (whitespace or control)")
     if text.startswith("[") and text.endswith("]"):
         text = text[1:-1]
         if ":" not in text:
@@ -105,7 +111,7 @@ def _check_name(raw: str, name: str) -> None:
         raise HostError(f"{raw!r}: name longer than {MAX_NAME_LENGTH} characters")
     labels = name.split(".")
     for label in labels:
-        if not _LABEL.match(label):
+        if not _LABEL.fullmatch(label):
             raise HostError(f"{raw!r}: invalid label {label!r}")
         if label.startswith("xn--"):
             try:
@@ -113,7 +119,7 @@ def _check_name(raw: str, name: str) -> None:
             except idna.IDNAError:
                 raise HostError(f"{raw!r}: invalid punycode label {label!r}") from None
     # A name ending in a numeric label is a mangled IP address (e.g. `1.2.3.999`), never a real host.
-    if _NUMERIC_PART.match(labels[-1]):
+    if _NUMERIC_PART.fullmatch(labels[-1]):
         raise HostError(f"{raw!r}: last label is numeric but the host is not an IP address")
 
 

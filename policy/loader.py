@@ -8,24 +8,42 @@ from __future__ import annotations
 
 import functools
 import ipaddress
+import math
+import re
 from pathlib import Path
 
 import yaml
 from publicsuffixlist import PublicSuffixList
 
-from .addresses import covers_metadata
+from .addresses import EMBEDDING_NETWORKS, Network, covers_metadata
 from .hosts import HostError, canonical_host, is_ip
 from .model import DEFAULT_ALLOW_PORTS, Action, DnsLimits, Policy, Profile, Rule
 
 _TOP_KEYS = {"version", "default_profile", "profiles"}
 _PROFILE_KEYS = {"description", "allow", "deny", "dns"}
 _DNS_KEYS = {"refuse_suspicious", "max_label_length", "max_label_entropy", "max_new_subdomains_per_minute"}
-_RULE_KEYS = {"host", "cidr", "ports", "tunnel", "name", "comment"}
+_RULE_KEYS = {"host", "cidr", "ports", "tunnel", "ech", "name", "comment"}
 # Ranges a rule may never open: they are the gateway host itself.
-_EMBEDDING_NETWORKS = tuple(
-    ipaddress.IPv6Network(n) for n in ("::ffff:0:0/96", "::/96", "64:ff9b::/96", "64:ff9b:1::/48", "2002::/16")
-)
 _SELF_NETWORKS = tuple(ipaddress.ip_network(n) for n in ("0.0.0.0/8", "127.0.0.0/8", "::/128", "::1/128"))
+# Tunnels and translators that carry traffic to addresses nobody can vet: blocked whole, never opened.
+_TUNNEL_NETWORKS = tuple(
+    (ipaddress.IPv6Network(n), label) for n, label in (("2001::/32", "Teredo"), ("64:ff9b:1::/48", "local-use NAT64"))
+)
+
+_YAML = "tag:yaml.org,2002:"
+_NULL, _BOOL, _INT, _FLOAT, _SEQ, _MAP = (_YAML + t for t in ("null", "bool", "int", "float", "seq", "map"))
+_BOOLEANS = {"true": True, "yes": True, "on": True, "false": False, "no": False, "off": False}
+# Plain ASCII decimal only: YAML reads `0443` as octal 291 and `0x1bb` as hex where a reader sees 443, and int()
+# or str.isdigit() would take Arabic-Indic or fullwidth digits, or `²`. [0-9] is ASCII; `\d` is not.
+_PORT = re.compile(r"0|[1-9][0-9]*")
+_DECIMAL = {int: re.compile(r"[0-9]+"), float: re.compile(r"[0-9]+(\.[0-9]+)?")}
+# dns key -> (type, YAML tags accepted, exclusive low, inclusive high). A label has at most 63 characters, so at
+# most log2(63) < 6 bits of entropy per character: a higher limit could never fire.
+_DNS_NUMBERS: dict[str, tuple[type[int] | type[float], tuple[str, ...], int, int]] = {
+    "max_label_length": (int, (_INT,), 0, 63),
+    "max_label_entropy": (float, (_INT, _FLOAT), 0, 6),
+    "max_new_subdomains_per_minute": (int, (_INT,), 0, 1_000_000),
+}
 
 
 # libyaml's loader when present: the pure-Python one takes seconds for a policy of 10,000 rules.
@@ -47,12 +65,24 @@ def load_policy(path: str | Path) -> Policy:
     path = Path(path)
     try:
         text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:
+    except (OSError, ValueError) as e:  # ValueError: undecodable bytes, or a NUL in the path
         raise PolicyError([f"{path}:1: cannot read policy: {e}"]) from None
     return parse_policy(text, str(path))
 
 
 def parse_policy(text: str, filename: str = "<policy>") -> Policy:
+    """The policy in `text`, or PolicyError listing every problem as `file:line: message`."""
+    try:
+        return _parse(text, filename)
+    except PolicyError:
+        raise
+    except Exception as e:
+        # Last resort: whatever slipped past the checks is still a bad policy, never a crash of `policy check`
+        # or of the SIGHUP reload (which keeps the running policy only on PolicyError).
+        raise PolicyError([f"{filename}:1: cannot load policy: {type(e).__name__}: {e}"]) from e
+
+
+def _parse(text: str, filename: str) -> Policy:
     errors: list[str] = []
     try:
         root = yaml.compose(text, Loader=_YAML_LOADER)
@@ -80,13 +110,13 @@ class _Builder:
         return f"{self.filename}:{node.start_mark.line + 1}"
 
     def mapping(self, node: yaml.Node | None, what: str, keys: set[str]) -> dict[str, tuple[yaml.Node, yaml.Node]]:
-        if not isinstance(node, yaml.MappingNode):
+        if not _is_mapping(node):
             self.error(node, f"{what} must be a mapping")
             return {}
         result: dict[str, tuple[yaml.Node, yaml.Node]] = {}
         for key_node, value_node in node.value:
-            key = key_node.value if isinstance(key_node, yaml.ScalarNode) else None
-            if not isinstance(key, str):
+            key = _text(key_node)
+            if key is None:
                 self.error(key_node, f"{what}: keys must be plain strings")
             elif key in result:
                 self.error(key_node, f"{what}: duplicate key {key!r}")
@@ -97,16 +127,23 @@ class _Builder:
         return result
 
     def scalar(self, node: yaml.Node, what: str) -> str | None:
-        if not isinstance(node, yaml.ScalarNode) or node.tag == "tag:yaml.org,2002:null":
-            self.error(node, f"{what} must be a single value")
-            return None
-        return str(node.value)
+        text = _text(node)
+        if text is None:
+            self.error(node, f"{what} must be a single value, not {_kind(node)}")
+        return text
+
+    def boolean(self, node: yaml.Node, what: str) -> bool | None:
+        # Only YAML's own booleans: a quoted "true" or `1` is a typo a reader would misjudge.
+        value = _BOOLEANS.get(node.value.lower()) if isinstance(node, yaml.ScalarNode) and node.tag == _BOOL else None
+        if value is None:
+            self.error(node, f"{what} must be true or false")
+        return value
 
     def policy(self, root: yaml.Node | None) -> Policy | None:
         if root is None:
             return None
         top = self.mapping(root, "policy", _TOP_KEYS)
-        if "version" in top and self.scalar(top["version"][1], "version") != "1":
+        if "version" in top and self.scalar(top["version"][1], "version") not in {"1", None}:
             self.error(top["version"][1], "version: only version 1 is known")
         if "profiles" not in top:
             self.error(root, "policy: 'profiles' is required")
@@ -120,18 +157,20 @@ class _Builder:
         if "default_profile" in top:
             default = self.scalar(top["default_profile"][1], "default_profile") or default
         # Reported alongside other errors (every problem at once), unless `profiles` itself was unreadable.
-        if default not in profiles and isinstance(top["profiles"][1], yaml.MappingNode):
+        if default not in profiles and _is_mapping(top["profiles"][1]):
             self.error(top.get("default_profile", (root, root))[1], f"default profile {default!r} is not defined")
         return Policy(profiles, default, self.filename)
 
     def profile(self, name: str, key_node: yaml.Node, node: yaml.Node) -> Profile | None:
         fields = self.mapping(node, f"profile {name!r}", _PROFILE_KEYS)
+        if "description" in fields:
+            self.scalar(fields["description"][1], "description")
         rules: dict[Action, list[Rule]] = {"allow": [], "deny": []}
         for action in ("allow", "deny"):
             if action not in fields:
                 continue
             rule_list = fields[action][1]
-            if not isinstance(rule_list, yaml.SequenceNode):
+            if not _is_list(rule_list):
                 self.error(rule_list, f"profile {name!r}: {action} must be a list of rules")
                 continue
             for rule_node in rule_list.value:
@@ -145,27 +184,25 @@ class _Builder:
         fields = self.mapping(node, "dns", _DNS_KEYS)
         values: dict[str, object] = {}
         for key, (_, value) in fields.items():
-            if key == "refuse_suspicious":
-                if value.tag != "tag:yaml.org,2002:bool":
-                    self.error(value, "dns.refuse_suspicious must be true or false")
-                else:
-                    values["refuse"] = value.value.lower() in {"true", "yes", "on"}
-                continue
-            number = self.scalar(value, f"dns.{key}")
-            try:
-                parsed = float(number) if key == "max_label_entropy" else int(number or "")
-            except ValueError:
-                self.error(value, f"dns.{key} must be a number")
-                continue
-            if parsed <= 0:
-                self.error(value, f"dns.{key} must be positive")
-                continue
-            values[key] = parsed
+            parsed = self.boolean(value, f"dns.{key}") if key == "refuse_suspicious" else self.dns_number(key, value)
+            if parsed is not None:
+                values["refuse" if key == "refuse_suspicious" else key] = parsed
         return DnsLimits(**values)  # type: ignore[arg-type]
+
+    def dns_number(self, key: str, node: yaml.Node) -> int | float | None:
+        kind, tags, low, high = _DNS_NUMBERS[key]
+        if not (isinstance(node, yaml.ScalarNode) and node.tag in tags and _DECIMAL[kind].fullmatch(node.value)):
+            self.error(node, f"dns.{key} must be a plain decimal {'integer' if kind is int else 'number'}")
+            return None
+        value = float(node.value)  # a very long digit string gives inf here, not an error
+        if not (math.isfinite(value) and low < value <= high):
+            self.error(node, f"dns.{key} must be greater than {low} and at most {high}")
+            return None
+        return kind(value)
 
     def rule(self, action: Action, node: yaml.Node) -> Rule | None:
         fields = self.mapping(node, f"{action} rule", _RULE_KEYS)
-        if not isinstance(node, yaml.MappingNode):
+        if not _is_mapping(node):
             return None  # already reported; an empty mapping `{}` falls through to the host/cidr error below
         if ("host" in fields) == ("cidr" in fields):
             self.error(node, f"{action} rule: give exactly one of 'host' or 'cidr'")
@@ -176,19 +213,21 @@ class _Builder:
         ports = self.ports(action, fields["ports"][1]) if "ports" in fields else None
         if ports is None and action == "allow":
             ports = DEFAULT_ALLOW_PORTS
-        tunnel = False
-        if "tunnel" in fields:
-            value = fields["tunnel"][1]
-            if value.tag != "tag:yaml.org,2002:bool":
-                self.error(value, "tunnel must be true or false")
-            elif action == "deny":
-                self.error(value, "tunnel is only meaningful on allow rules")
-            else:
-                tunnel = value.value.lower() in {"true", "yes", "on"}
+        tunnel = self.allow_only(action, fields["tunnel"][1], "tunnel") if "tunnel" in fields else False
+        ech = self.allow_only(action, fields["ech"][1], "ech") if "ech" in fields else False
         name = self.scalar(fields["name"][1], "name") if "name" in fields else None
+        if "comment" in fields:
+            self.scalar(fields["comment"][1], "comment")
         if len(self.errors) != before:
             return None
-        return Rule(action, self.where(node), host=host, cidr=cidr, ports=ports, tunnel=tunnel, name=name)
+        return Rule(action, self.where(node), host=host, cidr=cidr, ports=ports, tunnel=tunnel, ech=ech, name=name)
+
+    def allow_only(self, action: Action, node: yaml.Node, key: str) -> bool:
+        """A switch that widens what an allow rule lets through (`tunnel`, `ech`)."""
+        value = self.boolean(node, key)
+        if value is not None and action == "deny":
+            self.error(node, f"{key} is only meaningful on allow rules")
+        return bool(value)
 
     def host_pattern(self, node: yaml.Node) -> str | None:
         raw = self.scalar(node, "host")
@@ -213,48 +252,91 @@ class _Builder:
             return "*." + host
         return host
 
-    def cidr(self, action: Action, node: yaml.Node) -> ipaddress.IPv4Network | ipaddress.IPv6Network | None:
+    def cidr(self, action: Action, node: yaml.Node) -> Network | None:
         raw = self.scalar(node, "cidr")
         if raw is None:
+            return None
+        if "%" in raw:
+            # ipaddress accepts `fd12::%eth0/64`; a zone ID names an interface of the gateway, never a remote net.
+            self.error(node, f"cidr {raw!r}: IPv6 zone IDs are not allowed")
             return None
         try:
             network = ipaddress.ip_network(raw, strict=True)
         except ValueError as e:
             self.error(node, f"cidr {raw!r}: {e}")
             return None
-        if action == "allow":
-            if covers_metadata(network):
-                self.error(node, f"cidr {raw!r} covers cloud metadata / link-local addresses, which never open")
-                return None
-            if any(network.version == s.version and network.overlaps(s) for s in _SELF_NETWORKS):
-                self.error(node, f"cidr {raw!r} covers the gateway's own loopback/unspecified addresses")
-                return None
-            if any(network.version == 6 and network.subnet_of(e) for e in _EMBEDDING_NETWORKS):
-                # Addresses here are judged by the IPv4 they carry, so only an IPv4 rule can open them.
-                self.error(node, f"cidr {raw!r} is an IPv6 form of IPv4 addresses: write the IPv4 network instead")
-                return None
+        problem = _never_opened(network) if action == "allow" else None
+        if problem is not None:
+            self.error(node, f"cidr {raw!r} {problem}")
+            return None
         return network
 
     def ports(self, action: Action, node: yaml.Node) -> frozenset[int] | None:
-        if isinstance(node, yaml.ScalarNode) and node.value == "any" and action == "deny":
+        if _text(node) == "any" and action == "deny":
             return None
-        if not isinstance(node, yaml.SequenceNode) or not node.value:
+        if not _is_list(node) or not node.value:
             self.error(
                 node,
                 "ports must be a non-empty list of port numbers" + (" or 'any'" if action == "deny" else ""),
             )
             return frozenset()
-        ports: set[int] = set()
-        for item in node.value:
-            if not (isinstance(item, yaml.ScalarNode) and item.tag == "tag:yaml.org,2002:int"):
-                self.error(item, f"port {getattr(item, 'value', item)!r} is not a number")
-                continue
-            # Plain decimal only: YAML reads `0443` as octal 291 and `0x1bb` as hex, a reader sees 443.
-            if not item.value.isdigit() or (len(item.value) > 1 and item.value.startswith("0")):
-                self.error(item, f"port {item.value} must be written as a plain decimal number")
-                continue
-            port = int(item.value)
-            if not 1 <= port <= 65535:
-                self.error(item, f"port {item.value} is out of range 1-65535")
-            ports.add(port)
-        return frozenset(ports)
+        ports = (self.port(item) for item in node.value)
+        return frozenset(p for p in ports if p is not None)
+
+    def port(self, node: yaml.Node) -> int | None:
+        if not isinstance(node, yaml.ScalarNode):
+            self.error(node, f"port must be a number, not {_kind(node)}")
+            return None
+        if node.tag != _INT:
+            self.error(node, f"port {node.value!r} is not a number")
+            return None
+        if not _PORT.fullmatch(node.value):
+            self.error(node, f"port {node.value} must be written as a plain decimal number")
+            return None
+        # The length test first: int() refuses strings of more than 4,300 digits with a ValueError.
+        if len(node.value) > 5 or not 1 <= int(node.value) <= 65535:
+            self.error(node, f"port {node.value} is out of range 1-65535")
+            return None
+        return int(node.value)
+
+
+def _never_opened(network: Network) -> str | None:
+    """Why no allow rule may name this network, or None when it may."""
+    if covers_metadata(network):
+        return "covers cloud metadata / link-local addresses, which never open"
+    if any(network.version == s.version and network.overlaps(s) for s in _SELF_NETWORKS):
+        return "covers the gateway's own loopback/unspecified addresses"
+    if network.version == 4:
+        return None
+    for embedding in EMBEDDING_NETWORKS:
+        if network.overlaps(embedding):
+            # Addresses there are judged by the IPv4 they carry, so only an IPv4 rule can open them.
+            return f"covers {embedding}, IPv6 forms of IPv4 addresses: write the IPv4 network instead"
+    for tunnel, label in _TUNNEL_NETWORKS:
+        if network.overlaps(tunnel):
+            return f"covers {tunnel} ({label}), which never opens"
+    return None
+
+
+def _text(node: yaml.Node) -> str | None:
+    """A scalar's text, or None for a list, a mapping, a null or an application tag (`!secret x`)."""
+    if not isinstance(node, yaml.ScalarNode) or node.tag == _NULL or not node.tag.startswith(_YAML):
+        return None
+    return node.value
+
+
+def _is_mapping(node: yaml.Node | None) -> bool:
+    # An explicit tag must agree with the node's kind: safe_load refuses `!!int {a: 1}` or `!secret [443]` too.
+    return isinstance(node, yaml.MappingNode) and node.tag == _MAP
+
+
+def _is_list(node: yaml.Node | None) -> bool:
+    return isinstance(node, yaml.SequenceNode) and node.tag == _SEQ
+
+
+def _kind(node: yaml.Node) -> str:
+    """How an error names a node that is not a value: never its repr, which prints the whole subtree."""
+    if isinstance(node, yaml.ScalarNode) and node.tag == _NULL:
+        return "null"
+    kind = {yaml.SequenceNode: "a list", yaml.MappingNode: "a mapping"}.get(type(node), "a value")
+    return kind if node.tag in {_SEQ, _MAP} else f"{kind} tagged {node.tag.replace(_YAML, '!!', 1)}"

@@ -22,6 +22,7 @@ class Rule:
     cidr: Network | None = None
     ports: frozenset[int] | None = None  # None: every port (deny rules only)
     tunnel: bool = False  # a CONNECT tunnel that is not TLS (e.g. ssh on 22) is allowed
+    ech: bool = False  # TLS with Encrypted Client Hello is allowed: the host's operator is trusted with the inner name
     name: str | None = None
 
     def matches_port(self, port: int | None) -> bool:
@@ -38,7 +39,8 @@ class Rule:
     def describe(self) -> str:
         ports = "any port" if self.ports is None else "port " + ",".join(map(str, sorted(self.ports)))
         label = f" [{self.name}]" if self.name else ""
-        return f"{self.action} {self.target} {ports}{' tunnel' if self.tunnel else ''}{label} ({self.source})"
+        options = (" tunnel" if self.tunnel else "") + (" ech" if self.ech else "")
+        return f"{self.action} {self.target} {ports}{options}{label} ({self.source})"
 
 
 class _CidrIndex:

@@ -22,14 +22,15 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from mitmproxy import connection, http
-from mitmproxy.net.tls import starts_like_tls_record
+from mitmproxy import connection, ctx, http
+from mitmproxy.net.http.http1 import expected_http_body_size
 from mitmproxy.proxy import events, layer, layers
 from mitmproxy.proxy.context import Context
 from mitmproxy.proxy.layers.tcp import TcpMessageInjected
-from mitmproxy.proxy.layers.tls import parse_client_hello
+from mitmproxy.proxy.layers.tls import ClientHello, parse_client_hello
 from mitmproxy.proxy.server_hooks import ServerConnectionHookData
 from mitmproxy.proxy.utils import expect
+from mitmproxy.utils import human
 
 from airlock.dns.upstream import ResolveError, Resolver
 from airlock.policy import (
@@ -43,16 +44,21 @@ from airlock.policy import (
     SandboxRegistry,
     canonical_host,
     decide,
+    decide_alias,
     format_host_port,
     is_ip,
     vet,
 )
 from airlock.policy.records import Kind
 
+from .local import LocalAddresses
+
 log = logging.getLogger("airlock.proxy")
 
 DECISION_HEADER = "X-Airlock-Decision"
 REQUEST_ID_HEADER = "X-Airlock-Request-Id"
+# TLS extensions that encrypt the name a ClientHello connects to: the SNI the gateway reads is only a cover.
+ECH_EXTENSIONS = {0xFE0D: "Encrypted Client Hello", 0xFFCE: "Encrypted Client Hello (ESNI draft)"}
 
 
 @dataclass
@@ -112,6 +118,7 @@ class _Shared:
         self.tunnels: Counter[str] = Counter()
         self.connections: Counter[str] = Counter()  # open client connections per sandbox
         self.resolved: dict[str, list[str]] = {}  # server connection id → addresses the name resolved to
+        self.local = LocalAddresses()  # addresses the gateway gained after it started are its own too
 
     def client(self, client: connection.Client) -> _ClientState:
         state = self.clients.get(client.id)
@@ -138,10 +145,13 @@ class _Shared:
             addresses: tuple[IPAddress, ...] = (ipaddress.ip_address(host),)
         else:
             try:
-                addresses = (await self.resolver.resolve(host)).addresses
+                answer = await self.resolver.resolve(host)
             except ResolveError as e:
                 return Outcome(Decision(False, f"resolution failed: {e}", decision.rule), host)
-        vetted = vet(profile, addresses, port, self.settings.own_addresses)
+            if denied := decide_alias(profile, answer.cnames, port):
+                return Outcome(denied, host, [str(a) for a in answer.addresses])
+            addresses = answer.addresses
+        vetted = vet(profile, addresses, port, self.settings.own_addresses | self.local.among(addresses))
         resolved = [str(a) for a in addresses]
         if not vetted.allowed:
             return Outcome(Decision(False, vetted.reason, None, decision.hint), host, resolved)
@@ -176,6 +186,31 @@ def _fail_closed(on_error: Callable[..., None]) -> Callable[[Callable[..., Any]]
         return run
 
     return wrap
+
+
+def _answer(flow: http.HTTPFlow, response: http.Response) -> None:
+    """Answer a refused request, or kill it where mitmproxy 12 cannot answer: a response set on a request whose
+    body it streams, or starts streaming later, crashes its HTTP layer ("Can't set a response and enable
+    streaming at the same time"). Nothing is forwarded either way."""
+    if _body_is_buffered(flow.request):
+        flow.response = response
+    else:
+        flow.kill()
+
+
+def _body_is_buffered(request: http.Request) -> bool:
+    """Will mitmproxy read this request's whole body before answering? Only when its length is known (no chunked
+    HTTP/1, no HTTP/2 or 3 stream without Content-Length) and within stream_large_bodies."""
+    if request.stream:
+        return False
+    if (request.is_http2 or request.is_http3) and "content-length" not in request.headers:
+        return False  # a stream may carry DATA whatever its headers say
+    try:
+        size = expected_http_body_size(request)
+    except ValueError:
+        return False
+    limit = human.parse_size(ctx.options.stream_large_bodies)
+    return size is not None and size >= 0 and (limit is None or size <= limit)
 
 
 def _deny_response(record: AuditRecord, hint: str | None, status: int = 403) -> http.Response:
@@ -249,10 +284,7 @@ class HttpPolicy:
         self.shared.client(flow.client_conn).denied = "internal error"
         record = AuditRecord("http", "-", flow.client_conn.peername[0], "-", None, "error", "airlock internal error")
         self.shared.emit(record)
-        if flow.request.stream:
-            flow.kill()
-        else:
-            flow.response = _deny_response(record, None, 500)
+        _answer(flow, _deny_response(record, None, 500))
 
     def _record(self, flow: http.HTTPFlow, kind: Kind, state: _ClientState) -> AuditRecord:
         request = flow.request
@@ -265,10 +297,7 @@ class HttpPolicy:
 
     def _refuse(self, flow: http.HTTPFlow, record: AuditRecord, hint: str | None, status: int = 403) -> None:
         self.shared.emit(record)
-        if flow.request.stream:
-            flow.kill()  # a response set here would crash a streamed request body (mitmproxy 12)
-        else:
-            flow.response = _deny_response(record, hint, status)
+        _answer(flow, _deny_response(record, hint, status))
 
     @_fail_closed(_deny_flow)
     async def http_connect(self, flow: http.HTTPFlow) -> None:
@@ -295,23 +324,39 @@ class HttpPolicy:
             # Requests inside a tunnel exist only if something intercepted it; airlock passes tunnels through.
             record.reason = "HTTP request inside a tunnel"
             return self._refuse(flow, record, None)
-        outcome = await self.shared.evaluate(state.sandbox, flow.request.host, flow.request.port)
+        request = flow.request
+        if request.host_header is None and request.http_version != "HTTP/1.0":
+            # mitmproxy forwards an absolute-form request without one: the upstream would pick its default site.
+            record.reason = f"{request.http_version} request without a Host header"
+            return self._refuse(flow, record, None, 400)
+        outcome = await self.shared.evaluate(state.sandbox, request.host, request.port)
         outcome.fill(record)
         if outcome.decision.allow and (mismatch := _host_header_mismatch(flow, outcome.host)):
             record.decision, record.reason, record.rule = "deny", mismatch, None
         if record.decision != "allow":
             return self._refuse(flow, record, outcome.decision.hint)
-        state.vetted[(flow.request.host, flow.request.port)] = outcome
+        if request.host_header is None:  # HTTP/1.0 may omit it: the upstream gets the name that was judged
+            request.host_header = _authority(outcome.host, request.port, _default_port(flow))
+        state.vetted[(request.host, request.port)] = outcome
         flow.metadata["airlock"] = record
         flow.metadata["airlock_started"] = time.monotonic()
+
+
+def _default_port(flow: http.HTTPFlow) -> int:
+    return 443 if flow.request.scheme == "https" else 80
+
+
+def _authority(host: str, port: int, default_port: int) -> str:
+    """`host[:port]` as a Host header writes it: the port only when it is not the scheme's default."""
+    text = format_host_port(host, port)
+    return text if port != default_port else text.rsplit(":", 1)[0]
 
 
 def _host_header_mismatch(flow: http.HTTPFlow, host: str) -> str | None:
     """The Host header must name exactly the target being judged: no domain fronting."""
     port = flow.request.port
-    default_port = 443 if flow.request.scheme == "https" else 80
     header = flow.request.host_header
-    if header is not None and not _names_target(header, host, port, default_port):
+    if header is not None and not _names_target(header, host, port, _default_port(flow)):
         return f"Host header {header!r} does not match the request target {format_host_port(host, port)}"
     return None
 
@@ -349,8 +394,9 @@ class _MeteredTunnel(layers.TCPLayer):
 
 
 class TunnelPolicy:
-    """What travels inside an allowed CONNECT tunnel: TLS whose SNI names the CONNECT host, or anything where
-    the rule says `tunnel: true`; either way passed through untouched (never intercepted) and metered.
+    """What travels inside an allowed CONNECT tunnel: TLS whose SNI names the CONNECT host (and whose real name
+    is not hidden by Encrypted Client Hello), or, where the rule says `tunnel: true`, bytes that are not TLS;
+    either way passed through untouched (never intercepted) and metered.
 
     mitmproxy's own next-layer choice (TLS layers, HTTP, raw TCP) is replaced here, so that no TLS layer is
     ever built for a tunnel: the ClientHello is read from the first bytes, and until it is complete the
@@ -374,26 +420,40 @@ class TunnelPolicy:
         state = self.shared.clients.get(nextlayer.context.client.id)
         if state is None or state.tunnel is None or not nextlayer.context.server.address:
             return  # not the inside of one of our tunnels (e.g. the connection's first layer)
-        raw_allowed = bool(state.tunnel_decision and state.tunnel_decision.tunnel)
         data = nextlayer.data_client()
-        if starts_like_tls_record(data):
+        if _may_be_tls(data):
             try:
                 hello = parse_client_hello(data)
             except ValueError:
-                hello = None
                 self._deny(state, "malformed TLS ClientHello")
             else:
                 if hello is None:
                     nextlayer.layer = None  # wait for the rest of the ClientHello
                     return
-                if not raw_allowed and (mismatch := _sni_mismatch(hello.sni, state.tunnel.host)):
-                    self._deny(state, mismatch)
-        elif not data and not raw_allowed:
-            nextlayer.layer = None  # nothing sent yet: wait to see whether it is TLS
-            return
-        elif not raw_allowed:
+                ech_allowed = state.tunnel_decision is not None and state.tunnel_decision.ech
+                if refusal := _hello_refusal(hello, state.tunnel.host, ech_allowed):
+                    self._deny(state, refusal)
+        elif not (state.tunnel_decision and state.tunnel_decision.tunnel):
             self._deny(state, "tunnel carries something other than TLS and no rule allows a raw tunnel")
         nextlayer.layer = _MeteredTunnel(nextlayer.context, state.tunnel)
+
+
+def _may_be_tls(data: bytes) -> bool:
+    """Is this (or may it still become) a TLS handshake record? Any 0x16 0x03 start counts, also record versions
+    mitmproxy's own check rejects: servers ignore that byte, so a raw tunnel must not let such a hello by."""
+    return data[:2] == b"\x16\x03"[: len(data)]
+
+
+def _hello_refusal(hello: ClientHello, host: str, ech_allowed: bool) -> str | None:
+    """Why a tunnel with this ClientHello must not open, if it must not. ECH hides the name the client really
+    connects to behind the outer SNI (fronting), unless the rule says `ech: true`."""
+    for extension, _ in hello.extensions:
+        if extension in ECH_EXTENSIONS and not ech_allowed:
+            return (
+                f"TLS ClientHello carries {ECH_EXTENSIONS[extension]}: the name it connects to is hidden "
+                "(a rule with `ech: true` allows it for its hosts)"
+            )
+    return _sni_mismatch(hello.sni, host)
 
 
 def _sni_mismatch(sni: str | None, expected: str) -> str | None:
@@ -442,11 +502,16 @@ class PinnedConnect:
         if task is not None:
             # mitmproxy's own connect has no timeout; the hook runs in the connecting task, so cancel that.
             self._timers[server.id] = asyncio.get_running_loop().call_later(
-                self.shared.settings.connect_timeout, task.cancel
+                self.shared.settings.connect_timeout, self._time_out, server.id, task
             )
 
+    def _time_out(self, server_id: str, task: asyncio.Task[Any]) -> None:
+        # Forget the connection here too: a task cancelled while it waits for a connection slot gets no hook.
+        self._forget(server_id)
+        task.cancel()
+
     def server_connected(self, data: ServerConnectionHookData) -> None:
-        self._cancel_timer(data)
+        self._cancel_timer(data.server.id)
         # Connection reuse compares `server.address`: give it back its logical name (the peer keeps the IP),
         # or every keep-alive request opens a new connection under mitmproxy's per-address semaphore.
         # mitmproxy guards `address` on open connections; this write is the one it is guarding against
@@ -456,15 +521,18 @@ class PinnedConnect:
             object.__setattr__(data.server, "address", name)
 
     def server_connect_error(self, data: ServerConnectionHookData) -> None:
-        self._cancel_timer(data)
-        self._names.pop(data.server.id, None)
+        self._forget(data.server.id)
 
     def server_disconnected(self, data: ServerConnectionHookData) -> None:
-        self._cancel_timer(data)
-        self.shared.resolved.pop(data.server.id, None)
+        self._forget(data.server.id)
 
-    def _cancel_timer(self, data: ServerConnectionHookData) -> None:
-        timer = self._timers.pop(data.server.id, None)
+    def _forget(self, server_id: str) -> None:
+        self._cancel_timer(server_id)
+        self._names.pop(server_id, None)
+        self.shared.resolved.pop(server_id, None)
+
+    def _cancel_timer(self, server_id: str) -> None:
+        timer = self._timers.pop(server_id, None)
         if timer is not None:
             timer.cancel()
 
@@ -486,7 +554,8 @@ class HttpAudit:
             record.bytes_out = len(flow.response.raw_content or b"")
         peer = flow.server_conn.peername
         record.chosen_ip = peer[0] if peer else None
-        record.resolved = self.shared.resolved.get(flow.server_conn.id, [])
+        # What the connection in use resolved to; a failed connect has been forgotten: keep the early answer.
+        record.resolved = self.shared.resolved.get(flow.server_conn.id, record.resolved)
         if error is not None:
             record.decision, record.reason = "error", error
         self.shared.emit(record)

@@ -26,10 +26,12 @@ import docker.errors
 import requests.exceptions
 from docker.types import IPAMConfig, IPAMPool
 
+from airlock.policy import SANDBOX_LINK_NETWORKS
+
 from . import SANDBOX_ID
 from .fence import Fence
 
-SUBNET_POOL = ipaddress.ip_network("10.232.0.0/16")
+SUBNET_POOL = SANDBOX_LINK_NETWORKS[1]
 LABEL = "airlock.sandbox"
 EXPIRES_LABEL = "airlock.expires"
 TOKEN_PATH = "/run/airlock/token"

@@ -17,13 +17,16 @@ import secrets
 import shutil
 import subprocess
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+
+from airlock.policy import SANDBOX_LINK_NETWORKS
 
 from . import SANDBOX_ID
 from .fence import Fence
 
-LINK_POOL = ipaddress.ip_network("10.231.0.0/16")
+LINK_POOL = SANDBOX_LINK_NETWORKS[0]
 
 
 class SandboxError(RuntimeError):
@@ -134,26 +137,72 @@ class NetnsSandbox:
         _run(["ip", "netns", "del", self.netns], check=False)
         shutil.rmtree(Path("/etc/netns") / self.netns, ignore_errors=True)
 
-    def command(self, argv: list[str], user: str | None = None, isolate_fs: bool = True) -> list[str]:
+    def command(
+        self, argv: list[str], user: str | None = None, isolate_fs: bool = True, hidden: Sequence[Path] = ()
+    ) -> list[str]:
         """The argv that runs `argv` inside the namespace as an unprivileged user without capabilities; with
-        `isolate_fs`, bubblewrap also gives it a read-only view of the host, its own /tmp and PID namespace."""
+        `isolate_fs`, bubblewrap also gives it a read-only view of the host without the `hidden` paths, its own
+        /tmp and PID namespace."""
         pw = resolve_user(user)
         drop_privileges = [
             "setpriv", f"--reuid={pw.pw_uid}", f"--regid={pw.pw_gid}", "--init-groups",
             "--no-new-privs", "--bounding-set=-all", "--inh-caps=-all", "--",
         ]  # fmt: skip
-        return ["ip", "netns", "exec", self.netns, *(_bubblewrap() if isolate_fs else []), *drop_privileges, *argv]
+        isolation = _bubblewrap(hidden) if isolate_fs else []
+        return ["ip", "netns", "exec", self.netns, *isolation, *drop_privileges, *argv]
 
 
-def _bubblewrap() -> list[str]:
+def _bubblewrap(hidden: Sequence[Path]) -> list[str]:
     """The whole host read-only (so nothing planted for root to run later), the working directory writable as its
-    permissions say, a private /tmp, and the command's own PID, IPC and UTS namespaces."""
+    permissions say, the `hidden` paths empty, a private /tmp, and the command's own PID, IPC and UTS namespaces."""
     cwd = os.getcwd()
+    masks: list[str] = []
+    for path in hidden:  # after the working directory's bind: a credential inside it is covered too
+        masks += ["--tmpfs", str(path)] if path.is_dir() else ["--ro-bind", "/dev/null", str(path)]
     return [
         "bwrap", "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", "--perms", "1777", "--tmpfs", "/tmp",
-        "--bind", cwd, cwd, "--chdir", cwd,
+        "--bind", cwd, cwd, *masks, "--chdir", cwd,
         "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--die-with-parent", "--new-session", "--",
     ]  # fmt: skip
+
+
+# Where credentials live in a home directory. The sandbox's user may own them (by default it is whoever ran
+# sudo), so file permissions do not keep them out: bubblewrap hides them.
+HOME_CREDENTIALS = (
+    ".ssh", ".aws", ".azure", ".config/gcloud", ".config/gh", ".config/hub", ".kube", ".docker", ".gnupg",
+    ".password-store", ".netrc", ".git-credentials", ".pypirc", ".npmrc", ".terraform.d",
+)  # fmt: skip
+
+
+def credential_paths(user: pwd.struct_passwd, named: Sequence[str | Path]) -> list[Path]:
+    """The existing paths to keep from the sandbox: the gateway's own credentials (`named`: GitHub key or token
+    file, state directory) and the usual credential places in the user's home, symlinks resolved."""
+    home = Path(user.pw_dir)
+    candidates = [Path(p) for p in named] + [home / name for name in HOME_CREDENTIALS]
+    found: dict[Path, None] = {}
+    for path in candidates:
+        with contextlib.suppress(OSError):
+            found[path.resolve(strict=True)] = None
+    return list(found)
+
+
+def accessible_by(path: Path, user: pwd.struct_passwd) -> list[Path]:
+    """Files and sockets at or under `path` the user may read or write by their mode bits, as its uid or one of
+    its groups (the directories along the way are not considered: this errs towards "accessible")."""
+    groups = set(os.getgrouplist(user.pw_name, user.pw_gid))
+    entries = [path] if not path.is_dir() else [p for p in path.rglob("*") if p.is_file() or p.is_socket()]
+    accessible = []
+    for entry in entries:
+        st = entry.lstat()
+        if st.st_uid == user.pw_uid:
+            bits = 0o600
+        elif st.st_gid in groups:
+            bits = 0o060
+        else:
+            bits = 0o006
+        if st.st_mode & bits:
+            accessible.append(entry)
+    return accessible
 
 
 def bubblewrap_available() -> bool:

@@ -7,6 +7,7 @@ so sockets it opens live there, while the test itself stays in the host namespac
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import os
@@ -147,7 +148,8 @@ def tcp_probe(address: tuple[str, int], timeout: float = 3, payload: bytes = b""
 def raw_request(proxy: tuple[str, int], data: bytes, timeout: float = 5) -> Reply:
     """Send bytes as they are (hostile request lines included) and parse whatever status comes back."""
     with socket.create_connection(proxy, timeout=timeout) as sock:
-        sock.sendall(data)
+        with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+            sock.sendall(data)  # the gateway may refuse a request before all its body is sent: read its answer
         received = b""
         try:
             while chunk := sock.recv(65536):

@@ -4,13 +4,16 @@ token; the broker acts on the fake GitHub API with its own, narrowed credential.
 from __future__ import annotations
 
 import base64
+import contextlib
 import hashlib
 import hmac
 import http.client
 import json
+import sqlite3
 import subprocess
 import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +32,7 @@ BROKER = (GW_IP, 8080)
 PR_PATH = "/v1/tools/create_pull_request"
 GRANT = "create_pull_request:acme/app:base=main|release,head=agent/*"
 PR = {"repo": "acme/app", "head": "agent/feature-1", "base": "main", "title": "Add the feature"}
+OTHER_IP = "10.254.0.6"  # a second sandbox's address, added to the sandbox link by `second_address`
 
 
 def issue_token(gw: GatewayProcess, sandbox: str = "sbx", grant: str = GRANT, ttl: str = "10m") -> str:
@@ -38,9 +42,15 @@ def issue_token(gw: GatewayProcess, sandbox: str = "sbx", grant: str = GRANT, tt
     return result.stdout.strip()
 
 
-def call(token: str | None, body: dict[str, Any] | bytes, headers: dict[str, str] | None = None, timeout: float = 15):
-    """POST a tool call from the current namespace; returns (status, json body, headers)."""
-    conn = http.client.HTTPConnection(*BROKER, timeout=timeout)
+def call(
+    token: str | None,
+    body: dict[str, Any] | bytes,
+    headers: dict[str, str] | None = None,
+    timeout: float = 15,
+    source: str | None = None,
+):
+    """POST a tool call from the current namespace (from `source`, if given); returns (status, json body, headers)."""
+    conn = http.client.HTTPConnection(*BROKER, timeout=timeout, source_address=(source, 0) if source else None)
     all_headers = {"Content-Type": "application/json", **(headers or {})}
     if token is not None:
         all_headers["Authorization"] = f"Bearer {token}"
@@ -51,8 +61,42 @@ def call(token: str | None, body: dict[str, Any] | bytes, headers: dict[str, str
     return response.status, json.loads(payload or b"null"), dict(response.getheaders())
 
 
-def sandbox_call(topology: Topology, token: str | None, body=PR, headers=None, timeout: float = 15):
-    return in_netns(topology.sbx, call, token, body, headers, timeout)
+def sandbox_call(topology: Topology, token: str | None, body=PR, headers=None, timeout: float = 15, source=None):
+    return in_netns(topology.sbx, call, token, body, headers, timeout, source)
+
+
+def flood(auth: str, count: int) -> list[tuple[int, str, str | None]]:
+    """`count` calls with the same Authorization header, back to back: (status, error, Retry-After) each."""
+    replies = [call(None, PR, {"Authorization": auth}) for _ in range(count)]
+    return [(status, body["error"], headers.get("Retry-After")) for status, body, headers in replies]
+
+
+@contextlib.contextmanager
+def second_address(topology: Topology) -> Iterator[None]:
+    """OTHER_IP on the sandbox link too, as if a second sandbox were there."""
+    topology.run(topology.sbx, ["ip", "addr", "add", f"{OTHER_IP}/32", "dev", topology.sbx_if])
+    topology.run(topology.gw, ["ip", "route", "add", f"{OTHER_IP}/32", "dev", topology.gw_sbx_if])
+    try:
+        yield
+    finally:
+        topology.run(topology.gw, ["ip", "route", "del", f"{OTHER_IP}/32", "dev", topology.gw_sbx_if])
+        topology.run(topology.sbx, ["ip", "addr", "del", f"{OTHER_IP}/32", "dev", topology.sbx_if])
+
+
+def broker_records(gw: GatewayProcess, count: int) -> list[dict[str, Any]]:
+    """The gateway's audit lines of broker calls, once there are `count` (they are written in batches)."""
+    deadline = time.monotonic() + 3
+    while len(records := [r for r in gw.audit() if r["kind"] == "broker"]) < count:
+        assert time.monotonic() < deadline, f"{len(records)} broker records, expected {count}"
+        time.sleep(0.05)
+    return records
+
+
+def stored_calls(gw: GatewayProcess) -> list[dict[str, Any]]:
+    """The brokered calls in the gateway's state database."""
+    uri = f"file:{gw.workdir / 'state' / 'broker.sqlite3'}?mode=ro"
+    with contextlib.closing(sqlite3.connect(uri, uri=True)) as db:
+        return [json.loads(row[0]) for row in db.execute("SELECT record FROM brokered_call")]
 
 
 def forge(gw: GatewayProcess, **overrides: Any) -> str:
@@ -99,6 +143,17 @@ def test_installation_token_is_cached(topology: Topology, gateway: GatewayProces
     for head in ("agent/feature-1", "agent/feature-2"):
         assert sandbox_call(topology, token, {**PR, "head": head})[0] in (200, 201)
     assert len(fake_github.calls("/app/installations/", "POST")) <= 1
+
+
+def test_one_installation_token_however_the_repository_is_spelled(
+    topology: Topology, gateway: GatewayProcess, fake_github: FakeGitHub
+):
+    token = issue_token(gateway)
+    for n, spelling in enumerate(("acme/app", "ACME/app", "Acme/App", "acme/APP")):
+        status, body, _ = sandbox_call(topology, token, {**PR, "repo": spelling, "head": f"agent/case-{n}"})
+        assert status in (200, 201), body
+    assert len(fake_github.calls("/app/installations/", "POST")) <= 1  # none if an earlier test cached it
+    assert {c["path"] for c in fake_github.calls("/repos/", "POST")} == {"/repos/acme/app/pulls"}  # the grant's
 
 
 @pytest.mark.parametrize(
@@ -166,20 +221,33 @@ def test_outside_the_grant_is_403(topology: Topology, gateway, fake_github: Fake
 
 
 def test_token_from_another_sandbox_is_403(topology: Topology, own_gateway, fake_github: FakeGitHub):
-    other = "10.254.0.6"
-    gw = own_gateway(extra=("--sandbox", f"other={other}/32"))
+    gw = own_gateway(extra=("--sandbox", f"other={OTHER_IP}/32"))
     token = issue_token(gw, sandbox="other")
     # The token is fine where it belongs...
-    topology.run(topology.sbx, ["ip", "addr", "add", f"{other}/32", "dev", topology.sbx_if])
-    topology.run(topology.gw, ["ip", "route", "add", f"{other}/32", "dev", topology.gw_sbx_if])
-    try:
+    with second_address(topology):
         # ...but it is presented from sandbox `sbx`'s network.
         status, body, _ = sandbox_call(topology, token)
         assert (status, body["error"]) == (403, "wrong_sandbox")
-    finally:
-        topology.run(topology.gw, ["ip", "route", "del", f"{other}/32", "dev", topology.gw_sbx_if])
-        topology.run(topology.sbx, ["ip", "addr", "del", f"{other}/32", "dev", topology.sbx_if])
     assert fake_github.calls("/repos/") == []
+
+
+def test_failed_authentications_are_limited_per_source_address(
+    topology: Topology, own_gateway, fake_github: FakeGitHub
+):
+    gw = own_gateway(extra=("--sandbox", f"other={OTHER_IP}/32"))  # a fresh broker: every budget is full
+    token = issue_token(gw, sandbox="other")
+    replies = in_netns(topology.sbx, flood, "Bearer x.y.z", 40)
+    statuses = [status for status, _, _ in replies]
+    assert statuses[:20] == [401] * 20 and statuses[-1] == 429, statuses  # a burst of 20, then 2 a second
+    assert statuses.count(401) <= 23, statuses
+    assert all(error == "auth_rate_limited" and int(retry) >= 1 for status, error, retry in replies if status == 429)
+    with second_address(topology):  # another address has its own budget
+        status, body, _ = sandbox_call(topology, token, PR, None, 15, OTHER_IP)
+    assert status == 201, body
+    # Every call is audited; only the one whose token verified is stored.
+    assert [r["extra"]["status"] for r in broker_records(gw, 41)] == [*statuses, 201]
+    assert [(r["sandbox"], r["extra"]["status"]) for r in stored_calls(gw)] == [("other", 201)]
+    assert len(fake_github.calls("/repos/acme/app/pulls", "POST")) == 1
 
 
 def test_revocation_holds_across_a_broker_restart(topology: Topology, own_gateway, fake_github: FakeGitHub):
@@ -237,9 +305,10 @@ def test_upstream_hang_is_504_within_the_timeout(topology: Topology, gateway, fa
 
 @pytest.mark.parametrize(
     "body",
-    [b"{", b"[]", {**PR, "extra": 1}, {**PR, "title": ""}, {**PR, "title": "x" * 300}, {**PR, "head": "agent/../x"},
-     {**PR, "draft": "yes"}, {k: v for k, v in PR.items() if k != "base"}],
-    ids=["bad-json", "not-object", "unknown-field", "empty-title", "long-title", "bad-branch", "draft-type", "no-base"],
+    [b"{", b"[]", {**PR, "extra": 1}, {**PR, "title": ""}, {**PR, "title": "x" * 300}, {**PR, "title": "x" + " " * 300},
+     {**PR, "head": "agent/../x"}, {**PR, "draft": "yes"}, {k: v for k, v in PR.items() if k != "base"}],
+    ids=["bad-json", "not-object", "unknown-field", "empty-title", "long-title", "padded-title", "bad-branch",
+         "draft-type", "no-base"],
 )  # fmt: skip
 def test_invalid_requests_are_422(topology: Topology, gateway, fake_github: FakeGitHub, body):
     status, reply, _ = sandbox_call(topology, issue_token(gateway), body)

@@ -3,6 +3,7 @@ on the gateway, which forwards allowed names to the fake authoritative server (c
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 import signal
@@ -102,7 +103,7 @@ def test_garbage_packets_do_not_break_the_server(topology: Topology, fakenet: Fa
             payloads += [valid[:2] + b"\x81\x80" + valid[4:]]  # a response, not a query
             for payload in payloads:
                 sock.sendto(payload, (GW_IP, 53))
-            with __import__("contextlib").suppress(TimeoutError):
+            with contextlib.suppress(TimeoutError):
                 while True:
                     sock.recv(4096)  # whatever comes back must not be a crash; drain it
         with socket.create_connection((GW_IP, 53), timeout=3) as tcp:
@@ -234,6 +235,7 @@ def test_a_policy_reload_forgets_remembered_answers_at_once(topology: Topology, 
             assert time.monotonic() < deadline, "repeats are answered from memory"
             time.sleep(0.05)
         policy.write_text("version: 1\nprofiles:\n  default:\n    allow:\n      - host: other.test\n")
+        signalled = time.monotonic()
         gw.proc.send_signal(signal.SIGHUP)
         while "policy reloaded" not in gw.log():
             assert time.monotonic() < deadline, gw.log()
@@ -243,7 +245,7 @@ def test_a_policy_reload_forgets_remembered_answers_at_once(topology: Topology, 
     finally:
         stop.set()
         asker.join()
-    before = [code for at, code in seen if at < reloaded - 0.2]
+    before = [code for at, code in seen if at < signalled]
     after = [code for at, code in seen if at > reloaded]
     assert before and set(before) == {"NOERROR"}
     assert len(after) >= 5 and set(after) == {"REFUSED"}, after
@@ -286,3 +288,57 @@ def test_tcp_connections_per_sandbox_are_capped(topology: Topology, fakenet: Fak
                 sock.close()
 
     assert in_netns(topology.sbx, over_the_cap) == (16, False, True)
+
+
+def test_cname_chain_through_a_denied_name_is_refused(topology: Topology, fakenet: FakeNet, own_gateway, tmp_path):
+    # cname-public.allowed.test is a CNAME to allowed.test, which this policy denies.
+    policy = tmp_path / "deny-apex.yaml"
+    policy.write_text(
+        "version: 1\nprofiles:\n  default:\n    allow:\n      - host: '*.allowed.test'\n"
+        "    deny:\n      - host: allowed.test\n"
+    )
+    gw = own_gateway(policy)
+    aliased = in_netns(topology.sbx, ask, "cname-public.allowed.test")
+    assert rcode(aliased) == "REFUSED" and answers(aliased) == []
+    assert fakenet.dns_queries("cname-public.allowed.test") >= 1  # asked: the chain is only known from the answer
+    [record] = [r for r in gw.audit_for(host="cname-public.allowed.test") if r["kind"] == "dns"]
+    assert record["reason"].startswith("CNAME chain passes through allowed.test, denied by rule")
+    assert record["extra"]["cnames"] == ["allowed.test"]
+    assert answers(in_netns(topology.sbx, ask, "www.allowed.test")) == [ALLOWED_IP]  # no chain, no change
+
+
+def test_queries_waiting_on_upstream_are_capped(topology: Topology, fakenet: FakeNet, own_gateway):
+    gw = own_gateway(upstream_dns="192.0.2.99")  # in the fake internet, where nobody answers
+
+    def burst() -> list[DNSRecord]:
+        replies = []
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+            sock.settimeout(1.5)  # well before the upstream timeout
+            for i in range(40):
+                sock.sendto(DNSRecord.question(f"w{i}.allowed.test").pack(), (GW_IP, 53))
+            with contextlib.suppress(TimeoutError):
+                while True:
+                    replies.append(DNSRecord.parse(sock.recv(4096)))
+        return replies
+
+    early = in_netns(topology.sbx, burst)
+    assert len(early) == 8 and {rcode(r) for r in early} == {"SERVFAIL"}  # 40 - 32 waiting on upstream
+    over = [r for r in gw.audit() if r["kind"] == "dns" and "already waiting on upstream" in r["reason"]]
+    assert len(over) == 8 and {r["decision"] for r in over} == {"error"}
+
+
+def test_the_proxy_refuses_a_cname_chain_through_a_denied_name_too(
+    topology: Topology, fakenet: FakeNet, own_gateway, tmp_path
+):
+    policy = tmp_path / "deny-apex.yaml"
+    policy.write_text(
+        "version: 1\nprofiles:\n  default:\n    allow:\n      - host: '*.allowed.test'\n        ports: [80]\n"
+        "    deny:\n      - host: allowed.test\n        ports: [80]\n"
+    )
+    gw = own_gateway(policy)
+    reply = in_netns(topology.sbx, proxy_http, PROXY, "http://cname-public.allowed.test/")
+    assert reply.status == 403, reply
+    assert fakenet.total_connections() == 0
+    record = [r for r in gw.audit_for(host="cname-public.allowed.test") if r["kind"] == "http"][-1]
+    assert record["reason"].startswith("CNAME chain passes through allowed.test, denied by rule"), record
+    assert in_netns(topology.sbx, proxy_http, PROXY, "http://www.allowed.test/").status == 200  # no chain

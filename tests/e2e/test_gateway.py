@@ -17,8 +17,8 @@ import pytest
 
 from airlock.dns.upstream import ResolverUnavailable
 from airlock.gateway import Gateway, GatewayConfig
-from airlock.policy import Sandbox, load_policy
-from airlock.proxy.addon import HttpPolicy
+from airlock.policy import Sandbox, load_policy, parse_policy
+from airlock.proxy.addon import HttpPolicy, PinnedConnect
 
 from gateway_proc import AIRLOCK, E2E_POLICY, PROXY
 from netclient import in_netns, proxy_http, tcp_probe, tls_get
@@ -117,6 +117,34 @@ def test_sighup_with_a_bad_policy_keeps_the_running_one(topology: Topology, fake
     while in_netns(topology.sbx, proxy_http, PROXY, "http://allowed.test/").status != 403:
         assert time.monotonic() < deadline, gw.log()
         time.sleep(0.1)
+
+
+NO_DEFAULT_PROFILE = "version: 1\ndefault_profile: dev\nprofiles:\n  dev:\n    allow:\n      - host: allowed.test\n"
+
+
+@pytest.mark.parametrize(
+    ("extra", "missing"),
+    [((), "default"), (("--profile", "strict"), "strict")],
+    ids=["default-profile-renamed", "named-profile-removed"],
+)
+def test_sighup_with_a_policy_missing_a_running_sandboxs_profile_keeps_the_running_one(
+    topology: Topology, fakenet: FakeNet, own_gateway, tmp_path: Path, extra: tuple[str, ...], missing: str
+):
+    # A valid policy that lacks the profile a sandbox was started with would fail every request (500) and every
+    # DNS query (SERVFAIL): it is refused like a policy with errors.
+    policy = tmp_path / "live.yaml"
+    policy.write_text(E2E_POLICY.read_text())
+    gw = own_gateway(policy, extra=extra)
+    expected = in_netns(topology.sbx, proxy_http, PROXY, "http://allowed.test/").status  # 200, or 403 when strict
+    policy.write_text(NO_DEFAULT_PROFILE if missing == "default" else E2E_POLICY.read_text().split("  strict:")[0])
+    gw.proc.send_signal(signal.SIGHUP)
+    deadline = time.monotonic() + 5
+    while "NOT reloaded" not in gw.log() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    log = gw.log()
+    assert "NOT reloaded" in log and f"{policy}: " in log and f"'{missing}'" in log, log
+    assert in_netns(topology.sbx, proxy_http, PROXY, "http://allowed.test/").status == expected
+    assert topology.dns_query(topology.sbx, "other.test", server=GW_IP).rcode == "NOERROR"
 
 
 def test_connect_timeout_closes_a_hanging_upstream(topology: Topology, fakenet: FakeNet, own_gateway):
@@ -362,3 +390,40 @@ def test_connection_cap_per_sandbox(topology: Topology, fakenet: FakeNet, own_ga
     refused, status = in_netns(topology.sbx, flood)
     assert refused == b"" and status == 200
     assert fakenet.connections(ALLOWED_IP, 80) == 1
+
+
+def test_failed_upstream_connects_leave_no_per_connection_state(
+    topology: Topology, fakenet: FakeNet, inproc_gateway: Gateway, test_ca: TestCA
+):
+    # Each upstream connection is remembered (resolved addresses, logical name, connect timer) until it ends:
+    # refused and timed-out connects end too, and must not leave an entry behind each.
+    policy = E2E_POLICY.read_text().replace("ports: [80, 443]", "ports: [80, 443, 81]", 1)
+    inproc_gateway.replace_policy(parse_policy(policy, "refused.yaml"))
+    assert inproc_gateway.shared is not None
+    inproc_gateway.shared.settings.connect_timeout = 0.5
+    for _ in range(5):  # nothing listens on allowed.test:81: refused
+        assert in_netns(topology.sbx, proxy_http, PROXY, "http://allowed.test:81/").status == 502
+        assert in_netns(topology.sbx, tls_get, PROXY, "allowed.test:81", "allowed.test", test_ca.ca_cert).error
+    assert in_netns(topology.sbx, proxy_http, PROXY, "http://203.0.113.99:443/").status == 502  # timed out
+    assert in_netns(topology.sbx, proxy_http, PROXY, "http://allowed.test/").status == 200
+    time.sleep(0.5)
+    pinned = next(addon for addon in inproc_gateway.addons if isinstance(addon, PinnedConnect))
+    assert (inproc_gateway.shared.resolved, pinned._names, pinned._timers) == ({}, {}, {})
+
+
+def test_an_address_the_gateway_gains_after_start_is_its_own(topology: Topology, own_gateway, tmp_path):
+    # A CIDR rule opens 10.99.0.0/16; the gateway gets 10.99.0.1 only after it started (as it does when another
+    # sandbox's link comes up). A request there would land on the gateway host's own services: refused.
+    policy = tmp_path / "local.yaml"
+    policy.write_text(
+        "version: 1\nprofiles:\n  default:\n    allow:\n      - cidr: 10.99.0.0/16\n        ports: [8080]\n"
+    )
+    gw = own_gateway(policy)
+    topology.run(topology.gw, ["ip", "addr", "add", "10.99.0.1/32", "dev", "lo"])
+    try:
+        reply = in_netns(topology.sbx, proxy_http, PROXY, "http://10.99.0.1:8080/")
+        assert reply.status == 403, reply
+        record = gw.audit_for(host="10.99.0.1")[-1]
+        assert record["decision"] == "deny" and "own address" in record["reason"], record
+    finally:
+        topology.run(topology.gw, ["ip", "addr", "del", "10.99.0.1/32", "dev", "lo"])

@@ -4,10 +4,16 @@ and that the forbidden upstream counted zero connections."""
 
 from __future__ import annotations
 
+import contextlib
+import os
+import ssl
+import struct
+import time
+
 import pytest
 
 from gateway_proc import PROXY, GatewayProcess
-from netclient import in_netns, proxy_http, raw_request, tls_get
+from netclient import connect_tunnel, in_netns, proxy_http, raw_request, tls_get
 from testca import TestCA
 from topology import FakeNet, Topology
 
@@ -26,6 +32,54 @@ def assert_denied_json(reply, reason_part: str = "") -> dict:
     assert body["decision"] == "deny" and body["request_id"] and "rule_hint" in body
     assert reason_part in body["reason"], body
     return body
+
+
+def client_hello(sni: str | None, extension: int | None = None) -> bytes:
+    """The first TLS record of a real handshake (Python's ssl), with one more extension of type `extension`
+    (e.g. Encrypted Client Hello) appended when asked: a ClientHello built by hand, as a hostile client would."""
+    context = ssl.create_default_context()
+    context.check_hostname, context.verify_mode = False, ssl.CERT_NONE
+    outgoing = ssl.MemoryBIO()
+    tls = context.wrap_bio(ssl.MemoryBIO(), outgoing, server_hostname=sni)
+    with contextlib.suppress(ssl.SSLWantReadError):
+        tls.do_handshake()
+    record = outgoing.read()
+    if extension is None:
+        return record
+    body = record[9:]  # after the record header (5) and the handshake header (4)
+    at = 34  # legacy_version, random
+    at += 1 + body[at]  # session id
+    at += 2 + struct.unpack("!H", body[at : at + 2])[0]  # cipher suites
+    at += 1 + body[at]  # compression methods
+    payload = b"\x00" + os.urandom(64)  # an ECH "outer" body: the server cannot read it, the gateway must not
+    extensions = body[at + 2 :] + struct.pack("!HH", extension, len(payload)) + payload
+    body = body[:at] + struct.pack("!H", len(extensions)) + extensions
+    handshake = b"\x01" + len(body).to_bytes(3, "big") + body
+    return record[:3] + struct.pack("!H", len(handshake)) + handshake
+
+
+def through_tunnel(target: str, *chunks: bytes) -> bytes:
+    """CONNECT target, send each chunk as its own segment, return what comes back (b"" when closed)."""
+    sock, reply = connect_tunnel(PROXY, target)
+    assert sock is not None, reply
+    with sock:
+        for chunk in chunks:
+            sock.sendall(chunk)
+            time.sleep(0.2)
+        sock.settimeout(5)
+        try:
+            return sock.recv(65536)
+        except ConnectionResetError:
+            return b""
+
+
+def new_audit(gateway: GatewayProcess, before: int, host: str, wait: float = 5) -> dict:
+    """The last audit line for host written after the first `before` lines (tunnels are logged when they close)."""
+    deadline = time.monotonic() + wait
+    while not (found := [r for r in gateway.audit()[before:] if r["host"] == host]):
+        assert time.monotonic() < deadline, f"no new audit line for {host}"
+        time.sleep(0.05)
+    return found[-1]
 
 
 def test_allowed_plain_http_returns_the_real_body(topology: Topology, fakenet: FakeNet, gateway: GatewayProcess):
@@ -292,4 +346,136 @@ def test_mitmproxy_onboarding_app_is_not_served(topology: Topology, fakenet: Fak
     # mitmproxy's own apps (mitm.it hands out its CA) are not part of the gateway: an unlisted host, like any.
     reply = in_netns(topology.sbx, proxy_http, PROXY, "http://mitm.it/cert/pem")
     assert_denied_json(reply, "not in the allowlist")
+    assert fakenet.total_connections() == 0
+
+
+BIG = 2 << 20  # over the gateway's stream_large_bodies (1 MiB): mitmproxy streams such a body
+
+
+def chunked(size: int) -> bytes:
+    return b"".join(b"10000\r\n" + b"a" * 0x10000 + b"\r\n" for _ in range(size // 0x10000)) + b"0\r\n\r\n"
+
+
+@pytest.mark.parametrize(
+    ("head", "body", "answered"),
+    [
+        (b"POST http://evil.test/ HTTP/1.1\r\nHost: evil.test\r\nTransfer-Encoding: chunked", chunked(BIG), False),
+        (b"POST http://allowed.test/ HTTP/1.1\r\nHost: evil.test\r\nTransfer-Encoding: chunked", chunked(BIG), False),
+        (
+            b"POST http://evil.test/ HTTP/1.1\r\nHost: evil.test\r\nTransfer-Encoding: chunked",
+            b"3\r\nabc\r\n0\r\n\r\n",
+            False,
+        ),
+        (b"POST http://evil.test/ HTTP/1.1\r\nHost: evil.test\r\nContent-Length: %d" % BIG, b"a" * BIG, False),
+        (b"POST http://evil.test/ HTTP/1.1\r\nHost: evil.test\r\nContent-Length: 3", b"abc", True),
+    ],
+    ids=["chunked-2MiB", "chunked-2MiB-fronting", "chunked-small", "length-2MiB", "length-small"],
+)
+def test_denied_request_with_a_body_is_refused_without_crashing_the_proxy(
+    topology: Topology, fakenet: FakeNet, gateway: GatewayProcess, head: bytes, body: bytes, answered: bool
+):
+    # mitmproxy 12 raises ("Can't set a response and enable streaming at the same time") when a response is set
+    # on a request whose body it streams; a body it may have to stream (unknown length, or over the limit) is
+    # refused by closing the connection, a body it will buffer gets the 403.
+    log_before, audit_before = len(gateway.log()), len(gateway.audit())
+    reply = in_netns(topology.sbx, raw_request, PROXY, head + b"\r\n\r\n" + body, 10)
+    if answered:
+        assert_denied_json(reply, "not in the allowlist")
+    else:
+        assert reply.status == 0 and reply.error, reply  # closed, never forwarded
+    assert fakenet.total_connections() == 0
+    assert fakenet.dns_queries("evil.test") == 0
+    denial = new_audit(gateway, audit_before, head.split(b"/")[2].decode())
+    assert denial["kind"] == "http" and denial["decision"] == "deny" and denial["method"] == "POST"
+    log = gateway.log()[log_before:]
+    assert "Traceback" not in log and "streaming" not in log, log
+    assert in_netns(topology.sbx, proxy_http, PROXY, "http://allowed.test/").status == 200  # still serving
+
+
+@pytest.mark.parametrize("extension", [0xFE0D, 0xFFCE], ids=["ech", "esni-draft"])
+@pytest.mark.parametrize("target", ["allowed.test:443", "ssh.allowed.test:22"], ids=["tls-tunnel", "raw-tunnel"])
+def test_encrypted_client_hello_is_refused(
+    topology: Topology, fakenet: FakeNet, gateway: GatewayProcess, extension: int, target: str
+):
+    # With ECH the SNI the gateway reads is only the outer one; the real name is encrypted: fronting.
+    host, audit_before = target.rsplit(":", 1)[0], len(gateway.audit())
+    assert in_netns(topology.sbx, through_tunnel, target, client_hello(host, extension)) == b""
+    assert fakenet.total_connections() == 0
+    record = new_audit(gateway, audit_before, host)
+    assert record["kind"] == "connect" and record["decision"] == "deny" and "Encrypted Client Hello" in record["reason"]
+    assert in_netns(topology.sbx, through_tunnel, target, client_hello(host)) != b""  # the same hello without ECH
+    assert fakenet.total_connections() == 1
+
+
+def test_encrypted_client_hello_where_a_rule_allows_it(topology: Topology, fakenet: FakeNet, gateway: GatewayProcess):
+    hello = client_hello("ech.allowed.test", 0xFE0D)
+    assert in_netns(topology.sbx, through_tunnel, "ech.allowed.test:443", hello) != b""
+    assert fakenet.total_connections() == 1
+    # Still the outer SNI must name the CONNECT host.
+    assert in_netns(topology.sbx, through_tunnel, "ech.allowed.test:443", client_hello("evil.test", 0xFE0D)) == b""
+    assert fakenet.total_connections() == 1
+
+
+def split(data: bytes, at: int) -> list[bytes]:
+    return [data[:at], data[at:]]
+
+
+@pytest.mark.parametrize(
+    "chunks",
+    [
+        pytest.param([client_hello("evil.test")], id="other-sni"),
+        pytest.param([client_hello(None)], id="no-sni"),
+        pytest.param(split(client_hello("evil.test"), 1), id="split-hello"),  # b"\x16" alone is not TLS-like yet
+        pytest.param([b"\x16\x03\x09" + client_hello("evil.test")[3:]], id="odd-record-version"),
+    ],
+)
+def test_tls_in_a_raw_tunnel_still_needs_the_connect_host_as_sni(
+    topology: Topology, fakenet: FakeNet, gateway: GatewayProcess, chunks: list[bytes]
+):
+    # `tunnel: true` allows bytes that are not TLS; TLS in such a tunnel is judged like TLS anywhere.
+    audit_before = len(gateway.audit())
+    assert in_netns(topology.sbx, through_tunnel, "ssh.allowed.test:22", *chunks) == b""
+    assert fakenet.total_connections() == 0
+    record = new_audit(gateway, audit_before, "ssh.allowed.test")
+    assert record["decision"] == "deny" and ("SNI" in record["reason"] or "ClientHello" in record["reason"]), record
+    hello = client_hello("ssh.allowed.test")
+    assert in_netns(topology.sbx, through_tunnel, "ssh.allowed.test:22", *split(hello, 1)) == hello  # echoed
+    assert fakenet.connections(ALLOWED_IP, 22) == 1
+
+
+def test_http11_request_without_host_is_refused(topology: Topology, fakenet: FakeNet, gateway: GatewayProcess):
+    reply = in_netns(topology.sbx, raw_request, PROXY, b"GET http://allowed.test/ HTTP/1.1\r\n\r\n")
+    assert reply.status == 400 and reply.headers.get("X-Airlock-Decision") == "deny", reply
+    assert "Host" in reply.json()["reason"]
+    origin_form = in_netns(topology.sbx, raw_request, PROXY, b"GET / HTTP/1.1\r\n\r\n")
+    assert origin_form.status == 400  # mitmproxy's own: no target at all
+    assert fakenet.total_connections() == 0
+
+
+def test_http10_absolute_form_without_host_gets_the_judged_host(
+    topology: Topology, fakenet: FakeNet, gateway: GatewayProcess
+):
+    # HTTP/1.0 may omit Host; the upstream then gets the name that was judged, not its default site.
+    reply = in_netns(topology.sbx, raw_request, PROXY, b"GET http://allowed.test/old HTTP/1.0\r\n\r\n")
+    assert reply.status == 200 and reply.body == f"fakenet {ALLOWED_IP}:80 host=allowed.test path=/old\n".encode()
+    denied = in_netns(topology.sbx, raw_request, PROXY, b"GET / HTTP/1.0\r\n\r\n")
+    assert denied.status == 400  # origin-form without Host names no target: mitmproxy refuses it
+    assert fakenet.stats()["connections"] == {f"{ALLOWED_IP}:80": 1}
+
+
+@pytest.mark.parametrize(
+    "headers",
+    [
+        b"Content-Length: 5\r\nTransfer-Encoding: chunked",
+        b"Content-Length: 5\r\nContent-Length: 6",
+        b"Transfer-Encoding: gzip",
+    ],
+)
+def test_request_smuggling_shapes_are_refused(
+    topology: Topology, fakenet: FakeNet, gateway: GatewayProcess, headers: bytes
+):
+    # The gateway pins mitmproxy's validate_inbound_headers: ambiguous framing never reaches an upstream.
+    request = b"POST http://allowed.test/ HTTP/1.1\r\nHost: allowed.test\r\n" + headers + b"\r\n\r\n0\r\n\r\n"
+    reply = in_netns(topology.sbx, raw_request, PROXY, request)
+    assert reply.status == 400 or reply.error, reply
     assert fakenet.total_connections() == 0

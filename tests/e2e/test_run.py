@@ -4,8 +4,12 @@ sandbox namespace and its fence live where everything it dials lands in the fake
 from __future__ import annotations
 
 import itertools
+import os
+import pwd
+import shutil
 import signal
 import subprocess
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -122,3 +126,31 @@ def test_run_without_filesystem_isolation_when_asked(run_in_gw):
     result = run_in_gw("sh", "-c", "echo pid=$$", options=("--isolation", "none"))
     assert result.returncode == 0 and int(result.stdout.split("pid=")[1]) > 10
     assert "filesystem isolation none" in result.stderr
+
+
+def test_run_hides_the_gateways_credentials_even_from_their_owner(run_in_gw, broker_args, topology: Topology):
+    # The command's user owns the key (as whoever ran sudo owns app.pem in their project), and the key sits in
+    # the working directory, which the command may write: still, it reads nothing.
+    project = Path(tempfile.mkdtemp(prefix=f"{topology.prefix}-project-", dir="/var/tmp"))
+    try:
+        project.chmod(0o755)
+        key = project / "app.pem"
+        original = Path(broker_args[broker_args.index("--github-app-key") + 1])
+        key.write_bytes(original.read_bytes())
+        nobody = pwd.getpwnam("nobody")
+        os.chown(key, nobody.pw_uid, nobody.pw_gid)
+        key.chmod(0o600)
+        args = list(broker_args)
+        args[args.index("--github-app-key") + 1] = str(key)
+        secret_line = original.read_text().splitlines()[1]
+
+        hidden = run_in_gw("sh", "-c", "cat app.pem; echo rc=$?; ls", options=tuple(args), cwd=project)
+        assert "rc=1" in hidden.stdout and "app.pem: Permission denied" in hidden.stderr, hidden.stderr
+        assert "app.pem" in hidden.stdout  # still listed: only its content is gone
+        assert secret_line not in hidden.stdout + hidden.stderr
+
+        exposed = run_in_gw("cat", "app.pem", options=(*args, "--isolation", "none"), cwd=project)
+        assert exposed.returncode == 2 and secret_line not in exposed.stdout
+        assert "app.pem is readable or writable by nobody" in exposed.stderr
+    finally:
+        shutil.rmtree(project)

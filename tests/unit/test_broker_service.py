@@ -26,7 +26,7 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import rsa
 
 from airlock.broker.github import AppCredential, GitHubClient, StaticCredential
-from airlock.broker.service import MAX_BODY, MAX_REQUEST_BYTES, MAX_TITLE, Broker, BrokerSettings
+from airlock.broker.service import MAX_BODY, MAX_REQUEST_BYTES, MAX_TITLE, Broker, BrokerSettings, _RateLimiter
 from airlock.broker.store import SqliteStore, StoreError
 from airlock.broker.tokens import KeyRing, TokenAuthority
 from airlock.policy import AuditRecord
@@ -54,6 +54,7 @@ class FakeGitHub:
         self.problems: list[str] = []  # what GitHub would have refused; every test asserts this stays empty
         self.app_jwts: list[tuple[dict[str, Any], dict[str, Any], str]] = []
         self.tokens_issued: list[str] = []
+        self.rejected: set[str] = set()  # installation tokens revoked upstream: answered 401 "Bad credentials"
         self.pulls: list[tuple[str, dict[str, Any]]] = []  # (owner/repo, pull)
         self.mode = "create"
         self.token_mode = "issue"  # or "echo": the access-token call fails, echoing the App JWT
@@ -112,7 +113,8 @@ class FakeGitHub:
 
     def _installation_token_ok(self, call: dict[str, Any]) -> bool:
         scheme, _, token = call["auth"].partition(" ")
-        return scheme == "token" and (token == STATIC_SECRET or token in self.tokens_issued)
+        issued = token == STATIC_SECRET or token in self.tokens_issued
+        return scheme == "token" and issued and token not in self.rejected
 
     async def installation(self, request: web.Request) -> web.Response:
         call = await self._record(request)
@@ -455,6 +457,42 @@ async def test_installation_token_is_per_repository(make: Factory) -> None:
     assert narrowings == [["app"], ["other"]]
 
 
+SPELLINGS = ["acme/app", "ACME/app", "Acme/App", "acme/APP", "ACME/APP"]
+
+
+@pytest.mark.parametrize("credential", ["app", "app-lookup"])
+@pytest.mark.parametrize("granted", ["acme/app", "Acme/App"])
+async def test_one_installation_token_however_the_repository_is_spelled(
+    make: Factory, credential: str, granted: str
+) -> None:
+    h = await make(credential=credential)
+    token = await h.token(grants=[GRANT | {"repo": granted}])
+    for n, spelling in enumerate(SPELLINGS):
+        reply = await h.pr(token, {"repo": spelling, "head": f"agent/case-{n}"})
+        assert reply.status == 201, reply.body
+    assert h.github.count("POST", "/access_tokens") == 1
+    assert h.github.count("GET", "/installation") == (1 if credential == "app-lookup" else 0)
+    # GitHub only ever sees the grant's spelling, whatever the sandbox sent.
+    narrowings = [c["json"]["repositories"] for c in h.github.calls if c["path"].endswith("/access_tokens")]
+    assert narrowings == [[granted.split("/")[1]]]
+    assert {c["path"] for c in h.github.calls if c["path"].endswith("/pulls")} == {f"/repos/{granted}/pulls"}
+    h.assert_no_secrets()
+
+
+async def test_installation_token_cache_ignores_case_also_when_a_token_is_rejected(make: Factory) -> None:
+    h = await make(credential="app")
+    client = h.broker.github
+    assert client is not None
+    fields = {"head": "agent/a", "base": "main", "title": "t", "body": "", "draft": False}
+    await client.create_pull_request("acme/app", fields)
+    h.github.rejected.add(h.github.tokens_issued[0])
+    _, existed = await client.create_pull_request("ACME/APP", fields | {"head": "agent/b"})  # replaced once
+    assert existed is False
+    await client.create_pull_request("Acme/App", fields | {"head": "agent/c"})  # the replacement is cached
+    assert h.github.count("POST", "/access_tokens") == 2
+    assert len(h.github.pulls) == 3
+
+
 async def test_existing_pull_request_is_returned(make: Factory) -> None:
     h = await make()
     first = await h.pr(await h.token())
@@ -658,6 +696,8 @@ INVALID_REQUESTS = [
     pytest.param({"title": ""}, "invalid_request", id="title-empty"),
     pytest.param({"title": "   \n"}, "invalid_request", id="title-blank"),
     pytest.param({"title": "t" * (MAX_TITLE + 1)}, "invalid_request", id="title-too-long"),
+    pytest.param({"title": "x" + " " * 120_000}, "invalid_request", id="title-padded-with-spaces"),
+    pytest.param({"title": " " * MAX_TITLE + "x"}, "invalid_request", id="title-after-spaces-too-long"),
     pytest.param({"body": "b" * (MAX_BODY + 1)}, "invalid_request", id="body-too-long"),
     pytest.param({"body": None}, "invalid_request", id="body-null"),
     pytest.param({"draft": "yes"}, "invalid_request", id="draft-string"),
@@ -786,6 +826,31 @@ async def test_failed_call_is_not_remembered(make: Factory) -> None:
     assert h.github.pull_posts == 2
 
 
+ENDINGS = [
+    pytest.param("create", {}, "op-1", None, 201, id="created"),
+    pytest.param("create", {"title": "Other"}, "taken", None, 422, id="idempotency-conflict"),
+    pytest.param("error", {}, "op-1", None, 502, id="upstream-error"),
+    pytest.param("create", {"head": "agent/no-commits"}, "op-1", None, 422, id="upstream-validation"),
+    pytest.param("create", {}, "op-1", "idempotent_get", 503, id="idempotency-read-fails"),
+    pytest.param("create", {}, "op-1", "idempotent_put", 503, id="idempotency-write-fails"),
+]
+
+
+@pytest.mark.parametrize(("mode", "fields", "key", "failing", "status"), ENDINGS)
+async def test_idempotency_locks_are_dropped_however_calls_end(
+    make: Factory, mode: str, fields: dict[str, Any], key: str, failing: str | None, status: int
+) -> None:
+    h = await make()
+    token = await h.token()
+    assert (await h.pr(token, {"head": "agent/earlier"}, key="taken")).status == 201
+    h.github.mode, h.github.pull_delay = mode, 0.05  # the concurrent calls wait for the lock meanwhile
+    if failing:
+        h.store.failing.add(failing)
+    replies = await asyncio.gather(*(h.pr(token, {"head": "agent/fix-1"} | fields, key=key) for _ in range(3)))
+    assert [r.status for r in replies] == [status] * 3, [r.body for r in replies]
+    assert h.broker._inflight == {}
+
+
 # --- rate limit -------------------------------------------------------------------------------------------------
 
 
@@ -798,6 +863,92 @@ async def test_rate_limit_per_token(make: Factory) -> None:
     assert reply.status == 429 and reply.body["error"] == "rate_limited"
     assert (await h.pr(other, {"head": "agent/other"})).status == 201  # another token has its own bucket
     assert h.github.pull_posts == 3
+
+
+FAILED_AUTHS = [
+    pytest.param(None, 401, "missing_token", False, id="no-token"),
+    pytest.param("Bearer x.y.z", 401, "invalid_token", False, id="garbage"),
+    pytest.param("Bearer {expired}", 401, "invalid_token", False, id="expired"),
+    pytest.param("Bearer {revoked}", 401, "revoked_token", True, id="revoked"),
+    pytest.param("Bearer {other_sandbox}", 403, "wrong_sandbox", True, id="other-sandboxs-token"),
+]
+
+
+@pytest.mark.parametrize(("auth", "status", "code", "stored"), FAILED_AUTHS)
+async def test_failed_authentications_are_limited_per_source(
+    make: Factory, monkeypatch: pytest.MonkeyPatch, auth: str | None, status: int, code: str, stored: bool
+) -> None:
+    h = await make(settings=BrokerSettings(failed_auths_per_second=0.01, failed_auth_burst=3))
+    valid, revoked = await h.token(), await h.token()
+    jti = jwt.decode(revoked, options={"verify_signature": False})["jti"]
+    assert (await h.admin_post("/v1/revocations", {"jti": jti})).status == 200
+    now = int(time.time())
+    values = {
+        "expired": h.forge(iat=now - 600, nbf=now - 600, exp=now - 60),
+        "revoked": revoked,
+        "other_sandbox": await h.token(sandbox="sbx-2"),
+    }
+    verified: list[str] = []
+    verify = h.broker.authority.verify
+    monkeypatch.setattr(h.broker.authority, "verify", lambda token: verified.append(token) or verify(token))
+    replies = [await h.pr(None, auth=None if auth is None else auth.format(**values)) for _ in range(5)]
+    assert [(r.status, r.body["error"]) for r in replies] == [(status, code)] * 3 + [(429, "auth_rate_limited")] * 2
+    assert 1 <= int(replies[-1].headers["Retry-After"]) <= 100  # one failure more every 100 s
+    # Past the limit the address gets 429 even with a valid token, and no token is looked at.
+    reply = await h.pr(valid)
+    assert (reply.status, reply.body["error"]) == (429, "auth_rate_limited")
+    assert len(verified) == (0 if auth is None else 3)
+    assert h.github.calls == []
+    # Every call is audited; only the calls whose token verified are stored.
+    assert [r.extra["status"] for r in h.audit] == [status] * 3 + [429] * 3
+    assert [json.loads(r)["extra"]["status"] for r in h.brokered_calls()] == ([status] * 3 if stored else [])
+
+
+async def test_flood_of_bad_tokens_is_cut_short_and_not_stored(make: Factory) -> None:
+    h = await make()  # default settings: a burst of 20 failures, then 2 a second
+    replies = [await h.pr(None, auth="Bearer x.y.z") for _ in range(40)]
+    statuses = [r.status for r in replies]
+    assert statuses[:20] == [401] * 20 and statuses[-1] == 429
+    assert statuses.count(401) <= 22  # at most a refill or two while the flood lasts
+    assert {r.body["error"] for r in replies if r.status == 429} == {"auth_rate_limited"}
+    assert len(h.audit) == 40 and h.brokered_calls() == []
+
+
+async def test_valid_tokens_do_not_spend_the_failure_budget(make: Factory) -> None:
+    settings = BrokerSettings(calls_per_minute=600, burst=20, failed_auths_per_second=0.01, failed_auth_burst=3)
+    h = await make(settings=settings)
+    token = await h.token()
+
+    async def call(n: int, valid: bool) -> int:
+        return (await (h.pr(token, {"head": f"agent/ok-{n}"}) if valid else h.pr(None, auth="Bearer x.y.z"))).status
+
+    valid = [True] * 10 + [False, True] * 2 + [False, False]
+    statuses = [await call(n, v) for n, v in enumerate(valid)]
+    assert statuses == [201] * 10 + [401, 201] * 2 + [401, 429]
+
+
+async def test_failed_authentication_budget_refills(make: Factory) -> None:
+    h = await make(settings=BrokerSettings(failed_auths_per_second=20, failed_auth_burst=1))
+    token = await h.token()
+    assert (await h.pr(None)).status == 401
+    limited = await h.pr(token)
+    assert limited.status == 429 and limited.headers["Retry-After"] == "1"  # whole seconds, rounded up
+    await asyncio.sleep(0.1)
+    assert (await h.pr(token)).status == 201
+
+
+def test_rate_limiter_forgets_only_refilled_buckets(monkeypatch: pytest.MonkeyPatch) -> None:
+    clock = [1000.0]
+    monkeypatch.setattr(time, "monotonic", lambda: clock[0])
+    limiter = _RateLimiter(rate=1.0, burst=3)  # an empty bucket is full again after 3 s
+    for n in range(100):
+        assert limiter.take(f"10.0.0.{n}")
+    clock[0] += 2.5
+    assert all(limiter.take("busy") for _ in range(3))
+    clock[0] += 0.5
+    assert limiter.take("new")
+    assert set(limiter._buckets) == {"busy", "new"}  # the 100 have refilled: forgotten
+    assert not limiter.take("busy")  # still limited
 
 
 # --- broker state failures --------------------------------------------------------------------------------------
@@ -900,7 +1051,8 @@ async def test_every_request_is_audited_once(make: Factory) -> None:
     h = await make()
     token = await h.token()
     replies = [await h.pr(token), await h.pr(None), await h.pr(token, {"repo": "acme/other"}), await h.pr(token)]
-    assert len(h.audit) == len(replies) == len(h.brokered_calls())
+    assert len(h.audit) == len(replies)
+    assert len(h.brokered_calls()) == 3  # not the call without a token (see test_failed_authentications_…)
     assert [r.extra["status"] for r in h.audit] == [r.status for r in replies]
     assert [r.decision for r in h.audit] == ["allow", "deny", "deny", "allow"]
     jti = jwt.decode(token, options={"verify_signature": False})["jti"]

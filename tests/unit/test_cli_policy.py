@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from airlock.cli import main
+from airlock.cli import _reload, main
+from airlock.policy import Policy, loader
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
@@ -86,6 +87,64 @@ def test_check_unreadable(tmp_path: Path, capsys: pytest.CaptureFixture[str], co
     path.write_bytes(content)
     assert main(["policy", "check", str(path)]) == 2
     assert capsys.readouterr().err.startswith(f"{path}:{line}: ")
+
+
+# Odd YAML that used to crash the loader (AttributeError, ValueError, TypeError) or pass as something else.
+_RULE = "version: 1\nprofiles:\n  default:\n    allow:\n      - host: a.example.com\n"
+_DNS = "version: 1\nprofiles:\n  default:\n    dns:\n"
+ODD_POLICIES = [
+    ("tunnel-tagged-list", _RULE + "        tunnel: !!bool [x]\n", 6),
+    ("refuse-tagged-mapping", _DNS + "      refuse_suspicious: !!bool {a: b}\n", 5),
+    ("port-superscript", _RULE + '        ports: [!!int "\u00b2"]\n', 6),
+    ("port-arabic-indic", _RULE + '        ports: [!!int "\u0664\u0664\u0663"]\n', 6),
+    ("port-fullwidth", _RULE + '        ports: [!!int "\uff14\uff14\uff13"]\n', 6),
+    ("entropy-inf", _DNS + "      max_label_entropy: inf\n", 5),
+    ("entropy-nan", _DNS + "      max_label_entropy: nan\n", 5),
+    ("entropy-list", _DNS + "      max_label_entropy: [4.0]\n", 5),
+    ("host-with-newline", _RULE.replace("a.example.com", '"127.0.0.1\\n"'), 5),
+]
+
+
+@pytest.mark.parametrize(("content", "line"), [o[1:] for o in ODD_POLICIES], ids=[o[0] for o in ODD_POLICIES])
+def test_check_odd_yaml(tmp_path: Path, capsys: pytest.CaptureFixture[str], content: str, line: int) -> None:
+    path = tmp_path / "p.yaml"
+    path.write_text(content, encoding="utf-8")
+    assert main(["policy", "check", str(path)]) == 2
+    assert capsys.readouterr().err.startswith(f"{path}:{line}: ")
+
+
+def test_check_loader_bug_is_exit_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def broken(raw: str) -> str:
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(loader, "canonical_host", broken)
+    path = tmp_path / "p.yaml"
+    path.write_text(POLICY, encoding="utf-8")
+    assert main(["policy", "check", str(path)]) == 2
+    assert capsys.readouterr().err.startswith(f"{path}:1: cannot load policy: RuntimeError: boom")
+
+
+class _Gateway:
+    def __init__(self) -> None:
+        self.policies: list[Policy] = []
+
+    def replace_policy(self, policy: Policy) -> None:
+        self.policies.append(policy)
+
+
+@pytest.mark.parametrize(
+    ("content", "loaded"),
+    [(POLICY, 1), *((o[1], 0) for o in ODD_POLICIES)],
+    ids=["valid", *(o[0] for o in ODD_POLICIES)],
+)
+def test_sighup_reload_keeps_running_policy_on_odd_yaml(tmp_path: Path, content: str, loaded: int) -> None:
+    path = tmp_path / "p.yaml"
+    path.write_text(content, encoding="utf-8")
+    gateway = _Gateway()
+    _reload(gateway, str(path))  # must not raise: it runs inside the event loop's signal handler
+    assert len(gateway.policies) == loaded
 
 
 def test_check_missing_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -1,12 +1,17 @@
-"""`airlock run` argument handling that needs no root: the refusal without privileges, the clean environment."""
+"""`airlock run` argument handling: the refusal without privileges, the clean environment, and keeping the
+gateway's credentials (and the usual ones in a home directory) away from the command."""
 
 from __future__ import annotations
 
+import argparse
+import os
 import pwd
+from pathlib import Path
 
 import pytest
 
 from airlock import cli
+from airlock.sandbox.netns import accessible_by, credential_paths
 
 
 def test_run_without_root_says_what_is_needed(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
@@ -30,3 +35,84 @@ def test_sandbox_environment_keeps_host_secrets_out(monkeypatch: pytest.MonkeyPa
     assert env["PASSED_ON"] == "yes" and env["SET_HERE"] == "1" and env["USER"] == "nobody"
     with pytest.raises(cli.UsageError):
         cli.sandbox_environment(["BAD-NAME"], pwd.getpwnam("nobody"))
+
+
+def _user(tmp_path: Path, uid: int = 4242, gid: int = 4242) -> pwd.struct_passwd:
+    home = tmp_path / "home"
+    home.mkdir(exist_ok=True)
+    return pwd.struct_passwd(("agent", "x", uid, gid, "", str(home), "/bin/sh"))
+
+
+def test_credential_paths_are_the_gateways_and_the_usual_home_places(tmp_path: Path) -> None:
+    user = _user(tmp_path)
+    home = Path(user.pw_dir)
+    (home / ".ssh").mkdir()
+    (home / ".config" / "gh").mkdir(parents=True)
+    (home / ".netrc").write_text("machine x login y password z\n")
+    (home / "project").mkdir()
+    key = tmp_path / "app.pem"
+    key.write_text("KEY")
+    (tmp_path / "link.pem").symlink_to(key)
+    found = credential_paths(user, [tmp_path / "link.pem", tmp_path / "missing.pem"])
+    assert found == [key, home / ".ssh", home / ".config" / "gh", home / ".netrc"]  # resolved, existing, no project
+
+
+@pytest.mark.parametrize(
+    ("owner", "group", "mode", "accessible"),
+    [
+        ("user", "other", 0o600, True),
+        ("user", "other", 0o200, True),  # writable is as bad: a signing key could be replaced
+        ("user", "other", 0o000, False),
+        ("root", "user", 0o640, True),
+        ("root", "user", 0o600, False),
+        ("root", "other", 0o604, True),
+        ("root", "other", 0o600, False),
+        ("root", "other", 0o660, False),
+    ],
+)
+def test_accessible_by_follows_the_mode_bits(
+    privileged: None, tmp_path: Path, owner: str, group: str, mode: int, accessible: bool
+) -> None:
+    user = _user(tmp_path)
+    secret = tmp_path / "secret"
+    secret.write_text("s")
+    os.chown(secret, user.pw_uid if owner == "user" else 0, user.pw_gid if group == "user" else 4343)
+    secret.chmod(mode)
+    assert accessible_by(secret, user) == ([secret] if accessible else [])
+
+
+def test_accessible_by_looks_inside_a_state_directory(tmp_path: Path) -> None:
+    user = _user(tmp_path)
+    state = tmp_path / "state"
+    (state / "keys").mkdir(parents=True)
+    (state / "keys" / "k1.pem").write_text("k")
+    (state / "keys" / "k1.pem").chmod(0o600)
+    (state / "broker.sqlite3").write_text("db")
+    (state / "broker.sqlite3").chmod(0o644)
+    assert accessible_by(state, user) == [state / "broker.sqlite3"]
+
+
+def test_run_without_bubblewrap_refuses_while_a_credential_is_exposed(privileged: None, tmp_path: Path) -> None:
+    user = _user(tmp_path)
+    key = tmp_path / "app.pem"
+    key.write_text("KEY")
+    os.chown(key, user.pw_uid, user.pw_gid)
+    key.chmod(0o600)
+    args = argparse.Namespace(github_app_key=str(key), github_token_file=None, state_dir=None, isolation="none")
+    with pytest.raises(cli.UsageError, match=r"app\.pem is readable or writable by agent"):
+        cli._keep_credentials_out(args, user)
+    os.chown(key, 0, 0)
+    assert cli._keep_credentials_out(args, user) == []  # root's alone: fine
+    args.isolation = "bwrap"
+    assert cli._keep_credentials_out(args, user) == [key]  # hidden by bubblewrap instead
+
+
+def test_docker_mounts_never_show_a_gateway_credential(tmp_path: Path) -> None:
+    key = tmp_path / "project" / "app.pem"
+    key.parent.mkdir()
+    key.write_text("KEY")
+    for mount in (f"{tmp_path}:/src", f"{key.parent}:/src", f"{key}:/key.pem"):
+        with pytest.raises(cli.UsageError, match="gateway credential"):
+            cli._mount(mount, [str(key)])
+    (tmp_path / "data").mkdir()
+    assert cli._mount(f"{tmp_path / 'data'}:/data:ro", [str(key)]) == (str(tmp_path / "data"), "/data")

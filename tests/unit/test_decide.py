@@ -6,7 +6,16 @@ import ipaddress
 
 import pytest
 
-from airlock.policy import DEFAULT_ALLOW_PORTS, Profile, Rule, canonical_host, decide, parse_policy, vet
+from airlock.policy import (
+    DEFAULT_ALLOW_PORTS,
+    Profile,
+    Rule,
+    canonical_host,
+    decide,
+    decide_alias,
+    parse_policy,
+    vet,
+)
 
 POLICY = """\
 version: 1
@@ -97,6 +106,16 @@ DECISIONS = [
     ("metadata-nat64", "64:ff9b::a9fe:a9fe", 80, False, None),
     ("metadata-v6", "fd00:ec2::254", 80, False, None),
     ("rfc1918", "192.168.1.1", 443, False, None),
+    ("cidr-internal-siit", "::ffff:0:a01:203", 443, True, 14),
+    ("metadata-siit", "::ffff:0:a9fe:a9fe", 80, False, None),
+    ("loopback-siit", "::ffff:0:7f00:1", 443, False, None),
+    ("metadata-gcp-v6", "[fd20:ce::254]", 80, False, None),
+    ("metadata-oracle-v6", "fd00:c1::a9fe:a9fe", 80, False, None),
+    ("metadata-oci-classic", "192.0.0.192", 80, False, None),
+    ("v6-unallocated", "4000::1", 443, False, None),
+    ("v6-srv6", "5f00::1", 443, False, None),
+    ("v6-documentation-3fff", "3fff::1", 443, False, None),
+    ("v6-ietf-anycast", "2001:1::1", 443, False, None),
 ]
 
 
@@ -138,6 +157,17 @@ HINTS = [
     ("loopback", "127.0.0.1", 443, "internal address (loopback)", None),
     ("this-network", "0.0.0.0", 443, "internal address (this network)", None),
     ("metadata", "169.254.169.254", 80, "metadata/link-local address: never reachable", None),
+    ("metadata-siit", "::ffff:0:a9fe:a9fe", 80, "169.254.169.254 is a metadata/link-local address", None),
+    ("metadata-gcp-v6", "fd20:ce::254", 80, "fd20:ce::254 is a metadata/link-local address", None),
+    ("metadata-oracle-v6", "fd00:c1::a9fe:a9fe", 80, "metadata/link-local address: never reachable", None),
+    ("metadata-oci-classic", "192.0.0.192", 80, "metadata/link-local address: never reachable", None),
+    ("loopback-siit", "::ffff:0:7f00:1", 443, "127.0.0.1 is an internal address (loopback)", None),
+    ("internal-siit", "::ffff:0:a09:909", 443, "10.9.9.9 is an internal address", "cidr: 10.9.9.9/32"),
+    ("v6-unallocated", "4000::1", 443, "internal address (outside global unicast 2000::/3)", "cidr: 4000::1/128"),
+    ("v6-srv6", "5f00::1", 443, "internal address (SRv6 SIDs)", "cidr: 5f00::1/128"),
+    ("v6-documentation-3fff", "3fff::1", 443, "internal address (documentation)", "cidr: 3fff::1/128"),
+    ("teredo", "2001:0:4136:e378:8000:63bf:3fff:fdd2", 443, "internal address (Teredo)", None),
+    ("local-nat64", "64:ff9b:1::a00:1", 443, "internal address (local-use NAT64)", None),
 ]
 
 
@@ -160,6 +190,19 @@ def test_deny_reason_and_hint(profile: Profile, raw: str, port: int, reason: str
 )
 def test_tunnel_flag(profile: Profile, raw: str, port: int, tunnel: bool) -> None:
     assert decide(profile, raw, port).tunnel is tunnel
+
+
+def test_ech_flag_comes_from_the_deciding_allow_rule() -> None:
+    text = (
+        "version: 1\nprofiles:\n  default:\n    allow:\n"
+        "      - host: browser.example.org\n        ech: true\n"
+        '      - host: "*.example.org"\n'
+        "    deny:\n      - host: denied.example.org\n"
+    )
+    profile = parse_policy(text, F).profile()
+    assert decide(profile, "browser.example.org", 443).ech is True
+    assert decide(profile, "other.example.org", 443).ech is False  # the wildcard rule says nothing about ECH
+    assert decide(profile, "denied.example.org", 443).ech is False
 
 
 def test_allow_default_ports_are_443_only() -> None:
@@ -198,6 +241,14 @@ NEVER_OPENED = [
     ("6to4-range-loopback", "2002::/16", "2002:7f00:1::"),
     ("nat64-range-loopback", "64:ff9b::/96", "64:ff9b::7f00:1"),
     ("compatible-range-loopback", "::/96", "::127.0.0.1"),
+    ("siit-range-loopback", "::ffff:0:0:0/96", "::ffff:0:7f00:1"),
+    ("siit-range-metadata", "::ffff:0:0:0/96", "::ffff:0:a9fe:a9fe"),
+    ("metadata-via-siit-target", "169.254.169.254/32", "::ffff:0:a9fe:a9fe"),
+    ("oci-classic", "192.0.0.0/24", "192.0.0.192"),
+    ("oci-classic-via-mapped-target", "192.0.0.192/32", "::ffff:192.0.0.192"),
+    ("gcp-v6", "fd20:ce::/64", "fd20:ce::254"),
+    ("gcp-v6-in-ula", "fc00::/7", "fd20:ce::254"),
+    ("oracle-v6", "fd00:c1::/32", "fd00:c1::a9fe:a9fe"),
 ]
 
 
@@ -246,6 +297,18 @@ VETS = [
     ("unspecified", ["0.0.0.0", "::"], 443, [], ["0.0.0.0", "::"]),
     ("duplicates-once", ["192.0.2.1", "192.0.2.1"], 443, ["192.0.2.1"], []),
     ("empty", [], 443, [], []),
+    ("siit-metadata", ["::ffff:0:a9fe:a9fe"], 80, [], ["::ffff:0:a9fe:a9fe"]),
+    ("siit-loopback", ["::ffff:0:7f00:1"], 443, [], ["::ffff:0:7f00:1"]),
+    ("cidr-opens-siit-on-its-port", ["::ffff:0:a01:203"], 443, ["::ffff:0:a01:203"], []),
+    (
+        "cloud-metadata-v6-and-oci",
+        ["192.0.2.1", "fd20:ce::254", "fd00:c1::a9fe:a9fe", "192.0.0.192"],
+        80,
+        ["192.0.2.1"],
+        None,
+    ),
+    ("v6-outside-global-unicast", ["4000::1", "5f00::1", "8000::1", "2606:4700::1111"], 443, ["2606:4700::1111"], None),
+    ("v6-special-in-2000::/3", ["2001:1::1", "2001:20::1", "3fff::1", "2001:4860::1"], 443, ["2001:4860::1"], None),
 ]
 
 
@@ -281,6 +344,25 @@ def test_vet_reason(profile: Profile, addresses: list[str], reason: str) -> None
 def test_vet_metadata_reason_names_metadata(profile: Profile) -> None:
     result = vet(profile, [ipaddress.ip_address("169.254.169.254")], 80)
     assert "metadata" in result.rejected[0][1]
+
+
+@pytest.mark.parametrize(
+    ("address", "opened"),
+    [
+        ("10.231.0.1", False),  # a gateway's side of an `airlock run` link, maybe added after this gateway started
+        ("10.231.7.2", False),  # another sandbox
+        ("::ffff:10.231.7.2", False),
+        ("10.232.3.1", False),  # a docker sandbox network
+        ("10.230.255.255", True),
+        ("10.233.0.1", True),
+    ],
+)
+def test_sandbox_links_never_pass_even_under_a_covering_cidr_rule(address: str, opened: bool) -> None:
+    text = "version: 1\nprofiles:\n  default:\n    allow:\n      - cidr: 10.0.0.0/8\n        ports: [22]\n"
+    result = vet(parse_policy(text, F).profile(), [ipaddress.ip_address(address)], 22)
+    assert bool(result.allowed) is opened
+    if not opened:
+        assert "sandbox link" in result.rejected[0][1]
 
 
 # --- performance shape: decisions stay right with many rules (no timing assertions) --------------------------
@@ -348,3 +430,25 @@ def test_many_rules_vet() -> None:
     result = vet(profile, [inside, outside, public], 443)
     assert result.allowed == (inside, public)
     assert [ip for ip, _ in result.rejected] == [outside]
+
+
+@pytest.mark.parametrize(
+    ("cnames", "port", "denied_by"),
+    [
+        ((), 443, None),
+        (("cdn.example.net",), 443, None),  # a target no rule names: chains to CDNs are normal
+        (("a.blocked.example.com",), 443, 22),  # a wildcard deny covering every port
+        (("cdn.example.net", "x.blocked.example.com"), None, 22),  # anywhere in the chain; DNS asks with None
+        (("web.example.org",), 80, 23),  # a deny rule on port 80 only...
+        (("web.example.org",), 443, None),  # ...does not close 443
+        (("web.example.org",), None, None),  # ...nor the name as such (DNS)
+        (("both.example.org",), 443, 21),
+    ],
+)
+def test_decide_alias(profile: Profile, cnames: tuple[str, ...], port: int | None, denied_by: int | None) -> None:
+    decision = decide_alias(profile, cnames, port)
+    if denied_by is None:
+        assert decision is None
+    else:
+        assert decision is not None and not decision.allow and decision.rule is not None
+        assert decision.rule.source == f"{F}:{denied_by}" and "CNAME chain passes through" in decision.reason

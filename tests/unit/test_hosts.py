@@ -77,6 +77,8 @@ BAD_NAMES = [
     ("hex-last-label", "example.0x1"),
     ("fullwidth-digits-ip", "\uff11\uff12\uff17.\uff10.\uff10.\uff11"),
     ("ideographic-dot-ip", "127\u30020\u30020\u30021"),
+    ("arabic-indic-digits-ip", "\u0661\u0662\u0667.0.0.1"),
+    ("superscript-digit-ip", "127.0.0.\u00b2"),
 ]
 
 
@@ -165,11 +167,62 @@ def test_bad_ipv4_refused(raw: str) -> None:
 
 @pytest.mark.parametrize(
     ("raw", "expected"),
-    [("example.com", None), ("1.2.3.4a", None), ("0x7g", None), ("1.2.3.4", ipaddress.IPv4Address("1.2.3.4"))],
-    ids=["name", "name-with-digits", "bad-hex-is-a-name", "ip"],
+    [
+        ("example.com", None),
+        ("1.2.3.4a", None),
+        ("0x7g", None),
+        ("1.2.3.4", ipaddress.IPv4Address("1.2.3.4")),
+        ("127.0.0.1\n", None),
+        ("2130706433\n", None),
+        ("0x7f.1\n", None),
+        ("\u0661\u0662\u0667.1", None),
+    ],
+    ids=["name", "name-with-digits", "bad-hex-is-a-name", "ip", "newline", "decimal-newline", "hex-newline", "arabic"],
 )
 def test_parse_ipv4_libc_none_for_names(raw: str, expected: ipaddress.IPv4Address | None) -> None:
     assert parse_ipv4_libc(raw) == expected
+
+
+# Whitespace (any Unicode whitespace) or a control character anywhere: never a host, never an address. Python's
+# `$` matches before a final newline and int() strips whitespace, so `127.0.0.1\n` used to pass as 127.0.0.1.
+SPACE_OR_CONTROL = [
+    ("v4-final-newline", "127.0.0.1\n"),
+    ("v4-hex-final-newline", "0x7f.1\n"),
+    ("v4-decimal-final-newline", "2130706433\n"),
+    ("v4-octal-final-newline", "0177.0.0.1\n"),
+    ("v4-trailing-dot-newline", "127.0.0.1.\n"),
+    ("v4-crlf", "127.0.0.1\r\n"),
+    ("v4-leading-newline", "\n127.0.0.1"),
+    ("v4-inner-newline", "127.0.0\n.1"),
+    ("v4-leading-space", " 127.0.0.1"),
+    ("v4-trailing-space", "2130706433 "),
+    ("v4-tab", "127.0.0.1\t"),
+    ("v4-vertical-tab", "127.0.0.1\x0b"),
+    ("v4-form-feed", "127.0.0.1\x0c"),
+    ("v4-nul", "127.0.0.1\x00"),
+    ("v4-file-separator", "127.0.0.1\x1c"),
+    ("v4-del", "127.0.0.1\x7f"),
+    ("v4-c1-next-line", "127.0.0.1\x85"),
+    ("v4-no-break-space", "127.0.0.1\xa0"),
+    ("v4-line-separator", "127.0.0.1\u2028"),
+    ("v4-ideographic-space", "127.0.0.1\u3000"),
+    ("v6-final-newline", "::1\n"),
+    ("v6-bracketed-final-newline", "[::1]\n"),
+    ("v6-newline-in-brackets", "[::1\n]"),
+    ("v6-leading-space", " ::1"),
+    ("name-no-break-space", "example.com\xa0"),
+    ("name-em-space", "exa\u2003mple.com"),
+    ("name-c1-csi", "\x9bexample.com"),
+    ("name-final-newline-trailing-dot", "example.com.\n"),
+]
+
+
+@pytest.mark.parametrize("raw", [c[1] for c in SPACE_OR_CONTROL], ids=[c[0] for c in SPACE_OR_CONTROL])
+def test_space_or_control_refused(raw: str) -> None:
+    with pytest.raises(HostError):
+        canonical_host(raw)
+    with pytest.raises(HostError):
+        parse_ip_literal(raw)
 
 
 # --- IPv6 -----------------------------------------------------------------------------------------------------

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import random
+import re
 import textwrap
 from importlib import resources
 from pathlib import Path
 
 import pytest
+import yaml
 
-from airlock.policy import PolicyError, canonical_host, decide, load_policy, parse_policy
+from airlock.policy import DnsLimits, PolicyError, canonical_host, decide, load_policy, loader, parse_policy
 
 F = "p.yaml"
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
@@ -24,6 +27,16 @@ def errors_of(text: str) -> list[str]:
 def rule(body: str, action: str = "allow") -> str:
     """A one-profile policy whose rule list starts at line 5."""
     return "version: 1\nprofiles:\n  default:\n    " + action + ":\n" + textwrap.indent(body, "      ")
+
+
+def dns(body: str) -> str:
+    """A one-profile policy whose dns block starts at line 5."""
+    return "version: 1\nprofiles:\n  default:\n    dns:\n" + textwrap.indent(body, "      ")
+
+
+def port(value: str) -> str:
+    """An allow rule whose one port item, on line 6, is `value`."""
+    return rule(f"- host: a.example.com\n  ports: [{value}]\n")
 
 
 # (id, policy text, line of the one expected error, fragment of its message)
@@ -116,6 +129,26 @@ ERRORS = [
     ("cidr-v6-loopback", rule('- cidr: "::1/128"\n'), 5, "gateway's own loopback"),
     ("cidr-v6-unspecified", rule('- cidr: "::/128"\n'), 5, "gateway's own loopback"),
     ("cidr-null", rule("- cidr:\n"), 5, "cidr must be a single value"),
+    ("cidr-zone-id", rule("- cidr: 'fd12::%eth0/64'\n"), 5, "zone IDs"),
+    ("cidr-oci-classic", rule("- cidr: 192.0.0.192/32\n"), 5, "covers cloud metadata"),
+    ("cidr-ietf-192.0.0/24", rule("- cidr: 192.0.0.0/24\n"), 5, "covers cloud metadata"),
+    ("cidr-gcp-v6", rule("- cidr: fd20:ce::254/128\n"), 5, "covers cloud metadata"),
+    ("cidr-gcp-v6-around", rule("- cidr: fd20:ce::/64\n"), 5, "covers cloud metadata"),
+    ("cidr-oracle-v6", rule("- cidr: fd00:c1::a9fe:a9fe/128\n"), 5, "covers cloud metadata"),
+    ("cidr-oracle-v6-around", rule("- cidr: fd00:c1::/32\n"), 5, "covers cloud metadata"),
+    ("cidr-mapped", rule('- cidr: "::ffff:0:0/96"\n'), 5, "IPv6 forms of IPv4 addresses"),
+    ("cidr-over-mapped", rule('- cidr: "::fffe:0:0/95"\n'), 5, "covers ::ffff:0:0/96"),
+    ("cidr-siit", rule('- cidr: "::ffff:0:0:0/96"\n'), 5, "covers ::ffff:0:0:0/96"),
+    ("cidr-siit-part", rule('- cidr: "::ffff:0:a00:0/104"\n'), 5, "IPv6 forms of IPv4 addresses"),
+    ("cidr-siit-metadata", rule('- cidr: "::ffff:0:a9fe:a9fe/128"\n'), 5, "IPv6 forms of IPv4 addresses"),
+    ("cidr-v4-compatible", rule('- cidr: "::a00:0/104"\n'), 5, "IPv6 forms of IPv4 addresses"),
+    ("cidr-nat64", rule("- cidr: 64:ff9b::/96\n"), 5, "IPv6 forms of IPv4 addresses"),
+    ("cidr-6to4", rule("- cidr: 2002:a00::/24\n"), 5, "IPv6 forms of IPv4 addresses"),
+    ("cidr-over-6to4", rule("- cidr: 2000::/3\n"), 5, "covers 2002::/16"),
+    ("cidr-teredo", rule("- cidr: 2001::/32\n"), 5, "Teredo"),
+    ("cidr-teredo-part", rule("- cidr: 2001:0:4136:e378::/64\n"), 5, "Teredo"),
+    ("cidr-over-teredo", rule("- cidr: 2001::/16\n"), 5, "Teredo"),
+    ("cidr-local-nat64", rule("- cidr: 64:ff9b:1::/48\n"), 5, "local-use NAT64"),
     # --- ports
     ("port-zero", rule("- host: a.example.com\n  ports: [0]\n"), 6, "port 0 is out of range"),
     ("port-70000", rule("- host: a.example.com\n  ports: [443, 70000]\n"), 6, "port 70000 is out of range"),
@@ -130,17 +163,96 @@ ERRORS = [
     ("ports-any-on-allow", rule("- host: a.example.com\n  ports: any\n"), 6, "non-empty list of port numbers"),
     ("ports-null", rule("- host: a.example.com\n  ports:\n"), 6, "non-empty list"),
     ("port-on-its-own-line", rule("- host: a.example.com\n  ports:\n    - 443\n    - 99999\n"), 8, "99999"),
+    # str.isdigit() and int() accept these; a port is ASCII decimal only
+    ("port-superscript", port('!!int "\u00b2"'), 6, "plain decimal"),
+    ("port-arabic-indic", port('!!int "\u0664\u0664\u0663"'), 6, "plain decimal"),
+    ("port-fullwidth", port('!!int "\uff14\uff14\uff13"'), 6, "plain decimal"),
+    ("port-tagged-space", port('!!int " 443"'), 6, "plain decimal"),
+    ("port-tagged-word", port("!!int https"), 6, "plain decimal"),
+    ("port-underscore", port("4_43"), 6, "plain decimal"),
+    ("port-plus", port("+443"), 6, "plain decimal"),
+    ("port-sexagesimal", port("7:23"), 6, "plain decimal"),
+    ("port-huge", port("9" * 5000), 6, "out of range"),
+    ("port-long-zeros", port("0" * 5000 + "1"), 6, "plain decimal"),
+    ("port-list", port("[443]"), 6, "port must be a number, not a list"),
+    ("port-mapping", port("{a: 1}"), 6, "port must be a number, not a mapping"),
+    ("port-null", port("~"), 6, "port '~' is not a number"),
+    ("port-tagged-str-list", port("!!str [443]"), 6, "not a list"),
+    ("port-self-alias", rule("- host: a.example.com\n  ports: &p [*p]\n"), 6, "not a list"),
     # --- tunnel
     ("tunnel-string", rule("- host: a.example.com\n  tunnel: maybe\n"), 6, "tunnel must be true or false"),
     ("tunnel-quoted-true", rule('- host: a.example.com\n  tunnel: "true"\n'), 6, "tunnel must be true or false"),
     ("tunnel-int", rule("- host: a.example.com\n  tunnel: 1\n"), 6, "tunnel must be true or false"),
     ("tunnel-on-deny", rule("- host: a.example.com\n  tunnel: true\n", "deny"), 6, "only meaningful on allow"),
+    ("ech-on-deny", rule("- host: a.example.com\n  ech: true\n", "deny"), 6, "ech is only meaningful on allow"),
+    ("ech-string", rule("- host: a.example.com\n  ech: grease\n"), 6, "ech must be true or false"),
+    ("tunnel-tagged-list", rule("- host: a.example.com\n  tunnel: !!bool [x]\n"), 6, "tunnel must be true or false"),
+    ("tunnel-tagged-map", rule("- host: a.example.com\n  tunnel: !!bool {a: b}\n"), 6, "tunnel must be true or false"),
+    ("tunnel-tagged-word", rule("- host: a.example.com\n  tunnel: !!bool maybe\n"), 6, "tunnel must be true or false"),
+    ("tunnel-list", rule("- host: a.example.com\n  tunnel: [true]\n"), 6, "tunnel must be true or false"),
+    ("tunnel-null", rule("- host: a.example.com\n  tunnel:\n"), 6, "tunnel must be true or false"),
+    ("tunnel-bad-on-deny", rule("- host: a.example.com\n  tunnel: [x]\n", "deny"), 6, "tunnel must be true or false"),
+    # --- dns limits
+    ("dns-not-mapping", dns("[]\n").replace("dns:\n      ", "dns: "), 4, "dns must be a mapping"),
+    ("refuse-tagged-map", dns("refuse_suspicious: !!bool {a: b}\n"), 5, "refuse_suspicious must be true or false"),
+    ("refuse-tagged-list", dns("refuse_suspicious: !!bool [x]\n"), 5, "refuse_suspicious must be true or false"),
+    ("refuse-tagged-word", dns("refuse_suspicious: !!bool y\n"), 5, "refuse_suspicious must be true or false"),
+    ("refuse-quoted", dns('refuse_suspicious: "true"\n'), 5, "refuse_suspicious must be true or false"),
+    ("refuse-alias-list", dns("max_label_length: 40\nrefuse_suspicious: &r [*r]\n"), 6, "must be true or false"),
+    ("entropy-inf", dns("max_label_entropy: inf\n"), 5, "max_label_entropy must be a plain decimal number"),
+    ("entropy-yaml-inf", dns("max_label_entropy: .inf\n"), 5, "plain decimal number"),
+    ("entropy-yaml-minus-inf", dns("max_label_entropy: -.inf\n"), 5, "plain decimal number"),
+    ("entropy-tagged-inf", dns("max_label_entropy: !!float inf\n"), 5, "plain decimal number"),
+    ("entropy-nan", dns("max_label_entropy: nan\n"), 5, "plain decimal number"),
+    ("entropy-yaml-nan", dns("max_label_entropy: .nan\n"), 5, "plain decimal number"),
+    ("entropy-tagged-nan", dns("max_label_entropy: !!float nan\n"), 5, "plain decimal number"),
+    ("entropy-exponent", dns("max_label_entropy: 1.0e+400\n"), 5, "plain decimal number"),
+    ("entropy-many-digits", dns(f"max_label_entropy: {'9' * 400}.0\n"), 5, "greater than 0 and at most 6"),
+    ("entropy-zero", dns("max_label_entropy: 0.0\n"), 5, "greater than 0"),
+    ("entropy-negative", dns("max_label_entropy: -1.0\n"), 5, "plain decimal number"),
+    ("entropy-above-6", dns("max_label_entropy: 6.5\n"), 5, "at most 6"),
+    ("entropy-quoted", dns('max_label_entropy: "4.0"\n'), 5, "plain decimal number"),
+    ("entropy-list", dns("max_label_entropy: [4.0]\n"), 5, "plain decimal number"),
+    ("entropy-null", dns("max_label_entropy:\n"), 5, "plain decimal number"),
+    (
+        "length-arabic-indic",
+        dns("max_label_length: \u0664\u0660\n"),
+        5,
+        "max_label_length must be a plain decimal integer",
+    ),
+    ("length-tagged-arabic-indic", dns('max_label_length: !!int "\u0664\u0660"\n'), 5, "plain decimal integer"),
+    ("length-float", dns("max_label_length: 40.0\n"), 5, "plain decimal integer"),
+    ("length-underscore", dns("max_label_length: 4_0\n"), 5, "plain decimal integer"),
+    ("length-hex", dns("max_label_length: 0x28\n"), 5, "plain decimal integer"),
+    ("length-zero", dns("max_label_length: 0\n"), 5, "greater than 0"),
+    ("length-64", dns("max_label_length: 64\n"), 5, "at most 63"),
+    ("length-huge", dns(f"max_label_length: {'9' * 5000}\n"), 5, "at most 63"),
+    ("length-mapping", dns("max_label_length: {a: 1}\n"), 5, "plain decimal integer"),
+    ("subdomains-too-many", dns("max_new_subdomains_per_minute: 1000001\n"), 5, "at most 1000000"),
+    ("subdomains-negative", dns("max_new_subdomains_per_minute: -1\n"), 5, "plain decimal integer"),
     # --- rule shape
     ("host-and-cidr", rule("- host: a.example.com\n  cidr: 10.0.0.1/32\n"), 5, "exactly one of 'host' or 'cidr'"),
     ("neither-host-nor-cidr", rule("- ports: [443]\n"), 5, "exactly one of 'host' or 'cidr'"),
     ("empty-rule", rule("- {}\n"), 5, "exactly one of 'host' or 'cidr'"),
     ("comment-only-rule", rule("- comment: just a note\n"), 5, "exactly one of 'host' or 'cidr'"),
     ("name-not-scalar", rule("- host: a.example.com\n  name: [x]\n"), 6, "name must be a single value"),
+    ("comment-not-scalar", rule("- host: a.example.com\n  comment: {a: b}\n"), 6, "comment must be a single value"),
+    ("description-not-scalar", "profiles:\n  default:\n    description: [x]\n", 3, "description must be a single"),
+    # --- odd nodes where a text value is expected
+    ("host-tagged-list", rule("- host: !!str [a.example.com]\n"), 5, "host must be a single value, not a list"),
+    ("host-mapping", rule("- host: {a: b}\n"), 5, "host must be a single value, not a mapping"),
+    ("host-application-tag", rule("- host: !secret a.example.com\n"), 5, "not a value tagged !secret"),
+    ("host-tagged-null", rule("- host: !!null a.example.com\n"), 5, "host must be a single value, not null"),
+    ("host-with-newline", rule('- host: "a.example.com\\n"\n'), 5, "forbidden character"),
+    ("host-ip-with-newline", rule('- host: "127.0.0.1\\n"\n'), 5, "forbidden character"),
+    ("key-tagged-null", rule("- !!null host: a.example.com\n"), 5, "keys must be plain strings"),
+    # --- explicit tags that disagree with the node (safe_load refuses them too)
+    ("ports-tagged-int-list", rule("- host: a.example.com\n  ports: !!int [443]\n"), 6, "non-empty list"),
+    ("ports-application-tag", rule("- host: a.example.com\n  ports: !secret [443]\n"), 6, "non-empty list"),
+    ("allow-tagged-str-list", "profiles:\n  default:\n    allow: !!str [{host: a.example.com}]\n", 3, "list of rules"),
+    ("rule-tagged-set", rule("- !!set {host: a.example.com}\n"), 5, "allow rule must be a mapping"),
+    ("profile-application-tag", "profiles:\n  default: !p {}\n", 2, "profile 'default' must be a mapping"),
+    ("profiles-tagged-omap", "profiles: !!omap [{default: {}}]\n", 1, "profiles must be a mapping"),
     ("deny-ports-word", rule("- host: a.example.com\n  ports: all\n", "deny"), 6, "or 'any'"),
 ]
 
@@ -161,6 +273,7 @@ VALID = [
     ("tunnel-true", rule("- host: a.example.com\n  ports: [22]\n  tunnel: true\n")),
     ("tunnel-yes", rule("- host: a.example.com\n  ports: [22]\n  tunnel: yes\n")),
     ("tunnel-false", rule("- host: a.example.com\n  tunnel: false\n")),
+    ("ech-true", rule("- host: a.example.com\n  ech: true\n")),
     ("wildcard-under-suffix", rule('- host: "*.example.co.uk"\n')),
     ("wildcard-under-private-suffix", rule('- host: "*.project.github.io"\n')),
     ("idna-host", rule("- host: bücher.de\n")),
@@ -172,6 +285,15 @@ VALID = [
     ("empty-lists", "version: 1\nprofiles:\n  default:\n    allow: []\n    deny: []\n"),
     ("no-version", "profiles:\n  default: {}\n"),
     ("description", "version: 1\nprofiles:\n  default:\n    description: hi\n"),
+    ("cidr-ietf-without-oci-classic", rule("- cidr: 192.0.0.0/25\n")),
+    ("cidr-gcp-v6-neighbour", rule("- cidr: fd20:ce::253/128\n")),
+    ("cidr-public-v6", rule("- cidr: 2001:4860::/32\n")),
+    ("cidr-after-teredo", rule("- cidr: 2001:1::/32\n")),
+    ("deny-cidr-teredo", rule("- cidr: 2001::/32\n", "deny")),
+    ("deny-cidr-siit", rule('- cidr: "::ffff:0:0:0/96"\n', "deny")),
+    ("deny-cidr-gcp-v6", rule("- cidr: fd20:ce::254/128\n", "deny")),
+    ("port-max", port("65535")),
+    ("tunnel-tagged-true", rule("- host: a.example.com\n  tunnel: !!bool true\n")),
 ]
 
 
@@ -203,6 +325,27 @@ def test_rule_fields() -> None:
         f"{F}:6",
     )
     assert (str(cidr.cidr), cidr.ports, cidr.source) == ("10.1.2.3/32", frozenset({443}), f"{F}:10")
+
+
+# (id, dns block, the limits it gives)
+DNS_VALID = [
+    ("none", "{}", DnsLimits()),
+    ("upper-edges", "{max_label_length: 63, max_label_entropy: 6, max_new_subdomains_per_minute: 1000000}", None),
+    ("lower-edges", "{max_label_length: 1, max_label_entropy: 0.1, max_new_subdomains_per_minute: 1}", None),
+    ("refuse-yes", "{refuse_suspicious: yes}", DnsLimits(refuse=True)),
+    ("refuse-off", "{refuse_suspicious: off}", DnsLimits(refuse=False)),
+    ("entropy-int", "{max_label_entropy: 4}", DnsLimits(max_label_entropy=4.0)),
+    ("entropy-decimal", "{max_label_entropy: 3.25}", DnsLimits(max_label_entropy=3.25)),
+]
+
+
+@pytest.mark.parametrize(("block", "expected"), [d[1:] for d in DNS_VALID], ids=[d[0] for d in DNS_VALID])
+def test_dns_limits(block: str, expected: DnsLimits | None) -> None:
+    limits = parse_policy(f"profiles:\n  default:\n    dns: {block}\n", F).profile().dns
+    if expected is not None:
+        assert limits == expected
+    assert isinstance(limits.max_label_entropy, float)
+    assert isinstance(limits.max_label_length, int) and isinstance(limits.max_new_subdomains_per_minute, int)
 
 
 def test_deny_default_ports_every_port() -> None:
@@ -348,3 +491,157 @@ def test_ipv6_forms_of_ipv4_networks_are_refused(cidr: str) -> None:
     with pytest.raises(PolicyError) as info:
         parse_policy(text, "p.yaml")
     assert info.value.errors[0].startswith("p.yaml:5: ")
+
+
+# --- odd YAML nodes everywhere a value is expected, and fuzzing: PolicyError with file:line, never a crash ---------
+
+# Valid YAML whose node kind is wrong wherever a single value is expected: lists, mappings, nulls, aliases (to a list,
+# a mapping, or a node containing itself), and explicit tags on any of them. (id, YAML, line of the error when it is
+# not the slot's own: an alias is the node it names, so the error names the line where that node is written.)
+ODD_NODES = [
+    ("list", "[x]", None),
+    ("empty-list", "[]", None),
+    ("mapping", "{a: b}", None),
+    ("empty-mapping", "{}", None),
+    ("null", "~", None),
+    ("empty", "", None),
+    ("alias-to-list", "*l", 4),
+    ("alias-to-mapping", "*m", 2),
+    ("self-alias-list", "&s [*s]", None),
+    ("self-alias-mapping", "&s {k: *s}", None),
+    ("tagged-bool-list", "!!bool [x]", None),
+    ("tagged-bool-mapping", "!!bool {a: b}", None),
+    ("tagged-int-list", "!!int [1]", None),
+    ("tagged-str-mapping", "!!str {a: 1}", None),
+    ("tagged-null", "!!null x", None),
+    ("application-tag", "!secret x", None),
+    ("application-tag-list", "!secret [x]", None),
+]
+# Anchors the aliases above refer to: an empty profile `a` (line 2) and an empty deny list (line 4), both valid.
+_ODD_HEAD = "profiles:\n  a: &m {}\n  default:\n    deny: &l []\n"
+# (slot id, text after _ODD_HEAD with ODD on its last line, a valid value for ODD)
+ODD_SLOTS = [
+    ("version", "version: ODD\n", "1"),
+    ("default_profile", "default_profile: ODD\n", "default"),
+    ("description", "    description: ODD\n", "hi"),
+    ("host", "    allow:\n      - host: ODD\n", "a.example.com"),
+    ("cidr", "    allow:\n      - cidr: ODD\n", "10.1.2.3/32"),
+    ("ports", "    allow:\n      - host: a.example.com\n        ports: ODD\n", "[443]"),
+    ("port", "    allow:\n      - host: a.example.com\n        ports: [ODD]\n", "443"),
+    ("tunnel", "    allow:\n      - host: a.example.com\n        tunnel: ODD\n", "true"),
+    ("name", "    allow:\n      - host: a.example.com\n        name: ODD\n", "cache"),
+    ("comment", "    allow:\n      - host: a.example.com\n        comment: ODD\n", "why"),
+    ("refuse_suspicious", "    dns:\n      refuse_suspicious: ODD\n", "true"),
+    ("max_label_length", "    dns:\n      max_label_length: ODD\n", "40"),
+    ("max_label_entropy", "    dns:\n      max_label_entropy: ODD\n", "4.0"),
+    ("max_new_subdomains_per_minute", "    dns:\n      max_new_subdomains_per_minute: ODD\n", "60"),
+]
+
+
+def _line_of(error: str) -> int:
+    match = re.match(rf"{re.escape(F)}:(\d+): ", error)
+    assert match, error
+    return int(match.group(1))
+
+
+@pytest.mark.parametrize(("slot", "valid"), [s[1:] for s in ODD_SLOTS], ids=[s[0] for s in ODD_SLOTS])
+def test_odd_slots_load_with_a_valid_value(slot: str, valid: str) -> None:
+    parse_policy(_ODD_HEAD + slot.replace("ODD", valid), F)  # so the errors below come from the odd node alone
+
+
+@pytest.mark.parametrize("loader_class", [yaml.SafeLoader, loader._YAML_LOADER], ids=["python", "default"])
+@pytest.mark.parametrize(("odd", "line"), [o[1:] for o in ODD_NODES], ids=[o[0] for o in ODD_NODES])
+@pytest.mark.parametrize("slot", [s[1] for s in ODD_SLOTS], ids=[s[0] for s in ODD_SLOTS])
+def test_odd_node_where_a_value_is_expected(
+    monkeypatch: pytest.MonkeyPatch, loader_class: type, slot: str, odd: str, line: int | None
+) -> None:
+    monkeypatch.setattr(loader, "_YAML_LOADER", loader_class)
+    text = _ODD_HEAD + slot.replace("ODD", odd)
+    errors = errors_of(text)
+    assert {_line_of(e) for e in errors} == {line or len(text.splitlines())}, errors
+
+
+# Mutations of the shipped example: odd tags, anchors, flow collections, odd numbers, deleted/duplicated/shifted
+# lines, random characters. Fixed seed: the same cases every run.
+_FUZZ_TOKENS = [
+    *(o[1] for o in ODD_NODES),
+    *("!!bool", "!!int", "!!float", "!!str", "!!binary", "&a", "*a", "<<:", "? ", "- ", ": ", "'", '"', "|", "---"),
+    *("inf", ".inf", ".nan", "-1", "0", "99999", "0x1bb", "0443", "1_000", "7:23", "maybe", "1.0e+400", "9" * 5000),
+    *('!!int "\u00b2"', '!!int "\u0664\u0664\u0663"', '"a\\nb"', "\u00a0", "\u2028", "2001::/32", "::/0"),
+]
+
+
+def _mutate(text: str, rng: random.Random) -> str:
+    lines = text.splitlines(keepends=True)
+    for _ in range(rng.randint(1, 4)):
+        i = rng.randrange(len(lines))
+        token = rng.choice(_FUZZ_TOKENS)
+        match rng.randrange(6):
+            case 0 if ":" in lines[i]:  # replace a value
+                lines[i] = lines[i].partition(":")[0] + ": " + token + "\n"
+            case 1:  # insert a token anywhere
+                j = rng.randint(0, len(lines[i]))
+                lines[i] = lines[i][:j] + token + " " + lines[i][j:]
+            case 2 if len(lines) > 1:
+                del lines[i]
+            case 3:
+                lines.insert(i, rng.choice(lines))
+            case 4:
+                lines[i] = " " * rng.choice([1, 2, 4]) + lines[i]
+            case _ if lines[i]:  # one random character
+                j = rng.randrange(len(lines[i]))
+                char = chr(rng.choice([rng.randrange(32, 127), rng.randrange(0x3000)]))
+                lines[i] = lines[i][:j] + char + lines[i][j + 1 :]
+    return "".join(lines)
+
+
+# The shipped example without its comments, plus a dns block: every key the loader knows, for the mutations to hit.
+_FUZZ_SEED = "".join(
+    line
+    for line in (CONFIGS / "policy.example.yaml").read_text(encoding="utf-8").splitlines(keepends=True)
+    if line.strip() and not line.lstrip().startswith("#")
+) + textwrap.indent(
+    "dns:\n  refuse_suspicious: true\n  max_label_length: 40\n  max_label_entropy: 4.0\n"
+    "  max_new_subdomains_per_minute: 60\n",
+    "    ",
+)
+
+
+def test_fuzz_seed_is_valid() -> None:
+    assert parse_policy(_FUZZ_SEED, F).profile("internal-service").dns.refuse
+
+
+def test_fuzzed_example_never_crashes() -> None:
+    rng = random.Random(20240601)
+    outcomes = {"ok": 0, "error": 0}
+    for _ in range(400):
+        text = _mutate(_FUZZ_SEED, rng)
+        try:
+            parse_policy(text, F)
+            outcomes["ok"] += 1
+        except PolicyError as e:
+            assert e.errors and all(_line_of(error) >= 1 for error in e.errors), text
+            assert not any("cannot load policy" in error for error in e.errors), (e.errors, text)
+            outcomes["error"] += 1
+    assert outcomes["ok"] and outcomes["error"]  # the mutations exercise both paths
+
+
+def test_unexpected_exception_becomes_policy_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    def broken(raw: str) -> str:
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(loader, "canonical_host", broken)
+    assert errors_of(rule("- host: a.example.com\n")) == [f"{F}:1: cannot load policy: RuntimeError: boom"]
+
+
+def test_deep_nesting_under_the_python_yaml_loader(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Without libyaml, PyYAML's composer recurses per level and raises RecursionError, not a YAMLError.
+    monkeypatch.setattr(loader, "_YAML_LOADER", yaml.SafeLoader)
+    text = "profiles:\n" + "".join(" " * (2 * depth) + "- \n" for depth in range(1, 1000))
+    assert errors_of(text)[0].startswith(f"{F}:")
+
+
+def test_nul_in_path_is_a_policy_error() -> None:
+    with pytest.raises(PolicyError) as info:
+        load_policy("bad\x00name.yaml")
+    assert "cannot read policy" in info.value.errors[0]

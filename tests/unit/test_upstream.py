@@ -9,7 +9,9 @@ import asyncio
 import collections
 import contextlib
 import ipaddress
+import random
 import socket
+import struct
 import threading
 import time
 from collections.abc import Iterator
@@ -17,7 +19,7 @@ from pathlib import Path
 from typing import ClassVar
 
 import pytest
-from dnslib import QTYPE, RCODE, RR, DNSQuestion, DNSRecord
+from dnslib import CLASS, QTYPE, RCODE, RR, DNSQuestion, DNSRecord
 from dnslib.server import BaseResolver, DNSServer
 
 from airlock.dns.upstream import (
@@ -342,25 +344,62 @@ async def test_silent_server_times_out() -> None:
     assert len({q.header.id for q in asked}) >= 1
 
 
-def _reply(question: DNSRecord, address: str, *, id_delta: int = 0, qname: str | None = None) -> bytes:
+def _reply(
+    question: DNSRecord,
+    address: str,
+    *,
+    id_delta: int = 0,
+    qr: int = 1,
+    opcode: int = 0,
+    questions: list[DNSQuestion] | None = None,
+) -> bytes:
     reply = question.reply()
     reply.header.id = (question.header.id + id_delta) % 65536
-    if qname is not None:  # a fresh question: reply() shares the DNSQuestion object with the request
-        reply.questions = [DNSQuestion(qname, question.q.qtype)]
+    reply.header.qr, reply.header.opcode = qr, opcode
+    if questions is not None:  # fresh questions: reply() shares the DNSQuestion object with the request
+        reply.questions = questions
     reply.add_answer(*RR.fromZone(f"{question.q.qname} 300 A {address}"))
     return reply.pack()
 
 
+def pointer_chain_reply(question: DNSRecord, pointers: int = 8000) -> bytes:
+    """A reply whose second answer's name ends a chain of compression pointers, each pointing at the one before
+    (a first record's data holds them): dnslib follows them recursively, past Python's recursion limit."""
+    head = bytearray(question.reply().pack())  # header and question
+    head[6:8] = struct.pack("!H", 2)  # two answers
+    chain_start = len(head) + 12  # after the first record's name pointer, type, class, TTL and length
+    chain = struct.pack("!H", 0xC000 | 12)  # the first one points at the question's name
+    chain += b"".join(struct.pack("!H", 0xC000 | (chain_start + 2 * i)) for i in range(pointers - 1))
+    last = chain_start + 2 * (pointers - 1)
+    assert last < 0x4000, "a pointer has 14 bits"
+    null = b"\xc0\x0c" + struct.pack("!HHIH", QTYPE.NULL, CLASS.IN, 60, len(chain)) + chain
+    a = struct.pack("!HHHIH", 0xC000 | last, QTYPE.A, CLASS.IN, 60, 4) + bytes([192, 0, 2, 66])
+    return bytes(head) + null + a
+
+
+def _wrong_then_right(**wrong):
+    """A reply to `a.test` that is wrong in one way (192.0.2.66), then the right one (192.0.2.1)."""
+    return lambda q: [_reply(q, "192.0.2.66", **wrong), _reply(q, "192.0.2.1")]
+
+
 # (id, replies sent for each question, expected address or None when every reply must be ignored)
 SPOOFS = [
-    ("wrong-id-then-right", lambda q: [_reply(q, "192.0.2.66", id_delta=1), _reply(q, "192.0.2.1")], "192.0.2.1"),
+    ("wrong-id-then-right", _wrong_then_right(id_delta=1), "192.0.2.1"),
+    ("wrong-name-then-right", _wrong_then_right(questions=[DNSQuestion("evil.test")]), "192.0.2.1"),
+    ("other-type-then-right", _wrong_then_right(questions=[DNSQuestion("a.test", QTYPE.AAAA)]), "192.0.2.1"),
+    ("class-chaos-then-right", _wrong_then_right(questions=[DNSQuestion("a.test", QTYPE.A, CLASS.CH)]), "192.0.2.1"),
     (
-        "wrong-name-then-right",
-        lambda q: [_reply(q, "192.0.2.66", qname="evil.test"), _reply(q, "192.0.2.1")],
+        "extra-question-then-right",
+        _wrong_then_right(questions=[DNSQuestion("a.test"), DNSQuestion("b.test")]),
         "192.0.2.1",
     ),
+    ("no-question-then-right", _wrong_then_right(questions=[]), "192.0.2.1"),
+    ("query-then-right", _wrong_then_right(qr=0), "192.0.2.1"),
+    ("opcode-notify-then-right", _wrong_then_right(opcode=4), "192.0.2.1"),
     ("garbage-then-right", lambda q: [b"\x00\x01garbage", _reply(q, "192.0.2.1")], "192.0.2.1"),
+    ("pointer-chain-then-right", lambda q: [pointer_chain_reply(q), _reply(q, "192.0.2.1")], "192.0.2.1"),
     ("only-wrong-id", lambda q: [_reply(q, "192.0.2.66", id_delta=1)], None),
+    ("only-pointer-chain", lambda q: [pointer_chain_reply(q)], None),
 ]
 
 
@@ -374,6 +413,36 @@ async def test_mismatched_replies_ignored(respond, expected: str | None) -> None
         else:
             answer = await resolver.query("a.test", QTYPE.A)
             assert answer.addresses == ips(expected)
+    assert resolver.stats["malformed_replies"] + resolver.stats["mismatched_replies"] == 1  # each one counted
+
+
+async def test_query_ids_do_not_follow_the_random_module() -> None:
+    asked: list[DNSRecord] = []
+    with udp_responder(lambda q: asked.append(q) or [_reply(q, "192.0.2.1")]) as port:
+        resolver = make_resolver(port)
+        for run in range(2):
+            random.seed(1234)  # the same state twice: IDs drawn from `random` would repeat
+            for i in range(3):
+                await resolver.query(f"id{run}{i}.test", QTYPE.A)
+    ids = [q.header.id for q in asked]
+    assert len(ids) == 6 and ids[:3] != ids[3:]
+
+
+def _aliased_per_family(question: DNSRecord) -> list[bytes]:
+    """A through cdn-a.test, AAAA through cdn-b.test."""
+    reply = question.reply()
+    target, rtype, address = (
+        ("cdn-a", "A", "192.0.2.1") if question.q.qtype == QTYPE.A else ("cdn-b", "AAAA", "2001:db8::1")
+    )
+    reply.add_answer(*RR.fromZone(f"{question.q.qname} 60 CNAME {target}.test.\n{target}.test. 60 {rtype} {address}"))
+    return [reply.pack()]
+
+
+async def test_resolve_reports_the_cname_chains_of_both_families() -> None:
+    with udp_responder(_aliased_per_family) as port:
+        answer = await make_resolver(port).resolve("split.test")
+    assert set(answer.addresses) == set(ips("192.0.2.1", "2001:db8::1"))
+    assert set(answer.cnames) == {"cdn-a.test", "cdn-b.test"}
 
 
 # --- TCP fallback -------------------------------------------------------------------------------------------------
@@ -386,17 +455,57 @@ async def test_truncated_udp_falls_back_to_tcp(resolver: Resolver, zone: Zone) -
     assert zone.count("trunc.test", "A", "tcp") == 1
 
 
-async def test_truncated_without_tcp_is_unavailable() -> None:
-    def truncated(question: DNSRecord) -> list[bytes]:
-        reply = question.reply()
-        reply.header.tc = 1
-        reply.add_answer(*RR.fromZone(f"{question.q.qname} 300 A 192.0.2.1"))
-        return [reply.pack()]
+def truncated(question: DNSRecord) -> list[bytes]:
+    reply = question.reply()
+    reply.header.tc = 1
+    reply.add_answer(*RR.fromZone(f"{question.q.qname} 300 A 192.0.2.1"))
+    return [reply.pack()]
 
+
+async def test_truncated_without_tcp_is_unavailable() -> None:
     with udp_responder(truncated) as port:  # nobody listens on TCP at this port
         resolver = make_resolver(port, timeout=0.3, attempts=1)
         with pytest.raises(ResolverUnavailable):
             await resolver.query("a.test", QTYPE.A)
+
+
+@contextlib.contextmanager
+def tcp_responder(respond, port: int) -> Iterator[None]:
+    """A raw TCP server on 127.0.0.1:`port`: one question per connection, answered with `respond(question)`."""
+    listener = socket.create_server((LOCALHOST, port))
+    listener.settimeout(0.05)
+    stop = threading.Event()
+
+    def serve() -> None:
+        while not stop.is_set():
+            try:
+                conn, _ = listener.accept()
+            except TimeoutError:
+                continue
+            with conn:
+                conn.settimeout(1)
+                packet = respond(DNSRecord.parse(conn.recv(65535)[2:]))  # a small question arrives in one piece
+                conn.sendall(struct.pack("!H", len(packet)) + packet)
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
+        listener.close()
+
+
+async def test_unparsable_tcp_reply_is_malformed_and_the_next_server_is_asked(server: tuple[Zone, int]) -> None:
+    with udp_responder(truncated) as port, tcp_responder(pointer_chain_reply, port):
+        hostile_only = make_resolver(port)
+        with pytest.raises(ResolverUnavailable, match=r"unparsable reply \(RecursionError\)"):
+            await hostile_only.query("a.test", QTYPE.A)
+        assert hostile_only.stats["malformed_replies"] == 1
+        config = ResolverConfig(servers=[(LOCALHOST, port), (LOCALHOST, server[1])], timeout=1.0, attempts=1)
+        answer = await Resolver(config).query("a.test", QTYPE.A)
+    assert answer.addresses == ips("192.0.2.1", "192.0.2.2")  # from the second server
 
 
 # --- cache --------------------------------------------------------------------------------------------------------

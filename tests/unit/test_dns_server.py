@@ -1,0 +1,329 @@
+"""The sandbox-facing DNS server (airlock.dns.server) on 127.0.0.1, in front of the shared resolver and a raw UDP
+upstream on 127.0.0.1 with a tiny zone. The sandbox is 127.0.0.0/8: the tests ask from 127.0.0.1.
+
+Only 127.0.0.1 is ever contacted: the zone's 192.0.2.x answers are data, never dialled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ipaddress
+import os
+import socket
+import struct
+import threading
+import time
+from collections import Counter
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+
+import pytest
+from dnslib import QTYPE, RCODE, RR, DNSRecord
+
+from airlock.dns.server import DnsServer, DnsSettings, PolicyResolver
+from airlock.dns.upstream import Answer, Resolver, ResolverConfig
+from airlock.policy import AuditRecord, Sandbox, SandboxRegistry, parse_policy
+
+LOCALHOST = "127.0.0.1"
+
+POLICY = parse_policy(
+    """
+version: 1
+profiles:
+  default:
+    allow:
+      - host: "*.allowed.test"
+    deny:
+      - host: denied.allowed.test
+      - host: "*.blocked.test"
+      - host: ssh.cdn.test
+        ports: [22]
+"""
+)
+
+ZONE = """
+www.allowed.test.     300 A     192.0.2.10
+alias.allowed.test.   300 CNAME denied.allowed.test.
+bare.allowed.test.    300 CNAME denied.allowed.test.
+denied.allowed.test.  300 A     192.0.2.66
+deep.allowed.test.    300 CNAME hop.cdn.test.
+hop.cdn.test.         300 CNAME x.blocked.test.
+x.blocked.test.       300 A     192.0.2.67
+cdn.allowed.test.     300 CNAME edge.cdn.test.
+edge.cdn.test.        300 A     192.0.2.7
+ssh.allowed.test.     300 CNAME ssh.cdn.test.
+ssh.cdn.test.         300 A     192.0.2.8
+""" + "".join(f"many.allowed.test. 300 A 192.0.2.{i}\n" for i in range(1, 61))  # a reply of about 1 KB
+
+
+class Upstream:
+    """A raw UDP server on 127.0.0.1: answers from ZONE, chasing CNAMEs within the reply except for `bare.*`
+    names; names starting with "silent" get no answer at all. Counts every question by name."""
+
+    def __init__(self) -> None:
+        self.records: dict[str, list[RR]] = {}
+        for rr in RR.fromZone(ZONE):
+            self.records.setdefault(str(rr.rname).rstrip(".").lower(), []).append(rr)
+        self.asked: Counter[str] = Counter()
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        self.sock.bind((LOCALHOST, 0))
+        self.sock.settimeout(0.05)
+        self.port = self.sock.getsockname()[1]
+
+    def serve(self, stop: threading.Event) -> None:
+        while not stop.is_set():
+            try:
+                data, peer = self.sock.recvfrom(65535)
+            except TimeoutError:
+                continue
+            question = DNSRecord.parse(data)
+            name = str(question.q.qname).rstrip(".").lower()
+            self.asked[name] += 1
+            if not name.startswith("silent"):
+                self.sock.sendto(self._reply(question, name).pack(), peer)
+
+    def _reply(self, question: DNSRecord, name: str) -> DNSRecord:
+        reply = question.reply()
+        if name not in self.records:
+            reply.header.rcode = RCODE.NXDOMAIN
+        while name in self.records:
+            records = self.records[name]
+            reply.add_answer(*(rr for rr in records if rr.rtype in (question.q.qtype, QTYPE.CNAME)))
+            cname = next((rr for rr in records if rr.rtype == QTYPE.CNAME), None)
+            if cname is None or name.startswith("bare."):
+                break
+            name = str(cname.rdata).rstrip(".").lower()
+        return reply
+
+
+@pytest.fixture
+def upstream() -> Iterator[Upstream]:
+    server = Upstream()
+    stop = threading.Event()
+    thread = threading.Thread(target=server.serve, args=(stop,), daemon=True)
+    thread.start()
+    try:
+        yield server
+    finally:
+        stop.set()
+        thread.join()
+        server.sock.close()
+
+
+@dataclass
+class Gateway:
+    dns: PolicyResolver
+    server: DnsServer
+    audit: list[AuditRecord]
+
+    @property
+    def port(self) -> int:
+        return self.server.port
+
+
+def make_resolver(upstream: Upstream) -> Resolver:
+    return Resolver(ResolverConfig(servers=[(LOCALHOST, upstream.port)], timeout=2.0, attempts=1))
+
+
+@contextlib.asynccontextmanager
+async def running(resolver: Resolver, **settings: float) -> AsyncIterator[Gateway]:
+    """A DnsServer (UDP and TCP on one free port of 127.0.0.1) for the sandbox 127.0.0.0/8."""
+    audit: list[AuditRecord] = []
+    registry = SandboxRegistry([Sandbox("sbx", "default", ipaddress.ip_network("127.0.0.0/8"))])
+    dns = PolicyResolver(POLICY, registry, resolver, audit.append, DnsSettings(**settings))
+    for _ in range(20):
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.bind((LOCALHOST, 0))
+            port = probe.getsockname()[1]
+        server = DnsServer(dns, LOCALHOST, port)
+        try:
+            await server.start()
+        except OSError:  # the TCP port was taken
+            await server.stop()
+            continue
+        try:
+            yield Gateway(dns, server, audit)
+        finally:
+            await server.stop()
+        return
+    raise RuntimeError("no free port for UDP and TCP together")
+
+
+@pytest.fixture
+async def gateway(upstream: Upstream) -> AsyncIterator[Gateway]:
+    async with running(make_resolver(upstream)) as gw:
+        yield gw
+
+
+async def ask(port: int, name: str, qtype: str = "A", tcp: bool = False, timeout: float = 3) -> DNSRecord:
+    """One question from 127.0.0.1, in a thread: the server runs on this test's event loop."""
+    question = DNSRecord.question(name, qtype)
+    return DNSRecord.parse(await asyncio.to_thread(question.send, LOCALHOST, port, tcp=tcp, timeout=timeout))
+
+
+def rcode(reply: DNSRecord) -> str:
+    return RCODE.get(reply.header.rcode)
+
+
+def answers(reply: DNSRecord) -> list[str]:
+    return [str(rr.rdata) for rr in reply.rr]
+
+
+# --- every query is audited, even when something breaks ----------------------------------------------------------
+
+
+class BrokenResolver(Resolver):
+    async def query(self, name: str, qtype: int) -> Answer:
+        raise RuntimeError("a bug")
+
+
+@pytest.mark.parametrize("tcp", [False, True], ids=["udp", "tcp"])
+async def test_an_unexpected_failure_is_servfail_and_still_audited(upstream: Upstream, tcp: bool) -> None:
+    async with running(BrokenResolver(ResolverConfig(servers=[(LOCALHOST, upstream.port)]))) as gw:
+        reply = await ask(gw.port, "www.allowed.test", tcp=tcp)
+    assert rcode(reply) == "SERVFAIL" and answers(reply) == []
+    [record] = gw.audit
+    assert (record.host, record.decision, record.extra["rcode"]) == ("www.allowed.test", "error", "SERVFAIL")
+    assert record.reason == "internal error: RuntimeError: a bug"
+
+
+# --- CNAME chains through denied names ----------------------------------------------------------------------------
+
+# (id, name, qtype, rcode, answers, the name the audit reason names or None)
+CHAINS = [
+    ("to-a-denied-name", "alias.allowed.test", "A", "REFUSED", [], "denied.allowed.test"),
+    ("to-a-denied-name-no-data", "alias.allowed.test", "AAAA", "REFUSED", [], "denied.allowed.test"),
+    ("to-a-denied-name-asked-separately", "bare.allowed.test", "A", "REFUSED", [], "denied.allowed.test"),
+    ("through-a-cdn-to-a-denied-wildcard", "deep.allowed.test", "A", "REFUSED", [], "x.blocked.test"),
+    ("to-an-unlisted-cdn", "cdn.allowed.test", "A", "NOERROR", ["192.0.2.7"], None),
+    ("to-a-name-denied-on-one-port-only", "ssh.allowed.test", "A", "NOERROR", ["192.0.2.8"], None),
+]
+
+
+@pytest.mark.parametrize(
+    ("name", "qtype", "code", "addresses", "denied"), [c[1:] for c in CHAINS], ids=[c[0] for c in CHAINS]
+)
+async def test_a_cname_chain_through_a_denied_name_is_refused(
+    gateway: Gateway, name: str, qtype: str, code: str, addresses: list[str], denied: str | None
+) -> None:
+    reply = await ask(gateway.port, name, qtype)
+    assert (rcode(reply), answers(reply)) == (code, addresses)
+    [record] = gateway.audit
+    assert record.extra["cnames"]
+    if denied is None:
+        assert record.decision == "allow"
+    else:
+        assert record.decision == "deny" and record.rule is not None
+        assert record.reason.startswith(f"CNAME chain passes through {denied}, denied by rule deny ")
+    again = await ask(gateway.port, name, qtype, tcp=True)  # from the shared cache: the same judgement
+    assert (rcode(again), answers(again)) == (code, addresses)
+
+
+# --- queries waiting on upstream, per sandbox ---------------------------------------------------------------------
+
+
+def _burst(port: int, names: list[str], wait: float) -> list[DNSRecord]:
+    """Send every question at once from one socket; the replies that arrive within `wait` seconds."""
+    replies = []
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        for name in names:
+            sock.sendto(DNSRecord.question(name).pack(), (LOCALHOST, port))
+        deadline = time.monotonic() + wait
+        while (left := deadline - time.monotonic()) > 0:
+            sock.settimeout(left)
+            try:
+                replies.append(DNSRecord.parse(sock.recv(4096)))
+            except TimeoutError:
+                break
+    return replies
+
+
+async def test_queries_waiting_on_upstream_are_capped_per_sandbox(upstream: Upstream) -> None:
+    async with running(make_resolver(upstream), answer_timeout=1.0) as gw:
+        assert answers(await ask(gw.port, "www.allowed.test", tcp=True)) == ["192.0.2.10"]  # now cached
+        names = [f"silent{i}.allowed.test" for i in range(40)]
+        burst = asyncio.create_task(asyncio.to_thread(_burst, gw.port, names, 0.6))
+        await asyncio.sleep(0.3)
+        # At the cap, a cached name is still answered: it waits on nothing.
+        assert answers(await ask(gw.port, "www.allowed.test", tcp=True)) == ["192.0.2.10"]
+        early = await burst
+        assert len(early) == 8 and {rcode(r) for r in early} == {"SERVFAIL"}  # at once, never asked upstream
+        assert sum(upstream.asked[n] for n in names) == 32
+        over = [r for r in gw.audit if "already waiting on upstream" in r.reason]
+        assert len(over) == 8 and {r.decision for r in over} == {"error"}
+        assert "32 queries of this sandbox" in over[0].reason
+        await asyncio.sleep(0.6)  # the 32 time out (answer_timeout): the sandbox may ask again
+        assert rcode(await ask(gw.port, "silent-again.allowed.test", timeout=3)) == "SERVFAIL"
+        assert upstream.asked["silent-again.allowed.test"] == 1
+
+
+# --- TCP from the sandbox ------------------------------------------------------------------------------------------
+
+
+def _declare_and_wait(port: int, declared: int) -> tuple[bytes, float]:
+    """Announce a message of `declared` bytes, send none of it: what comes back, and how soon."""
+    with socket.create_connection((LOCALHOST, port), timeout=3) as sock:
+        started = time.monotonic()
+        sock.sendall(struct.pack("!H", declared))
+        return sock.recv(4096), time.monotonic() - started
+
+
+async def test_tcp_query_declared_too_long_is_refused_at_once(gateway: Gateway) -> None:
+    data, elapsed = await asyncio.to_thread(_declare_and_wait, gateway.port, 1233)
+    assert data == b"" and elapsed < 1  # closed without waiting for 1233 bytes that will never come
+    assert gateway.dns.stats["dropped_oversize"] == 1
+    assert answers(await ask(gateway.port, "www.allowed.test", tcp=True)) == ["192.0.2.10"]
+
+
+class NeverReads:
+    """A TCP client (in a thread) that pipelines questions without reading a single reply until the server stops
+    taking them; then, told to, reads what it was sent until the server's end of the connection."""
+
+    def __init__(self, port: int) -> None:
+        self.port = port
+        self.stalled, self.read_now = threading.Event(), threading.Event()
+
+    def run(self) -> bool:
+        query = DNSRecord.question("many.allowed.test").pack()  # a reply of about 1 KB
+        framed = struct.pack("!H", len(query)) + query
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # before connecting: a small window
+            sock.connect((LOCALHOST, self.port))
+            sock.settimeout(0.5)
+            with contextlib.suppress(TimeoutError, ConnectionError):  # no more room, or the server has let go
+                while True:
+                    sock.sendall(framed)
+            self.stalled.set()
+            self.read_now.wait(10)
+            sock.settimeout(3)
+            with contextlib.suppress(ConnectionError):
+                while sock.recv(65536):
+                    pass
+            return True
+
+
+def open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+async def test_tcp_client_that_never_reads_is_dropped(upstream: Upstream) -> None:
+    async with running(make_resolver(upstream), tcp_timeout=0.5, rate_per_second=1e6) as gw:
+        assert len(answers(await ask(gw.port, "many.allowed.test", tcp=True))) == 60  # now cached
+        while gw.server._tcp_open["sbx"]:  # that connection's end, seen by the server
+            await asyncio.sleep(0.01)
+        assert gw.server._tcp is not None
+        for listener in gw.server._tcp.sockets:  # small kernel buffers (inherited on accept): the server stalls soon
+            listener.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+            listener.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        before = open_fds()
+        client = NeverReads(gw.port)
+        reading = asyncio.create_task(asyncio.to_thread(client.run))
+        assert await asyncio.to_thread(client.stalled.wait, 10), "the server stopped taking questions"
+        await asyncio.sleep(1.0)  # the server's reply has waited on the client for longer than tcp_timeout
+        try:
+            assert gw.server._tcp_open["sbx"] == 0
+            assert open_fds() == before + 1  # only the client's socket: the server's is closed, not lingering
+        finally:
+            client.read_now.set()
+        assert await reading  # what the kernel held is delivered, then the end of the connection
