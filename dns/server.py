@@ -318,6 +318,7 @@ class DnsServer:
         self._tcp: asyncio.Server | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         self._tcp_open: Counter[str] = Counter()  # per sandbox id ("-": sources that are no sandbox)
+        self._tcp_writers: set[asyncio.StreamWriter] = set()
 
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
@@ -342,6 +343,8 @@ class DnsServer:
             self._udp = None
         if self._tcp is not None:
             self._tcp.close()
+            for writer in list(self._tcp_writers):  # wait_closed() waits for every open connection
+                writer.transport.abort()
             await self._tcp.wait_closed()
         for task in list(self._tasks):
             task.cancel()
@@ -428,6 +431,7 @@ class DnsServer:
             writer.close()
             return
         self._tcp_open[owner] += 1
+        self._tcp_writers.add(writer)
         timeout = self.resolver.settings.tcp_timeout
         try:
             while True:
@@ -446,6 +450,7 @@ class DnsServer:
             pass
         finally:
             self._tcp_open[owner] -= 1
+            self._tcp_writers.discard(writer)
             # Not close(): it keeps the socket until a client that never reads has taken the buffered replies.
             # What the kernel already holds is still delivered.
             writer.transport.abort()

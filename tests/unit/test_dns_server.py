@@ -327,3 +327,15 @@ async def test_tcp_client_that_never_reads_is_dropped(upstream: Upstream) -> Non
         finally:
             client.read_now.set()
         assert await reading  # what the kernel held is delivered, then the end of the connection
+
+
+async def test_stop_closes_idle_tcp_clients_instead_of_waiting_for_them(upstream: Upstream) -> None:
+    async with running(make_resolver(upstream), tcp_timeout=60) as gw:
+        idle = await asyncio.to_thread(socket.create_connection, (LOCALHOST, gw.port), 3)
+        while not gw.server._tcp_open["sbx"]:
+            await asyncio.sleep(0.01)
+        # Well below tcp_timeout: stop() must not wait for the idle client to time out.
+        await asyncio.wait_for(gw.server.stop(), 5)
+        idle.settimeout(3)
+        assert await asyncio.to_thread(idle.recv, 1) == b""  # the gateway's end is gone
+        idle.close()
