@@ -390,7 +390,7 @@ async def _run_sandboxed(args: argparse.Namespace, policy: Policy) -> int:
     from airlock.sandbox import proxy_environment
     from airlock.sandbox.netns import NetnsSandbox, resolve_user
 
-    hidden = _keep_credentials_out(args, resolve_user(args.user))  # fail before creating anything
+    hidden = _hidden_paths(args, resolve_user(args.user))  # fail before creating anything
     tcp_ports, udp_ports = _ports(args)
     sandbox = NetnsSandbox(args.sandbox_id, tcp_ports=tcp_ports, udp_ports=udp_ports)
     state = tempfile.TemporaryDirectory(prefix="airlock-run-")
@@ -439,19 +439,26 @@ def _gateway_credentials(args: argparse.Namespace) -> list[str]:
     return [p for p in (args.github_app_key, args.github_token_file, args.state_dir) if p]
 
 
-def _keep_credentials_out(args: argparse.Namespace, user) -> list[Path]:
-    """The paths bubblewrap hides from the command. Without bubblewrap nothing can be hidden: refuse to start
-    while the command's user could read or change one of the gateway's credentials."""
-    from airlock.sandbox.netns import accessible_by, credential_paths
+def _hidden_paths(args: argparse.Namespace, user) -> list[Path]:
+    """The paths bubblewrap hides from the command: the gateway's credentials, the usual ones in the user's home,
+    and host services that would run commands outside the sandbox. Without bubblewrap nothing can be hidden:
+    refuse to start while the command's user could read or change a gateway credential, or has a session whose
+    services (systemd --user, rootless docker, dbus) it could ask to run something on the host's network."""
+    from airlock.sandbox.netns import accessible_by, credential_paths, host_service_paths, user_session
 
     if args.isolation == "bwrap":
-        return credential_paths(user, _gateway_credentials(args))
+        return credential_paths(user, _gateway_credentials(args)) + host_service_paths()
     for path in credential_paths(user, _gateway_credentials(args)):
         if exposed := accessible_by(path, user):
             raise UsageError(
                 f"{exposed[0]} is readable or writable by {user.pw_name}, who runs the sandboxed command, and "
                 "--isolation none cannot hide it: make it root's alone (chown root; chmod 600), or use bubblewrap"
             )
+    if session := user_session(user):
+        raise UsageError(
+            f"{user.pw_name} has a session ({session}) whose services could start processes outside the sandbox's "
+            "network, and --isolation none cannot hide it: use bubblewrap, or --user an account without a session"
+        )
     return []
 
 

@@ -17,7 +17,7 @@ import secrets
 import shutil
 import subprocess
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -145,7 +145,8 @@ class NetnsSandbox:
         /tmp and PID namespace."""
         pw = resolve_user(user)
         drop_privileges = [
-            "setpriv", f"--reuid={pw.pw_uid}", f"--regid={pw.pw_gid}", "--init-groups",
+            # No supplementary groups: `docker`, `lxd`, `disk` and the like would each be a way out.
+            "setpriv", f"--reuid={pw.pw_uid}", f"--regid={pw.pw_gid}", "--clear-groups",
             "--no-new-privs", "--bounding-set=-all", "--inh-caps=-all", "--",
         ]  # fmt: skip
         isolation = _bubblewrap(hidden) if isolate_fs else []
@@ -174,13 +175,36 @@ HOME_CREDENTIALS = (
 )  # fmt: skip
 
 
+# Ways out of the network namespace that are not the network: host services that start processes (in the host's
+# namespaces) for whoever reaches their socket — the user's systemd and dbus session (/run/user/UID), rootless and
+# rootful docker, podman, containerd, snapd, the system bus. bubblewrap hides them.
+HOST_SERVICES = (
+    "/run/user", "/run/dbus", "/run/docker.sock", "/run/docker", "/run/containerd", "/run/podman",
+    "/run/snapd.socket", "/run/snapd-snap.socket", "/run/lxd-installer.socket",
+)  # fmt: skip
+
+
+def host_service_paths() -> list[Path]:
+    return _existing(Path(p) for p in HOST_SERVICES)
+
+
+def user_session(user: pwd.struct_passwd) -> Path | None:
+    """The user's runtime directory when it has a login session (systemd --user, dbus, agents live there)."""
+    path = Path("/run/user") / str(user.pw_uid)
+    return path if path.exists() else None
+
+
 def credential_paths(user: pwd.struct_passwd, named: Sequence[str | Path]) -> list[Path]:
     """The existing paths to keep from the sandbox: the gateway's own credentials (`named`: GitHub key or token
     file, state directory) and the usual credential places in the user's home, symlinks resolved."""
     home = Path(user.pw_dir)
-    candidates = [Path(p) for p in named] + [home / name for name in HOME_CREDENTIALS]
+    return _existing([Path(p) for p in named] + [home / name for name in HOME_CREDENTIALS])
+
+
+def _existing(paths: Iterable[Path]) -> list[Path]:
+    """The paths that exist, symlinks resolved (bubblewrap mounts over the real path), each once."""
     found: dict[Path, None] = {}
-    for path in candidates:
+    for path in paths:
         with contextlib.suppress(OSError):
             found[path.resolve(strict=True)] = None
     return list(found)

@@ -154,3 +154,24 @@ def test_run_hides_the_gateways_credentials_even_from_their_owner(run_in_gw, bro
         assert "app.pem is readable or writable by nobody" in exposed.stderr
     finally:
         shutil.rmtree(project)
+
+
+def test_run_hides_the_users_session_services(run_in_gw, topology: Topology):
+    # Whoever has a session has services at /run/user/UID (systemd --user, dbus, rootless docker) that would start
+    # processes in the host's network namespace: the sandbox must not reach them.
+    session = Path("/run/user") / str(pwd.getpwnam("nobody").pw_uid)
+    created = not session.exists()
+    session.mkdir(parents=True, exist_ok=True)
+    marker = session / f"{topology.prefix}-bus"
+    try:
+        marker.write_text("a session service")
+        seen = run_in_gw("sh", "-c", f"ls /run/user; cat {marker}; echo done")
+        assert "done" in seen.stdout and "a session service" not in seen.stdout, seen
+        assert str(session.name) not in seen.stdout.split()
+
+        refused = run_in_gw("true", options=("--isolation", "none"))
+        assert refused.returncode == 2 and "has a session" in refused.stderr, refused.stderr
+    finally:
+        marker.unlink(missing_ok=True)
+        if created:
+            session.rmdir()

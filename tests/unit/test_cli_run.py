@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from airlock import cli
+from airlock.sandbox import netns
 from airlock.sandbox.netns import accessible_by, credential_paths
 
 
@@ -100,11 +101,11 @@ def test_run_without_bubblewrap_refuses_while_a_credential_is_exposed(privileged
     key.chmod(0o600)
     args = argparse.Namespace(github_app_key=str(key), github_token_file=None, state_dir=None, isolation="none")
     with pytest.raises(cli.UsageError, match=r"app\.pem is readable or writable by agent"):
-        cli._keep_credentials_out(args, user)
+        cli._hidden_paths(args, user)
     os.chown(key, 0, 0)
-    assert cli._keep_credentials_out(args, user) == []  # root's alone: fine
+    assert cli._hidden_paths(args, user) == []  # root's alone: fine
     args.isolation = "bwrap"
-    assert cli._keep_credentials_out(args, user) == [key]  # hidden by bubblewrap instead
+    assert cli._hidden_paths(args, user)[0] == key  # hidden by bubblewrap instead
 
 
 def test_docker_mounts_never_show_a_gateway_credential(tmp_path: Path) -> None:
@@ -116,3 +117,29 @@ def test_docker_mounts_never_show_a_gateway_credential(tmp_path: Path) -> None:
             cli._mount(mount, [str(key)])
     (tmp_path / "data").mkdir()
     assert cli._mount(f"{tmp_path / 'data'}:/data:ro", [str(key)]) == (str(tmp_path / "data"), "/data")
+
+
+def test_without_bubblewrap_a_user_with_a_session_is_refused(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    user = _user(tmp_path)
+    args = argparse.Namespace(github_app_key=None, github_token_file=None, state_dir=None, isolation="none")
+    assert cli._hidden_paths(args, user) == []
+    monkeypatch.setattr(netns, "user_session", lambda u: Path(f"/run/user/{u.pw_uid}"))
+    with pytest.raises(cli.UsageError, match=r"has a session \(/run/user/4242\)"):
+        cli._hidden_paths(args, user)
+
+
+def test_host_services_are_hidden_where_they_exist(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    (tmp_path / "user").mkdir()
+    (tmp_path / "docker.sock").write_text("")
+    monkeypatch.setattr(netns, "HOST_SERVICES", (str(tmp_path / "user"), str(tmp_path / "docker.sock"), "/nope"))
+    assert netns.host_service_paths() == [tmp_path / "user", tmp_path / "docker.sock"]
+
+
+def test_the_command_runs_without_supplementary_groups_and_with_masks(tmp_path: Path) -> None:
+    (tmp_path / "dir").mkdir()
+    (tmp_path / "file").write_text("secret")
+    argv = netns.NetnsSandbox("t1").command(["id"], "nobody", True, [tmp_path / "dir", tmp_path / "file"])
+    assert "--clear-groups" in argv and "--init-groups" not in argv
+    joined = " ".join(argv)
+    assert f"--tmpfs {tmp_path / 'dir'}" in joined and f"--ro-bind /dev/null {tmp_path / 'file'}" in joined
+    assert joined.index(f"--bind {os.getcwd()}") < joined.index(f"--tmpfs {tmp_path / 'dir'}")  # masks win
