@@ -6,6 +6,7 @@ write per batch instead of one per DNS query. A gateway killed with SIGKILL can 
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 from typing import TextIO
@@ -21,7 +22,9 @@ class AuditLog:
         self._owned: list[TextIO] = []
         self._pending: list[str] = []
         if path is not None:
-            stream = open(path, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
+            # O_NOFOLLOW: a symlink planted where the log goes must not make the gateway append to another file.
+            fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o640)
+            stream = open(fd, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
             self._streams.append(stream)
             self._owned.append(stream)
         if stdout:

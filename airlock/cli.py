@@ -280,14 +280,16 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def _choose_isolation(requested: str) -> str:
-    """bwrap when installed (auto) or asked for; `none` keeps the host filesystem as the user sees it."""
+    """bwrap unless `none` is asked for; `none` keeps the host filesystem as the user sees it."""
     from airlock.sandbox.netns import bubblewrap_available
 
-    if requested == "auto":
-        return "bwrap" if bubblewrap_available() else "none"
-    if requested == "bwrap" and not bubblewrap_available():
-        raise UsageError("--isolation bwrap needs bubblewrap (apt-get install bubblewrap)")
-    return requested
+    if requested != "none" and not bubblewrap_available():
+        # No quiet fallback: without bubblewrap the command sees the host as its user does.
+        raise UsageError(
+            "bubblewrap is not installed (apt-get install bubblewrap; scripts/setup does): the command would see "
+            "the host's files as its user; install it, or say --isolation none to accept that"
+        )
+    return "bwrap" if requested == "auto" else requested
 
 
 def _choose_backend(args: argparse.Namespace) -> str:
@@ -390,7 +392,8 @@ async def _run_sandboxed(args: argparse.Namespace, policy: Policy) -> int:
     from airlock.sandbox import proxy_environment
     from airlock.sandbox.netns import NetnsSandbox, resolve_user
 
-    hidden = _hidden_paths(args, resolve_user(args.user))  # fail before creating anything
+    user = resolve_user(args.user)  # fail before creating anything
+    hidden, read_only = _hidden_paths(args, user), _kept_from_writes(args, user)
     tcp_ports, udp_ports = _ports(args)
     sandbox = NetnsSandbox(args.sandbox_id, tcp_ports=tcp_ports, udp_ports=udp_ports)
     state = tempfile.TemporaryDirectory(prefix="airlock-run-")
@@ -409,8 +412,10 @@ async def _run_sandboxed(args: argparse.Namespace, policy: Policy) -> int:
         env["AIRLOCK_SANDBOX"] = sandbox.sandbox_id
         if token := _mint(args, gateway, sandbox.sandbox_id):
             env["AIRLOCK_TOKEN_FILE"] = str(sandbox.place_token(token, resolve_user(args.user)))
-        command = sandbox.command(args.cmd, args.user, isolate_fs=args.isolation == "bwrap", hidden=hidden)
-        child = await asyncio.create_subprocess_exec(*command, env=env)
+        isolate_fs = args.isolation == "bwrap"
+        command = sandbox.command(args.cmd, args.user, isolate_fs, hidden=hidden, read_only=read_only)
+        # Its own session: no controlling terminal, so it cannot push keystrokes into the shell that started it.
+        child = await asyncio.create_subprocess_exec(*command, env=env, start_new_session=True)
         waiter = asyncio.create_task(child.wait())
         stopper = asyncio.create_task(interrupted.wait())
         await asyncio.wait({waiter, stopper}, return_when=asyncio.FIRST_COMPLETED)
@@ -427,9 +432,9 @@ async def _run_sandboxed(args: argparse.Namespace, policy: Policy) -> int:
         code = child.returncode if child.returncode is not None else 1
         return code if code >= 0 else 128 - code
     finally:
+        sandbox.destroy()  # before the gateway stops: nothing of the sandbox outlives its gateway
         if gateway is not None:
             await gateway.stop()
-        sandbox.destroy()
         state.cleanup()
 
 
@@ -460,6 +465,37 @@ def _hidden_paths(args: argparse.Namespace, user) -> list[Path]:
             "network, and --isolation none cannot hide it: use bubblewrap, or --user an account without a session"
         )
     return []
+
+
+def _kept_from_writes(args: argparse.Namespace, user) -> list[Path]:
+    """What the command must not change although it may be in reach: the gateway's inputs (policy, CA, audit log)
+    and airlock's own code, which root runs next time. bubblewrap binds these read-only (returned); without it,
+    refuse to start. A working directory whose files run outside the sandbox is refused either way."""
+    from airlock.sandbox.netns import workdir_problem, writable_in_sandbox
+
+    isolate_fs = args.isolation == "bwrap"
+    if isolate_fs and (problem := workdir_problem(Path.cwd(), user)):
+        raise UsageError(f"the working directory {Path.cwd()} would be writable in the sandbox, but {problem}")
+    inputs = [args.policy or default_policy_path(), args.upstream_ca, args.audit]
+    paths = [Path(p) for p in inputs if p] + _airlock_code()
+    exposed = [p for p in paths if writable_in_sandbox(p, user, isolate_fs)]
+    if exposed and not isolate_fs:
+        raise UsageError(
+            f"{exposed[0]} could be changed by {user.pw_name}, who runs the sandboxed command, and --isolation none "
+            "cannot protect it: make it (and its folder) root's, or use bubblewrap"
+        )
+    return exposed
+
+
+def _airlock_code() -> list[Path]:
+    """Where this airlock and its Python environment live (an editable install's source folders included)."""
+    import airlock.broker
+    import airlock.dns
+    import airlock.policy
+    import airlock.proxy
+
+    packages = (airlock, airlock.broker, airlock.dns, airlock.policy, airlock.proxy)
+    return [Path(sys.prefix)] + [Path(module.__file__).parent for module in packages if module.__file__]
 
 
 def sandbox_environment(passed: list[str], user) -> dict[str, str]:

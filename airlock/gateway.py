@@ -8,6 +8,8 @@ import contextlib
 import ipaddress
 import json
 import logging
+import os
+import shutil
 import subprocess
 import tempfile
 from dataclasses import dataclass, field
@@ -56,6 +58,16 @@ class GatewayConfig:
     broker: BrokerConfig = field(default_factory=BrokerConfig)
 
 
+def _private_directory(path: Path) -> None:
+    """Create `path` for the gateway's secrets, or tighten it to 0700 when this process owns it."""
+    try:
+        path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        if path.stat().st_uid == os.geteuid():
+            path.chmod(0o700)
+    except OSError as e:
+        raise GatewayError(f"state directory {path}: {e.strerror or e}") from e
+
+
 def own_addresses() -> frozenset[IPAddress]:
     """Every address of this network namespace's interfaces: the gateway must never be its own upstream."""
     found: set[IPAddress] = set()
@@ -88,8 +100,14 @@ class Gateway:
             raise GatewayError("no upstream DNS server: pass --upstream-dns or configure /etc/resolv.conf")
         self.resolver = Resolver(ResolverConfig(servers, min_ttl=config.dns_min_ttl))
         self.registry = SandboxRegistry(config.sandboxes)
-        self.audit = AuditLog(config.audit_path, config.audit_stdout)
+        try:
+            self.audit = AuditLog(config.audit_path, config.audit_stdout)
+        except OSError as e:
+            raise GatewayError(f"audit log {config.audit_path}: {e.strerror or e}") from e
+        # Signing keys, the broker's store and admin socket live here: root's alone. A temporary one goes at stop.
+        self._own_state = config.state_dir is None
         self._state_dir = config.state_dir or tempfile.mkdtemp(prefix="airlock-gw-")
+        _private_directory(Path(self._state_dir))
         self._master: Master | None = None
         self._task: asyncio.Task[None] | None = None
         self._flusher: asyncio.Task[None] | None = None
@@ -202,3 +220,5 @@ class Gateway:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self._task, 10)
         self.audit.close()
+        if self._own_state:
+            shutil.rmtree(self._state_dir, ignore_errors=True)

@@ -1,10 +1,11 @@
 """The docker backend: a hardened container on an internal network of its own, whose only reachable address is
 the gateway's address on that network, fenced by nftables like the netns backend.
 
-Hardening is not optional: read-only root, `/tmp` as a size-capped noexec/nosuid tmpfs, every capability
-dropped, no-new-privileges, pids/memory(=memory+swap)/CPU limits, a non-root user, an init as PID 1, no host
-paths but read-only mounts the caller names (never the docker socket), DNS and proxy pointing at the gateway, a
-hard timeout, capped output. Limits can be changed; the rest cannot be turned off.
+Hardening is not optional: read-only root, `/tmp` and every VOLUME the image declares as size-capped
+noexec/nosuid tmpfs, every capability dropped, no-new-privileges, pids/memory(=memory+swap)/CPU limits, a non-root
+user, an init as PID 1, no host paths but read-only mounts the caller names (never system folders, engine sockets or
+state, /run), DNS and proxy pointing at the gateway, a hard timeout, capped output. Limits can be changed; the rest
+cannot be turned off.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import ipaddress
 import json
 import os
 import secrets
+import shutil
 import subprocess
 import time
 from dataclasses import dataclass, field
@@ -29,13 +31,20 @@ from docker.types import IPAMConfig, IPAMPool
 from airlock.policy import SANDBOX_LINK_NETWORKS
 
 from . import SANDBOX_ID
-from .fence import Fence
+from .fence import DOCKER_TABLE_PREFIX, Fence
 
 SUBNET_POOL = SANDBOX_LINK_NETWORKS[1]
 LABEL = "airlock.sandbox"
 EXPIRES_LABEL = "airlock.expires"
 TOKEN_PATH = "/run/airlock/token"
-FORBIDDEN_MOUNTS = ("/var/run/docker.sock", "/run/docker.sock", "/run/containerd", "/var/run/containerd")
+TOKEN_ROOT = Path("/run")  # each sandbox's token lives in TOKEN_ROOT/airlock-d-<id>/ (netns uses airlock-<id>)
+# Never mounted, nor anything inside them or containing them: every service socket (/run), the engines' sockets
+# and state (a way to start containers outside the fence), other sandboxes' tokens (/run/airlock-*), the kernel.
+HOST_INTERNALS = (
+    "/run", "/var/run", "/proc", "/sys", "/dev", "/var/lib/docker", "/var/lib/containerd", "/var/lib/containers",
+)  # fmt: skip
+# Never mounted whole, nor anything containing them; a path inside is fine (/etc/ssl/certs, a project in /home).
+SYSTEM_FOLDERS = ("/", "/boot", "/etc", "/home", "/root")
 
 
 class DockerSandboxError(RuntimeError):
@@ -58,6 +67,40 @@ class Limits:
         if self.user.split(":")[0] in ("0", "root"):
             raise DockerSandboxError("refusing to run the container as root")
 
+    @property
+    def group(self) -> int:
+        return int(self.user.split(":")[1]) if ":" in self.user else 65534
+
+    @property
+    def tmpfs_options(self) -> str:
+        return f"rw,noexec,nosuid,nodev,size={self.tmp_size}"
+
+
+def check_mount(host: str, engine_socket: str | None = None) -> Path:
+    """The host path with symlinks resolved, unless it is, contains or lies inside a host internal or the socket
+    of the engine in use, or is or contains a system folder."""
+    source = Path(host).resolve()
+    internals = [*HOST_INTERNALS, *([engine_socket] if engine_socket else [])]
+    for forbidden in _spellings(internals):
+        if forbidden.is_relative_to(source) or source.is_relative_to(forbidden):
+            raise DockerSandboxError(f"refusing to mount {host} into a sandbox: it shows {forbidden}")
+    for forbidden in _spellings(SYSTEM_FOLDERS):
+        if forbidden.is_relative_to(source):
+            raise DockerSandboxError(f"refusing to mount {host} into a sandbox: it shows all of {forbidden}")
+    return source
+
+
+def _spellings(paths: list[str] | tuple[str, ...]) -> set[Path]:
+    """Each path as written and with symlinks resolved (/var/run is often /run)."""
+    return {spelling for p in paths for spelling in (Path(p), Path(p).resolve())}
+
+
+def _engine_socket(client: docker.DockerClient) -> str | None:
+    """The unix socket this client talks to its engine through, if it does."""
+    adapter = client.api.get_adapter(client.api.base_url)
+    path = getattr(adapter, "socket_path", None)
+    return path if isinstance(path, str) else None
+
 
 @dataclass
 class DockerSandbox:
@@ -78,13 +121,16 @@ class DockerSandbox:
         self.name = f"airlock-{self.sandbox_id}"
         self.bridge = f"alb{self.sandbox_id}"[:15]
         self.subnet: ipaddress.IPv4Network | None = None
+        # What this sandbox created, and only that, is what destroy() removes: a clash with another sandbox of
+        # the same id must not take that one down.
         self.fence: Fence | None = None
+        self.network_id: str | None = None
         self.container_id: str | None = None
-        self.token_file: Path | None = None
+        self.token_dir: Path | None = None
         self.limits.check()
-        for host, _ in self.mounts:
-            if any(Path(host).resolve().as_posix().startswith(f) for f in FORBIDDEN_MOUNTS):
-                raise DockerSandboxError(f"refusing to mount {host} into a sandbox")
+        engine_socket = _engine_socket(self.client)
+        # What was checked is what gets mounted: docker is given the resolved path, not the symlink.
+        self.mounts = [(str(check_mount(host, engine_socket)), target) for host, target in self.mounts]
 
     @property
     def gateway_ip(self) -> str:
@@ -104,13 +150,13 @@ class DockerSandbox:
         """The network and its fence; the gateway must listen on `gateway_ip` before `start()`."""
         for _ in range(8):
             self.subnet = self._free_subnet()
-            self.fence = Fence(
-                f"airlock_{self.sandbox_id}", self.bridge, self.gateway_ip, self.tcp_ports, self.udp_ports
-            )
-            self.fence.install()  # before anything is attached: the bridge is never open and unfenced
+            table = fence_table(self.sandbox_id or "")
+            fence = Fence(table, self.bridge, self.gateway_ip, self.tcp_ports, self.udp_ports)
+            fence.install()  # before anything is attached: the bridge is never open and unfenced
+            self.fence = fence
             pool = IPAMPool(subnet=str(self.subnet), gateway=self.gateway_ip)
             try:
-                self.client.networks.create(
+                network = self.client.networks.create(
                     self.name,
                     driver="bridge",
                     internal=True,  # no route out through docker, and no NAT
@@ -118,11 +164,15 @@ class DockerSandbox:
                     options={"com.docker.network.bridge.name": self.bridge},  # one container: no neighbours
                     labels=self.labels(),
                 )
+                self.network_id = network.id
                 return
             except docker.errors.APIError as e:
                 if "overlap" not in str(e).lower():
                     raise DockerSandboxError(f"cannot create network {self.name}: {e.explanation or e}") from None
-                # Another launch took this subnet between our look and our create: pick again.
+                # Another launch took this subnet between our look and our create: pick again. Our fence goes
+                # (nothing is attached to it) and comes back for the next gateway address.
+                fence.remove()
+                self.fence = None
         raise DockerSandboxError(f"no free subnet for {self.name} after 8 tries")
 
     def _free_subnet(self) -> ipaddress.IPv4Network:
@@ -141,14 +191,25 @@ class DockerSandbox:
                 return candidate
         raise DockerSandboxError(f"no free /24 left in {SUBNET_POOL}")
 
+    @property
+    def token_file(self) -> Path | None:
+        return self.token_dir / "token" if self.token_dir is not None else None
+
     def place_token(self, token: str) -> None:
-        run_dir = Path("/run") / self.name
-        run_dir.mkdir(mode=0o755, exist_ok=True)
-        self.token_file = run_dir / "token"
-        self.token_file.write_text(token)
-        gid = int(self.limits.user.split(":")[1]) if ":" in self.limits.user else 65534
-        self.token_file.chmod(0o440)
-        os.chown(self.token_file, 0, gid)  # readable by the container's group, writable by nobody in it
+        """The broker token as a file the container's group can read and nobody in it can change. Born with its
+        final mode (never readable by others, not even briefly) in a folder only root may enter: docker
+        bind-mounts the file itself, so the container needs no way through the folder."""
+        folder = sandbox_token_dir(self.sandbox_id or "")
+        try:
+            folder.mkdir(mode=0o700)
+        except FileExistsError:
+            raise DockerSandboxError(f"{folder} exists already: another sandbox with this id has it") from None
+        self.token_dir = folder
+        fd = os.open(folder / "token", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o440)
+        with os.fdopen(fd, "w") as f:
+            os.fchown(fd, 0, self.limits.group)
+            os.fchmod(fd, 0o440)  # exactly: a umask may have taken the group's read bit
+            f.write(token)
 
     def start(self, command: list[str], env: dict[str, str]) -> None:
         api = self.client.api
@@ -156,10 +217,13 @@ class DockerSandbox:
         binds = {host: {"bind": target, "mode": "ro"} for host, target in self.mounts}
         if self.token_file is not None:
             binds[str(self.token_file)] = {"bind": TOKEN_PATH, "mode": "ro"}
+        # An image's VOLUMEs would be writable anonymous volumes on the host's disk, past --read-only, and
+        # outliving the container: a tmpfs over each, like /tmp, keeps them in (capped) memory instead.
+        tmpfs = {path: limits.tmpfs_options for path in ("/tmp", *self._image_volumes())}
         host_config = api.create_host_config(
             network_mode=self.name,
             read_only=True,
-            tmpfs={"/tmp": f"rw,noexec,nosuid,nodev,size={limits.tmp_size}"},
+            tmpfs=tmpfs,
             cap_drop=["ALL"],
             security_opt=["no-new-privileges"],
             pids_limit=limits.pids,
@@ -191,6 +255,13 @@ class DockerSandbox:
             raise DockerSandboxError(f"image {self.image!r} not found") from None
         except docker.errors.APIError as e:
             raise DockerSandboxError(f"cannot start the container: {e.explanation or e}") from None
+
+    def _image_volumes(self) -> list[str]:
+        try:
+            config = self.client.api.inspect_image(self.image).get("Config") or {}
+        except docker.errors.ImageNotFound:
+            raise DockerSandboxError(f"image {self.image!r} not found") from None
+        return list(config.get("Volumes") or {})
 
     def wait(self, timeout: float | None = None) -> int | None:
         """The exit code, or None when the timeout passed (the container is then killed)."""
@@ -251,23 +322,45 @@ class DockerSandbox:
             sink.flush()
 
     def destroy(self) -> None:
-        remove_sandbox(self.client, self.sandbox_id or "")
+        """Remove what this sandbox created: the container, then the network (its bridge goes with it), only then
+        the fence, so nothing of the sandbox can ever send unfenced; a failure stops here, leaving the fence up."""
+        if self.container_id is not None:
+            _remove_container(self.client, self.container_id)
+        if self.network_id is not None:
+            _remove_network(self.client, self.network_id)
         if self.fence is not None:
             self.fence.remove()
-        if self.token_file is not None:
-            self.token_file.unlink(missing_ok=True)
-            self.token_file.parent.rmdir()
+        if self.token_dir is not None:
+            shutil.rmtree(self.token_dir, ignore_errors=True)
+
+
+def fence_table(sandbox_id: str) -> str:
+    return f"{DOCKER_TABLE_PREFIX}{sandbox_id}"
+
+
+def sandbox_token_dir(sandbox_id: str) -> Path:
+    return TOKEN_ROOT / f"airlock-d-{sandbox_id}"
+
+
+def _remove_container(client: docker.DockerClient, container_id: str) -> None:
+    with contextlib.suppress(docker.errors.NotFound):  # v: anonymous volumes go too
+        client.api.remove_container(container_id, force=True, v=True)
+
+
+def _remove_network(client: docker.DockerClient, network_id: str) -> None:
+    with contextlib.suppress(docker.errors.NotFound):
+        client.api.remove_network(network_id)
 
 
 def remove_sandbox(client: docker.DockerClient, sandbox_id: str) -> None:
-    """Container(s) and network of one sandbox, found by label; the fence table by name."""
+    """Everything of one docker sandbox, for the reaper: container(s) and network found by label, in
+    destroy()'s order, then its fence table (never another backend's) and its token."""
     for container in client.containers.list(all=True, filters={"label": f"{LABEL}={sandbox_id}"}):
-        with contextlib.suppress(docker.errors.NotFound):
-            container.remove(force=True)
+        _remove_container(client, container.id)
     for network in client.networks.list(filters={"label": f"{LABEL}={sandbox_id}"}):
-        with contextlib.suppress(docker.errors.NotFound):
-            network.remove()
-    Fence(f"airlock_{sandbox_id}", "", "", ()).remove()
+        _remove_network(client, network.id)
+    Fence(fence_table(sandbox_id), "", "", ()).remove()
+    shutil.rmtree(sandbox_token_dir(sandbox_id), ignore_errors=True)
 
 
 def reap(client: docker.DockerClient, older_than: float | None = None, now: float | None = None) -> list[str]:

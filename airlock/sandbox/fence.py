@@ -1,7 +1,8 @@
 """The kernel fence: nftables rules saying that traffic arriving on a sandbox's interface may reach the
 gateway's listening ports on the gateway's address and nothing else, and is never forwarded.
 
-One table per sandbox, loaded and removed atomically with `nft -f`, so that a fence is either whole or absent.
+One table per sandbox, loaded and removed atomically with `nft -f`, so that a fence is either whole or absent. Each
+backend names its tables with its own prefix, so neither (nor its reaper) can touch the other's fence.
 """
 
 from __future__ import annotations
@@ -9,6 +10,10 @@ from __future__ import annotations
 import contextlib
 import subprocess
 from dataclasses import dataclass
+
+# Table name prefixes, one per backend: `<prefix><sandbox id>`.
+NETNS_TABLE_PREFIX = "airlock_n_"
+DOCKER_TABLE_PREFIX = "airlock_d_"
 
 
 class FenceError(RuntimeError):
@@ -35,7 +40,9 @@ class Fence:
         accept_lines = "\n        ".join(accepts)
         # Priority -200 runs before the usual filter chains, so another table's accept cannot open more;
         # a drop here is final whatever other tables say.
-        return f"""table inet {self.table} {{
+        # `create` fails if the table exists: that fence belongs to someone else, and the whole batch is refused.
+        return f"""create table inet {self.table}
+table inet {self.table} {{
     chain input {{
         type filter hook input priority -200; policy accept;
         {accept_lines}
@@ -50,8 +57,17 @@ class Fence:
 """
 
     def install(self, netns_cmd: list[str] | None = None) -> None:
-        self.remove(netns_cmd)
-        _nft(["-f", "-"], self.ruleset(), netns_cmd)
+        """Load the fence; refused (FenceError) when a table of this name exists, which is never replaced: it may
+        be another live sandbox's fence."""
+        try:
+            _nft(["-f", "-"], self.ruleset(), netns_cmd)
+        except FenceError as e:
+            if "File exists" in str(e):
+                raise FenceError(
+                    f"nft table inet {self.table} exists already: another sandbox with this id has it (or a crashed"
+                    " run left it); refusing to replace its fence"
+                ) from None
+            raise
 
     def remove(self, netns_cmd: list[str] | None = None) -> None:
         with contextlib.suppress(FenceError):  # absent already

@@ -49,11 +49,8 @@ class DockerHandle:
         return bool(self.sandbox.state().get("OOMKilled"))
 
     async def close(self) -> None:
-        """Stop the gateway and remove the container, its network and its fence."""
-        try:
-            await self.gateway.stop()
-        finally:
-            await asyncio.to_thread(self.sandbox.destroy)
+        """Remove the container, its network and its fence (in that order), then stop the gateway."""
+        await _teardown(self.sandbox, self.gateway)
 
     async def __aenter__(self) -> DockerHandle:
         return self
@@ -108,8 +105,16 @@ async def launch(
             environment["AIRLOCK_TOKEN_FILE"] = TOKEN_PATH
         await asyncio.to_thread(sandbox.start, command, environment)
     except BaseException:
-        if running is not None:
-            await running.stop()
-        await asyncio.to_thread(sandbox.destroy)
+        await _teardown(sandbox, running)
         raise
     return DockerHandle(sandbox, running)
+
+
+async def _teardown(sandbox: DockerSandbox, gateway: Gateway | None) -> None:
+    """The gateway stops after the container is gone (until then the sandbox may still be talking to it); if
+    removing fails it stops anyway: the fence stays, and the sandbox is left with nothing to reach."""
+    try:
+        await asyncio.to_thread(sandbox.destroy)
+    finally:
+        if gateway is not None:
+            await gateway.stop()

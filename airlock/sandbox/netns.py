@@ -15,6 +15,7 @@ import os
 import pwd
 import secrets
 import shutil
+import signal
 import subprocess
 import time
 from collections.abc import Iterable, Sequence
@@ -24,7 +25,7 @@ from pathlib import Path
 from airlock.policy import SANDBOX_LINK_NETWORKS
 
 from . import SANDBOX_ID
-from .fence import Fence
+from .fence import NETNS_TABLE_PREFIX, Fence
 
 LINK_POOL = SANDBOX_LINK_NETWORKS[0]
 
@@ -80,6 +81,7 @@ class NetnsSandbox:
         self.sandbox_if = f"als{self.sandbox_id}"[:15]
         self.link: ipaddress.IPv4Network | None = None
         self.fence: Fence | None = None
+        self.owned = False  # the namespace is this instance's: destroy() touches nothing of another sandbox
 
     @property
     def gateway_ip(self) -> str:
@@ -95,15 +97,17 @@ class NetnsSandbox:
         self.link = pick_link()
         prefix = self.link.prefixlen
         in_ns = ["ip", "netns", "exec", self.netns]
-        _run(["ip", "netns", "add", self.netns])
+        _run(["ip", "netns", "add", self.netns])  # fails when the id is taken: then nothing here is ours
+        self.owned = True
         _run(["ip", "link", "add", self.host_if, "type", "veth", "peer", "name", self.sandbox_if])
         _run(["ip", "link", "set", self.sandbox_if, "netns", self.netns])
         # IPv6 off on both ends: the link carries exactly the IPv4 the fence describes.
         _run(["sysctl", "-qw", f"net.ipv6.conf.{self.host_if}.disable_ipv6=1"], check=False)
         _run([*in_ns, "sysctl", "-qw", "net.ipv6.conf.all.disable_ipv6=1"], check=False)
         # Fence first, then bring the link up: no moment exists when the sandbox's link is open and unfenced.
-        self.fence = Fence(f"airlock_{self.sandbox_id}", self.host_if, self.gateway_ip, self.tcp_ports, self.udp_ports)
-        self.fence.install()
+        fence = Fence(self.fence_table, self.host_if, self.gateway_ip, self.tcp_ports, self.udp_ports)
+        fence.install()
+        self.fence = fence  # only once installed: a table that exists already is another sandbox's
         _run(["ip", "addr", "add", f"{self.gateway_ip}/{prefix}", "dev", self.host_if])
         _run(["ip", "link", "set", self.host_if, "up"])
         _run(["ip", "-n", self.netns, "link", "set", "lo", "up"])
@@ -130,41 +134,117 @@ class NetnsSandbox:
         os.chown(path, 0, user.pw_gid)
         return path
 
+    @property
+    def fence_table(self) -> str:
+        return f"{NETNS_TABLE_PREFIX}{self.sandbox_id}"
+
     def destroy(self) -> None:
-        shutil.rmtree(self.run_dir, ignore_errors=True)
-        (self.fence or Fence(f"airlock_{self.sandbox_id}", self.host_if, "", ())).remove()
+        """Everything inside dies first, then the link goes, and only then the fence: at no moment can something
+        of the sandbox send through an open link without its fence. Only what this instance created."""
+        if not self.owned:
+            return
+        self.kill_all()
         _run(["ip", "link", "del", self.host_if], check=False)
         _run(["ip", "netns", "del", self.netns], check=False)
+        (self.fence or Fence(self.fence_table, self.host_if, "", ())).remove()
+        shutil.rmtree(self.run_dir, ignore_errors=True)
         shutil.rmtree(Path("/etc/netns") / self.netns, ignore_errors=True)
+        self.owned = False
+
+    def kill_all(self) -> None:
+        """SIGKILL every process in the namespace, also ones the command left running in the background."""
+        for _ in range(10):
+            pids = _run(["ip", "netns", "pids", self.netns], check=False).stdout.split()
+            if not pids:
+                return
+            for pid in pids:
+                with contextlib.suppress(ProcessLookupError, ValueError):
+                    os.kill(int(pid), signal.SIGKILL)
+            time.sleep(0.05)
 
     def command(
-        self, argv: list[str], user: str | None = None, isolate_fs: bool = True, hidden: Sequence[Path] = ()
+        self,
+        argv: list[str],
+        user: str | None = None,
+        isolate_fs: bool = True,
+        hidden: Sequence[Path] = (),
+        read_only: Sequence[Path] = (),
     ) -> list[str]:
         """The argv that runs `argv` inside the namespace as an unprivileged user without capabilities; with
-        `isolate_fs`, bubblewrap also gives it a read-only view of the host without the `hidden` paths, its own
-        /tmp and PID namespace."""
+        `isolate_fs`, bubblewrap also gives it a read-only view of the host without the `hidden` paths, the
+        working directory writable but for `read_only` paths in it, its own /tmp and PID namespace."""
         pw = resolve_user(user)
         drop_privileges = [
             # No supplementary groups: `docker`, `lxd`, `disk` and the like would each be a way out.
             "setpriv", f"--reuid={pw.pw_uid}", f"--regid={pw.pw_gid}", "--clear-groups",
             "--no-new-privs", "--bounding-set=-all", "--inh-caps=-all", "--",
         ]  # fmt: skip
-        isolation = _bubblewrap(hidden) if isolate_fs else []
+        isolation = _bubblewrap(hidden, read_only) if isolate_fs else _own_processes()
         return ["ip", "netns", "exec", self.netns, *isolation, *drop_privileges, *argv]
 
 
-def _bubblewrap(hidden: Sequence[Path]) -> list[str]:
+def _own_processes() -> list[str]:
+    """Without bubblewrap still a PID and IPC namespace and a /proc of its own: the host's processes (those of
+    the same user included, which it could otherwise ptrace or read the memory of) are out of sight."""
+    return ["unshare", "--pid", "--fork", "--kill-child", "--mount-proc", "--ipc", "--"]
+
+
+def _bubblewrap(hidden: Sequence[Path], read_only: Sequence[Path]) -> list[str]:
     """The whole host read-only (so nothing planted for root to run later), the working directory writable as its
-    permissions say, the `hidden` paths empty, a private /tmp, and the command's own PID, IPC and UTS namespaces."""
+    permissions say but for `read_only` paths and files that run later, the `hidden` paths empty, a private /tmp,
+    and the command's own PID, IPC and UTS namespaces."""
     cwd = os.getcwd()
     masks: list[str] = []
     for path in hidden:  # after the working directory's bind: a credential inside it is covered too
         masks += ["--tmpfs", str(path)] if path.is_dir() else ["--ro-bind", "/dev/null", str(path)]
+    for path in _existing([*read_only, *(Path(cwd) / name for name in WORKDIR_READ_ONLY)]):
+        masks += ["--ro-bind", str(path), str(path)]
     return [
         "bwrap", "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", "--perms", "1777", "--tmpfs", "/tmp",
         "--bind", cwd, cwd, *masks, "--chdir", cwd,
         "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--die-with-parent", "--new-session", "--",
     ]  # fmt: skip
+
+
+# Files in the working directory that run commands later, outside the sandbox, for whoever uses the folder next
+# (git hooks and config such as core.fsmonitor, direnv, editor tasks): read-only for the command.
+WORKDIR_READ_ONLY = (".git/config", ".git/hooks", ".envrc", ".vscode", ".idea")
+
+
+SYSTEM_FOLDERS = frozenset(
+    Path(p)
+    for p in (
+        "/", "/bin", "/boot", "/dev", "/etc", "/home", "/lib", "/lib32", "/lib64", "/media", "/mnt", "/opt", "/proc",
+        "/root", "/run", "/sbin", "/srv", "/sys", "/tmp", "/usr", "/var", "/var/tmp", "/var/lib", "/usr/local",
+    )
+)  # fmt: skip
+
+
+def workdir_problem(cwd: Path, user: pwd.struct_passwd) -> str | None:
+    """Why this folder must not be the command's writable working directory, if it must not."""
+    cwd = cwd.resolve()
+    home = Path(user.pw_dir).resolve()
+    if cwd in SYSTEM_FOLDERS:
+        return "it is / or one of the host's system folders"
+    if cwd == home or cwd in home.parents:
+        return f"it is {user.pw_name}'s home folder, whose dotfiles run outside the sandbox"
+    return None
+
+
+def writable_in_sandbox(path: Path, user: pwd.struct_passwd, isolate_fs: bool) -> bool:
+    """Could the command change `path` (or put something in its place)? With bubblewrap only the working
+    directory is writable; without it, the file's and its folder's mode bits decide."""
+    path = path.resolve()
+    if isolate_fs:
+        return Path.cwd().resolve() in (path, *path.parents)
+    groups = set(os.getgrouplist(user.pw_name, user.pw_gid))
+    for entry in (path, path.parent):
+        with contextlib.suppress(OSError):
+            st = entry.stat()
+            bit = 0o200 if st.st_uid == user.pw_uid else 0o020 if st.st_gid in groups else 0o002
+            if st.st_mode & bit:
+                return True
+    return False
 
 
 # Where credentials live in a home directory. The sandbox's user may own them (by default it is whoever ran
@@ -176,11 +256,15 @@ HOME_CREDENTIALS = (
 
 
 # Ways out of the network namespace that are not the network: host services that start processes (in the host's
-# namespaces) for whoever reaches their socket — the user's systemd and dbus session (/run/user/UID), rootless and
-# rootful docker, podman, containerd, snapd, the system bus. bubblewrap hides them.
+# namespaces) or resolve and send for whoever reaches their socket — the user's systemd and dbus session
+# (/run/user/UID), rootless and rootful docker, podman, containerd, LXD/Incus, snapd, the system bus, screen; and
+# the host's own resolvers (nscd, systemd-resolved's varlink), which would answer any name, past the gateway's DNS.
+# A read-only view does not stop connect() on a socket: bubblewrap hides them.
 HOST_SERVICES = (
     "/run/user", "/run/dbus", "/run/docker.sock", "/run/docker", "/run/containerd", "/run/podman",
-    "/run/snapd.socket", "/run/snapd-snap.socket", "/run/lxd-installer.socket",
+    "/run/snapd.socket", "/run/snapd-snap.socket", "/run/lxd-installer.socket", "/var/snap/lxd/common/lxd-user",
+    "/var/lib/incus/unix.socket.user", "/run/screen", "/run/nscd", "/run/systemd/resolve/io.systemd.Resolve",
+    "/run/systemd/resolve/io.systemd.Resolve.Monitor", "/run/avahi-daemon", "/run/cups",
 )  # fmt: skip
 
 
@@ -260,6 +344,8 @@ def reap_netns(older_than: float, now: float | None = None) -> list[str]:
             continue
         if _run(["ip", "netns", "pids", path.name], check=False).stdout.strip():
             continue  # something still runs in it: not a leftover
-        NetnsSandbox(sandbox_id).destroy()
+        leftover = NetnsSandbox(sandbox_id)
+        leftover.owned = True  # its run crashed: the reaper takes it over
+        leftover.destroy()
         removed.append(sandbox_id)
     return removed

@@ -4,18 +4,29 @@ internet or nowhere. Each denial also asserts that the fake internet counted zer
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import os
 import signal
+import stat
 import subprocess
 import time
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 
-from airlock.sandbox.docker import LABEL, DockerSandbox, Limits
+from airlock.broker.grants import parse_grant
+from airlock.gateway import Gateway, GatewayConfig
+from airlock.policy import load_policy
+from airlock.sandbox import docker as docker_backend
+from airlock.sandbox.docker import LABEL, DockerSandbox, Limits, fence_table, remove_sandbox
+from airlock.sandbox.fence import Fence
+from airlock.sandbox.launch import launch
 
 from gateway_proc import AIRLOCK, E2E_POLICY
+from netclient import in_netns
 from topology import DNS_SERVER, GW_OUTSIDE_IP, FakeNet, Topology
 
 ALLOWED_IP = "192.0.2.10"
@@ -60,7 +71,7 @@ def docker_run(topology: Topology, fakenet: FakeNet, docker_env: Any):
     for sandbox_id in started:
         assert not docker_env.client.containers.list(all=True, filters={"label": f"{LABEL}={sandbox_id}"})
         assert not docker_env.client.networks.list(filters={"label": f"{LABEL}={sandbox_id}"})
-        assert f"airlock_{sandbox_id}" not in topology.run(topology.gw, ["nft", "list", "tables"]).stdout
+        assert fence_table(sandbox_id) not in topology.run(topology.gw, ["nft", "list", "tables"]).stdout
 
 
 def _env(docker_env: Any) -> dict[str, str]:
@@ -208,54 +219,22 @@ def test_output_is_streamed_live_and_capped(topology: Topology, docker_run, dock
 
 def test_reap_removes_an_orphaned_sandbox(topology: Topology, docker_env, fakenet: FakeNet):
     orphan = DockerSandbox(docker_env.client, docker_env.image, f"{topology.prefix}orph", limits=Limits(timeout=3600))
-    in_gw = os.open(f"/run/netns/{topology.gw}", os.O_RDONLY)
-    try:
-        _in_namespace(in_gw, orphan.create)  # the fence belongs in the gateway namespace, as a crashed run leaves it
-        orphan.start(["sleep", "600"], {})
-    finally:
-        os.close(in_gw)
+    in_netns(topology.gw, orphan.create)  # the fence belongs in gw, as a crashed run leaves it
+    orphan.start(["sleep", "600"], {})
     assert docker_env.client.containers.list(filters={"label": f"{LABEL}={orphan.sandbox_id}"})
     time.sleep(1.5)
     result = topology.run(topology.gw, [AIRLOCK, "reap", "--older-than", "1s"], env=_env(docker_env))
     assert f"removed docker {orphan.sandbox_id}" in result.stdout, result.stdout + result.stderr
     assert not docker_env.client.containers.list(all=True, filters={"label": f"{LABEL}={orphan.sandbox_id}"})
     assert not docker_env.client.networks.list(filters={"label": f"{LABEL}={orphan.sandbox_id}"})
-    assert f"airlock_{orphan.sandbox_id}" not in topology.run(topology.gw, ["nft", "list", "tables"]).stdout
-
-
-def _in_namespace(fd: int, fn: Any) -> None:
-    """Run fn in a thread that joined the namespace behind fd (nft and ip act on the caller's namespace)."""
-    import threading
-
-    box: dict[str, BaseException] = {}
-
-    def target() -> None:
-        os.setns(fd, os.CLONE_NEWNET)
-        try:
-            fn()
-        except BaseException as e:
-            box["error"] = e
-
-    thread = threading.Thread(target=target)
-    thread.start()
-    thread.join()
-    if "error" in box:
-        raise box["error"]
+    assert fence_table(orphan.sandbox_id or "") not in topology.run(topology.gw, ["nft", "list", "tables"]).stdout
 
 
 def test_python_launch_api(topology: Topology, docker_env, fakenet: FakeNet, tmp_path):
     """What an orchestrator uses: launch() → handle with wait, logs, kill, close."""
-    from airlock.gateway import GatewayConfig
-    from airlock.policy import load_policy
-    from airlock.sandbox.launch import launch
-
-    config = GatewayConfig(
-        policy=load_policy(E2E_POLICY), listen="0.0.0.0", upstream_dns=[(DNS_SERVER, 53)], state_dir=str(tmp_path)
-    )
+    config = _launch_config(tmp_path)
 
     async def orchestrate() -> tuple[int | None, bytes, int | None]:
-        import asyncio
-
         async with await launch(
             docker_env.client, docker_env.image, ["curl", "-sS", "http://allowed.test/api"], config,
             sandbox_id=f"{topology.prefix}api",
@@ -274,26 +253,155 @@ def test_python_launch_api(topology: Topology, docker_env, fakenet: FakeNet, tmp
             await sleeper.close()
         return code, stdout, killed
 
-    def run() -> tuple[int | None, bytes, int | None]:
-        import asyncio
-
-        return asyncio.run(orchestrate())
-
-    in_gw = os.open(f"/run/netns/{topology.gw}", os.O_RDONLY)
-    box: dict[str, Any] = {}
-    try:
-        _in_namespace(in_gw, lambda: box.setdefault("result", run()))
-    finally:
-        os.close(in_gw)
-    code, stdout, killed = box["result"]
+    code, stdout, killed = in_netns(topology.gw, lambda: asyncio.run(orchestrate()))
     assert code == 0 and stdout == f"fakenet {ALLOWED_IP}:80 host=allowed.test path=/api\n".encode()
     assert killed == 137
     for sandbox_id in (f"{topology.prefix}api", f"{topology.prefix}slp"):
         assert not docker_env.client.containers.list(all=True, filters={"label": f"{LABEL}={sandbox_id}"})
 
 
+def _launch_config(state_dir: Path) -> GatewayConfig:
+    return GatewayConfig(
+        policy=load_policy(E2E_POLICY), listen="0.0.0.0", upstream_dns=[(DNS_SERVER, 53)], state_dir=str(state_dir)
+    )
+
+
+def _running(docker_env: Any, sandbox_id: str, proc: subprocess.Popen[Any]) -> None:
+    deadline = time.monotonic() + 30
+    while not docker_env.client.containers.list(filters={"label": f"{LABEL}={sandbox_id}"}):
+        assert time.monotonic() < deadline and proc.poll() is None, f"sandbox {sandbox_id} did not start"
+        time.sleep(0.2)
+
+
+@pytest.fixture
+def volume_image(docker_env: Any) -> Iterator[str]:
+    """The test image declaring `VOLUME /data`, as many images do."""
+    container = docker_env.client.containers.create(docker_env.image, ["true"], network_mode="none")
+    try:
+        image = container.commit(repository="airlock-test-volume", tag="latest", changes=["VOLUME /data"])
+    finally:
+        container.remove()
+    try:
+        yield "airlock-test-volume:latest"
+    finally:
+        docker_env.client.images.remove(image.id, force=True)
+
+
+def test_image_volumes_are_capped_memory_and_leave_nothing_on_disk(docker_run, docker_env, volume_image: str):
+    script = (
+        "grep ' /data ' /proc/self/mounts; echo kept > /data/f && cat /data/f; "
+        "cp /bin/true /data/t && /data/t; echo data-exec-rc=$?"
+    )
+    result = docker_run("sh", "-c", script, options=("--image", volume_image))
+    mount = result.stdout.splitlines()[0].split()
+    assert mount[:3] == ["tmpfs", "/data", "tmpfs"], result.stdout + result.stderr
+    assert {"rw", "noexec", "nosuid", "nodev", "size=65536k"} <= set(mount[3].split(","))  # as /tmp
+    assert "kept" in result.stdout and "data-exec-rc=126" in result.stdout
+    assert not docker_env.client.volumes.list()  # no anonymous volume was made, none is left
+
+
+def test_removing_a_sandbox_removes_its_containers_anonymous_volumes(topology: Topology, docker_env, volume_image):
+    sandbox_id = f"{topology.prefix}vol"
+    container = docker_env.client.containers.create(
+        volume_image, ["true"], labels={LABEL: sandbox_id}, network_mode="none"
+    )  # as an older airlock, or docker itself, would have made it: an anonymous volume for /data
+    volumes = [m["Name"] for m in container.attrs["Mounts"] if m["Type"] == "volume"]
+    assert volumes
+    in_netns(topology.gw, lambda: remove_sandbox(docker_env.client, sandbox_id))
+    assert not docker_env.client.containers.list(all=True, filters={"label": f"{LABEL}={sandbox_id}"})
+    left = {v.name for v in docker_env.client.volumes.list()}
+    assert not left & set(volumes)
+
+
+def test_the_token_is_readable_in_the_container_and_private_on_the_host(
+    topology: Topology, docker_env, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    monkeypatch.setattr(docker_backend, "TOKEN_ROOT", tmp_path)  # here dockerd has a /run of its own
+    sandbox_id = f"{topology.prefix}tok"
+    folder = tmp_path / f"airlock-d-{sandbox_id}"
+    script = 'id -u; cat "$AIRLOCK_TOKEN_FILE"; echo; echo x > "$AIRLOCK_TOKEN_FILE" || echo TOKEN-READ-ONLY'
+
+    async def orchestrate() -> tuple[bytes, os.stat_result, os.stat_result]:
+        async with await launch(
+            docker_env.client, docker_env.image, ["sh", "-c", script], _launch_config(tmp_path / "state"),
+            sandbox_id=sandbox_id, grants=[parse_grant("create_pull_request:acme/app")],
+        ) as handle:  # fmt: skip
+            await handle.wait(60)
+            return handle.logs()[0], folder.stat(), (folder / "token").stat()
+
+    stdout, on_host, token = in_netns(topology.gw, lambda: asyncio.run(orchestrate()))
+    uid, jwt, read_only = stdout.decode().splitlines()
+    assert uid == "65534" and jwt.count(".") == 2 and read_only == "TOKEN-READ-ONLY"
+    assert stat.S_IMODE(on_host.st_mode) & 0o027 == 0 and on_host.st_uid == 0
+    assert (stat.S_IMODE(token.st_mode), token.st_uid, token.st_gid) == (0o440, 0, 65534)
+    assert not folder.exists()
+
+
+def test_a_sandbox_whose_id_is_taken_fails_and_the_other_keeps_running(topology: Topology, docker_run, docker_env):
+    first = docker_run.argv("sleep", "60", options=("--timeout", "60"))
+    first_id = first[first.index("--sandbox-id") + 1]
+    proc = topology.popen(topology.gw, first, env=_env(docker_env), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        _running(docker_env, first_id, proc)
+        second = docker_run("true", options=("--sandbox-id", first_id))
+        assert second.returncode != 0 and "exists already" in second.stderr, second.stderr
+        assert docker_env.client.containers.list(filters={"label": f"{LABEL}={first_id}"})
+        assert docker_env.client.networks.list(filters={"label": f"{LABEL}={first_id}"})
+        assert fence_table(first_id) in topology.run(topology.gw, ["nft", "list", "tables"]).stdout
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=60)
+
+
+def test_teardown_removes_container_network_fence_in_order_then_stops_the_gateway(
+    topology: Topology, docker_env, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    sandbox_id = f"{topology.prefix}ord"
+    label = {"label": f"{LABEL}={sandbox_id}"}
+    seen: dict[str, tuple[bool, bool, bool]] = {}
+
+    def look(moment: str) -> None:
+        """What of the sandbox still exists: container, network, bridge."""
+        bridge = topology.run(topology.gw, ["ip", "link", "show", "dev", f"alb{sandbox_id}"[:15]])
+        client = docker_env.client
+        seen[moment] = (
+            bool(client.containers.list(all=True, filters=label)),
+            bool(client.networks.list(filters=label)),
+            bridge.returncode == 0,
+        )
+
+    remove, stop = Fence.remove, Gateway.stop
+
+    def watched_remove(fence: Fence, netns_cmd: list[str] | None = None) -> None:
+        if fence.table == fence_table(sandbox_id):
+            look("fence removed")
+        remove(fence, netns_cmd)
+
+    async def watched_stop(gateway: Gateway) -> None:
+        look("gateway stopped")
+        await stop(gateway)
+
+    monkeypatch.setattr(Fence, "remove", watched_remove)
+    monkeypatch.setattr(Gateway, "stop", watched_stop)
+
+    async def orchestrate() -> None:
+        handle = await launch(
+            docker_env.client, docker_env.image, ["sleep", "60"], _launch_config(tmp_path), sandbox_id=sandbox_id
+        )
+        look("running")
+        await handle.close()
+
+    in_netns(topology.gw, lambda: asyncio.run(orchestrate()))
+    assert seen == {
+        "running": (True, True, True),
+        "fence removed": (False, False, False),  # nothing of the sandbox could send any more
+        "gateway stopped": (False, False, False),  # the container was gone before its gateway
+    }
+
+
 def test_nothing_of_airlock_is_left(topology: Topology, docker_env):
     assert not docker_env.client.containers.list(all=True, filters={"label": LABEL})
     assert not docker_env.client.networks.list(filters={"label": LABEL})
+    assert not docker_env.client.volumes.list()  # this run's daemon: any volume would be a sandbox's leftover
     tables = topology.run(topology.gw, ["nft", "list", "tables"]).stdout
     assert "airlock_" not in tables

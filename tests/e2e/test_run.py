@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from airlock.sandbox.fence import NETNS_TABLE_PREFIX
+
 from gateway_proc import AIRLOCK, E2E_POLICY
 from topology import DNS_SERVER, FakeNet, Topology
 
@@ -48,7 +50,7 @@ def run_in_gw(topology: Topology, fakenet: FakeNet) -> Iterator:
             not in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
         )
         tables = topology.run(topology.gw, ["nft", "list", "tables"]).stdout
-        assert f"airlock_{sandbox_id}" not in tables
+        assert f"{NETNS_TABLE_PREFIX}{sandbox_id}" not in tables
         links = topology.run(topology.gw, ["ip", "-o", "link"]).stdout
         assert f"alh{sandbox_id}" not in links
 
@@ -95,13 +97,19 @@ def test_run_has_no_direct_route_out(run_in_gw, fakenet: FakeNet):
     assert fakenet.total_connections() == 0
 
 
+def _run_argv(sandbox_id: str, *cmd: str) -> list[str]:
+    options = ["--policy", E2E_POLICY, "--upstream-dns", DNS_SERVER, "--sandbox-id", sandbox_id]
+    return [AIRLOCK, "run", *options, "--", *cmd]
+
+
+def _start_run(topology: Topology, sandbox_id: str, *cmd: str) -> subprocess.Popen:
+    """`airlock run` in the background, in the gateway namespace (stopped by PID when the topology goes)."""
+    return topology.popen(topology.gw, _run_argv(sandbox_id, *cmd))
+
+
 def test_run_tears_down_on_interrupt(topology: Topology, run_in_gw):
     sandbox_id = f"{topology.prefix}int"
-    proc = topology.popen(
-        topology.gw,
-        [AIRLOCK, "run", "--policy", E2E_POLICY, "--upstream-dns", DNS_SERVER, "--sandbox-id", sandbox_id,
-         "--", "sleep", "60"],
-    )  # fmt: skip
+    proc = _start_run(topology, sandbox_id, "sleep", "60")
     deadline = time.monotonic() + 20
     while f"airlock-{sandbox_id}" not in _netns_list():
         assert time.monotonic() < deadline
@@ -110,7 +118,7 @@ def test_run_tears_down_on_interrupt(topology: Topology, run_in_gw):
     proc.send_signal(signal.SIGINT)
     assert proc.wait(20) != 0
     assert f"airlock-{sandbox_id}" not in _netns_list()
-    assert f"airlock_{sandbox_id}" not in topology.run(topology.gw, ["nft", "list", "tables"]).stdout
+    assert f"{NETNS_TABLE_PREFIX}{sandbox_id}" not in topology.run(topology.gw, ["nft", "list", "tables"]).stdout
 
 
 def test_run_sees_the_host_read_only_with_a_private_tmp(run_in_gw, tmp_path):
@@ -122,10 +130,65 @@ def test_run_sees_the_host_read_only_with_a_private_tmp(run_in_gw, tmp_path):
     assert "filesystem isolation bwrap" in result.stderr
 
 
-def test_run_without_filesystem_isolation_when_asked(run_in_gw):
-    result = run_in_gw("sh", "-c", "echo pid=$$", options=("--isolation", "none"))
-    assert result.returncode == 0 and int(result.stdout.split("pid=")[1]) > 10
+def test_run_without_filesystem_isolation_when_asked(run_in_gw, topology: Topology):
+    folder = Path(tempfile.mkdtemp(prefix=f"{topology.prefix}-host-", dir="/var/tmp"))
+    try:
+        folder.chmod(0o755)
+        (folder / "from-the-host").write_text("host file")
+        # The host's files as its user sees them; still its own processes: nothing of the host's to ptrace or read.
+        script = f"cat {folder / 'from-the-host'}; echo pid=$$; ls /proc | grep -c '^[0-9]'"
+        result = run_in_gw("sh", "-c", script, options=("--isolation", "none"))
+    finally:
+        shutil.rmtree(folder)
+    assert result.returncode == 0 and "host file" in result.stdout, result.stderr
+    assert int(result.stdout.split("pid=")[1].split()[0]) < 10
+    assert int(result.stdout.split()[-1]) < 10  # processes it can see
     assert "filesystem isolation none" in result.stderr
+
+
+@pytest.mark.parametrize("isolation", ["bwrap", "none"])
+def test_run_leaves_no_process_behind(run_in_gw, isolation: str):
+    marker = "987654.25"  # a sleep nobody else runs
+    result = run_in_gw("sh", "-c", f"sleep {marker} & echo started", options=("--isolation", isolation))
+    assert result.returncode == 0 and "started" in result.stdout, result.stderr
+    left = [p for p in Path("/proc").iterdir() if p.name.isdigit() and _cmdline(p) == ["sleep", marker]]
+    assert left == [], "a background process of the sandbox outlived it"
+
+
+def _cmdline(proc: Path) -> list[str]:
+    try:
+        return proc.joinpath("cmdline").read_bytes().decode(errors="replace").split("\0")[:-1]
+    except OSError:
+        return []
+
+
+def test_files_in_the_working_directory_that_run_later_are_read_only(run_in_gw, topology: Topology):
+    project = Path(tempfile.mkdtemp(prefix=f"{topology.prefix}-repo-", dir="/var/tmp"))
+    try:
+        (project / ".git" / "hooks").mkdir(parents=True)
+        (project / ".git" / "config").write_text("[core]\n")
+        (project / ".envrc").write_text("")
+        (project / "src.py").write_text("")
+        for path in (project, project / ".git", project / ".git" / "hooks"):
+            path.chmod(0o777)  # the command's user may write all of it by the permissions
+        for path in (project / ".git" / "config", project / ".envrc", project / "src.py"):
+            path.chmod(0o666)
+        script = (
+            "echo x >> src.py && echo SRC-OK; echo fsmonitor >> .git/config && echo CONFIG-WRITTEN; "
+            "touch .git/hooks/pre-commit && echo HOOK-WRITTEN; echo x >> .envrc && echo ENVRC-WRITTEN"
+        )
+        result = run_in_gw("sh", "-c", script, cwd=project)
+        assert "SRC-OK" in result.stdout, result.stderr
+        assert "WRITTEN" not in result.stdout, result.stdout
+        assert (project / ".git" / "config").read_text() == "[core]\n"
+        assert not (project / ".git/hooks/pre-commit").exists()
+    finally:
+        shutil.rmtree(project)
+
+
+def test_run_refuses_a_system_folder_as_the_working_directory(run_in_gw):
+    result = run_in_gw("true", cwd="/var/tmp")
+    assert result.returncode == 2 and "system folders" in result.stderr, result.stderr
 
 
 def test_run_hides_the_gateways_credentials_even_from_their_owner(run_in_gw, broker_args, topology: Topology):
@@ -175,3 +238,40 @@ def test_run_hides_the_users_session_services(run_in_gw, topology: Topology):
         marker.unlink(missing_ok=True)
         if created:
             session.rmdir()
+
+
+def test_a_policy_in_the_working_directory_is_read_only_for_the_command(run_in_gw, topology: Topology):
+    project = Path(tempfile.mkdtemp(prefix=f"{topology.prefix}-pol-", dir="/var/tmp"))
+    try:
+        project.chmod(0o777)
+        policy = project / "policy.yaml"
+        policy.write_text(E2E_POLICY.read_text())
+        policy.chmod(0o666)  # anyone may write it, by its permissions
+        script = "echo '      - host: evil.test' >> policy.yaml && echo WIDENED; echo x > notes.txt && echo NOTES"
+        # This run's policy is the one in its working directory (the last --policy wins over run_in_gw's).
+        result = run_in_gw("sh", "-c", script, cwd=project, options=("--policy", str(policy)))
+        assert "NOTES" in result.stdout, result.stderr  # the rest of the folder is the command's to write
+        assert "WIDENED" not in result.stdout and policy.read_text() == E2E_POLICY.read_text()
+    finally:
+        shutil.rmtree(project)
+
+
+def test_a_second_run_with_a_taken_id_fails_and_leaves_the_first_alone(topology: Topology, run_in_gw):
+    sandbox_id = f"{topology.prefix}dup"
+    first = _start_run(topology, sandbox_id, "sleep", "60")
+    try:
+        deadline = time.monotonic() + 20
+        table = f"{NETNS_TABLE_PREFIX}{sandbox_id}"
+        while table not in topology.run(topology.gw, ["nft", "list", "tables"]).stdout:
+            assert time.monotonic() < deadline and first.poll() is None
+            time.sleep(0.1)
+        second = topology.run(topology.gw, _run_argv(sandbox_id, "true"), timeout=60)
+        assert second.returncode == 2, second.stderr
+        # The first sandbox is whole: its namespace, its fence, its command.
+        assert f"airlock-{sandbox_id}" in _netns_list()
+        assert table in topology.run(topology.gw, ["nft", "list", "tables"]).stdout
+        assert first.poll() is None
+    finally:
+        first.send_signal(signal.SIGINT)
+        first.wait(20)
+    assert f"airlock-{sandbox_id}" not in _netns_list()

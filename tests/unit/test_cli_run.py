@@ -38,6 +38,12 @@ def test_sandbox_environment_keeps_host_secrets_out(monkeypatch: pytest.MonkeyPa
         cli.sandbox_environment(["BAD-NAME"], pwd.getpwnam("nobody"))
 
 
+def run_args(**given: object) -> argparse.Namespace:
+    fields = dict(github_app_key=None, github_token_file=None, state_dir=None, isolation="none", policy=None)
+    fields |= dict(upstream_ca=None, audit=None)
+    return argparse.Namespace(**(fields | given))
+
+
 def _user(tmp_path: Path, uid: int = 4242, gid: int = 4242) -> pwd.struct_passwd:
     home = tmp_path / "home"
     home.mkdir(exist_ok=True)
@@ -99,7 +105,7 @@ def test_run_without_bubblewrap_refuses_while_a_credential_is_exposed(privileged
     key.write_text("KEY")
     os.chown(key, user.pw_uid, user.pw_gid)
     key.chmod(0o600)
-    args = argparse.Namespace(github_app_key=str(key), github_token_file=None, state_dir=None, isolation="none")
+    args = run_args(github_app_key=str(key))
     with pytest.raises(cli.UsageError, match=r"app\.pem is readable or writable by agent"):
         cli._hidden_paths(args, user)
     os.chown(key, 0, 0)
@@ -121,7 +127,7 @@ def test_docker_mounts_never_show_a_gateway_credential(tmp_path: Path) -> None:
 
 def test_without_bubblewrap_a_user_with_a_session_is_refused(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     user = _user(tmp_path)
-    args = argparse.Namespace(github_app_key=None, github_token_file=None, state_dir=None, isolation="none")
+    args = run_args()
     assert cli._hidden_paths(args, user) == []
     monkeypatch.setattr(netns, "user_session", lambda u: Path(f"/run/user/{u.pw_uid}"))
     with pytest.raises(cli.UsageError, match=r"has a session \(/run/user/4242\)"):
@@ -143,3 +149,75 @@ def test_the_command_runs_without_supplementary_groups_and_with_masks(tmp_path: 
     joined = " ".join(argv)
     assert f"--tmpfs {tmp_path / 'dir'}" in joined and f"--ro-bind /dev/null {tmp_path / 'file'}" in joined
     assert joined.index(f"--bind {os.getcwd()}") < joined.index(f"--tmpfs {tmp_path / 'dir'}")  # masks win
+
+
+@pytest.mark.parametrize(
+    ("cwd", "problem"),
+    [
+        ("/", "system folders"),
+        ("/tmp", "system folders"),
+        ("/etc", "system folders"),
+        ("/var/tmp", "system folders"),
+        ("HOME", "home folder"),
+        ("HOME/..", "home folder"),  # a parent of the home folder holds it
+        ("HOME/project", None),
+        ("/app", None),  # a container's project folder
+    ],
+)
+def test_working_directories_the_command_may_not_write(tmp_path: Path, cwd: str, problem: str | None) -> None:
+    user = _user(tmp_path)
+    (Path(user.pw_dir) / "project").mkdir()
+    found = netns.workdir_problem(Path(cwd.replace("HOME", user.pw_dir)), user)
+    assert (found is None) if problem is None else (found is not None and problem in found)
+
+
+def test_gateway_inputs_and_airlocks_code_in_reach_are_kept_read_only(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    user = _user(tmp_path)
+    project = Path(user.pw_dir) / "project"
+    project.mkdir()
+    monkeypatch.chdir(project)
+    inside = project / "policy.yaml"
+    inside.write_text("version: 1\n")
+    outside = tmp_path / "policy.yaml"
+    outside.write_text("version: 1\n")
+    for option in ("policy", "upstream_ca", "audit"):
+        assert cli._kept_from_writes(run_args(isolation="bwrap", **{option: str(inside)}), user) == [inside]
+        assert cli._kept_from_writes(run_args(isolation="bwrap", **{option: str(outside)}), user) == []
+    # airlock's own code and environment, when the working directory holds them (an editable install).
+    monkeypatch.setattr(cli.sys, "prefix", str(project / ".venv"))
+    assert cli._kept_from_writes(run_args(isolation="bwrap"), user) == [project / ".venv"]
+
+
+def test_without_bubblewrap_a_gateway_input_the_user_may_change_is_refused(privileged: None, tmp_path: Path) -> None:
+    user = _user(tmp_path)
+    policy = tmp_path / "policy.yaml"
+    policy.write_text("version: 1\n")
+    os.chown(policy, user.pw_uid, user.pw_gid)
+    with pytest.raises(cli.UsageError, match=r"policy\.yaml could be changed by agent"):
+        cli._kept_from_writes(run_args(policy=str(policy)), user)
+
+
+def test_without_bubblewrap_the_mode_bits_decide_who_may_change_an_input(privileged: None, tmp_path: Path) -> None:
+    user = _user(tmp_path)
+    folder = tmp_path / "etc"
+    folder.mkdir()
+    policy = folder / "policy.yaml"
+    policy.write_text("version: 1\n")
+    assert not netns.writable_in_sandbox(policy, user, False)  # root's file in root's folder
+    os.chown(folder, user.pw_uid, 0)
+    assert netns.writable_in_sandbox(policy, user, False)  # the folder is the user's: the file can be replaced
+    os.chown(folder, 0, 0)
+    os.chown(policy, user.pw_uid, 0)
+    assert netns.writable_in_sandbox(policy, user, False)
+
+
+def test_without_bubblewrap_auto_refuses_instead_of_falling_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(netns, "bubblewrap_available", lambda: False)
+    for requested in ("auto", "bwrap"):
+        with pytest.raises(cli.UsageError, match="bubblewrap is not installed"):
+            cli._choose_isolation(requested)
+    assert cli._choose_isolation("none") == "none"  # said knowingly
+    monkeypatch.setattr(netns, "bubblewrap_available", lambda: True)
+    assert cli._choose_isolation("auto") == "bwrap"
