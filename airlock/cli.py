@@ -272,6 +272,11 @@ def cmd_run(args: argparse.Namespace) -> int:
     backend = _choose_backend(args)
     if backend == "netns":
         args.isolation = _choose_isolation(args.isolation)
+        docker_only = [f"--{name}" for name in ("cpus", "memory", "pids", "mount") if getattr(args, name)]
+        if docker_only:
+            raise UsageError(f"{', '.join(docker_only)}: docker backend only (the netns backend sets no such limits)")
+    if not args.timeout > 0:
+        raise UsageError("--timeout must be positive")
     detail = f", image {args.image}" if backend == "docker" else f", filesystem isolation {args.isolation}"
     print(f"airlock: backend {backend}{detail}", file=sys.stderr)
     if backend == "docker":
@@ -341,7 +346,9 @@ async def _run_docker(args: argparse.Namespace, policy: Policy) -> int:
         client.ping()
     except docker.errors.DockerException as e:
         raise UsageError(f"no docker engine answers ({e}); use --backend netns") from None
-    limits = Limits(args.cpus, args.memory, args.pids, timeout=args.timeout, output_limit=args.output_limit)
+    given = {"cpus": args.cpus, "memory": args.memory, "pids": args.pids}
+    chosen = {k: v for k, v in given.items() if v is not None}
+    limits = Limits(**chosen, timeout=args.timeout, output_limit=args.output_limit)
     mounts = [_mount(m, _gateway_credentials(args)) for m in args.mount or []]
     state = tempfile.TemporaryDirectory(prefix="airlock-run-")
     args.state_dir = args.state_dir or state.name
@@ -371,7 +378,7 @@ async def _run_docker(args: argparse.Namespace, policy: Policy) -> int:
                 print(f"airlock: killed after the {args.timeout:g}s timeout", file=sys.stderr)
                 return 124
             if handle.oom_killed():
-                print(f"airlock: killed at the {args.memory} memory limit", file=sys.stderr)
+                print(f"airlock: killed at the {limits.memory} memory limit", file=sys.stderr)
             return code
     finally:
         state.cleanup()
@@ -418,7 +425,13 @@ async def _run_sandboxed(args: argparse.Namespace, policy: Policy) -> int:
         child = await asyncio.create_subprocess_exec(*command, env=env, start_new_session=True)
         waiter = asyncio.create_task(child.wait())
         stopper = asyncio.create_task(interrupted.wait())
-        await asyncio.wait({waiter, stopper}, return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait({waiter, stopper}, timeout=args.timeout, return_when=asyncio.FIRST_COMPLETED)
+        if not waiter.done() and not stopper.done():
+            sandbox.kill_all()  # the whole namespace, not only the command's own process
+            await waiter
+            stopper.cancel()
+            print(f"airlock: killed after the {args.timeout:g}s timeout", file=sys.stderr)
+            return 124
         if not waiter.done():
             with contextlib.suppress(ProcessLookupError):
                 child.terminate()
@@ -670,10 +683,10 @@ def build_parser() -> argparse.ArgumentParser:
     _gateway_options(run)
     run.add_argument("--backend", choices=("auto", "netns", "docker"), default="auto", help="auto: docker if --image")
     run.add_argument("--image", help="docker backend: the image to run")
-    run.add_argument("--cpus", type=float, default=1.0, help="docker backend: CPU limit")
-    run.add_argument("--memory", default="512m", help="docker backend: memory limit (memory+swap alike)")
-    run.add_argument("--pids", type=int, default=256, help="docker backend: process limit")
-    run.add_argument("--timeout", type=float, default=3600.0, metavar="S", help="docker backend: then kill")
+    run.add_argument("--cpus", type=float, help="docker backend: CPU limit (default 1)")
+    run.add_argument("--memory", help="docker backend: memory limit, memory+swap alike (default 512m)")
+    run.add_argument("--pids", type=int, help="docker backend: process limit (default 256)")
+    run.add_argument("--timeout", type=float, default=3600.0, metavar="S", help="then kill it all (exit 124)")
     run.add_argument("--output-limit", type=int, default=10 * 1024 * 1024, metavar="BYTES")
     run.add_argument("--mount", action="append", metavar="HOST:CONTAINER", help="docker backend: read-only mount")
     run.add_argument("--user", help="run the command as this user (default: the sudo caller, else nobody)")

@@ -275,3 +275,18 @@ def test_a_second_run_with_a_taken_id_fails_and_leaves_the_first_alone(topology:
         first.send_signal(signal.SIGINT)
         first.wait(20)
     assert f"airlock-{sandbox_id}" not in _netns_list()
+
+
+def test_run_timeout_kills_the_whole_sandbox(run_in_gw):
+    marker = "987653.5"
+    started = time.monotonic()
+    result = run_in_gw("sh", "-c", f"sleep {marker} & sleep {marker}", options=("--timeout", "2"))
+    assert result.returncode == 124 and "timeout" in result.stderr, result.stderr
+    assert time.monotonic() - started < 30
+    left = [p for p in Path("/proc").iterdir() if p.name.isdigit() and _cmdline(p) == ["sleep", marker]]
+    assert left == []
+
+
+def test_docker_only_limits_are_refused_for_the_netns_backend(run_in_gw):
+    result = run_in_gw("true", options=("--memory", "64m", "--pids", "10"))
+    assert result.returncode == 2 and "--memory, --pids: docker backend only" in result.stderr, result.stderr
