@@ -216,17 +216,17 @@ async def _serve(args: argparse.Namespace, policy: Policy) -> int:
 
     config = _gateway_config(args, policy, args.listen, _sandboxes(args.sandbox or [], args.profile, policy))
     gateway = Gateway(config)
-    await gateway.start()
-    dns = f", DNS on port {args.dns_port}" if args.dns_port else ""
-    print(
-        f"airlock gateway: proxy on {format_host_port(args.listen, args.proxy_port)}{dns}", file=sys.stderr, flush=True
-    )
+    # Handlers first: a SIGTERM that arrives while the gateway starts still stops it cleanly.
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     loop.add_signal_handler(signal.SIGHUP, lambda: _reload(gateway, args.policy))
     try:
+        await gateway.start()
+        dns = f", DNS on port {args.dns_port}" if args.dns_port else ""
+        where = format_host_port(args.listen, args.proxy_port)
+        print(f"airlock gateway: proxy on {where}{dns}", file=sys.stderr, flush=True)
         await stop.wait()
     finally:
         await gateway.stop()
@@ -240,6 +240,8 @@ def _reload(gateway, path: str | None) -> None:
         log.warning("policy reloaded from %s", path or default_policy_path())
     except PolicyError as e:
         log.error("policy NOT reloaded, the running policy stays:\n%s", e)
+    except Exception as e:  # e.g. a SIGHUP before the gateway has started: keep what runs
+        log.error("policy NOT reloaded, the running policy stays: %s: %s", type(e).__name__, e)
 
 
 DEFAULT_STATE_DIR = "/var/lib/airlock"
