@@ -293,10 +293,6 @@ class PolicyResolver:
 
     # --- replies remembered at the wire level (dns/memory.py) ---------------------------------------------------
 
-    def recall(self, data: bytes, sandbox: Sandbox, now: float) -> tuple[bytes, str] | None:
-        """(reply, audit template) when this sandbox asked the same question moments ago, under this policy."""
-        return self.memory.recall(sandbox.id, data, self.policy, now)
-
     def remember(self, data: bytes, sandbox: Sandbox, packet: bytes, reply: DNSRecord, record: AuditRecord) -> None:
         if reply.header.rcode not in (RCODE.NOERROR, RCODE.NXDOMAIN, RCODE.REFUSED):
             return  # failures are asked again
@@ -355,7 +351,7 @@ class DnsServer:
         task.add_done_callback(self._tasks.discard)
 
     def _readable(self) -> None:
-        udp, resolver = self._udp, self.resolver
+        udp, resolver, memory = self._udp, self.resolver, self.resolver.memory
         assert udp is not None
         now, wall = time.monotonic(), time.time()
         repeated: list[tuple[str, str]] = []  # (audit template, client) of the remembered replies sent
@@ -374,7 +370,7 @@ class DnsServer:
                 sandbox = resolver.admit(client, now)
                 if sandbox is False:
                     continue
-                remembered = resolver.recall(data, sandbox, now) if sandbox is not None else None
+                remembered = memory.recall(sandbox.id, data, resolver.policy, now) if sandbox is not None else None
                 if remembered is None:
                     self.spawn(self._udp_query(data, address, sandbox))
                     continue

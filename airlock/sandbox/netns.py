@@ -237,12 +237,9 @@ def writable_in_sandbox(path: Path, user: pwd.struct_passwd, isolate_fs: bool) -
     path = path.resolve()
     if isolate_fs:
         return Path.cwd().resolve() in (path, *path.parents)
-    groups = set(os.getgrouplist(user.pw_name, user.pw_gid))
     for entry in (path, path.parent):
         with contextlib.suppress(OSError):
-            st = entry.stat()
-            bit = 0o200 if st.st_uid == user.pw_uid else 0o020 if st.st_gid in groups else 0o002
-            if st.st_mode & bit:
+            if _permissions(entry.stat(), user) & 0o2:
                 return True
     return False
 
@@ -297,20 +294,17 @@ def _existing(paths: Iterable[Path]) -> list[Path]:
 def accessible_by(path: Path, user: pwd.struct_passwd) -> list[Path]:
     """Files and sockets at or under `path` the user may read or write by their mode bits, as its uid or one of
     its groups (the directories along the way are not considered: this errs towards "accessible")."""
-    groups = set(os.getgrouplist(user.pw_name, user.pw_gid))
     entries = [path] if not path.is_dir() else [p for p in path.rglob("*") if p.is_file() or p.is_socket()]
-    accessible = []
-    for entry in entries:
-        st = entry.lstat()
-        if st.st_uid == user.pw_uid:
-            bits = 0o600
-        elif st.st_gid in groups:
-            bits = 0o060
-        else:
-            bits = 0o006
-        if st.st_mode & bits:
-            accessible.append(entry)
-    return accessible
+    return [entry for entry in entries if _permissions(entry.lstat(), user) & 0o6]
+
+
+def _permissions(st: os.stat_result, user: pwd.struct_passwd) -> int:
+    """The rwx bits (0-7) of a file's mode that apply to `user`: as its owner, a member of its group, or other."""
+    if st.st_uid == user.pw_uid:
+        return (st.st_mode >> 6) & 0o7
+    if st.st_gid in os.getgrouplist(user.pw_name, user.pw_gid):
+        return (st.st_mode >> 3) & 0o7
+    return st.st_mode & 0o7
 
 
 def bubblewrap_available() -> bool:

@@ -36,9 +36,10 @@ sys.addaudithook(_audit)  # hooks cannot be removed: it does nothing while nothi
 
 
 @pytest.fixture
-def watch(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[list[tuple[str, Path, int, int, int]]]:
-    if os.geteuid() != 0:
-        pytest.skip("needs root (the token is chowned to the container's group)")
+def watch(
+    privileged: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[list[tuple[str, Path, int, int, int]]]:
+    # privileged: the token is chowned to the container's group (skipped locally without root, fails under CI)
     monkeypatch.setattr(docker_backend, "TOKEN_ROOT", tmp_path)
     folder = tmp_path / "airlock-d-tok1"
     _watched[:] = [folder, folder / "token"]
@@ -73,9 +74,9 @@ def test_the_token_is_never_readable_by_others(watch: list[tuple[str, Path, int,
     assert not folder.exists()
 
 
-def test_another_sandboxs_token_is_neither_replaced_nor_removed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
-    if os.geteuid() != 0:
-        pytest.skip("needs root")
+def test_another_sandboxs_token_is_neither_replaced_nor_removed(
+    privileged: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
     monkeypatch.setattr(docker_backend, "TOKEN_ROOT", tmp_path)
     theirs = tmp_path / "airlock-d-tok2" / "token"
     theirs.parent.mkdir()
