@@ -52,13 +52,12 @@ from airlock.policy import (
 from airlock.policy.records import Kind
 
 from .local import LocalAddresses
+from .tlsnames import ECH_EXTENSIONS, TlsNameError, hidden_name, server_name
 
 log = logging.getLogger("airlock.proxy")
 
 DECISION_HEADER = "X-Airlock-Decision"
 REQUEST_ID_HEADER = "X-Airlock-Request-Id"
-# TLS extensions that encrypt the name a ClientHello connects to: the SNI the gateway reads is only a cover.
-ECH_EXTENSIONS = {0xFE0D: "Encrypted Client Hello", 0xFFCE: "Encrypted Client Hello (ESNI draft)"}
 
 
 @dataclass
@@ -446,25 +445,27 @@ def _may_be_tls(data: bytes) -> bool:
 
 def _hello_refusal(hello: ClientHello, host: str, ech_allowed: bool) -> str | None:
     """Why a tunnel with this ClientHello must not open, if it must not. ECH hides the name the client really
-    connects to behind the outer SNI (fronting), unless the rule says `ech: true`."""
-    for extension, _ in hello.extensions:
-        if extension in ECH_EXTENSIONS and not ech_allowed:
-            return (
-                f"TLS ClientHello carries {ECH_EXTENSIONS[extension]}: the name it connects to is hidden "
-                "(a rule with `ech: true` allows it for its hosts)"
-            )
-    return _sni_mismatch(hello.sni, host)
+    connects to behind the outer SNI (fronting), unless the rule says `ech: true`; the (outer) SNI must be one
+    valid host name, and it must be the CONNECT host."""
+    extensions = hello.extensions
+    if (hidden := hidden_name(extensions)) is not None and not ech_allowed:
+        return (
+            f"TLS ClientHello carries Encrypted Client Hello extension 0x{hidden:04x} ({ECH_EXTENSIONS[hidden]}): "
+            "the name it connects to is hidden (a rule with `ech: true` allows it for its hosts)"
+        )
+    try:
+        sni = server_name(extensions)
+    except TlsNameError as e:
+        return f"invalid TLS SNI: {e}"
+    return _sni_mismatch(sni, host)
 
 
 def _sni_mismatch(sni: str | None, expected: str) -> str | None:
-    """The TLS SNI must name the CONNECT host (an IP-literal CONNECT may send none)."""
-    if sni is None and is_ip(expected):
+    """A valid SNI (canonical) must name the CONNECT host. Only an IP-literal CONNECT may send none, since SNI
+    cannot carry an address. An IP-literal CONNECT that does send a name is fronting: the CIDR rule judged the
+    address, never that name, and a server there may pick its virtual host by it; so it is a mismatch like any."""
+    if sni == expected or (sni is None and is_ip(expected)):
         return None
-    try:
-        if sni is not None and canonical_host(sni) == expected:
-            return None
-    except HostError:
-        pass
     return f"TLS SNI {sni!r} does not match CONNECT host {expected}"
 
 

@@ -22,6 +22,7 @@ EVIL_IP = "203.0.113.66"
 METADATA_IP = "169.254.169.254"
 INTERNAL_IP = "10.1.2.3"
 SERVICE_IP = "10.1.2.4"
+LITERAL_IP = "198.51.100.10"  # a public address opened by CIDR rules: on 80 and 443, and as a raw tunnel on 22
 PROXY_URL = f"http://{PROXY[0]}:{PROXY[1]}"
 
 
@@ -46,16 +47,27 @@ def client_hello(sni: str | None, extension: int | None = None) -> bytes:
     record = outgoing.read()
     if extension is None:
         return record
+    payload = b"\x00" + os.urandom(64)  # an ECH "outer" body: the server cannot read it, the gateway must not
+    return with_extension(record, extension, payload)
+
+
+def with_extension(record: bytes, extension: int, payload: bytes) -> bytes:
+    """The ClientHello record with one more extension appended (lengths fixed up)."""
     body = record[9:]  # after the record header (5) and the handshake header (4)
     at = 34  # legacy_version, random
     at += 1 + body[at]  # session id
     at += 2 + struct.unpack("!H", body[at : at + 2])[0]  # cipher suites
     at += 1 + body[at]  # compression methods
-    payload = b"\x00" + os.urandom(64)  # an ECH "outer" body: the server cannot read it, the gateway must not
     extensions = body[at + 2 :] + struct.pack("!HH", extension, len(payload)) + payload
     body = body[:at] + struct.pack("!H", len(extensions)) + extensions
     handshake = b"\x01" + len(body).to_bytes(3, "big") + body
     return record[:3] + struct.pack("!H", len(handshake)) + handshake
+
+
+def server_names(*names: bytes) -> bytes:
+    """A server_name extension body listing these host_name entries."""
+    entries = b"".join(struct.pack("!BH", 0, len(name)) + name for name in names)
+    return struct.pack("!H", len(entries)) + entries
 
 
 def through_tunnel(target: str, *chunks: bytes) -> bytes:
@@ -392,18 +404,26 @@ def test_denied_request_with_a_body_is_refused_without_crashing_the_proxy(
     assert in_netns(topology.sbx, proxy_http, PROXY, "http://allowed.test/").status == 200  # still serving
 
 
-@pytest.mark.parametrize("extension", [0xFE0D, 0xFFCE], ids=["ech", "esni-draft"])
-@pytest.mark.parametrize("target", ["allowed.test:443", "ssh.allowed.test:22"], ids=["tls-tunnel", "raw-tunnel"])
+@pytest.mark.parametrize(
+    "extension", [0xFE0D, 0xFE08, 0xFFCE, 0xFD00], ids=["ech", "ech-draft-08", "esni-draft", "ech-outer-extensions"]
+)
+@pytest.mark.parametrize(
+    "target",
+    ["allowed.test:443", "ssh.allowed.test:22", f"{LITERAL_IP}:443"],
+    ids=["tls-tunnel", "raw-tunnel", "ip-literal"],
+)
 def test_encrypted_client_hello_is_refused(
     topology: Topology, fakenet: FakeNet, gateway: GatewayProcess, extension: int, target: str
 ):
     # With ECH the SNI the gateway reads is only the outer one; the real name is encrypted: fronting.
     host, audit_before = target.rsplit(":", 1)[0], len(gateway.audit())
-    assert in_netns(topology.sbx, through_tunnel, target, client_hello(host, extension)) == b""
+    sni = None if host == LITERAL_IP else host
+    assert in_netns(topology.sbx, through_tunnel, target, client_hello(sni, extension)) == b""
     assert fakenet.total_connections() == 0
     record = new_audit(gateway, audit_before, host)
-    assert record["kind"] == "connect" and record["decision"] == "deny" and "Encrypted Client Hello" in record["reason"]
-    assert in_netns(topology.sbx, through_tunnel, target, client_hello(host)) != b""  # the same hello without ECH
+    assert record["kind"] == "connect" and record["decision"] == "deny", record
+    assert f"Encrypted Client Hello extension 0x{extension:04x}" in record["reason"], record
+    assert in_netns(topology.sbx, through_tunnel, target, client_hello(sni)) != b""  # the same hello without ECH
     assert fakenet.total_connections() == 1
 
 
@@ -441,6 +461,32 @@ def test_tls_in_a_raw_tunnel_still_needs_the_connect_host_as_sni(
     hello = client_hello("ssh.allowed.test")
     assert in_netns(topology.sbx, through_tunnel, "ssh.allowed.test:22", *split(hello, 1)) == hello  # echoed
     assert fakenet.connections(ALLOWED_IP, 22) == 1
+
+
+@pytest.mark.parametrize(
+    "server_name",
+    [
+        pytest.param(server_names(b"other.test", b"evil.test"), id="two-names"),
+        pytest.param(server_names(b"name.test:443"), id="with-port"),
+        pytest.param(server_names(b"other.test\x00.evil.test"), id="nul"),
+        pytest.param(server_names(LITERAL_IP.encode()), id="ip-literal"),
+        pytest.param(server_names(b"evil.test"), id="a-name"),  # valid, but the CIDR rule never judged it
+    ],
+)
+@pytest.mark.parametrize("port", [443, 22], ids=["tls-tunnel", "raw-tunnel"])
+def test_sni_to_an_ip_literal_connect_must_be_absent(
+    topology: Topology, fakenet: FakeNet, gateway: GatewayProcess, server_name: bytes, port: int
+):
+    # mitmproxy reads all of these as "no SNI", which an IP-literal CONNECT may send; a server may still pick
+    # its virtual host by the name. SNI never carries an address, so such a CONNECT must send none at all.
+    target, audit_before = f"{LITERAL_IP}:{port}", len(gateway.audit())
+    hello = with_extension(client_hello(None), 0, server_name)
+    assert in_netns(topology.sbx, through_tunnel, target, hello) == b""
+    assert fakenet.total_connections() == 0
+    record = new_audit(gateway, audit_before, LITERAL_IP)
+    assert record["kind"] == "connect" and record["decision"] == "deny" and "TLS SNI" in record["reason"], record
+    assert in_netns(topology.sbx, through_tunnel, target, client_hello(None)) != b""  # the same hello without SNI
+    assert fakenet.connections(LITERAL_IP, port) == 1
 
 
 def test_http11_request_without_host_is_refused(topology: Topology, fakenet: FakeNet, gateway: GatewayProcess):
