@@ -97,6 +97,7 @@ class WorkdirGuard:
     user: pwd.struct_passwd
     sandbox_id: str
     scratch: Path
+    quarantine: Path = QUARANTINE_ROOT
     overlays: list[Overlay] = field(default_factory=list)
     protected: dict[Path, Identity | None] = field(default_factory=dict)  # None: absent, must stay absent
     report: list[str] = field(default_factory=list)
@@ -150,9 +151,10 @@ class WorkdirGuard:
         """Quarantine what the sandbox planted, export its commits; the lines to tell the user."""
         skip = {o.real for o in self.overlays}
         found = set(control_entries(self.root, skip)) | set(self.protected)
-        planted = sorted(p for p in found if Identity.of(p) is not None and Identity.of(p) != self.protected.get(p))
+        planted = {_through_symlink(self.root, p) for p in found if Identity.of(p) != self.protected.get(p)}
+        planted.discard(None)
         if planted:
-            self._quarantine(planted)
+            self._quarantine(sorted(p for p in planted if p is not None))
         for overlay in self.overlays:
             try:
                 self._export(overlay)
@@ -165,9 +167,9 @@ class WorkdirGuard:
         return self.report
 
     def _quarantine(self, planted: list[Path]) -> None:
-        folder = QUARANTINE_ROOT / f"{self.sandbox_id}-{time.strftime('%Y%m%dT%H%M%S')}"
+        folder = self.quarantine / f"{self.sandbox_id}-{time.strftime('%Y%m%dT%H%M%S')}"
         folder.mkdir(parents=True, mode=0o700, exist_ok=True)
-        QUARANTINE_ROOT.chmod(0o700)
+        self.quarantine.chmod(0o700)
         for path in planted:
             if not os.path.lexists(path):
                 continue  # inside something moved already
@@ -202,12 +204,25 @@ class WorkdirGuard:
             _chown_tree(Path(clean), self.user)
             fetch = [
                 "--git-dir", str(overlay.real), "-c", "core.hooksPath=/dev/null", "-c", "core.fsmonitor=false",
-                "-c", "safe.directory=*", "fetch", "--quiet", "--no-tags", "--no-write-fetch-head", str(repo),
+                "-c", "safe.directory=*", "-c", "transfer.fsckObjects=true", "fetch", "--quiet", "--no-tags",
+                "--no-write-fetch-head", str(repo),
                 *refspecs,
             ]  # fmt: skip
             _git(fetch, user=self.user)
         listed = ", ".join(f"{ref} ({object_id[:12]})" for ref, object_id in exported)
         self.report.append(f"the sandbox's commits are in {overlay.real}: {listed}")
+
+
+def _through_symlink(root: Path, path: Path) -> Path | None:
+    """What to move for `path` planted below `root`: the path itself, or the first folder on the way to it that
+    the sandbox made a symlink (the path then lies elsewhere, and moving it would move a host file); None when
+    nothing is there."""
+    current = root
+    for part in path.relative_to(root).parts[:-1]:
+        current = current / part
+        if current.is_symlink():
+            return current
+    return path if os.path.lexists(path) else None
 
 
 def repository_dirs(start: Path) -> list[Path]:
@@ -265,12 +280,13 @@ def control_entries(root: Path, skip: set[Path]) -> Iterator[Path]:
             entries = list(os.scandir(folder))
         except OSError:
             continue
-        names = {e.name for e in entries}
-        if "HEAD" in names and folder != root and any(m in names for m in _REPOSITORY_MARKERS):
-            yield Path(folder) / "HEAD"
+        # Names compared without case: a case-folding folder (ext4 +F, vfat) finds `.GIT` for `.git`.
+        names = {e.name.lower(): e.name for e in entries}
+        if "head" in names and folder != root and any(m in names for m in _REPOSITORY_MARKERS):
+            yield Path(folder) / names["head"]
         for entry in entries:
             path = Path(entry.path)
-            if entry.name in CONTROL_NAMES:
+            if entry.name.lower() in CONTROL_NAMES:
                 if path not in skip:
                     yield path
             elif entry.is_dir(follow_symlinks=False) and path not in skip:

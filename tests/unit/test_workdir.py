@@ -12,6 +12,7 @@ import pytest
 
 from airlock.sandbox.workdir import (
     Identity,
+    WorkdirGuard,
     changed_refs,
     config_named_paths,
     control_entries,
@@ -161,3 +162,35 @@ def test_config_named_paths_inside_the_tree(tmp_path: Path):
     found = {str(p.relative_to(root)) for p in config_named_paths(root.resolve(), user) if root.resolve() in p.parents}
     assert {".husky", "team.gitconfig", "tools/fsmonitor", "scripts/lint.sh"} <= found
     assert "less" not in found
+
+
+def _guard(root: Path, tmp_path: Path) -> WorkdirGuard:
+    return WorkdirGuard(root, pwd.getpwuid(os.geteuid()), "t1", tmp_path / "scratch", quarantine=tmp_path / "q")
+
+
+def test_finish_moves_a_symlink_on_the_way_never_what_it_leads_to(tmp_path: Path):
+    root, outside = tmp_path / "root", tmp_path / "outside"
+    root.mkdir()
+    outside.mkdir()
+    (outside / "fsmonitor").write_text("a host file")
+    guard = _guard(root, tmp_path)
+    guard.protected = {root / "tools" / "fsmonitor": None}  # named by the user's config, absent at the start
+    (root / "tools").symlink_to(outside)
+    lines = guard.finish()
+    assert (outside / "fsmonitor").read_text() == "a host file"
+    assert not os.path.lexists(root / "tools") and "tools" in lines[0]
+
+
+def test_finish_moves_new_and_replaced_control_entries_only(tmp_path: Path):
+    root = tmp_path / "root"
+    _make(root, {"sub/.git": "gitdir: ../.git/modules/sub", "keep/.envrc": "", "src/a.py": ""})
+    guard = _guard(root, tmp_path)
+    guard.protected = {p: Identity.of(p) for p in control_entries(root, set())}
+    (root / "sub" / ".git").unlink()
+    (root / "sub" / ".git").write_text("gitdir: /elsewhere")  # replaced: another file at the same path
+    _make(root, {"new/.GIT/HEAD": "", "bare/HEAD": "", "bare/refs/": None})
+    guard.finish()
+    assert sorted(str(p.relative_to(root)) for p in control_entries(root, set())) == ["keep/.envrc"]
+    moved = {str(p.relative_to(tmp_path / "q")).split("/", 1)[1] for p in (tmp_path / "q").glob("*/**/*")}
+    assert {"sub/.git", "new/.GIT", "bare/HEAD"} <= moved
+    assert (root / "src" / "a.py").exists() and (root / "bare" / "refs").is_dir()
