@@ -400,6 +400,7 @@ def _mount(text: str, credentials: list[str]) -> tuple[str, str]:
 async def _run_sandboxed(args: argparse.Namespace, policy: Policy) -> int:
     from airlock.sandbox import proxy_environment
     from airlock.sandbox.netns import NetnsSandbox, resolve_user
+    from airlock.sandbox.workdir import WorkdirError, WorkdirGuard
 
     user = resolve_user(args.user)  # fail before creating anything
     hidden, read_only = _hidden_paths(args, user), _kept_from_writes(args, user)
@@ -407,6 +408,7 @@ async def _run_sandboxed(args: argparse.Namespace, policy: Policy) -> int:
     sandbox = NetnsSandbox(args.sandbox_id, tcp_ports=tcp_ports, udp_ports=udp_ports)
     state = tempfile.TemporaryDirectory(prefix="airlock-run-")
     gateway = None
+    guard: WorkdirGuard | None = None
     child: asyncio.subprocess.Process | None = None
     loop = asyncio.get_running_loop()
     interrupted = asyncio.Event()
@@ -422,7 +424,14 @@ async def _run_sandboxed(args: argparse.Namespace, policy: Policy) -> int:
         if token := _mint(args, gateway, sandbox.sandbox_id):
             env["AIRLOCK_TOKEN_FILE"] = str(sandbox.place_token(token, resolve_user(args.user)))
         isolate_fs = args.isolation == "bwrap"
-        command = sandbox.command(args.cmd, args.user, isolate_fs, hidden=hidden, read_only=read_only)
+        if isolate_fs:
+            guard = WorkdirGuard(Path.cwd(), user, sandbox.sandbox_id, Path(args.state_dir) / "workdir")
+            try:
+                guard.prepare()
+            except WorkdirError as e:
+                guard = None
+                raise UsageError(str(e)) from None
+        command = sandbox.command(args.cmd, args.user, isolate_fs, hidden=hidden, read_only=read_only, guard=guard)
         # Its own session: no controlling terminal, so it cannot push keystrokes into the shell that started it.
         child = await asyncio.create_subprocess_exec(*command, env=env, start_new_session=True)
         waiter = asyncio.create_task(child.wait())
@@ -448,9 +457,20 @@ async def _run_sandboxed(args: argparse.Namespace, policy: Policy) -> int:
         return code if code >= 0 else 128 - code
     finally:
         sandbox.destroy()  # before the gateway stops: nothing of the sandbox outlives its gateway
+        if guard is not None:  # only now: nothing of the sandbox is left to write while the tree is checked
+            _finish_workdir(guard)
         if gateway is not None:
             await gateway.stop()
         state.cleanup()
+
+
+def _finish_workdir(guard) -> None:
+    try:
+        lines = guard.finish()
+    except Exception as e:  # whatever went wrong, the user must hear that the folder was not checked
+        lines = [f"could not check the working directory for files the sandbox planted ({e}): do not run git there"]
+    for line in lines:
+        print(f"airlock: {line}", file=sys.stderr)
 
 
 def _gateway_credentials(args: argparse.Namespace) -> list[str]:

@@ -26,6 +26,7 @@ from airlock.policy import SANDBOX_LINK_NETWORKS
 
 from . import SANDBOX_ID
 from .fence import NETNS_TABLE_PREFIX, Fence
+from .workdir import WorkdirGuard
 
 LINK_POOL = SANDBOX_LINK_NETWORKS[0]
 
@@ -169,18 +170,21 @@ class NetnsSandbox:
         isolate_fs: bool = True,
         hidden: Sequence[Path] = (),
         read_only: Sequence[Path] = (),
+        guard: WorkdirGuard | None = None,
     ) -> list[str]:
         """The argv that runs `argv` inside the namespace as an unprivileged user without capabilities; with
         `isolate_fs`, bubblewrap also gives it a read-only view of the host without the `hidden` paths, the
-        working directory writable but for `read_only` paths in it, its own /tmp and PID namespace."""
+        working directory writable but for `read_only` paths in it and what the `guard` protects, its own /tmp
+        and PID namespace."""
         pw = resolve_user(user)
         drop_privileges = [
             # No supplementary groups: `docker`, `lxd`, `disk` and the like would each be a way out.
             "setpriv", f"--reuid={pw.pw_uid}", f"--regid={pw.pw_gid}", "--clear-groups",
             "--no-new-privs", "--bounding-set=-all", "--inh-caps=-all", "--",
         ]  # fmt: skip
-        isolation = _bubblewrap(hidden, read_only) if isolate_fs else _own_processes()
-        return ["ip", "netns", "exec", self.netns, *isolation, *drop_privileges, *argv]
+        isolation = _bubblewrap(hidden, read_only, guard) if isolate_fs else _own_processes()
+        prelude = guard.prelude() if guard and isolate_fs else []
+        return ["ip", "netns", "exec", self.netns, *prelude, *isolation, *drop_privileges, *argv]
 
 
 def _own_processes() -> list[str]:
@@ -189,26 +193,22 @@ def _own_processes() -> list[str]:
     return ["unshare", "--pid", "--fork", "--kill-child", "--mount-proc", "--ipc", "--"]
 
 
-def _bubblewrap(hidden: Sequence[Path], read_only: Sequence[Path]) -> list[str]:
+def _bubblewrap(hidden: Sequence[Path], read_only: Sequence[Path], guard: WorkdirGuard | None) -> list[str]:
     """The whole host read-only (so nothing planted for root to run later), the working directory writable as its
-    permissions say but for `read_only` paths and files that run later, the `hidden` paths empty, a private /tmp,
-    and the command's own PID, IPC and UTS namespaces."""
+    permissions say but for `read_only` paths and what the `guard` keeps (git's own folders get a private layer,
+    files that run later are read-only), the `hidden` paths empty, a private /tmp, and the command's own PID, IPC
+    and UTS namespaces."""
     cwd = os.getcwd()
-    masks: list[str] = []
+    masks = guard.bubblewrap_binds() if guard else []
     for path in hidden:  # after the working directory's bind: a credential inside it is covered too
         masks += ["--tmpfs", str(path)] if path.is_dir() else ["--ro-bind", "/dev/null", str(path)]
-    for path in _existing([*read_only, *(Path(cwd) / name for name in WORKDIR_READ_ONLY)]):
+    for path in _existing(read_only):
         masks += ["--ro-bind", str(path), str(path)]
     return [
         "bwrap", "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", "--perms", "1777", "--tmpfs", "/tmp",
         "--bind", cwd, cwd, *masks, "--chdir", cwd,
         "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--die-with-parent", "--new-session", "--",
     ]  # fmt: skip
-
-
-# Files in the working directory that run commands later, outside the sandbox, for whoever uses the folder next
-# (git hooks and config such as core.fsmonitor, direnv, editor tasks): read-only for the command.
-WORKDIR_READ_ONLY = (".git/config", ".git/hooks", ".envrc", ".vscode", ".idea")
 
 
 SYSTEM_FOLDERS = frozenset(

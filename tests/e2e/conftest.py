@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import itertools
 import os
 import signal
 import subprocess
@@ -16,16 +17,17 @@ import pytest
 # Helpers live next to the tests; the repo root stays off sys.path because its dns/ would shadow dnspython.
 sys.path.insert(0, str(Path(__file__).parent))
 
-from airlock.sandbox.fence import Fence
+from airlock.sandbox.fence import NETNS_TABLE_PREFIX, Fence
 
 from dockerenv import DockerDaemon, DockerEnv, docker_problem
 from fakegithub_client import FakeGitHub, make_app_key, new_static_token
-from gateway_proc import E2E_POLICY, GatewayProcess
+from gateway_proc import AIRLOCK, E2E_POLICY, GatewayProcess
 from testca import TestCA, make_test_ca
-from topology import FAKE_ADDRS, GW_IP, FakeNet, Topology
+from topology import DNS_SERVER, FAKE_ADDRS, GW_IP, FakeNet, Topology
 
 FAKE_GITHUB_APP_ID = 4242
 FAKE_GITHUB_INSTALLATION_ID = 777
+_run_ids = itertools.count()
 
 
 @contextlib.contextmanager
@@ -216,3 +218,30 @@ def docker_env(topology: Topology, tmp_path_factory: pytest.TempPathFactory) -> 
             yield DockerEnv(daemon.host, image, daemon.client(), daemon.env(), daemon, tarball)
         finally:
             daemon.stop()
+
+
+@pytest.fixture
+def run_in_gw(topology: Topology, fakenet: FakeNet) -> Iterator:
+    """`airlock run` inside the gateway namespace (where all it dials lands in the fake internet or nowhere); checks
+    afterwards that it left nothing behind."""
+    ids: list[str] = []
+
+    def run(*cmd: str, options: tuple[str, ...] = (), timeout: float = 60, **kw) -> subprocess.CompletedProcess:
+        sandbox_id = f"{topology.prefix}r{next(_run_ids)}"
+        ids.append(sandbox_id)
+        argv = [
+            AIRLOCK, "run", "--policy", E2E_POLICY, "--upstream-dns", DNS_SERVER, "--sandbox-id", sandbox_id,
+            *options, "--", *cmd,
+        ]  # fmt: skip
+        return topology.run(topology.gw, argv, timeout=timeout, **kw)
+
+    yield run
+    for sandbox_id in ids:
+        assert (
+            f"airlock-{sandbox_id}"
+            not in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+        )
+        tables = topology.run(topology.gw, ["nft", "list", "tables"]).stdout
+        assert f"{NETNS_TABLE_PREFIX}{sandbox_id}" not in tables
+        links = topology.run(topology.gw, ["ip", "-o", "link"]).stdout
+        assert f"alh{sandbox_id}" not in links
