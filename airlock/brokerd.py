@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import os
@@ -16,13 +17,41 @@ from aiohttp import web
 from aiohttp.abc import AbstractResolver
 
 from airlock.broker.github import AppCredential, Credential, GitHubClient, StaticCredential
-from airlock.broker.service import Broker, BrokerSettings
+from airlock.broker.service import Broker, BrokerSettings, _RateLimiter
+from airlock.broker.shapes import CREDENTIAL
 from airlock.broker.store import SqliteStore
 from airlock.broker.tokens import KeyRing, TokenAuthority
 from airlock.dns.upstream import ResolveError, Resolver
 from airlock.policy import HostError, SandboxRegistry, canonical_host, parse_ip_literal
 
 log = logging.getLogger("airlock.broker")
+
+
+class _ProtocolErrors(logging.Filter):
+    """aiohttp logs each malformed request (before any handler runs) with its traceback: whoever reaches the port
+    could fill the log. One line each instead, naming the error's type only (its text quotes the request, whose
+    headers may hold a token); 20 at once, then one a second, with a count of those left out."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._budget = _RateLimiter(1.0, 20)
+        self._left_out = 0
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not self._budget.take("-"):
+            self._left_out += 1
+            return False
+        message = record.getMessage()
+        if record.exc_info and record.exc_info[1] is not None:
+            message = f"{message}: {type(record.exc_info[1]).__name__}"
+        if self._left_out:
+            message, self._left_out = f"{message} ({self._left_out} more left out)", 0
+        record.msg, record.args, record.exc_info, record.exc_text = message, None, None, None
+        return True
+
+
+HTTP_LOG = logging.getLogger("airlock.broker.http")  # the broker listeners' own aiohttp messages
+HTTP_LOG.addFilter(_ProtocolErrors())
 
 
 class BrokerConfigError(ValueError):
@@ -55,15 +84,22 @@ class BrokerConfig:
             return AppCredential(self.github_app_id, key, self.github_installation_id)
         if self.github_token_file:
             try:
-                return StaticCredential(Path(self.github_token_file).read_text().strip())
+                return _static(Path(self.github_token_file).read_text().strip(), "the GitHub token file")
             except OSError as e:
                 raise BrokerConfigError(f"cannot read the GitHub token file: {e}") from None
         if self.github_token_env:
             token = os.environ.get(self.github_token_env, "").strip()
             if not token:
                 raise BrokerConfigError(f"environment variable {self.github_token_env} is empty")
-            return StaticCredential(token)
+            return _static(token, f"environment variable {self.github_token_env}")
         return None
+
+
+def _static(token: str, where: str) -> StaticCredential:
+    # It is sent in an Authorization header, and the redactor relies on a credential holding no whitespace.
+    if not CREDENTIAL.test(token):
+        raise BrokerConfigError(f"{where} must hold one token: visible ASCII characters, no spaces")
+    return StaticCredential(token)
 
 
 class SharedResolver(AbstractResolver):
@@ -116,7 +152,8 @@ class BrokerRuntime:
     async def start(self, listen: str) -> Broker:
         config = self.config
         keys = KeyRing(self.state_dir / "keys", config.token_max_ttl)
-        store = SqliteStore(self.state_dir / "broker.sqlite3")
+        # Off the event loop, as every later store call: the proxy and DNS already serve, and the file may be locked.
+        store = await asyncio.to_thread(SqliteStore, self.state_dir / "broker.sqlite3")
         credential = config.credential()
         github = None
         if credential is not None:
@@ -136,7 +173,7 @@ class BrokerRuntime:
         return self.broker
 
     async def _serve(self, app: web.Application, host: str, port: int) -> None:
-        runner = web.AppRunner(app, access_log=None)
+        runner = web.AppRunner(app, access_log=None, logger=HTTP_LOG)
         await runner.setup()
         self._runners.append(runner)
         await web.TCPSite(runner, host, port, reuse_address=True).start()
@@ -144,7 +181,7 @@ class BrokerRuntime:
     async def _serve_admin(self, app: web.Application) -> None:
         address = self.admin_address
         if address.startswith("/") or not address.rpartition(":")[2].isdigit():
-            runner = web.AppRunner(app, access_log=None)
+            runner = web.AppRunner(app, access_log=None, logger=HTTP_LOG)
             await runner.setup()
             self._runners.append(runner)
             with contextlib.suppress(FileNotFoundError):
@@ -167,4 +204,9 @@ class BrokerRuntime:
         if self._session is not None:
             await self._session.close()
         if self.broker is not None:
-            self.broker.store.close()  # type: ignore[attr-defined]
+            await asyncio.to_thread(self._close_state, self.broker)
+
+    @staticmethod
+    def _close_state(broker: Broker) -> None:
+        broker.close()  # waits for a store call still running (a write waiting for a lock, at most its timeout)
+        broker.store.close()  # type: ignore[attr-defined]

@@ -8,26 +8,66 @@ Static mode uses a token read from a file or an environment variable of the gate
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, Self
 
 import aiohttp
 import jwt
 
+from .redact import Redactor, clip
+from .shapes import BOOL, CREDENTIAL, POSITIVE_INT, TEXT, TIMESTAMP, WEB_URL, Shape, ShapeError, conforming, loads
+
 PR_PERMISSIONS = {"pull_requests": "write"}
 TOKEN_REFRESH_MARGIN = 300  # seconds before expiry when a cached installation token is replaced
 ACCEPT = "application/vnd.github+json"
+# A pull request is some 30 KB; the lookup of an existing one lists a few. Reading stops past this.
+MAX_UPSTREAM_BYTES = 1024 * 1024
+MAX_UPSTREAM_DEPTH = 32  # GitHub's objects nest 5 or 6 deep
+MAX_MESSAGE = 1000  # characters of GitHub's error text passed on (an App JWT echoed back fits, redacted)
+
+# What the broker reads of GitHub's answers; anything else in them is ignored.
+PULL_REQUEST: Shape = {
+    "number": POSITIVE_INT, "url": WEB_URL, "html_url": WEB_URL, "state": TEXT, "draft": BOOL,
+    "head": {"ref": TEXT}, "base": {"ref": TEXT},
+}  # fmt: skip
+INSTALLATION: Shape = {"id": POSITIVE_INT}
+ACCESS_TOKEN: Shape = {"token": CREDENTIAL, "expires_at": TIMESTAMP}
 
 
 class UpstreamError(Exception):
-    """GitHub refused or failed; `status` is what the broker answers, `message` is safe to show."""
+    """GitHub refused or failed; `status` is what the broker answers, `message` is redacted by whoever shows it."""
 
     def __init__(self, status: int, code: str, message: str) -> None:
         super().__init__(message)
         self.status, self.code, self.message = status, code, message
+
+
+def _invalid(error: ShapeError | ValueError) -> UpstreamError:
+    return UpstreamError(502, "upstream_invalid", f"GitHub's answer is not what the API promises: {error}")
+
+
+@dataclass(frozen=True, slots=True)
+class PullRequest:
+    number: int
+    url: str
+    html_url: str
+    state: str
+    draft: bool
+    head: str
+    base: str
+
+    @classmethod
+    def from_api(cls, value: Any, what: str) -> Self:
+        try:
+            pull = conforming(value, PULL_REQUEST, what)
+        except ShapeError as e:
+            raise _invalid(e) from None
+        return cls(
+            pull["number"], pull["url"], pull["html_url"], pull["state"], pull["draft"],
+            pull["head"]["ref"], pull["base"]["ref"],
+        )  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -53,15 +93,12 @@ class GitHubClient:
         self.timeout = timeout
         self._tokens: dict[str, tuple[str, float]] = {}  # _token_key(repo) → (installation token, expires at)
         self._token_locks: dict[str, asyncio.Lock] = {}
-        self._app_jwts: dict[str, float] = {}  # App JWTs still valid (→ expiry): a credential too, so redacted
+        # Every credential this client holds or has held, for whatever lets text out of the process.
+        self.redactor = Redactor()
+        if isinstance(credential, StaticCredential):
+            self.redactor.hold(credential.token)
 
-    def secrets(self) -> list[str]:
-        """Every credential value this client holds, so callers can make sure none is ever echoed."""
-        if isinstance(self.credential, StaticCredential):
-            return [self.credential.token]
-        return [token for token, _ in self._tokens.values()] + list(self._app_jwts)
-
-    async def create_pull_request(self, repo: str, fields: dict[str, Any]) -> tuple[dict[str, Any], bool]:
+    async def create_pull_request(self, repo: str, fields: dict[str, Any]) -> tuple[PullRequest, bool]:
         """The pull request (created, or the one that already existed) and whether it already existed."""
         token = await self._repo_token(repo)
         status, body = await self._call("POST", f"/repos/{repo}/pulls", token, fields)
@@ -71,15 +108,25 @@ class GitHubClient:
             token = await self._repo_token(repo)
             status, body = await self._call("POST", f"/repos/{repo}/pulls", token, fields)
         if status == 201:
-            return body, False
+            return PullRequest.from_api(body, "the created pull request"), False
         if status == 422 and _already_exists(body):
-            owner = repo.split("/")[0]
-            query = {"head": f"{owner}:{fields['head']}", "base": fields["base"], "state": "open"}
-            status, found = await self._call("GET", f"/repos/{repo}/pulls", token, params=query)
-            if status == 200 and isinstance(found, list) and found:
-                return found[0], True
-            raise UpstreamError(502, "upstream_error", "GitHub says the pull request exists but did not list it")
+            return await self._existing(repo, fields, token), True
         raise _translate(status, body)
+
+    async def _existing(self, repo: str, fields: dict[str, Any], token: str) -> PullRequest:
+        """The open pull request from `fields`' head to its base, which GitHub said exists."""
+        owner = repo.split("/")[0]
+        query = {"head": f"{owner}:{fields['head']}", "base": fields["base"], "state": "open"}
+        status, found = await self._call("GET", f"/repos/{repo}/pulls", token, params=query)
+        if status != 200:
+            raise _translate(status, found, "GitHub says the pull request exists but could not list it")
+        if not isinstance(found, list):
+            raise _invalid(ShapeError("the list of pull requests is not a list"))
+        pulls = [PullRequest.from_api(item, "a listed pull request") for item in found]
+        for pull in pulls:
+            if (pull.head, pull.base) == (fields["head"], fields["base"]):
+                return pull
+        raise UpstreamError(502, "upstream_invalid", "GitHub says the pull request exists but did not list it")
 
     async def _repo_token(self, repo: str) -> str:
         if isinstance(self.credential, StaticCredential):
@@ -100,24 +147,31 @@ class GitHubClient:
         installation = self.credential.installation_id
         if installation is None:
             status, body = await self._call("GET", f"/repos/{repo}/installation", app_jwt, bearer=True)
-            if status != 200 or not isinstance(body, dict) or "id" not in body:
+            if status != 200:
                 raise _translate(status, body, f"the GitHub App is not installed on {repo}")
-            installation = int(body["id"])
+            installation = self._conforming(body, INSTALLATION, "the installation")["id"]
         narrowing = {"repositories": [repo.split("/", 1)[1]], "permissions": PR_PERMISSIONS}
         path = f"/app/installations/{installation}/access_tokens"
         status, body = await self._call("POST", path, app_jwt, narrowing, bearer=True)
-        if status != 201 or not isinstance(body, dict) or "token" not in body:
+        if isinstance(body, dict) and isinstance(body.get("token"), str):
+            self.redactor.hold(body["token"])  # whatever comes next, it reached this process
+        if status != 201:
             raise _translate(status, body, "GitHub did not issue an installation token")
-        return str(body["token"]), _expiry(body.get("expires_at"))
+        issued = self._conforming(body, ACCESS_TOKEN, "the installation token")
+        return issued["token"], _expiry(issued["expires_at"])
+
+    def _conforming(self, value: Any, shape: Shape, what: str) -> dict[str, Any]:
+        try:
+            return conforming(value, shape, what)
+        except ShapeError as e:
+            raise _invalid(e) from None
 
     def _app_jwt(self) -> str:
         assert isinstance(self.credential, AppCredential)
         now = int(time.time())
         # iat 60 s in the past absorbs clock drift; GitHub refuses an exp more than 10 minutes out.
         payload = {"iat": now - 60, "exp": now + 540, "iss": self.credential.app_id}
-        token = jwt.encode(payload, self.credential.private_key, algorithm="RS256")
-        self._app_jwts = {t: exp for t, exp in self._app_jwts.items() if exp > now} | {token: now + 540}
-        return token
+        return self.redactor.hold(jwt.encode(payload, self.credential.private_key, algorithm="RS256"))
 
     async def _call(
         self,
@@ -139,11 +193,7 @@ class GitHubClient:
                 async with self.session.request(
                     method, self.api + path, json=payload, params=params, headers=headers
                 ) as response:
-                    text = await response.text()
-                    try:
-                        return response.status, json.loads(text) if text else None
-                    except ValueError:
-                        return response.status, {"message": text[:200]}
+                    return response.status, _decoded(response.status, await _read_capped(response))
         except TimeoutError:
             raise UpstreamError(504, "upstream_timeout", f"GitHub did not answer within {self.timeout:g}s") from None
         except aiohttp.ClientError as e:
@@ -157,24 +207,52 @@ def _token_key(repo: str) -> str:
     return repo.lower()
 
 
-def _expiry(value: Any) -> float:
-    """GitHub's `expires_at`; one we cannot read means "use once, do not cache" rather than a crash (500)."""
+async def _read_capped(response: aiohttp.ClientResponse) -> bytes:
+    """The body (decompressed), refused as soon as it is larger than MAX_UPSTREAM_BYTES."""
+    if (response.content_length or 0) > MAX_UPSTREAM_BYTES:
+        raise UpstreamError(502, "upstream_invalid", f"GitHub's answer is larger than {MAX_UPSTREAM_BYTES} bytes")
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in response.content.iter_chunked(64 * 1024):
+        size += len(chunk)
+        if size > MAX_UPSTREAM_BYTES:
+            raise UpstreamError(502, "upstream_invalid", f"GitHub's answer is larger than {MAX_UPSTREAM_BYTES} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _decoded(status: int, data: bytes) -> Any:
+    """The JSON value of a body. An error answer that is not JSON keeps its start as the message; a success
+    answer that is not JSON is not one."""
+    if not data:
+        return None
     try:
-        expires = datetime.fromisoformat(str(value).replace("Z", "+00:00"))
-    except ValueError:
-        return 0.0
+        return loads(data, MAX_UPSTREAM_DEPTH)
+    except ValueError as e:
+        if 200 <= status < 300:
+            raise _invalid(ValueError(f"not JSON the broker reads ({clip(str(e), MAX_MESSAGE)})")) from None
+        return {"message": data.decode("utf-8", "replace")}  # clipped where it is shown
+
+
+def _expiry(value: str) -> float:
+    """GitHub's `expires_at` (checked to be ISO 8601); without a zone, UTC."""
+    expires = datetime.fromisoformat(value.replace("Z", "+00:00"))
     return (expires if expires.tzinfo else expires.replace(tzinfo=UTC)).timestamp()
 
 
+def _errors(body: Any) -> list[dict[str, Any]]:
+    """The objects in an error answer's `errors` list, however little of it there is."""
+    errors = body.get("errors") if isinstance(body, dict) else None
+    return [e for e in errors if isinstance(e, dict)] if isinstance(errors, list) else []
+
+
 def _already_exists(body: Any) -> bool:
-    errors = body.get("errors", []) if isinstance(body, dict) else []
-    return any("already exists" in str(e.get("message", "")) for e in errors if isinstance(e, dict))
+    return any("already exists" in str(e.get("message", "")) for e in _errors(body))
 
 
 def _translate(status: int, body: Any, context: str | None = None) -> UpstreamError:
-    message = str(body.get("message", "")) if isinstance(body, dict) else ""
-    errors = body.get("errors", []) if isinstance(body, dict) else []
-    details = "; ".join(str(e.get("message") or e.get("code", "")) for e in errors if isinstance(e, dict))
+    message = clip(str(body.get("message", "")), MAX_MESSAGE) if isinstance(body, dict) else ""
+    details = clip("; ".join(str(e.get("message") or e.get("code", "")) for e in _errors(body)), MAX_MESSAGE)
     text = f"GitHub answered {status} {message}" + (f" ({details})" if details else "")
     text = f"{context}: {text}" if context else text
     if status == 422:

@@ -5,9 +5,17 @@
   credential. Responses carry results, never credentials.
 - Admin (loopback or a unix socket the sandboxes cannot reach): mint and revoke tokens, rotate keys, JWKS.
 
-Errors are JSON `{error, message}` with honest statuses: 401 token invalid/expired/revoked, 403 outside the
-grant or wrong sandbox, 422 validation, 429 rate limit (per token; and per source address for failed
-authentications, checked before any token is looked at), 502/504 upstream, 503 broker state unavailable.
+Every answer, error or not, is JSON; errors are `{error, message}` with a stable code and honest statuses: 400 a
+body beyond the parser's limits (nesting), 401 token invalid/expired/revoked, 403 outside the grant or wrong
+sandbox, 413 too large, 422 validation, 429 rate limit (per token; and per source address for failed
+authentications, checked before any token is looked at), 502/504 upstream (also an answer of the wrong shape),
+503 broker state unavailable, 500 `internal_error` for a bug (one log line, no traceback to anyone).
+
+Whatever leaves the broker (bodies, headers, idempotency records, audit lines, the call store, log lines) goes
+through one redactor that knows every credential the GitHub client has held.
+
+The state store is synchronous (SQLite); its calls run on a few threads of the broker's own, never on the event
+loop, so a locked or slow database delays only the broker calls that need it, never the proxy or DNS.
 """
 
 from __future__ import annotations
@@ -19,7 +27,9 @@ import json
 import logging
 import math
 import time
+import traceback
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,8 +37,10 @@ from aiohttp import web
 
 from airlock.policy import AuditRecord
 
-from .github import GitHubClient, UpstreamError
+from .github import GitHubClient, PullRequest, UpstreamError
 from .grants import Grant, GrantError, valid_branch, validated
+from .redact import Redactor
+from .shapes import JsonLimitError, loads
 from .store import BrokerStore, StoreError
 from .tokens import Claims, TokenAuthority, TokenError
 
@@ -37,6 +49,9 @@ log = logging.getLogger("airlock.broker")
 MAX_TITLE = 256
 MAX_BODY = 65536
 MAX_REQUEST_BYTES = 128 * 1024
+MAX_REQUEST_DEPTH = 8  # the deepest request, a token's grants, nests 3 deep
+STATE_THREADS = 4  # each with its own SQLite connection: reads go on while a write waits for a lock
+STATE_DEADLINE = 10.0  # seconds a call waits for the state store (queued or busy) before it is refused (503)
 UNKNOWN_SANDBOX = "-"  # what the audit record names a source address no sandbox owns
 AUTH_FAILURES = (401, 403)  # what `_authenticate` refuses with, as opposed to 503 (its state unreadable)
 
@@ -121,11 +136,17 @@ class Broker:
         self._limiter = _RateLimiter(self.settings.calls_per_minute / 60, self.settings.burst)
         self._failures = _RateLimiter(self.settings.failed_auths_per_second, self.settings.failed_auth_burst)
         self._inflight: dict[tuple[str, str], _Inflight] = {}
+        self.redactor = github.redactor if github is not None else Redactor()
+        self._state_threads = ThreadPoolExecutor(STATE_THREADS, thread_name_prefix="airlock-broker-state")
+
+    def close(self) -> None:
+        """Stop the state threads (after the listeners: no call is left to need them)."""
+        self._state_threads.shutdown(wait=True, cancel_futures=True)
 
     # --- sandbox-facing -----------------------------------------------------------------------------------------
 
     def sandbox_app(self) -> web.Application:
-        app = web.Application(client_max_size=MAX_REQUEST_BYTES, middlewares=[_json_errors])
+        app = web.Application(client_max_size=MAX_REQUEST_BYTES, middlewares=[self._json_errors])
         app.router.add_post("/v1/tools/create_pull_request", self.create_pull_request)
         return app
 
@@ -136,28 +157,35 @@ class Broker:
         try:
             status, body = await self._create_pull_request(request, record)
             record.decision, record.extra["status"] = "allow", status
-            return web.json_response(body, status=status, headers=_location(body))
+            return self._reply(body, status, _location(body))
         except BrokerError as e:
             record.decision = "error" if e.status >= 500 else "deny"
             record.reason, record.extra["status"] = e.message, e.status
             raise
+        except Exception as e:  # a bug: audited as an error like any other ending, answered by _json_errors
+            record.decision, record.reason, record.extra["status"] = "error", f"internal error: {type(e).__name__}", 500
+            raise
         finally:
-            record.reason = self._redact(record.reason)
-            self.emit(record)
-            self._record_call(record)
+            self.emit(self.redactor.record(record))
+            await self._record_call(record)
 
-    def _record_call(self, record: AuditRecord) -> None:
+    def _reply(self, body: dict[str, Any], status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
+        """Every JSON answer of the broker, error or not, leaves through here: redacted, headers too."""
+        headers = {name: self.redactor.text(value) for name, value in (headers or {}).items()}
+        return web.json_response(self.redactor.value(body), status=status, headers=headers)
+
+    async def _record_call(self, record: AuditRecord) -> None:
         # Only calls whose token verified (they carry its jti): otherwise whoever reaches the port could fill the
         # disk, one row per request. The audit line above has every call.
         if "jti" not in record.extra:
             return
         try:
-            self.store.record_call(json.loads(record.to_json()))
-        except StoreError:
-            log.exception("could not record a brokered call")
+            await self._store(lambda: self.store.record_call(json.loads(record.to_json())))
+        except BrokerError:
+            log.error("could not record a brokered call (request %s); the audit log has it", record.request_id)
 
     async def _create_pull_request(self, request: web.Request, record: AuditRecord) -> tuple[int, dict[str, Any]]:
-        claims = self._authenticate_limited(request, record)
+        claims = await self._authenticate_limited(request, record)
         if not self._limiter.take(claims.jti):
             raise BrokerError(429, "rate_limited", f"more than {self.settings.calls_per_minute} calls a minute")
         fields = await _pull_request_fields(request)
@@ -172,7 +200,7 @@ class Broker:
         # Without a key, the same token asking the same thing twice is the same call.
         key = request.headers.get("Idempotency-Key") or f"jti:{claims.jti}:{request_hash}"
         async with self._one_at_a_time((scope, key)):
-            previous = self._idempotent(scope, key, request_hash)
+            previous = await self._idempotent(scope, key, request_hash)
             if previous is not None:
                 record.reason = "replayed idempotent result"
                 return previous
@@ -180,12 +208,12 @@ class Broker:
                 # The grant's spelling, not the caller's: GitHub sees one name per repository (one cached token).
                 pull, existed = await self.github.create_pull_request(grant.repo, fields)
             except UpstreamError as e:
-                raise BrokerError(e.status, e.code, self._redact(e.message)) from None
-            body = _pull_summary(pull, existed)
-            record.extra["number"] = body["number"]
+                raise BrokerError(e.status, e.code, e.message) from None
+            body = self.redactor.value(_pull_summary(pull, existed))
+            record.extra["number"] = pull.number
             record.reason = "existing pull request" if existed else "created"
             status = 200 if existed else 201
-            self._store(lambda: self.store.idempotent_put(scope, key, request_hash, status, body))
+            await self._store(lambda: self.store.idempotent_put(scope, key, request_hash, status, body))
         return status, body
 
     @contextlib.asynccontextmanager
@@ -201,7 +229,7 @@ class Broker:
             if entry.users == 0:
                 del self._inflight[key]
 
-    def _authenticate_limited(self, request: web.Request, record: AuditRecord) -> Claims:
+    async def _authenticate_limited(self, request: web.Request, record: AuditRecord) -> Claims:
         """`_authenticate`, with its refusals limited per source address; past the limit nothing is verified."""
         wait = self._failures.wait(record.client)
         if wait > 0:
@@ -212,13 +240,13 @@ class Broker:
                 {"Retry-After": str(math.ceil(wait))},
             )
         try:
-            return self._authenticate(request, record)
+            return await self._authenticate(request, record)
         except BrokerError as e:
             if e.status in AUTH_FAILURES:
                 self._failures.take(record.client)
             raise
 
-    def _authenticate(self, request: web.Request, record: AuditRecord) -> Claims:
+    async def _authenticate(self, request: web.Request, record: AuditRecord) -> Claims:
         header = request.headers.get("Authorization", "")
         scheme, _, token = header.partition(" ")
         if scheme.lower() != "bearer" or not token.strip():
@@ -234,12 +262,12 @@ class Broker:
         if record.sandbox != claims.sandbox:
             # A token is usable only from the network of the sandbox it was minted for.
             raise BrokerError(403, "wrong_sandbox", "this token belongs to another sandbox")
-        if self._store(lambda: self.store.is_revoked(claims.jti, claims.sandbox, claims.issued_at)):
+        if await self._store(lambda: self.store.is_revoked(claims.jti, claims.sandbox, claims.issued_at)):
             raise BrokerError(401, "revoked_token", "token has been revoked")
         return claims
 
-    def _idempotent(self, scope: str, key: str, request_hash: str) -> tuple[int, dict[str, Any]] | None:
-        previous = self._store(lambda: self.store.idempotent_get(scope, key))
+    async def _idempotent(self, scope: str, key: str, request_hash: str) -> tuple[int, dict[str, Any]] | None:
+        previous = await self._store(lambda: self.store.idempotent_get(scope, key))
         if previous is None:
             return None
         stored_hash, status, body = previous
@@ -247,22 +275,35 @@ class Broker:
             raise BrokerError(422, "idempotency_conflict", "Idempotency-Key was used before with other arguments")
         return status, body
 
-    def _store(self, action: Callable[[], Any]) -> Any:
+    async def _store(self, action: Callable[[], Any]) -> Any:
+        """`action` (a store call) on a state thread; any failure, or no answer in time, is 503 (fail closed)."""
         try:
-            return action()
-        except StoreError as e:
-            log.error("broker state unavailable: %s", e)
+            async with asyncio.timeout(STATE_DEADLINE):
+                return await asyncio.get_running_loop().run_in_executor(self._state_threads, action)
+        except (StoreError, TimeoutError, RuntimeError) as e:  # RuntimeError: the threads are shut down
+            log.error("broker state unavailable: %s", str(e) or f"no answer within {STATE_DEADLINE:g}s")
             raise BrokerError(503, "state_unavailable", "broker state is unavailable; refusing to act") from None
 
-    def _redact(self, text: str) -> str:
-        for value in self.github.secrets() if self.github else []:
-            text = text.replace(value, "[redacted]")
-        return text
+    @web.middleware
+    async def _json_errors(self, request: web.Request, handler: Callable) -> web.StreamResponse:
+        try:
+            return await handler(request)
+        except BrokerError as e:
+            return self._reply({"error": e.code, "message": e.message}, e.status, e.headers)
+        except web.HTTPException as e:
+            return self._reply({"error": "http_error", "message": e.reason}, e.status)
+        except Exception as e:  # a bug: one redacted line for the operator, a stable code for the client
+            where = traceback.extract_tb(e.__traceback__)[-1]
+            log.error(
+                "broker: unexpected %s at %s:%s: %s",
+                type(e).__name__, where.filename, where.lineno, self.redactor.text(str(e))[:300],
+            )  # fmt: skip
+            return self._reply({"error": "internal_error", "message": "the broker failed; see its log"}, 500)
 
     # --- admin --------------------------------------------------------------------------------------------------
 
     def admin_app(self) -> web.Application:
-        app = web.Application(client_max_size=MAX_REQUEST_BYTES, middlewares=[_json_errors])
+        app = web.Application(client_max_size=MAX_REQUEST_BYTES, middlewares=[self._json_errors])
         app.router.add_post("/v1/tokens", self.issue_token)
         app.router.add_post("/v1/revocations", self.revoke)
         app.router.add_post("/v1/keys/rotate", self.rotate_keys)
@@ -291,44 +332,39 @@ class Broker:
         if ttl is not None and (not isinstance(ttl, int) or isinstance(ttl, bool)):  # true is not 1 second
             raise BrokerError(422, "invalid_request", "ttl must be whole seconds")
         token, claims = self.mint(sandbox, grants, ttl)
-        return web.json_response(
-            {"token": token, "jti": claims.jti, "sandbox": sandbox, "expires_at": claims.expires_at}
-        )
+        return self._reply({"token": token, "jti": claims.jti, "sandbox": sandbox, "expires_at": claims.expires_at})
 
     async def revoke(self, request: web.Request) -> web.Response:
         body = await _json_object(request)
         if isinstance(body.get("jti"), str):
-            self._store(lambda: self.store.revoke_token(body["jti"], int(time.time()) + self.authority.keys.max_ttl))
-            return web.json_response({"revoked": {"jti": body["jti"]}})
+            until = int(time.time()) + self.authority.keys.max_ttl
+            await self._store(lambda: self.store.revoke_token(body["jti"], until))
+            return self._reply({"revoked": {"jti": body["jti"]}})
         if isinstance(body.get("sandbox"), str):
-            self._store(lambda: self.store.revoke_sandbox(body["sandbox"]))
-            return web.json_response({"revoked": {"sandbox": body["sandbox"]}})
+            await self._store(lambda: self.store.revoke_sandbox(body["sandbox"]))
+            return self._reply({"revoked": {"sandbox": body["sandbox"]}})
         raise BrokerError(422, "invalid_request", "give jti or sandbox")
 
     async def rotate_keys(self, request: web.Request) -> web.Response:
-        return web.json_response({"kid": self.authority.keys.rotate()})
+        return self._reply({"kid": self.authority.keys.rotate()})
 
     async def jwks(self, request: web.Request) -> web.Response:
-        return web.json_response(self.authority.keys.jwks())
-
-
-@web.middleware
-async def _json_errors(request: web.Request, handler: Callable) -> web.StreamResponse:
-    try:
-        return await handler(request)
-    except BrokerError as e:
-        return web.json_response({"error": e.code, "message": e.message}, status=e.status, headers=e.headers)
-    except web.HTTPException as e:
-        return web.json_response({"error": "http_error", "message": e.reason}, status=e.status)
+        return self._reply(self.authority.keys.jwks())
 
 
 async def _json_object(request: web.Request) -> dict[str, Any]:
+    """The body as a JSON object. Its size is capped while it is read (client_max_size) and its nesting before it
+    is parsed: the parser recurses, and is linear in everything else."""
     try:
-        body = await request.json()
-    except (ValueError, UnicodeDecodeError):
-        raise BrokerError(422, "invalid_json", "the request body must be a JSON object") from None
+        data = await request.read()
     except web.HTTPRequestEntityTooLarge:
         raise BrokerError(413, "too_large", f"request bodies are limited to {MAX_REQUEST_BYTES} bytes") from None
+    try:
+        body = loads(data, MAX_REQUEST_DEPTH)
+    except JsonLimitError:
+        raise BrokerError(400, "too_deep", f"JSON bodies nest at most {MAX_REQUEST_DEPTH} levels deep") from None
+    except ValueError:  # UnicodeDecodeError, and too many digits in a number, are ValueErrors too
+        raise BrokerError(422, "invalid_json", "the request body must be a JSON object") from None
     if not isinstance(body, dict):
         raise BrokerError(422, "invalid_json", "the request body must be a JSON object")
     return body
@@ -362,18 +398,12 @@ def _covering_grant(grants: tuple[Grant, ...], repo: str, base: str, head: str) 
     raise BrokerError(403, "outside_grant", refusals[0] if refusals else "no grant")
 
 
-def _pull_summary(pull: dict[str, Any], existed: bool) -> dict[str, Any]:
+def _pull_summary(pull: PullRequest, existed: bool) -> dict[str, Any]:
     """Only what the agent needs; nothing GitHub returned about tokens or installations."""
     return {
-        "number": pull.get("number"),
-        "url": pull.get("url"),
-        "html_url": pull.get("html_url"),
-        "state": pull.get("state"),
-        "draft": pull.get("draft"),
-        "head": (pull.get("head") or {}).get("ref"),
-        "base": (pull.get("base") or {}).get("ref"),
-        "existing": existed,
-    }
+        "number": pull.number, "url": pull.url, "html_url": pull.html_url, "state": pull.state, "draft": pull.draft,
+        "head": pull.head, "base": pull.base, "existing": existed,
+    }  # fmt: skip
 
 
 def _location(body: dict[str, Any]) -> dict[str, str]:

@@ -40,22 +40,43 @@ CREATE TABLE IF NOT EXISTS brokered_call (ts REAL NOT NULL, record TEXT NOT NULL
 
 
 class SqliteStore:
-    def __init__(self, path: Path) -> None:
+    """One SQLite connection per thread that calls (SQLite's rule: a connection is used by one thread at a time;
+    with WAL, each thread's reads go on while another's write waits for a lock). A write waits `busy_timeout`
+    seconds for a lock held elsewhere, then fails as StoreError."""
+
+    def __init__(self, path: Path, busy_timeout: float = 5.0) -> None:
         self.path = path
-        self._lock = threading.Lock()
+        self.busy_timeout = busy_timeout
+        self._local = threading.local()
+        self._lock = threading.Lock()  # guards the list of connections and `_closed`
+        self._connections: list[sqlite3.Connection] = []
+        self._closed = False
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None, timeout=5)
-            self._db.execute("PRAGMA journal_mode=WAL")
-            self._db.execute("PRAGMA synchronous=NORMAL")
-            self._db.executescript(_SCHEMA)
+            db = self._connection()
+            db.execute("PRAGMA journal_mode=WAL")  # kept in the file: every connection uses it
+            db.executescript(_SCHEMA)
         except (sqlite3.Error, OSError) as e:
+            self.close()
             raise StoreError(f"cannot open broker state {path}: {e}") from e
+
+    def _connection(self) -> sqlite3.Connection:
+        db: sqlite3.Connection | None = getattr(self._local, "db", None)
+        if db is not None:
+            return db
+        with self._lock:
+            if self._closed:
+                raise StoreError(f"broker state {self.path} is closed")
+            # check_same_thread off only so that close() may close every thread's connection at the end.
+            db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None, timeout=self.busy_timeout)
+            self._connections.append(db)
+        db.execute("PRAGMA synchronous=NORMAL")
+        self._local.db = db
+        return db
 
     def _run(self, sql: str, args: tuple = ()) -> list[tuple]:
         try:
-            with self._lock:
-                return self._db.execute(sql, args).fetchall()
+            return self._connection().execute(sql, args).fetchall()
         except sqlite3.Error as e:
             raise StoreError(f"broker state {self.path}: {e}") from e
 
@@ -89,5 +110,9 @@ class SqliteStore:
         self._run("INSERT INTO brokered_call VALUES (?, ?)", (time.time(), json.dumps(record)))
 
     def close(self) -> None:
+        """Close every thread's connection; any call afterwards raises StoreError."""
         with self._lock:
-            self._db.close()
+            self._closed = True
+            for db in self._connections:
+                db.close()
+            self._connections.clear()

@@ -9,8 +9,10 @@ import hashlib
 import hmac
 import http.client
 import json
+import socket
 import sqlite3
 import subprocess
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -20,12 +22,13 @@ from typing import Any
 import jwt
 import pytest
 from cryptography.hazmat.primitives import serialization
+from dnslib import RCODE, DNSRecord
 
 from airlock.broker.tokens import KeyRing
 
 from fakegithub_client import FakeGitHub
-from gateway_proc import AIRLOCK, E2E_POLICY, GatewayProcess
-from netclient import in_netns
+from gateway_proc import AIRLOCK, E2E_POLICY, PROXY, GatewayProcess
+from netclient import Reply, in_netns, proxy_http
 from topology import DNS_SERVER, GW_IP, Topology
 
 BROKER = (GW_IP, 8080)
@@ -384,3 +387,81 @@ def test_agent_in_airlock_run_opens_a_pull_request_with_only_its_token(
     assert installation_tokens
     for secret in (*installation_tokens, fake_github.app_key_path.read_text().splitlines()[1]):
         assert secret not in result.stdout and secret not in result.stderr
+
+
+def test_deeply_nested_body_is_400_without_a_traceback(topology: Topology, gateway: GatewayProcess, fake_github):
+    logged = len(gateway.log())
+    status, body, _ = sandbox_call(topology, issue_token(gateway), b"[" * 20_000 + b"]" * 20_000)
+    assert (status, body["error"]) == (400, "too_deep"), body
+    assert fake_github.calls("/repos/") == []
+    log = gateway.log()[logged:]
+    assert "RecursionError" not in log and "Traceback" not in log, log
+
+
+def _malformed_requests(count: int) -> list[bytes]:
+    replies = []
+    for _ in range(count):
+        with socket.create_connection(BROKER, timeout=5) as sock:
+            sock.sendall(f"POST {PR_PATH} HTTP/1.1\r\nHost: x\r\nContent-Length: abc\r\n\r\n".encode())
+            replies.append(sock.recv(200))
+    return replies
+
+
+def test_malformed_http_to_the_broker_is_refused_with_a_bounded_log(topology: Topology, gateway: GatewayProcess):
+    logged = len(gateway.log())
+    replies = in_netns(topology.sbx, _malformed_requests, 40)
+    assert all(reply.startswith(b"HTTP/1.") and b" 400 " in reply[:20] for reply in replies), replies[:2]
+    time.sleep(0.2)
+    log = gateway.log()[logged:]
+    assert "Traceback" not in log, log
+    lines = [line for line in log.splitlines() if "Error handling request" in line]
+    assert 1 <= len(lines) <= 23, log  # 20 at once, then one a second
+
+
+def _dns_and_proxy() -> tuple[float, str, float, Reply]:
+    started = time.monotonic()
+    try:
+        answer = DNSRecord.question("allowed.test", "A").send(GW_IP, 53, timeout=5)
+        rcode = RCODE.get(DNSRecord.parse(answer).header.rcode)
+    except OSError as e:
+        rcode = f"no answer: {e}"
+    dns_took = time.monotonic() - started
+    started = time.monotonic()
+    proxied = proxy_http(PROXY, "http://allowed.test/", timeout=5)
+    return dns_took, rcode, time.monotonic() - started, proxied
+
+
+def test_a_locked_broker_store_stalls_neither_proxy_nor_dns(
+    topology: Topology, gateway: GatewayProcess, fake_github: FakeGitHub
+):
+    logged = len(gateway.log())
+    token = issue_token(gateway)
+    head = f"agent/locked-{uuid.uuid4().hex[:8]}"
+    outcome: dict[str, Any] = {}
+
+    def broker_call() -> None:
+        outcome["reply"] = sandbox_call(topology, token, {**PR, "head": head}, None, 30)
+        outcome["done"] = time.monotonic()
+
+    with contextlib.closing(sqlite3.connect(gateway.workdir / "state" / "broker.sqlite3", isolation_level=None)) as db:
+        db.execute("BEGIN EXCLUSIVE")  # another process holds the store's write lock for 3 s
+        locked = time.monotonic()
+        caller = threading.Thread(target=broker_call)
+        caller.start()
+        # The call has made its pull request upstream; recording it is what waits for the lock.
+        while not [c for c in fake_github.calls("/repos/acme/app/pulls", "POST") if c["body"]["head"] == head]:
+            assert time.monotonic() - locked < 2.5, "the broker never called GitHub"
+            time.sleep(0.05)
+        time.sleep(0.1)
+        dns_took, rcode, proxy_took, proxied = in_netns(topology.sbx, _dns_and_proxy)
+        assert caller.is_alive()  # still waiting for the store
+        time.sleep(max(0.0, 3 - (time.monotonic() - locked)))
+        db.execute("ROLLBACK")
+        released = time.monotonic()
+    caller.join(20)
+    assert rcode == "NOERROR" and dns_took < 1, (rcode, dns_took)
+    assert proxied.status == 200 and proxy_took < 1, (proxied, proxy_took)
+    status, body, _ = outcome["reply"]
+    assert status == 201 and body["head"] == head, body  # it waited, then recorded and answered
+    assert outcome["done"] >= released
+    assert "Traceback" not in gateway.log()[logged:]

@@ -10,8 +10,9 @@ import asyncio
 import contextlib
 import json
 import sqlite3
+import threading
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -46,7 +47,10 @@ FIELDS = {"repo": "acme/app", "head": "agent/fix-1", "base": "main", "title": "F
 
 
 class FakeGitHub:
-    """Just enough of the REST API; `mode` makes POST /pulls misbehave ("create", "hang", "error", "echo")."""
+    """Just enough of the REST API. `mode` makes POST /pulls misbehave: "create", "hang", "error", "echo" (an error
+    repeating the credential sent), "echo-everywhere" (created, or listed, with every credential GitHub has seen in
+    every text field). `answers` replaces an endpoint's answer after its credential check: {"create_pull" |
+    "list_pulls" | "installation" | "access_token": (status, JSON value or raw bytes)}."""
 
     def __init__(self, app_public_key: Any) -> None:
         self.app_public_key = app_public_key
@@ -62,6 +66,26 @@ class FakeGitHub:
         self.expires_at: Any = "in an hour"  # or what the access-token answer says instead
         self.release = asyncio.Event()
         self.base_url = ""
+        self.answers: dict[str, tuple[int, Any]] = {}
+
+    def secrets_seen(self) -> str:
+        """Every credential this GitHub has been sent or has issued, glued together."""
+        return "".join([STATIC_SECRET, *self.tokens_issued, *(token for _, _, token in self.app_jwts)])
+
+    async def answer(self, request: web.Request, endpoint: str) -> web.StreamResponse | None:
+        """The replacement answer set for `endpoint`: a JSON value with its Content-Length, raw bytes chunked."""
+        if endpoint not in self.answers:
+            return None
+        status, body = self.answers[endpoint]
+        if not isinstance(body, bytes):
+            return web.json_response(body, status=status)
+        response = web.StreamResponse(status=status, headers={"Content-Type": "application/json"})
+        response.enable_chunked_encoding()
+        await response.prepare(request)
+        for start in range(0, len(body), 65536):
+            await response.write(body[start : start + 65536])
+        await response.write_eof()
+        return response
 
     def app(self) -> web.Application:
         app = web.Application()
@@ -120,7 +144,8 @@ class FakeGitHub:
         call = await self._record(request)
         if not self._check_app_jwt(call):
             return web.json_response({"message": "A JSON web token could not be decoded"}, status=401)
-        return web.json_response({"id": INSTALLATION_ID, "app_id": int(APP_ID)})
+        answer = await self.answer(request, "installation")
+        return answer or web.json_response({"id": INSTALLATION_ID, "app_id": int(APP_ID)})
 
     async def access_token(self, request: web.Request) -> web.Response:
         call = await self._record(request)
@@ -128,6 +153,8 @@ class FakeGitHub:
             return web.json_response({"message": "A JSON web token could not be decoded"}, status=401)
         if self.token_mode == "echo":
             return web.json_response({"message": f"Forbidden for {call['auth']}"}, status=403)
+        if answer := await self.answer(request, "access_token"):
+            return answer
         if request.match_info["id"] != str(INSTALLATION_ID):
             return web.json_response({"message": "Not Found"}, status=404)
         token = f"{INSTALLATION_PREFIX}{len(self.tokens_issued):04d}xyz"
@@ -147,6 +174,14 @@ class FakeGitHub:
             "user": {"login": "airlock-app[bot]"}, "_links": {"self": {"href": url}}, "node_id": "PR_secretish",
         }  # fmt: skip
 
+    def _echoing(self, pull: dict[str, Any]) -> dict[str, Any]:
+        """`pull` with every credential seen glued into each text field the broker passes on (still valid URLs)."""
+        seen = self.secrets_seen()
+        return pull | {
+            "url": f"{pull['url']}?t={seen}", "html_url": f"{pull['html_url']}#x{seen}x", "state": f"open{seen}",
+            "head": {"ref": f"{seen}{pull['head']['ref']}"}, "base": {"ref": f"{pull['base']['ref']}{seen}"},
+        }  # fmt: skip
+
     async def create_pull(self, request: web.Request) -> web.Response:
         call = await self._record(request)
         if not self._installation_token_ok(call):
@@ -158,8 +193,11 @@ class FakeGitHub:
         if self.mode == "error":
             return web.json_response({"message": "Server Error"}, status=500)
         if self.mode == "echo":  # a hostile or buggy upstream repeating the credential it was sent
-            errors = [{"message": f"rejected {call['auth']}"}]
+            seen = self.secrets_seen()
+            errors = [{"message": f"rejected {call['auth']}"}, {"message": f"known: x{seen}x"}]
             return web.json_response({"message": f"Bad request from {call['auth']}", "errors": errors}, status=400)
+        if answer := await self.answer(request, "create_pull"):
+            return answer
         owner, repo, fields = request.match_info["owner"], request.match_info["repo"], call["json"]
         if fields["head"].startswith("agent/no-commits"):
             message = f"No commits between main and {fields['head']}"
@@ -172,7 +210,9 @@ class FakeGitHub:
                 return web.json_response({"message": "Validation Failed", "errors": errors}, status=422)
         pull = self._pull(owner, repo, fields)
         self.pulls.append((f"{owner}/{repo}", pull))
-        return web.json_response(pull, status=201)
+        if self.mode == "echo-everywhere":
+            pull = self._echoing(pull)
+        return web.json_response(pull, status=201, headers={"Location": pull["url"]})
 
     async def list_pulls(self, request: web.Request) -> web.Response:
         call = await self._record(request)
@@ -186,6 +226,10 @@ class FakeGitHub:
             if where == here and owner == request.match_info["owner"] and p["head"]["ref"] == head
             and p["base"]["ref"] == query.get("base", p["base"]["ref"])
         ]  # fmt: skip
+        if answer := await self.answer(request, "list_pulls"):
+            return answer
+        if self.mode == "echo-everywhere":  # the listed one still matches head and base: the echo is around them
+            found = [p | {k: v for k, v in self._echoing(p).items() if k not in ("head", "base")} for p in found]
         return web.json_response(found)
 
 
@@ -198,6 +242,7 @@ class FlakyStore:
     def __init__(self, inner: SqliteStore) -> None:
         self.inner = inner
         self.failing: set[str] = set()
+        self.wrapped: dict[str, Callable[..., Any]] = {}  # named operations replaced (e.g. to watch them)
 
     def __getattr__(self, name: str) -> Any:
         if name in self.failing:
@@ -206,7 +251,7 @@ class FlakyStore:
                 raise StoreError(f"{name}: disk on fire")
 
             return fail
-        return getattr(self.inner, name)
+        return self.wrapped.get(name) or getattr(self.inner, name)
 
 
 @dataclass
@@ -290,8 +335,12 @@ class Harness:
         with contextlib.closing(sqlite3.connect(self.state / "broker.sqlite3")) as db:
             return [row[0] for row in db.execute("SELECT record FROM brokered_call")]
 
+    def idempotency_records(self) -> list[str]:
+        with contextlib.closing(sqlite3.connect(self.state / "broker.sqlite3")) as db:
+            return [row[0] for row in db.execute("SELECT body FROM idempotency")]
+
     def assert_no_secrets(self) -> None:
-        haystacks = self.seen + [r.to_json() for r in self.audit] + self.brokered_calls()
+        haystacks = self.seen + [r.to_json() for r in self.audit] + self.brokered_calls() + self.idempotency_records()
         secrets = self.secrets()
         assert secrets, "the test should have exercised a credential"
         for secret in secrets:
@@ -334,6 +383,7 @@ async def make(tmp_path: Path, app_key: rsa.RSAPrivateKey) -> AsyncIterator[Fact
             timeout: float = 5.0,
             api: str | None = None,
             state: Path = tmp_path / "state",
+            busy_timeout: float = 5.0,
         ) -> Harness:
             pem = app_key.private_bytes(
                 serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
@@ -347,12 +397,13 @@ async def make(tmp_path: Path, app_key: rsa.RSAPrivateKey) -> AsyncIterator[Fact
             if credential is not None:
                 github = GitHubClient(api or fake.base_url, credentials[credential], session, timeout=timeout)
             identify = identify or identify_as(SANDBOX)
-            inner = SqliteStore(state / "broker.sqlite3")
+            inner = SqliteStore(state / "broker.sqlite3", busy_timeout)
             stack.callback(inner.close)
             store = FlakyStore(inner)
             audit: list[AuditRecord] = []
             authority = TokenAuthority(KeyRing(state / "keys", 3600), default_ttl=600)
             broker = Broker(authority, store, identify, github, audit.append, settings)  # type: ignore[arg-type]
+            stack.callback(broker.close)  # after the apps below have closed, before the store does
             sandbox = TestClient(TestServer(broker.sandbox_app(), host=LOOPBACK))
             admin = TestClient(TestServer(broker.admin_app(), host=LOOPBACK))
             for client in (sandbox, admin):
@@ -427,16 +478,13 @@ async def test_installation_token_is_cached(make: Factory) -> None:
 
 
 EXPIRIES = [
-    pytest.param(None, 2, id="missing"),
-    pytest.param("soon", 2, id="garbage"),
-    pytest.param(12345, 2, id="number"),
-    pytest.param("2020-01-01T00:00:00Z", 2, id="already-expired"),
+    pytest.param("2020-01-01T00:00:00Z", 2, id="already-expired-means-use-once"),
     pytest.param("2999-01-01T00:00:00", 1, id="no-timezone-read-as-utc"),
 ]
 
 
 @pytest.mark.parametrize(("expires_at", "token_calls"), EXPIRIES)
-async def test_unreadable_token_expiry_means_use_once(make: Factory, expires_at: Any, token_calls: int) -> None:
+async def test_token_expiry_decides_caching(make: Factory, expires_at: Any, token_calls: int) -> None:
     h = await make(credential="app")
     h.github.expires_at = expires_at
     token = await h.token()
@@ -444,6 +492,20 @@ async def test_unreadable_token_expiry_means_use_once(make: Factory, expires_at:
         reply = await h.pr(token, {"head": head})
         assert reply.status == 201, reply.body
     assert h.github.count("POST", "/access_tokens") == token_calls
+    h.assert_no_secrets()
+
+
+@pytest.mark.parametrize(
+    "expires_at", [None, "soon", 12345, ["2999-01-01"]], ids=["missing", "garbage", "number", "list"]
+)
+async def test_unreadable_token_expiry_is_502(make: Factory, expires_at: Any) -> None:
+    h = await make(credential="app")
+    h.github.expires_at = expires_at
+    reply = await h.pr(await h.token())
+    assert (reply.status, reply.body["error"]) == (502, "upstream_invalid"), reply.body
+    assert "expires_at" in reply.body["message"]
+    assert h.github.pull_posts == 0  # the token of a malformed answer is never used
+    assert (h.audit[-1].decision, h.audit[-1].extra["status"]) == ("error", 502)
     h.assert_no_secrets()
 
 
@@ -548,6 +610,165 @@ async def test_without_credential_is_503(make: Factory) -> None:
     h = await make(credential=None)
     reply = await h.pr(await h.token())
     assert reply.status == 503 and reply.body["error"] == "not_configured"
+
+
+# --- upstream answers of the wrong shape: 502, never a 500 ------------------------------------------------------
+
+VALID_PULL = {
+    "number": 7, "url": "https://api.github.test/repos/acme/app/pulls/7", "html_url": "https://github.test/acme/app/pull/7",
+    "state": "open", "draft": False, "head": {"ref": "agent/fix-1"}, "base": {"ref": "main"},
+}  # fmt: skip
+HUGE = 2 * 1024 * 1024
+
+
+def nested(depth: int) -> bytes:
+    return b"[" * depth + b"]" * depth
+
+
+def without(value: dict[str, Any], key: str) -> dict[str, Any]:
+    return {k: v for k, v in value.items() if k != key}
+
+
+BAD_PULLS = [
+    pytest.param([], id="list"),
+    pytest.param("a pull request", id="string"),
+    pytest.param({}, id="empty-object"),
+    pytest.param(b"<html>created</html>", id="not-json"),
+    pytest.param(b"", id="empty-body"),
+    pytest.param(b'{"number": 7, "url": "\xff"}', id="not-utf8"),
+    pytest.param(nested(20_000), id="20000-nested-arrays"),
+    pytest.param(VALID_PULL | {"labels": json.loads(nested(40))}, id="deep-extra-field"),
+    pytest.param(b'{"x": "' + b"a" * HUGE + b'"}', id="huge-chunked"),
+    pytest.param(VALID_PULL | {"body": "a" * HUGE}, id="huge-with-length"),
+    pytest.param(without(VALID_PULL, "number"), id="number-missing"),
+    pytest.param(VALID_PULL | {"number": "7"}, id="number-string"),
+    pytest.param(VALID_PULL | {"number": True}, id="number-bool"),
+    pytest.param(VALID_PULL | {"number": 7.5}, id="number-float"),
+    pytest.param(VALID_PULL | {"number": -1}, id="number-negative"),
+    pytest.param(without(VALID_PULL, "html_url"), id="html-url-missing"),
+    pytest.param(VALID_PULL | {"html_url": 7}, id="html-url-number"),
+    pytest.param(VALID_PULL | {"url": "javascript:alert(1)"}, id="url-not-http"),
+    pytest.param(VALID_PULL | {"url": "https://x.test/7\r\nSet-Cookie: a=b"}, id="url-header-injection"),
+    pytest.param(VALID_PULL | {"url": "https://x.test/" + "a" * 5000}, id="url-too-long"),
+    pytest.param(without(VALID_PULL, "head"), id="head-missing"),
+    pytest.param(VALID_PULL | {"head": "agent/fix-1"}, id="head-not-object"),
+    pytest.param(VALID_PULL | {"head": {"ref": 5}}, id="head-ref-number"),
+    pytest.param(VALID_PULL | {"draft": "no"}, id="draft-string"),
+    pytest.param(VALID_PULL | {"state": ""}, id="state-empty"),
+]
+BAD_INSTALLATIONS = [
+    pytest.param({"id": "abc"}, id="id-not-numeric"),
+    pytest.param({"id": "777"}, id="id-numeric-string"),
+    pytest.param({"app_id": 4242}, id="id-missing"),
+    pytest.param({"id": True}, id="id-bool"),
+    pytest.param({"id": 7.5}, id="id-float"),
+    pytest.param({"id": -777}, id="id-negative"),
+    pytest.param([{"id": 777}], id="list"),
+    pytest.param(b"installed!", id="not-json"),
+]
+EXPIRES = "2999-01-01T00:00:00Z"
+BAD_ACCESS_TOKENS = [
+    pytest.param({"expires_at": EXPIRES}, id="token-missing"),
+    pytest.param({"token": 5, "expires_at": EXPIRES}, id="token-number"),
+    pytest.param({"token": "", "expires_at": EXPIRES}, id="token-empty"),
+    pytest.param({"token": "ghs_a\r\nX-Evil: 1", "expires_at": EXPIRES}, id="token-header-injection"),
+    pytest.param({"token": "ghs a b", "expires_at": EXPIRES}, id="token-with-spaces"),
+    pytest.param({"token": "ghs_" + "a" * 5000, "expires_at": EXPIRES}, id="token-too-long"),
+    pytest.param({"token": "ghs_ok"}, id="expiry-missing"),
+    pytest.param([], id="list"),
+    pytest.param(b"here is your token", id="not-json"),
+]
+BAD_LISTINGS = [
+    pytest.param({}, id="object"),
+    pytest.param("pulls", id="string"),
+    pytest.param(b"<html>", id="not-json"),
+    pytest.param([], id="empty"),
+    pytest.param([{"foo": 1}], id="item-not-a-pull"),
+    pytest.param([without(VALID_PULL, "html_url")], id="item-without-html-url"),
+    pytest.param([VALID_PULL | {"number": "7"}], id="item-number-string"),
+    pytest.param([VALID_PULL | {"head": {"ref": "agent/other"}}], id="item-for-another-head"),
+    pytest.param(nested(20_000), id="20000-nested-arrays"),
+]
+
+
+def assert_quiet_log(caplog: pytest.LogCaptureFixture) -> None:
+    """Nothing logged a traceback or a RecursionError (aiohttp logs a handler's exception with its traceback)."""
+    for record in caplog.records:
+        assert record.exc_info is None, f"{record.name}: {record.getMessage()}"
+        assert "RecursionError" not in record.getMessage() and "Traceback" not in record.getMessage()
+
+
+def assert_upstream_invalid(h: Harness, reply: Reply, caplog: pytest.LogCaptureFixture) -> None:
+    assert reply.status == 502, reply.body
+    assert reply.headers["Content-Type"].startswith("application/json")
+    assert reply.body["error"] == "upstream_invalid" and reply.body["message"].startswith("GitHub")
+    assert (h.audit[-1].decision, h.audit[-1].extra["status"]) == ("error", 502)
+    assert_quiet_log(caplog)
+
+
+async def test_created_pull_request_with_only_the_fields_used_is_accepted(make: Factory) -> None:
+    h = await make()
+    h.github.answers["create_pull"] = (201, VALID_PULL)
+    reply = await h.pr(await h.token())
+    assert reply.status == 201, reply.body
+    assert reply.body == {
+        "number": 7, "url": VALID_PULL["url"], "html_url": VALID_PULL["html_url"], "state": "open", "draft": False,
+        "head": "agent/fix-1", "base": "main", "existing": False,
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize("answer", BAD_PULLS)
+async def test_created_pull_request_of_the_wrong_shape_is_502(
+    make: Factory, caplog: pytest.LogCaptureFixture, answer: Any
+) -> None:
+    h = await make()
+    h.github.answers["create_pull"] = (201, answer)
+    reply = await h.pr(await h.token(), key="op-1")
+    assert_upstream_invalid(h, reply, caplog)
+    assert h.idempotency_records() == []  # nothing half-read is remembered as the result
+
+
+@pytest.mark.parametrize("answer", BAD_INSTALLATIONS)
+async def test_installation_of_the_wrong_shape_is_502(
+    make: Factory, caplog: pytest.LogCaptureFixture, answer: Any
+) -> None:
+    h = await make(credential="app-lookup")
+    h.github.answers["installation"] = (200, answer)
+    reply = await h.pr(await h.token())
+    assert_upstream_invalid(h, reply, caplog)
+    assert h.github.count("POST", "/access_tokens") == 0 and h.github.pull_posts == 0
+
+
+@pytest.mark.parametrize("answer", BAD_ACCESS_TOKENS)
+async def test_access_token_of_the_wrong_shape_is_502(
+    make: Factory, caplog: pytest.LogCaptureFixture, answer: Any
+) -> None:
+    h = await make(credential="app")
+    h.github.answers["access_token"] = (201, answer)
+    reply = await h.pr(await h.token())
+    assert_upstream_invalid(h, reply, caplog)
+    assert h.github.pull_posts == 0
+
+
+@pytest.mark.parametrize("answer", BAD_LISTINGS)
+async def test_existing_pull_request_lookup_of_the_wrong_shape_is_502(
+    make: Factory, caplog: pytest.LogCaptureFixture, answer: Any
+) -> None:
+    h = await make()
+    assert (await h.pr(await h.token())).status == 201
+    h.github.answers["list_pulls"] = (200, answer)
+    reply = await h.pr(await h.token())  # another token: GitHub answers "already exists", then the listing
+    assert_upstream_invalid(h, reply, caplog)
+    assert h.github.count("GET", "/pulls") == 1
+
+
+async def test_error_answers_that_are_not_json_keep_a_clipped_message(make: Factory) -> None:
+    h = await make()
+    h.github.answers["create_pull"] = (500, b"<html>" + b"Service Unavailable " * 40_000 + b"</html>")
+    reply = await h.pr(await h.token())
+    assert (reply.status, reply.body["error"]) == (502, "upstream_error")
+    assert reply.body["message"].startswith("GitHub answered 500 <html>Service Unavailable")
+    assert len(reply.body["message"]) < 1100
 
 
 # --- tokens -----------------------------------------------------------------------------------------------------
@@ -752,6 +973,42 @@ async def test_oversized_request_is_413(make: Factory) -> None:
     assert reply.status == 413, reply.body
     assert reply.body["error"] == "too_large"
     assert h.github.calls == []
+
+
+DEEP_REQUESTS = [
+    pytest.param(nested(20_000), id="20000-nested-arrays"),
+    pytest.param(b"[" * 20_000, id="20000-unclosed-arrays"),
+    pytest.param(b'{"a":' * 20_000 + b"1" + b"}" * 20_000, id="20000-nested-objects"),
+    pytest.param(json.dumps(FIELDS | {"title": json.loads(nested(8))}).encode(), id="9-deep"),
+]
+
+
+@pytest.mark.parametrize("data", DEEP_REQUESTS)
+async def test_deeply_nested_request_is_400(make: Factory, caplog: pytest.LogCaptureFixture, data: bytes) -> None:
+    h = await make()
+    reply = await h.pr(await h.token(), data=data)
+    assert (reply.status, reply.body["error"]) == (400, "too_deep"), reply.body
+    assert h.github.calls == []
+    assert (h.audit[-1].decision, h.audit[-1].extra["status"]) == ("deny", 400)
+    assert_quiet_log(caplog)
+
+
+async def test_nesting_limit_counts_structure_not_brackets_in_strings(make: Factory) -> None:
+    h = await make()
+    text = "[" * 20_000 + '\\"' + "{" * 20_000
+    reply = await h.pr(await h.token(), {"body": text})
+    assert reply.status == 201, reply.body
+    reply = await h.pr(await h.token(), data=json.dumps(FIELDS | {"title": json.loads(nested(7))}).encode())
+    assert (reply.status, reply.body["error"]) == (422, "invalid_request")  # 8 deep: parsed, then refused
+
+
+async def test_admin_refuses_deep_nesting_too(make: Factory, caplog: pytest.LogCaptureFixture) -> None:
+    h = await make()
+    reply = await h.admin_post("/v1/tokens", data=nested(20_000))
+    assert (reply.status, reply.body["error"]) == (400, "too_deep")
+    ok = await h.admin_post("/v1/tokens", {"sandbox": SANDBOX, "grants": [GRANT], "note": json.loads(nested(7))})
+    assert ok.status == 200, ok.body
+    assert_quiet_log(caplog)
 
 
 # --- idempotency ------------------------------------------------------------------------------------------------
@@ -999,6 +1256,80 @@ async def test_admin_revocation_with_broken_store_is_503(make: Factory) -> None:
         assert reply.status == 503 and reply.body["error"] == "state_unavailable"
 
 
+@contextlib.contextmanager
+def write_locked(path: Path) -> Iterator[None]:
+    """Another connection holds the database's write lock (BEGIN EXCLUSIVE) until the block ends."""
+    with contextlib.closing(sqlite3.connect(path, isolation_level=None)) as db:
+        db.execute("BEGIN EXCLUSIVE")
+        try:
+            yield
+        finally:
+            db.execute("ROLLBACK")
+
+
+class LoopWatch:
+    """Measures the longest time the event loop went without running a 10 ms ticker."""
+
+    def __init__(self) -> None:
+        self.longest = 0.0
+        self._task = asyncio.create_task(self._tick())
+
+    async def _tick(self) -> None:
+        last = time.monotonic()
+        while True:
+            await asyncio.sleep(0.01)
+            now = time.monotonic()
+            self.longest = max(self.longest, now - last)
+            last = now
+
+    def stop(self) -> float:
+        self._task.cancel()
+        return self.longest
+
+
+async def test_a_locked_store_never_stalls_the_event_loop(make: Factory) -> None:
+    h = await make()
+    token = await h.token()
+    with write_locked(h.state / "broker.sqlite3"):
+        watch = LoopWatch()
+        call = asyncio.create_task(h.pr(token, key="op-1"))
+        await asyncio.sleep(1.5)
+        assert not call.done()  # it waits for the lock...
+        assert h.github.pull_posts == 1  # ...to record the pull request it made
+    reply = await call
+    assert watch.stop() < 0.5  # the loop (the proxy's and DNS's too) ran all along
+    assert reply.status == 201, reply.body
+    assert h.idempotency_records() and h.brokered_calls()
+
+
+async def test_a_store_locked_longer_than_its_timeout_is_503(make: Factory, caplog: pytest.LogCaptureFixture) -> None:
+    h = await make(busy_timeout=0.3)
+    token = await h.token()
+    with write_locked(h.state / "broker.sqlite3"):
+        watch = LoopWatch()
+        reply = await h.pr(token)
+        revoked = await h.admin_post("/v1/revocations", {"jti": "some-jti"})
+    assert watch.stop() < 0.2
+    assert (reply.status, reply.body["error"]) == (503, "state_unavailable"), reply.body
+    assert (revoked.status, revoked.body["error"]) == (503, "state_unavailable")
+    assert (h.audit[-1].decision, h.audit[-1].extra["status"]) == ("error", 503)
+    assert h.github.pull_posts == 1  # made upstream, but its result could not be recorded: refused, not claimed
+    assert any("broker state unavailable" in r.getMessage() for r in caplog.records)
+    assert_quiet_log(caplog)
+
+
+async def test_store_calls_never_run_on_the_event_loop_thread(make: Factory) -> None:
+    h = await make()
+    loop_thread = threading.get_ident()
+    threads: list[int] = []
+    for name in ("is_revoked", "idempotent_get", "idempotent_put", "record_call", "revoke_token"):
+        method = getattr(h.store.inner, name)
+        h.store.wrapped[name] = lambda *a, _m=method, **k: threads.append(threading.get_ident()) or _m(*a, **k)
+    assert (await h.pr(await h.token())).status == 201
+    assert (await h.admin_post("/v1/revocations", {"jti": "j"})).status == 200
+    assert len(threads) == 5 and loop_thread not in threads
+
+
 # --- credentials never leave ------------------------------------------------------------------------------------
 
 
@@ -1047,6 +1378,55 @@ async def test_no_credential_in_any_response_or_record(make: Factory, credential
         assert token not in record.to_json()
 
 
+@pytest.mark.parametrize("credential", ["static", "app"])
+async def test_credentials_echoed_in_every_field_of_a_success_are_redacted(make: Factory, credential: str) -> None:
+    h = await make(credential=credential)
+    h.github.mode = "echo-everywhere"
+    token = await h.token()
+    created = await h.pr(token, key="op-1")
+    assert created.status == 201, created.body
+    replayed = await h.pr(token, key="op-1")
+    existing = await h.pr(await h.token())  # "already exists": the listed pull request echoes them too
+    assert (replayed.status, existing.status) == (201, 200), existing.body
+    for reply in (created, replayed):
+        for name in ("url", "html_url", "state", "head", "base"):
+            assert "[redacted]" in reply.body[name], (name, reply.body[name])
+        assert "[redacted]" in reply.headers["Location"] and reply.headers["Location"] == reply.body["url"]
+    assert "[redacted]" in existing.body["url"] and "[redacted]" in existing.body["html_url"]
+    assert h.idempotency_records() and all("[redacted]" in body for body in h.idempotency_records())
+    h.assert_no_secrets()
+
+
+async def test_installation_tokens_replaced_after_a_401_stay_secret(make: Factory) -> None:
+    h = await make(credential="app")
+    token = await h.token()
+    assert (await h.pr(token, {"head": "agent/warm-up"})).status == 201
+    first = h.github.tokens_issued[0]
+    h.github.rejected.add(first)  # GitHub says 401: the broker replaces the token it holds
+    h.github.mode = "echo-everywhere"
+    reply = await h.pr(token, key="after-401")
+    assert reply.status == 201, reply.body
+    assert len(h.github.tokens_issued) == 2
+    h.github.mode = "echo"  # now an error that repeats every credential GitHub has seen
+    failed = await h.pr(token, {"head": "agent/echo"})
+    assert failed.status == 502 and "[redacted]" in failed.body["message"]
+    for text in (json.dumps(reply.body), json.dumps(reply.headers), json.dumps(failed.body)):
+        assert first not in text and h.github.tokens_issued[1] not in text
+    h.assert_no_secrets()
+
+
+async def test_installation_tokens_replaced_at_refresh_stay_secret(make: Factory) -> None:
+    h = await make(credential="app")
+    h.github.expires_at = "2020-01-01T00:00:00Z"  # every token is past its refresh time at once: one per call
+    token = await h.token()
+    for n in range(3):
+        assert (await h.pr(token, {"head": f"agent/refresh-{n}"})).status == 201
+    h.github.mode = "echo-everywhere"
+    assert (await h.pr(token, {"head": "agent/echo"})).status == 201
+    assert len(h.github.tokens_issued) == 4
+    h.assert_no_secrets()
+
+
 async def test_every_request_is_audited_once(make: Factory) -> None:
     h = await make()
     token = await h.token()
@@ -1057,6 +1437,52 @@ async def test_every_request_is_audited_once(make: Factory) -> None:
     assert [r.decision for r in h.audit] == ["allow", "deny", "deny", "allow"]
     jti = jwt.decode(token, options={"verify_signature": False})["jti"]
     assert h.audit[0].extra["jti"] == jti and "jti" not in h.audit[1].extra
+
+
+# --- failures nobody planned for ----------------------------------------------------------------------------------
+
+
+async def test_a_bug_is_a_json_500_with_one_redacted_log_line(
+    make: Factory, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    h = await make()
+    assert h.broker.github is not None
+
+    async def broken(*args: Any) -> Any:
+        raise KeyError(f"oops {STATIC_SECRET}")
+
+    monkeypatch.setattr(h.broker.github, "create_pull_request", broken)
+    reply = await h.pr(await h.token())
+    assert reply.status == 500 and reply.body == {
+        "error": "internal_error",
+        "message": "the broker failed; see its log",
+    }
+    assert (h.audit[-1].decision, h.audit[-1].extra["status"]) == ("error", 500)
+    (line,) = [r.getMessage() for r in caplog.records if "unexpected" in r.getMessage()]
+    assert "KeyError" in line and "[redacted]" in line and STATIC_SECRET not in caplog.text
+    assert_quiet_log(caplog)
+
+
+async def test_a_bug_in_the_admin_app_is_a_json_500(
+    make: Factory, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    h = await make()
+
+    def broken() -> str:
+        raise OSError("disk on fire")
+
+    monkeypatch.setattr(h.broker.authority.keys, "rotate", broken)
+    reply = await h.admin_post("/v1/keys/rotate", {})
+    assert (reply.status, reply.body["error"]) == (500, "internal_error")
+    assert_quiet_log(caplog)
+
+
+async def test_unknown_routes_and_methods_are_json(make: Factory) -> None:
+    h = await make()
+    async with h.sandbox.get("/nowhere") as response:
+        assert (response.status, (await response.json())["error"]) == (404, "http_error")
+    async with h.sandbox.put(PATH) as response:
+        assert (response.status, (await response.json())["error"]) == (405, "http_error")
 
 
 # --- admin ------------------------------------------------------------------------------------------------------

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sqlite3
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -162,3 +164,46 @@ def test_database_corrupted_while_open_raises_store_error(db_path: Path) -> None
             store.is_revoked("jti-1", "sbx-1", 0)
     finally:
         store.close()
+
+
+def test_reads_go_on_while_a_write_waits_for_a_lock(db_path: Path) -> None:
+    store = SqliteStore(db_path, busy_timeout=3)
+    store.revoke_token("jti-1", int(time.time()) + 60)
+    writer_done = threading.Event()
+
+    def write() -> None:
+        store.revoke_sandbox("sbx-1")  # waits for the lock held below
+        writer_done.set()
+
+    try:
+        with contextlib.closing(sqlite3.connect(db_path, isolation_level=None)) as holder:
+            holder.execute("BEGIN EXCLUSIVE")
+            writer = threading.Thread(target=write)
+            writer.start()
+            time.sleep(0.2)  # the writer is inside SQLite's busy wait by now
+            started = time.monotonic()
+            assert store.is_revoked("jti-1", "sbx-1", 0)  # another thread, its own connection: not queued
+            assert time.monotonic() - started < 0.5
+            assert not writer_done.is_set()
+            holder.execute("ROLLBACK")
+        writer.join(5)
+        assert writer_done.is_set() and store.is_revoked("jti-9", "sbx-1", 0)
+    finally:
+        store.close()
+
+
+def test_a_closed_store_refuses_every_thread(db_path: Path) -> None:
+    store = SqliteStore(db_path)
+    store.close()
+    errors: list[BaseException] = []
+    thread = threading.Thread(target=lambda: _capture(errors, lambda: store.is_revoked("j", "s", 0)))
+    thread.start()
+    thread.join()
+    assert [type(e) for e in errors] == [StoreError]  # a thread that never had a connection opens none
+
+
+def _capture(errors: list[BaseException], action: Callable[[], object]) -> None:
+    try:
+        action()
+    except BaseException as e:
+        errors.append(e)
