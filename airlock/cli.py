@@ -13,6 +13,7 @@ import sys
 import tempfile
 from importlib import resources
 from pathlib import Path
+from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
 from airlock.broker.grants import GrantError, parse_grant
@@ -29,6 +30,11 @@ from airlock.policy import (
     parse_ip_literal,
     vet,
 )
+from airlock.sandbox.limits import CPUS, DAY, OUTPUT_LIMIT, PIDS, TIMEOUT, limit_problem, memory_bytes
+from airlock.sandbox.watchdog import Watchdog, WatchdogError
+
+if TYPE_CHECKING:
+    from airlock.sandbox.netns import NetnsSandbox
 
 EXIT_ALLOW, EXIT_DENY, EXIT_USAGE = 0, 1, 2
 log = logging.getLogger("airlock")
@@ -45,6 +51,42 @@ def _duration(text: str) -> int:
     if not number.isdigit() or int(number) <= 0:
         raise argparse.ArgumentTypeError(f"{text!r} is not a duration like 90s, 10m or 1h")
     return int(number) * unit
+
+
+# Every limit is a finite number within bounds: 0, a negative number, inf or nan would turn one off (docker reads
+# 0 as "unlimited") or break it. Option → (lowest, highest, whether the lowest value itself is allowed).
+LIMITS: dict[str, tuple[float, float, bool]] = {
+    "proxy_port": (1, 65535, True),
+    "dns_port": (0, 65535, True),  # 0: no DNS server
+    "broker_port": (0, 65535, True),  # 0: no broker
+    "connect_timeout": (0, 300, False),
+    "idle_timeout": (0, 7 * DAY, False),
+    "github_timeout": (0, 300, False),
+    "max_tunnels": (1, 1_000_000, True),
+    "max_connections": (1, 1_000_000, True),
+    "dns_rate": (0, 10_000_000, False),
+    "dns_min_ttl": (0, DAY, True),
+    "token_ttl": (1, 7 * DAY, True),
+    "token_max_ttl": (1, 7 * DAY, True),
+    "timeout": (*TIMEOUT, False),
+    "cpus": (*CPUS, True),
+    "pids": (*PIDS, True),
+    "output_limit": (*OUTPUT_LIMIT, True),
+}
+
+
+def check_limits(args: argparse.Namespace) -> None:
+    """UsageError for the first limit given that is not a finite number within its bounds (or a bad --memory)."""
+    for name, (low, high, low_allowed) in LIMITS.items():
+        value = getattr(args, name, None)
+        option = f"--{name.replace('_', '-')}"
+        if value is not None and (problem := limit_problem(option, value, (low, high), low_allowed)):
+            raise UsageError(problem)
+    if getattr(args, "memory", None) is not None:
+        try:
+            memory_bytes(args.memory)
+        except ValueError as e:
+            raise UsageError(f"--memory: {e}") from None
 
 
 def default_policy_path() -> Path:
@@ -154,14 +196,14 @@ def _sandboxes(specs: list[str], profile: str | None, policy: Policy) -> list[Sa
     sandboxes = []
     for spec in specs:
         sandbox_id, sep, rest = spec.partition("=")
+        if not sep or not sandbox_id:
+            raise UsageError(f"--sandbox {spec!r}: expected ID=CIDR[:PROFILE]")
         cidr, _, sandbox_profile = rest.partition(":") if rest.count(":") <= 1 else (rest, "", "")
         try:
             network = ipaddress.ip_network(cidr, strict=True)
         except ValueError as e:
             raise UsageError(f"--sandbox {spec!r}: {e}") from None
         sandbox_profile = sandbox_profile or profile or policy.default_profile
-        if not sep or not sandbox_id:
-            raise UsageError(f"--sandbox {spec!r}: expected ID=CIDR[:PROFILE]")
         if sandbox_profile not in policy.profiles:
             raise UsageError(f"--sandbox {spec!r}: no profile {sandbox_profile!r} in the policy")
         sandboxes.append(Sandbox(sandbox_id, sandbox_profile, network))
@@ -248,6 +290,10 @@ DEFAULT_STATE_DIR = "/var/lib/airlock"
 
 
 def cmd_gateway(args: argparse.Namespace) -> int:
+    try:  # before the state directory exists; a name would be resolved differently by each listener
+        ipaddress.ip_address(args.listen)
+    except ValueError:
+        raise UsageError(f"--listen {args.listen!r}: give the IP address to listen on (127.0.0.1, ::1, ...)") from None
     args.state_dir = args.state_dir or DEFAULT_STATE_DIR
     policy = _load(args.policy)
     return asyncio.run(_serve(args, policy))
@@ -277,8 +323,6 @@ def cmd_run(args: argparse.Namespace) -> int:
         docker_only = [f"--{name}" for name in ("cpus", "memory", "pids", "mount") if getattr(args, name)]
         if docker_only:
             raise UsageError(f"{', '.join(docker_only)}: docker backend only (the netns backend sets no such limits)")
-    if not args.timeout > 0:
-        raise UsageError("--timeout must be positive")
     detail = f", image {args.image}" if backend == "docker" else f", filesystem isolation {args.isolation}"
     print(f"airlock: backend {backend}{detail}", file=sys.stderr)
     if backend == "docker":
@@ -358,12 +402,13 @@ async def _run_docker(args: argparse.Namespace, policy: Policy) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         loop.add_signal_handler(sig, interrupted.set)
+    watchdog = Watchdog.start(args.timeout, [state.name])  # removes the sandbox if this process dies
     try:
         handle = await launch(
             client, args.image, args.cmd, _gateway_config(args, policy, "0.0.0.0", []),
             profile=args.profile, sandbox_id=args.sandbox_id, limits=limits,
             mounts=mounts, env=_passed_env(args.env or []),
-            grants=[parse_grant(g) for g in args.grant or []], token_ttl=args.token_ttl,
+            grants=[parse_grant(g) for g in args.grant or []], token_ttl=args.token_ttl, watchdog=watchdog,
         )  # fmt: skip
         async with handle:
             output = asyncio.ensure_future(handle.stream(sys.stdout.buffer, sys.stderr.buffer))
@@ -384,6 +429,7 @@ async def _run_docker(args: argparse.Namespace, policy: Policy) -> int:
             return code
     finally:
         state.cleanup()
+        await asyncio.to_thread(watchdog.release)
 
 
 def _mount(text: str, credentials: list[str]) -> tuple[str, str]:
@@ -409,39 +455,57 @@ async def _run_sandboxed(args: argparse.Namespace, policy: Policy) -> int:
     state = tempfile.TemporaryDirectory(prefix="airlock-run-")
     gateway = None
     guard: WorkdirGuard | None = None
-    child: asyncio.subprocess.Process | None = None
     loop = asyncio.get_running_loop()
     interrupted = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         loop.add_signal_handler(sig, interrupted.set)
+    # Removes the sandbox if this process dies (bubblewrap's --die-with-parent ends only the command, and
+    # without bubblewrap nothing would); namespace, link and fence calls block: all of them off the event loop.
+    watchdog = sandbox.watchdog = Watchdog.start(args.timeout, [state.name])
     try:
-        sandbox.create()
+        await asyncio.to_thread(sandbox.create)
         args.state_dir = args.state_dir or state.name
         gateway = await _start_gateway(args, policy, sandbox.gateway_ip, sandbox.sandbox_id, sandbox.sandbox_ip)
-        env = sandbox_environment(args.env or [], resolve_user(args.user))
+        env = sandbox_environment(args.env or [], user)
         env |= proxy_environment(sandbox.gateway_ip, args.proxy_port, args.broker_port if args.grant else None)
         env["AIRLOCK_SANDBOX"] = sandbox.sandbox_id
         if token := _mint(args, gateway, sandbox.sandbox_id):
-            env["AIRLOCK_TOKEN_FILE"] = str(sandbox.place_token(token, resolve_user(args.user)))
+            env["AIRLOCK_TOKEN_FILE"] = str(sandbox.place_token(token, user))
         isolate_fs = args.isolation == "bwrap"
         if isolate_fs:
             guard = WorkdirGuard(Path.cwd(), user, sandbox.sandbox_id, Path(args.state_dir) / "workdir")
             try:
-                guard.prepare()
+                await asyncio.to_thread(guard.prepare)
             except WorkdirError as e:
                 guard = None
                 raise UsageError(str(e)) from None
+            watchdog.guard("workdir", sandbox.sandbox_id, str(guard.save()))  # checked even if we die
         command = sandbox.command(args.cmd, args.user, isolate_fs, hidden=hidden, read_only=read_only, guard=guard)
-        # Its own session: no controlling terminal, so it cannot push keystrokes into the shell that started it.
-        child = await asyncio.create_subprocess_exec(*command, env=env, start_new_session=True)
-        waiter = asyncio.create_task(child.wait())
-        stopper = asyncio.create_task(interrupted.wait())
-        await asyncio.wait({waiter, stopper}, timeout=args.timeout, return_when=asyncio.FIRST_COMPLETED)
+        return await _supervise(sandbox, command, env, args.timeout, interrupted)
+    finally:
+        await asyncio.to_thread(sandbox.destroy)  # before the gateway stops: nothing of it outlives its gateway
+        if guard is not None:  # only now: nothing of the sandbox is left to write while the tree is checked
+            await asyncio.to_thread(_finish_workdir, guard)
+        if gateway is not None:
+            await gateway.stop()
+        state.cleanup()
+        await asyncio.to_thread(watchdog.release)
+
+
+async def _supervise(
+    sandbox: NetnsSandbox, command: list[str], env: dict[str, str], timeout: float, interrupted: asyncio.Event
+) -> int:
+    """Run the command until it exits (its code), the timeout passes (124) or a signal asks to stop."""
+    # Its own session: no controlling terminal, so it cannot push keystrokes into the shell that started it.
+    child = await asyncio.create_subprocess_exec(*command, env=env, start_new_session=True)
+    waiter = asyncio.create_task(child.wait())
+    stopper = asyncio.create_task(interrupted.wait())
+    try:
+        await asyncio.wait({waiter, stopper}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
         if not waiter.done() and not stopper.done():
-            sandbox.kill_all()  # the whole namespace, not only the command's own process
+            await asyncio.to_thread(sandbox.kill_all)  # the whole namespace, not only the command's own process
             await waiter
-            stopper.cancel()
-            print(f"airlock: killed after the {args.timeout:g}s timeout", file=sys.stderr)
+            print(f"airlock: killed after the {timeout:g}s timeout", file=sys.stderr)
             return 124
         if not waiter.done():
             with contextlib.suppress(ProcessLookupError):
@@ -452,16 +516,10 @@ async def _run_sandboxed(args: argparse.Namespace, policy: Policy) -> int:
                 with contextlib.suppress(ProcessLookupError):
                     child.kill()
                 await waiter
-        stopper.cancel()
         code = child.returncode if child.returncode is not None else 1
         return code if code >= 0 else 128 - code
     finally:
-        sandbox.destroy()  # before the gateway stops: nothing of the sandbox outlives its gateway
-        if guard is not None:  # only now: nothing of the sandbox is left to write while the tree is checked
-            _finish_workdir(guard)
-        if gateway is not None:
-            await gateway.stop()
-        state.cleanup()
+        stopper.cancel()
 
 
 def _finish_workdir(guard) -> None:
@@ -737,6 +795,7 @@ def main(argv: list[str] | None = None) -> int:
         format="%(asctime)s %(name)s %(levelname)s %(message)s",
     )
     try:
+        check_limits(args)
         return args.func(args)
     except PolicyError as e:
         print(e, file=sys.stderr)
@@ -750,7 +809,7 @@ def main(argv: list[str] | None = None) -> int:
         from airlock.sandbox.fence import FenceError
         from airlock.sandbox.netns import SandboxError
 
-        if isinstance(e, GatewayError | SandboxError | FenceError | DockerSandboxError):
+        if isinstance(e, GatewayError | SandboxError | FenceError | DockerSandboxError | WatchdogError):
             print(f"airlock: {e}", file=sys.stderr)
             return EXIT_USAGE
         raise

@@ -29,6 +29,7 @@ from airlock.dns.server import DnsServer, DnsSettings, PolicyResolver
 from airlock.dns.upstream import Resolver, ResolverConfig, Server, system_servers
 from airlock.policy import IPAddress, Policy, PolicyError, Sandbox, SandboxRegistry
 from airlock.proxy.addon import GatewaySettings, build_addons
+from airlock.sandbox.fence import mark_listeners
 
 log = logging.getLogger("airlock.gateway")
 
@@ -95,6 +96,10 @@ def _missing_profiles(policy: Policy, sandboxes: list[Sandbox]) -> list[str]:
 class Gateway:
     def __init__(self, config: GatewayConfig) -> None:
         self.config = config
+        try:  # before anything exists: a name would mean other addresses for proxy, DNS and the vetting
+            ipaddress.ip_address(config.listen)
+        except ValueError:
+            raise GatewayError(f"listen address {config.listen!r}: give an IP address (127.0.0.1, ::1, ...)") from None
         servers = config.upstream_dns or system_servers()
         if not servers:
             raise GatewayError("no upstream DNS server: pass --upstream-dns or configure /etc/resolv.conf")
@@ -184,6 +189,16 @@ class Gateway:
             except (OSError, ValueError, StoreError, TokenError) as e:
                 await self.stop()
                 raise GatewayError(f"broker could not start: {e}") from e
+        self._mark_listeners()
+
+    def _mark_listeners(self) -> None:
+        """The fence lets sandboxes reach only sockets with the gateway's mark, never another program that binds
+        these ports; without the privilege to mark them, no airlock fence lets anything reach this gateway."""
+        config = self.config
+        try:
+            mark_listeners(config.listen, [p for p in (config.proxy_port, config.dns_port, config.broker.port) if p])
+        except OSError as e:
+            log.warning("listening sockets not marked (%s): an airlock fence keeps sandboxes from them", e)
 
     async def _flush_audit(self) -> None:
         while True:

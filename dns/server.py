@@ -189,26 +189,28 @@ class PolicyResolver:
         self, request: DNSRecord, reply: DNSRecord, record: AuditRecord, sandbox: Sandbox | None, started: float
     ) -> tuple[DNSRecord, AuditRecord]:
         if sandbox is None:
-            return self._refuse(reply, record, "query from an address that belongs to no sandbox")
+            return self._refuse(reply, record, "query from an address that belongs to no sandbox", started)
         if request.header.opcode != 0 or len(request.questions) != 1:
             reply.header.rcode = RCODE.NOTIMP if request.header.opcode != 0 else RCODE.FORMERR
             return self._finish(reply, record, "deny", "only standard queries with one question", started)
         if request.q.qclass != CLASS.IN:
-            return self._refuse(reply, record, f"class {CLASS.get(request.q.qclass)} is not answered (only IN)")
+            return self._refuse(
+                reply, record, f"class {CLASS.get(request.q.qclass)} is not answered (only IN)", started
+            )
         try:
             name = canonical_host(record.host)
         except HostError as e:
-            return self._refuse(reply, record, f"invalid name: {e}")
+            return self._refuse(reply, record, f"invalid name: {e}", started)
         record.host = name
         profile = self.policy.profile(sandbox.profile)
         decision = decide_name(profile, name)
         if not decision.allow:
             record.rule = decision.rule.source if decision.rule else None
-            return self._refuse(reply, record, decision.reason)
+            return self._refuse(reply, record, decision.reason, started)
         record.rule = decision.rule.source if decision.rule else None
         flags = self._signals(record, sandbox.id, name, profile.dns)
         if flags and profile.dns.refuse:
-            return self._refuse(reply, record, "suspicious name: " + "; ".join(flags))
+            return self._refuse(reply, record, "suspicious name: " + "; ".join(flags), started)
         if request.q.qtype not in ANSWERED_TYPES:
             return self._finish(reply, record, "allow", f"{record.method} is not answered with data", started)
         return await self._answer(request, reply, record, profile, name, started)
@@ -275,9 +277,11 @@ class PolicyResolver:
             record.extra["suspicious"] = flags
         return flags
 
-    def _refuse(self, reply: DNSRecord, record: AuditRecord, reason: str) -> tuple[DNSRecord, AuditRecord]:
+    def _refuse(
+        self, reply: DNSRecord, record: AuditRecord, reason: str, started: float
+    ) -> tuple[DNSRecord, AuditRecord]:
         reply.header.rcode = RCODE.REFUSED
-        return self._finish(reply, record, "deny", reason, time.monotonic())
+        return self._finish(reply, record, "deny", reason, started)
 
     def _finish(
         self, reply: DNSRecord, record: AuditRecord, decision: str, reason: str, started: float

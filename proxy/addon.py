@@ -187,6 +187,11 @@ def _fail_closed(on_error: Callable[..., None]) -> Callable[[Callable[..., Any]]
     return wrap
 
 
+def _nothing_to_deny(self: Any, *args: Any) -> None:
+    """For hooks that keep books after the decision was made and acted on (a client gone, an upstream connected,
+    failed or closed, a flow that failed): nothing is left to deny, and the wrapper has logged the fault."""
+
+
 def _answer(flow: http.HTTPFlow, response: http.Response) -> None:
     """Answer a refused request, or kill it where mitmproxy 12 cannot answer: a response set on a request whose
     body it streams, or starts streaming later, crashes its HTTP layer ("Can't set a response and enable
@@ -260,6 +265,7 @@ class SandboxIdentity:
         self.shared.connections[state.sandbox.id] += 1
         state.counted = True
 
+    @_fail_closed(_nothing_to_deny)
     def client_disconnected(self, client: connection.Client) -> None:
         state = self.shared.clients.pop(client.id, None)
         if state is not None and state.counted and state.sandbox is not None:
@@ -511,6 +517,7 @@ class PinnedConnect:
         self._forget(server_id)
         task.cancel()
 
+    @_fail_closed(_nothing_to_deny)
     def server_connected(self, data: ServerConnectionHookData) -> None:
         self._cancel_timer(data.server.id)
         # Connection reuse compares `server.address`: give it back its logical name (the peer keeps the IP),
@@ -521,9 +528,11 @@ class PinnedConnect:
         if name is not None:
             object.__setattr__(data.server, "address", name)
 
+    @_fail_closed(_nothing_to_deny)
     def server_connect_error(self, data: ServerConnectionHookData) -> None:
         self._forget(data.server.id)
 
+    @_fail_closed(_nothing_to_deny)
     def server_disconnected(self, data: ServerConnectionHookData) -> None:
         self._forget(data.server.id)
 
@@ -544,6 +553,11 @@ class HttpAudit:
     def __init__(self, shared: _Shared) -> None:
         self.shared = shared
 
+    def _withhold(self, flow: http.HTTPFlow) -> None:
+        """A response whose audit line could not be made is not delivered."""
+        if flow.killable:
+            flow.kill()
+
     def _finish(self, flow: http.HTTPFlow, error: str | None = None) -> None:
         record: AuditRecord | None = flow.metadata.pop("airlock", None)
         if record is None or record.decision != "allow":
@@ -561,9 +575,11 @@ class HttpAudit:
             record.decision, record.reason = "error", error
         self.shared.emit(record)
 
+    @_fail_closed(_withhold)
     def response(self, flow: http.HTTPFlow) -> None:
         self._finish(flow)
 
+    @_fail_closed(_nothing_to_deny)
     def error(self, flow: http.HTTPFlow) -> None:
         self._finish(flow, flow.error.msg if flow.error else "error")
 

@@ -13,6 +13,8 @@ from __future__ import annotations
 import contextlib
 import ipaddress
 import json
+import logging
+import math
 import os
 import secrets
 import shutil
@@ -32,6 +34,10 @@ from airlock.policy import SANDBOX_LINK_NETWORKS
 
 from . import SANDBOX_ID
 from .fence import DOCKER_TABLE_PREFIX, Fence
+from .limits import CPUS, OUTPUT_LIMIT, PIDS, TIMEOUT, limit_problem, memory_bytes
+from .watchdog import Watchdog
+
+log = logging.getLogger("airlock.sandbox.docker")
 
 SUBNET_POOL = SANDBOX_LINK_NETWORKS[1]
 LABEL = "airlock.sandbox"
@@ -62,8 +68,20 @@ class Limits:
     user: str = "65534:65534"
 
     def check(self) -> None:
-        if not (0 < self.cpus <= 64 and 0 < self.pids <= 100_000 and self.timeout > 0 and self.output_limit > 0):
-            raise DockerSandboxError("--cpus, --pids, --timeout and --output-limit must be positive")
+        """Every limit is on, finite and bounded: there is no value that turns one off."""
+        problems = [
+            limit_problem("cpus", self.cpus, CPUS),
+            limit_problem("pids", self.pids, PIDS),
+            limit_problem("timeout", self.timeout, TIMEOUT, lowest_included=False),
+            limit_problem("output_limit", self.output_limit, OUTPUT_LIMIT),
+        ]
+        for name, size in (("memory", self.memory), ("tmp_size", self.tmp_size)):
+            try:
+                memory_bytes(size)
+            except (ValueError, AttributeError) as e:
+                problems.append(f"{name}: {e}")
+        if found := [p for p in problems if p]:
+            raise DockerSandboxError("; ".join(found))
         if self.user.split(":")[0] in ("0", "root"):
             raise DockerSandboxError("refusing to run the container as root")
 
@@ -102,6 +120,14 @@ def _engine_socket(client: docker.DockerClient) -> str | None:
     return path if isinstance(path, str) else None
 
 
+def engine_address(client: docker.DockerClient) -> str:
+    """Where another process reaches this client's engine ("" when only the environment can say)."""
+    if socket_path := _engine_socket(client):
+        return f"unix://{socket_path}"
+    base = str(client.api.base_url)
+    return base if base.startswith(("http://", "https://", "tcp://")) else ""
+
+
 @dataclass
 class DockerSandbox:
     """One sandbox: `create()`, `start(cmd, env)`, `wait()`, `output()`; `destroy()` always."""
@@ -113,6 +139,7 @@ class DockerSandbox:
     udp_ports: tuple[int, ...] = ()
     limits: Limits = field(default_factory=Limits)
     mounts: list[tuple[str, str]] = field(default_factory=list)  # (host path, container path), always read-only
+    watchdog: Watchdog | None = None  # told of the sandbox once its fence is ours: it removes it if we die
 
     def __post_init__(self) -> None:
         self.sandbox_id = self.sandbox_id or secrets.token_hex(4)
@@ -154,6 +181,8 @@ class DockerSandbox:
             fence = Fence(table, self.bridge, self.gateway_ip, self.tcp_ports, self.udp_ports)
             fence.install()  # before anything is attached: the bridge is never open and unfenced
             self.fence = fence
+            if self.watchdog is not None:
+                self.watchdog.guard("docker", self.sandbox_id or "", engine_address(self.client))
             pool = IPAMPool(subnet=str(self.subnet), gateway=self.gateway_ip)
             try:
                 network = self.client.networks.create(
@@ -227,8 +256,8 @@ class DockerSandbox:
             cap_drop=["ALL"],
             security_opt=["no-new-privileges"],
             pids_limit=limits.pids,
-            mem_limit=limits.memory,
-            memswap_limit=limits.memory,
+            mem_limit=memory_bytes(limits.memory),
+            memswap_limit=memory_bytes(limits.memory),
             nano_cpus=int(limits.cpus * 1e9),
             init=True,
             dns=[self.gateway_ip],
@@ -355,6 +384,8 @@ def _remove_network(client: docker.DockerClient, network_id: str) -> None:
 def remove_sandbox(client: docker.DockerClient, sandbox_id: str) -> None:
     """Everything of one docker sandbox, for the reaper: container(s) and network found by label, in
     destroy()'s order, then its fence table (never another backend's) and its token."""
+    if not SANDBOX_ID.fullmatch(sandbox_id):
+        raise DockerSandboxError(f"not a sandbox id: {sandbox_id!r}")
     for container in client.containers.list(all=True, filters={"label": f"{LABEL}={sandbox_id}"}):
         _remove_container(client, container.id)
     for network in client.networks.list(filters={"label": f"{LABEL}={sandbox_id}"}):
@@ -364,7 +395,8 @@ def remove_sandbox(client: docker.DockerClient, sandbox_id: str) -> None:
 
 
 def reap(client: docker.DockerClient, older_than: float | None = None, now: float | None = None) -> list[str]:
-    """Remove airlock sandboxes whose lifetime has passed (label), or older than `older_than` seconds."""
+    """Remove airlock sandboxes whose lifetime has passed (label), or older than `older_than` seconds. A label
+    that is no sandbox id is reported and skipped: it would name paths and nft tables."""
     now = time.time() if now is None else now
     victims: set[str] = set()
     for obj in [
@@ -375,13 +407,25 @@ def reap(client: docker.DockerClient, older_than: float | None = None, now: floa
         sandbox_id = labels.get(LABEL)
         if not sandbox_id:
             continue
-        expires = float(labels.get(EXPIRES_LABEL, "0") or 0)
-        created = _created(obj.attrs)
-        if expires < now or (older_than is not None and created is not None and created < now - older_than):
+        if not isinstance(sandbox_id, str) or not SANDBOX_ID.fullmatch(sandbox_id):
+            log.warning("skipped %s: its %s label %r is not a sandbox id", obj.id, LABEL, sandbox_id)
+            continue
+        if _expired(labels, obj.attrs, now, older_than):
             victims.add(sandbox_id)
     for sandbox_id in sorted(victims):
         remove_sandbox(client, sandbox_id)
     return sorted(victims)
+
+
+def _expired(labels: dict[str, str], attrs: dict[str, Any], now: float, older_than: float | None) -> bool:
+    try:
+        expires = float(labels.get(EXPIRES_LABEL, "0") or 0)
+    except ValueError:
+        expires = math.nan
+    if not math.isfinite(expires):
+        expires = 0.0  # unreadable: expired, like a missing label
+    created = _created(attrs)
+    return expires < now or (older_than is not None and created is not None and created < now - older_than)
 
 
 def _created(attrs: dict[str, Any]) -> float | None:

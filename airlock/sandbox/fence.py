@@ -1,5 +1,10 @@
 """The kernel fence: nftables rules saying that traffic arriving on a sandbox's interface may reach the
-gateway's listening ports on the gateway's address and nothing else, and is never forwarded.
+gateway's own listening sockets on the gateway's address and nothing else, and is never forwarded.
+
+A port alone would not say whose socket answers: once the gateway is gone, any program that binds the port (on
+0.0.0.0, say) would be reached. So the gateway marks its listening sockets (SO_MARK, `mark_listeners`; accepted
+connections inherit the mark) and the fence looks up the socket each packet would be delivered to (nftables
+`socket mark`): only a socket carrying GATEWAY_SOCKET_MARK is reached.
 
 One table per sandbox, loaded and removed atomically with `nft -f`, so that a fence is either whole or absent. Each
 backend names its tables with its own prefix, so neither (nor its reaper) can touch the other's fence.
@@ -8,12 +13,24 @@ backend names its tables with its own prefix, so neither (nor its reaper) can to
 from __future__ import annotations
 
 import contextlib
+import ipaddress
+import logging
+import os
+import socket
+import stat
 import subprocess
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 # Table name prefixes, one per backend: `<prefix><sandbox id>`.
 NETNS_TABLE_PREFIX = "airlock_n_"
 DOCKER_TABLE_PREFIX = "airlock_d_"
+# The mark of the gateway's listening sockets. Packets they send carry it too, so it avoids the bits common
+# routing and firewall setups give meaning to (kube-proxy 0x4000/0x8000, Cilium 0xf00, Tailscale 0xff0000,
+# Calico's high half, WireGuard's 0xca6c).
+GATEWAY_SOCKET_MARK = 0x10A1
+
+log = logging.getLogger("airlock.fence")
 
 
 class FenceError(RuntimeError):
@@ -30,13 +47,24 @@ class Fence:
 
     def ruleset(self) -> str:
         iface = self.interface
+        mark = f"0x{GATEWAY_SOCKET_MARK:x}"
         accepts = []
         if self.tcp_ports:
-            ports = ", ".join(map(str, self.tcp_ports))
-            accepts.append(f'iifname "{iface}" ip daddr {self.gateway_ip} tcp dport {{ {ports} }} accept')
+            to = f'iifname "{iface}" ip daddr {self.gateway_ip} tcp dport {{ {", ".join(map(str, self.tcp_ports))} }}'
+            # `socket mark` matches a full socket only (a listener, an accepted connection); for a half-open one
+            # (the handshake's last ACK meets a request socket), a TIME_WAIT or no socket it matches neither way.
+            # So: a marked socket is reached; any other full socket is not; of the rest only packets that open
+            # no connection pass (a SYN that meets a TIME_WAIT would go on to whatever listens now). What is
+            # refused gets a reset, as from a closed port: the sandbox's client gives up at once.
+            accepts += [
+                f"{to} socket mark {mark} accept",
+                f"{to} socket mark != {mark} counter reject with tcp reset",
+                f"{to} tcp flags & syn == 0 accept",
+                f"{to} counter reject with tcp reset",
+            ]
         if self.udp_ports:
-            ports = ", ".join(map(str, self.udp_ports))
-            accepts.append(f'iifname "{iface}" ip daddr {self.gateway_ip} udp dport {{ {ports} }} accept')
+            to = f'iifname "{iface}" ip daddr {self.gateway_ip} udp dport {{ {", ".join(map(str, self.udp_ports))} }}'
+            accepts += [f"{to} socket mark {mark} accept", f"{to} counter reject"]  # icmp port-unreachable
         accept_lines = "\n        ".join(accepts)
         # Priority -200 runs before the usual filter chains, so another table's accept cannot open more;
         # a drop here is final whatever other tables say.
@@ -82,3 +110,38 @@ def _nft(args: list[str], stdin: str | None, netns_cmd: list[str] | None) -> Non
         raise FenceError(f"cannot run nft: {e}") from e
     if result.returncode != 0:
         raise FenceError(f"nft {' '.join(args)} failed: {result.stderr.strip()}")
+
+
+def mark_listeners(address: str, ports: Iterable[int]) -> int:
+    """Give this process's sockets bound to `address` on `ports` (listening TCP, UDP) the mark the fence admits;
+    returns how many. Needs CAP_NET_ADMIN (OSError without): unmarked, they stay out of every sandbox's reach."""
+    wanted, ports = ipaddress.ip_address(address), set(ports)
+    marked = 0
+    for sock in _own_sockets():
+        with sock:
+            host, port = sock.getsockname()[:2]
+            if port in ports and ipaddress.ip_address(host.split("%")[0]) == wanted and _is_listener(sock):
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_MARK, GATEWAY_SOCKET_MARK)
+                marked += 1
+    return marked
+
+
+def _own_sockets() -> Iterable[socket.socket]:
+    """A duplicate of each IP socket this process holds (the mark set on one is the socket's)."""
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            if not stat.S_ISSOCK(os.fstat(int(name)).st_mode):
+                continue
+            sock = socket.socket(fileno=os.dup(int(name)))
+        except OSError:  # closed meanwhile (the listing's own fd, too)
+            continue
+        if sock.family in (socket.AF_INET, socket.AF_INET6):
+            yield sock
+        else:
+            sock.close()
+
+
+def _is_listener(sock: socket.socket) -> bool:
+    if sock.type == socket.SOCK_DGRAM:
+        return True
+    return sock.type == socket.SOCK_STREAM and bool(sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN))

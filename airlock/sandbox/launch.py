@@ -17,6 +17,7 @@ from airlock.policy import Sandbox
 
 from . import proxy_environment
 from .docker import TOKEN_PATH, DockerSandbox, Limits
+from .watchdog import Watchdog
 
 IMAGE_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
@@ -25,6 +26,7 @@ IMAGE_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 class DockerHandle:
     sandbox: DockerSandbox
     gateway: Gateway
+    watchdog: Watchdog | None = None  # started by launch(): released once the sandbox is removed
 
     async def wait(self, timeout: float | None = None) -> int | None:
         """The exit code; None when the (given or hard) timeout passed and the container was killed."""
@@ -50,7 +52,7 @@ class DockerHandle:
 
     async def close(self) -> None:
         """Remove the container, its network and its fence (in that order), then stop the gateway."""
-        await _teardown(self.sandbox, self.gateway)
+        await _teardown(self.sandbox, self.gateway, self.watchdog)
 
     async def __aenter__(self) -> DockerHandle:
         return self
@@ -72,16 +74,28 @@ async def launch(
     env: dict[str, str] | None = None,
     grants: list[Grant] | None = None,
     token_ttl: int | None = None,
+    watchdog: Watchdog | None = None,
 ) -> DockerHandle:
     """Network + fence, then the gateway on the network's gateway address, then the container.
 
     `gateway` gives the gateway's settings (policy, upstream DNS, ports, broker...); its `listen` and
-    `sandboxes` are filled in here. On any failure everything created so far is removed again."""
+    `sandboxes` are filled in here. On any failure everything created so far is removed again. A watchdog
+    process (started here unless one is given, which its giver releases) removes the sandbox if this process
+    dies, or if it is still there `GRACE` seconds after its timeout."""
+    limits = limits or Limits()
+    limits.check()
     dns = (gateway.dns_port,) if gateway.dns_port else ()
     broker = (gateway.broker.port,) if gateway.broker.port else ()
-    sandbox = DockerSandbox(
-        client, image, sandbox_id, (gateway.proxy_port, *dns, *broker), dns, limits or Limits(), mounts or []
-    )
+    own = None if watchdog is not None else await asyncio.to_thread(Watchdog.start, limits.timeout)
+    try:
+        sandbox = DockerSandbox(
+            client, image, sandbox_id, (gateway.proxy_port, *dns, *broker), dns, limits, mounts or [],
+            watchdog or own,
+        )  # fmt: skip
+    except BaseException:
+        if own is not None:
+            await asyncio.to_thread(own.release)
+        raise
     running: Gateway | None = None
     try:
         # Docker API calls block: off the event loop, so other sandboxes' gateways on it keep answering.
@@ -105,16 +119,19 @@ async def launch(
             environment["AIRLOCK_TOKEN_FILE"] = TOKEN_PATH
         await asyncio.to_thread(sandbox.start, command, environment)
     except BaseException:
-        await _teardown(sandbox, running)
+        await _teardown(sandbox, running, own)
         raise
-    return DockerHandle(sandbox, running)
+    return DockerHandle(sandbox, running, own)
 
 
-async def _teardown(sandbox: DockerSandbox, gateway: Gateway | None) -> None:
+async def _teardown(sandbox: DockerSandbox, gateway: Gateway | None, watchdog: Watchdog | None) -> None:
     """The gateway stops after the container is gone (until then the sandbox may still be talking to it); if
-    removing fails it stops anyway: the fence stays, and the sandbox is left with nothing to reach."""
+    removing fails it stops anyway: the fence stays, the sandbox is left with nothing to reach, and the watchdog
+    is not released (it tries again when this process exits)."""
     try:
         await asyncio.to_thread(sandbox.destroy)
     finally:
         if gateway is not None:
             await gateway.stop()
+    if watchdog is not None:
+        await asyncio.to_thread(watchdog.release)

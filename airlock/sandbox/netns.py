@@ -26,6 +26,7 @@ from airlock.policy import SANDBOX_LINK_NETWORKS
 
 from . import SANDBOX_ID
 from .fence import NETNS_TABLE_PREFIX, Fence
+from .watchdog import Watchdog
 from .workdir import WorkdirGuard
 
 LINK_POOL = SANDBOX_LINK_NETWORKS[0]
@@ -72,6 +73,7 @@ class NetnsSandbox:
     sandbox_id: str | None = None  # default: random
     tcp_ports: tuple[int, ...] = (3128,)
     udp_ports: tuple[int, ...] = ()
+    watchdog: Watchdog | None = None  # told of the namespace once it is ours: it removes it if we die
 
     def __post_init__(self) -> None:
         self.sandbox_id = self.sandbox_id or secrets.token_hex(4)
@@ -100,6 +102,8 @@ class NetnsSandbox:
         in_ns = ["ip", "netns", "exec", self.netns]
         _run(["ip", "netns", "add", self.netns])  # fails when the id is taken: then nothing here is ours
         self.owned = True
+        if self.watchdog is not None:  # before anything could run or send in it
+            self.watchdog.guard("netns", self.sandbox_id)
         _run(["ip", "link", "add", self.host_if, "type", "veth", "peer", "name", self.sandbox_if])
         _run(["ip", "link", "set", self.sandbox_if, "netns", self.netns])
         # IPv6 off on both ends: the link carries exactly the IPv4 the fence describes.

@@ -21,6 +21,7 @@ After the run, when nothing of the sandbox is left:
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import pwd
 import re
@@ -30,7 +31,7 @@ import subprocess
 import tempfile
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import astuple, dataclass, field
 from pathlib import Path
 
 # Names that make a program run code from the folder they are in: version control (git, mercurial), direnv,
@@ -144,6 +145,33 @@ class WorkdirGuard:
             if identity is not None:
                 binds += ["--ro-bind", str(path), str(path)]
         return binds
+
+    def save(self) -> Path:
+        """Write what finish() needs beside the overlays (root's alone), for a watchdog that outlives us."""
+        state = {
+            "root": str(self.root),
+            "uid": self.user.pw_uid,
+            "sandbox_id": self.sandbox_id,
+            "scratch": str(self.scratch),
+            "quarantine": str(self.quarantine),
+            "overlays": [[str(o.real), str(o.lower), str(o.upper), str(o.work)] for o in self.overlays],
+            "protected": [[str(p), None if i is None else list(astuple(i))] for p, i in self.protected.items()],
+        }
+        self.scratch.mkdir(parents=True, exist_ok=True)
+        path = self.scratch / "guard.json"
+        path.write_text(json.dumps(state))
+        return path
+
+    @classmethod
+    def load(cls, path: Path) -> WorkdirGuard:
+        state = json.loads(path.read_text())
+        guard = cls(
+            Path(state["root"]), pwd.getpwuid(state["uid"]), state["sandbox_id"], Path(state["scratch"]),
+            quarantine=Path(state["quarantine"]),
+        )  # fmt: skip
+        guard.overlays = [Overlay(*map(Path, paths)) for paths in state["overlays"]]
+        guard.protected = {Path(p): None if i is None else Identity(*i) for p, i in state["protected"]}
+        return guard
 
     # --- after the run ----------------------------------------------------------------------------------------
 

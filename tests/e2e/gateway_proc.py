@@ -76,13 +76,17 @@ class GatewayProcess:
             return []
         return [json.loads(line) for line in self.audit_path.read_text().splitlines() if line.strip()]
 
-    def audit_for(self, request_id: str | None = None, host: str | None = None, wait: float = 3) -> list[dict]:
-        """Audit records matching the request id or host; waits briefly since tunnels are logged at close."""
+    def audit_for(
+        self, request_id: str | None = None, host: str | None = None, wait: float = 3, kind: str | None = None
+    ) -> list[dict]:
+        """Audit records matching the request id, host and kind; waits briefly since lines are written every
+        100 ms and tunnels are logged at close."""
         deadline = time.monotonic() + wait
         while True:
             found = [
                 r for r in self.audit()
                 if (request_id is None or r["request_id"] == request_id) and (host is None or r["host"] == host)
+                and (kind is None or r["kind"] == kind)
             ]  # fmt: skip
             if found or time.monotonic() > deadline:
                 return found

@@ -14,6 +14,7 @@ import os
 import socket
 import ssl
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -164,3 +165,86 @@ def raw_request(proxy: tuple[str, int], data: bytes, timeout: float = 5) -> Repl
     lines = head.decode("latin-1").split("\r\n")
     headers = dict(line.split(": ", 1) for line in lines[1:] if ": " in line)
     return Reply(int(lines[0].split()[1]), headers, body)
+
+
+class ForeignListeners:
+    """Another program's sockets on the gateway's ports: bound on 0.0.0.0 inside namespace `ns` (retrying until
+    the gateway's own sockets are gone), counting every connection, datagram and byte that reaches them. Only
+    for the length of one test: `close()` (or the with block) frees the ports again."""
+
+    def __init__(self, ns: str, tcp_ports: tuple[int, ...], udp_ports: tuple[int, ...], wait: float = 10) -> None:
+        self.received: dict[str, int] = {}
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._sockets = in_netns(ns, self._bind, tcp_ports, udp_ports, wait)
+        self._threads = [threading.Thread(target=self._serve, args=(sock,), daemon=True) for sock in self._sockets]
+        for thread in self._threads:
+            thread.start()
+
+    @staticmethod
+    def _bind(tcp_ports: tuple[int, ...], udp_ports: tuple[int, ...], wait: float) -> list[socket.socket]:
+        wanted = [(socket.SOCK_STREAM, p) for p in tcp_ports] + [(socket.SOCK_DGRAM, p) for p in udp_ports]
+        bound: list[socket.socket] = []
+        deadline = time.monotonic() + wait
+        try:
+            for kind, port in wanted:
+                while True:
+                    sock = socket.socket(socket.AF_INET, kind)
+                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as any ordinary service does
+                    try:
+                        sock.bind(("0.0.0.0", port))
+                        break
+                    except OSError:
+                        sock.close()
+                        if time.monotonic() > deadline:
+                            raise
+                        time.sleep(0.02)
+                if kind == socket.SOCK_STREAM:
+                    sock.listen()
+                sock.settimeout(0.1)
+                bound.append(sock)
+        except BaseException:
+            for sock in bound:
+                sock.close()
+            raise
+        return bound
+
+    def _count(self, key: str, amount: int = 1) -> None:
+        with self._lock:
+            self.received[key] = self.received.get(key, 0) + amount
+
+    def _serve(self, sock: socket.socket) -> None:
+        tcp = sock.type == socket.SOCK_STREAM
+        name = f"{'tcp' if tcp else 'udp'}/{sock.getsockname()[1]}"
+        while not self._stop.is_set():
+            try:
+                if not tcp:
+                    data, _ = sock.recvfrom(65536)
+                    self._count(f"{name} datagrams")
+                    self._count(f"{name} bytes", len(data))
+                    continue
+                conn, _ = sock.accept()
+            except (TimeoutError, OSError):
+                continue
+            self._count(f"{name} connections")
+            with conn:
+                conn.settimeout(0.5)
+                with contextlib.suppress(OSError):
+                    self._count(f"{name} bytes", len(conn.recv(65536)))
+
+    def total(self) -> int:
+        with self._lock:
+            return sum(self.received.values())
+
+    def close(self) -> None:
+        self._stop.set()
+        for thread in self._threads:
+            thread.join(5)
+        for sock in self._sockets:
+            sock.close()
+
+    def __enter__(self) -> ForeignListeners:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -26,7 +26,7 @@ from airlock.sandbox.fence import Fence
 from airlock.sandbox.launch import launch
 
 from gateway_proc import AIRLOCK, E2E_POLICY
-from netclient import in_netns
+from netclient import ForeignListeners, in_netns
 from topology import DNS_SERVER, GW_OUTSIDE_IP, FakeNet, Topology
 
 ALLOWED_IP = "192.0.2.10"
@@ -397,6 +397,65 @@ def test_teardown_removes_container_network_fence_in_order_then_stops_the_gatewa
         "fence removed": (False, False, False),  # nothing of the sandbox could send any more
         "gateway stopped": (False, False, False),  # the container was gone before its gateway
     }
+
+
+# What a sandbox sends, over and over, to every port of its gateway: TCP (proxy, DNS, broker) and UDP (DNS).
+SENDER = (
+    FIND_GATEWAY
+    + """
+import socket, time
+while True:
+    for port in (3128, 53, 8080):
+        s = socket.socket(); s.settimeout(0.3)
+        try:
+            s.connect((gw, port)); s.sendall(b"from the sandbox\\n")
+        except OSError:
+            pass
+        s.close()
+    u = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    u.sendto(b"from the sandbox", (gw, 53)); u.close()
+    time.sleep(0.05)
+"""
+)
+
+
+def test_a_killed_launcher_leaves_no_container_and_no_way_to_another_program_on_its_ports(
+    topology: Topology, docker_run, docker_env
+):
+    # The container would run on unserved and untimed: the watchdog removes it, and until it has, the fence
+    # lets nothing reach a program that took the gateway's ports.
+    argv = docker_run.argv("python3", "-c", SENDER, options=("--timeout", "120"))
+    sandbox_id = argv[argv.index("--sandbox-id") + 1]
+    label = {"label": f"{LABEL}={sandbox_id}"}
+    launcher = topology.popen(
+        topology.gw, argv, env=_env(docker_env), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        _running(docker_env, sandbox_id, launcher)
+        time.sleep(1.5)  # it is sending to the gateway
+        launcher.kill()
+        launcher.wait()
+        killed = time.monotonic()
+        with ForeignListeners(topology.gw, (3128, 53, 8080), (53,)) as foreign:
+            while left := [
+                what
+                for what, there in (
+                    ("container", docker_env.client.containers.list(all=True, filters=label)),
+                    ("network", docker_env.client.networks.list(filters=label)),
+                    ("fence", fence_table(sandbox_id) in topology.run(topology.gw, ["nft", "list", "tables"]).stdout),
+                )
+                if there
+            ]:
+                assert time.monotonic() - killed < 10, f"the sandbox outlived its launcher: {left}"
+                time.sleep(0.1)
+            time.sleep(1)
+            assert foreign.received == {}
+        _, stderr = launcher.communicate(timeout=30)  # its stderr closes once the watchdog has exited
+        assert f"docker sandbox {sandbox_id} removed: its launcher is gone" in stderr, stderr
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+        in_netns(topology.gw, lambda: remove_sandbox(docker_env.client, sandbox_id))  # only after a failure
 
 
 def test_nothing_of_airlock_is_left(topology: Topology, docker_env):

@@ -21,7 +21,7 @@ from airlock.policy import Sandbox, load_policy, parse_policy
 from airlock.proxy.addon import HttpPolicy, PinnedConnect
 
 from gateway_proc import AIRLOCK, E2E_POLICY, PROXY
-from netclient import in_netns, proxy_http, tcp_probe, tls_get
+from netclient import ForeignListeners, in_netns, proxy_http, tcp_probe, tls_get
 from testca import TestCA
 from topology import DNS_SERVER, GW_IP, SBX_IP, FakeNet, Topology
 
@@ -80,6 +80,32 @@ def test_killed_gateway_leaves_the_sandbox_without_network(topology: Topology, f
     assert in_netns(topology.sbx, proxy_http, PROXY, "http://allowed.test/", None, 3).error
     assert topology.curl(topology.sbx, "--noproxy", "*", "http://192.0.2.10/", max_time=3).returncode != 0
     assert fakenet.total_connections() == 0
+
+
+def _send_udp(address: tuple[str, int], payload: bytes) -> None:
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        sock.sendto(payload, address)
+
+
+def test_once_the_gateway_is_gone_another_program_on_its_ports_gets_nothing(
+    topology: Topology, fakenet: FakeNet, own_gateway
+):
+    # The fence admits the gateway's own sockets (marked), not its ports: a service that binds them on 0.0.0.0
+    # after the gateway died is not reached.
+    gw = own_gateway()
+    assert in_netns(topology.sbx, proxy_http, PROXY, "http://allowed.test/").status == 200
+    for tcp in (False, True):
+        assert topology.dns_query(topology.sbx, "allowed.test", server=GW_IP, tcp=tcp).rcode == "NOERROR"
+    assert in_netns(topology.sbx, tcp_probe, (GW_IP, 8080), 2).startswith("open")  # the broker
+    gw.stop(signal.SIGKILL)
+    with ForeignListeners(topology.gw, (3128, 53, 8080), (53,)) as foreign:
+        for port in (3128, 53, 8080):
+            probe = in_netns(topology.sbx, tcp_probe, (GW_IP, port), 2, b"from the sandbox\n")
+            assert probe == "refused", (port, probe)  # as from a closed port; the program sees nothing
+        for _ in range(5):
+            in_netns(topology.sbx, _send_udp, (GW_IP, 53), b"from the sandbox")
+        time.sleep(0.5)
+        assert foreign.received == {}
 
 
 def test_sigterm_stops_cleanly_and_frees_the_port(topology: Topology, fakenet: FakeNet, own_gateway):

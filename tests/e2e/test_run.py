@@ -16,8 +16,10 @@ from pathlib import Path
 import pytest
 
 from airlock.sandbox.fence import NETNS_TABLE_PREFIX
+from airlock.sandbox.netns import NetnsSandbox
 
 from gateway_proc import AIRLOCK, E2E_POLICY
+from netclient import ForeignListeners, in_netns
 from topology import DNS_SERVER, FakeNet, Topology
 
 ALLOWED_IP = "192.0.2.10"
@@ -265,3 +267,76 @@ def test_run_timeout_kills_the_whole_sandbox(run_in_gw):
 def test_docker_only_limits_are_refused_for_the_netns_backend(run_in_gw):
     result = run_in_gw("true", options=("--memory", "64m", "--pids", "10"))
     assert result.returncode == 2 and "--memory, --pids: docker backend only" in result.stderr, result.stderr
+
+
+# What a sandbox sends, over and over, to every port of its gateway: TCP (proxy, DNS, broker) and UDP (DNS).
+SENDER = """
+import os, socket, sys, time
+gateway = os.environ["HTTP_PROXY"].split("//")[1].split(":")[0]
+while True:
+    for port in (3128, 53, 8080):
+        s = socket.socket(); s.settimeout(0.3)
+        try:
+            s.connect((gateway, port)); s.sendall(b"from the sandbox\\n")
+        except OSError:
+            pass
+        s.close()
+    u = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    u.sendto(b"from the sandbox", (gateway, 53)); u.close()
+    time.sleep(0.05)
+"""
+GATEWAY_PORTS = {"tcp": (3128, 53, 8080), "udp": (53,)}
+
+
+def _pids_with(marker: str) -> list[int]:
+    return [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit() and marker in _cmdline(p)]
+
+
+@pytest.mark.parametrize("isolation", ["bwrap", "none"])
+def test_a_killed_launcher_leaves_no_sandbox_and_no_way_to_another_program_on_its_ports(
+    topology: Topology, run_in_gw, isolation: str
+):
+    # bubblewrap's --die-with-parent ends only the command (and without bubblewrap nothing would): the watchdog
+    # removes the rest, and until it has, the fence lets nothing reach a program that took the gateway's ports.
+    sandbox_id = f"{topology.prefix}k{isolation[0]}"
+    marker = f"airlock-sender-{sandbox_id}"
+    argv = _run_argv(sandbox_id, "python3", "-c", SENDER, marker)
+    argv[argv.index("--") : argv.index("--")] = ["--isolation", isolation, "--timeout", "120"]
+    launcher = topology.popen(topology.gw, argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 30
+        while not _pids_with(marker):
+            assert time.monotonic() < deadline and launcher.poll() is None, "the sandbox did not start"
+            time.sleep(0.1)
+        time.sleep(1)  # it is sending to the gateway
+        launcher.kill()
+        launcher.wait()
+        killed = time.monotonic()
+        with ForeignListeners(topology.gw, GATEWAY_PORTS["tcp"], GATEWAY_PORTS["udp"]) as foreign:
+            while left := _what_is_left(topology, sandbox_id, marker):
+                assert time.monotonic() - killed < 5, f"the sandbox outlived its launcher: {left}"
+                time.sleep(0.05)
+            time.sleep(1)
+            assert foreign.received == {}
+        _, stderr = launcher.communicate(timeout=30)  # its stderr closes once the watchdog has exited
+        assert f"netns sandbox {sandbox_id} removed: its launcher is gone" in stderr, stderr
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+        for pid in _pids_with(marker):  # only after a failure: the sandbox this test started
+            os.kill(pid, signal.SIGKILL)
+        leftover = NetnsSandbox(sandbox_id)
+        leftover.owned = True
+        in_netns(topology.gw, leftover.destroy)
+
+
+def _what_is_left(topology: Topology, sandbox_id: str, marker: str) -> list[str]:
+    tables = topology.run(topology.gw, ["nft", "list", "tables"]).stdout
+    links = topology.run(topology.gw, ["ip", "-o", "link"]).stdout
+    found = {
+        "processes": bool(_pids_with(marker)),
+        "namespace": f"airlock-{sandbox_id}" in _netns_list(),
+        "fence": f"{NETNS_TABLE_PREFIX}{sandbox_id}" in tables,
+        "link": f"alh{sandbox_id}" in links,
+    }
+    return [what for what, there in found.items() if there]

@@ -13,6 +13,7 @@ import pwd
 import shutil
 import subprocess
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -20,7 +21,8 @@ import pytest
 
 from airlock.sandbox.workdir import QUARANTINE_ROOT
 
-from topology import Topology
+from gateway_proc import AIRLOCK, E2E_POLICY
+from topology import DNS_SERVER, Topology
 
 NOBODY = pwd.getpwnam("nobody")  # run as root without sudo, the sandboxed command runs as nobody
 HOST_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/nonexistent", "LC_ALL": "C"}
@@ -298,3 +300,35 @@ def _sandbox_id(result: subprocess.CompletedProcess) -> str:
         if "refs/airlock/" in line:
             return line.split("refs/airlock/")[1].split("/")[0]
     raise AssertionError(f"no exported refs in: {result.stderr}")
+
+
+def test_a_killed_launcher_still_leaves_nothing_that_runs(topology: Topology, repo: Path, marker: Path):
+    # The watchdog that removes the sandbox checks its working directory too, and takes its commits out.
+    sandbox_id = f"{topology.prefix}wk"
+    script = (
+        "echo more >> README && git -c user.name=a -c user.email=a@example.test commit -qam 'before the kill'; "
+        f"mkdir -p deep && cd deep && git init -q && {plant('.git/config', marker)}; touch ../planted; sleep 120"
+    )
+    argv = [AIRLOCK, "run", "--policy", E2E_POLICY, "--upstream-dns", DNS_SERVER, "--sandbox-id", sandbox_id]
+    launcher = topology.popen(topology.gw, [*argv, "--", "sh", "-c", script], cwd=repo, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 30
+        while not (repo / "planted").exists():
+            assert time.monotonic() < deadline and launcher.poll() is None, "the sandbox did not start"
+            time.sleep(0.1)
+        launcher.kill()
+        launcher.wait()
+        ref = f"refs/airlock/{sandbox_id}/heads/main"
+        deadline = time.monotonic() + 10
+        while (repo / "deep" / ".git").exists() or host_git(
+            repo, "rev-parse", "-q", "--verify", ref, check=False
+        ).returncode:
+            assert time.monotonic() < deadline, "the working directory was not checked after the launcher died"
+            time.sleep(0.1)
+        probe(repo / "deep", repo)
+        assert not marker.exists()
+        assert host_git(repo, "log", "-1", "--format=%s", ref).stdout.strip() == "before the kill"
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+        launcher.communicate(timeout=30)

@@ -339,3 +339,21 @@ async def test_stop_closes_idle_tcp_clients_instead_of_waiting_for_them(upstream
         idle.settimeout(3)
         assert await asyncio.to_thread(idle.recv, 1) == b""  # the gateway's end is gone
         idle.close()
+
+
+# --- refusals are timed like every other answer --------------------------------------------------------------
+
+
+async def test_a_refusal_is_audited_with_the_time_it_took(gateway: Gateway, monkeypatch: pytest.MonkeyPatch) -> None:
+    from airlock.dns import server as dns_server
+
+    judge = dns_server.decide_name
+
+    def slow_judge(*args: object):
+        time.sleep(0.03)  # a slow policy decision, as a big policy on a loaded host makes it
+        return judge(*args)
+
+    monkeypatch.setattr(dns_server, "decide_name", slow_judge)
+    assert rcode(await ask(gateway.port, "x.blocked.test")) == "REFUSED"
+    [record] = gateway.audit
+    assert record.decision == "deny" and record.duration_ms >= 30, record

@@ -1,0 +1,183 @@
+"""Command-line input that would switch a limit off or crash: refused with one usage line (exit 2) before anything
+is created — no traceback, no sandbox, no state directory."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import ipaddress
+from pathlib import Path
+
+import pytest
+
+from airlock import cli
+from airlock.gateway import Gateway, GatewayConfig, GatewayError
+from airlock.policy import load_policy
+from airlock.sandbox import netns
+
+
+@pytest.fixture
+def nothing_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """As root, with both backends replaced by a failure: a refused limit must never get that far."""
+
+    async def must_not_run(args: argparse.Namespace, policy: object) -> int:
+        raise AssertionError(f"a sandbox would have been started with {args}")
+
+    monkeypatch.setattr(cli.os, "geteuid", lambda: 0)
+    monkeypatch.setattr(cli, "_run_sandboxed", must_not_run)
+    monkeypatch.setattr(cli, "_run_docker", must_not_run)
+
+
+DOCKER = ("--backend", "docker", "--image", "img")
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        (("--timeout", "inf"), "--timeout inf"),
+        (("--timeout", "nan"), "--timeout nan"),
+        (("--timeout", "-1"), "--timeout -1"),
+        (("--timeout", "0"), "--timeout 0"),
+        (("--timeout", "1e9"), "--timeout 1"),
+        ((*DOCKER, "--memory", "0"), "--memory: '0'"),  # docker reads 0 as unlimited
+        ((*DOCKER, "--memory=-1g"), "--memory: '-1g'"),
+        ((*DOCKER, "--memory", "1m"), "--memory: '1m' is outside"),  # below docker's own minimum
+        ((*DOCKER, "--memory", "lots"), "--memory: 'lots'"),
+        ((*DOCKER, "--cpus", "0"), "--cpus 0"),
+        ((*DOCKER, "--cpus", "nan"), "--cpus nan"),
+        ((*DOCKER, "--cpus", "-2"), "--cpus -2"),
+        ((*DOCKER, "--pids", "0"), "--pids 0"),
+        ((*DOCKER, "--pids", "-1"), "--pids -1"),
+        ((*DOCKER, "--output-limit", "0"), "--output-limit 0"),
+        (("--max-tunnels", "0"), "--max-tunnels 0"),
+        (("--max-connections", "-5"), "--max-connections -5"),
+        (("--connect-timeout", "inf"), "--connect-timeout inf"),
+        (("--connect-timeout", "0"), "--connect-timeout 0"),
+        (("--idle-timeout", "nan"), "--idle-timeout nan"),
+        (("--github-timeout", "-1"), "--github-timeout -1"),
+        (("--dns-rate", "0"), "--dns-rate 0"),
+        (("--dns-rate", "inf"), "--dns-rate inf"),
+        (("--dns-min-ttl", "-1"), "--dns-min-ttl -1"),
+        (("--proxy-port", "0"), "--proxy-port 0"),
+        (("--dns-port", "70000"), "--dns-port 70000"),
+        (("--broker-port", "-1"), "--broker-port -1"),
+        (("--token-ttl", "200h"), "--token-ttl 720000"),
+    ],
+)
+def test_a_limit_that_is_off_infinite_or_absurd_is_a_usage_error(
+    nothing_runs: None, capsys: pytest.CaptureFixture, options: tuple[str, ...], message: str
+) -> None:
+    assert cli.main(["run", *options, "--", "true"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith(f"airlock: {message}"), err
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        ("--timeout", "0.5"),
+        ("--timeout", "604800"),
+        (*DOCKER, "--memory", "6m", "--cpus", "0.01", "--pids", "1", "--output-limit", "1"),
+        (*DOCKER, "--memory", "2G"),
+        ("--dns-port", "0", "--broker-port", "0"),  # 0 turns these services off, as documented
+        ("--dns-min-ttl", "0"),
+    ],
+)
+def test_limits_within_their_bounds_are_accepted(
+    nothing_runs: None, monkeypatch: pytest.MonkeyPatch, options: tuple[str, ...]
+) -> None:
+    reached: list[argparse.Namespace] = []
+
+    async def runs(args: argparse.Namespace, policy: object) -> int:
+        reached.append(args)
+        return 0
+
+    monkeypatch.setattr(cli, "_run_sandboxed", runs)
+    monkeypatch.setattr(cli, "_run_docker", runs)
+    monkeypatch.setattr(netns, "bubblewrap_available", lambda: True)
+    assert cli.main(["run", *options, "--", "true"]) == 0 and len(reached) == 1
+
+
+def test_the_gateway_checks_its_limits_too(capsys: pytest.CaptureFixture, tmp_path: Path) -> None:
+    argv = ["gateway", "--listen", "127.0.0.1", "--state-dir", str(tmp_path / "state"), "--connect-timeout", "inf"]
+    assert cli.main(argv) == 2
+    assert capsys.readouterr().err.startswith("airlock: --connect-timeout inf")
+    assert not (tmp_path / "state").exists()
+
+
+@pytest.mark.parametrize("listen", ["localhost", "gateway.example", "127.1", " 127.0.0.1", ""])
+def test_listen_must_be_an_ip_address_and_nothing_is_left_behind(
+    capsys: pytest.CaptureFixture, tmp_path: Path, listen: str
+) -> None:
+    state = tmp_path / "state"
+    argv = ["gateway", "--listen", listen, "--state-dir", str(state), "--upstream-dns", "127.0.0.1"]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "--listen" in err and "IP address" in err, err
+    assert not state.exists()
+
+
+def test_a_gateway_object_refuses_a_name_before_making_its_state_directory(tmp_path: Path) -> None:
+    config = GatewayConfig(load_policy(cli.default_policy_path()), "localhost", upstream_dns=[("127.0.0.1", 53)])
+    config.state_dir = str(tmp_path / "state")
+    with pytest.raises(GatewayError, match="give an IP address"):
+        Gateway(config)
+    assert not (tmp_path / "state").exists()
+
+
+@pytest.mark.parametrize("spec", ["foo", "=10.0.0.0/8", "foo10.0.0.0/8"])
+def test_a_sandbox_spec_without_id_and_network_is_a_usage_error(
+    capsys: pytest.CaptureFixture, tmp_path: Path, spec: str
+) -> None:
+    argv = ["gateway", "--listen", "127.0.0.1", "--state-dir", str(tmp_path / "s"), "--sandbox", spec]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == f"airlock: --sandbox {spec!r}: expected ID=CIDR[:PROFILE]"
+
+
+def test_the_launcher_kills_and_removes_the_sandbox_off_the_event_loop(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """kill_all() and destroy() sleep and wait for `ip` and `nft`: on the event loop they would stall the
+    embedded gateway (its proxy, DNS and broker) for as long."""
+    calls: dict[str, bool] = {}
+
+    def on_loop() -> bool:
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            return False
+        return True
+
+    def recorder(name: str):
+        def record(self: netns.NetnsSandbox, *args: object, **kwargs: object) -> object:
+            calls[name] = on_loop()
+            if name == "create":
+                self.link = ipaddress.ip_network("10.231.0.0/30")
+            return ["sleep", "1"] if name == "command" else None
+
+        return record
+
+    for name in ("create", "kill_all", "destroy", "command"):
+        monkeypatch.setattr(netns.NetnsSandbox, name, recorder(name))
+
+    class Stopped:
+        broker = None
+
+        async def stop(self) -> None:
+            calls["gateway stopped"] = True
+
+    async def start_gateway(*args: object) -> Stopped:
+        return Stopped()
+
+    monkeypatch.setattr(cli, "_start_gateway", start_gateway)
+    monkeypatch.setattr(cli, "_hidden_paths", lambda args, user: [])
+    monkeypatch.setattr(cli, "_kept_from_writes", lambda args, user: [])
+    monkeypatch.chdir(tmp_path)
+    args = cli.build_parser().parse_args(["run", "--timeout", "0.2", "--user", "nobody", "--", "true"])
+    args.isolation = "bwrap"
+    code = asyncio.run(cli._run_sandboxed(args, load_policy(cli.default_policy_path())))
+    assert code == 124
+    assert calls == {
+        "create": False, "command": True, "kill_all": False, "destroy": False, "gateway stopped": True,
+    }  # fmt: skip
