@@ -384,7 +384,6 @@ def _mint(args: argparse.Namespace, gateway, sandbox_id: str) -> str | None:
 async def _run_docker(args: argparse.Namespace, policy: Policy) -> int:
     import docker
 
-    from airlock.sandbox.docker import Limits
     from airlock.sandbox.launch import launch
 
     try:
@@ -392,9 +391,7 @@ async def _run_docker(args: argparse.Namespace, policy: Policy) -> int:
         client.ping()
     except docker.errors.DockerException as e:
         raise UsageError(f"no docker engine answers ({e}); use --backend netns") from None
-    given = {"cpus": args.cpus, "memory": args.memory, "pids": args.pids}
-    chosen = {k: v for k, v in given.items() if v is not None}
-    limits = Limits(**chosen, timeout=args.timeout, output_limit=args.output_limit)
+    limits = docker_limits(args)
     mounts = [_mount(m, _gateway_credentials(args)) for m in args.mount or []]
     state = tempfile.TemporaryDirectory(prefix="airlock-run-")
     args.state_dir = args.state_dir or state.name
@@ -430,6 +427,15 @@ async def _run_docker(args: argparse.Namespace, policy: Policy) -> int:
     finally:
         state.cleanup()
         await asyncio.to_thread(watchdog.release)
+
+
+def docker_limits(args: argparse.Namespace):
+    """The container's limits: those given, the defaults for the rest."""
+    from airlock.sandbox.docker import Limits
+
+    given = {"cpus": args.cpus, "memory": args.memory, "pids": args.pids}
+    chosen = {k: v for k, v in given.items() if v is not None}
+    return Limits(**chosen, timeout=args.timeout, output_limit=args.output_limit)
 
 
 def _mount(text: str, credentials: list[str]) -> tuple[str, str]:

@@ -58,7 +58,7 @@ import docker  # noqa: E402
 
 from airlock import cli  # noqa: E402
 from airlock.gateway import Gateway  # noqa: E402
-from airlock.sandbox.docker import LABEL, DockerSandbox, Limits  # noqa: E402
+from airlock.sandbox.docker import LABEL, DockerSandbox  # noqa: E402
 from airlock.sandbox.launch import launch  # noqa: E402
 
 import common  # noqa: E402
@@ -248,7 +248,7 @@ async def _inprocess(client: docker.DockerClient, image: str, sandbox_id: str, s
     argv += ["--upstream-dns", DNS_SERVER, "--sandbox-id", sandbox_id, "--state-dir", str(state_dir), "--", "true"]
     args = cli.build_parser().parse_args(argv)
     policy = cli._load(args.policy)
-    limits = Limits(args.cpus, args.memory, args.pids, timeout=args.timeout, output_limit=args.output_limit)
+    limits = cli.docker_limits(args)
     config = cli._gateway_config(args, policy, "0.0.0.0", [])
     MARKS.clear()
     stalls: list[float] = []
