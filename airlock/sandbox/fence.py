@@ -53,13 +53,17 @@ class Fence:
             to = f'iifname "{iface}" ip daddr {self.gateway_ip} tcp dport {{ {", ".join(map(str, self.tcp_ports))} }}'
             # `socket mark` matches a full socket only (a listener, an accepted connection); for a half-open one
             # (the handshake's last ACK meets a request socket), a TIME_WAIT or no socket it matches neither way.
-            # So: a marked socket is reached; any other full socket is not; of the rest only packets that open
-            # no connection pass (a SYN that meets a TIME_WAIT would go on to whatever listens now). What is
-            # refused gets a reset, as from a closed port: the sandbox's client gives up at once.
+            # So: a marked socket is reached; any other full socket is not; of the rest, packets that open no
+            # connection pass, and so does a SYN that meets a TIME_WAIT (`socket transparent` finds any socket):
+            # the client reused the ports of a connection the gateway closed, which busy clients do all the time.
+            # Should that SYN reach another program that took the port after the gateway died, the connection's
+            # first data meets that program's full, unmarked socket and is reset. What is refused gets a reset,
+            # as from a closed port: the sandbox's client gives up at once.
             accepts += [
                 f"{to} socket mark {mark} accept",
                 f"{to} socket mark != {mark} counter reject with tcp reset",
                 f"{to} tcp flags & syn == 0 accept",
+                f"{to} socket transparent 0 accept",
                 f"{to} counter reject with tcp reset",
             ]
         if self.udp_ports:

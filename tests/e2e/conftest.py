@@ -181,6 +181,17 @@ def own_gateway(
         gateway.start()
 
 
+@pytest.fixture
+def shared_gateway_stopped(gateway: GatewayProcess) -> Iterator[None]:
+    """The gateway namespace's proxy, DNS and broker ports free of the shared gateway (a test binds them on
+    0.0.0.0 as a foreign program would); it is restarted after."""
+    gateway.stop()
+    try:
+        yield
+    finally:
+        gateway.start()
+
+
 # ------------------------------------------------------------------------------------------- docker
 
 REPO_ROOT = Path(__file__).resolve().parents[2]

@@ -420,7 +420,7 @@ while True:
 
 
 def test_a_killed_launcher_leaves_no_container_and_no_way_to_another_program_on_its_ports(
-    topology: Topology, docker_run, docker_env
+    topology: Topology, docker_run, docker_env, shared_gateway_stopped: None
 ):
     # The container would run on unserved and untimed: the watchdog removes it, and until it has, the fence
     # lets nothing reach a program that took the gateway's ports.

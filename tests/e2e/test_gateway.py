@@ -453,3 +453,32 @@ def test_an_address_the_gateway_gains_after_start_is_its_own(topology: Topology,
         assert record["decision"] == "deny" and "own address" in record["reason"], record
     finally:
         topology.run(topology.gw, ["ip", "addr", "del", "10.99.0.1/32", "dev", "lo"])
+
+
+def _twice_from_one_port(port: int) -> list[str]:
+    """Two requests from the same source port, the second right after the gateway closed the first (so it meets
+    the gateway's TIME_WAIT of that connection): what each got back."""
+    seen = []
+    for _ in range(2):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.settimeout(10)
+            sock.bind((SBX_IP, port))
+            try:
+                sock.connect(PROXY)
+            except OSError as e:
+                seen.append(f"connect: {e}")
+                continue
+            sock.sendall(b"GET http://allowed.test/ HTTP/1.1\r\nHost: allowed.test\r\nConnection: close\r\n\r\n")
+            reply = b""
+            while chunk := sock.recv(65536):  # until the gateway closes: the TIME_WAIT is its
+                reply += chunk
+            seen.append(reply.split(b"\r\n", 1)[0].decode())
+    return seen
+
+
+def test_a_client_that_reuses_its_port_at_once_is_served(topology: Topology, fakenet: FakeNet, gateway):
+    # Busy clients reuse source ports whose last connection the gateway closed a moment ago: the SYN meets a
+    # TIME_WAIT socket, which carries no mark; it must still reach the gateway.
+    port = 40000 + os.getpid() % 20000
+    assert in_netns(topology.sbx, _twice_from_one_port, port) == ["HTTP/1.1 200 OK"] * 2
