@@ -2,53 +2,142 @@
 
 Lines are buffered and written out by `flush()`, which the gateway calls every 100 ms and on shutdown: one
 write per batch instead of one per DNS query. A gateway killed with SIGKILL can lose the last 100 ms of lines.
+
+A write that fails (disk full, file system gone read-only, a pipe nobody reads) makes `failure` say why, and the
+gateway denies every new decision until a write succeeds again: nothing is allowed that cannot be audited. The
+lines that could not be written wait (up to MAX_WAITING_BYTES) and go out first once writing works again. A file
+that was removed or renamed away (log rotation) is noticed at the next write, and a new one is created at the path:
+the lines that follow are never written into a file nobody can find.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
+import time
 from pathlib import Path
-from typing import TextIO
 
 from airlock.policy import AuditRecord, RepeatedDecisions
 
 FLUSH_LINES = 512
+MAX_WAITING_BYTES = 32 << 20  # lines waiting while the log cannot be written; more are counted and dropped
+REPORT_INTERVAL = 10.0  # while the log cannot be written, stderr is told again this often
+
+log = logging.getLogger("airlock.audit")
+
+
+class _Sink:
+    """One destination: its file descriptor and the bytes it has not taken yet."""
+
+    def __init__(self, name: str, fd: int, path: str | None = None) -> None:
+        self.name, self.fd, self.path = name, fd, path
+        self.waiting = bytearray()
+        self.error: str | None = None
+
+    @classmethod
+    def open(cls, path: str) -> _Sink:
+        return cls(path, _open_log(path), path)
+
+    def write(self, data: bytes) -> int:
+        """Queue `data` (dropped when too much already waits: the count of lines lost) and write out what waits."""
+        lost = 0
+        if len(self.waiting) + len(data) > MAX_WAITING_BYTES:
+            lost = data.count(b"\n")
+        else:
+            self.waiting += data
+        try:
+            if self.path is not None:
+                self._follow_path()
+            while self.waiting:
+                written = os.write(self.fd, self.waiting)
+                del self.waiting[:written]
+        except OSError as e:
+            self.error = e.strerror or type(e).__name__
+        else:
+            self.error = None
+        return lost
+
+    def _follow_path(self) -> None:
+        """Reopen the path when the open file is no longer there (removed, or renamed away by log rotation)."""
+        assert self.path is not None
+        current = os.fstat(self.fd)
+        try:
+            named = os.stat(self.path, follow_symlinks=False)
+            if (named.st_dev, named.st_ino) == (current.st_dev, current.st_ino):
+                return
+        except FileNotFoundError:
+            pass
+        fd = _open_log(self.path)
+        os.close(self.fd)
+        self.fd = fd
+        log.warning("audit log %s was removed or replaced: writing on in a new file at that path", self.path)
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+
+def _open_log(path: str) -> int:
+    # O_NOFOLLOW: a symlink planted where the log goes must not make the gateway append to another file.
+    return os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o640)
 
 
 class AuditLog:
     def __init__(self, path: str | Path | None = None, stdout: bool = False) -> None:
-        self._streams: list[TextIO] = []
-        self._owned: list[TextIO] = []
+        self._sinks: list[_Sink] = []
+        self._owned: list[_Sink] = []
         self._pending: list[str] = []
+        self._lost = 0  # lines dropped since the log last could be written
+        self._reported = 0.0  # when stderr was last told that the log cannot be written
         if path is not None:
-            # O_NOFOLLOW: a symlink planted where the log goes must not make the gateway append to another file.
-            fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o640)
-            stream = open(fd, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
-            self._streams.append(stream)
-            self._owned.append(stream)
+            sink = _Sink.open(str(path))
+            self._sinks.append(sink)
+            self._owned.append(sink)
         if stdout:
-            self._streams.append(sys.stdout)
+            self._sinks.append(_Sink("stdout", sys.stdout.fileno()))
+        self.failure: str | None = None  # why the log cannot be written now; None while it can
 
     def emit(self, record: AuditRecord | RepeatedDecisions) -> None:
-        if not self._streams:
+        if not self._sinks:
             return
         self._pending.append(record.to_json())
         if len(self._pending) >= FLUSH_LINES:
             self.flush()
 
     def flush(self) -> None:
-        if not self._pending:
+        if not self._pending and self.failure is None:
             return
-        text = "\n".join(self._pending) + "\n"
+        data = ("\n".join(self._pending) + "\n").encode() if self._pending else b""
         self._pending.clear()
-        for stream in self._streams:
-            stream.write(text)
-            stream.flush()
+        for sink in self._sinks:
+            self._lost += sink.write(data)
+        self._report([f"{s.name}: {s.error}" for s in self._sinks if s.error is not None])
+
+    def _report(self, errors: list[str]) -> None:
+        """Say it on stderr when the log stops or starts working again, and every REPORT_INTERVAL in between."""
+        now = time.monotonic()
+        if errors:
+            failure = "; ".join(errors)
+            waiting = max(len(s.waiting) for s in self._sinks)
+            if self.failure is None or now - self._reported >= REPORT_INTERVAL:
+                log.error(
+                    "AUDIT LOG CANNOT BE WRITTEN (%s): every new request and DNS query is denied until it can; "
+                    "%d bytes of lines waiting, %d lines lost",
+                    failure, waiting, self._lost,
+                )  # fmt: skip
+                self._reported = now
+            self.failure = failure
+        elif self.failure is not None:
+            log.warning(
+                "audit log written again: requests and DNS queries are decided again (%d lines lost)", self._lost
+            )
+            self.failure, self._lost = None, 0
 
     def close(self) -> None:
         self.flush()
-        for stream in self._owned:
-            stream.close()
+        if waiting := sum(len(sink.waiting) for sink in self._sinks):
+            log.error("audit log closed with %d bytes of lines that could not be written", waiting)
+        for sink in self._owned:
+            sink.close()
         self._owned.clear()
-        self._streams.clear()
+        self._sinks.clear()

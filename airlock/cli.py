@@ -701,8 +701,13 @@ def _gateway_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--audit", metavar="FILE", help="append one JSON line per decision to FILE")
     parser.add_argument("--connect-timeout", type=float, default=10.0, metavar="S")
     parser.add_argument("--idle-timeout", type=float, default=300.0, metavar="S")
-    parser.add_argument("--max-tunnels", type=int, default=256, metavar="N", help="open tunnels per sandbox")
-    parser.add_argument("--max-connections", type=int, default=1024, metavar="N", help="open proxy connections/sandbox")
+    parser.add_argument(
+        "--max-tunnels", type=int, metavar="N", help="open tunnels per sandbox (default: 7/8 of --max-connections)"
+    )
+    parser.add_argument(
+        "--max-connections", type=int, metavar="N",
+        help="open proxy connections per sandbox (default: 4096, or what the open-file limit allows)",
+    )  # fmt: skip
     parser.add_argument("--dns-port", type=int, default=53, metavar="PORT", help="sandbox DNS; 0 turns it off")
     parser.add_argument("--dns-rate", type=float, default=100.0, metavar="QPS", help="DNS queries/s per sandbox")
     parser.add_argument("--state-dir", metavar="DIR", help="keys, broker state, admin socket")

@@ -5,15 +5,20 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import ipaddress
 import json
 import logging
 import os
+import resource
 import shutil
+import socket
 import subprocess
 import tempfile
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from mitmproxy import options
 from mitmproxy.addons import core, disable_h2c, next_layer, tlsconfig
@@ -33,6 +38,19 @@ from airlock.sandbox.fence import mark_listeners
 
 log = logging.getLogger("airlock.gateway")
 
+# File descriptors kept apart from proxied connections: the process itself, listeners, audit log, broker store
+# and broker calls; per sandbox, its DNS over TCP (16) and DNS queries waiting on upstream (32), with room left.
+RESERVED_FILES = 256
+RESERVED_FILES_PER_SANDBOX = 64
+FILES_PER_CONNECTION = 2  # the sandbox's socket and the upstream one
+# Per sandbox, when the open-file limit allows it: 1,000 idle tunnels with room to spare, at about 38 KiB of
+# memory each (bench/tunnels.py). Tunnels get 7/8 of the connections, so that a client beyond the tunnel cap is
+# told so (429) instead of finding its connection closed.
+DEFAULT_CONNECTIONS_PER_SANDBOX = 4096
+MIN_CONNECTIONS = 16
+FD_REPORT_INTERVAL = 10.0
+RESOURCE_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
+
 
 class GatewayError(Exception):
     pass
@@ -50,8 +68,8 @@ class GatewayConfig:
     audit_stdout: bool = False
     connect_timeout: float = 10.0
     idle_timeout: float = 300.0
-    max_tunnels_per_sandbox: int = 256
-    max_connections_per_sandbox: int = 1024
+    max_tunnels_per_sandbox: int | None = None  # None: derived from the open-file limit, like the next two
+    max_connections_per_sandbox: int | None = None
     dns_min_ttl: int = 5
     dns_port: int = 53  # 0: no DNS server for sandboxes
     dns_rate: float = 100.0  # queries per second per sandbox
@@ -93,6 +111,154 @@ def _missing_profiles(policy: Policy, sandboxes: list[Sandbox]) -> list[str]:
     ]
 
 
+@dataclass(frozen=True)
+class ConnectionCaps:
+    """What the open-file limit allows: proxied connections in all (client and upstream ones counted apart, each
+    at most this many) and per sandbox; `notes` say where a requested cap had to be lowered."""
+
+    open_files: int
+    total: int
+    per_sandbox: int
+    tunnels: int
+    notes: tuple[str, ...] = ()
+
+
+def raise_open_file_limit() -> tuple[int, int, int]:
+    """RLIMIT_NOFILE's soft limit raised to the hard one: (soft before, soft now, hard)."""
+    before, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    ceiling = hard
+    if hard == resource.RLIM_INFINITY:
+        try:
+            ceiling = int(Path("/proc/sys/fs/nr_open").read_text())  # the kernel's ceiling for any soft limit
+        except (OSError, ValueError):
+            ceiling = 1 << 20
+    if before != resource.RLIM_INFINITY and before < ceiling:
+        with contextlib.suppress(OSError, ValueError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (ceiling, hard))
+    now = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    return before, ceiling if now == resource.RLIM_INFINITY else now, hard
+
+
+def connection_caps(
+    open_files: int, sandboxes: int, per_sandbox: int | None = None, tunnels: int | None = None
+) -> ConnectionCaps:
+    """The caps an open-file limit allows, with `sandboxes` sandbox networks; a cap asked for (`per_sandbox`,
+    `tunnels`) is kept when the limit allows it, else lowered. `notes` say what the limit held down; GatewayError
+    when it leaves too little."""
+    reserved = RESERVED_FILES + RESERVED_FILES_PER_SANDBOX * max(1, sandboxes)
+    total = (open_files - reserved) // FILES_PER_CONNECTION
+    if total < MIN_CONNECTIONS:
+        need = reserved + MIN_CONNECTIONS * FILES_PER_CONNECTION
+        raise GatewayError(f"the open-file limit ({open_files}) is too low for a gateway: it needs at least {need}")
+    for option, value in (("--max-connections", per_sandbox), ("--max-tunnels", tunnels)):
+        if value is not None and value < 1:
+            raise GatewayError(f"{option} {value}: must be at least 1")
+    notes: list[str] = []
+    if per_sandbox is None:
+        per_sandbox = min(DEFAULT_CONNECTIONS_PER_SANDBOX, total)
+        if per_sandbox < DEFAULT_CONNECTIONS_PER_SANDBOX:
+            notes.append(f"{per_sandbox} connections per sandbox instead of {DEFAULT_CONNECTIONS_PER_SANDBOX}")
+    elif per_sandbox > total:
+        notes.append(f"--max-connections {per_sandbox} lowered to {total}")
+        per_sandbox = total
+    if tunnels is None:
+        tunnels = max(1, per_sandbox - per_sandbox // 8)
+    elif tunnels > per_sandbox:
+        notes.append(f"--max-tunnels {tunnels} lowered to {per_sandbox}")
+        tunnels = per_sandbox
+    return ConnectionCaps(open_files, total, per_sandbox, tunnels, tuple(notes))
+
+
+def _sandbox_count(sandboxes: list[Sandbox]) -> int:
+    return len({sandbox.id for sandbox in sandboxes})
+
+
+def _announce(caps: ConnectionCaps, before: int, hard: int) -> None:
+    raised = f", raised from {before}" if before != caps.open_files else ""
+    summary = (
+        f"open files {caps.open_files}{raised} (hard limit {hard}): at most {caps.total} proxied connections, "
+        f"{caps.per_sandbox} per sandbox, of which {caps.tunnels} tunnels"
+    )
+    if caps.notes:
+        why = "; ".join(caps.notes)
+        log.warning("%s (%s: the open-file limit allows no more; raise it: ulimit -Hn, LimitNOFILE=)", summary, why)
+    else:
+        log.info("%s", summary)
+
+
+class _DescriptorShortage:
+    """The event loop's exception handler, but for accept() failing for lack of descriptors (asyncio then pauses
+    that listener for a second, and reports each failure with a traceback): one line per interval instead, which
+    says what it means."""
+
+    MESSAGE = "socket.accept() out of system resource"
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.previous = loop.get_exception_handler()
+        self.failures = 0
+        self.reported = float("-inf")
+
+    def __call__(self, loop: asyncio.AbstractEventLoop, context: dict[str, object]) -> None:
+        if context.get("message") != self.MESSAGE:
+            if self.previous is not None:
+                self.previous(loop, context)
+            else:
+                loop.default_exception_handler(context)
+            return
+        self.failures += 1
+        now = time.monotonic()
+        if now - self.reported >= FD_REPORT_INTERVAL:
+            error = context.get("exception")
+            why = getattr(error, "strerror", None) or error
+            log.error(
+                "out of file descriptors or memory (%s): new connections wait in the kernel until some close "
+                "(%d accept failures since the last report)",
+                why,
+                self.failures,
+            )
+            self.failures, self.reported = 0, now
+
+
+class _ListenerView:
+    """A listening socket as asyncio's accept loop sees it: once accept() has failed for lack of descriptors (or
+    memory), the next accept() of the same wakeup finds nothing waiting instead of failing again."""
+
+    __slots__ = ("short", "sock")
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock, self.short = sock, False
+
+    def accept(self) -> tuple[socket.socket, Any]:
+        if self.short:
+            raise BlockingIOError
+        try:
+            return self.sock.accept()
+        except OSError as e:
+            self.short = e.errno in RESOURCE_ERRNOS
+            raise
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.sock, name)
+
+
+def _one_retry_per_shortage(loop: asyncio.AbstractEventLoop) -> None:
+    """Python before 3.15 (gh-151615): when accept() fails for lack of file descriptors, asyncio's accept loop
+    goes on calling it for the rest of its batch of 100, and every failure schedules its own retry of the listener
+    a second later; the retries compound into a busy loop. Stop each batch at its first such failure, as the fix
+    upstream does: then a listener short of descriptors tries once a second. Called before any listener starts,
+    since a listener keeps the accept function it started with."""
+    accept = getattr(loop, "_accept_connection", None)
+    if accept is None or getattr(accept, "airlock", False):
+        return  # not asyncio's selector loop, or done already
+
+    def accept_connection(protocol_factory: Any, sock: Any, *args: Any, **kwargs: Any) -> None:
+        listener = sock.sock if isinstance(sock, _ListenerView) else sock  # a retry passes the view back
+        accept(protocol_factory, _ListenerView(listener), *args, **kwargs)
+
+    accept_connection.airlock = True  # type: ignore[attr-defined]
+    loop._accept_connection = accept_connection  # type: ignore[attr-defined]
+
+
 class Gateway:
     def __init__(self, config: GatewayConfig) -> None:
         self.config = config
@@ -100,6 +266,14 @@ class Gateway:
             ipaddress.ip_address(config.listen)
         except ValueError:
             raise GatewayError(f"listen address {config.listen!r}: give an IP address (127.0.0.1, ::1, ...)") from None
+        before, open_files, hard = raise_open_file_limit()
+        self.caps = connection_caps(
+            open_files,
+            _sandbox_count(config.sandboxes),
+            config.max_connections_per_sandbox,
+            config.max_tunnels_per_sandbox,
+        )
+        _announce(self.caps, before, hard)
         servers = config.upstream_dns or system_servers()
         if not servers:
             raise GatewayError("no upstream DNS server: pass --upstream-dns or configure /etc/resolv.conf")
@@ -125,6 +299,8 @@ class Gateway:
 
     async def start(self) -> None:
         config = self.config
+        caps = self.caps
+        _one_retry_per_shortage(asyncio.get_running_loop())
         opts = options.Options(
             mode=[f"regular@{config.proxy_port}"],
             listen_host=config.listen,
@@ -135,8 +311,10 @@ class Gateway:
         settings = GatewaySettings(
             own_addresses=gateway_addresses,
             connect_timeout=config.connect_timeout,
-            max_tunnels_per_sandbox=config.max_tunnels_per_sandbox,
-            max_connections_per_sandbox=config.max_connections_per_sandbox,
+            max_tunnels_per_sandbox=caps.tunnels,
+            max_connections_per_sandbox=caps.per_sandbox,
+            max_connections=caps.total,
+            audit_failure=self._audit_failure,
         )
         self.shared, self.addons = build_addons(config.policy, self.registry, self.resolver, self.audit.emit, settings)
         # Only the addons a proxy needs: no script loader, replay, onboarding app (mitm.it), header or body
@@ -169,9 +347,14 @@ class Gateway:
         if not proxyserver.listen_addrs():
             await self.stop()
             raise GatewayError(f"proxy could not listen on {config.listen}:{config.proxy_port}")
+        # mitmproxy has installed its handler by now; every listener of the gateway shares this loop.
+        loop = asyncio.get_running_loop()
+        loop.set_exception_handler(_DescriptorShortage(loop))
         log.info("airlock proxy listening on %s:%d", config.listen, config.proxy_port)
         if config.dns_port:
-            dns_settings = DnsSettings(own_addresses=gateway_addresses, rate_per_second=config.dns_rate)
+            dns_settings = DnsSettings(
+                own_addresses=gateway_addresses, rate_per_second=config.dns_rate, audit_failure=self._audit_failure
+            )
             self.dns = PolicyResolver(config.policy, self.registry, self.resolver, self.audit.emit, dns_settings)
             self._dns_server = DnsServer(self.dns, config.listen, config.dns_port)
             try:
@@ -200,6 +383,9 @@ class Gateway:
         except OSError as e:
             log.warning("listening sockets not marked (%s): an airlock fence keeps sandboxes from them", e)
 
+    def _audit_failure(self) -> str | None:
+        return self.audit.failure
+
     async def _flush_audit(self) -> None:
         while True:
             await asyncio.sleep(0.1)
@@ -227,6 +413,8 @@ class Gateway:
             await self._dns_server.stop()
         if self._broker_runtime is not None:
             await self._broker_runtime.stop()
+        if self.shared is not None:
+            self.shared.refusals.flush()
         # Master.shutdown() alone leaves the listening sockets open: close the servers first.
         with contextlib.suppress(Exception):
             await master.addons.get("proxyserver").servers.update([])

@@ -27,10 +27,13 @@ from typing import Any
 
 from control import stop_proc
 from testca import TestCA, make_test_ca
-from topology import FakeNet, Topology
+from topology import GW_IP, FakeNet, Topology
 
 REPO = Path(__file__).resolve().parent.parent
 CLK_TCK = os.sysconf("SC_CLK_TCK")
+MITMDUMP = Path(sys.executable).parent / "mitmdump"
+UPSTREAM_IP = "192.0.2.10"  # allowed.test in the fake internet
+HOST = "allowed.test"
 
 
 # ------------------------------------------------------------------------------------------------ CPU and machine
@@ -170,6 +173,30 @@ class ListeningServer:
     def stop(self) -> None:
         if self.proc is not None:
             stop_proc(self.proc, wait=10)
+
+
+class Mitmdump(ListeningServer):
+    """Bare mitmproxy (no addon) in the gateway namespace. allowed.test resolves via a private /etc/hosts bind
+    mount (in its own mount namespace), so mitmproxy's getaddrinfo never asks any DNS server."""
+
+    name, ss_flags, poll_s = "mitmdump", "-Hltn", 0.1
+
+    def __init__(self, topo: Topology, workdir: Path, port: int, extra: tuple[str, ...] = ()) -> None:
+        super().__init__(topo, workdir, port, f"mitmdump-{port}.log")
+        self.extra = extra
+
+    def start(self, timeout: float = 30) -> Mitmdump:
+        hosts = self.workdir / "hosts"
+        hosts.write_text(f"127.0.0.1 localhost\n{UPSTREAM_IP} {HOST}\n")
+        argv = [
+            "unshare", "--mount", "--propagation", "private",
+            "sh", "-c", 'mount --bind "$0" /etc/hosts && exec "$@"', hosts,
+            MITMDUMP, "-q", "--listen-host", GW_IP, "--listen-port", self.port,
+            "--set", "connection_strategy=lazy", "--set", f"confdir={self.workdir / 'mitmproxy'}",
+            *self.extra,
+        ]  # fmt: skip
+        self._launch(argv, timeout)
+        return self
 
 
 def stop_all(procs: list[Any]) -> None:

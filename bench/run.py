@@ -33,14 +33,10 @@ sys.path.insert(0, str(REPO / "tests" / "e2e"))
 sys.path.append(str(REPO / "bench"))
 
 import common  # noqa: E402
-from common import cpu_seconds, fmt, ratio  # noqa: E402
+from common import HOST, UPSTREAM_IP, Mitmdump, cpu_seconds, fmt, ratio  # noqa: E402
 from gateway_proc import GatewayProcess  # noqa: E402
 from topology import GW_IP, FakeNet, Topology  # noqa: E402
 
-VENV_BIN = Path(sys.executable).parent
-MITMDUMP = VENV_BIN / "mitmdump"
-UPSTREAM_IP = "192.0.2.10"  # allowed.test in the fake internet
-HOST = "allowed.test"
 AIRLOCK_PORT = 3128
 BARE_HTTP_PORT = 3129
 BARE_PASS_PORT = 3130
@@ -83,30 +79,6 @@ def bench_info() -> dict[str, str]:
 
 
 # ------------------------------------------------------------------------------------------------ processes
-
-
-class Mitmdump(common.ListeningServer):
-    """Bare mitmproxy (no addon) in the gateway namespace. allowed.test resolves via a private /etc/hosts bind
-    mount (in its own mount namespace), so mitmproxy's getaddrinfo never asks any DNS server."""
-
-    name, ss_flags, poll_s = "mitmdump", "-Hltn", 0.1
-
-    def __init__(self, topo: Topology, workdir: Path, port: int, extra: tuple[str, ...] = ()) -> None:
-        super().__init__(topo, workdir, port, f"mitmdump-{port}.log")
-        self.extra = extra
-
-    def start(self, timeout: float = 30) -> Mitmdump:
-        hosts = self.workdir / "hosts"
-        hosts.write_text(f"127.0.0.1 localhost\n{UPSTREAM_IP} {HOST}\n")
-        argv = [
-            "unshare", "--mount", "--propagation", "private",
-            "sh", "-c", 'mount --bind "$0" /etc/hosts && exec "$@"', hosts,
-            MITMDUMP, "-q", "--listen-host", GW_IP, "--listen-port", self.port,
-            "--set", "connection_strategy=lazy", "--set", f"confdir={self.workdir / 'mitmproxy'}",
-            *self.extra,
-        ]  # fmt: skip
-        self._launch(argv, timeout)
-        return self
 
 
 # ------------------------------------------------------------------------------------------------ 1. HTTP

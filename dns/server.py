@@ -25,7 +25,7 @@ import struct
 import time
 from collections import Counter, defaultdict
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from dnslib import AAAA, CLASS, QTYPE, RCODE, RR, A, DNSRecord
 from publicsuffixlist import PublicSuffixList
@@ -45,12 +45,14 @@ from airlock.policy import (
 )
 
 from .memory import ReplyMemory
+from .throttle import AuditThrottle
 from .upstream import Answer, NameNotFound, ResolveError, Resolver
 
 log = logging.getLogger("airlock.dns")
 
 MAX_QUERY_BYTES = 1232  # a query is small; anything larger is not a query we want (EDNS's safe size)
 ANSWERED_TYPES = {QTYPE.A, QTYPE.AAAA}
+STRANGER = "query from an address that belongs to no sandbox"
 
 
 @dataclass
@@ -61,6 +63,8 @@ class DnsSettings:
     max_tcp_per_sandbox: int = 16  # open TCP connections; more are closed at once (no exhausting the gateway)
     max_inflight_per_sandbox: int = 32  # queries waiting on upstream at once; more get SERVFAIL, nothing is asked
     tcp_timeout: float = 10.0  # to receive each TCP query, and to hand over each reply
+    # Why the audit log cannot be written, or None: while it cannot, every query is SERVFAIL (fail closed).
+    audit_failure: Callable[[], str | None] = field(default=lambda: None)
 
 
 class _Overloaded(Exception):
@@ -145,17 +149,24 @@ class PolicyResolver:
         self._inflight: Counter[str] = Counter()  # per sandbox id: queries waiting on upstream
         self._subdomains = SubdomainRate()
         self.memory = ReplyMemory()
+        self.strangers = AuditThrottle(emit)
 
     def admit(self, client: str, now: float | None = None) -> Sandbox | bool | None:
-        """The asking sandbox; None for an unknown network (refused); False when over its rate (dropped)."""
+        """The asking sandbox; None for an address of no sandbox, whose query is still answered (REFUSED) and
+        audited; False to drop the query unanswered: over its sandbox's rate, or one more from addresses of no
+        sandbox beyond their few audit lines per interval (counted into one summary line instead)."""
         sandbox = self.registry.identify(client)
+        now = time.monotonic() if now is None else now
         if sandbox is None:
-            return None
+            if self.strangers.admit("dns", "-", STRANGER, client, now):
+                return None
+            self.stats["dropped_unknown_source"] += 1
+            return False
         bucket = self._buckets.get(sandbox.id)
         if bucket is None:
             rate = self.settings.rate_per_second
             bucket = self._buckets[sandbox.id] = _TokenBucket(rate, max(1, int(rate * 2)))
-        if not bucket.take(time.monotonic() if now is None else now):
+        if not bucket.take(now):
             self.stats["rate_limited"] += 1
             return False
         return sandbox
@@ -189,7 +200,11 @@ class PolicyResolver:
         self, request: DNSRecord, reply: DNSRecord, record: AuditRecord, sandbox: Sandbox | None, started: float
     ) -> tuple[DNSRecord, AuditRecord]:
         if sandbox is None:
-            return self._refuse(reply, record, "query from an address that belongs to no sandbox", started)
+            return self._refuse(reply, record, STRANGER, started)
+        if (failure := self.settings.audit_failure()) is not None:
+            reply.header.rcode = RCODE.SERVFAIL
+            reason = f"audit log unavailable ({failure}): no query is answered until it can be written"
+            return self._finish(reply, record, "error", reason, started)
         if request.header.opcode != 0 or len(request.questions) != 1:
             reply.header.rcode = RCODE.NOTIMP if request.header.opcode != 0 else RCODE.FORMERR
             return self._finish(reply, record, "deny", "only standard queries with one question", started)
@@ -348,6 +363,7 @@ class DnsServer:
             await self._tcp.wait_closed()
         for task in list(self._tasks):
             task.cancel()
+        self.resolver.strangers.flush()
 
     def spawn(self, coroutine) -> None:
         task = asyncio.ensure_future(coroutine)
@@ -359,6 +375,7 @@ class DnsServer:
         assert udp is not None
         now, wall = time.monotonic(), time.time()
         repeated: list[tuple[str, str]] = []  # (audit template, client) of the remembered replies sent
+        recall = resolver.settings.audit_failure() is None  # else every query goes where it is refused
         try:
             for _ in range(64):
                 try:
@@ -374,7 +391,7 @@ class DnsServer:
                 sandbox = resolver.admit(client, now)
                 if sandbox is False:
                     continue
-                remembered = memory.recall(sandbox.id, data, resolver.policy, now) if sandbox is not None else None
+                remembered = memory.recall(sandbox.id, data, resolver.policy, now) if sandbox and recall else None
                 if remembered is None:
                     self.spawn(self._udp_query(data, address, sandbox))
                     continue

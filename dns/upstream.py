@@ -16,7 +16,7 @@ import socket
 import struct
 import time
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from dnslib import CLASS, OPCODE, QTYPE, RCODE, DNSRecord
 
@@ -58,15 +58,19 @@ class ResolverConfig:
     attempts: int = 2
     min_ttl: int = 5
     max_ttl: int = 3600
-    negative_ttl: int = 30
+    # NXDOMAIN and NODATA: as long as the zone's SOA says (RFC 2308), within min_ttl..max_negative_ttl; min_ttl
+    # without a SOA. Failures (SERVFAIL, REFUSED, timeouts, ...): failure_ttl. Either way an upstream that cannot
+    # answer a name is asked about it once per that time, not once per request.
+    max_negative_ttl: int = 60
+    failure_ttl: float = 3.0
     cache_size: int = 10_000
+    negative_cache_size: int = 10_000  # apart: a flood of names that do not exist evicts no real answer
 
 
-@dataclass
+@dataclass(slots=True)
 class _Entry:
     expires: float
-    answer: Answer | None  # None: negative entry (the name does not exist)
-    error: str = field(default="")
+    answer: Answer | ResolveError  # an answer (maybe without addresses: NODATA), or the error to raise again
 
 
 def parse_server(text: str) -> Server:
@@ -100,13 +104,20 @@ class Resolver:
         if not config.servers:
             raise ValueError("no upstream DNS server configured")
         self.config = config
-        self._cache: dict[tuple[str, int], _Entry] = {}
+        self._cache: dict[tuple[str, int], _Entry] = {}  # answers with addresses
+        self._negative: dict[tuple[str, int], _Entry] = {}  # NXDOMAIN, NODATA and failures
         self._inflight: dict[tuple[str, int], asyncio.Future[Answer]] = {}
         self.stats: Counter[str] = Counter()  # malformed_replies, mismatched_replies
 
     async def resolve(self, name: str) -> Answer:
         """All A and AAAA addresses of a canonical name (CNAMEs followed)."""
-        results = await asyncio.gather(self.query(name, QTYPE.A), self.query(name, QTYPE.AAAA), return_exceptions=True)
+        results = [self._cached_result(name, QTYPE.A), self._cached_result(name, QTYPE.AAAA)]
+        if results[0] is None and results[1] is None:
+            results = list(await asyncio.gather(self._result(name, QTYPE.A), self._result(name, QTYPE.AAAA)))
+        else:  # one family cached (both: the common case, answered without a task)
+            for i, qtype in enumerate((QTYPE.A, QTYPE.AAAA)):
+                if results[i] is None:
+                    results[i] = await self._result(name, qtype)
         answers = [r for r in results if isinstance(r, Answer)]
         if not answers:
             first = results[0]
@@ -119,14 +130,31 @@ class Resolver:
         cnames = tuple(dict.fromkeys(name for answer in answers for name in answer.cnames))
         return Answer(addresses, min(a.ttl for a in answers), cnames, sum(a.upstream_ms for a in answers))
 
+    async def _result(self, name: str, qtype: int) -> Answer | ResolveError:
+        try:
+            return await self.query(name, qtype)
+        except ResolveError as e:
+            return e
+
+    def _cached_result(self, name: str, qtype: int) -> Answer | ResolveError | None:
+        try:
+            return self.cached(name, qtype)
+        except ResolveError as e:
+            return e
+
     def cached(self, name: str, qtype: int) -> Answer | None:
-        """The cached answer, or None when upstream must be asked; NameNotFound for a cached negative answer."""
-        entry = self._cache.get((name, qtype))
-        now = time.monotonic()
-        if entry is None or entry.expires <= now:
+        """The cached answer, or None when upstream must be asked. A remembered negative answer or failure is
+        raised again: NameNotFound (NXDOMAIN), ResolverUnavailable (the upstream failed a moment ago)."""
+        key = (name, qtype)
+        entry = self._cache.get(key) or self._negative.get(key)
+        if entry is None:
             return None
-        if entry.answer is None:
-            raise NameNotFound(entry.error)
+        now = time.monotonic()
+        if entry.expires <= now:
+            (self._cache if key in self._cache else self._negative).pop(key, None)
+            return None
+        if isinstance(entry.answer, ResolveError):
+            raise type(entry.answer)(*entry.answer.args)
         remaining = math.ceil(entry.expires - now)  # what is left, as a downstream cache must be told
         return Answer(entry.answer.addresses, remaining, entry.answer.cnames)
 
@@ -143,6 +171,8 @@ class Resolver:
         try:
             answer = await self._resolve_uncached(name, qtype)
         except ResolveError as e:
+            if not isinstance(e, NameNotFound):  # NXDOMAIN was stored with its own TTL
+                self._store(key, e, self.config.failure_ttl)
             future.set_exception(e)
             raise
         except BaseException as e:
@@ -166,13 +196,15 @@ class Resolver:
         for _ in range(MAX_CNAME_HOPS):
             reply = await self._exchange(target, qtype)
             if reply.header.rcode == RCODE.NXDOMAIN:
-                self._store((name, qtype), None, self.config.negative_ttl, f"{name} does not exist")
-                raise NameNotFound(f"{name} does not exist")
+                error = NameNotFound(f"{name} does not exist")
+                self._store((name, qtype), error, max(self.config.min_ttl, min(ttl, self._negative_ttl(reply))))
+                raise error
             if reply.header.rcode != RCODE.NOERROR:
                 raise ResolverUnavailable(f"upstream answered {RCODE.get(reply.header.rcode)} for {name}")
             addresses, chain, answer_ttl = _follow(reply, target, qtype)
             cnames += chain
-            ttl = min(ttl, answer_ttl)
+            # NODATA (no such record, no alias): kept as long as the zone's SOA says
+            ttl = min(ttl, answer_ttl if addresses or chain else self._negative_ttl(reply))
             if addresses or not chain:
                 break
             target = chain[-1]  # the chain left the answer: ask for its end
@@ -184,16 +216,27 @@ class Resolver:
         self._store((name, qtype), answer, ttl)
         return answer
 
-    def _store(self, key: tuple[str, int], answer: Answer | None, ttl: int, error: str = "") -> None:
+    def _negative_ttl(self, reply: DNSRecord) -> int:
+        """How long a negative reply may be kept (RFC 2308 §5: the SOA record's TTL and its MINIMUM field,
+        whichever is less), clamped to min_ttl..max_negative_ttl; min_ttl when the reply carries no SOA."""
+        soa = next((rr for rr in reply.auth if rr.rtype == QTYPE.SOA), None)
+        if soa is None:
+            return self.config.min_ttl
+        ttl = min(soa.ttl, soa.rdata.times[-1])
+        return max(self.config.min_ttl, min(ttl, self.config.max_negative_ttl))
+
+    def _store(self, key: tuple[str, int], answer: Answer | ResolveError, ttl: float) -> None:
         if ttl <= 0:
             return
-        if len(self._cache) >= self.config.cache_size:
-            now = time.monotonic()
-            for stale in [k for k, e in self._cache.items() if e.expires <= now]:
-                del self._cache[stale]
-            if len(self._cache) >= self.config.cache_size:
-                self._cache.pop(next(iter(self._cache)))
-        self._cache[key] = _Entry(time.monotonic() + ttl, answer, error)
+        positive = isinstance(answer, Answer) and bool(answer.addresses)
+        table, size = (
+            (self._cache, self.config.cache_size) if positive else (self._negative, self.config.negative_cache_size)
+        )
+        (self._negative if positive else self._cache).pop(key, None)
+        table.pop(key, None)  # re-inserted last: the oldest entry is evicted first
+        if len(table) >= size:
+            table.pop(next(iter(table)))
+        table[key] = _Entry(time.monotonic() + ttl, answer)
 
     async def _exchange(self, name: str, qtype: int) -> DNSRecord:
         question = DNSRecord.question(name, QTYPE.get(qtype))

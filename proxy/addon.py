@@ -32,6 +32,7 @@ from mitmproxy.proxy.server_hooks import ServerConnectionHookData
 from mitmproxy.proxy.utils import expect
 from mitmproxy.utils import human
 
+from airlock.dns.throttle import AuditThrottle
 from airlock.dns.upstream import ResolveError, Resolver
 from airlock.policy import (
     AuditRecord,
@@ -64,8 +65,13 @@ REQUEST_ID_HEADER = "X-Airlock-Request-Id"
 class GatewaySettings:
     own_addresses: frozenset[IPAddress] = frozenset()
     connect_timeout: float = 10.0
-    max_tunnels_per_sandbox: int = 256
-    max_connections_per_sandbox: int = 1024  # a flood of idle connections must not starve the gateway
+    # A flood of idle connections must not starve the gateway. The gateway derives these from its open-file
+    # limit (airlock/gateway.py): each proxied connection holds two descriptors, the sandbox's and the upstream.
+    max_tunnels_per_sandbox: int = 3584
+    max_connections_per_sandbox: int = 4096  # client connections; upstream connections are capped alike
+    max_connections: int = 65536  # client connections of all sandboxes together; upstream ones alike
+    # Why the audit log cannot be written, or None: while it cannot, every new request is denied (fail closed).
+    audit_failure: Callable[[], str | None] = field(default=lambda: None)
 
 
 @dataclass
@@ -116,6 +122,10 @@ class _Shared:
         self.clients: dict[str, _ClientState] = {}
         self.tunnels: Counter[str] = Counter()
         self.connections: Counter[str] = Counter()  # open client connections per sandbox
+        self.open_connections = 0  # of all sandboxes
+        self.upstreams: Counter[str] = Counter()  # open upstream connections per sandbox
+        self.upstream_of: dict[str, str] = {}  # server connection id → the sandbox whose upstream slot it holds
+        self.refusals = AuditThrottle(emit)  # refusals that come in floods: a few lines each, then a summary
         self.resolved: dict[str, list[str]] = {}  # server connection id → addresses the name resolved to
         self.local = LocalAddresses()  # addresses the gateway gained after it started are its own too
 
@@ -128,10 +138,44 @@ class _Shared:
     def profile(self, sandbox: Sandbox) -> Profile:
         return self.policy.profile(sandbox.profile)
 
+    def refuse(self, record: AuditRecord) -> None:
+        """Audit a refusal that may come in a flood (unknown network, over a cap): a few lines, then a summary."""
+        if self.refusals.admit(record.kind, record.sandbox, record.reason, record.client):
+            self.emit(record)
+
+    def connection_refusal(self, sandbox: str) -> str | None:
+        """Why one more client connection of this sandbox must be refused, if it must."""
+        settings = self.settings
+        if self.connections[sandbox] >= settings.max_connections_per_sandbox:
+            return f"sandbox already has {settings.max_connections_per_sandbox} connections open"
+        if self.open_connections >= settings.max_connections:
+            return f"the gateway already has {settings.max_connections} connections open"
+        return None
+
+    def take_upstream(self, server_id: str, sandbox: str) -> str | None:
+        """Hold an upstream slot for this server connection; or why none is left. A client connection may open
+        several upstream connections (one per host it sends plain HTTP to): they are capped like the clients."""
+        settings = self.settings
+        if self.upstreams[sandbox] >= settings.max_connections_per_sandbox:
+            return f"sandbox already has {settings.max_connections_per_sandbox} upstream connections open"
+        if len(self.upstream_of) >= settings.max_connections:
+            return f"the gateway already has {settings.max_connections} upstream connections open"
+        self.upstream_of[server_id] = sandbox
+        self.upstreams[sandbox] += 1
+        return None
+
+    def release_upstream(self, server_id: str) -> None:
+        sandbox = self.upstream_of.pop(server_id, None)
+        if sandbox is not None:
+            self.upstreams[sandbox] -= 1
+
     async def evaluate(self, sandbox: Sandbox | None, raw_host: str, port: int) -> Outcome:
         """The whole judgement of one upstream target: canonicalize, decide, resolve, vet, choose."""
         if sandbox is None:
             return Outcome(Decision(False, "connection from an address that belongs to no sandbox"), raw_host)
+        if (failure := self.settings.audit_failure()) is not None:
+            reason = f"audit log unavailable ({failure}): no request is allowed until it can be written"
+            return Outcome(Decision(False, reason), raw_host)
         try:
             host = _target(raw_host, port)
         except HostError as e:
@@ -238,6 +282,9 @@ def _target(raw_host: str, port: int) -> str:
     return canonical_host(raw_host)
 
 
+UNKNOWN_NETWORK = "unknown sandbox network"
+
+
 class SandboxIdentity:
     """Names the sandbox behind each client connection; connections from unknown networks are refused."""
 
@@ -249,20 +296,17 @@ class SandboxIdentity:
 
     @_fail_closed(_refuse)
     def client_connected(self, client: connection.Client) -> None:
-        state = self.shared.client(client)
+        shared, state = self.shared, self.shared.client(client)
         if state.sandbox is None:
             client.error = "airlock: connection from an address that belongs to no sandbox"
-            self.shared.emit(
-                AuditRecord("connect", "-", client.peername[0], "-", None, "deny", "unknown sandbox network")
-            )
+            shared.refuse(AuditRecord("connect", "-", client.peername[0], "-", None, "deny", UNKNOWN_NETWORK))
             return
-        limit = self.shared.settings.max_connections_per_sandbox
-        if self.shared.connections[state.sandbox.id] >= limit:
-            client.error = f"airlock: sandbox already has {limit} connections open"
-            reason = f"more than {limit} open connections"
-            self.shared.emit(AuditRecord("connect", state.sandbox.id, client.peername[0], "-", None, "deny", reason))
+        if refusal := shared.connection_refusal(state.sandbox.id):
+            client.error = f"airlock: {refusal}"  # closed at once: it holds no descriptor of ours any longer
+            shared.refuse(AuditRecord("connect", state.sandbox.id, client.peername[0], "-", None, "deny", refusal))
             return
-        self.shared.connections[state.sandbox.id] += 1
+        shared.connections[state.sandbox.id] += 1
+        shared.open_connections += 1
         state.counted = True
 
     @_fail_closed(_nothing_to_deny)
@@ -270,6 +314,7 @@ class SandboxIdentity:
         state = self.shared.clients.pop(client.id, None)
         if state is not None and state.counted and state.sandbox is not None:
             self.shared.connections[state.sandbox.id] -= 1
+            self.shared.open_connections -= 1
         if state is None or state.tunnel is None:
             return
         self.shared.tunnels[state.tunnel.sandbox] -= 1
@@ -317,7 +362,8 @@ class HttpPolicy:
         limit = self.shared.settings.max_tunnels_per_sandbox
         if self.shared.tunnels[state.sandbox.id] >= limit:
             record.decision, record.reason = "deny", f"sandbox already has {limit} open tunnels"
-            return self._refuse(flow, record, None, 429)
+            self.shared.refuse(record)  # a client retrying in a loop gets its 429s, the audit a summary
+            return _answer(flow, _deny_response(record, None, 429))
         self.shared.tunnels[state.sandbox.id] += 1
         state.tunnel, state.tunnel_decision, state.started = record, outcome.decision, time.monotonic()
 
@@ -502,6 +548,12 @@ class PinnedConnect:
         if not outcome.decision.allow or outcome.chosen_ip is None:
             server.error = f"airlock: {outcome.decision.reason}"
             return
+        assert state.sandbox is not None  # an allowed outcome has a sandbox
+        if refusal := self.shared.take_upstream(server.id, state.sandbox.id):
+            server.error = f"airlock: {refusal}"
+            if state.tunnel is not None:
+                state.tunnel.decision, state.tunnel.reason = "deny", refusal
+            return
         self.shared.resolved[server.id] = outcome.resolved
         self._names[server.id] = (raw_host, port)
         server.address = (outcome.chosen_ip, port)
@@ -540,6 +592,7 @@ class PinnedConnect:
         self._cancel_timer(server_id)
         self._names.pop(server_id, None)
         self.shared.resolved.pop(server_id, None)
+        self.shared.release_upstream(server_id)
 
     def _cancel_timer(self, server_id: str) -> None:
         timer = self._timers.pop(server_id, None)

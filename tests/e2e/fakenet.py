@@ -17,6 +17,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import resource
 import ssl
 import sys
 import threading
@@ -64,7 +65,9 @@ ZONE: dict[str, list[tuple[str, str]]] = {
     "v6.allowed.test": [("AAAA", "2001:db8::10"), ("A", "192.0.2.10")],
     "txt.allowed.test": [("TXT", "hello")],
     "api.github.test": [("A", "192.0.2.20")],  # fakegithub.py
+    "refused6.allowed.test": [("A", "192.0.2.10")],  # its AAAA questions are REFUSED (REFUSED_AAAA)
 }
+REFUSED_AAAA = {"refused6.allowed.test"}  # an upstream that refuses AAAA, as some do
 RDATA = {"A": A, "AAAA": AAAA, "CNAME": CNAME, "NS": NS, "TXT": TXT}
 
 
@@ -161,6 +164,9 @@ class ZoneResolver(BaseResolver):
         qname = str(request.q.qname).rstrip(".").lower()
         qtype = QTYPE.get(request.q.qtype, str(request.q.qtype))
         nth = self.stats.dns_query(qname, qtype, handler.protocol, handler.client_address[0])
+        if qtype == "AAAA" and qname in REFUSED_AAAA:
+            reply.header.rcode = RCODE.REFUSED
+            return reply
         records = self._records(qname, nth)
         if records is None:
             reply.header.rcode = RCODE.NXDOMAIN
@@ -482,6 +488,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--zone-default-ttl", type=int, default=0, help="TTL of zone records (rebind is always 0)")
     parser.add_argument("--bind", default="0.0.0.0", help="address of the TCP listeners")
     parser.add_argument("--dns-addr", default=DNS_ADDR, help="address of the authoritative DNS server")
+    # Tests hold a thousand tunnels and more through the gateway: each is a connection here too.
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
     asyncio.run(serve(parser.parse_args(argv)))
 
 

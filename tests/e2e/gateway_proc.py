@@ -26,19 +26,23 @@ class GatewayProcess:
         policy: Path = E2E_POLICY,
         extra: tuple[str, ...] = (),
         upstream_dns: str = DNS_SERVER,
+        nofile: tuple[int, int] | None = None,
+        audit_path: Path | None = None,
     ):
         self.topology = topology
         self.upstream_dns = upstream_dns
         self.workdir = workdir
         self.policy = policy
         self.extra = extra
-        self.audit_path = workdir / "audit.jsonl"
+        self.nofile = nofile  # (soft, hard) RLIMIT_NOFILE to start the gateway with; None: inherited
+        self.audit_path = audit_path or workdir / "audit.jsonl"
         self.log_path = workdir / "gateway.log"
         self.proc: subprocess.Popen[bytes] | None = None
 
     def argv(self) -> list[str]:
+        limit = ["prlimit", f"--nofile={self.nofile[0]}:{self.nofile[1]}", "--"] if self.nofile else []
         return [
-            AIRLOCK, "gateway", "--policy", str(self.policy), "--listen", GW_IP,
+            *limit, AIRLOCK, "gateway", "--policy", str(self.policy), "--listen", GW_IP,
             "--upstream-dns", self.upstream_dns, "--state-dir", str(self.workdir / "state"),
             "--audit", str(self.audit_path), "--sandbox", f"sbx={SBX_IP}/32",
             *self.extra,

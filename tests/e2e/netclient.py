@@ -7,15 +7,17 @@ so sockets it opens live there, while the test itself stays in the host namespac
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import http.client
 import json
 import os
+import resource
 import socket
 import ssl
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -248,3 +250,102 @@ class ForeignListeners:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+def raise_open_file_limit() -> int:
+    """This process's soft RLIMIT_NOFILE raised to its hard limit (a client holding many sockets needs it)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    return hard
+
+
+class HeldTunnels:
+    """Many TLS tunnels through the proxy, opened concurrently from a thread inside a namespace and held open
+    (keep-alive) until close(): what a client holding idle connections looks like to the gateway."""
+
+    def __init__(self, ns: str, proxy: tuple[str, int], target: str, ca_file: str) -> None:
+        self.proxy, self.target, self.host = proxy, target, target.rsplit(":", 1)[0]
+        self.context = ssl.create_default_context(cafile=ca_file)
+        self.tunnels: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
+        self.loop = asyncio.new_event_loop()
+        joined = threading.Event()
+        self.thread = threading.Thread(target=self._run, args=(ns, joined), name=f"tunnels-{ns}", daemon=True)
+        self.thread.start()
+        joined.wait()
+        raise_open_file_limit()
+
+    def _run(self, ns: str, joined: threading.Event) -> None:
+        fd = os.open(f"/run/netns/{ns}", os.O_RDONLY)
+        try:
+            os.setns(fd, os.CLONE_NEWNET)
+        finally:
+            os.close(fd)
+            joined.set()
+        self.loop.run_forever()
+
+    def _call[T](self, coroutine: Coroutine[Any, Any, T], timeout: float) -> T:
+        return asyncio.run_coroutine_threadsafe(asyncio.wait_for(coroutine, timeout), self.loop).result()
+
+    def open(self, n: int, timeout: float = 120) -> list[str]:
+        """Open n more tunnels at once, each with one request answered; the outcome of each: "200" or the
+        CONNECT status or error. The ones that worked stay held."""
+        return self._call(self._open_all(n), timeout)
+
+    def request_all(self, timeout: float = 120) -> list[str]:
+        """One more request on every held tunnel, all at once: "200" for each that answered."""
+        return self._call(self._request_all(), timeout)
+
+    def close(self) -> None:
+        self._call(self._close_all(), 30)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+        self.loop.close()
+
+    async def _open_all(self, n: int) -> list[str]:
+        return list(await asyncio.gather(*(self._open_one() for _ in range(n))))
+
+    async def _open_one(self) -> str:
+        try:
+            reader, writer = await asyncio.open_connection(*self.proxy)
+        except OSError as e:
+            return f"connect: {type(e).__name__}"
+        try:
+            writer.write(f"CONNECT {self.target} HTTP/1.1\r\nHost: {self.target}\r\n\r\n".encode())
+            head = await reader.readuntil(b"\r\n\r\n")
+            status = head.split(b" ", 2)[1].decode()
+            if status != "200":
+                writer.close()
+                return status
+            await writer.start_tls(self.context, server_hostname=self.host)
+            outcome = await self._get(reader, writer)
+        except (OSError, ssl.SSLError, asyncio.IncompleteReadError, IndexError) as e:
+            writer.close()
+            return f"{type(e).__name__}"
+        if outcome == "200":
+            self.tunnels.append((reader, writer))
+        else:
+            writer.close()
+        return outcome
+
+    async def _get(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> str:
+        writer.write(f"GET / HTTP/1.1\r\nHost: {self.host}\r\n\r\n".encode())
+        head = await reader.readuntil(b"\r\n\r\n")
+        length = next(
+            (int(line.split(b":", 1)[1]) for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")),
+            0,
+        )
+        await reader.readexactly(length)
+        return head.split(b" ", 2)[1].decode()
+
+    async def _request_all(self) -> list[str]:
+        async def one(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> str:
+            try:
+                return await self._get(reader, writer)
+            except (OSError, ssl.SSLError, asyncio.IncompleteReadError, IndexError) as e:
+                return f"{type(e).__name__}"
+
+        return list(await asyncio.gather(*(one(r, w) for r, w in self.tunnels)))
+
+    async def _close_all(self) -> None:
+        for _, writer in self.tunnels:
+            writer.transport.abort()
+        self.tunnels.clear()

@@ -435,6 +435,7 @@ def test_failed_upstream_connects_leave_no_per_connection_state(
     time.sleep(0.5)
     pinned = next(addon for addon in inproc_gateway.addons if isinstance(addon, PinnedConnect))
     assert (inproc_gateway.shared.resolved, pinned._names, pinned._timers) == ({}, {}, {})
+    assert inproc_gateway.shared.upstream_of == {} and sum(inproc_gateway.shared.upstreams.values()) == 0
 
 
 def test_an_address_the_gateway_gains_after_start_is_its_own(topology: Topology, own_gateway, tmp_path):

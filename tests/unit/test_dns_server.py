@@ -127,11 +127,11 @@ def make_resolver(upstream: Upstream) -> Resolver:
 
 
 @contextlib.asynccontextmanager
-async def running(resolver: Resolver, **settings: float) -> AsyncIterator[Gateway]:
-    """A DnsServer (UDP and TCP on one free port of 127.0.0.1) for the sandbox 127.0.0.0/8."""
+async def running(resolver: Resolver, network: str = "127.0.0.0/8", **settings: object) -> AsyncIterator[Gateway]:
+    """A DnsServer (UDP and TCP on one free port of 127.0.0.1) for the sandbox `network`."""
     audit: list[AuditRecord] = []
-    registry = SandboxRegistry([Sandbox("sbx", "default", ipaddress.ip_network("127.0.0.0/8"))])
-    dns = PolicyResolver(POLICY, registry, resolver, audit.append, DnsSettings(**settings))
+    registry = SandboxRegistry([Sandbox("sbx", "default", ipaddress.ip_network(network))])
+    dns = PolicyResolver(POLICY, registry, resolver, audit.append, DnsSettings(**settings))  # type: ignore[arg-type]
     for _ in range(20):
         with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
             probe.bind((LOCALHOST, 0))
@@ -256,6 +256,54 @@ async def test_queries_waiting_on_upstream_are_capped_per_sandbox(upstream: Upst
         await asyncio.sleep(0.6)  # the 32 time out (answer_timeout): the sandbox may ask again
         assert rcode(await ask(gw.port, "silent-again.allowed.test", timeout=3)) == "SERVFAIL"
         assert upstream.asked["silent-again.allowed.test"] == 1
+
+
+# --- addresses of no sandbox, an audit log that cannot be written -----------------------------------------------
+
+
+async def test_a_flood_from_an_address_of_no_sandbox_costs_a_few_lines_and_no_task_per_query(
+    upstream: Upstream,
+) -> None:
+    async with running(make_resolver(upstream), network="127.0.0.2/32") as gw:  # 127.0.0.1 is no sandbox
+        gw.dns.strangers.interval = 0.5
+        loop = asyncio.get_running_loop()
+        spawned: list[object] = []
+        default = loop.get_task_factory()
+
+        def counting(loop: asyncio.AbstractEventLoop, coro, **kwargs):
+            spawned.append(coro)
+            return default(loop, coro, **kwargs) if default else asyncio.Task(coro, loop=loop, **kwargs)
+
+        loop.set_task_factory(counting)
+        try:
+            replies = await asyncio.to_thread(_burst, gw.port, [f"q{i}.allowed.test" for i in range(300)], 0.5)
+        finally:
+            loop.set_task_factory(default)
+        await asyncio.sleep(0.3)  # the interval ends: its summary line
+    assert len(replies) == 10 and {rcode(r) for r in replies} == {"REFUSED"}
+    assert len(spawned) <= 10  # one task per answered query; the dropped ones cost none
+    one_by_one = [r for r in gw.audit if r.reason == "query from an address that belongs to no sandbox"]
+    summaries = [r for r in gw.audit if "not audited one by one" in r.reason]
+    assert len(one_by_one) == 10 and len(summaries) == 1 and len(gw.audit) == 11
+    assert summaries[0].extra == {"suppressed": 290, "clients": {LOCALHOST: 290}}
+    assert (summaries[0].kind, summaries[0].sandbox, summaries[0].decision) == ("dns", "-", "deny")
+    assert gw.dns.stats["dropped_unknown_source"] == 290 and sum(upstream.asked.values()) == 0
+
+
+async def test_nothing_is_answered_while_the_audit_log_cannot_be_written(upstream: Upstream) -> None:
+    failure: list[str] = []
+    audit_failure = lambda: failure[0] if failure else None  # noqa: E731
+    async with running(make_resolver(upstream), audit_failure=audit_failure) as gw:
+        assert answers(await ask(gw.port, "www.allowed.test")) == ["192.0.2.10"]
+        assert answers(await ask(gw.port, "www.allowed.test")) == ["192.0.2.10"]  # remembered now
+        failure.append("audit.jsonl: No space left on device")
+        for tcp in (False, True):  # the remembered reply too: nothing is answered that cannot be audited
+            assert rcode(await ask(gw.port, "www.allowed.test", tcp=tcp)) == "SERVFAIL"
+        failure.clear()
+        assert answers(await ask(gw.port, "www.allowed.test")) == ["192.0.2.10"]
+    refused = [r for r in gw.audit if isinstance(r, AuditRecord) and r.decision == "error"]
+    assert len(refused) == 2 and "audit log unavailable (audit.jsonl: No space left on device)" in refused[0].reason
+    assert upstream.asked["www.allowed.test"] == 1
 
 
 # --- TCP from the sandbox ------------------------------------------------------------------------------------------

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import ClassVar
 
 import pytest
-from dnslib import CLASS, QTYPE, RCODE, RR, DNSQuestion, DNSRecord
+from dnslib import CLASS, QTYPE, RCODE, RR, SOA, DNSQuestion, DNSRecord
 from dnslib.server import BaseResolver, DNSServer
 
 from airlock.dns.upstream import (
@@ -60,6 +60,8 @@ slowfail.test.   300   A      192.0.2.32
 servfail.test.   300   A      192.0.2.41
 refused.test.    300   A      192.0.2.42
 mixedcase.test.  300   A      192.0.2.51
+v6refused.test.  300   A      192.0.2.61
+nodata-soa.test. 300   A      192.0.2.62
 """
 
 
@@ -73,6 +75,15 @@ class Zone(BaseResolver):
         "servfail.test": RCODE.SERVFAIL,
         "refused.test": RCODE.REFUSED,
         "slowfail.test": RCODE.SERVFAIL,
+    }
+    RCODES_AAAA: ClassVar[dict[str, int]] = {"v6refused.test": RCODE.REFUSED}  # A answered, AAAA refused
+    # negative answers that carry the zone's SOA in the authority section: name → (SOA record TTL, MINIMUM)
+    SOA: ClassVar[dict[str, tuple[int, int]]] = {
+        "nx-soa.test": (600, 17),
+        "nx-soa-ttl.test": (7, 40),
+        "nx-soa-long.test": (86400, 86400),
+        "nx-soa-short.test": (600, 1),
+        "nodata-soa.test": (600, 20),
     }
 
     def __init__(self) -> None:
@@ -97,9 +108,20 @@ class Zone(BaseResolver):
             self.asked[(qname, QTYPE[qtype], handler.protocol)] += 1
         time.sleep(self.SLOW.get(qname, 0))
         reply = request.reply()
-        if qname in self.RCODES:
-            reply.header.rcode = self.RCODES[qname]
+        rcode = self.RCODES.get(qname) or (self.RCODES_AAAA.get(qname) if qtype == QTYPE.AAAA else None)
+        if rcode is not None:
+            reply.header.rcode = rcode
             return reply
+        if qname in self.SOA:
+            soa_ttl, minimum = self.SOA[qname]
+            reply.add_auth(
+                RR(
+                    "test",
+                    QTYPE.SOA,
+                    rdata=SOA("ns.test", "hostmaster.test", (1, 3600, 600, 86400, minimum)),
+                    ttl=soa_ttl,
+                )
+            )
         if qname not in self.records:
             reply.header.rcode = RCODE.NXDOMAIN
             return reply
@@ -271,18 +293,102 @@ async def test_resolve_nxdomain(resolver: Resolver, zone: Zone) -> None:
 async def test_negative_cache_expires(resolver: Resolver, zone: Zone) -> None:
     with pytest.raises(NameNotFound):
         await resolver.query("nx2.test", QTYPE.A)
-    resolver._cache[("nx2.test", QTYPE.A)].expires = time.monotonic() - 1  # as if negative_ttl had passed
+    resolver._negative[("nx2.test", QTYPE.A)].expires = time.monotonic() - 1  # as if its TTL had passed
     with pytest.raises(NameNotFound):
         await resolver.query("nx2.test", QTYPE.A)
     assert zone.count() == 2
 
 
 @pytest.mark.parametrize(("name", "rcode"), [("servfail.test", "SERVFAIL"), ("refused.test", "REFUSED")])
-async def test_error_rcode(resolver: Resolver, zone: Zone, name: str, rcode: str) -> None:
-    for _ in range(2):
+async def test_error_rcode_is_remembered_briefly(resolver: Resolver, zone: Zone, name: str, rcode: str) -> None:
+    for _ in range(5):
         with pytest.raises(ResolverUnavailable, match=rcode):
             await resolver.query(name, QTYPE.A)
-    assert zone.count() == 2  # failures are never cached
+    assert zone.count() == 1  # one upstream question for five lookups
+    entry = resolver._negative[(name, QTYPE.A)]
+    assert 0 < entry.expires - time.monotonic() <= resolver.config.failure_ttl
+    entry.expires = time.monotonic() - 0.001  # as if failure_ttl had passed: asked again
+    with pytest.raises(ResolverUnavailable, match=rcode):
+        await resolver.query(name, QTYPE.A)
+    assert zone.count() == 2
+
+
+async def test_a_refused_aaaa_costs_one_upstream_question_not_one_per_lookup(resolver: Resolver, zone: Zone) -> None:
+    # An upstream that refuses AAAA (some do) must not be asked again on every connection to the name.
+    for _ in range(50):
+        answer = await resolver.resolve("v6refused.test")
+        assert answer.addresses == ips("192.0.2.61")
+    assert (zone.count("v6refused.test", "A"), zone.count("v6refused.test", "AAAA")) == (1, 1)
+
+
+# (id, name, qtype, the time the negative answer is kept): RFC 2308 §5, min(SOA TTL, SOA MINIMUM), clamped to
+# min_ttl (5) .. max_negative_ttl (60); without a SOA, min_ttl
+NEGATIVE_TTLS = [
+    ("nxdomain-soa-minimum", "nx-soa.test", QTYPE.A, 17),
+    ("nxdomain-soa-ttl-lower", "nx-soa-ttl.test", QTYPE.A, 7),
+    ("nxdomain-soa-clamped-down", "nx-soa-long.test", QTYPE.A, 60),
+    ("nxdomain-soa-clamped-up", "nx-soa-short.test", QTYPE.A, 5),
+    ("nxdomain-no-soa", "nx3.test", QTYPE.A, 5),
+    ("nodata-soa-minimum", "nodata-soa.test", QTYPE.AAAA, 20),
+    ("nodata-no-soa", "v4only.test", QTYPE.AAAA, 5),
+]
+
+
+@pytest.mark.parametrize(("name", "qtype", "ttl"), [t[1:] for t in NEGATIVE_TTLS], ids=[t[0] for t in NEGATIVE_TTLS])
+async def test_negative_answers_are_kept_as_long_as_the_soa_says(
+    resolver: Resolver, zone: Zone, name: str, qtype: int, ttl: int
+) -> None:
+    for _ in range(3):
+        with contextlib.suppress(NameNotFound):
+            answer = await resolver.query(name, qtype)
+            assert answer.addresses == ()
+    assert zone.count() == 1
+    left = resolver._negative[(name, qtype)].expires - time.monotonic()
+    assert ttl - 2 < left <= ttl
+
+
+async def test_a_silent_upstream_is_not_asked_again_at_once() -> None:
+    asked: list[DNSRecord] = []
+    with udp_responder(lambda q: asked.append(q) or []) as port:
+        resolver = make_resolver(port, timeout=0.2, attempts=1)
+        for _ in range(3):
+            with pytest.raises(ResolverUnavailable, match="TimeoutError"):
+                await resolver.query("a.test", QTYPE.A)
+    assert len(asked) == 1
+
+
+async def test_names_that_do_not_exist_evict_no_answer(server: tuple[Zone, int], zone: Zone) -> None:
+    resolver = make_resolver(server[1], cache_size=2, negative_cache_size=3)
+    await resolver.query("a.test", QTYPE.A)
+    for i in range(20):
+        with pytest.raises(NameNotFound):
+            await resolver.query(f"nx-flood-{i}.test", QTYPE.A)
+    assert len(resolver._negative) == 3
+    await resolver.query("a.test", QTYPE.A)
+    assert zone.count("a.test") == 1  # still cached
+
+
+async def test_resolving_a_cached_name_spawns_no_task(resolver: Resolver, zone: Zone) -> None:
+    await resolver.resolve("a.test")
+    with contextlib.suppress(NameNotFound):
+        await resolver.resolve("nothing-cached.test")
+    loop = asyncio.get_running_loop()
+    spawned: list[object] = []
+    default = loop.get_task_factory()
+
+    def counting(loop: asyncio.AbstractEventLoop, coro, **kwargs):
+        spawned.append(coro)
+        return default(loop, coro, **kwargs) if default else asyncio.Task(coro, loop=loop, **kwargs)
+
+    loop.set_task_factory(counting)
+    try:
+        for _ in range(10):
+            assert (await resolver.resolve("a.test")).addresses
+            with pytest.raises(NameNotFound):
+                await resolver.resolve("nothing-cached.test")
+    finally:
+        loop.set_task_factory(default)
+    assert spawned == []
 
 
 async def test_resolve_servfail(resolver: Resolver) -> None:

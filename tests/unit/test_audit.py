@@ -1,0 +1,102 @@
+"""The audit sink: lines written in batches; a log that cannot be written says so (and the gateway denies), lines
+wait for it; a log removed or renamed away is created again at its path."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import pytest
+
+from airlock import audit
+from airlock.audit import AuditLog
+from airlock.policy import AuditRecord
+
+
+def record(path: str) -> AuditRecord:
+    return AuditRecord("http", "sbx", "10.0.0.2", "allowed.test", 80, "allow", "allowed", path=path)
+
+
+def paths(file: Path) -> list[str]:
+    return [json.loads(line)["path"] for line in file.read_text().splitlines()]
+
+
+def test_lines_are_written_at_flush(tmp_path: Path) -> None:
+    log = AuditLog(tmp_path / "audit.jsonl")
+    log.emit(record("/a"))
+    log.emit(record("/b"))
+    assert (tmp_path / "audit.jsonl").read_text() == ""
+    log.flush()
+    assert paths(tmp_path / "audit.jsonl") == ["/a", "/b"] and log.failure is None
+    log.close()
+
+
+def test_a_log_that_cannot_be_written_is_a_failure_said_once(caplog: pytest.LogCaptureFixture) -> None:
+    log = AuditLog("/dev/full")  # every write: ENOSPC
+    for i in range(5):
+        log.emit(record(f"/{i}"))
+        log.flush()
+    assert log.failure == "/dev/full: No space left on device"
+    errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert len(errors) == 1 and "AUDIT LOG CANNOT BE WRITTEN" in errors[0].getMessage()
+    log.close()
+
+
+def test_lines_wait_for_the_log_up_to_a_bound(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture):
+    monkeypatch.setattr(audit, "MAX_WAITING_BYTES", 1000)
+    monkeypatch.setattr(audit, "REPORT_INTERVAL", 0.0)
+    log = AuditLog("/dev/full")
+    for i in range(10):
+        log.emit(record(f"/{i}"))
+        log.flush()
+    waiting = log._sinks[0].waiting
+    assert 0 < len(waiting) <= 1000 and waiting.endswith(b"\n")
+    lost = 10 - waiting.count(b"\n")
+    assert f"{lost} lines lost" in caplog.records[-1].getMessage()
+    log.close()
+
+
+def test_writing_again_is_said_and_clears_the_failure(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    log = AuditLog(tmp_path / "audit.jsonl")
+    sink = log._sinks[0]
+    good, sink.path = sink.fd, None  # a stream that fails, then works again
+    with open("/dev/full", "wb") as full:
+        sink.fd = full.fileno()
+        log.emit(record("/while-full"))
+        log.flush()
+        assert log.failure == f"{tmp_path / 'audit.jsonl'}: No space left on device"
+        sink.fd = good
+    log.flush()
+    assert log.failure is None and paths(tmp_path / "audit.jsonl") == ["/while-full"]
+    assert "audit log written again" in caplog.records[-1].getMessage()
+    log.close()
+
+
+@pytest.mark.parametrize("how", ["removed", "renamed"])
+def test_a_log_removed_or_renamed_away_is_created_again(tmp_path: Path, how: str) -> None:
+    file = tmp_path / "audit.jsonl"
+    log = AuditLog(file)
+    log.emit(record("/before"))
+    log.flush()
+    if how == "removed":
+        file.unlink()
+    else:
+        file.rename(tmp_path / "audit.jsonl.1")
+    log.emit(record("/after"))
+    log.flush()
+    assert paths(file) == ["/after"] and log.failure is None
+    if how == "renamed":
+        assert paths(tmp_path / "audit.jsonl.1") == ["/before"]
+    log.close()
+
+
+def test_a_symlink_planted_at_the_path_is_not_followed(tmp_path: Path) -> None:
+    file = tmp_path / "audit.jsonl"
+    log = AuditLog(file)
+    file.unlink()
+    file.symlink_to(tmp_path / "elsewhere")
+    log.emit(record("/x"))
+    log.flush()
+    assert log.failure is not None and not (tmp_path / "elsewhere").exists()
+    log.close()
