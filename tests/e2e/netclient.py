@@ -250,6 +250,8 @@ class ForeignListeners:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
 def raise_open_file_limit() -> int:
     """This process's soft RLIMIT_NOFILE raised to its hard limit (a client holding many sockets needs it)."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
