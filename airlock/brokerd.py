@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import os
 import socket
 import ssl
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -72,6 +75,7 @@ class BrokerConfig:
     token_ttl: int = 900
     token_max_ttl: int = 3600
     calls_per_minute: int = 30
+    max_connections_per_client: int = 32  # open connections to the sandbox-facing listener per source address
 
     def credential(self) -> Credential | None:
         if self.github_app_id or self.github_app_key:
@@ -100,6 +104,71 @@ def _static(token: str, where: str) -> StaticCredential:
     if not CREDENTIAL.test(token):
         raise BrokerConfigError(f"{where} must hold one token: visible ASCII characters, no spaces")
     return StaticCredential(token)
+
+
+class _CappedConnections:
+    """aiohttp's protocol factory, with at most `per_client` open connections per source address: a sandbox
+    holding more would use up the gateway's file descriptors, which the proxy and DNS need too. Beyond the cap a
+    connection is closed at once, and logged once per 10 s with a count."""
+
+    def __init__(self, make: Callable[[], asyncio.Protocol], per_client: int) -> None:
+        self._make, self._per_client = make, per_client
+        self.open: collections.Counter[str] = collections.Counter()
+        self._refused, self._said = 0, 0.0
+
+    def __call__(self) -> asyncio.Protocol:
+        return _Counted(self._make(), self)
+
+    def admit(self, client: str) -> bool:
+        if self.open[client] < self._per_client:
+            self.open[client] += 1
+            return True
+        self._refused += 1
+        if (now := time.monotonic()) - self._said >= 10:
+            log.warning(
+                "broker: %d connection(s) refused in the last 10 s, %s holding %d already (the cap per address)",
+                self._refused, client, self._per_client,
+            )  # fmt: skip
+            self._refused, self._said = 0, now
+        return False
+
+    def release(self, client: str) -> None:
+        self.open[client] -= 1
+        if not self.open[client]:
+            del self.open[client]
+
+
+class _Counted(asyncio.Protocol):
+    """One connection of a _CappedConnections: aiohttp's protocol behind it (its slots forbid wrapping in place)."""
+
+    def __init__(self, inner: asyncio.Protocol, cap: _CappedConnections) -> None:
+        self._inner, self._cap, self._client = inner, cap, ""
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        client = str((transport.get_extra_info("peername") or ("?",))[0])
+        if not self._cap.admit(client):
+            transport.abort()  # connection_lost follows, the inner protocol never started
+            return
+        self._client = client
+        self._inner.connection_made(transport)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self._client:
+            self._cap.release(self._client)
+            self._client = ""
+            self._inner.connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        self._inner.data_received(data)
+
+    def eof_received(self) -> bool | None:
+        return self._inner.eof_received()
+
+    def pause_writing(self) -> None:
+        self._inner.pause_writing()
+
+    def resume_writing(self) -> None:
+        self._inner.resume_writing()
 
 
 class SharedResolver(AbstractResolver):
@@ -146,6 +215,7 @@ class BrokerRuntime:
         self.upstream_ca = upstream_ca
         self.broker: Broker | None = None
         self._runners: list[web.AppRunner] = []
+        self._servers: list[asyncio.Server] = []
         self._session: aiohttp.ClientSession | None = None
         self.admin_address = config.admin or str(state_dir / "admin.sock")
 
@@ -168,15 +238,23 @@ class BrokerRuntime:
 
         settings = BrokerSettings(calls_per_minute=config.calls_per_minute)
         self.broker = Broker(TokenAuthority(keys, config.token_ttl), store, identify, github, self.emit, settings)
-        await self._serve(self.broker.sandbox_app(), listen, config.port)
+        await self._serve(self.broker.sandbox_app(), listen, config.port, config.max_connections_per_client)
         await self._serve_admin(self.broker.admin_app())
         return self.broker
 
-    async def _serve(self, app: web.Application, host: str, port: int) -> None:
+    async def _serve(self, app: web.Application, host: str, port: int, per_client: int | None = None) -> None:
         runner = web.AppRunner(app, access_log=None, logger=HTTP_LOG)
         await runner.setup()
         self._runners.append(runner)
-        await web.TCPSite(runner, host, port, reuse_address=True).start()
+        if per_client is None:
+            await web.TCPSite(runner, host, port, reuse_address=True).start()
+            return
+        assert runner.server is not None
+        # The server is made here rather than by a TCPSite, to count connections per client around aiohttp's own
+        # protocol; runner.cleanup() closes it with the rest.
+        factory = _CappedConnections(runner.server, per_client)
+        server = await asyncio.get_running_loop().create_server(factory, host, port, reuse_address=True)
+        self._servers.append(server)
 
     async def _serve_admin(self, app: web.Application) -> None:
         address = self.admin_address
@@ -198,9 +276,15 @@ class BrokerRuntime:
         await self._serve(app, host, int(port))
 
     async def stop(self) -> None:
+        for server in self._servers:  # listening ends first; the runners then close the connections
+            server.close()
         for runner in self._runners:
             await runner.cleanup()
         self._runners.clear()
+        for server in self._servers:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(server.wait_closed(), 5)
+        self._servers.clear()
         if self._session is not None:
             await self._session.close()
         if self.broker is not None:

@@ -64,6 +64,7 @@ LIMITS: dict[str, tuple[float, float, bool]] = {
     "github_timeout": (0, 300, False),
     "max_tunnels": (1, 1_000_000, True),
     "max_connections": (1, 1_000_000, True),
+    "broker_max_connections": (1, 100_000, True),
     "dns_rate": (0, 10_000_000, False),
     "dns_min_ttl": (0, DAY, True),
     "token_ttl": (1, 7 * DAY, True),
@@ -249,6 +250,7 @@ def _gateway_config(args: argparse.Namespace, policy: Policy, listen: str, sandb
             github_timeout=args.github_timeout,
             token_ttl=args.token_ttl,
             token_max_ttl=args.token_max_ttl,
+            max_connections_per_client=args.broker_max_connections,
         ),
     )
 
@@ -713,6 +715,9 @@ def _gateway_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--state-dir", metavar="DIR", help="keys, broker state, admin socket")
     parser.add_argument("--broker-port", type=int, default=8080, metavar="PORT", help="0 turns the broker off")
     parser.add_argument("--broker-admin", metavar="SOCKET|127.0.0.1:PORT", help="default: STATE_DIR/admin.sock")
+    parser.add_argument(
+        "--broker-max-connections", type=int, default=32, metavar="N", help="open broker connections per address"
+    )
     parser.add_argument("--github-api", default="https://api.github.com", metavar="URL")
     parser.add_argument("--github-app-id", metavar="ID")
     parser.add_argument("--github-app-key", metavar="PEM", help="the GitHub App's private key file")

@@ -170,8 +170,9 @@ def test_a_small_open_file_limit_gives_smaller_caps_and_refusals_beyond_them(
 def test_running_out_of_file_descriptors_is_one_line_not_a_traceback_per_socket(
     topology: Topology, fakenet: FakeNet, own_gateway
 ):
-    # The broker's listener caps no connections: holding hundreds of them exhausts a gateway's small limit.
-    gw = own_gateway(nofile=(512, 512))
+    # With the broker's cap per address raised far past what its descriptors allow, holding hundreds of broker
+    # connections exhausts a gateway's small limit: the listeners must pause, not spin or log per socket.
+    gw = own_gateway(nofile=(512, 512), extra=("--broker-max-connections", "100000"))
     assert gw.proc is not None
     held: list[socket.socket] = []
 
@@ -385,3 +386,33 @@ def test_upstream_connections_are_capped_like_client_connections(topology: Topol
     assert [status for status, _ in replies] == [200, 200, 200, 502, 200]
     assert b"sandbox already has 3 upstream connections open" in replies[3][1]
     assert fakenet.connections(ALLOWED_IP, 80) == 4
+
+
+def test_broker_connections_are_capped_per_address(topology: Topology, fakenet: FakeNet, own_gateway):
+    gw = own_gateway(extra=("--broker-max-connections", "8"))
+    held: list[socket.socket] = []
+
+    def hold(count: int) -> list[str]:
+        seen = []
+        for _ in range(count):
+            sock = socket.create_connection(BROKER, timeout=3)
+            held.append(sock)
+            sock.settimeout(0.5)
+            try:
+                seen.append("closed" if sock.recv(1) == b"" else "data")
+            except TimeoutError:
+                seen.append("open")
+            except OSError:
+                seen.append("closed")
+        return seen
+
+    try:
+        assert in_netns(topology.sbx, hold, 12) == ["open"] * 8 + ["closed"] * 4
+    finally:
+        for sock in held:
+            sock.close()
+    time.sleep(0.5)
+    assert in_netns(topology.sbx, hold, 1) == ["open"]  # freed again once they close
+    for sock in held:
+        sock.close()
+    assert "connection(s) refused" in gw.log() and "Traceback" not in gw.log()
