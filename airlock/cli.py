@@ -19,6 +19,7 @@ from urllib.parse import urlsplit
 from airlock.broker.grants import GrantError, parse_grant
 from airlock.dns.upstream import parse_server
 from airlock.policy import (
+    WEB_PORTS,
     HostError,
     Policy,
     PolicyError,
@@ -102,12 +103,19 @@ def _load(path: str | None) -> Policy:
 
 
 def cmd_policy_check(args: argparse.Namespace) -> int:
-    policy = _load(args.file)
-    rules = sum(len(p.allow) + len(p.deny) for p in policy.profiles.values())
-    print(
-        f"{args.file}: ok ({len(policy.profiles)} profiles, {rules} rules, default profile {policy.default_profile!r})"
-    )
-    return 0
+    """Every file is checked and reported, good or bad: exit 2 if any is bad."""
+    status = 0
+    for path in args.file:
+        try:
+            policy = load_policy(path)
+        except PolicyError as e:
+            print(e, file=sys.stderr)
+            status = EXIT_USAGE
+            continue
+        rules = sum(len(p.allow) + len(p.deny) for p in policy.profiles.values())
+        counts = f"{len(policy.profiles)} profiles, {rules} rules, default profile {policy.default_profile!r}"
+        print(f"{path}: ok ({counts})")
+    return status
 
 
 def parse_target(text: str) -> tuple[str, int]:
@@ -168,19 +176,21 @@ def cmd_policy_explain(args: argparse.Namespace) -> int:
     if decision.rule is not None:
         print(f"rule:     {decision.rule.describe()}")
     if not decision.allow:
-        print(f"decision: deny — {decision.reason}")
+        print(f"decision: deny [{decision.code}] — {decision.reason}")
         if decision.hint:
             print(f"to allow: {decision.hint}")
         return EXIT_DENY
+    if port not in WEB_PORTS and not decision.tunnel:
+        print("tunnel:   TLS only; a CONNECT tunnel that is not TLS (e.g. ssh) needs `tunnel: true` on the rule")
     addresses = [ipaddress.ip_address(host)] if parse_ip_literal(host) else resolved.get(host)
     if addresses is None:
         print("decision: allow (name allowed; its addresses are vetted after DNS — pass --resolve to check them)")
         return EXIT_ALLOW
     vetted = vet(profile, addresses, port)
-    for address, why in vetted.rejected:
-        print(f"blocked:  {address} — {why}")
+    for rejection in vetted.rejected:
+        print(f"blocked:  {rejection.address} — {rejection.reason}")
     if not vetted.allowed:
-        print(f"decision: deny — {vetted.reason}")
+        print(f"decision: deny [{vetted.code}] — {vetted.reason}")
         return EXIT_DENY
     print(f"decision: allow — would connect to {vetted.allowed[0]}")
     return EXIT_ALLOW
@@ -738,8 +748,8 @@ def build_parser() -> argparse.ArgumentParser:
     policy = commands.add_parser("policy", help="check or explain a policy").add_subparsers(
         dest="action", required=True
     )
-    check = policy.add_parser("check", help="validate a policy file: exit 0 valid, 2 with FILE:LINE errors")
-    check.add_argument("file")
+    check = policy.add_parser("check", help="validate policy files: exit 0 all valid, 2 with FILE:LINE errors")
+    check.add_argument("file", nargs="+")
     check.set_defaults(func=cmd_policy_check)
     explain = policy.add_parser("explain", help="decide one target: exit 0 allow, 1 deny, 2 error")
     explain.add_argument("--policy", metavar="FILE")

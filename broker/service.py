@@ -31,11 +31,12 @@ import traceback
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeGuard
 
 from aiohttp import web
+from aiohttp.typedefs import Handler
 
-from airlock.policy import AuditRecord
+from airlock.policy import AuditRecord, ReasonCode
 
 from .github import GitHubClient, PullRequest, UpstreamError
 from .grants import Grant, GrantError, valid_branch, validated
@@ -152,18 +153,21 @@ class Broker:
 
     async def create_pull_request(self, request: web.Request) -> web.Response:
         client = request.remote or "-"
-        record = AuditRecord("broker", self.identify(client) or UNKNOWN_SANDBOX, client, "-", None, "deny", "")
+        sandbox = self.identify(client) or UNKNOWN_SANDBOX
+        # Every ending below sets the decision, reason and code; the code is the one the caller's body carries.
+        record = AuditRecord("broker", sandbox, client, "-", None, "deny", "", ReasonCode.INTERNAL_ERROR)
         record.method, record.path = "create_pull_request", request.path
         try:
             status, body = await self._create_pull_request(request, record)
-            record.decision, record.extra["status"] = "allow", status
+            record.decision, record.code, record.extra["status"] = "allow", ReasonCode.ALLOWED, status
             return self._reply(body, status, _location(body))
         except BrokerError as e:
             record.decision = "error" if e.status >= 500 else "deny"
-            record.reason, record.extra["status"] = e.message, e.status
+            record.reason, record.code, record.extra["status"] = e.message, e.code, e.status
             raise
         except Exception as e:  # a bug: audited as an error like any other ending, answered by _json_errors
             record.decision, record.reason, record.extra["status"] = "error", f"internal error: {type(e).__name__}", 500
+            record.code = ReasonCode.INTERNAL_ERROR
             raise
         finally:
             self.emit(self.redactor.record(record))
@@ -285,7 +289,7 @@ class Broker:
             raise BrokerError(503, "state_unavailable", "broker state is unavailable; refusing to act") from None
 
     @web.middleware
-    async def _json_errors(self, request: web.Request, handler: Callable) -> web.StreamResponse:
+    async def _json_errors(self, request: web.Request, handler: Handler) -> web.StreamResponse:
         try:
             return await handler(request)
         except BrokerError as e:
@@ -375,10 +379,11 @@ async def _pull_request_fields(request: web.Request) -> dict[str, Any]:
     unknown = set(body) - {"repo", "head", "base", "title", "body", "draft"}
     if unknown:
         raise BrokerError(422, "invalid_request", f"unknown fields: {', '.join(sorted(unknown))}")
-    repo, head, base, title = (body.get(k) for k in ("repo", "head", "base", "title"))
-    text, draft = body.get("body", ""), body.get("draft", False)
-    if not all(isinstance(v, str) for v in (repo, head, base, title, text)) or not isinstance(draft, bool):
+    strings = [body.get(k) for k in ("repo", "head", "base", "title")] + [body.get("body", "")]
+    draft = body.get("draft", False)
+    if not _all_strings(strings) or not isinstance(draft, bool):
         raise BrokerError(422, "invalid_request", "repo, head, base, title (and body) are strings; draft is a bool")
+    repo, head, base, title, text = strings
     try:
         validated("create_pull_request", repo, (base,), head)
     except GrantError as e:
@@ -395,7 +400,11 @@ def _covering_grant(grants: tuple[Grant, ...], repo: str, base: str, head: str) 
     refusals = [g.permits("create_pull_request", repo, base, head) for g in grants]
     if None in refusals:
         return grants[refusals.index(None)]
-    raise BrokerError(403, "outside_grant", refusals[0] if refusals else "no grant")
+    raise BrokerError(403, "outside_grant", (refusals[0] if refusals else None) or "no grant")
+
+
+def _all_strings(values: list[Any]) -> TypeGuard[list[str]]:
+    return all(isinstance(value, str) for value in values)
 
 
 def _pull_summary(pull: PullRequest, existed: bool) -> dict[str, Any]:

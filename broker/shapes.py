@@ -97,7 +97,8 @@ def conforming(value: Any, shape: Shape, what: str) -> dict[str, Any]:
     problem = _problem(value, shape, "")
     if problem:
         raise ShapeError(f"{what}: {problem}")
-    return value
+    checked: dict[str, Any] = value  # _problem found it to be an object
+    return checked
 
 
 def _problem(value: Any, shape: Shape, path: str) -> str | None:

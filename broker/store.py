@@ -74,7 +74,7 @@ class SqliteStore:
         self._local.db = db
         return db
 
-    def _run(self, sql: str, args: tuple = ()) -> list[tuple]:
+    def _run(self, sql: str, args: tuple[object, ...] = ()) -> list[tuple[Any, ...]]:
         try:
             return self._connection().execute(sql, args).fetchall()
         except sqlite3.Error as e:

@@ -160,8 +160,7 @@ class TokenAuthority:
         if header.get("alg") != ALGORITHM:
             raise TokenError("token algorithm is not allowed")
         kid = header.get("kid")
-        public = self.keys.verifying_key(kid) if isinstance(kid, str) else None
-        if public is None:
+        if not isinstance(kid, str) or (public := self.keys.verifying_key(kid)) is None:
             raise TokenError("token signed by an unknown or retired key")
         try:
             payload = jwt.decode(

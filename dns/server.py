@@ -35,6 +35,7 @@ from airlock.policy import (
     HostError,
     IPAddress,
     Policy,
+    ReasonCode,
     RepeatedDecisions,
     Sandbox,
     SandboxRegistry,
@@ -158,7 +159,7 @@ class PolicyResolver:
         sandbox = self.registry.identify(client)
         now = time.monotonic() if now is None else now
         if sandbox is None:
-            if self.strangers.admit("dns", "-", STRANGER, client, now):
+            if self.strangers.admit("dns", "-", STRANGER, ReasonCode.UNKNOWN_SANDBOX, client, now):
                 return None
             self.stats["dropped_unknown_source"] += 1
             return False
@@ -186,7 +187,8 @@ class PolicyResolver:
         reply = request.reply()
         reply.header.ra = 1
         qtype = QTYPE.get(request.q.qtype, str(request.q.qtype))
-        record = AuditRecord("dns", sandbox.id if sandbox else "-", client, str(request.q.qname), None, "deny", "")
+        sandbox_id, name = sandbox.id if sandbox else "-", str(request.q.qname)
+        record = AuditRecord("dns", sandbox_id, client, name, None, "deny", "", ReasonCode.INTERNAL_ERROR)  # set below
         record.method = qtype
         try:
             return await self._judge(request, reply, record, sandbox, started)
@@ -194,40 +196,43 @@ class PolicyResolver:
             log.exception("DNS query failed: answering SERVFAIL")
             failed = request.reply()
             failed.header.ra, failed.header.rcode = 1, RCODE.SERVFAIL
-            return self._finish(failed, record, "error", f"internal error: {type(e).__name__}: {e}", started)
+            reason = f"internal error: {type(e).__name__}: {e}"
+            return self._finish(failed, record, "error", reason, ReasonCode.INTERNAL_ERROR, started)
 
     async def _judge(
         self, request: DNSRecord, reply: DNSRecord, record: AuditRecord, sandbox: Sandbox | None, started: float
     ) -> tuple[DNSRecord, AuditRecord]:
         if sandbox is None:
-            return self._refuse(reply, record, STRANGER, started)
+            return self._refuse(reply, record, STRANGER, ReasonCode.UNKNOWN_SANDBOX, started)
         if (failure := self.settings.audit_failure()) is not None:
             reply.header.rcode = RCODE.SERVFAIL
             reason = f"audit log unavailable ({failure}): no query is answered until it can be written"
-            return self._finish(reply, record, "error", reason, started)
+            return self._finish(reply, record, "error", reason, ReasonCode.AUDIT_UNAVAILABLE, started)
         if request.header.opcode != 0 or len(request.questions) != 1:
             reply.header.rcode = RCODE.NOTIMP if request.header.opcode != 0 else RCODE.FORMERR
-            return self._finish(reply, record, "deny", "only standard queries with one question", started)
+            reason, code = "only standard queries with one question", ReasonCode.UNSUPPORTED_QUERY
+            return self._finish(reply, record, "deny", reason, code, started)
         if request.q.qclass != CLASS.IN:
-            return self._refuse(
-                reply, record, f"class {CLASS.get(request.q.qclass)} is not answered (only IN)", started
-            )
+            reason = f"class {CLASS.get(request.q.qclass)} is not answered (only IN)"
+            return self._refuse(reply, record, reason, ReasonCode.UNSUPPORTED_CLASS, started)
         try:
             name = canonical_host(record.host)
         except HostError as e:
-            return self._refuse(reply, record, f"invalid name: {e}", started)
+            return self._refuse(reply, record, f"invalid name: {e}", ReasonCode.INVALID_HOST, started)
         record.host = name
         profile = self.policy.profile(sandbox.profile)
         decision = decide_name(profile, name)
         if not decision.allow:
             record.rule = decision.rule.source if decision.rule else None
-            return self._refuse(reply, record, decision.reason, started)
+            return self._refuse(reply, record, decision.reason, decision.code, started)
         record.rule = decision.rule.source if decision.rule else None
         flags = self._signals(record, sandbox.id, name, profile.dns)
         if flags and profile.dns.refuse:
-            return self._refuse(reply, record, "suspicious name: " + "; ".join(flags), started)
+            reason = "suspicious name: " + "; ".join(flags)
+            return self._refuse(reply, record, reason, ReasonCode.SUSPICIOUS_NAME, started)
         if request.q.qtype not in ANSWERED_TYPES:
-            return self._finish(reply, record, "allow", f"{record.method} is not answered with data", started)
+            reason = f"{record.method} is not answered with data"
+            return self._finish(reply, record, "allow", reason, ReasonCode.TYPE_NOT_ANSWERED, started)
         return await self._answer(request, reply, record, profile, name, started)
 
     async def _answer(self, request, reply, record, profile, name, started) -> tuple[DNSRecord, AuditRecord]:
@@ -240,13 +245,15 @@ class PolicyResolver:
             reply.header.rcode = RCODE.SERVFAIL
             limit = self.settings.max_inflight_per_sandbox
             reason = f"not asked upstream: {limit} queries of this sandbox are already waiting on upstream"
-            return self._finish(reply, record, "error", reason, started)
+            return self._finish(reply, record, "error", reason, ReasonCode.INFLIGHT_LIMIT, started)
         except NameNotFound:
             reply.header.rcode = RCODE.NXDOMAIN
-            return self._finish(reply, record, "allow", "name does not exist upstream", started)
+            reason = "name does not exist upstream"
+            return self._finish(reply, record, "allow", reason, ReasonCode.NAME_NOT_FOUND, started)
         except (ResolveError, TimeoutError) as e:
             reply.header.rcode = RCODE.SERVFAIL
-            return self._finish(reply, record, "error", f"upstream failed: {e or 'timeout'}", started)
+            reason = f"upstream failed: {e or 'timeout'}"
+            return self._finish(reply, record, "error", reason, ReasonCode.RESOLVE_FAILED, started)
         record.extra["upstream_ms"] = round(answer.upstream_ms, 1)
         record.extra["ttl"] = answer.ttl
         record.resolved = [str(a) for a in answer.addresses]
@@ -256,16 +263,16 @@ class PolicyResolver:
             if denied is not None:
                 record.rule = denied.rule.source if denied.rule else None
                 reply.header.rcode = RCODE.REFUSED
-                return self._finish(reply, record, "deny", denied.reason, started)
+                return self._finish(reply, record, "deny", denied.reason, denied.code, started)
         vetted = vet(profile, answer.addresses, None, self.settings.own_addresses)
         if answer.addresses and not vetted.allowed:
             reply.header.rcode = RCODE.NXDOMAIN
-            return self._finish(reply, record, "deny", vetted.reason, started)
+            return self._finish(reply, record, "deny", vetted.reason, vetted.code, started)
         for address in vetted.allowed:
             rdata = A(str(address)) if address.version == 4 else AAAA(str(address))
             reply.add_answer(RR(request.q.qname, request.q.qtype, rdata=rdata, ttl=answer.ttl))
         reason = "answered" if not vetted.rejected else vetted.reason
-        return self._finish(reply, record, "allow", reason, started)
+        return self._finish(reply, record, "allow", reason, ReasonCode.ALLOWED, started)
 
     async def _ask_upstream(self, sandbox: str, name: str, qtype: int) -> Answer:
         """The shared resolver's answer, at most max_inflight_per_sandbox at once per sandbox: with a silent
@@ -293,15 +300,15 @@ class PolicyResolver:
         return flags
 
     def _refuse(
-        self, reply: DNSRecord, record: AuditRecord, reason: str, started: float
+        self, reply: DNSRecord, record: AuditRecord, reason: str, code: ReasonCode, started: float
     ) -> tuple[DNSRecord, AuditRecord]:
         reply.header.rcode = RCODE.REFUSED
-        return self._finish(reply, record, "deny", reason, started)
+        return self._finish(reply, record, "deny", reason, code, started)
 
     def _finish(
-        self, reply: DNSRecord, record: AuditRecord, decision: str, reason: str, started: float
+        self, reply: DNSRecord, record: AuditRecord, decision: str, reason: str, code: ReasonCode, started: float
     ) -> tuple[DNSRecord, AuditRecord]:
-        record.decision, record.reason = decision, reason
+        record.decision, record.reason, record.code = decision, reason, code
         record.resolved = record.resolved or []
         record.extra["answers"] = [str(rr.rdata) for rr in reply.rr]
         record.extra["rcode"] = RCODE.get(reply.header.rcode)

@@ -31,14 +31,14 @@ class _Window:
 class AuditThrottle:
     def __init__(self, emit: Callable[[AuditRecord], None], interval: float = 10.0, burst: int = 10) -> None:
         self.emit, self.interval, self.burst = emit, interval, burst
-        # one window per kind of refusal: (kind, sandbox, reason), a handful per sandbox
-        self._windows: dict[tuple[Kind, str, str], _Window] = {}
+        # one window per kind of refusal: (kind, sandbox, reason, code), a handful per sandbox
+        self._windows: dict[tuple[Kind, str, str, str], _Window] = {}
 
-    def admit(self, kind: Kind, sandbox: str, reason: str, client: str, now: float | None = None) -> bool:
+    def admit(self, kind: Kind, sandbox: str, reason: str, code: str, client: str, now: float | None = None) -> bool:
         """May this refusal have its own audit line (and any work that goes with it)? If not, it is counted into
         the summary line of its kind, written when the interval ends. `reason` must not vary per event."""
         now = time.monotonic() if now is None else now
-        key = (kind, sandbox, reason)
+        key = (kind, sandbox, reason, code)
         window = self._windows.get(key)
         if window is None or (not window.suppressed and now - window.start >= self.interval):
             window = self._windows[key] = _Window(now)
@@ -52,14 +52,14 @@ class AuditThrottle:
             window.clients[client] += 1
         return False
 
-    def _summarize(self, key: tuple[Kind, str, str]) -> None:
+    def _summarize(self, key: tuple[Kind, str, str, str]) -> None:
         window = self._windows.pop(key, None)
         if window is None or not window.suppressed:
             return  # already written by flush()
-        kind, sandbox, reason = key
+        kind, sandbox, reason, code = key
         record = AuditRecord(
             kind, sandbox, "-", "-", None, "deny",
-            f"{window.suppressed} more in the last {self.interval:g} s, not audited one by one: {reason}",
+            f"{window.suppressed} more in the last {self.interval:g} s, not audited one by one: {reason}", code,
         )  # fmt: skip
         record.extra = {"suppressed": window.suppressed, "clients": dict(window.clients.most_common())}
         self.emit(record)

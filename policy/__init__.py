@@ -2,15 +2,17 @@
 the policy file, no asyncio)."""
 
 from .addresses import SANDBOX_LINK_NETWORKS, Category, Classification, classify, embedded_ipv4
-from .decide import Decision, Vetted, decide, decide_alias, decide_name, vet
+from .codes import ReasonCode
+from .decide import Decision, Rejection, Vetted, decide, decide_alias, decide_name, vet
 from .hosts import HostError, IPAddress, canonical_host, format_host_port, is_ip, parse_ip_literal
 from .loader import PolicyError, load_policy, parse_policy
-from .model import DEFAULT_ALLOW_PORTS, DnsLimits, Policy, Profile, Rule
+from .model import DEFAULT_ALLOW_PORTS, WEB_PORTS, DnsLimits, Policy, Profile, Rule
 from .records import AuditRecord, RepeatedDecisions, Sandbox, SandboxRegistry, new_request_id
 
 __all__ = [
     "DEFAULT_ALLOW_PORTS",
     "SANDBOX_LINK_NETWORKS",
+    "WEB_PORTS",
     "AuditRecord",
     "Category",
     "Classification",
@@ -21,6 +23,8 @@ __all__ = [
     "Policy",
     "PolicyError",
     "Profile",
+    "ReasonCode",
+    "Rejection",
     "RepeatedDecisions",
     "Rule",
     "Sandbox",

@@ -9,16 +9,19 @@ from __future__ import annotations
 import ipaddress
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from .addresses import Category, classify, embedded_ipv4, in_sandbox_links
+from .codes import ReasonCode
 from .hosts import IPAddress, format_host_port, is_ip
-from .model import Profile, Rule
+from .model import WEB_PORTS, Profile, Rule
 
 
 @dataclass(frozen=True, slots=True)
 class Decision:
     allow: bool
     reason: str
+    code: ReasonCode
     rule: Rule | None = None  # the deciding rule, when one decided
     hint: str | None = None  # on deny: what rule would allow this, if any may
 
@@ -33,10 +36,16 @@ class Decision:
         return self.allow and self.rule is not None and self.rule.ech
 
 
+class Rejection(NamedTuple):
+    address: IPAddress
+    code: ReasonCode
+    reason: str
+
+
 @dataclass(frozen=True, slots=True)
 class Vetted:
     allowed: tuple[IPAddress, ...]
-    rejected: tuple[tuple[IPAddress, str], ...]
+    rejected: tuple[Rejection, ...]
 
     @property
     def reason(self) -> str:
@@ -46,13 +55,41 @@ class Vetted:
             return "name has no addresses"
         return "every address is blocked: " + _summary(self.rejected)
 
+    @property
+    def code(self) -> ReasonCode:
+        """ALLOWED while an address is left (the reason names any dropped); else why none is: the one code all
+        rejections share (a rebinding name then reads as `internal_address`, like the address itself would)."""
+        if self.allowed:
+            return ReasonCode.ALLOWED
+        codes = {rejection.code for rejection in self.rejected}
+        if not codes:
+            return ReasonCode.NO_ADDRESS
+        return codes.pop() if len(codes) == 1 else ReasonCode.NO_ADDRESS_LEFT
+
 
 # Internal ranges the loader refuses in allow rules (the gateway itself; tunnels nobody can vet): no hint offered.
 _NEVER_OPENED = frozenset({"loopback", "this network", "unspecified", "Teredo", "local-use NAT64"})
 
 
-def _summary(rejected: tuple[tuple[IPAddress, str], ...]) -> str:
-    return "; ".join(f"{ip} ({why})" for ip, why in rejected)
+def _denied_by(rule: Rule) -> Decision:
+    return Decision(
+        False, f"denied by rule {rule.describe()}", ReasonCode.DENIED_BY_RULE, rule, f"remove or narrow {rule.source}"
+    )
+
+
+def _allow_hint(target: str, port: int, note: str = "") -> str:
+    """The whole rule that opens `target` (`host: x` or `cidr: x/n`) on `port`. Off the web ports the traffic may
+    well not be TLS (ssh on 22), which a CONNECT tunnel carries only under `tunnel: true`: both forms are given."""
+    rule = f"allow: [{{{target}, ports: [{port}]}}]{note}"
+    return rule if port in WEB_PORTS else f"{rule}; {_raw_tunnel_hint(target, port)}"
+
+
+def _raw_tunnel_hint(target: str, port: int) -> str:
+    return f"a CONNECT tunnel that is not TLS (e.g. ssh) needs allow: [{{{target}, ports: [{port}], tunnel: true}}]"
+
+
+def _summary(rejected: tuple[Rejection, ...]) -> str:
+    return "; ".join(f"{r.address} ({r.reason})" for r in rejected)
 
 
 def decide(profile: Profile, host: str, port: int) -> Decision:
@@ -61,35 +98,34 @@ def decide(profile: Profile, host: str, port: int) -> Decision:
         return _decide_address(profile, ipaddress.ip_address(host), port)
     for rule in profile.deny_rules_for_host(host):
         if rule.matches_port(port):
-            return Decision(False, f"denied by rule {rule.describe()}", rule, f"remove or narrow {rule.source}")
+            return _denied_by(rule)
     allow_rules = profile.allow_rules_for_host(host)
     for rule in allow_rules:
         if rule.matches_port(port):
-            return Decision(True, "allowed", rule)
-    target = format_host_port(host, port)
+            return Decision(True, "allowed", ReasonCode.ALLOWED, rule)
     if allow_rules:
         near = allow_rules[0]
-        return Decision(
-            False,
-            f"port {port} is not allowed for {host}",
-            None,
-            f"add {port} to the ports of {near.describe()}",
-        )
-    return Decision(False, f"{target} is not in the allowlist", None, f"allow: [{{host: {host}, ports: [{port}]}}]")
+        hint = f"add {port} to the ports of {near.describe()}"
+        if port not in WEB_PORTS and not near.tunnel:
+            hint += f"; {_raw_tunnel_hint(f'host: {host}', port)}"
+        return Decision(False, f"port {port} is not allowed for {host}", ReasonCode.PORT_NOT_ALLOWED, None, hint)
+    reason = f"{format_host_port(host, port)} is not in the allowlist"
+    return Decision(False, reason, ReasonCode.NOT_ALLOWLISTED, None, _allow_hint(f"host: {host}", port))
 
 
 def decide_name(profile: Profile, host: str) -> Decision:
     """May the sandbox learn this name's addresses (DNS)? Yes if an allow rule names it for any port and no
     deny rule closes it on every port."""
     if is_ip(host):
-        return Decision(False, "an address is not a name to resolve")
+        return Decision(False, "an address is not a name to resolve", ReasonCode.NOT_A_NAME)
     for rule in profile.deny_rules_for_host(host):
         if rule.matches_port(None):
-            return Decision(False, f"denied by rule {rule.describe()}", rule, f"remove or narrow {rule.source}")
+            return _denied_by(rule)
     allow_rules = profile.allow_rules_for_host(host)
     if allow_rules:
-        return Decision(True, "allowed", allow_rules[0])
-    return Decision(False, f"{host} is not in the allowlist", None, f"allow: [{{host: {host}}}]")
+        return Decision(True, "allowed", ReasonCode.ALLOWED, allow_rules[0])
+    hint = f"allow: [{{host: {host}}}]"
+    return Decision(False, f"{host} is not in the allowlist", ReasonCode.NOT_ALLOWLISTED, None, hint)
 
 
 def _decide_address(profile: Profile, address: IPAddress, port: int) -> Decision:
@@ -97,13 +133,9 @@ def _decide_address(profile: Profile, address: IPAddress, port: int) -> Decision
     verdict = _judge_address(profile, address, port)
     if verdict is not None:
         return verdict
-    cidr = f"{judged}/{judged.max_prefixlen}"
-    return Decision(
-        False,
-        f"{format_host_port(str(address), port)} is an IP address that no rule allows",
-        None,
-        f"allow: [{{cidr: {cidr}, ports: [{port}]}}]",
-    )
+    reason = f"{format_host_port(str(address), port)} is an IP address that no rule allows"
+    hint = _allow_hint(f"cidr: {judged}/{judged.max_prefixlen}", port)
+    return Decision(False, reason, ReasonCode.NOT_ALLOWLISTED, None, hint)
 
 
 def _judge_address(profile: Profile, address: IPAddress, port: int | None) -> Decision | None:
@@ -113,19 +145,20 @@ def _judge_address(profile: Profile, address: IPAddress, port: int | None) -> De
     for candidate in {address, judged}:
         for rule in profile.deny_rules_for_address(candidate):
             if rule.matches_port(port):
-                return Decision(False, f"denied by rule {rule.describe()}", rule, f"remove or narrow {rule.source}")
+                return _denied_by(rule)
     if classification.category is Category.METADATA:
-        return Decision(False, f"{judged} is a metadata/link-local address: never reachable", None, None)
+        return Decision(False, f"{judged} is a metadata/link-local address: never reachable", ReasonCode.METADATA)
     # Allow rules see only the judged address: an IPv6 form that carries IPv4 opens exactly what that IPv4
     # address opens. Matching the raw form too let `cidr: ::ffff:0:0/96` open ::ffff:127.0.0.1 (loopback).
     for rule in profile.allow_rules_for_address(judged):
         if rule.matches_port(port):
-            return Decision(True, f"allowed by CIDR rule for {classification.label} address", rule)
+            return Decision(True, f"allowed by CIDR rule for {classification.label} address", ReasonCode.ALLOWED, rule)
     if classification.category is Category.INTERNAL:
         hint = None
-        if classification.label not in _NEVER_OPENED:
-            hint = f"allow: [{{cidr: {judged}/{judged.max_prefixlen}, ports: [{port}]}}] (named internal service)"
-        return Decision(False, f"{judged} is an internal address ({classification.label})", None, hint)
+        if classification.label not in _NEVER_OPENED and port is not None:
+            hint = _allow_hint(f"cidr: {judged}/{judged.max_prefixlen}", port, " (named internal service)")
+        reason = f"{judged} is an internal address ({classification.label})"
+        return Decision(False, reason, ReasonCode.INTERNAL_ADDRESS, None, hint)
     return None
 
 
@@ -136,7 +169,8 @@ def decide_alias(profile: Profile, cnames: Iterable[str], port: int | None) -> D
     for name in cnames:
         for rule in profile.deny_rules_for_host(name):
             if rule.matches_port(port):
-                return Decision(False, f"CNAME chain passes through {name}, denied by rule {rule.describe()}", rule)
+                reason = f"CNAME chain passes through {name}, denied by rule {rule.describe()}"
+                return Decision(False, reason, ReasonCode.ALIAS_DENIED, rule)
     return None
 
 
@@ -154,18 +188,18 @@ def vet(
     in README). `port` None vets for DNS: an internal address passes if a CIDR rule opens it on any port.
     """
     allowed: list[IPAddress] = []
-    rejected: list[tuple[IPAddress, str]] = []
+    rejected: list[Rejection] = []
     for address in dict.fromkeys(addresses):
         judged = embedded_ipv4(address) or address
         if address in own_addresses or judged in own_addresses or judged.is_unspecified:
-            rejected.append((address, "the gateway's own address"))
+            rejected.append(Rejection(address, ReasonCode.OWN_ADDRESS, "the gateway's own address"))
             continue
         if in_sandbox_links(judged):
-            rejected.append((address, "an airlock sandbox link, never an upstream"))
+            rejected.append(Rejection(address, ReasonCode.SANDBOX_LINK, "an airlock sandbox link, never an upstream"))
             continue
         verdict = _judge_address(profile, address, port)
         if verdict is None or verdict.allow:
             allowed.append(address)
         else:
-            rejected.append((address, verdict.reason))
+            rejected.append(Rejection(address, verdict.code, verdict.reason))
     return Vetted(tuple(allowed), tuple(rejected))

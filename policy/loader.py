@@ -6,11 +6,14 @@ to fix, duplicate keys are caught, and nothing half-valid is ever returned.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import ipaddress
 import math
 import re
 from pathlib import Path
+from typing import TypeGuard
+from urllib.parse import urlsplit
 
 import yaml
 from publicsuffixlist import PublicSuffixList
@@ -36,6 +39,8 @@ _BOOLEANS = {"true": True, "yes": True, "on": True, "false": False, "no": False,
 # Plain ASCII decimal only: YAML reads `0443` as octal 291 and `0x1bb` as hex where a reader sees 443, and int()
 # or str.isdigit() would take Arabic-Indic or fullwidth digits, or `²`. [0-9] is ASCII; `\d` is not.
 _PORT = re.compile(r"0|[1-9][0-9]*")
+_NAME_AND_PORT = re.compile(r"([^:\[\]]+):([0-9]+)")  # `pypi.org:443`, written where only a host belongs
+_ALIAS = re.compile(r"\*[^\s,\[\]{}]*")  # what YAML took for an alias: the unquoted value from its `*` on
 _DECIMAL = {int: re.compile(r"[0-9]+"), float: re.compile(r"[0-9]+(\.[0-9]+)?")}
 # dns key -> (type, YAML tags accepted, exclusive low, inclusive high). A label has at most 63 characters, so at
 # most log2(63) < 6 bits of entropy per character: a higher limit could never fire.
@@ -83,28 +88,44 @@ def parse_policy(text: str, filename: str = "<policy>") -> Policy:
 
 
 def _parse(text: str, filename: str) -> Policy:
-    errors: list[str] = []
     try:
         root = yaml.compose(text, Loader=_YAML_LOADER)
     except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        line = mark.line + 1 if mark is not None else 1
-        raise PolicyError([f"{filename}:{line}: invalid YAML: {getattr(e, 'problem', None) or e}"]) from None
-    builder = _Builder(filename, errors)
+        raise PolicyError([_yaml_error(e, text, filename)]) from None
+    builder = _Builder(filename)
     policy = builder.policy(root)
-    if errors or policy is None:
-        raise PolicyError(errors or [f"{filename}:1: empty policy"])
+    if builder.errors or policy is None:
+        raise PolicyError(builder.messages() or [f"{filename}:1: empty policy"])
     return policy
 
 
+def _yaml_error(error: yaml.YAMLError, text: str, filename: str) -> str:
+    """`file:line: invalid YAML: …`; an unquoted `*.example.com` (YAML reads `*` as an alias) says to quote it."""
+    problem = getattr(error, "problem", None) or str(error)
+    mark = getattr(error, "problem_mark", None)
+    if getattr(error, "context", None) == "while scanning an alias" or problem == "found undefined alias":
+        mark = getattr(error, "context_mark", None) or mark
+        lines = text.splitlines()
+        alias = _ALIAS.match(lines[mark.line], mark.column) if mark is not None and mark.line < len(lines) else None
+        if alias is not None:
+            value = alias.group()
+            problem = f"{value} is read as a YAML alias (a value that starts with '*'): quote it, as in \"{value}\""
+    line = mark.line + 1 if mark is not None else 1
+    return f"{filename}:{line}: invalid YAML: {problem}"
+
+
 class _Builder:
-    def __init__(self, filename: str, errors: list[str]) -> None:
+    def __init__(self, filename: str) -> None:
         self.filename = filename
-        self.errors = errors
+        self.errors: list[tuple[int, str]] = []
 
     def error(self, node: yaml.Node | None, message: str) -> None:
-        line = node.start_mark.line + 1 if node is not None else 1
-        self.errors.append(f"{self.filename}:{line}: {message}")
+        self.errors.append((node.start_mark.line + 1 if node is not None else 1, message))
+
+    def messages(self) -> list[str]:
+        """Every error as `file:line: message`, in line order (the walk visits some keys after later lines)."""
+        ordered = sorted(self.errors, key=lambda error: error[0])
+        return [f"{self.filename}:{line}: {message}" for line, message in ordered]
 
     def where(self, node: yaml.Node) -> str:
         return f"{self.filename}:{node.start_mark.line + 1}"
@@ -233,6 +254,10 @@ class _Builder:
         raw = self.scalar(node, "host")
         if raw is None:
             return None
+        problem = _misplaced_in_host(raw)
+        if problem is not None:
+            self.error(node, f"host {raw!r} {problem}")
+            return None
         wildcard = raw.startswith("*.")
         if "*" in (raw[2:] if wildcard else raw):
             self.error(node, f"host {raw!r}: '*' may only stand alone as the first label, as in '*.example.com'")
@@ -300,6 +325,31 @@ class _Builder:
         return int(node.value)
 
 
+def _misplaced_in_host(raw: str) -> str | None:
+    """What a newcomer writes in `host:` that belongs elsewhere (a URL, a port, `*` for everything): said so, with
+    the rule to write, rather than the parser's complaint about the character it stumbled on."""
+    if raw.strip() == "*":
+        return (
+            "would allow every host, and is refused: list the hosts, or '*.example.com' for the names under one domain"
+        )
+    if "/" in raw:
+        with contextlib.suppress(ValueError):
+            return f"is a network: write it as {{cidr: {ipaddress.ip_network(raw, strict=False)}}}"
+        parts = urlsplit(raw if "://" in raw else "//" + raw)
+        try:
+            port = parts.port
+        except ValueError:
+            port = None
+        if not parts.hostname:
+            return "looks like a URL: write the host alone"
+        ports = f", ports: [{port}]" if port else ""
+        return f"looks like a URL: write the host alone, as in {{host: {parts.hostname}{ports}}}"
+    if name_and_port := _NAME_AND_PORT.fullmatch(raw):
+        name, port_text = name_and_port.groups()
+        return f"has a port: ports go in 'ports:', as in {{host: {name}, ports: [{port_text}]}}"
+    return None
+
+
 def _never_opened(network: Network) -> str | None:
     """Why no allow rule may name this network, or None when it may."""
     if covers_metadata(network):
@@ -322,15 +372,15 @@ def _text(node: yaml.Node) -> str | None:
     """A scalar's text, or None for a list, a mapping, a null or an application tag (`!secret x`)."""
     if not isinstance(node, yaml.ScalarNode) or node.tag == _NULL or not node.tag.startswith(_YAML):
         return None
-    return node.value
+    return str(node.value)
 
 
-def _is_mapping(node: yaml.Node | None) -> bool:
+def _is_mapping(node: yaml.Node | None) -> TypeGuard[yaml.MappingNode]:
     # An explicit tag must agree with the node's kind: safe_load refuses `!!int {a: 1}` or `!secret [443]` too.
     return isinstance(node, yaml.MappingNode) and node.tag == _MAP
 
 
-def _is_list(node: yaml.Node | None) -> bool:
+def _is_list(node: yaml.Node | None) -> TypeGuard[yaml.SequenceNode]:
     return isinstance(node, yaml.SequenceNode) and node.tag == _SEQ
 
 
@@ -338,5 +388,6 @@ def _kind(node: yaml.Node) -> str:
     """How an error names a node that is not a value: never its repr, which prints the whole subtree."""
     if isinstance(node, yaml.ScalarNode) and node.tag == _NULL:
         return "null"
-    kind = {yaml.SequenceNode: "a list", yaml.MappingNode: "a mapping"}.get(type(node), "a value")
+    kinds: dict[type[yaml.Node], str] = {yaml.SequenceNode: "a list", yaml.MappingNode: "a mapping"}
+    kind = kinds.get(type(node), "a value")
     return kind if node.tag in {_SEQ, _MAP} else f"{kind} tagged {node.tag.replace(_YAML, '!!', 1)}"

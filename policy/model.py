@@ -11,6 +11,9 @@ from .addresses import Network
 from .hosts import IPAddress
 
 DEFAULT_ALLOW_PORTS: frozenset[int] = frozenset({443})
+# Where a CONNECT most likely carries TLS (443), or a plain request is proxied as HTTP (80): anywhere else the
+# traffic may well be another protocol (ssh on 22), which a tunnel carries only under `tunnel: true`.
+WEB_PORTS: frozenset[int] = frozenset({80, 443})
 type Action = Literal["allow", "deny"]
 
 

@@ -46,6 +46,7 @@ class AuditRecord:
     port: int | None
     decision: Literal["allow", "deny", "error"]
     reason: str
+    code: str  # stable, machine-readable: a ReasonCode, or on broker lines the broker's error code
     request_id: str = field(default_factory=new_request_id)
     ts: float = field(default_factory=time.time)
     method: str | None = None

@@ -41,6 +41,7 @@ from airlock.policy import (
     IPAddress,
     Policy,
     Profile,
+    ReasonCode,
     Sandbox,
     SandboxRegistry,
     canonical_host,
@@ -59,6 +60,7 @@ log = logging.getLogger("airlock.proxy")
 
 DECISION_HEADER = "X-Airlock-Decision"
 REQUEST_ID_HEADER = "X-Airlock-Request-Id"
+_UNKNOWN_SANDBOX = Decision(False, "connection from an address that belongs to no sandbox", ReasonCode.UNKNOWN_SANDBOX)
 
 
 @dataclass
@@ -99,7 +101,7 @@ class Outcome:
     def fill(self, record: AuditRecord) -> None:
         record.host, record.resolved, record.chosen_ip = self.host, self.resolved, self.chosen_ip
         record.decision = "allow" if self.decision.allow else "deny"
-        record.reason = self.decision.reason
+        record.reason, record.code = self.decision.reason, self.decision.code
         record.rule = self.decision.rule.source if self.decision.rule else None
 
 
@@ -140,7 +142,7 @@ class _Shared:
 
     def refuse(self, record: AuditRecord) -> None:
         """Audit a refusal that may come in a flood (unknown network, over a cap): a few lines, then a summary."""
-        if self.refusals.admit(record.kind, record.sandbox, record.reason, record.client):
+        if self.refusals.admit(record.kind, record.sandbox, record.reason, record.code, record.client):
             self.emit(record)
 
     def connection_refusal(self, sandbox: str) -> str | None:
@@ -172,14 +174,14 @@ class _Shared:
     async def evaluate(self, sandbox: Sandbox | None, raw_host: str, port: int) -> Outcome:
         """The whole judgement of one upstream target: canonicalize, decide, resolve, vet, choose."""
         if sandbox is None:
-            return Outcome(Decision(False, "connection from an address that belongs to no sandbox"), raw_host)
+            return Outcome(_UNKNOWN_SANDBOX, raw_host)
         if (failure := self.settings.audit_failure()) is not None:
             reason = f"audit log unavailable ({failure}): no request is allowed until it can be written"
-            return Outcome(Decision(False, reason), raw_host)
+            return Outcome(Decision(False, reason, ReasonCode.AUDIT_UNAVAILABLE), raw_host)
         try:
             host = _target(raw_host, port)
         except HostError as e:
-            return Outcome(Decision(False, f"invalid host: {e}"), raw_host)
+            return Outcome(Decision(False, f"invalid host: {e}", ReasonCode.INVALID_HOST), raw_host)
         profile = self.profile(sandbox)
         decision = decide(profile, host, port)
         if not decision.allow:
@@ -190,14 +192,15 @@ class _Shared:
             try:
                 answer = await self.resolver.resolve(host)
             except ResolveError as e:
-                return Outcome(Decision(False, f"resolution failed: {e}", decision.rule), host)
+                failed = Decision(False, f"resolution failed: {e}", ReasonCode.RESOLVE_FAILED, decision.rule)
+                return Outcome(failed, host)
             if denied := decide_alias(profile, answer.cnames, port):
                 return Outcome(denied, host, [str(a) for a in answer.addresses])
             addresses = answer.addresses
         vetted = vet(profile, addresses, port, self.settings.own_addresses | self.local.among(addresses))
         resolved = [str(a) for a in addresses]
         if not vetted.allowed:
-            return Outcome(Decision(False, vetted.reason, None, decision.hint), host, resolved)
+            return Outcome(Decision(False, vetted.reason, vetted.code, None, decision.hint), host, resolved)
         chosen = min(vetted.allowed, key=lambda a: a.version)  # IPv4 first: the family most often routed
         return Outcome(decision, host, resolved, str(chosen))
 
@@ -262,7 +265,10 @@ def _body_is_buffered(request: http.Request) -> bool:
 
 
 def _deny_response(record: AuditRecord, hint: str | None, status: int = 403) -> http.Response:
-    body = {"decision": "deny", "reason": record.reason, "rule_hint": hint, "request_id": record.request_id}
+    body = {
+        "decision": "deny", "reason": record.reason, "code": record.code, "rule_hint": hint,
+        "request_id": record.request_id,
+    }  # fmt: skip
     return http.Response.make(
         status,
         json.dumps(body, indent=None).encode() + b"\n",
@@ -299,11 +305,17 @@ class SandboxIdentity:
         shared, state = self.shared, self.shared.client(client)
         if state.sandbox is None:
             client.error = "airlock: connection from an address that belongs to no sandbox"
-            shared.refuse(AuditRecord("connect", "-", client.peername[0], "-", None, "deny", UNKNOWN_NETWORK))
+            record = AuditRecord(
+                "connect", "-", client.peername[0], "-", None, "deny", UNKNOWN_NETWORK, ReasonCode.UNKNOWN_SANDBOX
+            )
+            shared.refuse(record)
             return
         if refusal := shared.connection_refusal(state.sandbox.id):
             client.error = f"airlock: {refusal}"  # closed at once: it holds no descriptor of ours any longer
-            shared.refuse(AuditRecord("connect", state.sandbox.id, client.peername[0], "-", None, "deny", refusal))
+            record = AuditRecord(
+                "connect", state.sandbox.id, client.peername[0], "-", None, "deny", refusal, ReasonCode.CONNECTION_LIMIT
+            )
+            shared.refuse(record)
             return
         shared.connections[state.sandbox.id] += 1
         shared.open_connections += 1
@@ -332,7 +344,10 @@ class HttpPolicy:
 
     def _deny_flow(self, flow: http.HTTPFlow) -> None:
         self.shared.client(flow.client_conn).denied = "internal error"
-        record = AuditRecord("http", "-", flow.client_conn.peername[0], "-", None, "error", "airlock internal error")
+        record = AuditRecord(
+            "http", "-", flow.client_conn.peername[0], "-", None, "error", "airlock internal error",
+            ReasonCode.INTERNAL_ERROR,
+        )  # fmt: skip
         self.shared.emit(record)
         _answer(flow, _deny_response(record, None, 500))
 
@@ -342,6 +357,7 @@ class HttpPolicy:
         sandbox = state.sandbox.id if state.sandbox else "-"
         return AuditRecord(
             kind, sandbox, flow.client_conn.peername[0], request.host, request.port, "deny", "",
+            ReasonCode.INTERNAL_ERROR,  # every caller sets its own reason and code before the record is emitted
             method=request.method, path=path,
         )  # fmt: skip
 
@@ -362,6 +378,7 @@ class HttpPolicy:
         limit = self.shared.settings.max_tunnels_per_sandbox
         if self.shared.tunnels[state.sandbox.id] >= limit:
             record.decision, record.reason = "deny", f"sandbox already has {limit} open tunnels"
+            record.code = ReasonCode.TUNNEL_LIMIT
             self.shared.refuse(record)  # a client retrying in a loop gets its 429s, the audit a summary
             return _answer(flow, _deny_response(record, None, 429))
         self.shared.tunnels[state.sandbox.id] += 1
@@ -373,17 +390,18 @@ class HttpPolicy:
         record = self._record(flow, "http", state)
         if state.tunnel is not None:
             # Requests inside a tunnel exist only if something intercepted it; airlock passes tunnels through.
-            record.reason = "HTTP request inside a tunnel"
+            record.reason, record.code = "HTTP request inside a tunnel", ReasonCode.REQUEST_IN_TUNNEL
             return self._refuse(flow, record, None)
         request = flow.request
         if request.host_header is None and request.http_version != "HTTP/1.0":
             # mitmproxy forwards an absolute-form request without one: the upstream would pick its default site.
             record.reason = f"{request.http_version} request without a Host header"
+            record.code = ReasonCode.MISSING_HOST_HEADER
             return self._refuse(flow, record, None, 400)
         outcome = await self.shared.evaluate(state.sandbox, request.host, request.port)
         outcome.fill(record)
         if outcome.decision.allow and (mismatch := _host_header_mismatch(flow, outcome.host)):
-            record.decision, record.reason, record.rule = "deny", mismatch, None
+            record.decision, record.reason, record.code, record.rule = "deny", mismatch, ReasonCode.HOST_MISMATCH, None
         if record.decision != "allow":
             return self._refuse(flow, record, outcome.decision.hint)
         if request.host_header is None:  # HTTP/1.0 may omit it: the upstream gets the name that was judged
@@ -458,13 +476,13 @@ class TunnelPolicy:
 
     def _deny_layer(self, nextlayer: layer.NextLayer) -> None:
         state = self.shared.client(nextlayer.context.client)
-        self._deny(state, "internal error")
+        self._deny(state, ReasonCode.INTERNAL_ERROR, "internal error")
         nextlayer.layer = layers.TCPLayer(nextlayer.context, ignore=True)
 
-    def _deny(self, state: _ClientState, reason: str) -> None:
+    def _deny(self, state: _ClientState, code: ReasonCode, reason: str) -> None:
         state.denied = reason  # server_connect refuses to open anything for this connection
         if state.tunnel is not None:
-            state.tunnel.decision, state.tunnel.reason = "deny", reason
+            state.tunnel.decision, state.tunnel.reason, state.tunnel.code = "deny", reason, code
 
     @_fail_closed(_deny_layer)
     def next_layer(self, nextlayer: layer.NextLayer) -> None:
@@ -476,16 +494,17 @@ class TunnelPolicy:
             try:
                 hello = parse_client_hello(data)
             except ValueError:
-                self._deny(state, "malformed TLS ClientHello")
+                self._deny(state, ReasonCode.MALFORMED_CLIENT_HELLO, "malformed TLS ClientHello")
             else:
                 if hello is None:
                     nextlayer.layer = None  # wait for the rest of the ClientHello
                     return
                 ech_allowed = state.tunnel_decision is not None and state.tunnel_decision.ech
                 if refusal := _hello_refusal(hello, state.tunnel.host, ech_allowed):
-                    self._deny(state, refusal)
+                    self._deny(state, *refusal)
         elif not (state.tunnel_decision and state.tunnel_decision.tunnel):
-            self._deny(state, "tunnel carries something other than TLS and no rule allows a raw tunnel")
+            reason = "tunnel carries something other than TLS and no rule allows a raw tunnel"
+            self._deny(state, ReasonCode.NOT_TLS, reason)
         nextlayer.layer = _MeteredTunnel(nextlayer.context, state.tunnel)
 
 
@@ -495,21 +514,22 @@ def _may_be_tls(data: bytes) -> bool:
     return data[:2] == b"\x16\x03"[: len(data)]
 
 
-def _hello_refusal(hello: ClientHello, host: str, ech_allowed: bool) -> str | None:
+def _hello_refusal(hello: ClientHello, host: str, ech_allowed: bool) -> tuple[ReasonCode, str] | None:
     """Why a tunnel with this ClientHello must not open, if it must not. ECH hides the name the client really
     connects to behind the outer SNI (fronting), unless the rule says `ech: true`; the (outer) SNI must be one
     valid host name, and it must be the CONNECT host."""
     extensions = hello.extensions
     if (hidden := hidden_name(extensions)) is not None and not ech_allowed:
-        return (
+        return ReasonCode.ECH, (
             f"TLS ClientHello carries Encrypted Client Hello extension 0x{hidden:04x} ({ECH_EXTENSIONS[hidden]}): "
             "the name it connects to is hidden (a rule with `ech: true` allows it for its hosts)"
         )
     try:
         sni = server_name(extensions)
     except TlsNameError as e:
-        return f"invalid TLS SNI: {e}"
-    return _sni_mismatch(sni, host)
+        return ReasonCode.INVALID_SNI, f"invalid TLS SNI: {e}"
+    mismatch = _sni_mismatch(sni, host)
+    return None if mismatch is None else (ReasonCode.SNI_MISMATCH, mismatch)
 
 
 def _sni_mismatch(sni: str | None, expected: str) -> str | None:
@@ -553,6 +573,7 @@ class PinnedConnect:
             server.error = f"airlock: {refusal}"
             if state.tunnel is not None:
                 state.tunnel.decision, state.tunnel.reason = "deny", refusal
+                state.tunnel.code = ReasonCode.CONNECTION_LIMIT
             return
         self.shared.resolved[server.id] = outcome.resolved
         self._names[server.id] = (raw_host, port)
@@ -625,7 +646,7 @@ class HttpAudit:
         # What the connection in use resolved to; a failed connect has been forgotten: keep the early answer.
         record.resolved = self.shared.resolved.get(flow.server_conn.id, record.resolved)
         if error is not None:
-            record.decision, record.reason = "error", error
+            record.decision, record.reason, record.code = "error", error, ReasonCode.REQUEST_FAILED
         self.shared.emit(record)
 
     @_fail_closed(_withhold)

@@ -131,6 +131,7 @@ def test_upstream_down_gives_servfail(topology: Topology, fakenet: FakeNet, own_
     assert time.monotonic() - started < 8
     proxied = in_netns(topology.sbx, proxy_http, PROXY, "http://allowed.test/")
     assert proxied.status == 403 and "resolution failed" in proxied.json()["reason"]
+    assert proxied.json()["code"] == "resolve_failed"
     assert fakenet.total_connections() == 0
 
 
@@ -162,7 +163,8 @@ def test_exfiltration_shaped_names_are_refused_when_the_switch_is_on(topology: T
     codes = [rcode(in_netns(topology.sbx, ask, f"x{i}.allowed.test")) for i in range(40)]
     # The random name above was the first distinct name under allowed.test; the limit is 30 a minute.
     assert codes[:29] == ["NOERROR"] * 29 and set(codes[29:]) == {"REFUSED"}
-    assert "distinct subdomains" in gw.audit_for(host="x39.allowed.test")[-1]["reason"]
+    refused = gw.audit_for(host="x39.allowed.test")[-1]
+    assert refused["code"] == "suspicious_name" and "distinct subdomains" in refused["reason"]
 
 
 def test_rate_limit_per_sandbox(topology: Topology, fakenet: FakeNet, own_gateway):
@@ -303,7 +305,7 @@ def test_cname_chain_through_a_denied_name_is_refused(topology: Topology, fakene
     assert fakenet.dns_queries("cname-public.allowed.test") >= 1  # asked: the chain is only known from the answer
     [record] = [r for r in gw.audit_for(host="cname-public.allowed.test") if r["kind"] == "dns"]
     assert record["reason"].startswith("CNAME chain passes through allowed.test, denied by rule")
-    assert record["extra"]["cnames"] == ["allowed.test"]
+    assert record["code"] == "alias_denied" and record["extra"]["cnames"] == ["allowed.test"]
     assert answers(in_netns(topology.sbx, ask, "www.allowed.test")) == [ALLOWED_IP]  # no chain, no change
 
 
@@ -323,7 +325,7 @@ def test_queries_waiting_on_upstream_are_capped(topology: Topology, fakenet: Fak
 
     early = in_netns(topology.sbx, burst)
     assert len(early) == 8 and {rcode(r) for r in early} == {"SERVFAIL"}  # 40 - 32 waiting on upstream
-    over = [r for r in gw.audit() if r["kind"] == "dns" and "already waiting on upstream" in r["reason"]]
+    over = [r for r in gw.audit() if r["kind"] == "dns" and r["code"] == "inflight_limit"]
     assert len(over) == 8 and {r["decision"] for r in over} == {"error"}
 
 
@@ -341,4 +343,5 @@ def test_the_proxy_refuses_a_cname_chain_through_a_denied_name_too(
     assert fakenet.total_connections() == 0
     record = [r for r in gw.audit_for(host="cname-public.allowed.test") if r["kind"] == "http"][-1]
     assert record["reason"].startswith("CNAME chain passes through allowed.test, denied by rule"), record
+    assert record["code"] == "alias_denied"
     assert in_netns(topology.sbx, proxy_http, PROXY, "http://www.allowed.test/").status == 200  # no chain

@@ -28,7 +28,7 @@ from topology import DNS_SERVER, GW_IP, SBX_IP, FakeNet, Topology
 ALLOWED_IP = "192.0.2.10"
 AUDIT_FIELDS = {
     "ts", "request_id", "sandbox", "client", "kind", "method", "host", "port", "path", "resolved", "chosen_ip",
-    "decision", "reason", "rule", "bytes_in", "bytes_out", "duration_ms", "extra",
+    "decision", "reason", "code", "rule", "bytes_in", "bytes_out", "duration_ms", "extra",
 }  # fmt: skip
 
 
@@ -279,8 +279,8 @@ def test_unknown_source_network_is_refused(topology: Topology, fakenet: FakeNet,
         deadline = time.monotonic() + 3
         while not gw.audit() and time.monotonic() < deadline:
             time.sleep(0.05)  # audit lines are flushed every 100 ms
-        assert [(r["client"], r["decision"], r["reason"]) for r in gw.audit()] == [
-            (stranger, "deny", "unknown sandbox network")
+        assert [(r["client"], r["decision"], r["reason"], r["code"]) for r in gw.audit()] == [
+            (stranger, "deny", "unknown sandbox network", "unknown_sandbox")
         ]
     finally:
         topology.run(topology.gw, ["ip", "route", "del", f"{stranger}/32", "dev", topology.gw_sbx_if])
@@ -452,6 +452,7 @@ def test_an_address_the_gateway_gains_after_start_is_its_own(topology: Topology,
         assert reply.status == 403, reply
         record = gw.audit_for(host="10.99.0.1")[-1]
         assert record["decision"] == "deny" and "own address" in record["reason"], record
+        assert record["code"] == "own_address", record
     finally:
         topology.run(topology.gw, ["ip", "addr", "del", "10.99.0.1/32", "dev", "lo"])
 

@@ -26,12 +26,12 @@ LITERAL_IP = "198.51.100.10"  # a public address opened by CIDR rules: on 80 and
 PROXY_URL = f"http://{PROXY[0]}:{PROXY[1]}"
 
 
-def assert_denied_json(reply, reason_part: str = "") -> dict:
+def assert_denied_json(reply, code: str, reason_part: str = "") -> dict:
     assert reply.status == 403, (reply.status, reply.error, reply.body[:300])
     assert reply.headers.get("X-Airlock-Decision") == "deny"
     body = reply.json()
     assert body["decision"] == "deny" and body["request_id"] and "rule_hint" in body
-    assert reason_part in body["reason"], body
+    assert body["code"] == code and reason_part in body["reason"], body
     return body
 
 
@@ -112,7 +112,7 @@ def test_allowed_connect_tls_returns_the_real_body(
 
 def test_unlisted_host_gets_403_with_reason(topology: Topology, fakenet: FakeNet, gateway: GatewayProcess):
     reply = in_netns(topology.sbx, proxy_http, PROXY, "http://evil.test/steal")
-    body = assert_denied_json(reply, "not in the allowlist")
+    body = assert_denied_json(reply, "not_allowlisted", "not in the allowlist")
     assert "evil.test" in body["rule_hint"]
     connect = in_netns(topology.sbx, tls_get, PROXY, "evil.test:443", "evil.test", "/dev/null")
     assert connect.status == 403
@@ -122,13 +122,13 @@ def test_unlisted_host_gets_403_with_reason(topology: Topology, fakenet: FakeNet
 
 def test_allowed_host_on_unlisted_port_is_denied(topology: Topology, fakenet: FakeNet, gateway: GatewayProcess):
     reply = in_netns(topology.sbx, proxy_http, PROXY, "http://allowed.test:8080/")
-    assert_denied_json(reply, "port 8080")
+    assert_denied_json(reply, "port_not_allowed", "port 8080")
     connect = in_netns(topology.sbx, tls_get, PROXY, "allowed.test:8443", "allowed.test", "/dev/null")
     assert connect.status == 403
     assert fakenet.connections(ALLOWED_IP, 8080) == fakenet.connections(ALLOWED_IP, 8443) == 0
 
 
-ODD_SPELLINGS = [
+METADATA_SPELLINGS = [
     "2852039166",  # 169.254.169.254 as one decimal number
     "0xa9fea9fe",
     "0251.0376.0251.0376",
@@ -138,37 +138,38 @@ ODD_SPELLINGS = [
     "[::ffff:a9fe:a9fe]",
     "[64:ff9b::a9fe:a9fe]",
     "[2002:a9fe:a9fe::1]",
-    "2130706433",  # loopback
-    "0x7f.1",
-    "0177.0.0.1",
-    "127.1",
-    "[::1]",
-    "[::ffff:127.0.0.1]",
-    "0",
     "100.100.100.200",
 ]
+LOOPBACK_SPELLINGS = ["2130706433", "0x7f.1", "0177.0.0.1", "127.1", "[::1]", "[::ffff:127.0.0.1]", "0"]
 
 
-@pytest.mark.parametrize("host", ODD_SPELLINGS)
+@pytest.mark.parametrize(
+    ("host", "code"),
+    [(h, "metadata") for h in METADATA_SPELLINGS] + [(h, "internal_address") for h in LOOPBACK_SPELLINGS],
+)
 def test_metadata_and_loopback_in_any_spelling_are_denied(
-    topology: Topology, fakenet: FakeNet, gateway: GatewayProcess, host: str
+    topology: Topology, fakenet: FakeNet, gateway: GatewayProcess, host: str, code: str
 ):
     reply = in_netns(topology.sbx, proxy_http, PROXY, f"http://{host}/latest/meta-data/")
-    assert_denied_json(reply)
+    assert_denied_json(reply, code)
     connect = in_netns(topology.sbx, tls_get, PROXY, f"{host}:443", None, "/dev/null")
     assert connect.status == 403, connect
     assert fakenet.total_connections() == 0
 
 
 @pytest.mark.parametrize(
-    ("name", "blocked_ip"),
-    [("internal.allowed.test", INTERNAL_IP), ("loop.allowed.test", "127.0.0.1"), ("meta.allowed.test", METADATA_IP)],
+    ("name", "blocked_ip", "code"),
+    [
+        ("internal.allowed.test", INTERNAL_IP, "internal_address"),
+        ("loop.allowed.test", "127.0.0.1", "own_address"),  # the gateway can bind it: one of its own
+        ("meta.allowed.test", METADATA_IP, "metadata"),
+    ],
 )
 def test_allowlisted_name_resolving_inside_is_denied(
-    topology: Topology, fakenet: FakeNet, gateway: GatewayProcess, name: str, blocked_ip: str
+    topology: Topology, fakenet: FakeNet, gateway: GatewayProcess, name: str, blocked_ip: str, code: str
 ):
     reply = in_netns(topology.sbx, proxy_http, PROXY, f"http://{name}/")
-    body = assert_denied_json(reply, blocked_ip)
+    body = assert_denied_json(reply, code, blocked_ip)
     assert "every address is blocked" in body["reason"]
     connect = in_netns(topology.sbx, tls_get, PROXY, f"{name}:443", name, "/dev/null")
     assert connect.status == 403
@@ -177,7 +178,7 @@ def test_allowlisted_name_resolving_inside_is_denied(
 
 def test_cname_to_internal_is_denied(topology: Topology, fakenet: FakeNet, gateway: GatewayProcess):
     reply = in_netns(topology.sbx, proxy_http, PROXY, "http://cname-internal.allowed.test/")
-    assert_denied_json(reply, INTERNAL_IP)
+    assert_denied_json(reply, "internal_address", INTERNAL_IP)
     assert fakenet.total_connections() == 0
 
 
@@ -214,7 +215,8 @@ def test_connect_with_mismatched_sni_is_closed(
     assert reply.error is not None and reply.extra["connect_status"] == 200, reply
     assert fakenet.total_connections() == 0
     record = gateway.audit_for(host="allowed.test")[-1]
-    assert record["kind"] == "connect" and record["decision"] == "deny" and "SNI" in record["reason"]
+    assert (record["kind"], record["decision"], record["code"]) == ("connect", "deny", "sni_mismatch")
+    assert "SNI" in record["reason"]
 
 
 def test_connect_without_sni_to_a_name_is_closed(
@@ -257,9 +259,9 @@ def test_raw_tunnel_only_where_a_rule_says_so(topology: Topology, fakenet: FakeN
 
 def test_host_header_fronting_is_denied(topology: Topology, fakenet: FakeNet, gateway: GatewayProcess):
     reply = in_netns(topology.sbx, proxy_http, PROXY, "http://allowed.test/", {"Host": "evil.test"})
-    assert_denied_json(reply, "Host header")
+    assert_denied_json(reply, "host_mismatch", "Host header")
     reply = in_netns(topology.sbx, proxy_http, PROXY, "http://allowed.test/", {"Host": "allowed.test:8080"})
-    assert_denied_json(reply, "Host header")
+    assert_denied_json(reply, "host_mismatch", "Host header")
     assert fakenet.total_connections() == 0
     ok = in_netns(topology.sbx, proxy_http, PROXY, "http://allowed.test/", {"Host": "ALLOWED.test."})
     assert ok.status == 200
@@ -271,7 +273,7 @@ def test_cidr_rule_opens_the_named_internal_service_on_its_port_only(
     ok = in_netns(topology.sbx, tls_get, PROXY, "svc.internal.test:443", "svc.internal.test", test_ca.ca_cert)
     assert ok.status == 200 and ok.body.startswith(f"fakenet {SERVICE_IP}:443".encode()), ok
     denied = in_netns(topology.sbx, proxy_http, PROXY, "http://svc.internal.test/")
-    assert_denied_json(denied, SERVICE_IP)
+    assert_denied_json(denied, "internal_address", SERVICE_IP)
     assert fakenet.connections(SERVICE_IP, 443) == 1 and fakenet.connections(SERVICE_IP, 80) == 0
 
 
@@ -280,7 +282,7 @@ def test_the_gateways_own_addresses_are_denied(
     topology: Topology, fakenet: FakeNet, gateway: GatewayProcess, target: str
 ):
     reply = in_netns(topology.sbx, proxy_http, PROXY, f"http://{target}/")
-    assert_denied_json(reply)
+    assert_denied_json(reply, "internal_address")  # internal before they are the gateway's: no rule opens them
     connect = in_netns(topology.sbx, tls_get, PROXY, target, None, "/dev/null")
     assert connect.status == 403
 
@@ -307,13 +309,13 @@ def test_public_ip_literal_needs_a_cidr_rule(topology: Topology, fakenet: FakeNe
     ok = in_netns(topology.sbx, proxy_http, PROXY, "http://198.51.100.10/")
     assert ok.status == 200
     denied = in_netns(topology.sbx, proxy_http, PROXY, f"http://{ALLOWED_IP}/")
-    assert_denied_json(denied, "no rule allows")
+    assert_denied_json(denied, "not_allowlisted", "no rule allows")
     assert fakenet.connections(ALLOWED_IP, 80) == 0
 
 
 def test_deny_rule_wins(topology: Topology, fakenet: FakeNet, gateway: GatewayProcess):
     reply = in_netns(topology.sbx, proxy_http, PROXY, "http://denied.allowed.test/")
-    body = assert_denied_json(reply, "denied by rule")
+    body = assert_denied_json(reply, "denied_by_rule", "denied by rule")
     assert "e2e.yaml" in body["reason"]
     assert fakenet.total_connections() == 0
 
@@ -357,7 +359,7 @@ def test_odd_request_forms_are_judged_as_the_target_actually_used(
 def test_mitmproxy_onboarding_app_is_not_served(topology: Topology, fakenet: FakeNet, gateway: GatewayProcess):
     # mitmproxy's own apps (mitm.it hands out its CA) are not part of the gateway: an unlisted host, like any.
     reply = in_netns(topology.sbx, proxy_http, PROXY, "http://mitm.it/cert/pem")
-    assert_denied_json(reply, "not in the allowlist")
+    assert_denied_json(reply, "not_allowlisted", "not in the allowlist")
     assert fakenet.total_connections() == 0
 
 
@@ -392,7 +394,7 @@ def test_denied_request_with_a_body_is_refused_without_crashing_the_proxy(
     log_before, audit_before = len(gateway.log()), len(gateway.audit())
     reply = in_netns(topology.sbx, raw_request, PROXY, head + b"\r\n\r\n" + body, 10)
     if answered:
-        assert_denied_json(reply, "not in the allowlist")
+        assert_denied_json(reply, "not_allowlisted", "not in the allowlist")
     else:
         assert reply.status == 0 and reply.error, reply  # closed, never forwarded
     assert fakenet.total_connections() == 0
@@ -421,7 +423,7 @@ def test_encrypted_client_hello_is_refused(
     assert in_netns(topology.sbx, through_tunnel, target, client_hello(sni, extension)) == b""
     assert fakenet.total_connections() == 0
     record = new_audit(gateway, audit_before, host)
-    assert record["kind"] == "connect" and record["decision"] == "deny", record
+    assert (record["kind"], record["decision"], record["code"]) == ("connect", "deny", "ech"), record
     assert f"Encrypted Client Hello extension 0x{extension:04x}" in record["reason"], record
     assert in_netns(topology.sbx, through_tunnel, target, client_hello(sni)) != b""  # the same hello without ECH
     assert fakenet.total_connections() == 1
@@ -457,7 +459,7 @@ def test_tls_in_a_raw_tunnel_still_needs_the_connect_host_as_sni(
     assert in_netns(topology.sbx, through_tunnel, "ssh.allowed.test:22", *chunks) == b""
     assert fakenet.total_connections() == 0
     record = new_audit(gateway, audit_before, "ssh.allowed.test")
-    assert record["decision"] == "deny" and ("SNI" in record["reason"] or "ClientHello" in record["reason"]), record
+    assert record["decision"] == "deny" and record["code"] in {"sni_mismatch", "malformed_client_hello"}, record
     hello = client_hello("ssh.allowed.test")
     assert in_netns(topology.sbx, through_tunnel, "ssh.allowed.test:22", *split(hello, 1)) == hello  # echoed
     assert fakenet.connections(ALLOWED_IP, 22) == 1
@@ -485,6 +487,7 @@ def test_sni_to_an_ip_literal_connect_must_be_absent(
     assert fakenet.total_connections() == 0
     record = new_audit(gateway, audit_before, LITERAL_IP)
     assert record["kind"] == "connect" and record["decision"] == "deny" and "TLS SNI" in record["reason"], record
+    assert record["code"] in {"invalid_sni", "sni_mismatch"}, record
     assert in_netns(topology.sbx, through_tunnel, target, client_hello(None)) != b""  # the same hello without SNI
     assert fakenet.connections(LITERAL_IP, port) == 1
 
@@ -492,7 +495,7 @@ def test_sni_to_an_ip_literal_connect_must_be_absent(
 def test_http11_request_without_host_is_refused(topology: Topology, fakenet: FakeNet, gateway: GatewayProcess):
     reply = in_netns(topology.sbx, raw_request, PROXY, b"GET http://allowed.test/ HTTP/1.1\r\n\r\n")
     assert reply.status == 400 and reply.headers.get("X-Airlock-Decision") == "deny", reply
-    assert "Host" in reply.json()["reason"]
+    assert reply.json()["code"] == "missing_host_header" and "Host" in reply.json()["reason"]
     origin_form = in_netns(topology.sbx, raw_request, PROXY, b"GET / HTTP/1.1\r\n\r\n")
     assert origin_form.status == 400  # mitmproxy's own: no target at all
     assert fakenet.total_connections() == 0

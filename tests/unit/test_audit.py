@@ -15,7 +15,7 @@ from airlock.policy import AuditRecord
 
 
 def record(path: str) -> AuditRecord:
-    return AuditRecord("http", "sbx", "10.0.0.2", "allowed.test", 80, "allow", "allowed", path=path)
+    return AuditRecord("http", "sbx", "10.0.0.2", "allowed.test", 80, "allow", "allowed", "allowed", path=path)
 
 
 def paths(file: Path) -> list[str]:

@@ -438,7 +438,7 @@ async def test_creates_pull_request(make: Factory, credential: str) -> None:
     assert post["auth"] == f"token {expected_secret}"
     (record,) = h.audit
     assert (record.kind, record.sandbox, record.client, record.host) == ("broker", SANDBOX, LOOPBACK, "acme/app")
-    assert (record.decision, record.reason, record.extra["status"]) == ("allow", "created", 201)
+    assert (record.decision, record.reason, record.code, record.extra["status"]) == ("allow", "created", "allowed", 201)
     assert record.extra["number"] == 1
     assert record.extra["head"] == "agent/fix-1" and record.extra["base"] == "main"
     assert json.loads(h.brokered_calls()[0])["decision"] == "allow"
@@ -505,7 +505,7 @@ async def test_unreadable_token_expiry_is_502(make: Factory, expires_at: Any) ->
     assert (reply.status, reply.body["error"]) == (502, "upstream_invalid"), reply.body
     assert "expires_at" in reply.body["message"]
     assert h.github.pull_posts == 0  # the token of a malformed answer is never used
-    assert (h.audit[-1].decision, h.audit[-1].extra["status"]) == ("error", 502)
+    assert (h.audit[-1].decision, h.audit[-1].code, h.audit[-1].extra["status"]) == ("error", "upstream_invalid", 502)
     h.assert_no_secrets()
 
 
@@ -801,7 +801,7 @@ async def test_bad_tokens_are_401(make: Factory, auth: str | None, code: str) ->
     assert reply.status == 401, reply.body
     assert reply.body["error"] == code
     assert h.github.calls == []
-    assert h.audit[-1].decision == "deny" and h.audit[-1].extra["status"] == 401
+    assert (h.audit[-1].decision, h.audit[-1].code, h.audit[-1].extra["status"]) == ("deny", code, 401)
 
 
 async def test_bearer_scheme_is_case_insensitive(make: Factory) -> None:
@@ -882,7 +882,7 @@ async def test_outside_grant_is_403(make: Factory, fields: dict[str, Any]) -> No
     assert reply.status == 403, reply.body
     assert reply.body["error"] == "outside_grant"
     assert h.github.calls == []
-    assert h.audit[-1].decision == "deny" and h.audit[-1].reason
+    assert (h.audit[-1].decision, h.audit[-1].code) == ("deny", "outside_grant") and h.audit[-1].reason
 
 
 WITHIN_GRANT = [
@@ -1457,7 +1457,7 @@ async def test_a_bug_is_a_json_500_with_one_redacted_log_line(
         "error": "internal_error",
         "message": "the broker failed; see its log",
     }
-    assert (h.audit[-1].decision, h.audit[-1].extra["status"]) == ("error", 500)
+    assert (h.audit[-1].decision, h.audit[-1].code, h.audit[-1].extra["status"]) == ("error", "internal_error", 500)
     (line,) = [r.getMessage() for r in caplog.records if "unexpected" in r.getMessage()]
     assert "KeyError" in line and "[redacted]" in line and STATIC_SECRET not in caplog.text
     assert_quiet_log(caplog)

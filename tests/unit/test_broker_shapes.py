@@ -149,7 +149,7 @@ def test_values_and_records_are_redacted_in_every_string() -> None:
     redactor.hold(TOKEN)
     value = {"url": f"u{TOKEN}", TOKEN: [1, {"deep": TOKEN}], "n": 7, "ok": True}
     assert json.dumps(redactor.value(value)).count(MARK) == 3 and TOKEN not in json.dumps(redactor.value(value))
-    record = AuditRecord("broker", "sbx", "10.0.0.2", f"h{TOKEN}", None, "error", f"echo {TOKEN}")
+    record = AuditRecord("broker", "sbx", "10.0.0.2", f"h{TOKEN}", None, "error", f"echo {TOKEN}", "internal_error")
     record.extra = {"head": TOKEN, "status": 502}
     assert TOKEN not in redactor.record(record).to_json()
     assert record.extra["status"] == 502

@@ -147,6 +147,21 @@ def test_sighup_reload_keeps_running_policy_on_odd_yaml(tmp_path: Path, content:
     assert len(gateway.policies) == loaded
 
 
+def test_check_several_files_reports_each_and_fails_if_any_is_bad(
+    policy_file: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(BAD_POLICY, encoding="utf-8")
+    shipped = str(CONFIGS / "default.yaml")
+    missing = str(tmp_path / "absent.yaml")
+    assert main(["policy", "check", policy_file, str(bad), shipped, missing]) == 2
+    captured = capsys.readouterr()
+    assert [line.split(": ok (")[0] for line in captured.out.splitlines()] == [policy_file, shipped]
+    errors = captured.err.strip().splitlines()
+    assert [line.split(":")[0] for line in errors] == [str(bad)] * 3 + [missing]
+    assert main(["policy", "check", policy_file, shipped]) == 0
+
+
 def test_check_missing_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["policy", "check", str(tmp_path / "absent.yaml")]) == 2
     assert "cannot read policy" in capsys.readouterr().err
@@ -158,9 +173,32 @@ def test_check_missing_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
 EXPLAIN = [
     ("allow-url", [], "https://pypi.org/simple/", 0, ["target:   pypi.org:443 (profile dev)", "decision: allow"]),
     ("allow-host-port", [], "pypi.org:443", 0, ["decision: allow", "pass --resolve"]),
-    ("allow-wildcard", [], "https://a.b.example.com:8080/x", 0, ["*.example.com"]),
+    ("allow-wildcard", [], "https://a.b.example.com:8080/x", 0, ["*.example.com", "tunnel:   TLS only;"]),
     ("allow-case-and-dot", [], "https://PyPI.org./", 0, ["target:   pypi.org:443"]),
-    ("deny-not-listed", [], "https://evil.test/", 1, ["decision: deny", "not in the allowlist", "to allow: allow:"]),
+    (
+        "deny-not-listed",
+        [],
+        "https://evil.test/",
+        1,
+        ["decision: deny [not_allowlisted] — evil.test:443 is not in the allowlist", "to allow: allow:"],
+    ),
+    (
+        "deny-not-listed-ssh",
+        [],
+        "git.example.net:22",
+        1,
+        [
+            "to allow: allow: [{host: git.example.net, ports: [22]}]; a CONNECT tunnel that is not TLS (e.g. ssh) "
+            "needs allow: [{host: git.example.net, ports: [22], tunnel: true}]"
+        ],
+    ),
+    (
+        "deny-port-ssh",
+        [],
+        "pypi.org:22",
+        1,
+        ["[port_not_allowed]", "add 22 to the ports", "needs allow: [{host: pypi.org, ports: [22], tunnel: true}]"],
+    ),
     ("deny-port", [], "http://pypi.org/", 1, ["port 80 is not allowed", "to allow: add 80 to the ports"]),
     ("deny-rule", [], "https://gist.example.com/", 1, ["rule:     deny gist.example.com", "remove or narrow"]),
     ("deny-wildcard-apex", [], "https://example.com/", 1, ["decision: deny"]),
@@ -172,7 +210,13 @@ EXPLAIN = [
     ("loopback-short", [], "http://127.1:8080/", 1, ["127.0.0.1 is an internal address (loopback)"]),
     ("resolve-internal", ["--resolve", "pypi.org=10.0.0.5"], "https://pypi.org/", 1, ["blocked:  10.0.0.5"]),
     ("resolve-loopback-odd", ["--resolve", "pypi.org=0x7f.1"], "https://pypi.org/", 1, ["blocked:  127.0.0.1"]),
-    ("resolve-metadata", ["--resolve", "pypi.org=169.254.169.254"], "https://pypi.org/", 1, ["every address"]),
+    (
+        "resolve-metadata",
+        ["--resolve", "pypi.org=169.254.169.254"],
+        "https://pypi.org/",
+        1,
+        ["decision: deny [metadata] — every address"],
+    ),
     ("resolve-mapped", ["--resolve", "pypi.org=::ffff:10.0.0.5"], "https://pypi.org/", 1, ["blocked:"]),
     (
         "resolve-mixed-keeps-public",
@@ -229,6 +273,18 @@ def test_explain(
     out = capsys.readouterr().out
     for fragment in fragments:
         assert fragment in out, out
+
+
+@pytest.mark.parametrize(
+    ("target", "noted"),
+    [("pypi.org:443", False), ("http://a.example.com:8080/", True), ("ssh.example.org:22", False)],
+    ids=["tls-port", "other-port", "tunnel-rule"],
+)
+def test_explain_says_when_only_tls_passes_a_tunnel(
+    policy_file: str, capsys: pytest.CaptureFixture[str], target: str, noted: bool
+) -> None:
+    assert main(["policy", "explain", "--policy", policy_file, target]) == 0
+    assert ("needs `tunnel: true` on the rule" in capsys.readouterr().out) is noted
 
 
 def test_explain_packaged_default_policy(capsys: pytest.CaptureFixture[str]) -> None:

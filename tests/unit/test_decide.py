@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import ipaddress
+import re
 
 import pytest
 
 from airlock.policy import (
     DEFAULT_ALLOW_PORTS,
     Profile,
+    ReasonCode,
     Rule,
     canonical_host,
     decide,
@@ -47,6 +49,10 @@ profiles:
         ports: [22]
 """
 F = "p.yaml"
+ALLOWED, NOT_ALLOWLISTED, PORT_NOT_ALLOWED = ReasonCode.ALLOWED, ReasonCode.NOT_ALLOWLISTED, ReasonCode.PORT_NOT_ALLOWED
+DENIED_BY_RULE, INTERNAL_ADDRESS, METADATA = ReasonCode.DENIED_BY_RULE, ReasonCode.INTERNAL_ADDRESS, ReasonCode.METADATA
+OWN_ADDRESS, SANDBOX_LINK = ReasonCode.OWN_ADDRESS, ReasonCode.SANDBOX_LINK
+NO_ADDRESS, NO_ADDRESS_LEFT = ReasonCode.NO_ADDRESS, ReasonCode.NO_ADDRESS_LEFT
 
 
 @pytest.fixture(scope="module")
@@ -54,75 +60,76 @@ def profile() -> Profile:
     return parse_policy(POLICY, F).profile()
 
 
-# (id, raw target, port, allowed?, source line of the deciding rule or None)
+# (id, raw target, port, code (allowed or why not), source line of the deciding rule or None)
 DECISIONS = [
-    ("default-deny", "other.example.net", 443, False, None),
-    ("default-deny-apex-lookalike", "xexample.com", 443, False, None),
-    ("default-deny-suffix-trick", "example.com.evil.test", 443, False, None),
-    ("exact", "exact.example.org", 443, True, 5),
-    ("exact-case-and-dot", "EXACT.Example.ORG.", 443, True, 5),
-    ("exact-not-subdomain", "a.exact.example.org", 443, False, None),
-    ("exact-not-parent", "example.org", 443, False, None),
-    ("allow-default-port-443-only", "exact.example.org", 80, False, None),
-    ("allow-default-not-8443", "exact.example.org", 8443, False, None),
-    ("wildcard-one-label", "a.example.com", 443, True, 6),
-    ("wildcard-two-labels", "a.b.example.com", 443, True, 6),
-    ("wildcard-not-apex", "example.com", 443, False, None),
-    ("wildcard-port", "a.example.com", 80, False, None),
-    ("explicit-ports-80", "web.example.org", 443, True, 7),
-    ("deny-port-wins", "web.example.org", 80, False, 23),
-    ("deny-wins-exact", "both.example.org", 443, False, 21),
-    ("deny-default-every-port", "both.example.org", 8080, False, 21),
-    ("wildcard-deny-over-wildcard-allow", "x.blocked.example.com", 443, False, 22),
-    ("wildcard-deny-over-exact-allow", "inner.blocked.example.com", 443, False, 22),
-    ("wildcard-deny-not-apex", "blocked.example.com", 443, True, 6),
-    ("tunnel-port", "ssh.example.org", 22, True, 9),
-    ("tunnel-other-port", "ssh.example.org", 443, False, None),
-    ("cidr-internal-on-its-port", "10.1.2.3", 443, True, 14),
-    ("cidr-internal-odd-spelling", "0xa010203", 443, True, 14),
-    ("cidr-internal-short-spelling", "10.66051", 443, True, 14),
-    ("cidr-internal-mapped", "::ffff:10.1.2.3", 443, True, 14),
-    ("cidr-internal-other-port", "10.1.2.3", 80, False, None),
-    ("cidr-deny-port-wins", "10.1.2.3", 22, False, 26),
-    ("cidr-internal-neighbour", "10.1.2.4", 443, False, None),
-    ("cidr-public", "198.51.100.7", 443, True, 17),
-    ("cidr-public-decimal", "3325256711", 443, True, 17),
-    ("cidr-public-default-port", "198.51.100.7", 80, False, None),
-    ("deny-cidr", "198.51.100.66", 443, False, 25),
-    ("deny-cidr-mapped", "::ffff:198.51.100.66", 443, False, 25),
-    ("public-ip-without-rule", "203.0.113.9", 443, False, None),
-    ("cidr-v6-ula", "[fd12:3456::1]", 8443, True, 18),
-    ("cidr-v6-ula-other-port", "fd12:3456::1", 443, False, None),
-    ("ula-outside-rule", "fd12:3457::1", 8443, False, None),
-    ("loopback", "127.0.0.1", 443, False, None),
-    ("loopback-decimal", "2130706433", 443, False, None),
-    ("loopback-hex-short", "0x7f.1", 443, False, None),
-    ("loopback-v6", "[::1]", 443, False, None),
-    ("loopback-mapped", "::ffff:127.0.0.1", 443, False, None),
-    ("metadata", "169.254.169.254", 80, False, None),
-    ("metadata-hex", "0xa9fea9fe", 80, False, None),
-    ("metadata-octal", "0251.0376.0251.0376", 80, False, None),
-    ("metadata-mapped", "::ffff:169.254.169.254", 80, False, None),
-    ("metadata-nat64", "64:ff9b::a9fe:a9fe", 80, False, None),
-    ("metadata-v6", "fd00:ec2::254", 80, False, None),
-    ("rfc1918", "192.168.1.1", 443, False, None),
-    ("cidr-internal-siit", "::ffff:0:a01:203", 443, True, 14),
-    ("metadata-siit", "::ffff:0:a9fe:a9fe", 80, False, None),
-    ("loopback-siit", "::ffff:0:7f00:1", 443, False, None),
-    ("metadata-gcp-v6", "[fd20:ce::254]", 80, False, None),
-    ("metadata-oracle-v6", "fd00:c1::a9fe:a9fe", 80, False, None),
-    ("metadata-oci-classic", "192.0.0.192", 80, False, None),
-    ("v6-unallocated", "4000::1", 443, False, None),
-    ("v6-srv6", "5f00::1", 443, False, None),
-    ("v6-documentation-3fff", "3fff::1", 443, False, None),
-    ("v6-ietf-anycast", "2001:1::1", 443, False, None),
+    ("default-deny", "other.example.net", 443, NOT_ALLOWLISTED, None),
+    ("default-deny-apex-lookalike", "xexample.com", 443, NOT_ALLOWLISTED, None),
+    ("default-deny-suffix-trick", "example.com.evil.test", 443, NOT_ALLOWLISTED, None),
+    ("exact", "exact.example.org", 443, ALLOWED, 5),
+    ("exact-case-and-dot", "EXACT.Example.ORG.", 443, ALLOWED, 5),
+    ("exact-not-subdomain", "a.exact.example.org", 443, NOT_ALLOWLISTED, None),
+    ("exact-not-parent", "example.org", 443, NOT_ALLOWLISTED, None),
+    ("allow-default-port-443-only", "exact.example.org", 80, PORT_NOT_ALLOWED, None),
+    ("allow-default-not-8443", "exact.example.org", 8443, PORT_NOT_ALLOWED, None),
+    ("wildcard-one-label", "a.example.com", 443, ALLOWED, 6),
+    ("wildcard-two-labels", "a.b.example.com", 443, ALLOWED, 6),
+    ("wildcard-not-apex", "example.com", 443, NOT_ALLOWLISTED, None),
+    ("wildcard-port", "a.example.com", 80, PORT_NOT_ALLOWED, None),
+    ("explicit-ports-80", "web.example.org", 443, ALLOWED, 7),
+    ("deny-port-wins", "web.example.org", 80, DENIED_BY_RULE, 23),
+    ("deny-wins-exact", "both.example.org", 443, DENIED_BY_RULE, 21),
+    ("deny-default-every-port", "both.example.org", 8080, DENIED_BY_RULE, 21),
+    ("wildcard-deny-over-wildcard-allow", "x.blocked.example.com", 443, DENIED_BY_RULE, 22),
+    ("wildcard-deny-over-exact-allow", "inner.blocked.example.com", 443, DENIED_BY_RULE, 22),
+    ("wildcard-deny-not-apex", "blocked.example.com", 443, ALLOWED, 6),
+    ("tunnel-port", "ssh.example.org", 22, ALLOWED, 9),
+    ("tunnel-other-port", "ssh.example.org", 443, PORT_NOT_ALLOWED, None),
+    ("cidr-internal-on-its-port", "10.1.2.3", 443, ALLOWED, 14),
+    ("cidr-internal-odd-spelling", "0xa010203", 443, ALLOWED, 14),
+    ("cidr-internal-short-spelling", "10.66051", 443, ALLOWED, 14),
+    ("cidr-internal-mapped", "::ffff:10.1.2.3", 443, ALLOWED, 14),
+    ("cidr-internal-other-port", "10.1.2.3", 80, INTERNAL_ADDRESS, None),
+    ("cidr-deny-port-wins", "10.1.2.3", 22, DENIED_BY_RULE, 26),
+    ("cidr-internal-neighbour", "10.1.2.4", 443, INTERNAL_ADDRESS, None),
+    ("cidr-public", "198.51.100.7", 443, ALLOWED, 17),
+    ("cidr-public-decimal", "3325256711", 443, ALLOWED, 17),
+    ("cidr-public-default-port", "198.51.100.7", 80, NOT_ALLOWLISTED, None),
+    ("deny-cidr", "198.51.100.66", 443, DENIED_BY_RULE, 25),
+    ("deny-cidr-mapped", "::ffff:198.51.100.66", 443, DENIED_BY_RULE, 25),
+    ("public-ip-without-rule", "203.0.113.9", 443, NOT_ALLOWLISTED, None),
+    ("cidr-v6-ula", "[fd12:3456::1]", 8443, ALLOWED, 18),
+    ("cidr-v6-ula-other-port", "fd12:3456::1", 443, INTERNAL_ADDRESS, None),
+    ("ula-outside-rule", "fd12:3457::1", 8443, INTERNAL_ADDRESS, None),
+    ("loopback", "127.0.0.1", 443, INTERNAL_ADDRESS, None),
+    ("loopback-decimal", "2130706433", 443, INTERNAL_ADDRESS, None),
+    ("loopback-hex-short", "0x7f.1", 443, INTERNAL_ADDRESS, None),
+    ("loopback-v6", "[::1]", 443, INTERNAL_ADDRESS, None),
+    ("loopback-mapped", "::ffff:127.0.0.1", 443, INTERNAL_ADDRESS, None),
+    ("metadata", "169.254.169.254", 80, METADATA, None),
+    ("metadata-hex", "0xa9fea9fe", 80, METADATA, None),
+    ("metadata-octal", "0251.0376.0251.0376", 80, METADATA, None),
+    ("metadata-mapped", "::ffff:169.254.169.254", 80, METADATA, None),
+    ("metadata-nat64", "64:ff9b::a9fe:a9fe", 80, METADATA, None),
+    ("metadata-v6", "fd00:ec2::254", 80, METADATA, None),
+    ("rfc1918", "192.168.1.1", 443, INTERNAL_ADDRESS, None),
+    ("cidr-internal-siit", "::ffff:0:a01:203", 443, ALLOWED, 14),
+    ("metadata-siit", "::ffff:0:a9fe:a9fe", 80, METADATA, None),
+    ("loopback-siit", "::ffff:0:7f00:1", 443, INTERNAL_ADDRESS, None),
+    ("metadata-gcp-v6", "[fd20:ce::254]", 80, METADATA, None),
+    ("metadata-oracle-v6", "fd00:c1::a9fe:a9fe", 80, METADATA, None),
+    ("metadata-oci-classic", "192.0.0.192", 80, METADATA, None),
+    ("v6-unallocated", "4000::1", 443, INTERNAL_ADDRESS, None),
+    ("v6-srv6", "5f00::1", 443, INTERNAL_ADDRESS, None),
+    ("v6-documentation-3fff", "3fff::1", 443, INTERNAL_ADDRESS, None),
+    ("v6-ietf-anycast", "2001:1::1", 443, INTERNAL_ADDRESS, None),
 ]
 
 
-@pytest.mark.parametrize(("raw", "port", "allow", "line"), [d[1:] for d in DECISIONS], ids=[d[0] for d in DECISIONS])
-def test_decide(profile: Profile, raw: str, port: int, allow: bool, line: int | None) -> None:
+@pytest.mark.parametrize(("raw", "port", "code", "line"), [d[1:] for d in DECISIONS], ids=[d[0] for d in DECISIONS])
+def test_decide(profile: Profile, raw: str, port: int, code: ReasonCode, line: int | None) -> None:
     decision = decide(profile, canonical_host(raw), port)
-    assert decision.allow is allow, decision.reason
+    assert decision.code is code, decision.reason
+    assert decision.allow is (code is ALLOWED)
     if line is None:
         assert decision.rule is None
     else:
@@ -181,6 +188,70 @@ def test_deny_reason_and_hint(profile: Profile, raw: str, port: int, reason: str
     else:
         assert decision.hint is not None
         assert hint in decision.hint
+
+
+RAW_TUNNEL = "a CONNECT tunnel that is not TLS (e.g. ssh) needs "
+# Off the web ports (80, 443) the hint is the whole rule in both forms: the traffic may be TLS, or ssh, which only
+# a `tunnel: true` rule lets through a CONNECT tunnel. (id, target, port, the exact hint)
+TUNNEL_HINTS = [
+    (
+        "not-listed",
+        "git.example.net",
+        22,
+        "allow: [{host: git.example.net, ports: [22]}]; "
+        + RAW_TUNNEL
+        + "allow: [{host: git.example.net, ports: [22], tunnel: true}]",
+    ),
+    (
+        "wrong-port",
+        "exact.example.org",
+        22,
+        f"add 22 to the ports of allow exact.example.org port 443 ({F}:5); "
+        + RAW_TUNNEL
+        + "allow: [{host: exact.example.org, ports: [22], tunnel: true}]",
+    ),
+    # The near rule already allows raw tunnels: adding the port is all it takes.
+    (
+        "wrong-port-of-a-tunnel-rule",
+        "ssh.example.org",
+        2222,
+        f"add 2222 to the ports of allow ssh.example.org port 22 tunnel ({F}:9)",
+    ),
+    (
+        "public-ip",
+        "203.0.113.9",
+        22,
+        "allow: [{cidr: 203.0.113.9/32, ports: [22]}]; "
+        + RAW_TUNNEL
+        + "allow: [{cidr: 203.0.113.9/32, ports: [22], tunnel: true}]",
+    ),
+    (
+        "internal",
+        "10.9.9.9",
+        2222,
+        "allow: [{cidr: 10.9.9.9/32, ports: [2222]}] (named internal service); "
+        + RAW_TUNNEL
+        + "allow: [{cidr: 10.9.9.9/32, ports: [2222], tunnel: true}]",
+    ),
+    ("web-port-one-form", "git.example.net", 80, "allow: [{host: git.example.net, ports: [80]}]"),
+]
+
+
+@pytest.mark.parametrize(("raw", "port", "hint"), [h[1:] for h in TUNNEL_HINTS], ids=[h[0] for h in TUNNEL_HINTS])
+def test_hint_off_the_web_ports_gives_the_raw_tunnel_rule_too(profile: Profile, raw: str, port: int, hint: str) -> None:
+    decision = decide(profile, canonical_host(raw), port)
+    assert not decision.allow and decision.hint == hint
+
+
+@pytest.mark.parametrize("target", ["git.example.net", "203.0.113.9", "10.9.9.9"])
+def test_every_rule_a_hint_gives_works_as_it_says(profile: Profile, target: str) -> None:
+    hint = decide(profile, target, 22).hint
+    assert hint is not None
+    plain, raw = re.findall(r"allow: \[\{.*?\}\]", hint)
+    for rule, tunnel in ((plain, False), (raw, True)):
+        added = parse_policy(f"version: 1\nprofiles:\n  default:\n    {rule}\n", F).profile()
+        decision = decide(added, target, 22)
+        assert decision.allow and decision.tunnel is tunnel, (rule, decision.reason)
 
 
 @pytest.mark.parametrize(
@@ -271,58 +342,113 @@ def test_deny_cidr_default_covers_every_port() -> None:
 
 OWN = frozenset({ipaddress.ip_address("192.0.2.53"), ipaddress.ip_address("2001:db8::53")})
 
-# (id, resolved addresses, port, expected allowed, expected rejected)
+# (id, resolved addresses, port, expected allowed, expected rejected with their codes, the answer's code)
 VETS = [
-    ("public", ["192.0.2.1", "203.0.113.5"], 443, ["192.0.2.1", "203.0.113.5"], []),
-    ("public-v6", ["2606:4700::1111"], 443, ["2606:4700::1111"], []),
-    ("mixed-keeps-public", ["192.0.2.1", "10.0.0.1", "127.0.0.1"], 443, ["192.0.2.1"], ["10.0.0.1", "127.0.0.1"]),
-    ("metadata", ["169.254.169.254"], 80, [], ["169.254.169.254"]),
-    ("metadata-mixed", ["192.0.2.1", "169.254.169.254", "fd00:ec2::254"], 80, ["192.0.2.1"], None),
-    ("rfc1918-only", ["10.0.0.1", "172.16.0.1", "192.168.0.1"], 443, [], None),
-    ("ula-and-link-local", ["fd12::1", "fe80::1"], 443, [], None),
-    ("mapped-internal", ["::ffff:10.0.0.1"], 443, [], ["::ffff:10.0.0.1"]),
-    ("mapped-loopback", ["::ffff:127.0.0.1"], 443, [], ["::ffff:127.0.0.1"]),
-    ("nat64-internal", ["64:ff9b::a00:1"], 443, [], ["64:ff9b::a00:1"]),
-    ("6to4-internal", ["2002:a00:1::"], 443, [], ["2002:a00:1::"]),
-    ("mapped-public", ["::ffff:192.0.2.1"], 443, ["::ffff:192.0.2.1"], []),
-    ("cidr-opens-internal-on-its-port", ["10.1.2.3"], 443, ["10.1.2.3"], []),
-    ("cidr-opens-mapped-on-its-port", ["::ffff:10.1.2.3"], 443, ["::ffff:10.1.2.3"], []),
-    ("cidr-closed-on-other-port", ["10.1.2.3"], 80, [], ["10.1.2.3"]),
-    ("cidr-deny-port", ["10.1.2.3"], 22, [], ["10.1.2.3"]),
-    ("cidr-neighbour", ["10.1.2.4"], 443, [], ["10.1.2.4"]),
-    ("deny-cidr-on-public", ["198.51.100.66", "198.51.100.67"], 443, ["198.51.100.67"], ["198.51.100.66"]),
-    ("own-address", ["192.0.2.53", "192.0.2.54"], 443, ["192.0.2.54"], ["192.0.2.53"]),
-    ("own-address-mapped", ["::ffff:192.0.2.53"], 443, [], ["::ffff:192.0.2.53"]),
-    ("own-address-v6", ["2001:db8::53"], 443, [], ["2001:db8::53"]),
-    ("unspecified", ["0.0.0.0", "::"], 443, [], ["0.0.0.0", "::"]),
-    ("duplicates-once", ["192.0.2.1", "192.0.2.1"], 443, ["192.0.2.1"], []),
-    ("empty", [], 443, [], []),
-    ("siit-metadata", ["::ffff:0:a9fe:a9fe"], 80, [], ["::ffff:0:a9fe:a9fe"]),
-    ("siit-loopback", ["::ffff:0:7f00:1"], 443, [], ["::ffff:0:7f00:1"]),
-    ("cidr-opens-siit-on-its-port", ["::ffff:0:a01:203"], 443, ["::ffff:0:a01:203"], []),
+    ("public", ["192.0.2.1", "203.0.113.5"], 443, ["192.0.2.1", "203.0.113.5"], [], ALLOWED),
+    ("public-v6", ["2606:4700::1111"], 443, ["2606:4700::1111"], [], ALLOWED),
+    (
+        "mixed-keeps-public",
+        ["192.0.2.1", "10.0.0.1", "127.0.0.1"],
+        443,
+        ["192.0.2.1"],
+        [("10.0.0.1", INTERNAL_ADDRESS), ("127.0.0.1", INTERNAL_ADDRESS)],
+        ALLOWED,
+    ),
+    ("metadata", ["169.254.169.254"], 80, [], [("169.254.169.254", METADATA)], METADATA),
+    (
+        "metadata-mixed",
+        ["192.0.2.1", "169.254.169.254", "fd00:ec2::254"],
+        80,
+        ["192.0.2.1"],
+        [("169.254.169.254", METADATA), ("fd00:ec2::254", METADATA)],
+        ALLOWED,
+    ),
+    (
+        "rfc1918-only",
+        ["10.0.0.1", "172.16.0.1", "192.168.0.1"],
+        443,
+        [],
+        [("10.0.0.1", INTERNAL_ADDRESS), ("172.16.0.1", INTERNAL_ADDRESS), ("192.168.0.1", INTERNAL_ADDRESS)],
+        INTERNAL_ADDRESS,
+    ),
+    (
+        "ula-and-link-local",
+        ["fd12::1", "fe80::1"],
+        443,
+        [],
+        [("fd12::1", INTERNAL_ADDRESS), ("fe80::1", METADATA)],
+        NO_ADDRESS_LEFT,
+    ),
+    ("mapped-internal", ["::ffff:10.0.0.1"], 443, [], [("::ffff:10.0.0.1", INTERNAL_ADDRESS)], INTERNAL_ADDRESS),
+    ("mapped-loopback", ["::ffff:127.0.0.1"], 443, [], [("::ffff:127.0.0.1", INTERNAL_ADDRESS)], INTERNAL_ADDRESS),
+    ("nat64-internal", ["64:ff9b::a00:1"], 443, [], [("64:ff9b::a00:1", INTERNAL_ADDRESS)], INTERNAL_ADDRESS),
+    ("6to4-internal", ["2002:a00:1::"], 443, [], [("2002:a00:1::", INTERNAL_ADDRESS)], INTERNAL_ADDRESS),
+    ("mapped-public", ["::ffff:192.0.2.1"], 443, ["::ffff:192.0.2.1"], [], ALLOWED),
+    ("cidr-opens-internal-on-its-port", ["10.1.2.3"], 443, ["10.1.2.3"], [], ALLOWED),
+    ("cidr-opens-mapped-on-its-port", ["::ffff:10.1.2.3"], 443, ["::ffff:10.1.2.3"], [], ALLOWED),
+    ("cidr-closed-on-other-port", ["10.1.2.3"], 80, [], [("10.1.2.3", INTERNAL_ADDRESS)], INTERNAL_ADDRESS),
+    ("cidr-deny-port", ["10.1.2.3"], 22, [], [("10.1.2.3", DENIED_BY_RULE)], DENIED_BY_RULE),
+    ("cidr-neighbour", ["10.1.2.4"], 443, [], [("10.1.2.4", INTERNAL_ADDRESS)], INTERNAL_ADDRESS),
+    (
+        "deny-cidr-on-public",
+        ["198.51.100.66", "198.51.100.67"],
+        443,
+        ["198.51.100.67"],
+        [("198.51.100.66", DENIED_BY_RULE)],
+        ALLOWED,
+    ),
+    ("own-address", ["192.0.2.53", "192.0.2.54"], 443, ["192.0.2.54"], [("192.0.2.53", OWN_ADDRESS)], ALLOWED),
+    ("own-address-mapped", ["::ffff:192.0.2.53"], 443, [], [("::ffff:192.0.2.53", OWN_ADDRESS)], OWN_ADDRESS),
+    ("own-address-v6", ["2001:db8::53"], 443, [], [("2001:db8::53", OWN_ADDRESS)], OWN_ADDRESS),
+    ("unspecified", ["0.0.0.0", "::"], 443, [], [("0.0.0.0", OWN_ADDRESS), ("::", OWN_ADDRESS)], OWN_ADDRESS),
+    ("duplicates-once", ["192.0.2.1", "192.0.2.1"], 443, ["192.0.2.1"], [], ALLOWED),
+    ("empty", [], 443, [], [], NO_ADDRESS),
+    ("siit-metadata", ["::ffff:0:a9fe:a9fe"], 80, [], [("::ffff:0:a9fe:a9fe", METADATA)], METADATA),
+    ("siit-loopback", ["::ffff:0:7f00:1"], 443, [], [("::ffff:0:7f00:1", INTERNAL_ADDRESS)], INTERNAL_ADDRESS),
+    ("cidr-opens-siit-on-its-port", ["::ffff:0:a01:203"], 443, ["::ffff:0:a01:203"], [], ALLOWED),
     (
         "cloud-metadata-v6-and-oci",
         ["192.0.2.1", "fd20:ce::254", "fd00:c1::a9fe:a9fe", "192.0.0.192"],
         80,
         ["192.0.2.1"],
-        None,
+        [("fd20:ce::254", METADATA), ("fd00:c1::a9fe:a9fe", METADATA), ("192.0.0.192", METADATA)],
+        ALLOWED,
     ),
-    ("v6-outside-global-unicast", ["4000::1", "5f00::1", "8000::1", "2606:4700::1111"], 443, ["2606:4700::1111"], None),
-    ("v6-special-in-2000::/3", ["2001:1::1", "2001:20::1", "3fff::1", "2001:4860::1"], 443, ["2001:4860::1"], None),
+    (
+        "v6-outside-global-unicast",
+        ["4000::1", "5f00::1", "8000::1", "2606:4700::1111"],
+        443,
+        ["2606:4700::1111"],
+        [("4000::1", INTERNAL_ADDRESS), ("5f00::1", INTERNAL_ADDRESS), ("8000::1", INTERNAL_ADDRESS)],
+        ALLOWED,
+    ),
+    (
+        "v6-special-in-2000::/3",
+        ["2001:1::1", "2001:20::1", "3fff::1", "2001:4860::1"],
+        443,
+        ["2001:4860::1"],
+        [("2001:1::1", INTERNAL_ADDRESS), ("2001:20::1", INTERNAL_ADDRESS), ("3fff::1", INTERNAL_ADDRESS)],
+        ALLOWED,
+    ),
 ]
 
 
-@pytest.mark.parametrize(("addresses", "port", "allowed", "rejected"), [v[1:] for v in VETS], ids=[v[0] for v in VETS])
-def test_vet(profile: Profile, addresses: list[str], port: int, allowed: list[str], rejected: list[str] | None) -> None:
-    ips = [ipaddress.ip_address(a) for a in addresses]
-    result = vet(profile, ips, port, OWN)
+@pytest.mark.parametrize(
+    ("addresses", "port", "allowed", "rejected", "code"), [v[1:] for v in VETS], ids=[v[0] for v in VETS]
+)
+def test_vet(
+    profile: Profile,
+    addresses: list[str],
+    port: int,
+    allowed: list[str],
+    rejected: list[tuple[str, ReasonCode]],
+    code: ReasonCode,
+) -> None:
+    result = vet(profile, [ipaddress.ip_address(a) for a in addresses], port, OWN)
     assert list(result.allowed) == [ipaddress.ip_address(a) for a in allowed]
-    if rejected is None:  # every address not allowed
-        expected = [ip for ip in ips if ip not in result.allowed]
-    else:
-        expected = [ipaddress.ip_address(a) for a in rejected]
-    assert [ip for ip, _ in result.rejected] == expected
-    assert all(why for _, why in result.rejected)
+    assert [(r.address, r.code) for r in result.rejected] == [(ipaddress.ip_address(a), c) for a, c in rejected]
+    assert all(r.reason for r in result.rejected)
+    assert result.code is code
 
 
 @pytest.mark.parametrize(
@@ -343,7 +469,7 @@ def test_vet_reason(profile: Profile, addresses: list[str], reason: str) -> None
 
 def test_vet_metadata_reason_names_metadata(profile: Profile) -> None:
     result = vet(profile, [ipaddress.ip_address("169.254.169.254")], 80)
-    assert "metadata" in result.rejected[0][1]
+    assert "metadata" in result.rejected[0].reason
 
 
 @pytest.mark.parametrize(
@@ -362,7 +488,7 @@ def test_sandbox_links_never_pass_even_under_a_covering_cidr_rule(address: str, 
     result = vet(parse_policy(text, F).profile(), [ipaddress.ip_address(address)], 22)
     assert bool(result.allowed) is opened
     if not opened:
-        assert "sandbox link" in result.rejected[0][1]
+        assert result.rejected[0].code is SANDBOX_LINK and "sandbox link" in result.rejected[0].reason
 
 
 # --- performance shape: decisions stay right with many rules (no timing assertions) --------------------------
@@ -429,7 +555,7 @@ def test_many_rules_vet() -> None:
     public = ipaddress.IPv4Address("192.0.2.1")
     result = vet(profile, [inside, outside, public], 443)
     assert result.allowed == (inside, public)
-    assert [ip for ip, _ in result.rejected] == [outside]
+    assert [r.address for r in result.rejected] == [outside]
 
 
 @pytest.mark.parametrize(

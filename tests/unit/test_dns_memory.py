@@ -10,7 +10,7 @@ from dnslib import EDNS0, QTYPE, RR, A, DNSRecord
 
 from airlock.dns.memory import ReplyMemory, name_end
 from airlock.dns.server import SubdomainRate
-from airlock.policy import AuditRecord, RepeatedDecisions, parse_policy
+from airlock.policy import AuditRecord, ReasonCode, RepeatedDecisions, parse_policy
 
 POLICY = parse_policy("version: 1\nprofiles:\n  default:\n    allow:\n      - host: allowed.test\n")
 OTHER_POLICY = parse_policy("version: 1\nprofiles:\n  default:\n    allow:\n      - host: allowed.test\n")
@@ -170,7 +170,8 @@ def test_memory_is_bounded_oldest_first() -> None:
 
 
 def test_repeated_decisions_write_one_line_each_with_its_own_id_and_client() -> None:
-    record = AuditRecord("dns", "sbx", "10.0.0.2", "www.allowed.test", None, "allow", 'answered "quoted" (remembered)')
+    reason = 'answered "quoted" (remembered)'
+    record = AuditRecord("dns", "sbx", "10.0.0.2", "www.allowed.test", None, "allow", reason, ReasonCode.ALLOWED)
     record.method, record.extra = "A", {"answers": ["192.0.2.10"], "rcode": "NOERROR"}
     template = RepeatedDecisions.template(record)
     text = RepeatedDecisions(1_700_000_000.25, [(template, "10.0.0.2"), (template, "10.0.0.3")]).to_json()

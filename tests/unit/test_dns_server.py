@@ -23,7 +23,7 @@ from dnslib import QTYPE, RCODE, RR, DNSRecord
 
 from airlock.dns.server import DnsServer, DnsSettings, PolicyResolver
 from airlock.dns.upstream import Answer, Resolver, ResolverConfig
-from airlock.policy import AuditRecord, Sandbox, SandboxRegistry, parse_policy
+from airlock.policy import AuditRecord, ReasonCode, Sandbox, SandboxRegistry, parse_policy
 
 LOCALHOST = "127.0.0.1"
 
@@ -185,7 +185,7 @@ async def test_an_unexpected_failure_is_servfail_and_still_audited(upstream: Ups
     assert rcode(reply) == "SERVFAIL" and answers(reply) == []
     [record] = gw.audit
     assert (record.host, record.decision, record.extra["rcode"]) == ("www.allowed.test", "error", "SERVFAIL")
-    assert record.reason == "internal error: RuntimeError: a bug"
+    assert (record.code, record.reason) == (ReasonCode.INTERNAL_ERROR, "internal error: RuntimeError: a bug")
 
 
 # --- CNAME chains through denied names ----------------------------------------------------------------------------
@@ -212,9 +212,9 @@ async def test_a_cname_chain_through_a_denied_name_is_refused(
     [record] = gateway.audit
     assert record.extra["cnames"]
     if denied is None:
-        assert record.decision == "allow"
+        assert (record.decision, record.code) == ("allow", ReasonCode.ALLOWED)
     else:
-        assert record.decision == "deny" and record.rule is not None
+        assert (record.decision, record.code) == ("deny", ReasonCode.ALIAS_DENIED) and record.rule is not None
         assert record.reason.startswith(f"CNAME chain passes through {denied}, denied by rule deny ")
     again = await ask(gateway.port, name, qtype, tcp=True)  # from the shared cache: the same judgement
     assert (rcode(again), answers(again)) == (code, addresses)
@@ -250,7 +250,7 @@ async def test_queries_waiting_on_upstream_are_capped_per_sandbox(upstream: Upst
         early = await burst
         assert len(early) == 8 and {rcode(r) for r in early} == {"SERVFAIL"}  # at once, never asked upstream
         assert sum(upstream.asked[n] for n in names) == 32
-        over = [r for r in gw.audit if "already waiting on upstream" in r.reason]
+        over = [r for r in gw.audit if r.code == ReasonCode.INFLIGHT_LIMIT]
         assert len(over) == 8 and {r.decision for r in over} == {"error"}
         assert "32 queries of this sandbox" in over[0].reason
         await asyncio.sleep(0.6)  # the 32 time out (answer_timeout): the sandbox may ask again
@@ -285,9 +285,11 @@ async def test_a_flood_from_an_address_of_no_sandbox_costs_a_few_lines_and_no_ta
     one_by_one = [r for r in gw.audit if r.reason == "query from an address that belongs to no sandbox"]
     summaries = [r for r in gw.audit if "not audited one by one" in r.reason]
     assert len(one_by_one) == 10 and len(summaries) == 1 and len(gw.audit) == 11
-    assert summaries[0].extra == {"suppressed": 290, "clients": {LOCALHOST: 290}}
+    # A burst this size may overflow the socket's receive buffer: what arrived beyond the first 10 is counted.
+    dropped = gw.dns.stats["dropped_unknown_source"]
+    assert 100 <= dropped <= 290 and summaries[0].extra == {"suppressed": dropped, "clients": {LOCALHOST: dropped}}
     assert (summaries[0].kind, summaries[0].sandbox, summaries[0].decision) == ("dns", "-", "deny")
-    assert gw.dns.stats["dropped_unknown_source"] == 290 and sum(upstream.asked.values()) == 0
+    assert sum(upstream.asked.values()) == 0
 
 
 async def test_nothing_is_answered_while_the_audit_log_cannot_be_written(upstream: Upstream) -> None:

@@ -119,26 +119,26 @@ def test_accept_without_descriptors_retries_once_a_second(accept_loop: str) -> N
 async def test_a_flood_of_one_refusal_gets_its_burst_then_one_summary() -> None:
     lines: list[AuditRecord] = []
     throttle = AuditThrottle(lines.append, interval=0.2, burst=3)
-    admitted = [throttle.admit("connect", "sbx", "over the cap", f"10.0.0.{i % 2}") for i in range(50)]
+    admitted = [throttle.admit("connect", "sbx", "over the cap", "test_code", f"10.0.0.{i % 2}") for i in range(50)]
     assert admitted == [True] * 3 + [False] * 47
-    assert throttle.admit("connect", "sbx", "another reason", "10.0.0.9")  # a kind of its own
+    assert throttle.admit("connect", "sbx", "another reason", "test_code", "10.0.0.9")  # a kind of its own
     await asyncio.sleep(0.3)
     assert len(lines) == 1
     summary = lines[0]
     assert (summary.kind, summary.sandbox, summary.decision) == ("connect", "sbx", "deny")
     assert summary.reason == "47 more in the last 0.2 s, not audited one by one: over the cap"
     assert summary.extra == {"suppressed": 47, "clients": {"10.0.0.1": 24, "10.0.0.0": 23}}
-    assert throttle.admit("connect", "sbx", "over the cap", "10.0.0.1")  # a new interval: its own burst
+    assert throttle.admit("connect", "sbx", "over the cap", "test_code", "10.0.0.1")  # a new interval: its own burst
 
 
 async def test_no_summary_without_suppressed_refusals_and_flush_writes_the_open_ones() -> None:
     lines: list[AuditRecord] = []
     throttle = AuditThrottle(lines.append, interval=60, burst=2)
     for _ in range(2):
-        assert throttle.admit("dns", "-", "stranger", "10.0.0.1")
+        assert throttle.admit("dns", "-", "stranger", "test_code", "10.0.0.1")
     throttle.flush()
     assert lines == []
-    assert not throttle.admit("dns", "-", "stranger", "10.0.0.1")
+    assert not throttle.admit("dns", "-", "stranger", "test_code", "10.0.0.1")
     throttle.flush()
     assert [r.extra["suppressed"] for r in lines] == [1]
 
@@ -148,7 +148,7 @@ def test_clients_named_in_a_summary_are_bounded() -> None:
         lines: list[AuditRecord] = []
         throttle = AuditThrottle(lines.append, interval=60, burst=0)
         for i in range(1000):
-            throttle.admit("dns", "-", "stranger", f"10.0.{i // 256}.{i % 256}")
+            throttle.admit("dns", "-", "stranger", "test_code", f"10.0.{i // 256}.{i % 256}")
         throttle.flush()
         return lines[0]
 

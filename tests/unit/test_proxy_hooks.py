@@ -47,7 +47,7 @@ def _of(addons: list[object], kind: type) -> object:
 def test_an_allowed_response_whose_audit_fails_is_not_delivered() -> None:
     audit = _of(_addons(_broken_audit), HttpAudit)
     flow = tflow.tflow(resp=True)
-    flow.metadata["airlock"] = AuditRecord("http", "sbx", "10.0.0.2", "allowed.test", 80, "allow", "allowed")
+    flow.metadata["airlock"] = AuditRecord("http", "sbx", "10.0.0.2", "allowed.test", 80, "allow", "allowed", "allowed")
     audit.response(flow)  # type: ignore[attr-defined]
     assert flow.error is not None and not flow.killable  # killed: mitmproxy sends nothing of it
 
@@ -57,8 +57,10 @@ def test_bookkeeping_that_fails_after_the_decision_raises_nothing() -> None:
     identity = _of(addons, SandboxIdentity)
     flow = tflow.tflow(resp=True)
     state = identity.shared.client(flow.client_conn)  # type: ignore[attr-defined]
-    state.tunnel = AuditRecord("connect", "sbx", "10.0.0.2", "allowed.test", 443, "allow", "allowed")
+    state.tunnel = AuditRecord("connect", "sbx", "10.0.0.2", "allowed.test", 443, "allow", "allowed", "allowed")
     identity.client_disconnected(flow.client_conn)  # type: ignore[attr-defined]  # emits the tunnel's line
     failed = tflow.tflow(err=True)
-    failed.metadata["airlock"] = AuditRecord("http", "sbx", "10.0.0.2", "allowed.test", 80, "allow", "allowed")
+    failed.metadata["airlock"] = AuditRecord(
+        "http", "sbx", "10.0.0.2", "allowed.test", 80, "allow", "allowed", "allowed"
+    )
     _of(addons, HttpAudit).error(failed)  # type: ignore[attr-defined]  # emits the failed request's line

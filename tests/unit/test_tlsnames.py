@@ -8,6 +8,7 @@ import struct
 import pytest
 from mitmproxy.proxy.layers.tls import parse_client_hello
 
+from airlock.policy import ReasonCode
 from airlock.proxy.addon import _hello_refusal
 from airlock.proxy.tlsnames import ECH_EXTENSIONS, TlsNameError, hidden_name, server_name
 
@@ -135,7 +136,7 @@ def hello(*extensions: tuple[int, bytes]) -> bytes:
     return b"\x16\x03\x01" + struct.pack("!H", len(handshake)) + handshake
 
 
-def refusal(record: bytes, host: str, ech_allowed: bool = False) -> str | None:
+def refusal(record: bytes, host: str, ech_allowed: bool = False) -> tuple[ReasonCode, str] | None:
     parsed = parse_client_hello(record)
     assert parsed is not None
     return _hello_refusal(parsed, host, ech_allowed)
@@ -153,8 +154,9 @@ def test_malformed_sni_refuses_the_tunnel(body: bytes, host: str) -> None:
     except ValueError:
         return  # mitmproxy could not read the hello at all: the tunnel is refused as a malformed ClientHello
     assert parsed is not None
-    reason = _hello_refusal(parsed, host, False)
-    assert reason is not None and reason.startswith("invalid TLS SNI: "), reason
+    refused = _hello_refusal(parsed, host, False)
+    assert refused is not None and refused[0] is ReasonCode.INVALID_SNI, refused
+    assert refused[1].startswith("invalid TLS SNI: "), refused
 
 
 def test_mitmproxy_reads_the_worst_shapes_as_no_sni() -> None:
@@ -165,36 +167,39 @@ def test_mitmproxy_reads_the_worst_shapes_as_no_sni() -> None:
 
 
 def test_two_server_name_extensions_refuse_the_tunnel() -> None:
-    reason = refusal(hello(sni(b"allowed.test"), sni(b"evil.test")), NAME_HOST)
-    assert reason == "invalid TLS SNI: 2 server_name extensions in one ClientHello"
+    refused = refusal(hello(sni(b"allowed.test"), sni(b"evil.test")), NAME_HOST)
+    assert refused == (ReasonCode.INVALID_SNI, "invalid TLS SNI: 2 server_name extensions in one ClientHello")
 
 
 def test_sni_must_name_the_connect_host() -> None:
     assert refusal(hello(sni(b"allowed.test")), NAME_HOST) is None
     assert refusal(hello(sni(b"Allowed.Test.")), NAME_HOST) is None
     mismatch = "TLS SNI 'evil.test' does not match CONNECT host allowed.test"
-    assert refusal(hello(sni(b"evil.test")), NAME_HOST) == mismatch
-    assert refusal(hello(), NAME_HOST) == "TLS SNI None does not match CONNECT host allowed.test"
+    assert refusal(hello(sni(b"evil.test")), NAME_HOST) == (ReasonCode.SNI_MISMATCH, mismatch)
+    none = "TLS SNI None does not match CONNECT host allowed.test"
+    assert refusal(hello(), NAME_HOST) == (ReasonCode.SNI_MISMATCH, none)
 
 
 def test_an_ip_literal_connect_may_omit_sni_but_not_send_a_name() -> None:
     assert refusal(hello(), IP_HOST) is None
     assert refusal(hello((0x2B, b"\x02\x03\x04")), "2001:db8::5") is None
     # The CIDR rule judged the address, not this name: fronting.
-    assert refusal(hello(sni(b"evil.test")), IP_HOST) == f"TLS SNI 'evil.test' does not match CONNECT host {IP_HOST}"
+    fronted = f"TLS SNI 'evil.test' does not match CONNECT host {IP_HOST}"
+    assert refusal(hello(sni(b"evil.test")), IP_HOST) == (ReasonCode.SNI_MISMATCH, fronted)
 
 
 @pytest.mark.parametrize("code", [0xFE08, 0xFE0D, 0xFFCE, 0xFD00], ids=lambda c: f"0x{c:04x}")
 def test_ech_refuses_the_tunnel_and_names_the_code_point(code: int) -> None:
-    reason = refusal(hello(sni(b"allowed.test"), (code, b"\x00" + bytes(32))), NAME_HOST)
-    assert reason is not None and f"Encrypted Client Hello extension 0x{code:04x}" in reason, reason
-    assert "ech: true" in reason
+    refused = refusal(hello(sni(b"allowed.test"), (code, b"\x00" + bytes(32))), NAME_HOST)
+    assert refused is not None and refused[0] is ReasonCode.ECH, refused
+    assert f"Encrypted Client Hello extension 0x{code:04x}" in refused[1] and "ech: true" in refused[1]
 
 
 def test_ech_where_the_rule_allows_it_still_needs_a_valid_matching_sni() -> None:
     ech = (0xFE0D, b"\x00" + bytes(32))
     assert refusal(hello(sni(b"allowed.test"), ech), NAME_HOST, ech_allowed=True) is None
-    assert refusal(hello(sni(b"evil.test"), ech), NAME_HOST, ech_allowed=True) is not None
+    mismatch = refusal(hello(sni(b"evil.test"), ech), NAME_HOST, ech_allowed=True)
+    assert mismatch is not None and mismatch[0] is ReasonCode.SNI_MISMATCH
     two = (0, name_list(entry(b"allowed.test"), entry(b"evil.test")))
-    reason = refusal(hello(two, ech), NAME_HOST, ech_allowed=True)
-    assert reason == "invalid TLS SNI: server_name list holds 2 names, not one"
+    refused = refusal(hello(two, ech), NAME_HOST, ech_allowed=True)
+    assert refused == (ReasonCode.INVALID_SNI, "invalid TLS SNI: server_name list holds 2 names, not one")

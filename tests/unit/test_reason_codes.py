@@ -1,0 +1,340 @@
+"""Every ReasonCode is produced by some case: one case per code, through the code path that writes it (the policy
+core, the proxy's hooks on mitmproxy test flows, the DNS resolver's judgement), with fake upstream resolvers and no
+sockets. A new code without a case here, or a code the docs do not list, fails."""
+
+from __future__ import annotations
+
+import ipaddress
+import re
+import struct
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+import pytest
+from dnslib import CLASS, DNSRecord
+from mitmproxy import connection, ctx, http
+from mitmproxy.http import Headers
+from mitmproxy.options import Options
+from mitmproxy.proxy import events, layer
+from mitmproxy.proxy.context import Context
+from mitmproxy.test import tflow, tutils
+
+from airlock.dns.server import DnsSettings, PolicyResolver
+from airlock.dns.upstream import Answer, NameNotFound, ResolveError
+from airlock.policy import (
+    AuditRecord,
+    ReasonCode,
+    Sandbox,
+    SandboxRegistry,
+    decide,
+    decide_alias,
+    decide_name,
+    parse_policy,
+    vet,
+)
+from airlock.proxy.addon import GatewaySettings, build_addons
+
+DOCS = Path(__file__).resolve().parents[2] / "docs" / "audit-codes.md"
+POLICY = parse_policy(
+    """
+version: 1
+profiles:
+  default:
+    allow:
+      - host: allowed.test
+      - host: web.allowed.test
+        ports: [80]
+      - host: "*.names.test"
+    deny:
+      - host: denied.test
+    dns:
+      refuse_suspicious: true
+      max_label_length: 10
+"""
+)
+PROFILE = POLICY.profile()
+SANDBOX = Sandbox("sbx", "default", ipaddress.ip_network("127.0.0.0/8"))  # mitmproxy's test client is 127.0.0.1
+PUBLIC = ipaddress.ip_address("192.0.2.1")
+OWN = ipaddress.ip_address("192.0.2.53")
+
+
+class FakeResolver:
+    """The shared resolver's interface (proxy: resolve; DNS: cached and query), answering from a table."""
+
+    def __init__(self, answers: dict[str, Answer | Exception] | None = None) -> None:
+        self.answers = answers or {}
+
+    async def resolve(self, name: str) -> Answer:
+        answer = self.answers.get(name, Answer((PUBLIC,), 60))
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    def cached(self, name: str, qtype: int) -> Answer | None:
+        return None
+
+    async def query(self, name: str, qtype: int) -> Answer:
+        return await self.resolve(name)
+
+
+# Each case returns the code it saw: on the Decision or Vetted (policy core), or on the audit record (proxy, DNS).
+CASES: dict[ReasonCode, Callable[[], Awaitable[str]]] = {}
+
+
+def produces(code: ReasonCode) -> Callable[[Callable[[], Awaitable[str]]], Callable[[], Awaitable[str]]]:
+    def register(case: Callable[[], Awaitable[str]]) -> Callable[[], Awaitable[str]]:
+        assert code not in CASES
+        CASES[code] = case
+        return case
+
+    return register
+
+
+# --- the policy core ---------------------------------------------------------------------------------------------
+
+
+def _decided(host: str, port: int) -> Callable[[], Awaitable[str]]:
+    async def case() -> str:
+        return decide(PROFILE, host, port).code
+
+    return case
+
+
+def _vetted(*addresses: str) -> Callable[[], Awaitable[str]]:
+    async def case() -> str:
+        return vet(PROFILE, [ipaddress.ip_address(a) for a in addresses], 443, frozenset({OWN})).code
+
+    return case
+
+
+produces(ReasonCode.ALLOWED)(_decided("allowed.test", 443))
+produces(ReasonCode.NOT_ALLOWLISTED)(_decided("other.test", 443))
+produces(ReasonCode.PORT_NOT_ALLOWED)(_decided("allowed.test", 22))
+produces(ReasonCode.DENIED_BY_RULE)(_decided("denied.test", 443))
+produces(ReasonCode.METADATA)(_decided("169.254.169.254", 80))
+produces(ReasonCode.INTERNAL_ADDRESS)(_decided("10.0.0.1", 443))
+produces(ReasonCode.OWN_ADDRESS)(_vetted(str(OWN)))
+produces(ReasonCode.SANDBOX_LINK)(_vetted("10.231.0.1"))
+produces(ReasonCode.NO_ADDRESS)(_vetted())
+produces(ReasonCode.NO_ADDRESS_LEFT)(_vetted("10.0.0.1", "169.254.169.254"))
+
+
+@produces(ReasonCode.ALIAS_DENIED)
+async def _alias() -> str:
+    decision = decide_alias(PROFILE, ["cdn.test", "denied.test"], 443)
+    assert decision is not None
+    return decision.code
+
+
+@produces(ReasonCode.NOT_A_NAME)
+async def _address_as_name() -> str:
+    return decide_name(PROFILE, "192.0.2.1").code
+
+
+# --- the proxy: its hooks, on mitmproxy's test flows -------------------------------------------------------------
+
+
+class Proxy:
+    """The addon's hooks over a fake resolver; what they audit is in `audit`."""
+
+    def __init__(self, resolver: FakeResolver | None = None, **settings: int) -> None:
+        self.audit: list[AuditRecord] = []
+        gateway = GatewaySettings(own_addresses=frozenset({OWN}), **settings)
+        resolver = resolver or FakeResolver()
+        self.shared, addons = build_addons(POLICY, SandboxRegistry([SANDBOX]), resolver, self.audit.append, gateway)
+        self.identity, self.http, self.tunnels, _, self.http_audit = addons
+
+    async def connect(self, host: str, port: int = 443) -> http.HTTPFlow:
+        """A CONNECT, judged by http_connect."""
+        authority = f"{host}:{port}".encode()
+        flow = tflow.tflow(req=tutils.treq(method=b"CONNECT", host=host, port=port, authority=authority))
+        await self.http.http_connect(flow)
+        return flow
+
+    async def request(self, host: str, *headers: tuple[bytes, bytes]) -> http.HTTPFlow:
+        """A plain-HTTP request on port 80, judged by requestheaders."""
+        flow = tflow.tflow(req=tutils.treq(host=host, port=80, authority=b"", headers=Headers(headers)))
+        await self.http.requestheaders(flow)
+        return flow
+
+    def tunnel_bytes(self, tunnel: http.HTTPFlow, data: bytes) -> str:
+        """The code on the tunnel's record once next_layer has judged its first bytes from the sandbox."""
+        context = Context(tunnel.client_conn, ctx.options)
+        context.server = connection.Server(address=(tunnel.request.host, tunnel.request.port))
+        nextlayer = layer.NextLayer(context)
+        nextlayer.events.append(events.DataReceived(context.client, data))
+        self.tunnels.next_layer(nextlayer)
+        record = self.shared.client(tunnel.client_conn).tunnel
+        assert record is not None
+        return record.code
+
+
+@produces(ReasonCode.UNKNOWN_SANDBOX)
+async def _unknown_sandbox() -> str:
+    return (await Proxy().shared.evaluate(None, "allowed.test", 443)).decision.code
+
+
+@produces(ReasonCode.INVALID_HOST)
+async def _invalid_host() -> str:
+    return (await Proxy().shared.evaluate(SANDBOX, "a b.test", 443)).decision.code
+
+
+@produces(ReasonCode.RESOLVE_FAILED)
+async def _resolve_failed() -> str:
+    failing = FakeResolver({"allowed.test": ResolveError("upstream timed out")})
+    return (await Proxy(failing).shared.evaluate(SANDBOX, "allowed.test", 443)).decision.code
+
+
+@produces(ReasonCode.AUDIT_UNAVAILABLE)
+async def _audit_unavailable() -> str:
+    blocked = Proxy(audit_failure=lambda: "disk full")  # type: ignore[arg-type]
+    return (await blocked.shared.evaluate(SANDBOX, "allowed.test", 443)).decision.code
+
+
+@produces(ReasonCode.CONNECTION_LIMIT)
+async def _connection_limit() -> str:
+    gateway = Proxy(max_connections_per_sandbox=0)
+    gateway.identity.client_connected(tflow.tclient_conn())
+    return gateway.audit[-1].code
+
+
+@produces(ReasonCode.TUNNEL_LIMIT)
+async def _tunnel_limit() -> str:
+    gateway = Proxy(max_tunnels_per_sandbox=0)
+    await gateway.connect("allowed.test")
+    return gateway.audit[-1].code
+
+
+@produces(ReasonCode.REQUEST_IN_TUNNEL)
+async def _request_in_tunnel() -> str:
+    gateway = Proxy()
+    tunnel = await gateway.connect("allowed.test")
+    await gateway.http.requestheaders(tflow.tflow(client_conn=tunnel.client_conn))
+    return gateway.audit[-1].code
+
+
+@produces(ReasonCode.MISSING_HOST_HEADER)
+async def _missing_host_header() -> str:
+    gateway = Proxy()
+    await gateway.request("web.allowed.test")
+    return gateway.audit[-1].code
+
+
+@produces(ReasonCode.HOST_MISMATCH)
+async def _host_mismatch() -> str:
+    gateway = Proxy()
+    await gateway.request("web.allowed.test", (b"Host", b"other.test"))
+    return gateway.audit[-1].code
+
+
+@produces(ReasonCode.REQUEST_FAILED)
+async def _request_failed() -> str:
+    gateway = Proxy()
+    flow = await gateway.request("web.allowed.test", (b"Host", b"web.allowed.test"))
+    assert not gateway.audit  # allowed: audited when it ends
+    flow.error = tflow.terr("connection refused")
+    gateway.http_audit.error(flow)
+    return gateway.audit[-1].code
+
+
+def client_hello(*extensions: tuple[int, bytes]) -> bytes:
+    """A TLS record holding a ClientHello with exactly these extensions."""
+    block = b"".join(struct.pack("!HH", kind, len(body)) + body for kind, body in extensions)
+    body = b"\x03\x03" + bytes(32) + b"\x00" + b"\x00\x02\x13\x01" + b"\x01\x00" + struct.pack("!H", len(block)) + block
+    handshake = b"\x01" + len(body).to_bytes(3, "big") + body
+    return b"\x16\x03\x01" + struct.pack("!H", len(handshake)) + handshake
+
+
+def sni(*names: bytes) -> tuple[int, bytes]:
+    entries = b"".join(struct.pack("!BH", 0, len(name)) + name for name in names)
+    return 0, struct.pack("!H", len(entries)) + entries
+
+
+def _tunnel_carrying(data: bytes) -> Callable[[], Awaitable[str]]:
+    async def case() -> str:
+        gateway = Proxy()
+        return gateway.tunnel_bytes(await gateway.connect("allowed.test"), data)
+
+    return case
+
+
+produces(ReasonCode.MALFORMED_CLIENT_HELLO)(_tunnel_carrying(b"\x16\x03\x01\x00\x04\x02\x00\x00\x00"))  # a ServerHello
+produces(ReasonCode.INVALID_SNI)(_tunnel_carrying(client_hello(sni(b"allowed.test", b"other.test"))))
+produces(ReasonCode.SNI_MISMATCH)(_tunnel_carrying(client_hello(sni(b"other.test"))))
+produces(ReasonCode.ECH)(_tunnel_carrying(client_hello(sni(b"allowed.test"), (0xFE0D, b"\x00" + bytes(32)))))
+produces(ReasonCode.NOT_TLS)(_tunnel_carrying(b"SSH-2.0-OpenSSH_9.6\r\n"))
+
+
+# --- DNS: the resolver's judgement of one query -------------------------------------------------------------------
+
+
+async def _dns(request: DNSRecord, **settings: int) -> str:
+    answers: dict[str, Answer | Exception] = {
+        "gone.names.test": NameNotFound("NXDOMAIN"),
+        "bug.names.test": RuntimeError("a bug"),  # what no resolver should raise: a fault in airlock itself
+    }
+    audit: list[AuditRecord] = []
+    resolver = PolicyResolver(
+        POLICY, SandboxRegistry([SANDBOX]), FakeResolver(answers), audit.append, DnsSettings(**settings)
+    )
+    await resolver.decide(request, SANDBOX, "127.0.0.1")
+    [record] = audit
+    return record.code
+
+
+@produces(ReasonCode.UNSUPPORTED_QUERY)
+async def _dns_status_query() -> str:
+    request = DNSRecord.question("allowed.test")
+    request.header.opcode = 2  # STATUS
+    return await _dns(request)
+
+
+@produces(ReasonCode.UNSUPPORTED_CLASS)
+async def _dns_chaos_class() -> str:
+    request = DNSRecord.question("allowed.test")
+    request.q.qclass = CLASS.CH
+    return await _dns(request)
+
+
+@produces(ReasonCode.SUSPICIOUS_NAME)
+async def _dns_long_label() -> str:
+    return await _dns(DNSRecord.question("averyveryverylonglabel.names.test"))  # longer than max_label_length
+
+
+@produces(ReasonCode.TYPE_NOT_ANSWERED)
+async def _dns_mx() -> str:
+    return await _dns(DNSRecord.question("allowed.test", "MX"))
+
+
+@produces(ReasonCode.NAME_NOT_FOUND)
+async def _dns_nxdomain() -> str:
+    return await _dns(DNSRecord.question("gone.names.test"))
+
+
+@produces(ReasonCode.INFLIGHT_LIMIT)
+async def _dns_inflight() -> str:
+    return await _dns(DNSRecord.question("allowed.test"), max_inflight_per_sandbox=0)
+
+
+@produces(ReasonCode.INTERNAL_ERROR)
+async def _dns_bug() -> str:
+    return await _dns(DNSRecord.question("bug.names.test"))
+
+
+@pytest.fixture(autouse=True)
+def mitmproxy_options(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The one proxy option the hooks read, declared alone: the proxy server's addon would load mitmproxy's whole set.
+    options = Options()
+    options.add_option("stream_large_bodies", str | None, None, "")
+    monkeypatch.setattr(ctx, "options", options, raising=False)
+
+
+@pytest.mark.parametrize("code", list(ReasonCode), ids=str)
+async def test_every_code_is_produced_by_its_case(code: ReasonCode) -> None:
+    assert code in CASES, f"no case produces {code}: add one"
+    assert await CASES[code]() == code
+
+
+def test_the_docs_list_every_code_once() -> None:
+    listed = re.findall(r"^\| `([a-z_]+)` \|", DOCS.read_text(encoding="utf-8"), re.MULTILINE)
+    assert sorted(listed) == sorted(ReasonCode) and len(listed) == len(set(listed))
