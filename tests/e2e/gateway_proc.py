@@ -2,13 +2,20 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
+import os
 import signal
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+from airlock.gateway import Gateway, GatewayConfig
 
 from topology import DNS_SERVER, GW_IP, SBX_IP, Topology
 
@@ -95,3 +102,39 @@ class GatewayProcess:
             if found or time.monotonic() > deadline:
                 return found
             time.sleep(0.05)
+
+
+@contextlib.contextmanager
+def gateway_in_thread(topology: Topology, config: GatewayConfig) -> Iterator[Gateway]:
+    """A Gateway object (the Python API, with GatewayConfig's defaults) on its own loop in a thread that joined
+    the gateway namespace."""
+    ready, stop = threading.Event(), threading.Event()
+    box: dict[str, object] = {}
+
+    async def serve() -> None:
+        gateway = Gateway(config)
+        await gateway.start()
+        box["gateway"] = gateway
+        ready.set()
+        while not stop.is_set():
+            await asyncio.sleep(0.05)
+        await gateway.stop()
+
+    def thread() -> None:
+        fd = os.open(f"/run/netns/{topology.gw}", os.O_RDONLY)
+        os.setns(fd, os.CLONE_NEWNET)
+        os.close(fd)
+        try:
+            asyncio.run(serve())
+        except BaseException as e:
+            box["error"] = e
+            ready.set()
+
+    worker = threading.Thread(target=thread)
+    worker.start()
+    assert ready.wait(30) and "error" not in box, box.get("error")
+    try:
+        yield box["gateway"]  # type: ignore[misc]
+    finally:
+        stop.set()
+        worker.join(30)

@@ -351,3 +351,23 @@ class HeldTunnels:
         for _, writer in self.tunnels:
             writer.transport.abort()
         self.tunnels.clear()
+
+
+# What a sandbox sends, over and over, to every port of its gateway (found from its proxy variable): TCP (proxy,
+# DNS, broker) and UDP (DNS). Run as `python3 -c SENDER MARKER` (the marker names its process).
+SENDER = """
+import os, socket, time
+gateway = os.environ["HTTP_PROXY"].split("//")[1].split(":")[0]
+while True:
+    for port in (3128, 53, 8080):
+        s = socket.socket(); s.settimeout(0.3)
+        try:
+            s.connect((gateway, port)); s.sendall(b"from the sandbox\\n")
+        except OSError:
+            pass
+        s.close()
+    u = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    u.sendto(b"from the sandbox", (gateway, 53)); u.close()
+    time.sleep(0.05)
+"""
+GATEWAY_PORTS = {"tcp": (3128, 53, 8080), "udp": (53,)}

@@ -26,7 +26,7 @@ from airlock.sandbox.fence import Fence
 from airlock.sandbox.launch import launch
 
 from gateway_proc import AIRLOCK, E2E_POLICY
-from netclient import ForeignListeners, in_netns
+from netclient import SENDER, ForeignListeners, in_netns
 from topology import DNS_SERVER, GW_OUTSIDE_IP, FakeNet, Topology
 
 ALLOWED_IP = "192.0.2.10"
@@ -397,26 +397,6 @@ def test_teardown_removes_container_network_fence_in_order_then_stops_the_gatewa
         "fence removed": (False, False, False),  # nothing of the sandbox could send any more
         "gateway stopped": (False, False, False),  # the container was gone before its gateway
     }
-
-
-# What a sandbox sends, over and over, to every port of its gateway: TCP (proxy, DNS, broker) and UDP (DNS).
-SENDER = (
-    FIND_GATEWAY
-    + """
-import socket, time
-while True:
-    for port in (3128, 53, 8080):
-        s = socket.socket(); s.settimeout(0.3)
-        try:
-            s.connect((gw, port)); s.sendall(b"from the sandbox\\n")
-        except OSError:
-            pass
-        s.close()
-    u = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-    u.sendto(b"from the sandbox", (gw, 53)); u.close()
-    time.sleep(0.05)
-"""
-)
 
 
 def test_a_killed_launcher_leaves_no_container_and_no_way_to_another_program_on_its_ports(

@@ -8,7 +8,6 @@ import os
 import signal
 import socket
 import ssl
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,7 +19,7 @@ from airlock.gateway import Gateway, GatewayConfig
 from airlock.policy import Sandbox, load_policy, parse_policy
 from airlock.proxy.addon import HttpPolicy, PinnedConnect
 
-from gateway_proc import AIRLOCK, E2E_POLICY, PROXY
+from gateway_proc import AIRLOCK, E2E_POLICY, PROXY, gateway_in_thread
 from netclient import ForeignListeners, in_netns, proxy_http, tcp_probe, tls_get
 from testca import TestCA
 from topology import DNS_SERVER, GW_IP, SBX_IP, FakeNet, Topology
@@ -300,37 +299,8 @@ def inproc_gateway(topology: Topology, fakenet: FakeNet, own_gateway, tmp_path: 
         upstream_dns=[(DNS_SERVER, 53)],
         audit_path=str(tmp_path / "audit.jsonl"),
     )
-    ready = threading.Event()
-    stop = threading.Event()
-    box: dict[str, object] = {}
-
-    async def serve() -> None:
-        gateway = Gateway(config)
-        await gateway.start()
-        box["gateway"] = gateway
-        ready.set()
-        while not stop.is_set():
-            await asyncio.sleep(0.05)
-        await gateway.stop()
-
-    def thread() -> None:
-        fd = os.open(f"/run/netns/{topology.gw}", os.O_RDONLY)
-        os.setns(fd, os.CLONE_NEWNET)
-        os.close(fd)
-        try:
-            asyncio.run(serve())
-        except BaseException as e:
-            box["error"] = e
-            ready.set()
-
-    worker = threading.Thread(target=thread)
-    worker.start()
-    assert ready.wait(30) and "error" not in box, box.get("error")
-    try:
-        yield box["gateway"]  # type: ignore[misc]
-    finally:
-        stop.set()
-        worker.join(30)
+    with gateway_in_thread(topology, config) as gateway:
+        yield gateway
 
 
 @pytest.mark.parametrize("fault", [RuntimeError("resolver bug"), ResolverUnavailable("upstream down")])

@@ -4,7 +4,6 @@ written. Real namespaces, real mitmproxy."""
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import http.client
 import ipaddress
@@ -15,7 +14,6 @@ import re
 import resource
 import socket
 import subprocess
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,10 +21,10 @@ from pathlib import Path
 import pytest
 from dnslib import RCODE, DNSRecord
 
-from airlock.gateway import Gateway, GatewayConfig
+from airlock.gateway import GatewayConfig
 from airlock.policy import Sandbox, load_policy
 
-from gateway_proc import E2E_POLICY, PROXY, GatewayProcess
+from gateway_proc import E2E_POLICY, PROXY, GatewayProcess, gateway_in_thread
 from netclient import HeldTunnels, in_netns, proxy_http, raise_open_file_limit, tls_get
 from testca import TestCA
 from topology import DNS_SERVER, GW_IP, SBX_IP, FakeNet, Topology
@@ -54,42 +52,6 @@ def stopped_audit(gw: GatewayProcess) -> list[dict]:
 # --- many tunnels: the defaults, and beyond the caps ---------------------------------------------------------------
 
 
-@contextlib.contextmanager
-def inproc_gateway(topology: Topology, config: GatewayConfig) -> Iterator[Gateway]:
-    """A Gateway object (the Python API, with GatewayConfig's defaults) on its own loop in a thread that joined
-    the gateway namespace."""
-    ready, stop = threading.Event(), threading.Event()
-    box: dict[str, object] = {}
-
-    async def serve() -> None:
-        gateway = Gateway(config)
-        await gateway.start()
-        box["gateway"] = gateway
-        ready.set()
-        while not stop.is_set():
-            await asyncio.sleep(0.05)
-        await gateway.stop()
-
-    def thread() -> None:
-        fd = os.open(f"/run/netns/{topology.gw}", os.O_RDONLY)
-        os.setns(fd, os.CLONE_NEWNET)
-        os.close(fd)
-        try:
-            asyncio.run(serve())
-        except BaseException as e:
-            box["error"] = e
-            ready.set()
-
-    worker = threading.Thread(target=thread)
-    worker.start()
-    assert ready.wait(30) and "error" not in box, box.get("error")
-    try:
-        yield box["gateway"]  # type: ignore[misc]
-    finally:
-        stop.set()
-        worker.join(30)
-
-
 def test_a_thousand_concurrent_tunnels_work_with_the_defaults(
     topology: Topology, fakenet: FakeNet, own_gateway, test_ca: TestCA, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ):
@@ -105,7 +67,7 @@ def test_a_thousand_concurrent_tunnels_work_with_the_defaults(
     resource.setrlimit(resource.RLIMIT_NOFILE, (1024, HARD_LIMIT))
     caplog.set_level(logging.INFO)
     try:
-        with inproc_gateway(topology, config):
+        with gateway_in_thread(topology, config):
             held = HeldTunnels(topology.sbx, PROXY, "allowed.test:443", str(test_ca.ca_cert))
             try:
                 opened = held.open(1000)

@@ -19,7 +19,7 @@ from airlock.sandbox.fence import NETNS_TABLE_PREFIX
 from airlock.sandbox.netns import NetnsSandbox
 
 from gateway_proc import AIRLOCK, E2E_POLICY
-from netclient import ForeignListeners, in_netns
+from netclient import GATEWAY_PORTS, SENDER, ForeignListeners, in_netns
 from topology import DNS_SERVER, FakeNet, Topology
 
 ALLOWED_IP = "192.0.2.10"
@@ -267,25 +267,6 @@ def test_run_timeout_kills_the_whole_sandbox(run_in_gw):
 def test_docker_only_limits_are_refused_for_the_netns_backend(run_in_gw):
     result = run_in_gw("true", options=("--memory", "64m", "--pids", "10"))
     assert result.returncode == 2 and "--memory, --pids: docker backend only" in result.stderr, result.stderr
-
-
-# What a sandbox sends, over and over, to every port of its gateway: TCP (proxy, DNS, broker) and UDP (DNS).
-SENDER = """
-import os, socket, sys, time
-gateway = os.environ["HTTP_PROXY"].split("//")[1].split(":")[0]
-while True:
-    for port in (3128, 53, 8080):
-        s = socket.socket(); s.settimeout(0.3)
-        try:
-            s.connect((gateway, port)); s.sendall(b"from the sandbox\\n")
-        except OSError:
-            pass
-        s.close()
-    u = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-    u.sendto(b"from the sandbox", (gateway, 53)); u.close()
-    time.sleep(0.05)
-"""
-GATEWAY_PORTS = {"tcp": (3128, 53, 8080), "udp": (53,)}
 
 
 def _pids_with(marker: str) -> list[int]:
