@@ -47,7 +47,10 @@ NAMES = [
     ("ipv6-other-port", f"[{V6}]:8080", V6, 80, 80, False),
     ("ipv6-zone", f"[{V6}%eth0]", V6, 80, 80, False),
     ("ipv6-name-in-brackets", "[allowed.test]", "allowed.test", 80, 80, False),
+    ("ipv6-unclosed", f"[{V6}", V6, 80, 80, False),
+    ("ipv6-port-without-colon", f"[{V6}]8080", V6, 8080, 80, False),
     ("ipv6-junk-after-bracket", f"[{V6}]x", V6, 80, 80, False),
+    ("ipv6-unbracketed", V6, V6, 80, 80, False),  # RFC 3986 §3.2.2: an IPv6 literal is always bracketed
 ]
 
 
