@@ -434,8 +434,12 @@ def _names_target(text: str, host: str, port: int, default_port: int) -> bool:
     """Does `host[:port]` text name this canonical host and port?"""
     text_host, text_port = text, ""
     if text.startswith("["):
-        text_host, _, rest = text.partition("]")
-        text_host, text_port = text_host + "]", rest.removeprefix(":")
+        text_host, bracket, rest = text.partition("]")
+        if not bracket or rest[:1] not in ("", ":"):
+            return False  # `[v6`, `[v6]80`: the upstream's parser may read these otherwise than this one
+        text_host, text_port = text_host + "]", rest[1:]
+    elif text.count(":") > 1:
+        return False  # an IPv6 literal in an authority is always bracketed (RFC 3986 §3.2.2)
     elif text.count(":") == 1:
         text_host, text_port = text.split(":")
     try:
