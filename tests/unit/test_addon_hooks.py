@@ -497,7 +497,7 @@ def test_the_connection_limit_refuses_the_next_and_frees_a_slot_on_close() -> No
         gw.identity.client_connected(conn)
     assert [c.error for c in conns[:2]] == [None, None]
     assert conns[2].error == "airlock: sandbox already has 2 connections open"
-    assert [r.reason for r in gw.records] == ["more than 2 open connections"]
+    assert [r.reason for r in gw.records] == ["sandbox already has 2 connections open"]
     gw.identity.client_disconnected(conns[2])  # the refused one held no slot
     gw.identity.client_disconnected(conns[0])
     assert gw.shared.connections["sbx"] == 1
