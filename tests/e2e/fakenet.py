@@ -64,6 +64,7 @@ ZONE: dict[str, list[tuple[str, str]]] = {
     "v6.allowed.test": [("AAAA", "2001:db8::10"), ("A", "192.0.2.10")],
     "txt.allowed.test": [("TXT", "hello")],
     "api.github.test": [("A", "192.0.2.20")],  # fakegithub.py
+    "github.test": [("A", "192.0.2.20")],  # fakegithub.py's git smart HTTP
 }
 RDATA = {"A": A, "AAAA": AAAA, "CNAME": CNAME, "NS": NS, "TXT": TXT}
 
