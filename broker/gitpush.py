@@ -16,7 +16,8 @@ with a deadline for the whole push. Nothing from the bundle or the host configur
   (`http.curloptResolve`).
 
 The bundle's header is checked first (broker.bundle), then its prerequisites are fetched from GitHub (shallow:
-one commit deep, deepened only if the fast-forward check needs more history), the bundle is verified against them,
+one commit deep, deepened only if the fast-forward check needs more history) while the branch's state is read,
+the bundle is verified against them,
 and its pack is indexed with `git index-pack --strict` (git's own fetch from a bundle does not fsck). The branch
 must be absent upstream or an ancestor of the new commit; the push never forces, so GitHub refuses a branch that
 moved in between.
@@ -39,6 +40,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 from .bundle import Bundle, BundleError, parse_bundle
 from .github import READ_CONTENTS, WRITE_CONTENTS, GitHubClient, UpstreamError
+from .grants import valid_branch
 from .redact import clip
 
 MAX_MESSAGE = 1000  # characters of git's error text passed on
@@ -99,6 +101,12 @@ class Pushed:
     sha: str
     ref: str
     previous: str | None  # the branch's tip before the push; None when the push created it
+
+
+def valid_ref(branch: str) -> bool:
+    """A branch name git accepts (git-check-ref-format), within the broker's own stricter charset."""
+    parts = branch.split("/")
+    return valid_branch(branch) and not any(p.startswith(".") or p.endswith(".lock") for p in parts)
 
 
 def git_base_url(api: str) -> str:
@@ -189,19 +197,27 @@ class Pusher:
 
     async def _push(self, git: _Git, repo: str, branch: str, bundle: Bundle, data: bytes) -> Pushed:
         ref = f"refs/heads/{branch}"
-        await git.local("init", "--quiet", "--bare", "--template=", ".")
-        if not (await git.local("check-ref-format", ref, check=False)).ok:
+        if not valid_ref(branch):
             raise PushError(422, "invalid_request", f"{branch!r} is not a valid branch name")
+        await git.local("init", "--quiet", "--bare", "--template=", ".")
         url = self.transport.url(repo)
-        default, current = await self._remote_state(git, repo, url, ref)
+        # The remote's branches and the bundle's base at once: one round trip's time, not two.
+        state, fetched = await asyncio.gather(
+            self._remote_state(git, repo, url, ref),
+            self._fetch(git, repo, url, list(bundle.prerequisites), "--depth=1"),
+            return_exceptions=True,
+        )
+        if isinstance(state, BaseException):
+            raise state
+        default, current = state
         if branch == default:
             raise PushError(403, "protected_branch", f"{branch!r} is the repository's default branch")
-        wants = [*dict.fromkeys([*bundle.prerequisites, *([current] if current else [])])]
-        await self._fetch(git, repo, url, wants, "--depth=1")
+        if isinstance(fetched, BaseException):
+            raise fetched
         await self._unbundle(git, bundle, data)
         if current == bundle.oid:
             return Pushed(bundle.oid, ref, current)  # already there: the same push again
-        if current and not await self._descends(git, repo, url, wants, current, bundle.oid):
+        if current and not await self._descends(git, repo, url, bundle.prerequisites, current, bundle.oid):
             raise PushError(
                 409, "non_fast_forward",
                 f"{ref} is at {current}, which the bundle's commit does not descend from (pushes never force)",
@@ -253,18 +269,28 @@ class Pusher:
         if not indexed.ok:
             code = "bundle_rejected" if "fsck" in indexed.stderr else "invalid_bundle"
             raise PushError(422, code, f"git refused the bundle's objects: {indexed.message()}")
-        kind = await git.local("cat-file", "-t", bundle.oid, check=False)
+        exclude = [f"^{p}" for p in bundle.prerequisites]
+        kind, complete = await asyncio.gather(
+            git.local("cat-file", "-t", bundle.oid, check=False),
+            git.local("rev-list", "--objects", "--quiet", bundle.oid, *exclude, check=False),
+        )
         if kind.stdout.strip() != "commit":
             raise PushError(422, "invalid_bundle", "the bundle's ref does not point at a commit it carries")
-        exclude = [f"^{p}" for p in bundle.prerequisites]
-        if not (await git.local("rev-list", "--objects", "--quiet", bundle.oid, *exclude, check=False)).ok:
+        if not complete.ok:
             raise PushError(422, "invalid_bundle", "the bundle's history is incomplete")
 
-    async def _descends(self, git: _Git, repo: str, url: str, wants: list[str], ancestor: str, tip: str) -> bool:
-        """Whether `tip` descends from `ancestor`, looking further back than the shallow fetch if needed."""
+    async def _descends(
+        self, git: _Git, repo: str, url: str, prerequisites: tuple[str, ...], ancestor: str, tip: str
+    ) -> bool:
+        """Whether `tip` descends from `ancestor` (the branch's tip upstream, usually among the bundle's commits or
+        its prerequisites), looking further back than the shallow base when that is not enough."""
+        if not (await git.local("cat-file", "-e", f"{ancestor}^{{commit}}", check=False)).ok:
+            await self._fetch(git, repo, url, [ancestor], "--depth=1")
         if (await git.local("merge-base", "--is-ancestor", ancestor, tip, check=False)).ok:
             return True
-        await self._fetch(git, repo, url, wants, "--unshallow")
+        if not (git.directory / "shallow").exists():
+            return False
+        await self._fetch(git, repo, url, [*prerequisites, ancestor], "--unshallow")
         return (await git.local("merge-base", "--is-ancestor", ancestor, tip, check=False)).ok
 
     async def _send(self, git: _Git, repo: str, url: str, oid: str, ref: str) -> None:

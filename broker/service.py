@@ -219,6 +219,7 @@ class Broker:
     @web.middleware
     async def _sandbox_calls(self, request: web.Request, handler: Callable) -> web.StreamResponse:
         """Every sandbox request, whatever its path: audited, authenticated, rate limited, recorded."""
+        started = time.monotonic()
         client = request.remote or "-"
         record = AuditRecord("broker", self.identify(client) or UNKNOWN_SANDBOX, client, "-", None, "deny", "")
         record.method, record.path = _call_name(request), request.path
@@ -241,6 +242,7 @@ class Broker:
             record.decision, record.reason, record.extra["status"] = "error", f"internal error: {type(e).__name__}", 500
             raise
         finally:
+            record.duration_ms = round((time.monotonic() - started) * 1000, 3)
             self.emit(self.redactor.record(record))
             await self._record_call(record)
 

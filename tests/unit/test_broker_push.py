@@ -169,6 +169,7 @@ async def test_pushes_a_new_branch_with_exactly_the_bundles_commits(world: Facto
     )
     assert record.extra["bundle_bytes"] == len(bundle) and len(record.extra["bundle_sha256"]) == 64
     assert (record.extra["sha"], record.extra["ref"], record.extra["status"]) == (tip, "refs/heads/agent/x", 200)
+    assert record.duration_ms is not None and record.duration_ms > 0
     stored = w.stored_calls()
     assert len(stored) == 1 and json.loads(stored[0])["extra"]["bundle_sha256"] == record.extra["bundle_sha256"]
     assert base64.b64encode(bundle).decode()[:40] not in stored[0] + record.to_json()  # never the content
