@@ -123,6 +123,20 @@ def test_push_fetches_with_a_read_token_and_pushes_with_a_write_token(
         assert base64.b64encode(f"x-access-token:{token['token']}".encode()).decode() not in text
 
 
+def test_an_installation_token_github_stopped_taking_is_replaced_once(
+    topology: Topology, gateway: GatewayProcess, fake_github: FakeGitHub, work: Work
+) -> None:
+    token = issue(gateway)
+    work.commit("a.txt", branch="agent/x")
+    assert push(topology, token, work.bundle())[0] == 200
+    issued = len(fake_github.tokens())
+    fake_github.expire_tokens()  # the broker still holds them, cached for an hour
+    tip = work.commit("b.txt")
+    status, body = push(topology, token, work.bundle())
+    assert (status, body["sha"]) == (200, tip), body
+    assert len(fake_github.tokens()) == issued + 2  # a fresh read and a fresh write token
+
+
 def test_a_token_without_a_push_grant_never_reaches_git(
     topology: Topology, gateway: GatewayProcess, fake_github: FakeGitHub, work: Work
 ) -> None:

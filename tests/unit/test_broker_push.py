@@ -21,6 +21,7 @@ from typing import Any
 
 import aiohttp
 import pytest
+from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 from jsonschema import Draft202012Validator
 
@@ -124,14 +125,14 @@ async def world(tmp_path: Path) -> AsyncIterator[Factory]:
         session = aiohttp.ClientSession()
         stack.push_async_callback(session.close)
 
-        async def factory(limits: PushLimits | None = None) -> World:
+        async def factory(limits: PushLimits | None = None, base_url: str | None = None) -> World:
             root = tmp_path / "github"
             root.mkdir()
             remote = make_remote(root)
             work = tmp_path / "work"
             git("clone", "-q", str(remote), str(work), cwd=tmp_path)
             github = GitHubClient("http://127.0.0.1:9", StaticCredential(STATIC_SECRET), session)
-            transport = GitTransport(root.as_uri(), protocols=("file",))
+            transport = GitTransport(base_url or root.as_uri(), protocols=("file", "http"))
             pusher = Pusher(github, transport, limits, workdir=tmp_path / "push")
             store = SqliteStore(tmp_path / "state" / "broker.sqlite3")
             stack.callback(store.close)
@@ -458,6 +459,29 @@ async def test_git_honours_no_configuration_hooks_or_filters_from_the_host(
     # And with the host's config gone, the same fsck still refuses what transfer.fsckObjects=false would let in.
     reply = await w.push(evil_tree(w, ".git"))
     assert (reply.status, reply.body["error"]) == (422, "bundle_rejected")
+
+
+async def test_what_git_says_is_redacted(world: Factory, unused_tcp_port: int) -> None:
+    """A hostile or broken upstream echoes the credential it was sent; git repeats it; the broker never does."""
+
+    async def echo(request: web.Request) -> web.Response:
+        return web.Response(status=403, text=f"denied for {request.headers.get('Authorization')}\n")
+
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", echo)
+    server = TestServer(app, host=LOOPBACK, port=unused_tcp_port)
+    await server.start_server()
+    try:
+        w = await world(base_url=f"http://{LOOPBACK}:{unused_tcp_port}")
+        w.commit("a.txt", branch="agent/x")
+        reply = await w.push(w.bundle())
+    finally:
+        await server.close()
+    assert (reply.status, reply.body["error"]) == (502, "upstream_error"), reply.body
+    assert "denied for Basic [redacted]" in reply.body["message"]
+    basic = base64.b64encode(f"x-access-token:{STATIC_SECRET}".encode()).decode()
+    for text in (json.dumps(reply.body), w.audit[-1].to_json(), *w.stored_calls()):
+        assert STATIC_SECRET not in text and basic not in text
 
 
 # --- input ------------------------------------------------------------------------------------------------------
