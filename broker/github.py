@@ -104,7 +104,7 @@ class GitHubClient:
         """The pull request (created, or the one that already existed) and whether it already existed."""
         token = await self.repo_token(repo, PR_PERMISSIONS)
         status, body = await self._call("POST", f"/repos/{repo}/pulls", token, fields)
-        if status == 401 and self.forget_token(repo, PR_PERMISSIONS):
+        if status == 401 and self.forget_token(repo, PR_PERMISSIONS, token):
             # The cached installation token was revoked or expired early upstream: mint a fresh one, once.
             token = await self.repo_token(repo, PR_PERMISSIONS)
             status, body = await self._call("POST", f"/repos/{repo}/pulls", token, fields)
@@ -143,11 +143,14 @@ class GitHubClient:
             self._tokens[key] = (token, expires)
             return token
 
-    def forget_token(self, repo: str, permissions: dict[str, str]) -> bool:
-        """Drop the cached installation token GitHub refused; False when there is nothing better to try."""
+    def forget_token(self, repo: str, permissions: dict[str, str], refused: str) -> bool:
+        """Drop the installation token GitHub refused (unless a call running alongside has already replaced it);
+        False when there is nothing better to try."""
         if isinstance(self.credential, StaticCredential):
             return False
-        self._tokens.pop(_token_key(repo, permissions), None)
+        key = _token_key(repo, permissions)
+        if self._tokens.get(key, ("",))[0] == refused:
+            del self._tokens[key]
         return True
 
     async def _installation_token(self, repo: str, permissions: dict[str, str]) -> tuple[str, float]:

@@ -319,7 +319,7 @@ class Pusher:
             result = await git.run(*args, config=[("http.extraHeader", f"Authorization: {header}")])
             if result.ok or not any(m in result.stderr for m in AUTH_FAILED) or attempt == 2:
                 return result
-            if not self.github.forget_token(repo, permissions):
+            if not self.github.forget_token(repo, permissions, token):
                 return result
         raise AssertionError("unreachable")
 
