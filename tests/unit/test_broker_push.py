@@ -28,7 +28,7 @@ from jsonschema import Draft202012Validator
 from airlock.broker.github import GitHubClient, StaticCredential
 from airlock.broker.gitpush import GitTransport, Pusher, PushLimits, git_base_url
 from airlock.broker.grants import parse_grant
-from airlock.broker.service import Broker
+from airlock.broker.service import THREADED_BODY, Broker
 from airlock.broker.store import SqliteStore
 from airlock.broker.tokens import KeyRing, TokenAuthority
 from airlock.policy import AuditRecord
@@ -175,6 +175,16 @@ async def test_pushes_a_new_branch_with_exactly_the_bundles_commits(world: Facto
     assert len(stored) == 1 and json.loads(stored[0])["extra"]["bundle_sha256"] == record.extra["bundle_sha256"]
     assert base64.b64encode(bundle).decode()[:40] not in stored[0] + record.to_json()  # never the content
     assert not list((w.state.parent / "push").iterdir())  # the private repository is gone
+
+
+async def test_a_bundle_of_megabytes_is_parsed_off_the_event_loop_and_pushed(world: Factory) -> None:
+    w = await world()
+    tip = w.commit("blob.bin", os.urandom(900_000).hex(), branch="agent/x")  # ~1 MB compressed: past THREADED_BODY
+    bundle = w.bundle()
+    assert len(base64.b64encode(bundle)) > THREADED_BODY
+    reply = await w.push(bundle)
+    assert (reply.status, reply.body["sha"]) == (200, tip), reply.body
+    assert w.audit[-1].extra["bundle_bytes"] == len(bundle)
 
 
 async def test_fast_forward_and_the_same_bundle_again(world: Factory) -> None:
