@@ -12,6 +12,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -90,6 +91,15 @@ def work(fake_github: FakeGitHub, tmp_path: Path) -> Work:
     return Work(tmp_path / "work")
 
 
+def push_records(gateway: GatewayProcess) -> list[dict[str, Any]]:
+    """The gateway's audit lines of push_branch calls, once there is one (they are written in batches)."""
+    deadline = time.monotonic() + 3
+    while not (records := [r for r in gateway.audit() if r["kind"] == "broker" and r["method"] == "push_branch"]):
+        assert time.monotonic() < deadline, "no push_branch audit line"
+        time.sleep(0.05)
+    return records
+
+
 def receive_packs(fake_github: FakeGitHub) -> list[dict[str, Any]]:
     return [c for c in fake_github.calls("/acme/") if c["path"].endswith("/git-receive-pack")]
 
@@ -114,7 +124,7 @@ def test_push_fetches_with_a_read_token_and_pushes_with_a_write_token(
     read_token = next(t["token"] for t in fake_github.tokens() if t["permissions"].get("contents") == "read")
     assert reads and {c["token"] for c in reads} == {read_token}
     # What the security team sees: one audit line, the bundle by hash and size; no credential anywhere.
-    (record,) = [r for r in gateway.audit() if r["kind"] == "broker" and r["method"] == "push_branch"]
+    (record,) = push_records(gateway)
     assert (record["decision"], record["host"], record["extra"]["sha"]) == ("allow", "acme/app", tip)
     assert record["extra"]["bundle_bytes"] > 0 and len(record["extra"]["bundle_sha256"]) == 64
     text = gateway.audit_path.read_text() + gateway.log()
