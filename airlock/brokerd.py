@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import ipaddress
 import logging
 import os
 import socket
@@ -20,6 +21,7 @@ from aiohttp import web
 from aiohttp.abc import AbstractResolver
 
 from airlock.broker.github import AppCredential, Credential, GitHubClient, StaticCredential
+from airlock.broker.gitpush import GitTransport, Pusher, git_base_url
 from airlock.broker.service import Broker, BrokerSettings, _RateLimiter
 from airlock.broker.shapes import CREDENTIAL
 from airlock.broker.store import SqliteStore
@@ -66,6 +68,7 @@ class BrokerConfig:
     port: int = 8080  # sandbox-facing, on the gateway's sandbox address; 0: no broker
     admin: str | None = None  # unix socket path or 127.0.0.1:PORT; default <state>/admin.sock
     github_api: str = "https://api.github.com"
+    github_git: str | None = None  # where git reaches the repositories; None: derived from github_api
     github_app_id: str | None = None
     github_app_key: str | None = None  # PEM file
     github_installation_id: int | None = None
@@ -177,13 +180,20 @@ class SharedResolver(AbstractResolver):
     def __init__(self, resolver: Resolver) -> None:
         self.resolver = resolver
 
-    async def resolve(self, host: str, port: int = 0, family: socket.AddressFamily = socket.AF_INET) -> list[Any]:
+    async def addresses(self, host: str) -> list[str]:
+        """`host`'s addresses through the gateway's resolver (git is handed these: it resolves nothing itself)."""
+        return [str(a) for a in await self._addresses(host)]
+
+    async def _addresses(self, host: str) -> list[ipaddress.IPv4Address | ipaddress.IPv6Address]:
         try:
             literal = parse_ip_literal(host)
-            addresses = [literal] if literal else list((await self.resolver.resolve(canonical_host(host))).addresses)
+            return [literal] if literal else list((await self.resolver.resolve(canonical_host(host))).addresses)
         except (ResolveError, HostError) as e:
             log.warning("broker cannot resolve %s: %s", host, e)
             raise OSError(f"cannot resolve {host}: {e}") from None
+
+    async def resolve(self, host: str, port: int = 0, family: socket.AddressFamily = socket.AF_INET) -> list[Any]:
+        addresses = await self._addresses(host)
         return [
             {
                 "hostname": host, "host": str(a), "port": port, "proto": 0, "flags": socket.AI_NUMERICHOST,
@@ -225,19 +235,28 @@ class BrokerRuntime:
         # Off the event loop, as every later store call: the proxy and DNS already serve, and the file may be locked.
         store = await asyncio.to_thread(SqliteStore, self.state_dir / "broker.sqlite3")
         credential = config.credential()
-        github = None
+        github = pusher = None
         if credential is not None:
             context = ssl.create_default_context(cafile=self.upstream_ca)
-            connector = aiohttp.TCPConnector(resolver=SharedResolver(self.resolver), ssl=context)
+            resolver = SharedResolver(self.resolver)
+            connector = aiohttp.TCPConnector(resolver=resolver, ssl=context)
             self._session = aiohttp.ClientSession(connector=connector)
             github = GitHubClient(config.github_api, credential, self._session, config.github_timeout)
+            transport = GitTransport(
+                config.github_git or git_base_url(config.github_api), self.upstream_ca, resolver.addresses
+            )
+            try:
+                pusher = Pusher(github, transport, workdir=self.state_dir / "push")
+            except FileNotFoundError as e:
+                log.warning("%s: push_branch answers 503", e)
 
         def identify(client: str) -> str | None:
             sandbox = self.registry.identify(client) if client else None
             return sandbox.id if sandbox else None
 
         settings = BrokerSettings(calls_per_minute=config.calls_per_minute)
-        self.broker = Broker(TokenAuthority(keys, config.token_ttl), store, identify, github, self.emit, settings)
+        authority = TokenAuthority(keys, config.token_ttl)
+        self.broker = Broker(authority, store, identify, github, self.emit, settings, pusher)
         await self._serve(self.broker.sandbox_app(), listen, config.port, config.max_connections_per_client)
         await self._serve_admin(self.broker.admin_app())
         return self.broker

@@ -1,7 +1,8 @@
 """The credential broker: sandbox-token checks per second in-process, and create_pull_request through the broker
 next to the same call made straight to the fake GitHub, one run, one table.
 
-    sudo .venv/bin/python -P bench/broker.py [--calls 300] [--chunk 50] [--verify-seconds 2] [--output FILE]
+    sudo .venv/bin/python -P bench/broker.py [--calls 300] [--chunk 50] [--pushes 10] [--verify-seconds 2]
+                                             [--output FILE]
 
 1. In-process, no network: a token minted by `TokenAuthority(KeyRing(tmpdir, 3600))` is checked in a loop with
    `timeit` (best of 5 runs of about `--verify-seconds`/5 each, interleaved): `verify(token)` alone; the
@@ -25,6 +26,13 @@ next to the same call made straight to the fake GitHub, one run, one table.
      sandbox): the broker answers the recorded result without calling GitHub.
    - broker refusal: a base branch outside the grant (403 `outside_grant`): token check, revocation lookup,
      validation, audit and the call record, no upstream call. Its latency is the broker's floor.
+
+   - push: `--pushes` pairs (default 10), each a fresh commit adding 1,000,000 random bytes to `main` of a local
+     clone of the fake's acme/app, interleaved: **direct** `git push` of one such commit from the gateway namespace
+     over HTTPS (an installation token narrowed to `contents: write`, given to git in its environment), and
+     **broker** `git bundle create main..HEAD` on the host (timed apart: the agent's own step) then `POST
+     /v1/tools/push_branch` from the sandbox namespace (ls-remote and a shallow fetch of the base at once, bundle
+     verify, `index-pack --strict`, push). The target: bundle + call under 2x direct + 50 ms, at p50.
 
    The broker allows 30 calls a minute per token (burst 10) and has no flag to raise it, so tokens are minted up
    front through the admin socket and each is used for at most 8 calls. Before measuring, a warm-up makes the
@@ -51,6 +59,7 @@ import shutil
 import socket
 import ssl
 import statistics
+import subprocess
 import sys
 import time
 import timeit
@@ -74,7 +83,15 @@ from airlock.broker.tokens import KeyRing, TokenAuthority  # noqa: E402
 
 import common  # noqa: E402
 from common import CLK_TCK, cpu_seconds, fmt, percentile  # noqa: E402
-from fakegithub_client import ACCEPT, API_VERSION, GITHUB_HOST, GITHUB_IP, FakeGitHub, make_app_key  # noqa: E402
+from fakegithub_client import (  # noqa: E402
+    ACCEPT,
+    API_VERSION,
+    GITHUB_HOST,
+    GITHUB_IP,
+    GITHUB_WEB,
+    FakeGitHub,
+    make_app_key,
+)
 from gateway_proc import GatewayProcess  # noqa: E402
 from netclient import in_netns  # noqa: E402
 from topology import GW_IP, Topology  # noqa: E402
@@ -83,6 +100,14 @@ APP_ID = 4242
 INSTALLATION_ID = 777
 SANDBOX = "sbx"  # GatewayProcess registers 10.254.0.2/32 under this id
 GRANT = "create_pull_request:acme/app:base=main|release,head=agent/*"
+PUSH_GRANT = "push_branch:acme/app:head=agent/*"
+PUSH_PATH = "/v1/tools/push_branch"
+CHANGE_BYTES = 1_000_000
+GIT_ENV = {
+    "PATH": "/usr/bin:/bin", "GIT_CONFIG_NOSYSTEM": "1", "GIT_CONFIG_GLOBAL": "/dev/null", "GIT_TERMINAL_PROMPT": "0",
+    "GIT_AUTHOR_NAME": "bench", "GIT_AUTHOR_EMAIL": "bench@example.test", "GIT_COMMITTER_NAME": "bench",
+    "GIT_COMMITTER_EMAIL": "bench@example.test",
+}  # fmt: skip
 BROKER = (GW_IP, 8080)
 PR_PATH = "/v1/tools/create_pull_request"
 GITHUB_PULLS = "/repos/acme/app/pulls"
@@ -246,8 +271,8 @@ def timed(conn: http.client.HTTPConnection, path: str, body: bytes, headers: dic
 class Tokens:
     """Sandbox tokens minted up front through the admin socket, each handed out for CALLS_PER_TOKEN calls."""
 
-    def __init__(self, admin: Path, count: int) -> None:
-        grant = parse_grant(GRANT).to_claim()
+    def __init__(self, admin: Path, count: int, grant_text: str = GRANT) -> None:
+        grant = parse_grant(grant_text).to_claim()
         conn = UnixHTTPConnection(admin)
         self._tokens: list[str] = []
         try:
@@ -296,13 +321,14 @@ class Clients:
 
     def __init__(self, topo: Topology, github: FakeGitHub, ca_file: Path, tokens: Tokens) -> None:
         self.tokens = tokens
+        self.ca_file = ca_file
         self.github_conn = NetnsHTTPSConnection(topo.gw, (GITHUB_IP, 443), GITHUB_HOST, ca_file)
         self.broker_conn = NetnsHTTPConnection(topo.sbx, BROKER)
-        self.installation_token = self._installation_token(github)
+        self.installation_token = self.installation_token_for(github, {"pull_requests": "write"})
         self.creates: dict[int, dict[str, Any]] = {}  # i → the broker's answer, for the replay check
 
-    def _installation_token(self, github: FakeGitHub) -> str:
-        body = json.dumps({"repositories": ["app"], "permissions": {"pull_requests": "write"}}).encode()
+    def installation_token_for(self, github: FakeGitHub, permissions: dict[str, str]) -> str:
+        body = json.dumps({"repositories": ["app"], "permissions": permissions}).encode()
         headers = self._github_headers(f"Bearer {github.app_jwt()}")
         path = f"/app/installations/{INSTALLATION_ID}/access_tokens"
         status, answer, _ = timed(self.github_conn, path, body, headers)
@@ -341,6 +367,94 @@ class Clients:
     def stop(self) -> None:
         self.github_conn.close()
         self.broker_conn.close()
+
+
+def git(*args: str, cwd: Path) -> str:
+    result = subprocess.run(["git", *args], cwd=cwd, capture_output=True, env=GIT_ENV | {"HOME": str(cwd)})
+    if result.returncode != 0:
+        raise RuntimeError(f"git {' '.join(args)}: {result.stderr.decode(errors='replace')}")
+    return result.stdout.decode().strip()
+
+
+def timed_run(argv: list[str], env: dict[str, str], cwd: Path) -> tuple[int, str, float]:
+    """A command (started from the calling thread's namespace): exit status, stderr, milliseconds."""
+    t0 = time.perf_counter_ns()
+    result = subprocess.run(argv, env=env, cwd=cwd, capture_output=True, text=True, timeout=120)
+    return result.returncode, result.stderr, (time.perf_counter_ns() - t0) / 1e6
+
+
+class PushBench:
+    """push_branch of a 1 MB change through the broker next to `git push` of another one straight to the fake."""
+
+    def __init__(self, topo: Topology, github: FakeGitHub, clients: Clients, admin: Path, work: Path, n: int):
+        self.topo, self.github = topo, github
+        self.repo = work / "push-work"
+        git("clone", "-q", github.git()["app"]["path"], str(self.repo), cwd=work)
+        self.tokens = Tokens(admin, n // CALLS_PER_TOKEN + 2, PUSH_GRANT)
+        self.conn = NetnsHTTPConnection(topo.sbx, BROKER, timeout=120)
+        token = clients.installation_token_for(github, {"contents": "write"})
+        basic = base64.b64encode(f"x-access-token:{token}".encode()).decode()
+        config = {"http.extraHeader": f"Authorization: Basic {basic}", "http.sslCAInfo": str(clients.ca_file),
+                  "http.curloptResolve": f"github.test:443:{GITHUB_IP}"}  # fmt: skip
+        self.push_env = GIT_ENV | {"HOME": str(self.repo), "GIT_CONFIG_COUNT": str(len(config))}
+        for index, (key, value) in enumerate(config.items()):
+            self.push_env |= {f"GIT_CONFIG_KEY_{index}": key, f"GIT_CONFIG_VALUE_{index}": value}
+
+    def change(self, branch: str) -> str:
+        """A new commit on `branch` (from main) adding CHANGE_BYTES random bytes."""
+        git("checkout", "-q", "-B", branch, "main", cwd=self.repo)
+        (self.repo / "blob.bin").write_bytes(os.urandom(CHANGE_BYTES))
+        git("add", "blob.bin", cwd=self.repo)
+        git("commit", "-q", "-m", f"1 MB on {branch}", cwd=self.repo)
+        return git("rev-parse", "HEAD", cwd=self.repo)
+
+    def direct(self, i: int) -> float:
+        branch = f"bench/direct-{i}"
+        sha = self.change(branch)
+        argv = ["git", "push", "-q", f"{GITHUB_WEB}/acme/app.git", f"HEAD:refs/heads/{branch}"]
+        status, err, ms = in_netns(self.topo.gw, timed_run, argv, self.push_env, self.repo)
+        if status != 0:
+            raise RuntimeError(f"direct git push {i}: {err}")
+        self._check(branch, sha)
+        return ms
+
+    def broker(self, i: int) -> tuple[float, float, int]:
+        """Milliseconds to make the bundle, milliseconds of the push_branch call, the bundle's size."""
+        branch = f"agent/push-{i}"
+        sha = self.change(branch)
+        out = self.repo.parent / "out.bundle"
+        t0 = time.perf_counter_ns()
+        git("bundle", "create", "-q", str(out), "main..HEAD", cwd=self.repo)
+        bundle_ms = (time.perf_counter_ns() - t0) / 1e6
+        data = out.read_bytes()
+        body = json.dumps({"repo": "acme/app", "branch": branch, "bundle": base64.b64encode(data).decode()})
+        headers = {"Authorization": f"Bearer {self.tokens.next()}", "Content-Type": "application/json"}
+        status, answer, call_ms = timed(self.conn, PUSH_PATH, body.encode(), headers)
+        if status != 200 or answer.get("sha") != sha:
+            raise RuntimeError(f"push_branch {i}: {status} {answer}")
+        self._check(branch, sha)
+        return bundle_ms, call_ms, len(data)
+
+    def _check(self, branch: str, sha: str) -> None:
+        if self.github.git()["app"]["refs"].get(f"refs/heads/{branch}") != sha:
+            raise RuntimeError(f"the fake GitHub does not have {sha} on {branch}")
+
+    def run(self, n: int) -> dict[str, Any]:
+        self.direct(n)  # warm-up: the broker's installation tokens, the first connections (not counted)
+        self.broker(n)
+        direct, bundle, call, sizes = [], [], [], []
+        for i in range(n):
+            print(f"  push {i} ...", file=sys.stderr, flush=True)
+            direct.append(self.direct(i))
+            made, sent, size = self.broker(i)
+            bundle.append(made)
+            call.append(sent)
+            sizes.append(size)
+        total = [a + b for a, b in zip(bundle, call, strict=True)]
+        return {"direct": direct, "bundle": bundle, "call": call, "total": total, "bundle_bytes": sizes}
+
+    def stop(self) -> None:
+        self.conn.close()
 
 
 EXPECTED = {"direct": 201, "create": 201, "replay": 201, "refusal": 403}
@@ -421,14 +535,20 @@ def run_e2e(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         )
         if prs_made != 2 * args.calls:
             raise RuntimeError(f"the fake GitHub saw {prs_made} new pull requests, expected {2 * args.calls}")
-        return {
+        out = {
             "series": results,
             "prs_made": prs_made,
             "upstream_calls": upstream,
             "token_requests": len(github.calls("/app/installations/", "POST")),
             "client_connects": {"direct": clients.github_conn.connects, "broker": clients.broker_conn.connects},
             "gw_argv": gateway.argv(),
+            "push": None,
         }
+        if args.pushes:
+            pushes = PushBench(topo, github, clients, admin, workdir, args.pushes)
+            procs.append(pushes)
+            out["push"] = pushes.run(args.pushes)
+        return out
 
 
 # ------------------------------------------------------------------------------------------------ report
@@ -511,18 +631,53 @@ def report(
         "",
         "gateway: `" + shlex.join(str(x) for x in e2e["gw_argv"]) + "`",
     ]
+    if e2e["push"]:
+        lines += push_report(e2e["push"])
     return "\n".join(lines) + "\n"
+
+
+def push_report(push: dict[str, list[float]]) -> list[str]:
+    def row(title: str, values: list[float]) -> str:
+        ordered = sorted(values)
+        return (
+            f"| {title} | {len(values)} | {fmt(percentile(ordered, 0.5), 1)} | {fmt(statistics.mean(values), 1)} | "
+            f"{fmt(ordered[-1], 1)} |"
+        )
+
+    direct50 = percentile(sorted(push["direct"]), 0.5) or 0.0
+    total50 = percentile(sorted(push["total"]), 0.5) or 0.0
+    target = 2 * direct50 + 50
+    return [
+        "",
+        f"## push_branch: a 1 MB change, broker vs direct `git push` (bundles of "
+        f"{fmt(statistics.mean(push['bundle_bytes']))} bytes)",
+        "",
+        "| series | pushes | p50 ms | mean ms | max ms |",
+        "|---|---:|---:|---:|---:|",
+        row("direct: gw ns → fake GitHub, `git push` over HTTPS", push["direct"]),
+        row("broker: `git bundle create main..HEAD` (the agent's step)", push["bundle"]),
+        row("broker: `POST /v1/tools/push_branch` (sbx ns → broker → fake GitHub)", push["call"]),
+        row("**broker total** (bundle + call)", push["total"]),
+        "",
+        f"added latency p50: **{total50 - direct50:+.1f} ms**; target total < 2 x direct + 50 ms = {target:.1f} ms: "
+        f"{'met' if total50 < target else 'NOT met'}. Each push is a new branch with a new 1,000,000-byte random "
+        "file; the broker lists the remote while it fetches the base one commit deep, verifies the bundle, indexes "
+        "it with `--strict` and pushes it, each git step a process of its own (the direct push is one `git push`).",
+    ]
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = common.bench_parser(__doc__)
     parser.add_argument("--calls", type=int, default=300, help="measured calls per series (default 300)")
     parser.add_argument("--chunk", type=int, default=50, help="calls per series per round (default 50)")
+    parser.add_argument("--pushes", type=int, default=10, help="push_branch vs git push pairs (default 10, 0: none)")
     parser.add_argument("--verify-seconds", type=float, default=2.0, help="seconds per in-process case (default 2)")
     parser.add_argument("--skip-e2e", action="store_true", help="only the in-process token checks (no root needed)")
     args = common.parse_args(parser, argv)
     if not (10 <= args.calls <= 5000 and 1 <= args.chunk <= args.calls and 0.5 <= args.verify_seconds <= 60):
         parser.error("keep --calls in 10..5000, --chunk in 1..calls and --verify-seconds in 0.5..60")
+    if not 0 <= args.pushes <= 200:
+        parser.error("keep --pushes in 0..200")
     if not args.skip_e2e:
         if os.geteuid() != 0:
             parser.error("needs root for network namespaces (or --skip-e2e)")

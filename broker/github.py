@@ -20,6 +20,8 @@ from .redact import Redactor, clip
 from .shapes import BOOL, CREDENTIAL, POSITIVE_INT, TEXT, TIMESTAMP, WEB_URL, Shape, ShapeError, conforming, loads
 
 PR_PERMISSIONS = {"pull_requests": "write"}
+READ_CONTENTS = {"contents": "read"}
+WRITE_CONTENTS = {"contents": "write"}
 TOKEN_REFRESH_MARGIN = 300  # seconds before expiry when a cached installation token is replaced
 ACCEPT = "application/vnd.github+json"
 # A pull request is some 30 KB; the lookup of an existing one lists a few. Reading stops past this.
@@ -91,7 +93,7 @@ class GitHubClient:
         self.credential = credential
         self.session = session
         self.timeout = timeout
-        self._tokens: dict[str, tuple[str, float]] = {}  # _token_key(repo) → (installation token, expires at)
+        self._tokens: dict[str, tuple[str, float]] = {}  # _token_key(…) → (installation token, expires at)
         self._token_locks: dict[str, asyncio.Lock] = {}
         # Every credential this client holds or has held, for whatever lets text out of the process.
         self.redactor = Redactor()
@@ -100,12 +102,11 @@ class GitHubClient:
 
     async def create_pull_request(self, repo: str, fields: dict[str, Any]) -> tuple[PullRequest, bool]:
         """The pull request (created, or the one that already existed) and whether it already existed."""
-        token = await self._repo_token(repo)
+        token = await self.repo_token(repo, PR_PERMISSIONS)
         status, body = await self._call("POST", f"/repos/{repo}/pulls", token, fields)
-        if status == 401 and isinstance(self.credential, AppCredential):
+        if status == 401 and self.forget_token(repo, PR_PERMISSIONS, token):
             # The cached installation token was revoked or expired early upstream: mint a fresh one, once.
-            self._tokens.pop(_token_key(repo), None)
-            token = await self._repo_token(repo)
+            token = await self.repo_token(repo, PR_PERMISSIONS)
             status, body = await self._call("POST", f"/repos/{repo}/pulls", token, fields)
         if status == 201:
             return PullRequest.from_api(body, "the created pull request"), False
@@ -128,20 +129,31 @@ class GitHubClient:
                 return pull
         raise UpstreamError(502, "upstream_invalid", "GitHub says the pull request exists but did not list it")
 
-    async def _repo_token(self, repo: str) -> str:
+    async def repo_token(self, repo: str, permissions: dict[str, str]) -> str:
+        """A credential for `repo` alone with exactly `permissions` (App mode; the static token is what it is)."""
         if isinstance(self.credential, StaticCredential):
             return self.credential.token
-        key = _token_key(repo)
+        key = _token_key(repo, permissions)
         lock = self._token_locks.setdefault(key, asyncio.Lock())
         async with lock:
             cached = self._tokens.get(key)
             if cached is not None and cached[1] - TOKEN_REFRESH_MARGIN > time.time():
                 return cached[0]
-            token, expires = await self._installation_token(repo)
+            token, expires = await self._installation_token(repo, permissions)
             self._tokens[key] = (token, expires)
             return token
 
-    async def _installation_token(self, repo: str) -> tuple[str, float]:
+    def forget_token(self, repo: str, permissions: dict[str, str], refused: str) -> bool:
+        """Drop the installation token GitHub refused (unless a call running alongside has already replaced it);
+        False when there is nothing better to try."""
+        if isinstance(self.credential, StaticCredential):
+            return False
+        key = _token_key(repo, permissions)
+        if self._tokens.get(key, ("",))[0] == refused:
+            del self._tokens[key]
+        return True
+
+    async def _installation_token(self, repo: str, permissions: dict[str, str]) -> tuple[str, float]:
         assert isinstance(self.credential, AppCredential)
         app_jwt = self._app_jwt()
         installation = self.credential.installation_id
@@ -150,7 +162,7 @@ class GitHubClient:
             if status != 200:
                 raise _translate(status, body, f"the GitHub App is not installed on {repo}")
             installation = self._conforming(body, INSTALLATION, "the installation")["id"]
-        narrowing = {"repositories": [repo.split("/", 1)[1]], "permissions": PR_PERMISSIONS}
+        narrowing = {"repositories": [repo.split("/", 1)[1]], "permissions": permissions}
         path = f"/app/installations/{installation}/access_tokens"
         status, body = await self._call("POST", path, app_jwt, narrowing, bearer=True)
         if isinstance(body, dict) and isinstance(body.get("token"), str):
@@ -202,9 +214,10 @@ class GitHubClient:
             ) from None
 
 
-def _token_key(repo: str) -> str:
-    """GitHub's repository names are case-insensitive: one installation token per repository, however spelled."""
-    return repo.lower()
+def _token_key(repo: str, permissions: dict[str, str]) -> str:
+    """GitHub's repository names are case-insensitive: one installation token per repository, however spelled,
+    and per set of permissions."""
+    return " ".join([repo.lower(), *(f"{name}:{level}" for name, level in sorted(permissions.items()))])
 
 
 async def _read_capped(response: aiohttp.ClientResponse) -> bytes:

@@ -22,8 +22,9 @@ MAX_TEXT = 2048  # characters in any text field the broker takes from upstream
 MAX_CREDENTIAL = 4096
 
 # A string literal (possessive, and allowed to run to the end unterminated, so no input makes the search go back
-# over text it has passed), or one bracket.
-_STRUCTURE = re.compile(r'"(?:[^"\\]|\\.)*+(?:"|\\?\Z)|[\[\]{}]', re.DOTALL)
+# over text it has passed), or one bracket. The literal's loop is unrolled (runs of plain characters, then one
+# escape): some four times faster on a long string, such as a base64 bundle, than one alternation per character.
+_STRUCTURE = re.compile(r'"[^"\\]*+(?:\\.[^"\\]*+)*+(?:"|\\?\Z)|[\[\]{}]', re.DOTALL)
 _OPENING = frozenset("[{")
 
 

@@ -19,10 +19,15 @@ What it models, as GitHub does it (status codes, error bodies {"message", "docum
   no commits ahead of anything). The list's `head` filter needs `owner:branch`; a bare branch is silently ignored,
   as on GitHub. Creating on `hang` (or with the `hang` setting) sleeps `hang_seconds` (60) before answering.
 - No User-Agent: 403 (GitHub requires one); an unsupported X-GitHub-Api-Version: 400.
+- Git smart HTTP on the web host (https://github.test/{owner}/{repo}.git, `git http-backend` behind it, see
+  fakegit.py): Basic auth (any user, the token as password) or `token`/`Bearer`; no credential 401 with a Basic
+  challenge, a repo the token does not cover 404, fetching needs `contents: read`, pushing `contents: write` (403
+  otherwise). Every push is recorded with the credential that made it and the refs after it.
 
 Every request is recorded (method, path, query, auth scheme, the raw credential and what it is, body, status). The
 control socket speaks one JSON object per line: {"cmd": "ping" | "stats" | "reset" | "set" | "expire_tokens"};
-"set" takes the settings in DEFAULTS as further keys. Prints READY on stdout once listening.
+"set" takes the settings in DEFAULTS as further keys; "reset" also resets every git repository to its base
+commit. Prints READY on stdout once listening.
 """
 
 from __future__ import annotations
@@ -51,9 +56,11 @@ import jwt
 from aiohttp import web
 
 from control import Commands, serve_until_signalled, start_control
+from fakegit import Repos, http_backend
 
 API_URL = "https://api.github.test"
-WEB_URL = "https://github.test"
+WEB_HOST = "github.test"
+WEB_URL = f"https://{WEB_HOST}"
 DOCS = "https://docs.github.com/rest"
 API_VERSIONS = ("2022-11-28",)
 APP_SLUG = "airlock-app"
@@ -78,6 +85,8 @@ DEFAULTS: dict[str, Any] = {
     "token_ttl": 3600,  # lifetime of installation tokens issued from now on, in seconds
 }
 MAX_CALLS = 10_000
+MAX_BODY = 64 * 1024 * 1024  # a git push of a large bundle
+GIT_SERVICES = {"git-upload-pack": ("contents", "read"), "git-receive-pack": ("contents", "write")}
 
 JWT_UNDECODABLE = "A JSON web token could not be decoded"
 JWT_NO_ISS = "Missing 'issuer' claim ('iss') in assertion"
@@ -187,10 +196,12 @@ class State:
     public_key: str
     installation_id: int
     static_token: str | None
+    repos: Repos
     calls: list[dict[str, Any]] = field(default_factory=list)
     tokens: dict[str, Token] = field(default_factory=dict)
     prs: dict[str, list[dict[str, Any]]] = field(default_factory=dict)  # repo -> PR objects, numbered from 1
     pr_log: list[dict[str, Any]] = field(default_factory=list)
+    pushes: list[dict[str, Any]] = field(default_factory=list)
     settings: dict[str, Any] = field(default_factory=lambda: dict(DEFAULTS))
     connections: int = 0
     call_ids: itertools.count[int] = field(default_factory=itertools.count)
@@ -200,14 +211,18 @@ class State:
         self.tokens.clear()
         self.prs.clear()
         self.pr_log.clear()
+        self.pushes.clear()
         self.settings = dict(DEFAULTS)
         self.connections = 0
+        self.repos.reset()
 
     def snapshot(self) -> dict[str, Any]:
         return {
             "calls": self.calls,
             "prs": self.pr_log,
             "tokens": [t.describe() for t in self.tokens.values()],
+            "git": self.repos.info(),
+            "pushes": self.pushes,
             "connections": self.connections,
             "settings": self.settings,
         }
@@ -696,6 +711,7 @@ async def create_pull(request: web.Request) -> web.Response:
         raise ApiError(422, "Validation Failed", [custom], DOC_CREATE_PR)
     fields = {**body, "head": head}
     pr = pr_object(owner, repo, len(pulls) + 1, fields, token.login)
+    pr["head"]["sha"] = state.repos.refs(repo).get(f"refs/heads/{head}", pr["head"]["sha"])  # pushed: the real one
     pulls.append(pr)
     state.pr_log.append(
         {
@@ -703,6 +719,7 @@ async def create_pull(request: web.Request) -> web.Response:
             "number": pr["number"],
             "title": pr["title"],
             "head": head,
+            "head_sha": pr["head"]["sha"],
             "base": base,
             "body": pr["body"],
             "draft": pr["draft"],
@@ -783,14 +800,65 @@ async def update_pull(request: web.Request) -> web.Response:
     return json_response(pr)
 
 
+# --------------------------------------------------------------------------------------------------- git
+
+
+def git_text(status: int, text: str, headers: dict[str, str] | None = None) -> web.Response:
+    return web.Response(status=status, text=text + "\n", headers=headers)
+
+
+def git_token(request: web.Request) -> Token | web.Response:
+    """The token of a git request, or GitHub's refusal (a Basic challenge, so git would ask for a password)."""
+    state = request.app[STATE]
+    scheme, value = credential(request)
+    token = state.lookup(value) if value and not looks_like_jwt(value) else None
+    if scheme not in ("basic", "token", "bearer") or token is None or not token.valid():
+        return git_text(401, "Invalid username or token.", {"WWW-Authenticate": 'Basic realm="GitHub"'})
+    return token
+
+
+async def git_smart_http(request: web.Request) -> web.StreamResponse:
+    state = request.app[STATE]
+    if request.host.partition(":")[0].lower() != WEB_HOST:
+        raise not_found()  # git is served on the web host, not the API's
+    owner, repo = request.match_info["owner"], request.match_info["repo"]
+    service = request.match_info.get("service") or request.query.get("service", "")
+    if service not in GIT_SERVICES:
+        return git_text(403, "Dumb HTTP is not supported.")
+    token = git_token(request)
+    if isinstance(token, web.Response):
+        return token
+    name = state.canonical_repo(owner, repo)
+    if name is None or not token.covers(name):
+        return git_text(404, "Repository not found.")
+    permission, level = GIT_SERVICES[service]
+    if not token.allows(permission, level):
+        return git_text(403, f"Permission to {state.owner}/{name}.git denied to {token.login}.")
+    suffix = "info/refs" if request.path.endswith("/info/refs") else service
+    sent = await request.read()
+    status, headers, body = await http_backend(
+        state.repos.root, f"/{state.owner}/{name}.git/{suffix}", request.method, request.query_string,
+        sent, dict(request.headers), token.login, request.remote or "",
+    )  # fmt: skip
+    # A lone flush packet is git's probe before a large push, not a push.
+    if service == "git-receive-pack" and request.method == "POST" and sent != b"0000":
+        state.pushes.append(
+            {"repo": f"{state.owner}/{name}", "status": status, "credential": token.kind, "token": token.token,
+             "permissions": token.permissions, "repositories": token.repositories, "refs": state.repos.refs(name)}
+        )  # fmt: skip
+    return web.Response(status=status, body=body, headers=headers)
+
+
 # --------------------------------------------------------------------------------------------------- plumbing
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
-def summarize_body(raw: bytes) -> Any:
+def summarize_body(raw: bytes, content_type: str = "") -> Any:
     if not raw:
         return None
+    if content_type.startswith("application/x-git"):
+        return {"git_bytes": len(raw)}
     try:
         return json.loads(raw)
     except ValueError:
@@ -815,9 +883,10 @@ async def github_middleware(request: web.Request, handler: Handler) -> web.Strea
         "api_version": request.headers.get("X-GitHub-Api-Version"),
         "host": request.headers.get("Host"),
         "client": request.remote,
-        "body": summarize_body(await request.read()),
+        "body": summarize_body(await request.read(), request.content_type),
         "status": None,
         "hung": False,
+        "response": None,
     }
     if len(state.calls) < MAX_CALLS:
         state.calls.append(call)
@@ -840,7 +909,8 @@ async def github_middleware(request: web.Request, handler: Handler) -> web.Strea
         log(f"{request.method} {request.path}: unexpected error\n{traceback.format_exc()}")
         response = ApiError(500, "Server Error").response()
     call["status"] = response.status
-    call["response"] = summarize_body(response.body) if isinstance(response, web.Response) else None
+    if isinstance(response, web.Response):
+        call["response"] = summarize_body(response.body, response.content_type)  # type: ignore[arg-type]
     response.headers.update(
         {
             "Server": "github.com",
@@ -856,7 +926,7 @@ async def github_middleware(request: web.Request, handler: Handler) -> web.Strea
 
 
 def make_app(state: State) -> web.Application:
-    app = web.Application(middlewares=[github_middleware], client_max_size=10 * 1024 * 1024)
+    app = web.Application(middlewares=[github_middleware], client_max_size=MAX_BODY)
     app[STATE] = state
     app.add_routes(
         [
@@ -870,6 +940,8 @@ def make_app(state: State) -> web.Application:
             web.get("/repos/{owner}/{repo}/pulls", list_pulls),
             web.get("/repos/{owner}/{repo}/pulls/{number}", get_pull),
             web.patch("/repos/{owner}/{repo}/pulls/{number}", update_pull),
+            web.get("/{owner}/{repo}.git/info/refs", git_smart_http),
+            web.post("/{owner}/{repo}.git/{service}", git_smart_http),
         ]
     )
     return app
@@ -920,7 +992,9 @@ async def serve(args: argparse.Namespace) -> None:
         public_key=args.app_public_key.read_text(),
         installation_id=args.installation_id,
         static_token=args.static_token,
+        repos=Repos(args.git_root, args.owner, REPOS),
     )
+    state.repos.reset()
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     ctx.load_cert_chain(args.cert, args.key)
     ctx.set_alpn_protocols(["http/1.1"])
@@ -960,6 +1034,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--installation-id", type=int, required=True, help="the App's installation on --owner")
     parser.add_argument("--owner", default="acme", help="the organisation that owns the repos")
     parser.add_argument("--static-token", default=None, help="a classic PAT accepted for every repo")
+    parser.add_argument("--git-root", type=Path, required=True, help="directory for the bare git repositories")
     asyncio.run(serve(parser.parse_args(argv)))
 
 

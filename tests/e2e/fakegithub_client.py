@@ -24,7 +24,8 @@ from topology import Topology
 GITHUB_IP = "192.0.2.20"
 GITHUB_HOST = "api.github.test"
 GITHUB_API = f"https://{GITHUB_HOST}"
-GITHUB_WEB = "https://github.test"
+GITHUB_WEB_HOST = "github.test"
+GITHUB_WEB = f"https://{GITHUB_WEB_HOST}"
 ACCEPT = "application/vnd.github+json"
 API_VERSION = "2022-11-28"
 
@@ -98,6 +99,8 @@ class FakeGitHub(ControlledFake):
             str(installation_id),
             "--owner",
             self.owner,
+            "--git-root",
+            workdir / "git",
         ]
         if self.static_token:
             argv += ["--static-token", self.static_token]
@@ -143,6 +146,14 @@ class FakeGitHub(ControlledFake):
 
     def connections(self) -> int:
         return self.stats()["connections"]
+
+    def git(self) -> dict[str, dict[str, Any]]:
+        """The bare repositories by name (app, other, hang): path, and refs (refname → sha)."""
+        return self.stats()["git"]
+
+    def pushes(self) -> list[dict[str, Any]]:
+        """git pushes received: repo, status, credential, token, permissions, repositories, refs after."""
+        return self.stats()["pushes"]
 
     # ------------------------------------------------------------------------------------------- helpers
 

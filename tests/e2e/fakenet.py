@@ -66,6 +66,7 @@ ZONE: dict[str, list[tuple[str, str]]] = {
     "txt.allowed.test": [("TXT", "hello")],
     "api.github.test": [("A", "192.0.2.20")],  # fakegithub.py
     "refused6.allowed.test": [("A", "192.0.2.10")],  # its AAAA questions are REFUSED (REFUSED_AAAA)
+    "github.test": [("A", "192.0.2.20")],  # fakegithub.py's git smart HTTP
 }
 REFUSED_AAAA = {"refused6.allowed.test"}  # an upstream that refuses AAAA, as some do
 RDATA = {"A": A, "AAAA": AAAA, "CNAME": CNAME, "NS": NS, "TXT": TXT}

@@ -307,15 +307,18 @@ def test_upstream_hang_is_504_within_the_timeout(topology: Topology, gateway, fa
 
 
 @pytest.mark.parametrize(
-    "body",
-    [b"{", b"[]", {**PR, "extra": 1}, {**PR, "title": ""}, {**PR, "title": "x" * 300}, {**PR, "title": "x" + " " * 300},
-     {**PR, "head": "agent/../x"}, {**PR, "draft": "yes"}, {k: v for k, v in PR.items() if k != "base"}],
+    ("body", "status", "code"),
+    [(b"{", 422, "invalid_json"), (b"[]", 422, "invalid_json"), ({**PR, "extra": 1}, 400, "invalid_input"),
+     ({**PR, "title": ""}, 400, "invalid_input"), ({**PR, "title": "x" * 300}, 400, "invalid_input"),
+     ({**PR, "title": "x" + " " * 300}, 400, "invalid_input"), ({**PR, "head": "agent/../x"}, 422, "invalid_request"),
+     ({**PR, "draft": "yes"}, 400, "invalid_input"),
+     ({k: v for k, v in PR.items() if k != "base"}, 400, "invalid_input")],
     ids=["bad-json", "not-object", "unknown-field", "empty-title", "long-title", "padded-title", "bad-branch",
          "draft-type", "no-base"],
 )  # fmt: skip
-def test_invalid_requests_are_422(topology: Topology, gateway, fake_github: FakeGitHub, body):
-    status, reply, _ = sandbox_call(topology, issue_token(gateway), body)
-    assert status == 422 and reply["error"] in ("invalid_json", "invalid_request"), reply
+def test_invalid_requests_are_refused(topology: Topology, gateway, fake_github: FakeGitHub, body, status, code):
+    status_seen, reply, _ = sandbox_call(topology, issue_token(gateway), body)
+    assert (status_seen, reply["error"]) == (status, code), reply
     assert fake_github.calls("/repos/") == []
 
 

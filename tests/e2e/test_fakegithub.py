@@ -7,8 +7,10 @@ import base64
 import hashlib
 import hmac
 import json
+import subprocess
 import time
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import jwt
@@ -16,6 +18,7 @@ import pytest
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import rsa
 
+from fakegit import IDENTITY
 from fakegithub_client import GITHUB_IP, FakeGitHub, github_request
 from netclient import Reply, in_netns
 from testca import TestCA
@@ -476,3 +479,81 @@ def test_reset_and_settings(gh: Any, fake_github: FakeGitHub) -> None:
     assert_error(gh("GET", APP_PR, token), 401, "Bad credentials")  # tokens are forgotten too
     with pytest.raises(RuntimeError, match="unknown settings"):
         fake_github.set(hang_forever=True)
+
+
+# ------------------------------------------------------------------------------------------- git smart HTTP
+
+GIT_URL = "https://github.test/acme"
+
+
+@pytest.fixture
+def git_gw(topology: Topology, test_ca: TestCA, tmp_path: Path) -> Any:
+    """git(*args, token=None) in the gateway namespace against the fake's git host, with a clean environment."""
+    topology.assert_route_inside(topology.gw, GITHUB_IP)
+
+    def run(*args: str, token: str | None = None, cwd: Path = tmp_path) -> subprocess.CompletedProcess[str]:
+        config = ["-c", f"http.sslCAInfo={test_ca.ca_cert}", "-c", f"http.curloptResolve=github.test:443:{GITHUB_IP}"]
+        if token is not None:
+            basic = base64.b64encode(f"x-access-token:{token}".encode()).decode()
+            config += ["-c", f"http.extraHeader=Authorization: Basic {basic}"]
+        env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "GIT_CONFIG_NOSYSTEM": "1",
+               "GIT_CONFIG_GLOBAL": "/dev/null", "GIT_TERMINAL_PROMPT": "0", **IDENTITY}  # fmt: skip
+        return topology.run(topology.gw, ["git", *config, *args], cwd=cwd, env=env)
+
+    return run
+
+
+def contents_token(gh: Any, fake_github: FakeGitHub, level: str, repo: str = "app") -> str:
+    return installation_token(gh, fake_github, {"repositories": [repo], "permissions": {"contents": level}})
+
+
+def test_git_without_a_token_is_401(git_gw: Any, fake_github: FakeGitHub) -> None:
+    result = git_gw("ls-remote", f"{GIT_URL}/app.git")
+    assert result.returncode != 0 and "could not read Username" in result.stderr, result.stderr
+    assert [(c["path"], c["status"]) for c in fake_github.calls()] == [("/acme/app.git/info/refs", 401)]
+
+
+def test_git_read_token_fetches_but_cannot_push(git_gw: Any, gh: Any, fake_github: FakeGitHub, tmp_path: Path):
+    token = contents_token(gh, fake_github, "read")
+    cloned = git_gw("clone", "-q", f"{GIT_URL}/app.git", "clone", token=token)
+    assert cloned.returncode == 0, cloned.stderr
+    clone = tmp_path / "clone"
+    assert (clone / "README.md").read_text() == "# acme/app\n"
+    assert git_gw("log", "--format=%s", cwd=clone).stdout.split("\n")[0] == "Initial commit"
+    (clone / "x").write_text("x\n")
+    git_gw("add", "x", cwd=clone)
+    git_gw("commit", "-qm", "x", cwd=clone)
+    pushed = git_gw("push", "origin", "HEAD:refs/heads/agent/x", token=token, cwd=clone)
+    assert pushed.returncode != 0 and "403" in pushed.stderr, pushed.stderr
+    assert fake_github.pushes() == []
+    assert set(fake_github.git()["app"]["refs"]) == {"refs/heads/main"}
+
+
+def test_git_token_for_one_repository_cannot_touch_another(git_gw: Any, gh: Any, fake_github: FakeGitHub) -> None:
+    token = contents_token(gh, fake_github, "write")
+    assert git_gw("ls-remote", f"{GIT_URL}/app.git", token=token).returncode == 0
+    other = git_gw("ls-remote", f"{GIT_URL}/other.git", token=token)
+    assert other.returncode != 0 and "Repository not found" in other.stderr, other.stderr
+    assert fake_github.calls("/acme/other.git")[-1]["status"] == 404
+    assert git_gw("ls-remote", f"{GIT_URL}/app.git", token="ghs_" + "x" * 36).returncode != 0  # unknown token
+
+
+def test_git_write_token_pushes_and_the_refs_are_recorded(
+    git_gw: Any, gh: Any, fake_github: FakeGitHub, tmp_path: Path
+) -> None:
+    token = contents_token(gh, fake_github, "write")
+    assert git_gw("clone", "-q", f"{GIT_URL}/app.git", "clone", token=token).returncode == 0
+    clone = tmp_path / "clone"
+    (clone / "x").write_text("x\n")
+    git_gw("add", "x", cwd=clone)
+    git_gw("commit", "-qm", "x", cwd=clone)
+    pushed = git_gw("push", "-q", "origin", "HEAD:refs/heads/agent/x", token=token, cwd=clone)
+    assert pushed.returncode == 0, pushed.stderr
+    sha = git_gw("rev-parse", "HEAD", cwd=clone).stdout.strip()
+    (push,) = fake_github.pushes()
+    assert (push["repo"], push["credential"], push["repositories"]) == ("acme/app", "installation", ["app"])
+    assert push["permissions"] == {"contents": "write", "metadata": "read"}
+    assert push["refs"]["refs/heads/agent/x"] == fake_github.git()["app"]["refs"]["refs/heads/agent/x"] == sha
+    # The API host serves no git, as on GitHub.
+    api = git_gw("ls-remote", "https://api.github.test/acme/app.git", token=token)
+    assert api.returncode != 0

@@ -209,3 +209,75 @@ def test_valid_branch_accepts(name: str) -> None:
 @pytest.mark.parametrize("name", INVALID_BRANCHES)
 def test_valid_branch_refuses(name: str) -> None:
     assert not valid_branch(name)
+
+
+# --- push_branch grants and protected patterns ------------------------------------------------------------------
+
+PUSH = "push_branch"
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        (f"{PUSH}:acme/app:head=agent/*", Grant(PUSH, "acme/app", ("main",), "agent/*")),
+        (f"{PUSH}:acme/app", Grant(PUSH, "acme/app")),
+        (f"{PUSH}:acme/app:base=main|develop,protect=agent/keep-*|agent/ci", Grant(
+            PUSH, "acme/app", ("main", "develop"), "agent/*", ("agent/keep-*", "agent/ci"))),
+        (f"{PR}:acme/app:protect=agent/release-*", Grant(PR, "acme/app", protect=("agent/release-*",))),
+    ],
+    ids=["push", "push-defaults", "push-base-and-protect", "pr-protect"],
+)  # fmt: skip
+def test_parse_push_and_protect(text: str, expected: Grant) -> None:
+    assert parse_grant(text) == expected
+    assert Grant.from_claim(expected.to_claim()) == expected
+
+
+@pytest.mark.parametrize(
+    "text",
+    [f"{PUSH}:acme/app:protect=", f"{PUSH}:acme/app:protect=a|", f"{PUSH}:acme/app:protect=ma in",
+     f"{PUSH}:acme/app:head=*"],
+    ids=["protect-empty", "protect-empty-alternative", "protect-space", "head-star"],
+)  # fmt: skip
+def test_parse_push_errors(text: str) -> None:
+    with pytest.raises(GrantError):
+        parse_grant(text)
+
+
+def test_claims_without_protect_read_as_before() -> None:
+    grant = Grant(PR, "acme/app")
+    assert "protect" not in grant.to_claim()  # tokens minted before keep their exact claims
+    assert Grant.from_claim({**OK_CLAIM, "protect": ["agent/x"]}).protect == ("agent/x",)
+    for bad in (None, [1], {"a": 1}, ["ma in"]):
+        with pytest.raises(GrantError):
+            Grant.from_claim({**OK_CLAIM, "protect": bad})
+
+
+PUSH_GRANT = Grant(PUSH, "Acme/App", ("main", "develop"), "agent/*", ("agent/keep-*",))
+
+
+@pytest.mark.parametrize(
+    ("repo", "branch", "refusal"),
+    [
+        ("acme/app", "agent/x", None),
+        ("ACME/APP", "agent/deep/x", None),
+        ("acme/other", "agent/x", "outside the grant"),
+        ("acme/app", "feature/x", "does not match"),
+        ("acme/app", "main", "does not match"),
+    ],
+)
+def test_permits_push(repo: str, branch: str, refusal: str | None) -> None:
+    result = PUSH_GRANT.permits_push(repo, branch)
+    assert result is None if refusal is None else (result is not None and refusal in result)
+
+
+def test_push_grants_protect_their_base_and_protected_patterns() -> None:
+    assert PUSH_GRANT.protects("main") == "main" and PUSH_GRANT.protects("develop") == "develop"
+    assert PUSH_GRANT.protects("agent/keep-1") == "agent/keep-*"
+    assert PUSH_GRANT.protects("agent/x") is None
+    # A pull request grant's base is where it merges to, not protection; its protect patterns keep heads out.
+    pr = Grant(PR, "acme/app", ("main",), "agent/*", ("agent/keep-*",))
+    assert pr.protects("main") is None and pr.protects("agent/keep-1") == "agent/keep-*"
+    assert (
+        pr.permits(PR, "acme/app", "main", "agent/keep-1") == "head branch 'agent/keep-1' is protected ('agent/keep-*')"
+    )
+    assert PUSH_GRANT.permits(PR, "acme/app", "main", "agent/x") == "grant is for push_branch, not create_pull_request"

@@ -906,59 +906,67 @@ async def test_any_of_several_grants_suffices(make: Factory) -> None:
 
 
 INVALID_REQUESTS = [
-    pytest.param(b"{", "invalid_json", id="truncated-json"),
-    pytest.param(b"", "invalid_json", id="empty-body"),
-    pytest.param(b"[]", "invalid_json", id="array"),
-    pytest.param(b'"text"', "invalid_json", id="string"),
-    pytest.param(b"null", "invalid_json", id="null"),
-    pytest.param(b"\xff\xfe{}", "invalid_json", id="not-utf8"),
-    pytest.param({"maintainer_can_modify": True}, "invalid_request", id="unknown-field"),
-    pytest.param({"title": None}, "invalid_request", id="title-null"),
-    pytest.param({"title": ""}, "invalid_request", id="title-empty"),
-    pytest.param({"title": "   \n"}, "invalid_request", id="title-blank"),
-    pytest.param({"title": "t" * (MAX_TITLE + 1)}, "invalid_request", id="title-too-long"),
-    pytest.param({"title": "x" + " " * 120_000}, "invalid_request", id="title-padded-with-spaces"),
-    pytest.param({"title": " " * MAX_TITLE + "x"}, "invalid_request", id="title-after-spaces-too-long"),
-    pytest.param({"body": "b" * (MAX_BODY + 1)}, "invalid_request", id="body-too-long"),
-    pytest.param({"body": None}, "invalid_request", id="body-null"),
-    pytest.param({"draft": "yes"}, "invalid_request", id="draft-string"),
-    pytest.param({"repo": ["acme/app"]}, "invalid_request", id="repo-list"),
-    pytest.param({"repo": "acme/app/../x"}, "invalid_request", id="repo-traversal"),
-    pytest.param({"repo": "acme/.."}, "invalid_request", id="repo-dotdot"),
-    pytest.param({"head": 1}, "invalid_request", id="head-number"),
-    pytest.param({"head": "agent/*"}, "invalid_request", id="head-pattern"),
-    pytest.param({"head": "agent/a..b"}, "invalid_request", id="head-dotdot"),
-    pytest.param({"head": "agent/x\n"}, "invalid_request", id="head-trailing-newline"),
-    pytest.param({"head": "agent/x y"}, "invalid_request", id="head-space"),
-    pytest.param({"head": "agent/x\x00"}, "invalid_request", id="head-nul"),
-    pytest.param({"head": "agent/x."}, "invalid_request", id="head-trailing-dot"),
-    pytest.param({"head": "agent/x/"}, "invalid_request", id="head-trailing-slash"),
-    pytest.param({"head": "-agent/x"}, "invalid_request", id="head-leading-dash"),
-    pytest.param({"head": "agent/x@{1}"}, "invalid_request", id="head-at-brace"),
-    pytest.param({"head": "agent/" + "x" * 250}, "invalid_request", id="head-256-chars"),
-    pytest.param({"base": "main*"}, "invalid_request", id="base-pattern"),
-    pytest.param({"base": ""}, "invalid_request", id="base-empty"),
+    pytest.param(b"{", 422, "invalid_json", None, id="truncated-json"),
+    pytest.param(b"", 422, "invalid_json", None, id="empty-body"),
+    pytest.param(b"[]", 422, "invalid_json", None, id="array"),
+    pytest.param(b'"text"', 422, "invalid_json", None, id="string"),
+    pytest.param(b"null", 422, "invalid_json", None, id="null"),
+    pytest.param(b"\xff\xfe{}", 422, "invalid_json", None, id="not-utf8"),
+    # What the tool's JSON Schema refuses: 400, with the field's path.
+    pytest.param({"maintainer_can_modify": True}, 400, "invalid_input", "/maintainer_can_modify", id="unknown-field"),
+    pytest.param({"title": None}, 400, "invalid_input", "/title", id="title-null"),
+    pytest.param({"title": ""}, 400, "invalid_input", "/title", id="title-empty"),
+    pytest.param({"title": "t" * (MAX_TITLE + 1)}, 400, "invalid_input", "/title", id="title-too-long"),
+    pytest.param({"title": "x" + " " * 120_000}, 400, "invalid_input", "/title", id="title-padded-with-spaces"),
+    pytest.param({"title": " " * MAX_TITLE + "x"}, 400, "invalid_input", "/title", id="title-after-spaces-too-long"),
+    pytest.param({"body": "b" * (MAX_BODY + 1)}, 400, "invalid_input", "/body", id="body-too-long"),
+    pytest.param({"body": None}, 400, "invalid_input", "/body", id="body-null"),
+    pytest.param({"draft": "yes"}, 400, "invalid_input", "/draft", id="draft-string"),
+    pytest.param({"repo": ["acme/app"]}, 400, "invalid_input", "/repo", id="repo-list"),
+    pytest.param({"repo": "acme/app/../x"}, 400, "invalid_input", "/repo", id="repo-traversal"),
+    pytest.param({"head": 1}, 400, "invalid_input", "/head", id="head-number"),
+    pytest.param({"head": "agent/" + "x" * 250}, 400, "invalid_input", "/head", id="head-256-chars"),
+    pytest.param({"base": ""}, 400, "invalid_input", "/base", id="base-empty"),
+    # What the schema lets through and the broker's own rules refuse: 422.
+    pytest.param({"title": "   \n"}, 422, "invalid_request", None, id="title-blank"),
+    pytest.param({"repo": "acme/.."}, 422, "invalid_request", None, id="repo-dotdot"),
+    pytest.param({"repo": "acme/app\n"}, 422, "invalid_request", None, id="repo-trailing-newline"),
+    pytest.param({"head": "agent/*"}, 422, "invalid_request", None, id="head-pattern"),
+    pytest.param({"head": "agent/a..b"}, 422, "invalid_request", None, id="head-dotdot"),
+    pytest.param({"head": "agent/x\n"}, 422, "invalid_request", None, id="head-trailing-newline"),
+    pytest.param({"head": "agent/x y"}, 422, "invalid_request", None, id="head-space"),
+    pytest.param({"head": "agent/x\x00"}, 422, "invalid_request", None, id="head-nul"),
+    pytest.param({"head": "agent/x."}, 422, "invalid_request", None, id="head-trailing-dot"),
+    pytest.param({"head": "agent/x/"}, 422, "invalid_request", None, id="head-trailing-slash"),
+    pytest.param({"head": "-agent/x"}, 422, "invalid_request", None, id="head-leading-dash"),
+    pytest.param({"head": "agent/x@{1}"}, 422, "invalid_request", None, id="head-at-brace"),
+    pytest.param({"base": "main*"}, 422, "invalid_request", None, id="base-pattern"),
 ]
 
 
-@pytest.mark.parametrize(("request_body", "code"), INVALID_REQUESTS)
-async def test_invalid_requests_are_422(make: Factory, request_body: bytes | dict[str, Any], code: str) -> None:
+@pytest.mark.parametrize(("request_body", "status", "code", "path"), INVALID_REQUESTS)
+async def test_invalid_requests_are_refused(
+    make: Factory, request_body: bytes | dict[str, Any], status: int, code: str, path: str | None
+) -> None:
     h = await make()
     token = await h.token()
     if isinstance(request_body, bytes):
         reply = await h.pr(token, data=request_body)
     else:
         reply = await h.pr(token, request_body)
-    assert reply.status == 422, reply.body
-    assert reply.body["error"] == code
+    assert (reply.status, reply.body["error"], reply.body.get("path")) == (status, code, path), reply.body
     assert h.github.calls == []
+    if path is not None:  # the value is never quoted back (it may be megabytes, or a secret pasted by mistake)
+        value = json.dumps(request_body[path[1:]]) if isinstance(request_body, dict) else ""
+        assert len(value) < 8 or value not in reply.body["message"], reply.body
 
 
-async def test_missing_title_is_422(make: Factory) -> None:
+async def test_missing_title_is_400_with_its_path(make: Factory) -> None:
     h = await make()
     fields = {k: v for k, v in FIELDS.items() if k != "title"}
     reply = await h.pr(await h.token(), data=json.dumps(fields).encode())
-    assert reply.status == 422 and reply.body["error"] == "invalid_request"
+    assert (reply.status, reply.body["error"], reply.body["path"]) == (400, "invalid_input", "/title")
+    assert reply.body["message"] == "/title is required"
 
 
 async def test_longest_allowed_fields_are_accepted(make: Factory) -> None:
@@ -999,7 +1007,7 @@ async def test_nesting_limit_counts_structure_not_brackets_in_strings(make: Fact
     reply = await h.pr(await h.token(), {"body": text})
     assert reply.status == 201, reply.body
     reply = await h.pr(await h.token(), data=json.dumps(FIELDS | {"title": json.loads(nested(7))}).encode())
-    assert (reply.status, reply.body["error"]) == (422, "invalid_request")  # 8 deep: parsed, then refused
+    assert (reply.status, reply.body["error"]) == (400, "invalid_input")  # 8 deep: parsed, then refused
 
 
 async def test_admin_refuses_deep_nesting_too(make: Factory, caplog: pytest.LogCaptureFixture) -> None:
@@ -1479,10 +1487,31 @@ async def test_a_bug_in_the_admin_app_is_a_json_500(
 
 async def test_unknown_routes_and_methods_are_json(make: Factory) -> None:
     h = await make()
-    async with h.sandbox.get("/nowhere") as response:
+    auth = {"Authorization": f"Bearer {await h.token()}"}
+    async with h.sandbox.get("/nowhere", headers=auth) as response:
         assert (response.status, (await response.json())["error"]) == (404, "http_error")
-    async with h.sandbox.put(PATH) as response:
+    async with h.sandbox.put(PATH, headers=auth) as response:
         assert (response.status, (await response.json())["error"]) == (405, "http_error")
+    async with h.sandbox.post("/v1/tools/delete_repository", headers=auth, json={}) as response:
+        assert (response.status, (await response.json())["error"]) == (404, "unknown_tool")
+    assert [(r.method, r.decision, r.extra["status"]) for r in h.audit] == [
+        ("-", "deny", 404), ("-", "deny", 405), ("-", "deny", 404),
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("method", "path"),
+    [("GET", "/nowhere"), ("PUT", PATH), ("GET", "/v1/tools"), ("POST", "/v1/tools/push_branch"),
+     ("POST", "/v1/tools/delete_repository"), ("GET", "/v1/jwks")],
+)  # fmt: skip
+async def test_every_sandbox_path_needs_the_token_from_its_own_network(make: Factory, method: str, path: str) -> None:
+    h = await make()
+    async with h.sandbox.request(method, path, json={}) as response:
+        assert (response.status, (await response.json())["error"]) == (401, "missing_token")
+    other = await make(identify=identify_as("sbx-2"), state=h.state)  # the same keys; this address is sbx-2's
+    token = await h.token()  # minted for sbx-1
+    async with other.sandbox.request(method, path, json={}, headers={"Authorization": f"Bearer {token}"}) as response:
+        assert (response.status, (await response.json())["error"]) == (403, "wrong_sandbox")
 
 
 # --- admin ------------------------------------------------------------------------------------------------------
@@ -1565,9 +1594,10 @@ async def test_admin_jwks_and_rotation(make: Factory) -> None:
 
 async def test_admin_routes_are_not_on_the_sandbox_app(make: Factory) -> None:
     h = await make()
-    async with h.sandbox.post("/v1/tokens", json={"sandbox": SANDBOX, "grants": [GRANT]}) as response:
+    auth = {"Authorization": f"Bearer {await h.token()}"}
+    async with h.sandbox.post("/v1/tokens", json={"sandbox": SANDBOX, "grants": [GRANT]}, headers=auth) as response:
         assert response.status in (404, 405)
-    async with h.sandbox.get("/v1/jwks") as response:
+    async with h.sandbox.get("/v1/jwks", headers=auth) as response:
         assert response.status in (404, 405)
-    async with h.sandbox.get(PATH) as response:
+    async with h.sandbox.get(PATH, headers=auth) as response:
         assert response.status == 405
