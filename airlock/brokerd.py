@@ -20,12 +20,12 @@ from aiohttp import web
 from aiohttp.abc import AbstractResolver
 
 from airlock.broker.github import AppCredential, Credential, GitHubClient, StaticCredential
-from airlock.broker.service import Broker, BrokerSettings, _RateLimiter
+from airlock.broker.service import Broker, BrokerSettings
 from airlock.broker.shapes import CREDENTIAL
 from airlock.broker.store import SqliteStore
 from airlock.broker.tokens import KeyRing, TokenAuthority
 from airlock.dns.upstream import ResolveError, Resolver
-from airlock.policy import HostError, SandboxRegistry, canonical_host, parse_ip_literal
+from airlock.policy import HostError, SandboxRegistry, TokenBuckets, canonical_host, parse_ip_literal
 
 log = logging.getLogger("airlock.broker")
 
@@ -37,11 +37,11 @@ class _ProtocolErrors(logging.Filter):
 
     def __init__(self) -> None:
         super().__init__()
-        self._budget = _RateLimiter(1.0, 20)
+        self._budget = TokenBuckets(1.0, 20)
         self._left_out = 0
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if not self._budget.take("-"):
+        if not self._budget.take("-", time.monotonic()):
             self._left_out += 1
             return False
         message = record.getMessage()

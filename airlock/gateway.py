@@ -7,13 +7,11 @@ import asyncio
 import contextlib
 import errno
 import ipaddress
-import json
 import logging
 import os
 import resource
 import shutil
 import socket
-import subprocess
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -32,6 +30,7 @@ from airlock.broker.tokens import TokenError
 from airlock.brokerd import BrokerConfig, BrokerRuntime
 from airlock.dns.server import DnsServer, DnsSettings, PolicyResolver
 from airlock.dns.upstream import Resolver, ResolverConfig, Server, system_servers
+from airlock.interfaces import interface_addresses
 from airlock.policy import IPAddress, Policy, PolicyError, Sandbox, SandboxRegistry
 from airlock.proxy.addon import GatewaySettings, build_addons
 from airlock.sandbox.fence import mark_listeners
@@ -89,14 +88,11 @@ def _private_directory(path: Path) -> None:
 
 def own_addresses() -> frozenset[IPAddress]:
     """Every address of this network namespace's interfaces: the gateway must never be its own upstream."""
-    found: set[IPAddress] = set()
-    with contextlib.suppress(OSError, subprocess.SubprocessError, ValueError):
-        out = subprocess.run(["ip", "-j", "addr", "show"], capture_output=True, text=True, timeout=5, check=True)
-        for interface in json.loads(out.stdout):
-            for info in interface.get("addr_info", []):
-                with contextlib.suppress(ValueError, KeyError):
-                    found.add(ipaddress.ip_address(info["local"]))
-    return frozenset(found)
+    try:
+        return frozenset(address.ip for address in interface_addresses())
+    except OSError as e:
+        log.warning("the gateway's own addresses could not be listed (%s): each is still found by binding to it", e)
+        return frozenset()
 
 
 def _missing_profiles(policy: Policy, sandboxes: list[Sandbox]) -> list[str]:

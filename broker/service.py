@@ -36,7 +36,8 @@ from typing import Any, TypeGuard
 from aiohttp import web
 from aiohttp.typedefs import Handler
 
-from airlock.policy import AuditRecord, ReasonCode
+from airlock.audit import AuditRecord
+from airlock.policy import ReasonCode, TokenBuckets
 
 from .github import GitHubClient, PullRequest, UpstreamError
 from .grants import Grant, GrantError, valid_branch, validated
@@ -78,40 +79,6 @@ class BrokerError(Exception):
         self.headers = headers or {}
 
 
-class _RateLimiter:
-    """Token buckets by key: `rate` tokens a second, at most `burst` saved up."""
-
-    def __init__(self, rate: float, burst: int) -> None:
-        self.rate, self.burst = rate, burst
-        self._buckets: dict[str, tuple[float, float]] = {}  # key → (tokens, when counted)
-        self._swept = time.monotonic()
-
-    def _level(self, key: str, now: float) -> float:
-        tokens, stamp = self._buckets.get(key, (float(self.burst), now))
-        return min(self.burst, tokens + (now - stamp) * self.rate)
-
-    def take(self, key: str) -> bool:
-        """Spend one token of `key`'s bucket if it has one."""
-        now = time.monotonic()
-        self._forget_full(now)
-        tokens = self._level(key, now)
-        allowed = tokens >= 1
-        self._buckets[key] = (tokens - 1 if allowed else tokens, now)
-        return allowed
-
-    def wait(self, key: str) -> float:
-        """Seconds until `key` has a token to spend; 0 when it has one now."""
-        return max(0.0, (1 - self._level(key, time.monotonic())) / self.rate)
-
-    def _forget_full(self, now: float) -> None:
-        # A full bucket means what a missing one does; dropping them once per refill time keeps memory to the
-        # keys seen lately, however many distinct keys (source addresses, tokens) come by.
-        if now - self._swept < self.burst / self.rate:
-            return
-        self._swept = now
-        self._buckets = {key: value for key, value in self._buckets.items() if self._level(key, now) < self.burst}
-
-
 @dataclass
 class _Inflight:
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
@@ -134,8 +101,8 @@ class Broker:
         self.github = github
         self.emit = emit
         self.settings = settings or BrokerSettings()
-        self._limiter = _RateLimiter(self.settings.calls_per_minute / 60, self.settings.burst)
-        self._failures = _RateLimiter(self.settings.failed_auths_per_second, self.settings.failed_auth_burst)
+        self._limiter = TokenBuckets(self.settings.calls_per_minute / 60, self.settings.burst)
+        self._failures = TokenBuckets(self.settings.failed_auths_per_second, self.settings.failed_auth_burst)
         self._inflight: dict[tuple[str, str], _Inflight] = {}
         self.redactor = github.redactor if github is not None else Redactor()
         self._state_threads = ThreadPoolExecutor(STATE_THREADS, thread_name_prefix="airlock-broker-state")
@@ -190,7 +157,7 @@ class Broker:
 
     async def _create_pull_request(self, request: web.Request, record: AuditRecord) -> tuple[int, dict[str, Any]]:
         claims = await self._authenticate_limited(request, record)
-        if not self._limiter.take(claims.jti):
+        if not self._limiter.take(claims.jti, time.monotonic()):
             raise BrokerError(429, "rate_limited", f"more than {self.settings.calls_per_minute} calls a minute")
         fields = await _pull_request_fields(request)
         repo = fields.pop("repo")
@@ -235,7 +202,7 @@ class Broker:
 
     async def _authenticate_limited(self, request: web.Request, record: AuditRecord) -> Claims:
         """`_authenticate`, with its refusals limited per source address; past the limit nothing is verified."""
-        wait = self._failures.wait(record.client)
+        wait = self._failures.wait(record.client, time.monotonic())
         if wait > 0:
             raise BrokerError(
                 429,
@@ -247,7 +214,7 @@ class Broker:
             return await self._authenticate(request, record)
         except BrokerError as e:
             if e.status in AUTH_FAILURES:
-                self._failures.take(record.client)
+                self._failures.take(record.client, time.monotonic())
             raise
 
     async def _authenticate(self, request: web.Request, record: AuditRecord) -> Claims:

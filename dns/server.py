@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import logging
 import math
 import socket
@@ -28,25 +27,23 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from dnslib import AAAA, CLASS, QTYPE, RCODE, RR, A, DNSRecord
-from publicsuffixlist import PublicSuffixList
 
+from airlock.audit import AuditRecord, AuditThrottle, RepeatedDecisions
 from airlock.policy import (
-    AuditRecord,
     HostError,
     IPAddress,
     Policy,
     ReasonCode,
-    RepeatedDecisions,
     Sandbox,
     SandboxRegistry,
     canonical_host,
     decide_alias,
     decide_name,
+    registrable_domain,
     vet,
 )
 
 from .memory import ReplyMemory
-from .throttle import AuditThrottle
 from .upstream import Answer, NameNotFound, ResolveError, Resolver
 
 log = logging.getLogger("airlock.dns")
@@ -103,16 +100,6 @@ class SubdomainRate:
         while (oldest := next(iter(window.items())))[1] < now - self.WINDOW:
             del window[oldest[0]]
         return len(window)
-
-
-@functools.cache
-def _suffixes() -> PublicSuffixList:
-    return PublicSuffixList()
-
-
-@functools.lru_cache(maxsize=65536)
-def registrable_domain(name: str) -> str:
-    return _suffixes().privatesuffix(name) or name
 
 
 def label_entropy(label: str) -> float:

@@ -32,10 +32,9 @@ from mitmproxy.proxy.server_hooks import ServerConnectionHookData
 from mitmproxy.proxy.utils import expect
 from mitmproxy.utils import human
 
-from airlock.dns.throttle import AuditThrottle
+from airlock.audit import AuditRecord, AuditThrottle, Kind
 from airlock.dns.upstream import ResolveError, Resolver
 from airlock.policy import (
-    AuditRecord,
     Decision,
     HostError,
     IPAddress,
@@ -51,7 +50,6 @@ from airlock.policy import (
     is_ip,
     vet,
 )
-from airlock.policy.records import Kind
 
 from .local import LocalAddresses
 from .tlsnames import ECH_EXTENSIONS, TlsNameError, hidden_name, server_name

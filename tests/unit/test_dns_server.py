@@ -21,9 +21,10 @@ from dataclasses import dataclass
 import pytest
 from dnslib import QTYPE, RCODE, RR, DNSRecord
 
+from airlock.audit import AuditRecord
 from airlock.dns.server import DnsServer, DnsSettings, PolicyResolver
 from airlock.dns.upstream import Answer, Resolver, ResolverConfig
-from airlock.policy import AuditRecord, ReasonCode, Sandbox, SandboxRegistry, parse_policy
+from airlock.policy import ReasonCode, Sandbox, SandboxRegistry, parse_policy
 
 LOCALHOST = "127.0.0.1"
 

@@ -11,8 +11,9 @@ import pytest
 from mitmproxy import hooks
 from mitmproxy.test import tflow
 
+from airlock.audit import AuditRecord
 from airlock.dns.upstream import Resolver, ResolverConfig
-from airlock.policy import AuditRecord, Sandbox, SandboxRegistry, parse_policy
+from airlock.policy import Sandbox, SandboxRegistry, parse_policy
 from airlock.proxy.addon import GatewaySettings, HttpAudit, SandboxIdentity, build_addons
 
 POLICY = parse_policy("version: 1\nprofiles:\n  default:\n    allow:\n      - host: allowed.test\n")

@@ -19,19 +19,10 @@ from mitmproxy.proxy import events, layer
 from mitmproxy.proxy.context import Context
 from mitmproxy.test import tflow, tutils
 
+from airlock.audit import AuditRecord
 from airlock.dns.server import DnsSettings, PolicyResolver
 from airlock.dns.upstream import Answer, NameNotFound, ResolveError
-from airlock.policy import (
-    AuditRecord,
-    ReasonCode,
-    Sandbox,
-    SandboxRegistry,
-    decide,
-    decide_alias,
-    decide_name,
-    parse_policy,
-    vet,
-)
+from airlock.policy import ReasonCode, Sandbox, SandboxRegistry, decide, decide_alias, decide_name, parse_policy, vet
 from airlock.proxy.addon import GatewaySettings, build_addons
 
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "audit-codes.md"
