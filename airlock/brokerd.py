@@ -25,7 +25,7 @@ from airlock.broker.shapes import CREDENTIAL
 from airlock.broker.store import SqliteStore
 from airlock.broker.tokens import KeyRing, TokenAuthority
 from airlock.dns.upstream import ResolveError, Resolver
-from airlock.policy import HostError, SandboxRegistry, TokenBuckets, canonical_host, parse_ip_literal
+from airlock.policy import HostError, LivePolicy, TokenBuckets, canonical_host, parse_ip_literal
 
 log = logging.getLogger("airlock.broker")
 
@@ -202,14 +202,14 @@ class BrokerRuntime:
         self,
         config: BrokerConfig,
         state_dir: Path,
-        registry: SandboxRegistry,
+        live: LivePolicy,
         resolver: Resolver,
         emit: Any,
         upstream_ca: str | None,
     ) -> None:
         self.config = config
         self.state_dir = state_dir
-        self.registry = registry
+        self.live = live  # the broker names sandboxes by the live policy's registry, as the proxy and DNS do
         self.resolver = resolver
         self.emit = emit
         self.upstream_ca = upstream_ca
@@ -233,7 +233,7 @@ class BrokerRuntime:
             github = GitHubClient(config.github_api, credential, self._session, config.github_timeout)
 
         def identify(client: str) -> str | None:
-            sandbox = self.registry.identify(client) if client else None
+            sandbox = self.live.current.registry.identify(client) if client else None
             return sandbox.id if sandbox else None
 
         settings = BrokerSettings(calls_per_minute=config.calls_per_minute)

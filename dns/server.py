@@ -31,11 +31,11 @@ from dnslib import AAAA, CLASS, QTYPE, RCODE, RR, A, DNSRecord
 from airlock.audit import AuditRecord, AuditThrottle, RepeatedDecisions
 from airlock.policy import (
     HostError,
-    IPAddress,
+    LivePolicy,
     Policy,
     ReasonCode,
     Sandbox,
-    SandboxRegistry,
+    Snapshot,
     canonical_host,
     decide_alias,
     decide_name,
@@ -55,7 +55,6 @@ STRANGER = "query from an address that belongs to no sandbox"
 
 @dataclass
 class DnsSettings:
-    own_addresses: frozenset[IPAddress] = frozenset()
     rate_per_second: float = 100.0  # per sandbox; bursts of twice that are absorbed
     answer_timeout: float = 4.0  # the whole upstream exchange; then SERVFAIL
     max_tcp_per_sandbox: int = 16  # open TCP connections; more are closed at once (no exhausting the gateway)
@@ -121,14 +120,12 @@ class Handler:
 class PolicyResolver:
     def __init__(
         self,
-        policy: Policy,
-        registry: SandboxRegistry,
+        live: LivePolicy,
         resolver: Resolver,
         emit: Callable[[AuditRecord | RepeatedDecisions], None],
         settings: DnsSettings,
     ) -> None:
-        self.policy = policy
-        self.registry = registry
+        self.live = live
         self.resolver = resolver
         self.emit = emit
         self.settings = settings
@@ -143,7 +140,7 @@ class PolicyResolver:
         """The asking sandbox; None for an address of no sandbox, whose query is still answered (REFUSED) and
         audited; False to drop the query unanswered: over its sandbox's rate, or one more from addresses of no
         sandbox beyond their few audit lines per interval (counted into one summary line instead)."""
-        sandbox = self.registry.identify(client)
+        sandbox = self.live.current.registry.identify(client)
         now = time.monotonic() if now is None else now
         if sandbox is None:
             if self.strangers.admit("dns", "-", STRANGER, ReasonCode.UNKNOWN_SANDBOX, client, now):
@@ -164,12 +161,16 @@ class PolicyResolver:
         sandbox = self.admit(handler.client)
         if sandbox is False:
             return None
-        reply, _ = await self.decide(request, sandbox or None, handler.client)
+        reply, _, _ = await self.decide(request, sandbox or None, handler.client)
         return reply
 
-    async def decide(self, request: DNSRecord, sandbox: Sandbox | None, client: str) -> tuple[DNSRecord, AuditRecord]:
-        """The full judgement of one admitted query: the reply, and the audit record it was logged with. A failure
-        anywhere is SERVFAIL, audited as an error: every query leaves its audit line."""
+    async def decide(
+        self, request: DNSRecord, sandbox: Sandbox | None, client: str
+    ) -> tuple[DNSRecord, AuditRecord, Policy]:
+        """The full judgement of one admitted query, under one snapshot of the live policy: the reply, the audit
+        record it was logged with, and the policy it was decided under. A failure anywhere is SERVFAIL, audited as
+        an error: every query leaves its audit line."""
+        live = self.live.current
         started = time.monotonic()
         reply = request.reply()
         reply.header.ra = 1
@@ -178,16 +179,23 @@ class PolicyResolver:
         record = AuditRecord("dns", sandbox_id, client, name, None, "deny", "", ReasonCode.INTERNAL_ERROR)  # set below
         record.method = qtype
         try:
-            return await self._judge(request, reply, record, sandbox, started)
+            reply, record = await self._judge(live, request, reply, record, sandbox, started)
+            return reply, record, live.policy
         except Exception as e:
             log.exception("DNS query failed: answering SERVFAIL")
             failed = request.reply()
             failed.header.ra, failed.header.rcode = 1, RCODE.SERVFAIL
             reason = f"internal error: {type(e).__name__}: {e}"
-            return self._finish(failed, record, "error", reason, ReasonCode.INTERNAL_ERROR, started)
+            return (*self._finish(failed, record, "error", reason, ReasonCode.INTERNAL_ERROR, started), live.policy)
 
     async def _judge(
-        self, request: DNSRecord, reply: DNSRecord, record: AuditRecord, sandbox: Sandbox | None, started: float
+        self,
+        live: Snapshot,
+        request: DNSRecord,
+        reply: DNSRecord,
+        record: AuditRecord,
+        sandbox: Sandbox | None,
+        started: float,
     ) -> tuple[DNSRecord, AuditRecord]:
         if sandbox is None:
             return self._refuse(reply, record, STRANGER, ReasonCode.UNKNOWN_SANDBOX, started)
@@ -207,7 +215,7 @@ class PolicyResolver:
         except HostError as e:
             return self._refuse(reply, record, f"invalid name: {e}", ReasonCode.INVALID_HOST, started)
         record.host = name
-        profile = self.policy.profile(sandbox.profile)
+        profile = live.profile(sandbox)
         decision = decide_name(profile, name)
         if not decision.allow:
             record.rule = decision.rule.source if decision.rule else None
@@ -220,9 +228,9 @@ class PolicyResolver:
         if request.q.qtype not in ANSWERED_TYPES:
             reason = f"{record.method} is not answered with data"
             return self._finish(reply, record, "allow", reason, ReasonCode.TYPE_NOT_ANSWERED, started)
-        return await self._answer(request, reply, record, profile, name, started)
+        return await self._answer(live, request, reply, record, profile, name, started)
 
-    async def _answer(self, request, reply, record, profile, name, started) -> tuple[DNSRecord, AuditRecord]:
+    async def _answer(self, live, request, reply, record, profile, name, started) -> tuple[DNSRecord, AuditRecord]:
         try:
             answer = self.resolver.cached(name, request.q.qtype)
             if answer is None:
@@ -251,7 +259,7 @@ class PolicyResolver:
                 record.rule = denied.rule.source if denied.rule else None
                 reply.header.rcode = RCODE.REFUSED
                 return self._finish(reply, record, "deny", denied.reason, denied.code, started)
-        vetted = vet(profile, answer.addresses, None, self.settings.own_addresses)
+        vetted = vet(profile, answer.addresses, None, live.own.among(answer.addresses))
         if answer.addresses and not vetted.allowed:
             reply.header.rcode = RCODE.NXDOMAIN
             return self._finish(reply, record, "deny", vetted.reason, vetted.code, started)
@@ -306,7 +314,9 @@ class PolicyResolver:
 
     # --- replies remembered at the wire level (dns/memory.py) ---------------------------------------------------
 
-    def remember(self, data: bytes, sandbox: Sandbox, packet: bytes, reply: DNSRecord, record: AuditRecord) -> None:
+    def remember(
+        self, data: bytes, sandbox: Sandbox, packet: bytes, reply: DNSRecord, record: AuditRecord, policy: Policy
+    ) -> None:
         if reply.header.rcode not in (RCODE.NOERROR, RCODE.NXDOMAIN, RCODE.REFUSED):
             return  # failures are asked again
         ttl = record.extra.get("ttl", self.memory.seconds)  # set when an upstream answer was used, even if filtered
@@ -314,7 +324,7 @@ class PolicyResolver:
             return
         repeated = replace(record, duration_ms=0.0, reason=f"{record.reason} (remembered)")
         template = RepeatedDecisions.template(repeated)
-        self.memory.remember(sandbox.id, data, packet, template, ttl, self.policy, time.monotonic())
+        self.memory.remember(sandbox.id, data, packet, template, ttl, policy, time.monotonic())
 
 
 class DnsServer:
@@ -370,6 +380,7 @@ class DnsServer:
         now, wall = time.monotonic(), time.time()
         repeated: list[tuple[str, str]] = []  # (audit template, client) of the remembered replies sent
         recall = resolver.settings.audit_failure() is None  # else every query goes where it is refused
+        policy = resolver.live.current.policy  # remembered replies are of the policy in force: a reload forgets them
         try:
             for _ in range(64):
                 try:
@@ -385,7 +396,7 @@ class DnsServer:
                 sandbox = resolver.admit(client, now)
                 if sandbox is False:
                     continue
-                remembered = memory.recall(sandbox.id, data, resolver.policy, now) if sandbox and recall else None
+                remembered = memory.recall(sandbox.id, data, policy, now) if sandbox and recall else None
                 if remembered is None:
                     self.spawn(self._udp_query(data, address, sandbox))
                     continue
@@ -402,13 +413,13 @@ class DnsServer:
         request = self._parse(data)
         if request is None:
             return
-        reply, record = await self.resolver.decide(request, sandbox, address[0])
+        reply, record, policy = await self.resolver.decide(request, sandbox, address[0])
         packet = reply.pack()
         if len(packet) > 512:
             # Classic UDP limit: send the header and question with TC set; the client retries over TCP.
             packet = reply.truncate().pack()
         elif sandbox is not None:
-            self.resolver.remember(data, sandbox, packet, reply, record)
+            self.resolver.remember(data, sandbox, packet, reply, record, policy)
         self._send(packet, address)
 
     def _send(self, packet: bytes, address: tuple) -> None:
@@ -435,7 +446,7 @@ class DnsServer:
 
     async def _tcp_client(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         peer = writer.get_extra_info("peername")
-        sandbox = self.resolver.registry.identify(peer[0])
+        sandbox = self.resolver.live.current.registry.identify(peer[0])
         owner = sandbox.id if sandbox is not None else "-"
         if self._tcp_open[owner] >= self.resolver.settings.max_tcp_per_sandbox:
             self.resolver.stats["tcp_over_limit"] += 1

@@ -5,6 +5,7 @@ from .addresses import SANDBOX_LINK_NETWORKS, Category, Classification, classify
 from .codes import ReasonCode
 from .decide import Decision, Rejection, Vetted, decide, decide_alias, decide_name, vet
 from .hosts import HostError, IPAddress, canonical_host, format_host_port, is_ip, parse_ip_literal
+from .live import KnownAddresses, LivePolicy, OwnAddresses, Snapshot, missing_profiles
 from .loader import PolicyError, load_policy, parse_policy
 from .model import DEFAULT_ALLOW_PORTS, WEB_PORTS, DnsLimits, Policy, Profile, Rule
 from .rates import TokenBuckets
@@ -21,6 +22,9 @@ __all__ = [
     "DnsLimits",
     "HostError",
     "IPAddress",
+    "KnownAddresses",
+    "LivePolicy",
+    "OwnAddresses",
     "Policy",
     "PolicyError",
     "Profile",
@@ -29,6 +33,7 @@ __all__ = [
     "Rule",
     "Sandbox",
     "SandboxRegistry",
+    "Snapshot",
     "TokenBuckets",
     "Vetted",
     "canonical_host",
@@ -41,6 +46,7 @@ __all__ = [
     "is_ip",
     "is_public_suffix",
     "load_policy",
+    "missing_profiles",
     "parse_ip_literal",
     "parse_policy",
     "registrable_domain",

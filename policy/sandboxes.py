@@ -26,6 +26,10 @@ class SandboxRegistry:
         for sandbox in sandboxes or []:
             self.add(sandbox)
 
+    @property
+    def sandboxes(self) -> tuple[Sandbox, ...]:
+        return tuple(self._sandboxes)
+
     def add(self, sandbox: Sandbox) -> None:
         self._known.clear()
         for other in self._sandboxes:

@@ -38,11 +38,9 @@ from airlock.policy import (
     Decision,
     HostError,
     IPAddress,
-    Policy,
-    Profile,
+    LivePolicy,
     ReasonCode,
     Sandbox,
-    SandboxRegistry,
     canonical_host,
     decide,
     decide_alias,
@@ -51,7 +49,6 @@ from airlock.policy import (
     vet,
 )
 
-from .local import LocalAddresses
 from .tlsnames import ECH_EXTENSIONS, TlsNameError, hidden_name, server_name
 
 log = logging.getLogger("airlock.proxy")
@@ -63,7 +60,6 @@ _UNKNOWN_SANDBOX = Decision(False, "connection from an address that belongs to n
 
 @dataclass
 class GatewaySettings:
-    own_addresses: frozenset[IPAddress] = frozenset()
     connect_timeout: float = 10.0
     # A flood of idle connections must not starve the gateway. The gateway derives these from its open-file
     # limit (airlock/gateway.py): each proxied connection holds two descriptors, the sandbox's and the upstream.
@@ -104,18 +100,13 @@ class Outcome:
 
 
 class _Shared:
-    """State all hook classes read: the live policy, the sandbox registry, per-client connection state."""
+    """State all hook classes read: the live policy (policy, sandbox registry, the gateway's own addresses) and
+    per-client connection state."""
 
     def __init__(
-        self,
-        policy: Policy,
-        registry: SandboxRegistry,
-        resolver: Resolver,
-        emit: Callable[[AuditRecord], None],
-        settings: GatewaySettings,
+        self, live: LivePolicy, resolver: Resolver, emit: Callable[[AuditRecord], None], settings: GatewaySettings
     ) -> None:
-        self.policy = policy
-        self.registry = registry
+        self.live = live
         self.resolver = resolver
         self.emit = emit
         self.settings = settings
@@ -127,16 +118,12 @@ class _Shared:
         self.upstream_of: dict[str, str] = {}  # server connection id → the sandbox whose upstream slot it holds
         self.refusals = AuditThrottle(emit)  # refusals that come in floods: a few lines each, then a summary
         self.resolved: dict[str, list[str]] = {}  # server connection id → addresses the name resolved to
-        self.local = LocalAddresses()  # addresses the gateway gained after it started are its own too
 
     def client(self, client: connection.Client) -> _ClientState:
         state = self.clients.get(client.id)
         if state is None:
-            state = self.clients[client.id] = _ClientState(self.registry.identify(client.peername[0]))
+            state = self.clients[client.id] = _ClientState(self.live.current.registry.identify(client.peername[0]))
         return state
-
-    def profile(self, sandbox: Sandbox) -> Profile:
-        return self.policy.profile(sandbox.profile)
 
     def refuse(self, record: AuditRecord) -> None:
         """Audit a refusal that may come in a flood (unknown network, over a cap): a few lines, then a summary."""
@@ -170,7 +157,8 @@ class _Shared:
             self.upstreams[sandbox] -= 1
 
     async def evaluate(self, sandbox: Sandbox | None, raw_host: str, port: int) -> Outcome:
-        """The whole judgement of one upstream target: canonicalize, decide, resolve, vet, choose."""
+        """The whole judgement of one upstream target: canonicalize, decide, resolve, vet, choose; under one
+        snapshot of the live policy, however long the resolution takes."""
         if sandbox is None:
             return Outcome(_UNKNOWN_SANDBOX, raw_host)
         if (failure := self.settings.audit_failure()) is not None:
@@ -180,7 +168,8 @@ class _Shared:
             host = _target(raw_host, port)
         except HostError as e:
             return Outcome(Decision(False, f"invalid host: {e}", ReasonCode.INVALID_HOST), raw_host)
-        profile = self.profile(sandbox)
+        live = self.live.current
+        profile = live.profile(sandbox)
         decision = decide(profile, host, port)
         if not decision.allow:
             return Outcome(decision, host)
@@ -195,7 +184,7 @@ class _Shared:
             if denied := decide_alias(profile, answer.cnames, port):
                 return Outcome(denied, host, [str(a) for a in answer.addresses])
             addresses = answer.addresses
-        vetted = vet(profile, addresses, port, self.settings.own_addresses | self.local.among(addresses))
+        vetted = vet(profile, addresses, port, live.own.among(addresses))
         resolved = [str(a) for a in addresses]
         if not vetted.allowed:
             return Outcome(Decision(False, vetted.reason, vetted.code, None, decision.hint), host, resolved)
@@ -657,13 +646,9 @@ class HttpAudit:
 
 
 def build_addons(
-    policy: Policy,
-    registry: SandboxRegistry,
-    resolver: Resolver,
-    emit: Callable[[AuditRecord], None],
-    settings: GatewaySettings,
+    live: LivePolicy, resolver: Resolver, emit: Callable[[AuditRecord], None], settings: GatewaySettings
 ) -> tuple[_Shared, list[object]]:
-    shared = _Shared(policy, registry, resolver, emit, settings)
+    shared = _Shared(live, resolver, emit, settings)
     return shared, [
         SandboxIdentity(shared),
         HttpPolicy(shared),

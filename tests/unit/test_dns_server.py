@@ -24,7 +24,7 @@ from dnslib import QTYPE, RCODE, RR, DNSRecord
 from airlock.audit import AuditRecord
 from airlock.dns.server import DnsServer, DnsSettings, PolicyResolver
 from airlock.dns.upstream import Answer, Resolver, ResolverConfig
-from airlock.policy import ReasonCode, Sandbox, SandboxRegistry, parse_policy
+from airlock.policy import LivePolicy, ReasonCode, Sandbox, SandboxRegistry, parse_policy
 
 LOCALHOST = "127.0.0.1"
 
@@ -132,7 +132,7 @@ async def running(resolver: Resolver, network: str = "127.0.0.0/8", **settings: 
     """A DnsServer (UDP and TCP on one free port of 127.0.0.1) for the sandbox `network`."""
     audit: list[AuditRecord] = []
     registry = SandboxRegistry([Sandbox("sbx", "default", ipaddress.ip_network(network))])
-    dns = PolicyResolver(POLICY, registry, resolver, audit.append, DnsSettings(**settings))  # type: ignore[arg-type]
+    dns = PolicyResolver(LivePolicy(POLICY, registry), resolver, audit.append, DnsSettings(**settings))  # type: ignore[arg-type]
     for _ in range(20):
         with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
             probe.bind((LOCALHOST, 0))
@@ -219,6 +219,38 @@ async def test_a_cname_chain_through_a_denied_name_is_refused(
         assert record.reason.startswith(f"CNAME chain passes through {denied}, denied by rule deny ")
     again = await ask(gateway.port, name, qtype, tcp=True)  # from the shared cache: the same judgement
     assert (rcode(again), answers(again)) == (code, addresses)
+
+
+# --- a reload while a query waits -----------------------------------------------------------------------------
+
+
+class GatedResolver(Resolver):
+    """The shared resolver, but each upstream question waits until the test lets it go."""
+
+    def __init__(self, upstream: Upstream) -> None:
+        super().__init__(ResolverConfig(servers=[(LOCALHOST, upstream.port)], attempts=1))
+        self.asked, self.release = asyncio.Event(), asyncio.Event()
+
+    async def query(self, name: str, qtype: int) -> Answer:
+        self.asked.set()
+        await self.release.wait()
+        return await super().query(name, qtype)
+
+
+async def test_a_reply_decided_before_a_reload_is_never_remembered_as_one_of_the_new_policy(
+    upstream: Upstream,
+) -> None:
+    resolver = GatedResolver(upstream)
+    closed = parse_policy("version: 1\nprofiles:\n  default:\n    allow:\n      - host: other.test\n", "closed.yaml")
+    async with running(resolver) as gw:
+        first = asyncio.create_task(ask(gw.port, "www.allowed.test"))
+        await resolver.asked.wait()
+        gw.dns.live.replace(closed)  # SIGHUP while the query waits on upstream
+        resolver.release.set()
+        assert answers(await first) == ["192.0.2.10"]  # judged whole under the policy it started under
+        again = await ask(gw.port, "www.allowed.test")  # within the second a reply is remembered for
+    assert rcode(again) == "REFUSED" and gw.audit[-1].rule is None and "closed.yaml" not in gw.audit[-1].reason
+    assert gw.audit[-1].code == ReasonCode.NOT_ALLOWLISTED
 
 
 # --- queries waiting on upstream, per sandbox ---------------------------------------------------------------------

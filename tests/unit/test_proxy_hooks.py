@@ -13,7 +13,7 @@ from mitmproxy.test import tflow
 
 from airlock.audit import AuditRecord
 from airlock.dns.upstream import Resolver, ResolverConfig
-from airlock.policy import Sandbox, SandboxRegistry, parse_policy
+from airlock.policy import LivePolicy, Sandbox, SandboxRegistry, parse_policy
 from airlock.proxy.addon import GatewaySettings, HttpAudit, SandboxIdentity, build_addons
 
 POLICY = parse_policy("version: 1\nprofiles:\n  default:\n    allow:\n      - host: allowed.test\n")
@@ -22,7 +22,7 @@ POLICY = parse_policy("version: 1\nprofiles:\n  default:\n    allow:\n      - ho
 def _addons(emit: Callable[[AuditRecord], None]) -> list[object]:
     registry = SandboxRegistry([Sandbox("sbx", "default", ipaddress.ip_network("0.0.0.0/0"))])
     resolver = Resolver(ResolverConfig([("127.0.0.1", 53)]))
-    return build_addons(POLICY, registry, resolver, emit, GatewaySettings())[1]
+    return build_addons(LivePolicy(POLICY, registry), resolver, emit, GatewaySettings())[1]
 
 
 def _broken_audit(record: AuditRecord) -> None:

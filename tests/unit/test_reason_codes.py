@@ -22,7 +22,18 @@ from mitmproxy.test import tflow, tutils
 from airlock.audit import AuditRecord
 from airlock.dns.server import DnsSettings, PolicyResolver
 from airlock.dns.upstream import Answer, NameNotFound, ResolveError
-from airlock.policy import ReasonCode, Sandbox, SandboxRegistry, decide, decide_alias, decide_name, parse_policy, vet
+from airlock.policy import (
+    KnownAddresses,
+    LivePolicy,
+    ReasonCode,
+    Sandbox,
+    SandboxRegistry,
+    decide,
+    decide_alias,
+    decide_name,
+    parse_policy,
+    vet,
+)
 from airlock.proxy.addon import GatewaySettings, build_addons
 
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "audit-codes.md"
@@ -130,9 +141,10 @@ class Proxy:
 
     def __init__(self, resolver: FakeResolver | None = None, **settings: int) -> None:
         self.audit: list[AuditRecord] = []
-        gateway = GatewaySettings(own_addresses=frozenset({OWN}), **settings)
+        gateway = GatewaySettings(**settings)
         resolver = resolver or FakeResolver()
-        self.shared, addons = build_addons(POLICY, SandboxRegistry([SANDBOX]), resolver, self.audit.append, gateway)
+        live = LivePolicy(POLICY, SandboxRegistry([SANDBOX]), KnownAddresses(frozenset({OWN})))
+        self.shared, addons = build_addons(live, resolver, self.audit.append, gateway)
         self.identity, self.http, self.tunnels, _, self.http_audit = addons
 
     async def connect(self, host: str, port: int = 443) -> http.HTTPFlow:
@@ -265,9 +277,8 @@ async def _dns(request: DNSRecord, **settings: int) -> str:
         "bug.names.test": RuntimeError("a bug"),  # what no resolver should raise: a fault in airlock itself
     }
     audit: list[AuditRecord] = []
-    resolver = PolicyResolver(
-        POLICY, SandboxRegistry([SANDBOX]), FakeResolver(answers), audit.append, DnsSettings(**settings)
-    )
+    live = LivePolicy(POLICY, SandboxRegistry([SANDBOX]))
+    resolver = PolicyResolver(live, FakeResolver(answers), audit.append, DnsSettings(**settings))
     await resolver.decide(request, SANDBOX, "127.0.0.1")
     [record] = audit
     return record.code
