@@ -28,7 +28,8 @@ from airlock.broker.service import Broker
 from airlock.broker.store import StoreError
 from airlock.broker.tokens import TokenError
 from airlock.brokerd import BrokerConfig, BrokerRuntime
-from airlock.dns.server import DnsServer, DnsSettings, PolicyResolver
+from airlock.dns.admission import DnsSettings
+from airlock.dns.server import DnsServer
 from airlock.dns.upstream import Resolver, ResolverConfig, Server, system_servers
 from airlock.interfaces import interface_addresses
 from airlock.live import GatewayAddresses
@@ -279,8 +280,7 @@ class Gateway:
         self._flusher: asyncio.Task[None] | None = None
         self.shared = None
         self.addons: list[object] = []
-        self.dns: PolicyResolver | None = None
-        self._dns_server: DnsServer | None = None
+        self.dns: DnsServer | None = None
         self.broker: Broker | None = None
         self._broker_runtime: BrokerRuntime | None = None
 
@@ -340,10 +340,9 @@ class Gateway:
         log.info("airlock proxy listening on %s:%d", config.listen, config.proxy_port)
         if config.dns_port:
             dns_settings = DnsSettings(rate_per_second=config.dns_rate, audit_failure=self._audit_failure)
-            self.dns = PolicyResolver(live, self.resolver, self.audit.emit, dns_settings)
-            self._dns_server = DnsServer(self.dns, config.listen, config.dns_port)
+            self.dns = DnsServer(live, self.resolver, self.audit.emit, dns_settings, config.listen, config.dns_port)
             try:
-                await self._dns_server.start()
+                await self.dns.start()
             except OSError as e:
                 await self.stop()
                 raise GatewayError(f"DNS server could not listen on {config.listen}:{config.dns_port}: {e}") from e
@@ -392,8 +391,8 @@ class Gateway:
         master, self._master = self._master, None
         if self._flusher is not None:
             self._flusher.cancel()
-        if self._dns_server is not None:
-            await self._dns_server.stop()
+        if self.dns is not None:
+            await self.dns.stop()
         if self._broker_runtime is not None:
             await self._broker_runtime.stop()
         if self.shared is not None:

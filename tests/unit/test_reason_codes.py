@@ -20,7 +20,8 @@ from mitmproxy.proxy.context import Context
 from mitmproxy.test import tflow, tutils
 
 from airlock.audit import AuditRecord
-from airlock.dns.server import DnsSettings, PolicyResolver
+from airlock.dns.admission import DnsSettings
+from airlock.dns.resolver import Handler, PolicyResolver
 from airlock.dns.upstream import Answer, NameNotFound, ResolveError
 from airlock.policy import (
     KnownAddresses,
@@ -279,7 +280,7 @@ async def _dns(request: DNSRecord, **settings: int) -> str:
     audit: list[AuditRecord] = []
     live = LivePolicy(POLICY, SandboxRegistry([SANDBOX]))
     resolver = PolicyResolver(live, FakeResolver(answers), audit.append, DnsSettings(**settings))
-    await resolver.decide(request, SANDBOX, "127.0.0.1")
+    await resolver.resolve(request, Handler("127.0.0.1", "udp", SANDBOX))
     [record] = audit
     return record.code
 
