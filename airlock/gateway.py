@@ -34,7 +34,7 @@ from airlock.dns.upstream import Resolver, ResolverConfig, Server, system_server
 from airlock.interfaces import interface_addresses
 from airlock.live import GatewayAddresses
 from airlock.policy import IPAddress, LivePolicy, Policy, Sandbox, SandboxRegistry
-from airlock.proxy.addon import GatewaySettings, build_addons
+from airlock.proxy.addon import Airlock, GatewaySettings, build_addon
 from airlock.sandbox.fence import mark_listeners
 
 log = logging.getLogger("airlock.gateway")
@@ -279,7 +279,7 @@ class Gateway:
         self._task: asyncio.Task[None] | None = None
         self._flusher: asyncio.Task[None] | None = None
         self.shared = None
-        self.addons: list[object] = []
+        self.airlock: Airlock | None = None
         self.dns: DnsServer | None = None
         self.broker: Broker | None = None
         self._broker_runtime: BrokerRuntime | None = None
@@ -303,7 +303,8 @@ class Gateway:
             max_connections=caps.total,
             audit_failure=self._audit_failure,
         )
-        self.shared, self.addons = build_addons(live, self.resolver, self.audit.emit, settings)
+        self.airlock = build_addon(live, self.resolver, self.audit.emit, settings)
+        self.shared = self.airlock.shared
         # Only the addons a proxy needs: no script loader, replay, onboarding app (mitm.it), header or body
         # rewriting — less to dispatch on every event, and nothing a request could reach but airlock's hooks.
         essentials = (
@@ -313,7 +314,7 @@ class Gateway:
             tlsconfig.TlsConfig(),
             disable_h2c.DisableH2C(),
         )
-        master.addons.add(*essentials, *self.addons)
+        master.addons.add(*essentials, self.airlock)
         opts.update(
             # lazy: never connect upstream before the SNI and Host header have been checked
             connection_strategy="lazy",

@@ -35,7 +35,7 @@ from airlock.policy import (
     parse_policy,
     vet,
 )
-from airlock.proxy.addon import GatewaySettings, build_addons
+from airlock.proxy.addon import GatewaySettings, build_addon
 
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "audit-codes.md"
 POLICY = parse_policy(
@@ -145,8 +145,14 @@ class Proxy:
         gateway = GatewaySettings(**settings)
         resolver = resolver or FakeResolver()
         live = LivePolicy(POLICY, SandboxRegistry([SANDBOX]), KnownAddresses(frozenset({OWN})))
-        self.shared, addons = build_addons(live, resolver, self.audit.append, gateway)
-        self.identity, self.http, self.tunnels, _, self.http_audit = addons
+        airlock = build_addon(live, resolver, self.audit.append, gateway)
+        self.shared, self.identity, self.http, self.tunnels = (
+            airlock.shared,
+            airlock.identity,
+            airlock.http,
+            airlock.tunnels,
+        )
+        self.http_audit = airlock.audit
 
     async def connect(self, host: str, port: int = 443) -> http.HTTPFlow:
         """A CONNECT, judged by http_connect."""
