@@ -22,12 +22,12 @@ from aiohttp.abc import AbstractResolver
 
 from airlock.broker.github import AppCredential, Credential, GitHubClient, StaticCredential
 from airlock.broker.gitpush import GitTransport, Pusher, git_base_url
-from airlock.broker.service import Broker, BrokerSettings, _RateLimiter
+from airlock.broker.service import Broker, BrokerSettings
 from airlock.broker.shapes import CREDENTIAL
 from airlock.broker.store import SqliteStore
 from airlock.broker.tokens import KeyRing, TokenAuthority
 from airlock.dns.upstream import ResolveError, Resolver
-from airlock.policy import HostError, SandboxRegistry, canonical_host, parse_ip_literal
+from airlock.policy import HostError, LivePolicy, TokenBuckets, canonical_host, parse_ip_literal
 
 log = logging.getLogger("airlock.broker")
 
@@ -39,11 +39,11 @@ class _ProtocolErrors(logging.Filter):
 
     def __init__(self) -> None:
         super().__init__()
-        self._budget = _RateLimiter(1.0, 20)
+        self._budget = TokenBuckets(1.0, 20)
         self._left_out = 0
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if not self._budget.take("-"):
+        if not self._budget.take("-", time.monotonic()):
             self._left_out += 1
             return False
         message = record.getMessage()
@@ -212,14 +212,14 @@ class BrokerRuntime:
         self,
         config: BrokerConfig,
         state_dir: Path,
-        registry: SandboxRegistry,
+        live: LivePolicy,
         resolver: Resolver,
         emit: Any,
         upstream_ca: str | None,
     ) -> None:
         self.config = config
         self.state_dir = state_dir
-        self.registry = registry
+        self.live = live  # the broker names sandboxes by the live policy's registry, as the proxy and DNS do
         self.resolver = resolver
         self.emit = emit
         self.upstream_ca = upstream_ca
@@ -251,7 +251,7 @@ class BrokerRuntime:
                 log.warning("%s: push_branch answers 503", e)
 
         def identify(client: str) -> str | None:
-            sandbox = self.registry.identify(client) if client else None
+            sandbox = self.live.current.registry.identify(client) if client else None
             return sandbox.id if sandbox else None
 
         settings = BrokerSettings(calls_per_minute=config.calls_per_minute)

@@ -7,13 +7,11 @@ import asyncio
 import contextlib
 import errno
 import ipaddress
-import json
 import logging
 import os
 import resource
 import shutil
 import socket
-import subprocess
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -30,10 +28,13 @@ from airlock.broker.service import Broker
 from airlock.broker.store import StoreError
 from airlock.broker.tokens import TokenError
 from airlock.brokerd import BrokerConfig, BrokerRuntime
-from airlock.dns.server import DnsServer, DnsSettings, PolicyResolver
+from airlock.dns.admission import DnsSettings
+from airlock.dns.server import DnsServer
 from airlock.dns.upstream import Resolver, ResolverConfig, Server, system_servers
-from airlock.policy import IPAddress, Policy, PolicyError, Sandbox, SandboxRegistry
-from airlock.proxy.addon import GatewaySettings, build_addons
+from airlock.interfaces import interface_addresses
+from airlock.live import GatewayAddresses
+from airlock.policy import IPAddress, LivePolicy, Policy, Sandbox, SandboxRegistry
+from airlock.proxy.addon import Airlock, GatewaySettings, build_addon
 from airlock.sandbox.fence import mark_listeners
 
 log = logging.getLogger("airlock.gateway")
@@ -58,7 +59,7 @@ class GatewayError(Exception):
 
 @dataclass
 class GatewayConfig:
-    policy: Policy
+    policy: Policy  # the policy to start with; the one in force is `Gateway.live.current.policy`
     listen: str
     proxy_port: int = 3128
     sandboxes: list[Sandbox] = field(default_factory=list)
@@ -89,26 +90,11 @@ def _private_directory(path: Path) -> None:
 
 def own_addresses() -> frozenset[IPAddress]:
     """Every address of this network namespace's interfaces: the gateway must never be its own upstream."""
-    found: set[IPAddress] = set()
-    with contextlib.suppress(OSError, subprocess.SubprocessError, ValueError):
-        out = subprocess.run(["ip", "-j", "addr", "show"], capture_output=True, text=True, timeout=5, check=True)
-        for interface in json.loads(out.stdout):
-            for info in interface.get("addr_info", []):
-                with contextlib.suppress(ValueError, KeyError):
-                    found.add(ipaddress.ip_address(info["local"]))
-    return frozenset(found)
-
-
-def _missing_profiles(policy: Policy, sandboxes: list[Sandbox]) -> list[str]:
-    users: dict[str, set[str]] = {}
-    for sandbox in sandboxes:
-        if sandbox.profile not in policy.profiles:
-            users.setdefault(sandbox.profile, set()).add(sandbox.id)
-    known = ", ".join(sorted(policy.profiles))
-    return [
-        f"{policy.source}: no profile {name!r}, which sandbox {', '.join(sorted(ids))} uses (profiles: {known})"
-        for name, ids in sorted(users.items())
-    ]
+    try:
+        return frozenset(address.ip for address in interface_addresses())
+    except OSError as e:
+        log.warning("the gateway's own addresses could not be listed (%s): each is still found by binding to it", e)
+        return frozenset()
 
 
 @dataclass(frozen=True)
@@ -279,6 +265,8 @@ class Gateway:
             raise GatewayError("no upstream DNS server: pass --upstream-dns or configure /etc/resolv.conf")
         self.resolver = Resolver(ResolverConfig(servers, min_ttl=config.dns_min_ttl))
         self.registry = SandboxRegistry(config.sandboxes)
+        self.live: LivePolicy | None = None  # from start(): policy, registry and own addresses, swapped whole
+        self._own: GatewayAddresses | None = None
         try:
             self.audit = AuditLog(config.audit_path, config.audit_stdout)
         except OSError as e:
@@ -291,9 +279,8 @@ class Gateway:
         self._task: asyncio.Task[None] | None = None
         self._flusher: asyncio.Task[None] | None = None
         self.shared = None
-        self.addons: list[object] = []
-        self.dns: PolicyResolver | None = None
-        self._dns_server: DnsServer | None = None
+        self.airlock: Airlock | None = None
+        self.dns: DnsServer | None = None
         self.broker: Broker | None = None
         self._broker_runtime: BrokerRuntime | None = None
 
@@ -307,16 +294,17 @@ class Gateway:
             confdir=str(Path(self._state_dir) / "mitmproxy"),
         )
         master = Master(opts)
-        gateway_addresses = own_addresses() | {ipaddress.ip_address(config.listen)}
+        self._own = GatewayAddresses(own_addresses() | {ipaddress.ip_address(config.listen)})
+        live = self.live = LivePolicy(config.policy, self.registry, self._own)
         settings = GatewaySettings(
-            own_addresses=gateway_addresses,
             connect_timeout=config.connect_timeout,
             max_tunnels_per_sandbox=caps.tunnels,
             max_connections_per_sandbox=caps.per_sandbox,
             max_connections=caps.total,
             audit_failure=self._audit_failure,
         )
-        self.shared, self.addons = build_addons(config.policy, self.registry, self.resolver, self.audit.emit, settings)
+        self.airlock = build_addon(live, self.resolver, self.audit.emit, settings)
+        self.shared = self.airlock.shared
         # Only the addons a proxy needs: no script loader, replay, onboarding app (mitm.it), header or body
         # rewriting — less to dispatch on every event, and nothing a request could reach but airlock's hooks.
         essentials = (
@@ -326,7 +314,7 @@ class Gateway:
             tlsconfig.TlsConfig(),
             disable_h2c.DisableH2C(),
         )
-        master.addons.add(*essentials, *self.addons)
+        master.addons.add(*essentials, self.airlock)
         opts.update(
             # lazy: never connect upstream before the SNI and Host header have been checked
             connection_strategy="lazy",
@@ -352,19 +340,16 @@ class Gateway:
         loop.set_exception_handler(_DescriptorShortage(loop))
         log.info("airlock proxy listening on %s:%d", config.listen, config.proxy_port)
         if config.dns_port:
-            dns_settings = DnsSettings(
-                own_addresses=gateway_addresses, rate_per_second=config.dns_rate, audit_failure=self._audit_failure
-            )
-            self.dns = PolicyResolver(config.policy, self.registry, self.resolver, self.audit.emit, dns_settings)
-            self._dns_server = DnsServer(self.dns, config.listen, config.dns_port)
+            dns_settings = DnsSettings(rate_per_second=config.dns_rate, audit_failure=self._audit_failure)
+            self.dns = DnsServer(live, self.resolver, self.audit.emit, dns_settings, config.listen, config.dns_port)
             try:
-                await self._dns_server.start()
+                await self.dns.start()
             except OSError as e:
                 await self.stop()
                 raise GatewayError(f"DNS server could not listen on {config.listen}:{config.dns_port}: {e}") from e
         if config.broker.port:
             runtime = BrokerRuntime(
-                config.broker, Path(self._state_dir), self.registry, self.resolver, self.audit.emit, config.upstream_ca
+                config.broker, Path(self._state_dir), live, self.resolver, self.audit.emit, config.upstream_ca
             )
             self._broker_runtime = runtime
             try:
@@ -392,16 +377,14 @@ class Gateway:
             self.audit.flush()
 
     def replace_policy(self, policy: Policy) -> None:
-        """Swap in a new, already validated policy; connections already open keep the decision they had.
+        """Swap in a new, already validated policy for proxy, DNS and broker at once (the one place it is swapped);
+        connections already open keep the decision they had, replies the DNS server remembered are forgotten.
 
         A policy without a profile that a running sandbox uses would fail its every request and DNS query:
         PolicyError, and the running policy stays."""
-        assert self.shared is not None
-        if errors := _missing_profiles(policy, self.config.sandboxes):
-            raise PolicyError(errors)
-        self.shared.policy = policy
-        if self.dns is not None:
-            self.dns.policy = policy
+        if self.live is None:
+            raise GatewayError("the gateway has not started: no policy to replace")
+        self.live.replace(policy)
 
     async def stop(self) -> None:
         if self._master is None:
@@ -409,8 +392,8 @@ class Gateway:
         master, self._master = self._master, None
         if self._flusher is not None:
             self._flusher.cancel()
-        if self._dns_server is not None:
-            await self._dns_server.stop()
+        if self.dns is not None:
+            await self.dns.stop()
         if self._broker_runtime is not None:
             await self._broker_runtime.stop()
         if self.shared is not None:
@@ -423,5 +406,7 @@ class Gateway:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self._task, 10)
         self.audit.close()
+        if self._own is not None:
+            self._own.close()
         if self._own_state:
             shutil.rmtree(self._state_dir, ignore_errors=True)

@@ -14,7 +14,7 @@ import re
 from dataclasses import fields
 from typing import Any
 
-from airlock.policy import AuditRecord
+from airlock.audit import AuditRecord
 
 MARK = "[redacted]"
 KEY = 16  # characters of a credential's tail that index it (fewer when a credential is shorter)

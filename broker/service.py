@@ -42,7 +42,8 @@ from typing import Any, TypeGuard
 from aiohttp import web
 from aiohttp.typedefs import Handler
 
-from airlock.policy import AuditRecord, ReasonCode
+from airlock.audit import AuditRecord
+from airlock.policy import ReasonCode, TokenBuckets
 
 from .github import GitHubClient, PullRequest, UpstreamError
 from .gitpush import Pusher, PushError, PushLimits
@@ -98,40 +99,6 @@ class BrokerError(Exception):
         self.details = details or {}  # further fields of the error body, e.g. the path of a bad input
 
 
-class _RateLimiter:
-    """Token buckets by key: `rate` tokens a second, at most `burst` saved up."""
-
-    def __init__(self, rate: float, burst: int) -> None:
-        self.rate, self.burst = rate, burst
-        self._buckets: dict[str, tuple[float, float]] = {}  # key → (tokens, when counted)
-        self._swept = time.monotonic()
-
-    def _level(self, key: str, now: float) -> float:
-        tokens, stamp = self._buckets.get(key, (float(self.burst), now))
-        return min(self.burst, tokens + (now - stamp) * self.rate)
-
-    def take(self, key: str) -> bool:
-        """Spend one token of `key`'s bucket if it has one."""
-        now = time.monotonic()
-        self._forget_full(now)
-        tokens = self._level(key, now)
-        allowed = tokens >= 1
-        self._buckets[key] = (tokens - 1 if allowed else tokens, now)
-        return allowed
-
-    def wait(self, key: str) -> float:
-        """Seconds until `key` has a token to spend; 0 when it has one now."""
-        return max(0.0, (1 - self._level(key, time.monotonic())) / self.rate)
-
-    def _forget_full(self, now: float) -> None:
-        # A full bucket means what a missing one does; dropping them once per refill time keeps memory to the
-        # keys seen lately, however many distinct keys (source addresses, tokens) come by.
-        if now - self._swept < self.burst / self.rate:
-            return
-        self._swept = now
-        self._buckets = {key: value for key, value in self._buckets.items() if self._level(key, now) < self.burst}
-
-
 @dataclass
 class _Inflight:
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
@@ -177,8 +144,8 @@ class Broker:
         self.emit = emit
         self.pusher = pusher
         self.settings = settings or BrokerSettings()
-        self._limiter = _RateLimiter(self.settings.calls_per_minute / 60, self.settings.burst)
-        self._failures = _RateLimiter(self.settings.failed_auths_per_second, self.settings.failed_auth_burst)
+        self._limiter = TokenBuckets(self.settings.calls_per_minute / 60, self.settings.burst)
+        self._failures = TokenBuckets(self.settings.failed_auths_per_second, self.settings.failed_auth_burst)
         self._inflight: dict[tuple[str, ...], _Inflight] = {}
         self.redactor = github.redactor if github is not None else Redactor()
         self._state_threads = ThreadPoolExecutor(STATE_THREADS, thread_name_prefix="airlock-broker-state")
@@ -228,7 +195,7 @@ class Broker:
         record.method, record.path = _call_name(request), request.path
         try:
             claims = await self._authenticate_limited(request, record)
-            if not self._limiter.take(claims.jti):
+            if not self._limiter.take(claims.jti, time.monotonic()):
                 raise BrokerError(429, "rate_limited", f"more than {self.settings.calls_per_minute} calls a minute")
             request[CLAIMS], request[RECORD] = claims, record
             response: web.StreamResponse = await handler(request)
@@ -367,7 +334,7 @@ class Broker:
 
     async def _authenticate_limited(self, request: web.Request, record: AuditRecord) -> Claims:
         """`_authenticate`, with its refusals limited per source address; past the limit nothing is verified."""
-        wait = self._failures.wait(record.client)
+        wait = self._failures.wait(record.client, time.monotonic())
         if wait > 0:
             raise BrokerError(
                 429,
@@ -379,7 +346,7 @@ class Broker:
             return await self._authenticate(request, record)
         except BrokerError as e:
             if e.status in AUTH_FAILURES:
-                self._failures.take(record.client)
+                self._failures.take(record.client, time.monotonic())
             raise
 
     async def _authenticate(self, request: web.Request, record: AuditRecord) -> Claims:

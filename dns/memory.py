@@ -9,11 +9,15 @@ remembered reply is always the reply the full path would have sent for this quer
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
+from dnslib import RCODE
+
+from airlock.audit import AuditRecord, RepeatedDecisions
 from airlock.policy import Policy
 
 HEADER = 12
+KEPT_RCODES = frozenset({RCODE.NOERROR, RCODE.NXDOMAIN, RCODE.REFUSED})  # failures are asked again
 
 
 def name_end(query: bytes) -> int | None:
@@ -80,6 +84,18 @@ class ReplyMemory:
             self._entries.pop(next(iter(self._entries)))  # the oldest
         entry = Remembered(query[2:], end, bytes(reply[2:]), audit, now + lifetime, policy)
         self._entries[(sandbox, query[2:].lower())] = entry
+
+    def keep(
+        self, sandbox: str, query: bytes, reply: bytes, rcode: int, record: AuditRecord, policy: Policy, now: float
+    ) -> None:
+        """Remember a reply of the full path with the fixed part of its audit line: an answer or a refusal, for the
+        TTL of the upstream answer it used (set even when every address was filtered), under the policy that
+        decided it."""
+        ttl = record.extra.get("ttl", self.seconds)
+        if rcode not in KEPT_RCODES or not isinstance(ttl, int | float):
+            return
+        repeated = replace(record, duration_ms=0.0, reason=f"{record.reason} (remembered)")
+        self.remember(sandbox, query, reply, RepeatedDecisions.template(repeated), ttl, policy, now)
 
     def __len__(self) -> int:
         return len(self._entries)

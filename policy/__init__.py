@@ -5,30 +5,36 @@ from .addresses import SANDBOX_LINK_NETWORKS, Category, Classification, classify
 from .codes import ReasonCode
 from .decide import Decision, Rejection, Vetted, decide, decide_alias, decide_name, vet
 from .hosts import HostError, IPAddress, canonical_host, format_host_port, is_ip, parse_ip_literal
+from .live import KnownAddresses, LivePolicy, OwnAddresses, Snapshot, missing_profiles
 from .loader import PolicyError, load_policy, parse_policy
 from .model import DEFAULT_ALLOW_PORTS, WEB_PORTS, DnsLimits, Policy, Profile, Rule
-from .records import AuditRecord, RepeatedDecisions, Sandbox, SandboxRegistry, new_request_id
+from .rates import TokenBuckets
+from .sandboxes import Sandbox, SandboxRegistry
+from .suffixes import is_public_suffix, registrable_domain
 
 __all__ = [
     "DEFAULT_ALLOW_PORTS",
     "SANDBOX_LINK_NETWORKS",
     "WEB_PORTS",
-    "AuditRecord",
     "Category",
     "Classification",
     "Decision",
     "DnsLimits",
     "HostError",
     "IPAddress",
+    "KnownAddresses",
+    "LivePolicy",
+    "OwnAddresses",
     "Policy",
     "PolicyError",
     "Profile",
     "ReasonCode",
     "Rejection",
-    "RepeatedDecisions",
     "Rule",
     "Sandbox",
     "SandboxRegistry",
+    "Snapshot",
+    "TokenBuckets",
     "Vetted",
     "canonical_host",
     "classify",
@@ -38,9 +44,11 @@ __all__ = [
     "embedded_ipv4",
     "format_host_port",
     "is_ip",
+    "is_public_suffix",
     "load_policy",
-    "new_request_id",
+    "missing_profiles",
     "parse_ip_literal",
     "parse_policy",
+    "registrable_domain",
     "vet",
 ]

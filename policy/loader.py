@@ -7,25 +7,26 @@ to fix, duplicate keys are caught, and nothing half-valid is ever returned.
 from __future__ import annotations
 
 import contextlib
-import functools
 import ipaddress
 import math
 import re
+from collections.abc import Mapping
 from pathlib import Path
+from types import MappingProxyType
 from typing import TypeGuard
 from urllib.parse import urlsplit
 
 import yaml
-from publicsuffixlist import PublicSuffixList
 
 from .addresses import EMBEDDING_NETWORKS, Network, covers_metadata
 from .hosts import HostError, canonical_host, is_ip
 from .model import DEFAULT_ALLOW_PORTS, Action, DnsLimits, Policy, Profile, Rule
+from .suffixes import is_public_suffix
 
-_TOP_KEYS = {"version", "default_profile", "profiles"}
-_PROFILE_KEYS = {"description", "allow", "deny", "dns"}
-_DNS_KEYS = {"refuse_suspicious", "max_label_length", "max_label_entropy", "max_new_subdomains_per_minute"}
-_RULE_KEYS = {"host", "cidr", "ports", "tunnel", "ech", "name", "comment"}
+_TOP_KEYS = frozenset({"version", "default_profile", "profiles"})
+_PROFILE_KEYS = frozenset({"description", "allow", "deny", "dns"})
+_DNS_KEYS = frozenset({"refuse_suspicious", "max_label_length", "max_label_entropy", "max_new_subdomains_per_minute"})
+_RULE_KEYS = frozenset({"host", "cidr", "ports", "tunnel", "ech", "name", "comment"})
 # Ranges a rule may never open: they are the gateway host itself.
 _SELF_NETWORKS = tuple(ipaddress.ip_network(n) for n in ("0.0.0.0/8", "127.0.0.0/8", "::/128", "::1/128"))
 # Tunnels and translators that carry traffic to addresses nobody can vet: blocked whole, never opened.
@@ -35,20 +36,22 @@ _TUNNEL_NETWORKS = tuple(
 
 _YAML = "tag:yaml.org,2002:"
 _NULL, _BOOL, _INT, _FLOAT, _SEQ, _MAP = (_YAML + t for t in ("null", "bool", "int", "float", "seq", "map"))
-_BOOLEANS = {"true": True, "yes": True, "on": True, "false": False, "no": False, "off": False}
+_BOOLEANS = MappingProxyType({"true": True, "yes": True, "on": True, "false": False, "no": False, "off": False})
 # Plain ASCII decimal only: YAML reads `0443` as octal 291 and `0x1bb` as hex where a reader sees 443, and int()
 # or str.isdigit() would take Arabic-Indic or fullwidth digits, or `²`. [0-9] is ASCII; `\d` is not.
 _PORT = re.compile(r"0|[1-9][0-9]*")
 _NAME_AND_PORT = re.compile(r"([^:\[\]]+):([0-9]+)")  # `pypi.org:443`, written where only a host belongs
 _ALIAS = re.compile(r"\*[^\s,\[\]{}]*")  # what YAML took for an alias: the unquoted value from its `*` on
-_DECIMAL = {int: re.compile(r"[0-9]+"), float: re.compile(r"[0-9]+(\.[0-9]+)?")}
+_DECIMAL = MappingProxyType({int: re.compile(r"[0-9]+"), float: re.compile(r"[0-9]+(\.[0-9]+)?")})
 # dns key -> (type, YAML tags accepted, exclusive low, inclusive high). A label has at most 63 characters, so at
 # most log2(63) < 6 bits of entropy per character: a higher limit could never fire.
-_DNS_NUMBERS: dict[str, tuple[type[int] | type[float], tuple[str, ...], int, int]] = {
-    "max_label_length": (int, (_INT,), 0, 63),
-    "max_label_entropy": (float, (_INT, _FLOAT), 0, 6),
-    "max_new_subdomains_per_minute": (int, (_INT,), 0, 1_000_000),
-}
+_DNS_NUMBERS: Mapping[str, tuple[type[int] | type[float], tuple[str, ...], int, int]] = MappingProxyType(
+    {
+        "max_label_length": (int, (_INT,), 0, 63),
+        "max_label_entropy": (float, (_INT, _FLOAT), 0, 6),
+        "max_new_subdomains_per_minute": (int, (_INT,), 0, 1_000_000),
+    }
+)
 
 
 # libyaml's loader when present: the pure-Python one takes seconds for a policy of 10,000 rules.
@@ -59,11 +62,6 @@ class PolicyError(Exception):
     def __init__(self, errors: list[str]) -> None:
         super().__init__("\n".join(errors))
         self.errors = errors
-
-
-@functools.cache
-def _public_suffixes() -> PublicSuffixList:
-    return PublicSuffixList()
 
 
 def load_policy(path: str | Path) -> Policy:
@@ -130,7 +128,9 @@ class _Builder:
     def where(self, node: yaml.Node) -> str:
         return f"{self.filename}:{node.start_mark.line + 1}"
 
-    def mapping(self, node: yaml.Node | None, what: str, keys: set[str]) -> dict[str, tuple[yaml.Node, yaml.Node]]:
+    def mapping(
+        self, node: yaml.Node | None, what: str, keys: frozenset[str]
+    ) -> dict[str, tuple[yaml.Node, yaml.Node]]:
         if not _is_mapping(node):
             self.error(node, f"{what} must be a mapping")
             return {}
@@ -170,7 +170,7 @@ class _Builder:
             self.error(root, "policy: 'profiles' is required")
             return None
         profiles: dict[str, Profile] = {}
-        for name, (key_node, value_node) in self.mapping(top["profiles"][1], "profiles", set()).items():
+        for name, (key_node, value_node) in self.mapping(top["profiles"][1], "profiles", frozenset()).items():
             profile = self.profile(name, key_node, value_node)
             if profile is not None:
                 profiles[name] = profile
@@ -271,7 +271,7 @@ class _Builder:
             self.error(node, f"host {raw!r} is an IP address: use 'cidr: {host}/{32 if '.' in host else 128}'")
             return None
         if wildcard:
-            if "." not in host or _public_suffixes().is_public(host):
+            if "." not in host or is_public_suffix(host):
                 self.error(node, f"host {raw!r}: {host} is a public suffix; anyone can own names under it")
                 return None
             return "*." + host

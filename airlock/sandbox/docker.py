@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import ipaddress
-import json
 import logging
 import math
 import os
@@ -30,6 +29,7 @@ import docker.errors
 import requests.exceptions
 from docker.types import IPAMConfig, IPAMPool
 
+from airlock.interfaces import parse_ip_addr
 from airlock.policy import SANDBOX_LINK_NETWORKS
 
 from . import SANDBOX_ID
@@ -211,9 +211,7 @@ class DockerSandbox:
                 if config.get("Subnet"):
                     used.append(ipaddress.ip_network(config["Subnet"], strict=False))
         out = subprocess.run(["ip", "-j", "-4", "addr", "show"], capture_output=True, text=True, timeout=10).stdout
-        for interface in json.loads(out or "[]"):
-            for info in interface.get("addr_info", []):
-                used.append(ipaddress.ip_network(f"{info['local']}/{info['prefixlen']}", strict=False))
+        used += [address.network for address in parse_ip_addr(out)]
         for _ in range(64):
             candidate = ipaddress.ip_network(f"{SUBNET_POOL.network_address + secrets.randbelow(256) * 256}/24")
             if not any(candidate.version == u.version and candidate.overlaps(u) for u in used):

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import ipaddress
-import json
 import os
 import pwd
 import secrets
@@ -22,6 +21,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from airlock.interfaces import parse_ip_addr
 from airlock.policy import SANDBOX_LINK_NETWORKS
 
 from . import SANDBOX_ID
@@ -47,12 +47,7 @@ def _run(argv: list[str], check: bool = True) -> subprocess.CompletedProcess[str
 
 
 def _used_networks() -> list[ipaddress.IPv4Network]:
-    out = _run(["ip", "-j", "-4", "addr", "show"]).stdout
-    used = []
-    for interface in json.loads(out or "[]"):
-        for info in interface.get("addr_info", []):
-            used.append(ipaddress.ip_network(f"{info['local']}/{info['prefixlen']}", strict=False))
-    return used
+    return [address.network for address in parse_ip_addr(_run(["ip", "-j", "-4", "addr", "show"]).stdout)]
 
 
 def pick_link() -> ipaddress.IPv4Network:

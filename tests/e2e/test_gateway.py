@@ -17,7 +17,6 @@ import pytest
 from airlock.dns.upstream import ResolverUnavailable
 from airlock.gateway import Gateway, GatewayConfig
 from airlock.policy import Sandbox, load_policy, parse_policy
-from airlock.proxy.addon import HttpPolicy, PinnedConnect
 
 from gateway_proc import AIRLOCK, E2E_POLICY, PROXY, gateway_in_thread
 from netclient import ForeignListeners, in_netns, proxy_http, tcp_probe, tls_get
@@ -324,9 +323,8 @@ def test_enforcement_point_holds_when_the_early_hooks_do_nothing(
 ):
     """mitmproxy swallows addon exceptions; if an early hook ever let a request through, `server_connect`
     must still judge it. Disable the early hooks and check that it does, also when the resolver raises."""
-    for addon in inproc_gateway.addons:
-        if isinstance(addon, HttpPolicy):
-            addon.requestheaders = addon.http_connect = lambda flow: None  # type: ignore[method-assign]
+    assert inproc_gateway.airlock is not None
+    inproc_gateway.airlock.requestheaders = inproc_gateway.airlock.http_connect = lambda flow: None  # type: ignore[method-assign]
     if resolver_breaks:
 
         async def broken(name: str):
@@ -403,7 +401,8 @@ def test_failed_upstream_connects_leave_no_per_connection_state(
     assert in_netns(topology.sbx, proxy_http, PROXY, "http://203.0.113.99:443/").status == 502  # timed out
     assert in_netns(topology.sbx, proxy_http, PROXY, "http://allowed.test/").status == 200
     time.sleep(0.5)
-    pinned = next(addon for addon in inproc_gateway.addons if isinstance(addon, PinnedConnect))
+    assert inproc_gateway.airlock is not None
+    pinned = inproc_gateway.airlock.pinned
     assert (inproc_gateway.shared.resolved, pinned._names, pinned._timers) == ({}, {}, {})
     assert inproc_gateway.shared.upstream_of == {} and sum(inproc_gateway.shared.upstreams.values()) == 0
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import contextlib
 import ipaddress
 import struct
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -17,8 +17,9 @@ from mitmproxy.proxy.context import Context
 from mitmproxy.proxy.server_hooks import ServerConnectionHookData
 from mitmproxy.test import taddons, tflow, tutils
 
+from airlock.audit import AuditRecord
 from airlock.dns.upstream import Answer, NameNotFound, Resolver, ResolverUnavailable
-from airlock.policy import AuditRecord, IPAddress, Sandbox, SandboxRegistry, parse_policy
+from airlock.policy import KnownAddresses, LivePolicy, Sandbox, SandboxRegistry, parse_policy
 from airlock.proxy.addon import (
     GatewaySettings,
     HttpAudit,
@@ -28,7 +29,7 @@ from airlock.proxy.addon import (
     TunnelPolicy,
     _ClientState,
     _Shared,
-    build_addons,
+    build_addon,
 )
 
 POLICY = parse_policy(
@@ -123,16 +124,6 @@ class FakeResolver:
         return reply
 
 
-class FixedLocal:
-    """The bind probe of proxy/local.py, without sockets: these addresses are the gateway's."""
-
-    def __init__(self, own: Iterable[str]) -> None:
-        self.own = frozenset(ipaddress.ip_address(a) for a in own)
-
-    def among(self, addresses: Iterable[IPAddress]) -> frozenset[IPAddress]:
-        return frozenset(a for a in addresses if a in self.own)
-
-
 @dataclass
 class Gateway:
     shared: _Shared
@@ -171,10 +162,11 @@ def gateway(zone: dict[str, Reply] | None = None, **settings: Any) -> Gateway:
     resolver = FakeResolver(ZONE if zone is None else zone)
     records: list[AuditRecord] = []
     registry = SandboxRegistry([SBX, TIGHT])
-    config = GatewaySettings(own_addresses=frozenset({ipaddress.ip_address(OWN)}), **settings)
-    shared, addons = build_addons(POLICY, registry, cast(Resolver, resolver), records.append, config)
-    shared.local = FixedLocal([PROBED])  # type: ignore[assignment]
-    return Gateway(shared, resolver, records, addons)
+    config = GatewaySettings(**settings)
+    # The gateway's own addresses, as its probe would find them (no sockets here): the listen one and one more.
+    own = KnownAddresses(frozenset({ipaddress.ip_address(OWN), ipaddress.ip_address(PROBED)}))
+    airlock = build_addon(LivePolicy(POLICY, registry, own), cast(Resolver, resolver), records.append, config)
+    return Gateway(airlock.shared, resolver, records, list(airlock.concerns))
 
 
 @contextlib.contextmanager

@@ -9,9 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from airlock import audit
-from airlock.audit import AuditLog
-from airlock.policy import AuditRecord
+from airlock.audit import AuditLog, AuditRecord, sink
 
 
 def record(path: str) -> AuditRecord:
@@ -44,8 +42,8 @@ def test_a_log_that_cannot_be_written_is_a_failure_said_once(caplog: pytest.LogC
 
 
 def test_lines_wait_for_the_log_up_to_a_bound(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture):
-    monkeypatch.setattr(audit, "MAX_WAITING_BYTES", 1000)
-    monkeypatch.setattr(audit, "REPORT_INTERVAL", 0.0)
+    monkeypatch.setattr(sink, "MAX_WAITING_BYTES", 1000)
+    monkeypatch.setattr(sink, "REPORT_INTERVAL", 0.0)
     log = AuditLog("/dev/full")
     for i in range(10):
         log.emit(record(f"/{i}"))

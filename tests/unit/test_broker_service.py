@@ -26,11 +26,11 @@ from aiohttp.test_utils import TestClient, TestServer
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import rsa
 
+from airlock.audit import AuditRecord
 from airlock.broker.github import AppCredential, GitHubClient, StaticCredential
-from airlock.broker.service import MAX_BODY, MAX_REQUEST_BYTES, MAX_TITLE, Broker, BrokerSettings, _RateLimiter
+from airlock.broker.service import MAX_BODY, MAX_REQUEST_BYTES, MAX_TITLE, Broker, BrokerSettings
 from airlock.broker.store import SqliteStore, StoreError
 from airlock.broker.tokens import KeyRing, TokenAuthority
-from airlock.policy import AuditRecord
 
 LOOPBACK = "127.0.0.1"
 SANDBOX = "sbx-1"
@@ -1200,20 +1200,6 @@ async def test_failed_authentication_budget_refills(make: Factory) -> None:
     assert limited.status == 429 and limited.headers["Retry-After"] == "1"  # whole seconds, rounded up
     await asyncio.sleep(0.1)
     assert (await h.pr(token)).status == 201
-
-
-def test_rate_limiter_forgets_only_refilled_buckets(monkeypatch: pytest.MonkeyPatch) -> None:
-    clock = [1000.0]
-    monkeypatch.setattr(time, "monotonic", lambda: clock[0])
-    limiter = _RateLimiter(rate=1.0, burst=3)  # an empty bucket is full again after 3 s
-    for n in range(100):
-        assert limiter.take(f"10.0.0.{n}")
-    clock[0] += 2.5
-    assert all(limiter.take("busy") for _ in range(3))
-    clock[0] += 0.5
-    assert limiter.take("new")
-    assert set(limiter._buckets) == {"busy", "new"}  # the 100 have refilled: forgotten
-    assert not limiter.take("busy")  # still limited
 
 
 # --- broker state failures --------------------------------------------------------------------------------------

@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 
+from airlock.audit import AuditRecord
 from airlock.broker.redact import MARK, Redactor, clip
 from airlock.broker.shapes import (
     BOOL,
@@ -21,7 +22,6 @@ from airlock.broker.shapes import (
     loads,
     nesting,
 )
-from airlock.policy import AuditRecord
 
 # --- nesting, counted before the recursive parser sees it ---------------------------------------------------------
 

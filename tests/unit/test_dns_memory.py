@@ -8,9 +8,10 @@ import json
 import pytest
 from dnslib import EDNS0, QTYPE, RR, A, DNSRecord
 
+from airlock.audit import AuditRecord, RepeatedDecisions
 from airlock.dns.memory import ReplyMemory, name_end
-from airlock.dns.server import SubdomainRate
-from airlock.policy import AuditRecord, ReasonCode, RepeatedDecisions, parse_policy
+from airlock.dns.resolver import SubdomainRate
+from airlock.policy import ReasonCode, parse_policy
 
 POLICY = parse_policy("version: 1\nprofiles:\n  default:\n    allow:\n      - host: allowed.test\n")
 OTHER_POLICY = parse_policy("version: 1\nprofiles:\n  default:\n    allow:\n      - host: allowed.test\n")

@@ -21,9 +21,11 @@ from dataclasses import dataclass
 import pytest
 from dnslib import QTYPE, RCODE, RR, DNSRecord
 
-from airlock.dns.server import DnsServer, DnsSettings, PolicyResolver
+from airlock.audit import AuditRecord
+from airlock.dns.admission import DnsSettings
+from airlock.dns.server import DnsServer
 from airlock.dns.upstream import Answer, Resolver, ResolverConfig
-from airlock.policy import AuditRecord, ReasonCode, Sandbox, SandboxRegistry, parse_policy
+from airlock.policy import LivePolicy, ReasonCode, Sandbox, SandboxRegistry, parse_policy
 
 LOCALHOST = "127.0.0.1"
 
@@ -113,8 +115,8 @@ def upstream() -> Iterator[Upstream]:
 
 @dataclass
 class Gateway:
-    dns: PolicyResolver
     server: DnsServer
+    live: LivePolicy
     audit: list[AuditRecord]
 
     @property
@@ -131,19 +133,19 @@ async def running(resolver: Resolver, network: str = "127.0.0.0/8", **settings: 
     """A DnsServer (UDP and TCP on one free port of 127.0.0.1) for the sandbox `network`."""
     audit: list[AuditRecord] = []
     registry = SandboxRegistry([Sandbox("sbx", "default", ipaddress.ip_network(network))])
-    dns = PolicyResolver(POLICY, registry, resolver, audit.append, DnsSettings(**settings))  # type: ignore[arg-type]
+    live = LivePolicy(POLICY, registry)
     for _ in range(20):
         with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
             probe.bind((LOCALHOST, 0))
             port = probe.getsockname()[1]
-        server = DnsServer(dns, LOCALHOST, port)
+        server = DnsServer(live, resolver, audit.append, DnsSettings(**settings), LOCALHOST, port)  # type: ignore[arg-type]
         try:
             await server.start()
         except OSError:  # the TCP port was taken
             await server.stop()
             continue
         try:
-            yield Gateway(dns, server, audit)
+            yield Gateway(server, live, audit)
         finally:
             await server.stop()
         return
@@ -220,6 +222,38 @@ async def test_a_cname_chain_through_a_denied_name_is_refused(
     assert (rcode(again), answers(again)) == (code, addresses)
 
 
+# --- a reload while a query waits -----------------------------------------------------------------------------
+
+
+class GatedResolver(Resolver):
+    """The shared resolver, but each upstream question waits until the test lets it go."""
+
+    def __init__(self, upstream: Upstream) -> None:
+        super().__init__(ResolverConfig(servers=[(LOCALHOST, upstream.port)], attempts=1))
+        self.asked, self.release = asyncio.Event(), asyncio.Event()
+
+    async def query(self, name: str, qtype: int) -> Answer:
+        self.asked.set()
+        await self.release.wait()
+        return await super().query(name, qtype)
+
+
+async def test_a_reply_decided_before_a_reload_is_never_remembered_as_one_of_the_new_policy(
+    upstream: Upstream,
+) -> None:
+    resolver = GatedResolver(upstream)
+    closed = parse_policy("version: 1\nprofiles:\n  default:\n    allow:\n      - host: other.test\n", "closed.yaml")
+    async with running(resolver) as gw:
+        first = asyncio.create_task(ask(gw.port, "www.allowed.test"))
+        await resolver.asked.wait()
+        gw.live.replace(closed)  # SIGHUP while the query waits on upstream
+        resolver.release.set()
+        assert answers(await first) == ["192.0.2.10"]  # judged whole under the policy it started under
+        again = await ask(gw.port, "www.allowed.test")  # within the second a reply is remembered for
+    assert rcode(again) == "REFUSED" and gw.audit[-1].rule is None and "closed.yaml" not in gw.audit[-1].reason
+    assert gw.audit[-1].code == ReasonCode.NOT_ALLOWLISTED
+
+
 # --- queries waiting on upstream, per sandbox ---------------------------------------------------------------------
 
 
@@ -265,7 +299,7 @@ async def test_a_flood_from_an_address_of_no_sandbox_costs_a_few_lines_and_no_ta
     upstream: Upstream,
 ) -> None:
     async with running(make_resolver(upstream), network="127.0.0.2/32") as gw:  # 127.0.0.1 is no sandbox
-        gw.dns.strangers.interval = 0.5
+        gw.server.admission.strangers.interval = 0.5
         loop = asyncio.get_running_loop()
         spawned: list[object] = []
         default = loop.get_task_factory()
@@ -286,7 +320,7 @@ async def test_a_flood_from_an_address_of_no_sandbox_costs_a_few_lines_and_no_ta
     summaries = [r for r in gw.audit if "not audited one by one" in r.reason]
     assert len(one_by_one) == 10 and len(summaries) == 1 and len(gw.audit) == 11
     # A burst this size may overflow the socket's receive buffer: what arrived beyond the first 10 is counted.
-    dropped = gw.dns.stats["dropped_unknown_source"]
+    dropped = gw.server.stats["dropped_unknown_source"]
     assert 100 <= dropped <= 290 and summaries[0].extra == {"suppressed": dropped, "clients": {LOCALHOST: dropped}}
     assert (summaries[0].kind, summaries[0].sandbox, summaries[0].decision) == ("dns", "-", "deny")
     assert sum(upstream.asked.values()) == 0
@@ -322,7 +356,7 @@ def _declare_and_wait(port: int, declared: int) -> tuple[bytes, float]:
 async def test_tcp_query_declared_too_long_is_refused_at_once(gateway: Gateway) -> None:
     data, elapsed = await asyncio.to_thread(_declare_and_wait, gateway.port, 1233)
     assert data == b"" and elapsed < 1  # closed without waiting for 1233 bytes that will never come
-    assert gateway.dns.stats["dropped_oversize"] == 1
+    assert gateway.server.stats["dropped_oversize"] == 1
     assert answers(await ask(gateway.port, "www.allowed.test", tcp=True)) == ["192.0.2.10"]
 
 
@@ -360,7 +394,7 @@ def open_fds() -> int:
 async def test_tcp_client_that_never_reads_is_dropped(upstream: Upstream) -> None:
     async with running(make_resolver(upstream), tcp_timeout=0.5, rate_per_second=1e6) as gw:
         assert len(answers(await ask(gw.port, "many.allowed.test", tcp=True))) == 60  # now cached
-        while gw.server._tcp_open["sbx"]:  # that connection's end, seen by the server
+        while gw.server.admission.tcp_connections("sbx"):  # that connection's end, seen by the server
             await asyncio.sleep(0.01)
         assert gw.server._tcp is not None
         for listener in gw.server._tcp.sockets:  # small kernel buffers (inherited on accept): the server stalls soon
@@ -372,7 +406,7 @@ async def test_tcp_client_that_never_reads_is_dropped(upstream: Upstream) -> Non
         assert await asyncio.to_thread(client.stalled.wait, 10), "the server stopped taking questions"
         await asyncio.sleep(1.0)  # the server's reply has waited on the client for longer than tcp_timeout
         try:
-            assert gw.server._tcp_open["sbx"] == 0
+            assert gw.server.admission.tcp_connections("sbx") == 0
             assert open_fds() == before + 1  # only the client's socket: the server's is closed, not lingering
         finally:
             client.read_now.set()
@@ -382,7 +416,7 @@ async def test_tcp_client_that_never_reads_is_dropped(upstream: Upstream) -> Non
 async def test_stop_closes_idle_tcp_clients_instead_of_waiting_for_them(upstream: Upstream) -> None:
     async with running(make_resolver(upstream), tcp_timeout=60) as gw:
         idle = await asyncio.to_thread(socket.create_connection, (LOCALHOST, gw.port), 3)
-        while not gw.server._tcp_open["sbx"]:
+        while not gw.server.admission.tcp_connections("sbx"):
             await asyncio.sleep(0.01)
         # Well below tcp_timeout: stop() must not wait for the idle client to time out.
         await asyncio.wait_for(gw.server.stop(), 5)
@@ -395,15 +429,15 @@ async def test_stop_closes_idle_tcp_clients_instead_of_waiting_for_them(upstream
 
 
 async def test_a_refusal_is_audited_with_the_time_it_took(gateway: Gateway, monkeypatch: pytest.MonkeyPatch) -> None:
-    from airlock.dns import server as dns_server
+    from airlock.dns import resolver as dns_resolver
 
-    judge = dns_server.decide_name
+    judge = dns_resolver.decide_name
 
     def slow_judge(*args: object):
         time.sleep(0.03)  # a slow policy decision, as a big policy on a loaded host makes it
         return judge(*args)
 
-    monkeypatch.setattr(dns_server, "decide_name", slow_judge)
+    monkeypatch.setattr(dns_resolver, "decide_name", slow_judge)
     assert rcode(await ask(gateway.port, "x.blocked.test")) == "REFUSED"
     [record] = gateway.audit
     assert record.decision == "deny" and record.duration_ms >= 30, record

@@ -11,9 +11,8 @@ import textwrap
 
 import pytest
 
-from airlock.dns.throttle import AuditThrottle
+from airlock.audit import AuditRecord, AuditThrottle
 from airlock.gateway import GatewayError, connection_caps, raise_open_file_limit
-from airlock.policy import AuditRecord
 
 # (id, open files, sandboxes, --max-connections, --max-tunnels, expected (total, per sandbox, tunnels), notes)
 CAPS = [

@@ -11,17 +11,23 @@ import pytest
 from mitmproxy import hooks
 from mitmproxy.test import tflow
 
+from airlock.audit import AuditRecord
 from airlock.dns.upstream import Resolver, ResolverConfig
-from airlock.policy import AuditRecord, Sandbox, SandboxRegistry, parse_policy
-from airlock.proxy.addon import GatewaySettings, HttpAudit, SandboxIdentity, build_addons
+from airlock.policy import LivePolicy, Sandbox, SandboxRegistry, parse_policy
+from airlock.proxy.addon import Airlock, GatewaySettings, HttpAudit, SandboxIdentity, build_addon
 
 POLICY = parse_policy("version: 1\nprofiles:\n  default:\n    allow:\n      - host: allowed.test\n")
 
 
-def _addons(emit: Callable[[AuditRecord], None]) -> list[object]:
+def _airlock(emit: Callable[[AuditRecord], None]) -> Airlock:
     registry = SandboxRegistry([Sandbox("sbx", "default", ipaddress.ip_network("0.0.0.0/0"))])
     resolver = Resolver(ResolverConfig([("127.0.0.1", 53)]))
-    return build_addons(POLICY, registry, resolver, emit, GatewaySettings())[1]
+    return build_addon(LivePolicy(POLICY, registry), resolver, emit, GatewaySettings())
+
+
+def _addons(emit: Callable[[AuditRecord], None]) -> list[object]:
+    """The objects that own the hooks, one per concern."""
+    return list(_airlock(emit).concerns)
 
 
 def _broken_audit(record: AuditRecord) -> None:
@@ -38,6 +44,15 @@ def test_every_hook_is_under_the_fail_closed_wrapper(addon: object) -> None:
     assert names, "an addon without hooks"
     unwrapped = [name for name in names if not hasattr(getattr(addon, name), "__wrapped__")]
     assert unwrapped == []
+
+
+def test_the_one_addon_mitmproxy_sees_dispatches_every_hook_to_its_concern_as_is() -> None:
+    airlock = _airlock(_broken_audit)
+    for concern in airlock.concerns:
+        for name in _hooks(concern):
+            assert getattr(airlock, name) == getattr(concern, name), name  # the fail-closed method itself
+    assert sorted(_hooks(airlock)) == sorted(name for concern in airlock.concerns for name in _hooks(concern))
+    assert not hasattr(airlock, "addons")  # no sub-addons: mitmproxy walks one object per event
 
 
 def _of(addons: list[object], kind: type) -> object:

@@ -19,10 +19,13 @@ from mitmproxy.proxy import events, layer
 from mitmproxy.proxy.context import Context
 from mitmproxy.test import tflow, tutils
 
-from airlock.dns.server import DnsSettings, PolicyResolver
+from airlock.audit import AuditRecord
+from airlock.dns.admission import DnsSettings
+from airlock.dns.resolver import Handler, PolicyResolver
 from airlock.dns.upstream import Answer, NameNotFound, ResolveError
 from airlock.policy import (
-    AuditRecord,
+    KnownAddresses,
+    LivePolicy,
     ReasonCode,
     Sandbox,
     SandboxRegistry,
@@ -32,7 +35,7 @@ from airlock.policy import (
     parse_policy,
     vet,
 )
-from airlock.proxy.addon import GatewaySettings, build_addons
+from airlock.proxy.addon import GatewaySettings, build_addon
 
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "audit-codes.md"
 POLICY = parse_policy(
@@ -139,10 +142,17 @@ class Proxy:
 
     def __init__(self, resolver: FakeResolver | None = None, **settings: int) -> None:
         self.audit: list[AuditRecord] = []
-        gateway = GatewaySettings(own_addresses=frozenset({OWN}), **settings)
+        gateway = GatewaySettings(**settings)
         resolver = resolver or FakeResolver()
-        self.shared, addons = build_addons(POLICY, SandboxRegistry([SANDBOX]), resolver, self.audit.append, gateway)
-        self.identity, self.http, self.tunnels, _, self.http_audit = addons
+        live = LivePolicy(POLICY, SandboxRegistry([SANDBOX]), KnownAddresses(frozenset({OWN})))
+        airlock = build_addon(live, resolver, self.audit.append, gateway)
+        self.shared, self.identity, self.http, self.tunnels = (
+            airlock.shared,
+            airlock.identity,
+            airlock.http,
+            airlock.tunnels,
+        )
+        self.http_audit = airlock.audit
 
     async def connect(self, host: str, port: int = 443) -> http.HTTPFlow:
         """A CONNECT, judged by http_connect."""
@@ -274,10 +284,9 @@ async def _dns(request: DNSRecord, **settings: int) -> str:
         "bug.names.test": RuntimeError("a bug"),  # what no resolver should raise: a fault in airlock itself
     }
     audit: list[AuditRecord] = []
-    resolver = PolicyResolver(
-        POLICY, SandboxRegistry([SANDBOX]), FakeResolver(answers), audit.append, DnsSettings(**settings)
-    )
-    await resolver.decide(request, SANDBOX, "127.0.0.1")
+    live = LivePolicy(POLICY, SandboxRegistry([SANDBOX]))
+    resolver = PolicyResolver(live, FakeResolver(answers), audit.append, DnsSettings(**settings))
+    await resolver.resolve(request, Handler("127.0.0.1", "udp", SANDBOX))
     [record] = audit
     return record.code
 

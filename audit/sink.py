@@ -18,7 +18,7 @@ import sys
 import time
 from pathlib import Path
 
-from airlock.policy import AuditRecord, RepeatedDecisions
+from .record import AuditRecord, RepeatedDecisions
 
 FLUSH_LINES = 512
 MAX_WAITING_BYTES = 32 << 20  # lines waiting while the log cannot be written; more are counted and dropped

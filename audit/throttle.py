@@ -14,8 +14,7 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from airlock.policy import AuditRecord
-from airlock.policy.records import Kind
+from .record import AuditRecord, Kind
 
 MAX_CLIENTS = 32  # distinct clients named in one summary line
 

@@ -1,0 +1,9 @@
+"""The audit side of the gateway: the record every decision leaves (one JSON line), the sink that writes the lines,
+and the throttle for refusals that come in floods. Proxy, DNS server and broker import it; it imports nothing of
+theirs, and of the policy core nothing at all."""
+
+from .record import AuditRecord, Kind, RepeatedDecisions, new_request_id
+from .sink import AuditLog
+from .throttle import AuditThrottle
+
+__all__ = ["AuditLog", "AuditRecord", "AuditThrottle", "Kind", "RepeatedDecisions", "new_request_id"]
