@@ -14,27 +14,26 @@ import subprocess
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-
-from mitmproxy import options
-from mitmproxy.addons import core, disable_h2c, next_layer, tlsconfig
-from mitmproxy.addons.proxyserver import Proxyserver
-from mitmproxy.master import Master
+from typing import TYPE_CHECKING
 
 from airlock.audit import AuditLog
-from airlock.broker.service import Broker
-from airlock.broker.store import StoreError
-from airlock.broker.tokens import TokenError
-from airlock.brokerd import BrokerConfig, BrokerRuntime
+from airlock.brokerconfig import BrokerConfig
 from airlock.dns.server import DnsServer, DnsSettings, PolicyResolver
 from airlock.dns.upstream import Resolver, ResolverConfig, Server, system_servers
+from airlock.errors import AirlockError
+from airlock.mitm import Master, Proxyserver, TlsConfig, core, disable_h2c, next_layer, options
 from airlock.policy import IPAddress, Policy, PolicyError, Sandbox, SandboxRegistry
 from airlock.proxy.addon import GatewaySettings, build_addons
 from airlock.sandbox.fence import mark_listeners
 
+if TYPE_CHECKING:
+    from airlock.broker.service import Broker
+    from airlock.brokerd import BrokerRuntime
+
 log = logging.getLogger("airlock.gateway")
 
 
-class GatewayError(Exception):
+class GatewayError(AirlockError):
     pass
 
 
@@ -145,7 +144,7 @@ class Gateway:
             core.Core(),
             Proxyserver(),
             next_layer.NextLayer(),
-            tlsconfig.TlsConfig(),
+            TlsConfig(),
             disable_h2c.DisableH2C(),
         )
         master.addons.add(*essentials, *self.addons)
@@ -162,10 +161,10 @@ class Gateway:
         self._task = asyncio.create_task(master.run())
         self._flusher = asyncio.create_task(self._flush_audit())
         proxyserver = master.addons.get("proxyserver")
-        for _ in range(200):
+        for _ in range(1000):  # 5 s; looked at often, as the start of every `airlock run` waits for it
             if proxyserver.listen_addrs() or self._task.done():
                 break
-            await asyncio.sleep(0.025)
+            await asyncio.sleep(0.005)
         if not proxyserver.listen_addrs():
             await self.stop()
             raise GatewayError(f"proxy could not listen on {config.listen}:{config.proxy_port}")
@@ -180,6 +179,11 @@ class Gateway:
                 await self.stop()
                 raise GatewayError(f"DNS server could not listen on {config.listen}:{config.dns_port}: {e}") from e
         if config.broker.port:
+            # Only now: a gateway without a broker never imports one (aiohttp, the GitHub client, the token code).
+            from airlock.broker.store import StoreError
+            from airlock.broker.tokens import TokenError
+            from airlock.brokerd import BrokerRuntime
+
             runtime = BrokerRuntime(
                 config.broker, Path(self._state_dir), self.registry, self.resolver, self.audit.emit, config.upstream_ca
             )

@@ -15,6 +15,8 @@ from pathlib import Path
 import yaml
 from publicsuffixlist import PublicSuffixList
 
+from airlock.errors import AirlockError
+
 from .addresses import EMBEDDING_NETWORKS, Network, covers_metadata
 from .hosts import HostError, canonical_host, is_ip
 from .model import DEFAULT_ALLOW_PORTS, Action, DnsLimits, Policy, Profile, Rule
@@ -50,7 +52,7 @@ _DNS_NUMBERS: dict[str, tuple[type[int] | type[float], tuple[str, ...], int, int
 _YAML_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 
 
-class PolicyError(Exception):
+class PolicyError(AirlockError):
     def __init__(self, errors: list[str]) -> None:
         super().__init__("\n".join(errors))
         self.errors = errors
