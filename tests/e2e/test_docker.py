@@ -23,7 +23,7 @@ from airlock.policy import load_policy
 from airlock.sandbox import docker as docker_backend
 from airlock.sandbox.docker import LABEL, DockerSandbox, Limits, fence_table, remove_sandbox
 from airlock.sandbox.fence import Fence
-from airlock.sandbox.launch import launch
+from airlock.sandbox.docker_launch import launch
 
 from gateway_proc import AIRLOCK, E2E_POLICY
 from netclient import ForeignListeners, in_netns
