@@ -8,6 +8,8 @@ import asyncio
 import ipaddress
 import logging
 import signal
+import socket
+import ssl
 import sys
 
 from airlock.brokerconfig import BrokerConfig
@@ -80,6 +82,8 @@ def gateway_config(args: argparse.Namespace, policy: Policy, listen: str, sandbo
         raise UsageError(f"--upstream-dns: {e}") from None
     if args.profile and args.profile not in policy.profiles:
         raise UsageError(f"no profile {args.profile!r} in {policy.source}")
+    if args.upstream_ca:
+        check_ca_bundle(args.upstream_ca)
     return GatewayConfig(
         policy=policy,
         listen=listen,
@@ -113,6 +117,26 @@ def gateway_config(args: argparse.Namespace, policy: Policy, listen: str, sandbo
     )
 
 
+def check_ca_bundle(path: str) -> None:
+    """UsageError unless `path` holds CA certificates: a bundle that does not load would be found out only when
+    the broker first calls GitHub (and the proxy, which passes TLS through, never reads it)."""
+    try:
+        ssl.create_default_context(cafile=path)
+    except (OSError, ssl.SSLError) as e:
+        raise UsageError(f"--upstream-ca {path}: no CA certificates there ({e.strerror or e})") from None
+
+
+def local_address(address: str) -> None:
+    """UsageError unless `address` is one of this host's (network namespace's) own: mitmproxy would log its bind
+    error and the gateway wait for a listener that never comes."""
+    family = socket.AF_INET6 if ":" in address else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        try:
+            probe.bind((address, 0))
+        except OSError as e:
+            raise UsageError(f"--listen {address}: {e.strerror}: not an address of this host") from None
+
+
 def sandboxes(specs: list[str], profile: str | None, policy: Policy) -> list[Sandbox]:
     """`--sandbox ID=CIDR[:PROFILE]`; with none given, one sandbox `default` covers every client."""
     if not specs:
@@ -141,6 +165,7 @@ def cmd_gateway(args: argparse.Namespace) -> int:
         ipaddress.ip_address(args.listen)
     except ValueError:
         raise UsageError(f"--listen {args.listen!r}: give the IP address to listen on (127.0.0.1, ::1, ...)") from None
+    local_address(args.listen)
     args.state_dir = args.state_dir or DEFAULT_STATE_DIR
     policy = load_policy_file(args.policy)
     config = gateway_config(args, policy, args.listen, sandboxes(args.sandbox or [], args.profile, policy))

@@ -38,7 +38,10 @@ def cmd_policy_check(args: argparse.Namespace) -> int:
 def parse_target(text: str) -> tuple[str, int]:
     """A URL (`https://host/path`) or `host:port` → (canonical host, port)."""
     if "://" in text:
-        parts = urlsplit(text)
+        try:
+            parts = urlsplit(text)
+        except ValueError as e:  # an unclosed [IPv6 bracket
+            raise UsageError(f"{text!r}: {e}") from None
         if parts.scheme not in {"http", "https"} or not parts.hostname:
             raise UsageError(f"{text!r}: only http:// and https:// URLs")
         if parts.username is not None or parts.password is not None:
