@@ -166,6 +166,8 @@ def cmd_gateway(args: argparse.Namespace) -> int:
     except ValueError:
         raise UsageError(f"--listen {args.listen!r}: give the IP address to listen on (127.0.0.1, ::1, ...)") from None
     local_address(args.listen)
+    # A service: its INFO lines (listening, a policy reloaded) are what its operator reads, -v or not.
+    logging.getLogger("airlock").setLevel(logging.INFO)
     args.state_dir = args.state_dir or DEFAULT_STATE_DIR
     policy = load_policy_file(args.policy)
     config = gateway_config(args, policy, args.listen, sandboxes(args.sandbox or [], args.profile, policy))
