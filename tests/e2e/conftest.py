@@ -155,6 +155,17 @@ def gateway(
 
 
 @pytest.fixture
+def gateway_ports_free(gateway: GatewayProcess) -> Iterator[None]:
+    """The proxy, DNS and broker ports free on every address of the gateway namespace, for tests that bind them
+    as another program would: the shared gateway (listening on them) is stopped meanwhile, started after."""
+    gateway.stop()
+    try:
+        yield
+    finally:
+        gateway.start()
+
+
+@pytest.fixture
 def own_gateway(
     topology: Topology,
     fakenet: FakeNet,

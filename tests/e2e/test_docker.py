@@ -22,8 +22,8 @@ from airlock.gateway import Gateway, GatewayConfig
 from airlock.policy import load_policy
 from airlock.sandbox import docker as docker_backend
 from airlock.sandbox.docker import LABEL, DockerSandbox, Limits, fence_table, remove_sandbox
-from airlock.sandbox.fence import Fence
 from airlock.sandbox.docker_launch import launch
+from airlock.sandbox.fence import Fence
 
 from gateway_proc import AIRLOCK, E2E_POLICY
 from netclient import ForeignListeners, in_netns
@@ -420,7 +420,7 @@ while True:
 
 
 def test_a_killed_launcher_leaves_no_container_and_no_way_to_another_program_on_its_ports(
-    topology: Topology, docker_run, docker_env
+    topology: Topology, docker_run, docker_env, gateway_ports_free: None
 ):
     # The container would run on unserved and untimed: the watchdog removes it, and until it has, the fence
     # lets nothing reach a program that took the gateway's ports.

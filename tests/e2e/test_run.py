@@ -297,7 +297,7 @@ def _pids_with(marker: str) -> list[int]:
 
 @pytest.mark.parametrize("isolation", ["bwrap", "none"])
 def test_a_killed_launcher_leaves_no_sandbox_and_no_way_to_another_program_on_its_ports(
-    topology: Topology, run_in_gw, isolation: str
+    topology: Topology, run_in_gw, gateway_ports_free: None, isolation: str
 ):
     # bubblewrap's --die-with-parent ends only the command (and without bubblewrap nothing would): the watchdog
     # removes the rest, and until it has, the fence lets nothing reach a program that took the gateway's ports.
