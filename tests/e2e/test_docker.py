@@ -440,7 +440,7 @@ def test_a_killed_launcher_leaves_no_container_and_no_way_to_another_program_on_
             while left := [
                 what
                 for what, there in (
-                    ("container", docker_env.client.containers.list(all=True, filters=label)),
+                    ("container", docker_env.client.api.containers(all=True, filters=label)),  # no inspect: no race
                     ("network", docker_env.client.networks.list(filters=label)),
                     ("fence", fence_table(sandbox_id) in topology.run(topology.gw, ["nft", "list", "tables"]).stdout),
                 )
