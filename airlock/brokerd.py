@@ -12,7 +12,6 @@ import socket
 import ssl
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +25,7 @@ from airlock.broker.service import Broker, BrokerSettings
 from airlock.broker.shapes import CREDENTIAL
 from airlock.broker.store import SqliteStore
 from airlock.broker.tokens import KeyRing, TokenAuthority
+from airlock.brokerconfig import BrokerConfig, BrokerConfigError, admin_endpoint
 from airlock.dns.upstream import ResolveError, Resolver
 from airlock.policy import HostError, LivePolicy, TokenBuckets, canonical_host, parse_ip_literal
 
@@ -59,47 +59,27 @@ HTTP_LOG = logging.getLogger("airlock.broker.http")  # the broker listeners' own
 HTTP_LOG.addFilter(_ProtocolErrors())
 
 
-class BrokerConfigError(ValueError):
-    pass
-
-
-@dataclass
-class BrokerConfig:
-    port: int = 8080  # sandbox-facing, on the gateway's sandbox address; 0: no broker
-    admin: str | None = None  # unix socket path or 127.0.0.1:PORT; default <state>/admin.sock
-    github_api: str = "https://api.github.com"
-    github_git: str | None = None  # where git reaches the repositories; None: derived from github_api
-    github_app_id: str | None = None
-    github_app_key: str | None = None  # PEM file
-    github_installation_id: int | None = None
-    github_token_file: str | None = None
-    github_token_env: str | None = None
-    github_timeout: float = 10.0
-    token_ttl: int = 900
-    token_max_ttl: int = 3600
-    calls_per_minute: int = 30
-    max_connections_per_client: int = 32  # open connections to the sandbox-facing listener per source address
-
-    def credential(self) -> Credential | None:
-        if self.github_app_id or self.github_app_key:
-            if not (self.github_app_id and self.github_app_key):
-                raise BrokerConfigError("GitHub App mode needs both --github-app-id and --github-app-key")
-            try:
-                key = Path(self.github_app_key).read_text()
-            except OSError as e:
-                raise BrokerConfigError(f"cannot read the GitHub App key: {e}") from None
-            return AppCredential(self.github_app_id, key, self.github_installation_id)
-        if self.github_token_file:
-            try:
-                return _static(Path(self.github_token_file).read_text().strip(), "the GitHub token file")
-            except OSError as e:
-                raise BrokerConfigError(f"cannot read the GitHub token file: {e}") from None
-        if self.github_token_env:
-            token = os.environ.get(self.github_token_env, "").strip()
-            if not token:
-                raise BrokerConfigError(f"environment variable {self.github_token_env} is empty")
-            return _static(token, f"environment variable {self.github_token_env}")
-        return None
+def credential(config: BrokerConfig) -> Credential | None:
+    """The GitHub credential the broker acts with: an App's key, a static token from a file or a variable, or none."""
+    if config.github_app_id or config.github_app_key:
+        if not (config.github_app_id and config.github_app_key):
+            raise BrokerConfigError("GitHub App mode needs both --github-app-id and --github-app-key")
+        try:
+            key = Path(config.github_app_key).read_text()
+        except (OSError, ValueError) as e:  # ValueError: undecodable bytes
+            raise BrokerConfigError(f"cannot read the GitHub App key: {e}") from None
+        return AppCredential(config.github_app_id, key, config.github_installation_id)
+    if config.github_token_file:
+        try:
+            return _static(Path(config.github_token_file).read_text().strip(), "the GitHub token file")
+        except (OSError, ValueError) as e:
+            raise BrokerConfigError(f"cannot read the GitHub token file: {e}") from None
+    if config.github_token_env:
+        token = os.environ.get(config.github_token_env, "").strip()
+        if not token:
+            raise BrokerConfigError(f"environment variable {config.github_token_env} is empty")
+        return _static(token, f"environment variable {config.github_token_env}")
+    return None
 
 
 def _static(token: str, where: str) -> StaticCredential:
@@ -234,14 +214,14 @@ class BrokerRuntime:
         keys = KeyRing(self.state_dir / "keys", config.token_max_ttl)
         # Off the event loop, as every later store call: the proxy and DNS already serve, and the file may be locked.
         store = await asyncio.to_thread(SqliteStore, self.state_dir / "broker.sqlite3")
-        credential = config.credential()
+        github_credential = credential(config)
         github = pusher = None
-        if credential is not None:
+        if github_credential is not None:
             context = ssl.create_default_context(cafile=self.upstream_ca)
             resolver = SharedResolver(self.resolver)
             connector = aiohttp.TCPConnector(resolver=resolver, ssl=context)
             self._session = aiohttp.ClientSession(connector=connector)
-            github = GitHubClient(config.github_api, credential, self._session, config.github_timeout)
+            github = GitHubClient(config.github_api, github_credential, self._session, config.github_timeout)
             transport = GitTransport(
                 config.github_git or git_base_url(config.github_api), self.upstream_ca, resolver.addresses
             )
@@ -256,7 +236,8 @@ class BrokerRuntime:
 
         settings = BrokerSettings(calls_per_minute=config.calls_per_minute)
         authority = TokenAuthority(keys, config.token_ttl)
-        self.broker = Broker(authority, store, identify, github, self.emit, settings, pusher)
+        served = lambda: self.live.current.registry.ids()  # noqa: E731 - read at each call: a reload may add some
+        self.broker = Broker(authority, store, identify, github, self.emit, settings, pusher, serves=served)
         await self._serve(self.broker.sandbox_app(), listen, config.port, config.max_connections_per_client)
         await self._serve_admin(self.broker.admin_app())
         return self.broker
@@ -276,23 +257,20 @@ class BrokerRuntime:
         self._servers.append(server)
 
     async def _serve_admin(self, app: web.Application) -> None:
-        address = self.admin_address
-        if address.startswith("/") or not address.rpartition(":")[2].isdigit():
-            runner = web.AppRunner(app, access_log=None, logger=HTTP_LOG)
-            await runner.setup()
-            self._runners.append(runner)
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(address)
-            old_umask = os.umask(0o177)  # the socket is the admin credential: owner only
-            try:
-                await web.UnixSite(runner, address).start()
-            finally:
-                os.umask(old_umask)
+        endpoint = admin_endpoint(self.admin_address)
+        if isinstance(endpoint, tuple):
+            await self._serve(app, *endpoint)
             return
-        host, _, port = address.rpartition(":")
-        if host not in ("127.0.0.1", "::1", "localhost"):
-            raise BrokerConfigError("the admin listener must be loopback or a unix socket")
-        await self._serve(app, host, int(port))
+        runner = web.AppRunner(app, access_log=None, logger=HTTP_LOG)
+        await runner.setup()
+        self._runners.append(runner)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(endpoint)
+        old_umask = os.umask(0o177)  # the socket is the admin credential: owner only
+        try:
+            await web.UnixSite(runner, str(endpoint)).start()
+        finally:
+            os.umask(old_umask)
 
     async def stop(self) -> None:
         for server in self._servers:  # listening ends first; the runners then close the connections

@@ -16,26 +16,24 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
-
-from mitmproxy import options
-from mitmproxy.addons import core, disable_h2c, next_layer, tlsconfig
-from mitmproxy.addons.proxyserver import Proxyserver
-from mitmproxy.master import Master
+from typing import TYPE_CHECKING, Any
 
 from airlock.audit import AuditLog
-from airlock.broker.service import Broker
-from airlock.broker.store import StoreError
-from airlock.broker.tokens import TokenError
-from airlock.brokerd import BrokerConfig, BrokerRuntime
+from airlock.brokerconfig import BrokerConfig
 from airlock.dns.admission import DnsSettings
 from airlock.dns.server import DnsServer
 from airlock.dns.upstream import Resolver, ResolverConfig, Server, system_servers
+from airlock.errors import AirlockError
 from airlock.interfaces import interface_addresses
 from airlock.live import GatewayAddresses
+from airlock.mitm import Master, Proxyserver, TlsConfig, core, disable_h2c, next_layer, options
 from airlock.policy import IPAddress, LivePolicy, Policy, Sandbox, SandboxRegistry
 from airlock.proxy.addon import Airlock, GatewaySettings, build_addon
 from airlock.sandbox.fence import mark_listeners
+
+if TYPE_CHECKING:
+    from airlock.broker.service import Broker
+    from airlock.brokerd import BrokerRuntime
 
 log = logging.getLogger("airlock.gateway")
 
@@ -53,7 +51,7 @@ FD_REPORT_INTERVAL = 10.0
 RESOURCE_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
 
 
-class GatewayError(Exception):
+class GatewayError(AirlockError):
     pass
 
 
@@ -311,7 +309,7 @@ class Gateway:
             core.Core(),
             Proxyserver(),
             next_layer.NextLayer(),
-            tlsconfig.TlsConfig(),
+            TlsConfig(),
             disable_h2c.DisableH2C(),
         )
         master.addons.add(*essentials, self.airlock)
@@ -328,10 +326,10 @@ class Gateway:
         self._task = asyncio.create_task(master.run())
         self._flusher = asyncio.create_task(self._flush_audit())
         proxyserver = master.addons.get("proxyserver")
-        for _ in range(200):
+        for _ in range(1000):  # 5 s; looked at often, as the start of every `airlock run` waits for it
             if proxyserver.listen_addrs() or self._task.done():
                 break
-            await asyncio.sleep(0.025)
+            await asyncio.sleep(0.005)
         if not proxyserver.listen_addrs():
             await self.stop()
             raise GatewayError(f"proxy could not listen on {config.listen}:{config.proxy_port}")
@@ -348,6 +346,11 @@ class Gateway:
                 await self.stop()
                 raise GatewayError(f"DNS server could not listen on {config.listen}:{config.dns_port}: {e}") from e
         if config.broker.port:
+            # Only now: a gateway without a broker never imports one (aiohttp, the GitHub client, the token code).
+            from airlock.broker.store import StoreError
+            from airlock.broker.tokens import TokenError
+            from airlock.brokerd import BrokerRuntime
+
             runtime = BrokerRuntime(
                 config.broker, Path(self._state_dir), live, self.resolver, self.audit.emit, config.upstream_ca
             )

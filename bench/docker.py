@@ -10,12 +10,13 @@ DNS server 192.0.2.53); the sandbox image is scripts/build-test-image's Debian r
    - `airlock run --backend docker --image IMG --policy tests/e2e/policies/e2e.yaml --upstream-dns 192.0.2.53
      --sandbox-id <prefix>bN -- sh -c PROBE`, launched in the gateway namespace (`ip netns exec`) with DOCKER_HOST
      pointing at the private daemon, timed end to end from the host: network + fence, embedded gateway (proxy,
-     DNS, broker), container, the request, teardown, and the CLI's own start-up (Python imports) — what a user
-     waits for.
-   - The same in-process, as `airlock run` does it (`airlock.sandbox.launch.launch`, then `DockerHandle.close`),
+     DNS; no broker, as the probe holds no token), container, the request, teardown, and the CLI's own start-up
+     (Python imports) — what a user waits for.
+   - The same in-process, as `airlock run` does it (its `run_config()`, then `airlock.sandbox.docker_launch.launch`
+     and `DockerHandle.close`),
      in a thread that joined the gateway namespace, with a timestamp after each step `launch()` takes (its methods
      wrapped in this process only): network + fence (`DockerSandbox.create`), gateway start (`Gateway.start`:
-     proxy, DNS, broker), container create + start (`DockerSandbox.start`, docker API), then the first byte;
+     proxy, DNS), container create + start (`DockerSandbox.start`, docker API), then the first byte;
      teardown (`Gateway.stop`, then `DockerSandbox.destroy`: container, network and fence removed). A 5 ms ticker
      on the same event loop measures how long `launch()` keeps that loop from running anything else.
    PROBE prints the time (`date +%s.%N`, the host's clock: containers share its kernel) before and after one
@@ -56,10 +57,12 @@ sys.path.append(str(REPO / "bench"))
 
 import docker  # noqa: E402
 
-from airlock import cli  # noqa: E402
+from airlock.cli import build_parser  # noqa: E402
+from airlock.cli.common import load_policy_file  # noqa: E402
+from airlock.cli.run import run_config  # noqa: E402
 from airlock.gateway import Gateway  # noqa: E402
 from airlock.sandbox.docker import LABEL, DockerSandbox  # noqa: E402
-from airlock.sandbox.launch import launch  # noqa: E402
+from airlock.sandbox.docker_launch import launch  # noqa: E402
 
 import common  # noqa: E402
 from common import fmt, percentile  # noqa: E402
@@ -184,7 +187,7 @@ def cli_once(topo: Topology, env: dict[str, str], image: str, sandbox_id: str) -
     }
 
 
-IMPORTS = "import airlock.cli, airlock.gateway, airlock.sandbox.docker, docker"
+IMPORTS = "import airlock.cli.run, airlock.sandbox.docker_launch, docker"
 
 
 def startup_once(topo: Topology, env: dict[str, str]) -> dict[str, float]:
@@ -243,21 +246,19 @@ async def _ticker(stalls: list[float], period: float = 0.005) -> None:
 
 
 async def _inprocess(client: docker.DockerClient, image: str, sandbox_id: str, state_dir: Path) -> dict[str, float]:
-    """What `airlock run --backend docker` does (airlock/cli.py `_run_docker`): `launch()`, wait, logs, close."""
+    """What `airlock run --backend docker` does (airlock/cli/run.py `_run_docker`): `launch()`, wait, logs, close."""
     argv = ["run", "--backend", "docker", "--image", image, "--policy", str(E2E_POLICY)]
     argv += ["--upstream-dns", DNS_SERVER, "--sandbox-id", sandbox_id, "--state-dir", str(state_dir), "--", "true"]
-    args = cli.build_parser().parse_args(argv)
-    policy = cli._load(args.policy)
-    limits = cli.docker_limits(args)
-    config = cli._gateway_config(args, policy, "0.0.0.0", [])
+    args = build_parser(["run"]).parse_args(argv)
+    run = run_config(args, ["sh", "-c", PROBE], load_policy_file(args.policy))
     MARKS.clear()
     stalls: list[float] = []
     ticker = asyncio.ensure_future(_ticker(stalls))
     await asyncio.sleep(0.02)
     t0 = time.time()
     handle = await launch(
-        client, image, ["sh", "-c", PROBE], config, profile=args.profile, sandbox_id=sandbox_id, limits=limits,
-        mounts=[], env={}, grants=[], token_ttl=args.token_ttl,
+        client, image, run.command, run.gateway, profile=run.profile, sandbox_id=sandbox_id, limits=run.limits,
+        mounts=run.mounts, env=run.env, grants=run.grants, token_ttl=run.token_ttl,
     )  # fmt: skip
     launched = time.time()
     await asyncio.sleep(0.02)  # the ticker wakes and records the gap launch()'s last blocking call left
@@ -484,7 +485,7 @@ def report(command: str, args: argparse.Namespace, data: dict[str, Any]) -> str:
     row("for comparison, alone: `ip netns exec` + Python + airlock's imports", c, "startup")
     lines += [
         "",
-        "| the same in-process (`airlock.sandbox.launch.launch`, then `close()`), phase | p50 | p95 | min | max |",
+        "| the same in-process (`airlock.sandbox.docker_launch.launch`, then `close()`), phase | p50 | p95 | min | max |",  # noqa: E501
         "|---|---:|---:|---:|---:|",
     ]
     row("network + fence (`DockerSandbox.create`)", p, "create")

@@ -136,10 +136,12 @@ class Broker:
         emit: Callable[[AuditRecord], None],
         settings: BrokerSettings | None = None,
         pusher: Pusher | None = None,
+        serves: Callable[[], list[str]] | None = None,
     ) -> None:
         self.authority = authority
         self.store = store
         self.identify = identify  # client address → sandbox id (from the gateway's registry)
+        self.serves = serves  # the ids of the sandboxes the gateway serves; None: any id may be given a token
         self.github = github
         self.emit = emit
         self.pusher = pusher
@@ -419,11 +421,23 @@ class Broker:
         except TokenError as e:
             raise BrokerError(422, "invalid_request", str(e)) from None
 
+    async def issue(self, sandbox: str, grants: list[Grant], ttl: int | None = None) -> tuple[str, Claims]:
+        """Mint a token and remember its id until it expires (so that a revocation can tell it from a typo)."""
+        token, claims = self.mint(sandbox, grants, ttl)
+        await self._store(lambda: self.store.record_issued(claims.jti, sandbox, claims.expires_at))
+        return token, claims
+
     async def issue_token(self, request: web.Request) -> web.Response:
         body = await _json_object(request)
         sandbox = body.get("sandbox")
         if not isinstance(sandbox, str) or not sandbox:
             raise BrokerError(422, "invalid_request", "sandbox is required")
+        if self.serves is not None and sandbox not in (served := self.serves()):
+            # Its token would be refused at once: the broker binds a token to the sandbox its caller comes from.
+            known = ", ".join(served) or "none"
+            raise BrokerError(
+                422, "unknown_sandbox", f"this gateway serves no sandbox {sandbox!r} (it serves: {known})"
+            )
         raw_grants = body.get("grants", [])
         if not isinstance(raw_grants, list):  # a string or object would be iterated, a number would raise
             raise BrokerError(422, "invalid_request", "grants must be a list of grant objects")
@@ -434,18 +448,21 @@ class Broker:
         ttl = body.get("ttl")
         if ttl is not None and (not isinstance(ttl, int) or isinstance(ttl, bool)):  # true is not 1 second
             raise BrokerError(422, "invalid_request", "ttl must be whole seconds")
-        token, claims = self.mint(sandbox, grants, ttl)
+        token, claims = await self.issue(sandbox, grants, ttl)
         return self._reply({"token": token, "jti": claims.jti, "sandbox": sandbox, "expires_at": claims.expires_at})
 
     async def revoke(self, request: web.Request) -> web.Response:
         body = await _json_object(request)
+        # Revoked whether known or not (fail closed); `known` tells the caller whether the id was one of ours.
         if isinstance(body.get("jti"), str):
             until = int(time.time()) + self.authority.keys.max_ttl
+            known = await self._store(lambda: self.store.was_issued(body["jti"]))
             await self._store(lambda: self.store.revoke_token(body["jti"], until))
-            return self._reply({"revoked": {"jti": body["jti"]}})
+            return self._reply({"revoked": {"jti": body["jti"]}, "known": known})
         if isinstance(body.get("sandbox"), str):
             await self._store(lambda: self.store.revoke_sandbox(body["sandbox"]))
-            return self._reply({"revoked": {"sandbox": body["sandbox"]}})
+            known = self.serves is None or body["sandbox"] in self.serves()
+            return self._reply({"revoked": {"sandbox": body["sandbox"]}, "known": known})
         raise BrokerError(422, "invalid_request", "give jti or sandbox")
 
     async def rotate_keys(self, request: web.Request) -> web.Response:

@@ -1,4 +1,5 @@
-"""Broker state that must survive a restart: revocations, idempotency records, the record of brokered calls.
+"""Broker state that must survive a restart: revocations, the tokens issued (until they expire), idempotency
+records, the record of brokered calls.
 
 `BrokerStore` is the interface; `SqliteStore` (WAL) is the default. A fleet of gateways would put a shared
 store behind the same methods. Any store failure raises `StoreError`, and the broker answers 503: an unreadable
@@ -22,6 +23,8 @@ class StoreError(Exception):
 class BrokerStore(Protocol):
     def revoke_token(self, jti: str, expires_at: int) -> None: ...
     def revoke_sandbox(self, sandbox: str) -> None: ...
+    def record_issued(self, jti: str, sandbox: str, expires_at: int) -> None: ...
+    def was_issued(self, jti: str) -> bool: ...
     def is_revoked(self, jti: str, sandbox: str, issued_at: int) -> bool: ...
     def idempotent_get(self, scope: str, key: str) -> tuple[str, int, dict[str, Any]] | None: ...
     def idempotent_put(self, scope: str, key: str, request_hash: str, status: int, body: dict[str, Any]) -> None: ...
@@ -31,6 +34,7 @@ class BrokerStore(Protocol):
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS revoked_token (jti TEXT PRIMARY KEY, expires_at INTEGER NOT NULL);
 CREATE TABLE IF NOT EXISTS revoked_sandbox (sandbox TEXT PRIMARY KEY, revoked_at REAL NOT NULL);
+CREATE TABLE IF NOT EXISTS issued_token (jti TEXT PRIMARY KEY, sandbox TEXT NOT NULL, expires_at INTEGER NOT NULL);
 CREATE TABLE IF NOT EXISTS idempotency (
     scope TEXT NOT NULL, key TEXT NOT NULL, request_hash TEXT NOT NULL, status INTEGER NOT NULL,
     body TEXT NOT NULL, created REAL NOT NULL, PRIMARY KEY (scope, key)
@@ -85,6 +89,15 @@ class SqliteStore:
 
     def revoke_sandbox(self, sandbox: str) -> None:
         self._run("INSERT OR REPLACE INTO revoked_sandbox VALUES (?, ?)", (sandbox, time.time()))
+
+    def record_issued(self, jti: str, sandbox: str, expires_at: int) -> None:
+        """Remember a token this broker minted until it expires (so that revoking an id it never issued can be
+        told apart from a typo); expired ones are forgotten here."""
+        self._run("DELETE FROM issued_token WHERE expires_at < ?", (int(time.time()),))
+        self._run("INSERT OR REPLACE INTO issued_token VALUES (?, ?, ?)", (jti, sandbox, expires_at))
+
+    def was_issued(self, jti: str) -> bool:
+        return bool(self._run("SELECT 1 FROM issued_token WHERE jti = ?", (jti,)))
 
     def is_revoked(self, jti: str, sandbox: str, issued_at: int) -> bool:
         if self._run("SELECT 1 FROM revoked_token WHERE jti = ?", (jti,)):

@@ -18,6 +18,8 @@ from urllib.parse import urlsplit
 
 import yaml
 
+from airlock.errors import AirlockError
+
 from .addresses import EMBEDDING_NETWORKS, Network, covers_metadata
 from .hosts import HostError, canonical_host, is_ip
 from .model import DEFAULT_ALLOW_PORTS, Action, DnsLimits, Policy, Profile, Rule
@@ -58,7 +60,7 @@ _DNS_NUMBERS: Mapping[str, tuple[type[int] | type[float], tuple[str, ...], int, 
 _YAML_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 
 
-class PolicyError(Exception):
+class PolicyError(AirlockError):
     def __init__(self, errors: list[str]) -> None:
         super().__init__("\n".join(errors))
         self.errors = errors

@@ -29,12 +29,13 @@ import docker.errors
 import requests.exceptions
 from docker.types import IPAMConfig, IPAMPool
 
+from airlock.errors import AirlockError
 from airlock.interfaces import parse_ip_addr
 from airlock.policy import SANDBOX_LINK_NETWORKS
 
 from . import SANDBOX_ID
 from .fence import DOCKER_TABLE_PREFIX, Fence
-from .limits import CPUS, OUTPUT_LIMIT, PIDS, TIMEOUT, limit_problem, memory_bytes
+from .limits import CPUS, DEFAULT_OUTPUT_LIMIT, OUTPUT_LIMIT, PIDS, TIMEOUT, limit_problem, memory_bytes
 from .watchdog import Watchdog
 
 log = logging.getLogger("airlock.sandbox.docker")
@@ -53,7 +54,7 @@ HOST_INTERNALS = (
 SYSTEM_FOLDERS = ("/", "/boot", "/etc", "/home", "/root")
 
 
-class DockerSandboxError(RuntimeError):
+class DockerSandboxError(AirlockError, RuntimeError):
     pass
 
 
@@ -64,7 +65,7 @@ class Limits:
     pids: int = 256
     tmp_size: str = "64m"
     timeout: float = 3600.0  # then the container is killed and removed
-    output_limit: int = 10 * 1024 * 1024
+    output_limit: int = DEFAULT_OUTPUT_LIMIT
     user: str = "65534:65534"
 
     def check(self) -> None:

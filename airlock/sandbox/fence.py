@@ -22,6 +22,8 @@ import subprocess
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from airlock.errors import AirlockError
+
 # Table name prefixes, one per backend: `<prefix><sandbox id>`.
 NETNS_TABLE_PREFIX = "airlock_n_"
 DOCKER_TABLE_PREFIX = "airlock_d_"
@@ -33,7 +35,7 @@ GATEWAY_SOCKET_MARK = 0x10A1
 log = logging.getLogger("airlock.fence")
 
 
-class FenceError(RuntimeError):
+class FenceError(AirlockError, RuntimeError):
     pass
 
 

@@ -12,6 +12,7 @@ PIDS = (1, 1_000_000)
 MEMORY = (6 * 2**20, 2**40)  # docker's own minimum is 6 MiB
 TIMEOUT = (0.0, 7 * DAY)  # seconds, above the lower bound
 OUTPUT_LIMIT = (1, 2**30)
+DEFAULT_OUTPUT_LIMIT = 10 * 1024 * 1024  # bytes of each of stdout and stderr a sandbox's output is kept to
 _SIZE = re.compile(r"(\d{1,16})([bkmg]?)", re.IGNORECASE)
 
 

@@ -21,6 +21,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from airlock.errors import AirlockError
 from airlock.interfaces import parse_ip_addr
 from airlock.policy import SANDBOX_LINK_NETWORKS
 
@@ -32,7 +33,7 @@ from .workdir import WorkdirGuard
 LINK_POOL = SANDBOX_LINK_NETWORKS[0]
 
 
-class SandboxError(RuntimeError):
+class SandboxError(AirlockError, RuntimeError):
     pass
 
 
@@ -241,6 +242,14 @@ def writable_in_sandbox(path: Path, user: pwd.struct_passwd, isolate_fs: bool) -
             if _permissions(entry.stat(), user) & 0o2:
                 return True
     return False
+
+
+def may_write(folder: Path, user: pwd.struct_passwd) -> bool:
+    """May `user` create files in `folder`, by its mode bits (write and search)?"""
+    try:
+        return _permissions(folder.stat(), user) & 0o3 == 0o3
+    except OSError:
+        return False
 
 
 # Where credentials live in a home directory. The sandbox's user may own them (by default it is whoever ran

@@ -26,13 +26,15 @@ import sys
 import time
 from collections.abc import Sequence
 
+from airlock.errors import AirlockError
+
 # How long past a sandbox's timeout its launcher has to remove it before the watchdog does.
 GRACE = 15.0
 READY = b"ready\n"
 RELEASE = "release"
 
 
-class WatchdogError(RuntimeError):
+class WatchdogError(AirlockError, RuntimeError):
     pass
 
 

@@ -34,6 +34,8 @@ from collections.abc import Iterator
 from dataclasses import astuple, dataclass, field
 from pathlib import Path
 
+from airlock.errors import AirlockError
+
 # Names that make a program run code from the folder they are in: version control (git, mercurial), direnv,
 # editors' workspace tasks and local settings.
 CONTROL_NAMES = frozenset(
@@ -57,7 +59,7 @@ _OBJECT_ID = re.compile(r"[0-9a-f]{40}(?:[0-9a-f]{24})?")
 _REF_NAME = re.compile(r"refs/(?:heads|tags)(?:/[A-Za-z0-9_+@-][A-Za-z0-9._+@-]*)+")
 
 
-class WorkdirError(RuntimeError):
+class WorkdirError(AirlockError, RuntimeError):
     pass
 
 

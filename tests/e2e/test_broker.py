@@ -253,6 +253,17 @@ def test_failed_authentications_are_limited_per_source_address(
     assert len(fake_github.calls("/repos/acme/app/pulls", "POST")) == 1
 
 
+def test_token_commands_take_a_relative_state_directory(own_gateway):
+    gw = own_gateway()
+    argv = [AIRLOCK, "token", "issue", "--state-dir", "state", "--sandbox", "sbx", "--grant", GRANT]
+    issued = subprocess.run(argv, capture_output=True, text=True, timeout=30, cwd=gw.workdir)
+    assert issued.returncode == 0, issued.stderr
+    jti = jwt.decode(issued.stdout.strip(), options={"verify_signature": False})["jti"]
+    argv = [AIRLOCK, "token", "revoke", "--admin", "./state/admin.sock", "--jti", jti]
+    revoked = subprocess.run(argv, capture_output=True, text=True, timeout=30, cwd=gw.workdir)
+    assert (revoked.returncode, revoked.stdout) == (0, f"revoked token {jti}\n"), revoked.stderr
+
+
 def test_revocation_holds_across_a_broker_restart(topology: Topology, own_gateway, fake_github: FakeGitHub):
     gw = own_gateway()
     by_jti, by_sandbox = issue_token(gw), issue_token(gw)

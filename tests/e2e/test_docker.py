@@ -22,8 +22,8 @@ from airlock.gateway import Gateway, GatewayConfig
 from airlock.policy import load_policy
 from airlock.sandbox import docker as docker_backend
 from airlock.sandbox.docker import LABEL, DockerSandbox, Limits, fence_table, remove_sandbox
+from airlock.sandbox.docker_launch import launch
 from airlock.sandbox.fence import Fence
-from airlock.sandbox.launch import launch
 
 from gateway_proc import AIRLOCK, E2E_POLICY
 from netclient import SENDER, ForeignListeners, in_netns
@@ -420,7 +420,7 @@ def test_a_killed_launcher_leaves_no_container_and_no_way_to_another_program_on_
             while left := [
                 what
                 for what, there in (
-                    ("container", docker_env.client.containers.list(all=True, filters=label)),
+                    ("container", docker_env.client.api.containers(all=True, filters=label)),  # no inspect: no race
                     ("network", docker_env.client.networks.list(filters=label)),
                     ("fence", fence_table(sandbox_id) in topology.run(topology.gw, ["nft", "list", "tables"]).stdout),
                 )

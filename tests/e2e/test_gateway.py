@@ -115,6 +115,13 @@ def test_sigterm_stops_cleanly_and_frees_the_port(topology: Topology, fakenet: F
     assert again.stop(signal.SIGTERM) == 0
 
 
+def test_ctrl_c_stops_it_with_130_and_one_line(topology: Topology, own_gateway):
+    gw = own_gateway()
+    assert gw.stop(signal.SIGINT) == 130
+    assert gw.log().strip().splitlines()[-1] == "airlock: interrupted", gw.log()
+    assert in_netns(topology.sbx, tcp_probe, PROXY, 2) == "refused"
+
+
 def test_bad_policy_refuses_to_start_with_file_and_line(topology: Topology, tmp_path: Path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("version: 1\nprofiles:\n  default:\n    allow:\n      - host: '*.com'\n")

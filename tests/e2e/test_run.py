@@ -9,6 +9,7 @@ import pwd
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -84,14 +85,16 @@ def _start_run(topology: Topology, sandbox_id: str, *cmd: str) -> subprocess.Pop
 
 def test_run_tears_down_on_interrupt(topology: Topology, run_in_gw):
     sandbox_id = f"{topology.prefix}int"
-    proc = _start_run(topology, sandbox_id, "sleep", "60")
+    proc = topology.popen(topology.gw, _run_argv(sandbox_id, "sleep", "60"), stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 20
     while f"airlock-{sandbox_id}" not in _netns_list():
         assert time.monotonic() < deadline
         time.sleep(0.1)
     time.sleep(1)
-    proc.send_signal(signal.SIGINT)
-    assert proc.wait(20) != 0
+    proc.send_signal(signal.SIGINT)  # what Ctrl-C sends
+    _, stderr = proc.communicate(timeout=20)
+    assert proc.returncode == 130, stderr
+    assert stderr.splitlines()[-1] == "airlock: stopped by SIGINT; the sandbox is removed", stderr
     assert f"airlock-{sandbox_id}" not in _netns_list()
     assert f"{NETNS_TABLE_PREFIX}{sandbox_id}" not in topology.run(topology.gw, ["nft", "list", "tables"]).stdout
 
@@ -321,3 +324,72 @@ def _what_is_left(topology: Topology, sandbox_id: str, marker: str) -> list[str]
         "link": f"alh{sandbox_id}" in links,
     }
     return [what for what, there in found.items() if there]
+
+
+def test_a_user_who_cannot_write_the_working_directory_hears_it_before_the_start(run_in_gw, topology: Topology):
+    # Root without sudo runs the command as nobody: in a folder only root may write, it is told how to fix it,
+    # and the run goes on (a command that only reads is fine).
+    folder = Path(tempfile.mkdtemp(prefix=f"{topology.prefix}-ro-", dir="/var/tmp"))
+    env = {k: v for k, v in os.environ.items() if k not in ("SUDO_UID", "SUDO_USER", "SUDO_GID")}
+    try:
+        folder.chmod(0o755)
+        result = run_in_gw("sh", "-c", "echo READ-OK; touch here || echo WRITE-FAILED", cwd=folder, env=env)
+        assert "READ-OK" in result.stdout and "WRITE-FAILED" in result.stdout, result.stderr
+        note = next(line for line in result.stderr.splitlines() if "cannot write the working directory" in line)
+        assert note.startswith("airlock: the command runs as nobody (airlock run as root, not through sudo)")
+        assert f"{folder}: to let it, pass --user" in note and "make the folder writable for nobody" in note
+        assert (
+            result.stderr.index(note) < result.stderr.index("WRITE-FAILED") if "WRITE-FAILED" in result.stderr else True
+        )
+        folder.chmod(0o777)
+        quiet = run_in_gw("touch", "here", cwd=folder, env=env)
+        assert quiet.returncode == 0 and "cannot write" not in quiet.stderr, quiet.stderr
+    finally:
+        shutil.rmtree(folder)
+
+
+BROKER_PROBE = 'gw=${HTTP_PROXY#http://}; curl -s -o /dev/null -w "%{http_code} " --noproxy "*" --max-time 2 '
+BROKER_PROBE += '"http://${gw%:*}:8080/"; echo rc=$?'
+
+
+def test_without_a_grant_no_broker_listens(run_in_gw):
+    without = run_in_gw("sh", "-c", BROKER_PROBE)
+    assert without.stdout.split()[-1] in ("rc=7", "rc=28"), without  # nothing to reach: the fence drops it
+    granted = run_in_gw("sh", "-c", BROKER_PROBE, options=("--grant", "create_pull_request:acme/app"))
+    assert granted.stdout.split() == ["404", "rc=0"], granted  # the sandbox holds a token: its broker answers
+
+
+LAUNCH = """
+import asyncio, sys
+from airlock.cli.common import load_policy_file
+from airlock.gateway import GatewayConfig
+from airlock.sandbox.netns_launch import launch
+
+async def main():
+    config = GatewayConfig(load_policy_file(sys.argv[1]), "0.0.0.0", upstream_dns=[(sys.argv[2], 53)])
+    async with await launch(
+        ["sh", "-c", "curl -sS http://allowed.test/api; echo to-stderr >&2; exit 3"], config,
+        sandbox_id=sys.argv[3], capture_output=True,
+    ) as handle:
+        code = await handle.wait(30)
+        out, err = handle.logs()
+    print(code, out.decode().strip(), err.decode().strip(), sep="|")
+
+asyncio.run(main())
+"""
+
+
+def test_the_python_api_launches_a_netns_sandbox_as_a_handle(topology: Topology, fakenet: FakeNet):
+    sandbox_id = f"{topology.prefix}api"
+    argv = [sys.executable, "-c", LAUNCH, E2E_POLICY, DNS_SERVER, sandbox_id]
+    result = topology.run(topology.gw, argv, timeout=60, cwd="/var/tmp/")
+    assert "SandboxError: the working directory /var/tmp would be" in result.stderr  # the library refuses it too
+    folder = Path(tempfile.mkdtemp(prefix=f"{topology.prefix}-api-", dir="/var/tmp"))
+    try:
+        folder.chmod(0o777)
+        result = topology.run(topology.gw, argv, timeout=60, cwd=folder)
+    finally:
+        shutil.rmtree(folder)
+    assert result.stdout.strip() == f"3|fakenet {ALLOWED_IP}:80 host=allowed.test path=/api|to-stderr", result.stderr
+    assert f"airlock-{sandbox_id}" not in _netns_list()
+    assert f"{NETNS_TABLE_PREFIX}{sandbox_id}" not in topology.run(topology.gw, ["nft", "list", "tables"]).stdout

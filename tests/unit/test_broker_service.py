@@ -384,6 +384,7 @@ async def make(tmp_path: Path, app_key: rsa.RSAPrivateKey) -> AsyncIterator[Fact
             api: str | None = None,
             state: Path = tmp_path / "state",
             busy_timeout: float = 5.0,
+            serves: list[str] | None = None,
         ) -> Harness:
             pem = app_key.private_bytes(
                 serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
@@ -402,7 +403,8 @@ async def make(tmp_path: Path, app_key: rsa.RSAPrivateKey) -> AsyncIterator[Fact
             store = FlakyStore(inner)
             audit: list[AuditRecord] = []
             authority = TokenAuthority(KeyRing(state / "keys", 3600), default_ttl=600)
-            broker = Broker(authority, store, identify, github, audit.append, settings)  # type: ignore[arg-type]
+            served = None if serves is None else lambda: serves
+            broker = Broker(authority, store, identify, github, audit.append, settings, served)  # type: ignore[arg-type]
             stack.callback(broker.close)  # after the apps below have closed, before the store does
             sandbox = TestClient(TestServer(broker.sandbox_app(), host=LOOPBACK))
             admin = TestClient(TestServer(broker.admin_app(), host=LOOPBACK))
@@ -813,7 +815,7 @@ async def test_revoked_by_jti_is_401(make: Factory) -> None:
     h = await make()
     revoked, kept = await h.token(), await h.token()
     jti = jwt.decode(revoked, options={"verify_signature": False})["jti"]
-    assert (await h.admin_post("/v1/revocations", {"jti": jti})).body == {"revoked": {"jti": jti}}
+    assert (await h.admin_post("/v1/revocations", {"jti": jti})).body == {"revoked": {"jti": jti}, "known": True}
     reply = await h.pr(revoked)
     assert reply.status == 401 and reply.body["error"] == "revoked_token"
     assert (await h.pr(kept)).status == 201
@@ -1549,6 +1551,25 @@ async def test_admin_invalid_json_is_422(make: Factory) -> None:
     for path in ("/v1/tokens", "/v1/revocations"):
         reply = await h.admin_post(path, data=b"{nope")
         assert reply.status == 422 and reply.body["error"] == "invalid_json"
+
+
+async def test_revoking_an_id_the_broker_never_issued_says_so_and_revokes_it_anyway(make: Factory) -> None:
+    h = await make(serves=[SANDBOX])
+    reply = await h.admin_post("/v1/revocations", {"jti": "no-such-jti"})
+    assert reply.status == 200 and reply.body == {"revoked": {"jti": "no-such-jti"}, "known": False}
+    assert h.store.is_revoked("no-such-jti", SANDBOX, int(time.time()))  # fail closed: it can never be used
+    reply = await h.admin_post("/v1/revocations", {"sandbox": "nobody-here"})
+    assert reply.body == {"revoked": {"sandbox": "nobody-here"}, "known": False}
+    reply = await h.admin_post("/v1/revocations", {"sandbox": SANDBOX})
+    assert reply.body == {"revoked": {"sandbox": SANDBOX}, "known": True}
+
+
+async def test_a_token_for_a_sandbox_the_gateway_does_not_serve_is_refused(make: Factory) -> None:
+    h = await make(serves=[SANDBOX, "other"])
+    reply = await h.admin_post("/v1/tokens", {"sandbox": "typo", "grants": [GRANT]})
+    assert reply.status == 422 and reply.body["error"] == "unknown_sandbox"
+    assert reply.body["message"] == "this gateway serves no sandbox 'typo' (it serves: sbx-1, other)"
+    assert (await h.pr(await h.token())).status == 201  # a served one still gets its token
 
 
 async def test_admin_revocation_needs_jti_or_sandbox(make: Factory) -> None:

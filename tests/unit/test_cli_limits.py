@@ -3,7 +3,6 @@ is created — no traceback, no sandbox, no state directory."""
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import ipaddress
 from pathlib import Path
@@ -11,21 +10,24 @@ from pathlib import Path
 import pytest
 
 from airlock import cli
+from airlock.cli import run as run_command
+from airlock.cli.common import default_policy_path
+from airlock.cli.run import RunConfig
 from airlock.gateway import Gateway, GatewayConfig, GatewayError
 from airlock.policy import load_policy
-from airlock.sandbox import netns
+from airlock.sandbox import netns, netns_launch
 
 
 @pytest.fixture
 def nothing_runs(monkeypatch: pytest.MonkeyPatch) -> None:
     """As root, with both backends replaced by a failure: a refused limit must never get that far."""
 
-    async def must_not_run(args: argparse.Namespace, policy: object) -> int:
-        raise AssertionError(f"a sandbox would have been started with {args}")
+    async def must_not_run(run: RunConfig) -> int:
+        raise AssertionError(f"a sandbox would have been started with {run}")
 
-    monkeypatch.setattr(cli.os, "geteuid", lambda: 0)
-    monkeypatch.setattr(cli, "_run_sandboxed", must_not_run)
-    monkeypatch.setattr(cli, "_run_docker", must_not_run)
+    monkeypatch.setattr(run_command.os, "geteuid", lambda: 0)
+    monkeypatch.setattr(run_command, "_run_netns", must_not_run)
+    monkeypatch.setattr(run_command, "_run_docker", must_not_run)
 
 
 DOCKER = ("--backend", "docker", "--image", "img")
@@ -86,14 +88,14 @@ def test_a_limit_that_is_off_infinite_or_absurd_is_a_usage_error(
 def test_limits_within_their_bounds_are_accepted(
     nothing_runs: None, monkeypatch: pytest.MonkeyPatch, options: tuple[str, ...]
 ) -> None:
-    reached: list[argparse.Namespace] = []
+    reached: list[RunConfig] = []
 
-    async def runs(args: argparse.Namespace, policy: object) -> int:
-        reached.append(args)
+    async def runs(run: RunConfig) -> int:
+        reached.append(run)
         return 0
 
-    monkeypatch.setattr(cli, "_run_sandboxed", runs)
-    monkeypatch.setattr(cli, "_run_docker", runs)
+    monkeypatch.setattr(run_command, "_run_netns", runs)
+    monkeypatch.setattr(run_command, "_run_docker", runs)
     monkeypatch.setattr(netns, "bubblewrap_available", lambda: True)
     assert cli.main(["run", *options, "--", "true"]) == 0 and len(reached) == 1
 
@@ -118,7 +120,7 @@ def test_listen_must_be_an_ip_address_and_nothing_is_left_behind(
 
 
 def test_a_gateway_object_refuses_a_name_before_making_its_state_directory(tmp_path: Path) -> None:
-    config = GatewayConfig(load_policy(cli.default_policy_path()), "localhost", upstream_dns=[("127.0.0.1", 53)])
+    config = GatewayConfig(load_policy(default_policy_path()), "localhost", upstream_dns=[("127.0.0.1", 53)])
     config.state_dir = str(tmp_path / "state")
     with pytest.raises(GatewayError, match="give an IP address"):
         Gateway(config)
@@ -160,24 +162,32 @@ def test_the_launcher_kills_and_removes_the_sandbox_off_the_event_loop(
 
     for name in ("create", "kill_all", "destroy", "command"):
         monkeypatch.setattr(netns.NetnsSandbox, name, recorder(name))
+    config = GatewayConfig(load_policy(default_policy_path()), "0.0.0.0")
 
     class Stopped:
         broker = None
 
+        def __init__(self, listen: str) -> None:
+            self.config = GatewayConfig(config.policy, listen)
+
         async def stop(self) -> None:
             calls["gateway stopped"] = True
 
-    async def start_gateway(*args: object) -> Stopped:
-        return Stopped()
+    async def start_gateway(config: GatewayConfig, listen: str, *args: object) -> Stopped:
+        return Stopped(listen)
 
-    monkeypatch.setattr(cli, "_start_gateway", start_gateway)
-    monkeypatch.setattr(cli, "_hidden_paths", lambda args, user: [])
-    monkeypatch.setattr(cli, "_kept_from_writes", lambda args, user: [])
+    monkeypatch.setattr(netns_launch, "start_gateway", start_gateway)
+    monkeypatch.setattr(netns_launch, "hidden_paths", lambda *args: [])
+    monkeypatch.setattr(netns_launch, "kept_from_writes", lambda *args: [])
+    monkeypatch.setattr(netns, "bubblewrap_available", lambda: True)
     monkeypatch.chdir(tmp_path)
-    args = cli.build_parser().parse_args(["run", "--timeout", "0.2", "--user", "nobody", "--", "true"])
-    args.isolation = "bwrap"
-    code = asyncio.run(cli._run_sandboxed(args, load_policy(cli.default_policy_path())))
-    assert code == 124
+
+    async def run() -> int | None:
+        handle = await netns_launch.launch(["true"], config, user="nobody", isolation="bwrap", timeout=0.2)
+        async with handle:
+            return await handle.wait()
+
+    assert asyncio.run(run()) is None  # the timeout passed
     assert calls == {
         "create": False, "command": True, "kill_all": False, "destroy": False, "gateway stopped": True,
     }  # fmt: skip

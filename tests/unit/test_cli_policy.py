@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from airlock.cli import _reload, main
+from airlock.cli import main
+from airlock.cli.gateway import reload_policy
 from airlock.policy import Policy, loader
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
@@ -143,7 +144,7 @@ def test_sighup_reload_keeps_running_policy_on_odd_yaml(tmp_path: Path, content:
     path = tmp_path / "p.yaml"
     path.write_text(content, encoding="utf-8")
     gateway = _Gateway()
-    _reload(gateway, str(path))  # must not raise: it runs inside the event loop's signal handler
+    reload_policy(gateway, str(path))  # must not raise: it runs inside the event loop's signal handler
     assert len(gateway.policies) == loaded
 
 

@@ -3,20 +3,24 @@ gateway's credentials (and the usual ones in a home directory) away from the com
 
 from __future__ import annotations
 
-import argparse
 import os
 import pwd
+import sys
 from pathlib import Path
 
 import pytest
 
 from airlock import cli
+from airlock.cli import run as run_command
+from airlock.cli.common import UsageError
+from airlock.cli.run import parse_mount, passed_env
 from airlock.sandbox import netns
-from airlock.sandbox.netns import accessible_by, credential_paths
+from airlock.sandbox.netns import SandboxError, accessible_by, credential_paths
+from airlock.sandbox.netns_launch import choose_isolation, hidden_paths, host_environment, kept_from_writes
 
 
 def test_run_without_root_says_what_is_needed(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
-    monkeypatch.setattr(cli.os, "geteuid", lambda: 1000)
+    monkeypatch.setattr(run_command.os, "geteuid", lambda: 1000)
     assert cli.main(["run", "--", "true"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "needs root" in err and "sudo" in err
@@ -31,17 +35,11 @@ def test_sandbox_environment_keeps_host_secrets_out(monkeypatch: pytest.MonkeyPa
     monkeypatch.setenv("GITHUB_TOKEN", "ghp_host_secret")
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "host-secret")
     monkeypatch.setenv("PASSED_ON", "yes")
-    env = cli.sandbox_environment(["PASSED_ON", "SET_HERE=1"], pwd.getpwnam("nobody"))
+    env = host_environment(pwd.getpwnam("nobody")) | passed_env(["PASSED_ON", "SET_HERE=1"])
     assert "GITHUB_TOKEN" not in env and "AWS_SECRET_ACCESS_KEY" not in env
     assert env["PASSED_ON"] == "yes" and env["SET_HERE"] == "1" and env["USER"] == "nobody"
-    with pytest.raises(cli.UsageError):
-        cli.sandbox_environment(["BAD-NAME"], pwd.getpwnam("nobody"))
-
-
-def run_args(**given: object) -> argparse.Namespace:
-    fields = dict(github_app_key=None, github_token_file=None, state_dir=None, isolation="none", policy=None)
-    fields |= dict(upstream_ca=None, audit=None)
-    return argparse.Namespace(**(fields | given))
+    with pytest.raises(UsageError):
+        passed_env(["BAD-NAME"])
 
 
 def _user(tmp_path: Path, uid: int = 4242, gid: int = 4242) -> pwd.struct_passwd:
@@ -105,13 +103,11 @@ def test_run_without_bubblewrap_refuses_while_a_credential_is_exposed(privileged
     key.write_text("KEY")
     os.chown(key, user.pw_uid, user.pw_gid)
     key.chmod(0o600)
-    args = run_args(github_app_key=str(key))
-    with pytest.raises(cli.UsageError, match=r"app\.pem is readable or writable by agent"):
-        cli._hidden_paths(args, user)
+    with pytest.raises(SandboxError, match=r"app\.pem is readable or writable by agent"):
+        hidden_paths(False, user, [str(key)])
     os.chown(key, 0, 0)
-    assert cli._hidden_paths(args, user) == []  # root's alone: fine
-    args.isolation = "bwrap"
-    assert cli._hidden_paths(args, user)[0] == key  # hidden by bubblewrap instead
+    assert hidden_paths(False, user, [str(key)]) == []  # root's alone: fine
+    assert hidden_paths(True, user, [str(key)])[0] == key  # hidden by bubblewrap instead
 
 
 def test_docker_mounts_never_show_a_gateway_credential(tmp_path: Path) -> None:
@@ -119,19 +115,18 @@ def test_docker_mounts_never_show_a_gateway_credential(tmp_path: Path) -> None:
     key.parent.mkdir()
     key.write_text("KEY")
     for mount in (f"{tmp_path}:/src", f"{key.parent}:/src", f"{key}:/key.pem"):
-        with pytest.raises(cli.UsageError, match="gateway credential"):
-            cli._mount(mount, [str(key)])
+        with pytest.raises(UsageError, match="gateway credential"):
+            parse_mount(mount, [str(key)])
     (tmp_path / "data").mkdir()
-    assert cli._mount(f"{tmp_path / 'data'}:/data:ro", [str(key)]) == (str(tmp_path / "data"), "/data")
+    assert parse_mount(f"{tmp_path / 'data'}:/data:ro", [str(key)]) == (str(tmp_path / "data"), "/data")
 
 
 def test_without_bubblewrap_a_user_with_a_session_is_refused(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     user = _user(tmp_path)
-    args = run_args()
-    assert cli._hidden_paths(args, user) == []
+    assert hidden_paths(False, user, []) == []
     monkeypatch.setattr(netns, "user_session", lambda u: Path(f"/run/user/{u.pw_uid}"))
-    with pytest.raises(cli.UsageError, match=r"has a session \(/run/user/4242\)"):
-        cli._hidden_paths(args, user)
+    with pytest.raises(SandboxError, match=r"has a session \(/run/user/4242\)"):
+        hidden_paths(False, user, [])
 
 
 def test_host_services_are_hidden_where_they_exist(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
@@ -182,12 +177,11 @@ def test_gateway_inputs_and_airlocks_code_in_reach_are_kept_read_only(
     inside.write_text("version: 1\n")
     outside = tmp_path / "policy.yaml"
     outside.write_text("version: 1\n")
-    for option in ("policy", "upstream_ca", "audit"):
-        assert cli._kept_from_writes(run_args(isolation="bwrap", **{option: str(inside)}), user) == [inside]
-        assert cli._kept_from_writes(run_args(isolation="bwrap", **{option: str(outside)}), user) == []
+    assert kept_from_writes(True, user, [inside]) == [inside]
+    assert kept_from_writes(True, user, [outside]) == []
     # airlock's own code and environment, when the working directory holds them (an editable install).
-    monkeypatch.setattr(cli.sys, "prefix", str(project / ".venv"))
-    assert cli._kept_from_writes(run_args(isolation="bwrap"), user) == [project / ".venv"]
+    monkeypatch.setattr(sys, "prefix", str(project / ".venv"))
+    assert kept_from_writes(True, user, []) == [project / ".venv"]
 
 
 def test_without_bubblewrap_a_gateway_input_the_user_may_change_is_refused(privileged: None, tmp_path: Path) -> None:
@@ -195,8 +189,8 @@ def test_without_bubblewrap_a_gateway_input_the_user_may_change_is_refused(privi
     policy = tmp_path / "policy.yaml"
     policy.write_text("version: 1\n")
     os.chown(policy, user.pw_uid, user.pw_gid)
-    with pytest.raises(cli.UsageError, match=r"policy\.yaml could be changed by agent"):
-        cli._kept_from_writes(run_args(policy=str(policy)), user)
+    with pytest.raises(SandboxError, match=r"policy\.yaml could be changed by agent"):
+        kept_from_writes(False, user, [policy])
 
 
 def test_without_bubblewrap_the_mode_bits_decide_who_may_change_an_input(privileged: None, tmp_path: Path) -> None:
@@ -216,8 +210,8 @@ def test_without_bubblewrap_the_mode_bits_decide_who_may_change_an_input(privile
 def test_without_bubblewrap_auto_refuses_instead_of_falling_back(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(netns, "bubblewrap_available", lambda: False)
     for requested in ("auto", "bwrap"):
-        with pytest.raises(cli.UsageError, match="bubblewrap is not installed"):
-            cli._choose_isolation(requested)
-    assert cli._choose_isolation("none") == "none"  # said knowingly
+        with pytest.raises(SandboxError, match="bubblewrap is not installed"):
+            choose_isolation(requested)
+    assert choose_isolation("none") == "none"  # said knowingly
     monkeypatch.setattr(netns, "bubblewrap_available", lambda: True)
-    assert cli._choose_isolation("auto") == "bwrap"
+    assert choose_isolation("auto") == "bwrap"

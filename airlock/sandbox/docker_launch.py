@@ -1,11 +1,10 @@
 """`launch()`: a hardened docker sandbox with its own embedded gateway, as one handle — for orchestrators, and
-what `airlock run --backend docker` uses."""
+what `airlock run --backend docker` uses. Its netns twin is `airlock.sandbox.netns_launch.launch()`."""
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
-import ipaddress
+import tempfile
 from dataclasses import dataclass
 from typing import BinaryIO
 
@@ -13,10 +12,9 @@ import docker
 
 from airlock.broker.grants import Grant
 from airlock.gateway import Gateway, GatewayConfig
-from airlock.policy import Sandbox
 
-from . import proxy_environment
 from .docker import TOKEN_PATH, DockerSandbox, Limits
+from .embedded import fence_ports, gateway_environment, mint_token, release, start_gateway, state_directory
 from .watchdog import Watchdog
 
 IMAGE_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
@@ -27,6 +25,7 @@ class DockerHandle:
     sandbox: DockerSandbox
     gateway: Gateway
     watchdog: Watchdog | None = None  # started by launch(): released once the sandbox is removed
+    state: tempfile.TemporaryDirectory[str] | None = None  # made by launch(): removed with the sandbox
 
     async def wait(self, timeout: float | None = None) -> int | None:
         """The exit code; None when the (given or hard) timeout passed and the container was killed."""
@@ -52,7 +51,7 @@ class DockerHandle:
 
     async def close(self) -> None:
         """Remove the container, its network and its fence (in that order), then stop the gateway."""
-        await _teardown(self.sandbox, self.gateway, self.watchdog)
+        await _teardown(self.sandbox, self.gateway, self.watchdog, self.state)
 
     async def __aenter__(self) -> DockerHandle:
         return self
@@ -79,52 +78,46 @@ async def launch(
     """Network + fence, then the gateway on the network's gateway address, then the container.
 
     `gateway` gives the gateway's settings (policy, upstream DNS, ports, broker...); its `listen` and
-    `sandboxes` are filled in here. On any failure everything created so far is removed again. A watchdog
-    process (started here unless one is given, which its giver releases) removes the sandbox if this process
-    dies, or if it is still there `GRACE` seconds after its timeout."""
+    `sandboxes` are filled in here, and a temporary state directory when it names none. On any failure
+    everything created so far is removed again. A watchdog process (started here unless one is given, which its
+    giver releases) removes the sandbox and the temporary state if this process dies, or if it is still there
+    `GRACE` seconds after its timeout."""
     limits = limits or Limits()
     limits.check()
-    dns = (gateway.dns_port,) if gateway.dns_port else ()
-    broker = (gateway.broker.port,) if gateway.broker.port else ()
-    own = None if watchdog is not None else await asyncio.to_thread(Watchdog.start, limits.timeout)
+    tcp_ports, udp_ports = fence_ports(gateway)
+    gateway, state = state_directory(gateway)
+    own = None
     try:
-        sandbox = DockerSandbox(
-            client, image, sandbox_id, (gateway.proxy_port, *dns, *broker), dns, limits, mounts or [],
-            watchdog or own,
-        )  # fmt: skip
+        if watchdog is None:
+            own = await asyncio.to_thread(Watchdog.start, limits.timeout, [state.name] if state else [])
+        sandbox = DockerSandbox(client, image, sandbox_id, tcp_ports, udp_ports, limits, mounts or [], watchdog or own)
     except BaseException:
-        if own is not None:
-            await asyncio.to_thread(own.release)
+        await release(own, state)
         raise
     running: Gateway | None = None
     try:
         # Docker API calls block: off the event loop, so other sandboxes' gateways on it keep answering.
         await asyncio.to_thread(sandbox.create)
         assert sandbox.sandbox_id is not None
-        identity = Sandbox(
-            sandbox.sandbox_id,
-            profile or gateway.policy.default_profile,
-            ipaddress.ip_network(f"{sandbox.sandbox_ip}/32"),
-        )
-        running = Gateway(dataclasses.replace(gateway, listen=sandbox.gateway_ip, sandboxes=[identity]))
-        await running.start()
+        running = await start_gateway(gateway, sandbox.gateway_ip, sandbox.sandbox_id, sandbox.sandbox_ip, profile)
         environment = {"PATH": IMAGE_PATH, "HOME": "/tmp", **(env or {})}
-        environment |= proxy_environment(
-            sandbox.gateway_ip, gateway.proxy_port, broker[0] if grants and broker else None
-        )
-        environment["AIRLOCK_SANDBOX"] = sandbox.sandbox_id
-        if grants and running.broker is not None:
-            token, _ = running.broker.mint(sandbox.sandbox_id, grants, token_ttl)
+        environment |= gateway_environment(running, sandbox.sandbox_id, bool(grants))
+        if token := await mint_token(running, sandbox.sandbox_id, grants or [], token_ttl):
             sandbox.place_token(token)
             environment["AIRLOCK_TOKEN_FILE"] = TOKEN_PATH
         await asyncio.to_thread(sandbox.start, command, environment)
     except BaseException:
-        await _teardown(sandbox, running, own)
+        await _teardown(sandbox, running, own, state)
         raise
-    return DockerHandle(sandbox, running, own)
+    return DockerHandle(sandbox, running, own, state)
 
 
-async def _teardown(sandbox: DockerSandbox, gateway: Gateway | None, watchdog: Watchdog | None) -> None:
+async def _teardown(
+    sandbox: DockerSandbox,
+    gateway: Gateway | None,
+    watchdog: Watchdog | None,
+    state: tempfile.TemporaryDirectory[str] | None,
+) -> None:
     """The gateway stops after the container is gone (until then the sandbox may still be talking to it); if
     removing fails it stops anyway: the fence stays, the sandbox is left with nothing to reach, and the watchdog
     is not released (it tries again when this process exits)."""
@@ -133,5 +126,4 @@ async def _teardown(sandbox: DockerSandbox, gateway: Gateway | None, watchdog: W
     finally:
         if gateway is not None:
             await gateway.stop()
-    if watchdog is not None:
-        await asyncio.to_thread(watchdog.release)
+    await release(watchdog, state)

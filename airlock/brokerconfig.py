@@ -1,0 +1,50 @@
+"""What the gateway's broker is told to be: its ports, its admin listener, where its GitHub credential comes from.
+
+Apart from `airlock.brokerd` (which runs the broker, with aiohttp and the GitHub client) so that a gateway without
+a broker imports none of that. The admin address is read here for the listener and its clients alike."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from airlock.errors import AirlockError
+
+LOOPBACK_NAMES = ("127.0.0.1", "::1", "localhost")
+_PORT = re.compile(r"[0-9]{1,5}")
+
+
+class BrokerConfigError(AirlockError, ValueError):
+    pass
+
+
+@dataclass
+class BrokerConfig:
+    port: int = 8080  # sandbox-facing, on the gateway's sandbox address; 0: no broker
+    admin: str | None = None  # unix socket path or 127.0.0.1:PORT; default <state>/admin.sock
+    github_api: str = "https://api.github.com"
+    github_git: str | None = None  # where git reaches the repositories; None: derived from github_api
+    github_app_id: str | None = None
+    github_app_key: str | None = None  # PEM file
+    github_installation_id: int | None = None
+    github_token_file: str | None = None
+    github_token_env: str | None = None
+    github_timeout: float = 10.0
+    token_ttl: int = 900
+    token_max_ttl: int = 3600
+    calls_per_minute: int = 30
+    max_connections_per_client: int = 32  # open connections to the sandbox-facing listener per source address
+
+
+def admin_endpoint(address: str) -> Path | tuple[str, int]:
+    """The admin listener named by `address`: `HOST:PORT` (loopback only: the listener mints tokens for whoever
+    reaches it) as (host, port), anything else a unix socket path, made absolute against the working directory —
+    the same socket for the gateway that listens and the command that calls it."""
+    host, sep, port = address.rpartition(":")
+    if not sep or "/" in address or not _PORT.fullmatch(port):
+        return Path(address).absolute()
+    host = host.removeprefix("[").removesuffix("]")
+    if host not in LOOPBACK_NAMES or not 1 <= int(port) <= 65535:
+        raise BrokerConfigError(f"admin listener {address!r}: give a unix socket path or 127.0.0.1:PORT (loopback)")
+    return host, int(port)

@@ -1,0 +1,101 @@
+"""`airlock` command line: policy check/explain, the gateway, and `run` (a command in a fenced sandbox).
+
+One module per command group adds its arguments and turns them into the library's settings. Only the group named
+on the command line is imported: `airlock --help` loads none of them, each command what it runs."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Iterable, Sequence
+
+from airlock.errors import AirlockError
+
+from .common import EXIT_INTERRUPTED, EXIT_USAGE
+
+# name → (help, module with add_arguments(parser)), in the order --help lists them
+GROUPS = {
+    "policy": ("check or explain a policy", "airlock.cli.policy"),
+    "gateway": ("run the gateway in the foreground", "airlock.cli.gateway"),
+    "token": ("mint or revoke broker tokens (gateway admin listener)", "airlock.cli.token"),
+    "reap": ("remove expired sandboxes and leftovers of crashed runs", "airlock.cli.reap"),
+    "run": ("run a command in a sandbox whose only network is the gateway", "airlock.cli.run"),
+}
+
+
+class _Version(argparse.Action):
+    """`--version`, read from the installed package's metadata only when asked."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str, **kwargs: object) -> None:
+        super().__init__(option_strings, dest, nargs=0, help="print airlock's version and exit")
+
+    def __call__(self, parser: argparse.ArgumentParser, *args: object) -> None:
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            print(f"airlock {version('airlock')}")
+        except PackageNotFoundError:
+            print("airlock (not installed as a package: no version)")
+        parser.exit()
+
+
+def build_parser(groups: Iterable[str] = GROUPS) -> argparse.ArgumentParser:
+    """The parser, with the arguments of `groups` (every group by default; the others are listed, not loaded)."""
+    parser = argparse.ArgumentParser(prog="airlock", description=__doc__.split("\n\n")[0])
+    parser.add_argument("-v", "--verbose", action="store_true")
+    parser.add_argument("--version", action=_Version)
+    commands = parser.add_subparsers(dest="command", required=True)
+    load = set(groups)
+    for name, (summary, module) in GROUPS.items():
+        group = commands.add_parser(name, help=summary, description=summary)
+        if name in load:
+            importlib.import_module(module).add_arguments(group)
+    return parser
+
+
+def _group(argv: Sequence[str]) -> list[str]:
+    """The command group argv names: its first word that is not an option (the top level's take no value)."""
+    first = next((word for word in argv if not word.startswith("-")), None)
+    return [first] if first in GROUPS else []
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run one command; its exit code. Every error airlock knows is one line and exit 2, Ctrl-C is exit 130."""
+    argv = sys.argv[1:] if argv is None else argv
+    verbose = "-v" in argv[:1] or "--verbose" in argv[:1]
+    try:
+        args = build_parser(_group(argv)).parse_args(argv)
+        verbose = args.verbose
+        import logging  # only now: `--help` and a bad argument need none of it
+
+        logging.basicConfig(
+            level=logging.INFO if verbose else logging.WARNING,
+            format="%(asctime)s %(name)s %(levelname)s %(message)s",
+        )
+        return args.func(args)
+    except KeyboardInterrupt:
+        print("airlock: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except AirlockError as e:
+        print(_message(e), file=sys.stderr)
+        return EXIT_USAGE
+    except Exception as e:  # a bug, or an error not foreseen: still one line (-v adds the traceback)
+        if verbose:
+            import traceback
+
+            traceback.print_exc()
+        print(f"airlock: unexpected error: {type(e).__name__}: {e}", file=sys.stderr)
+        return EXIT_USAGE
+
+
+def _message(error: AirlockError) -> str:
+    from airlock.policy import PolicyError
+
+    if isinstance(error, PolicyError):
+        return str(error)  # one `file:line: problem` line per problem
+    return "airlock: " + "; ".join(line.strip() for line in str(error).splitlines() if line.strip())
+
+
+if __name__ == "__main__":
+    sys.exit(main())

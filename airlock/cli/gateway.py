@@ -1,0 +1,214 @@
+"""`airlock gateway`: the gateway alone, in the foreground, for a sandbox launcher of your own — and the gateway
+options `airlock run` shares, turned into the library's `GatewayConfig`."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import ipaddress
+import logging
+import signal
+import socket
+import ssl
+import sys
+
+from airlock.brokerconfig import BrokerConfig
+from airlock.dns.upstream import parse_server
+from airlock.gateway import Gateway, GatewayConfig
+from airlock.policy import Policy, PolicyError, Sandbox, format_host_port
+
+from .common import (
+    DEFAULT_STATE_DIR,
+    EXIT_INTERRUPTED,
+    UsageError,
+    absolute,
+    check_limits,
+    default_policy_path,
+    duration,
+    load_policy_file,
+    signal_future,
+)
+
+log = logging.getLogger("airlock")
+
+
+def add_gateway_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--policy", type=absolute, metavar="FILE", help="policy file (default: the packaged configs/default.yaml)"
+    )
+    parser.add_argument("--profile", metavar="P", help="profile for sandboxes that do not name one")
+    parser.add_argument("--proxy-port", type=int, default=3128, metavar="PORT")
+    parser.add_argument("--upstream-dns", action="append", metavar="IP[:PORT]", help="repeatable")
+    parser.add_argument(
+        "--upstream-ca", type=absolute, metavar="FILE", help="CA bundle for upstream TLS the gateway verifies"
+    )
+    parser.add_argument("--audit", type=absolute, metavar="FILE", help="append one JSON line per decision to FILE")
+    parser.add_argument("--connect-timeout", type=float, default=10.0, metavar="S")
+    parser.add_argument("--idle-timeout", type=float, default=300.0, metavar="S")
+    parser.add_argument(
+        "--max-tunnels", type=int, metavar="N", help="open tunnels per sandbox (default: 7/8 of --max-connections)"
+    )
+    parser.add_argument(
+        "--max-connections", type=int, metavar="N",
+        help="open proxy connections per sandbox (default: 4096, or what the open-file limit allows)",
+    )  # fmt: skip
+    parser.add_argument("--dns-port", type=int, default=53, metavar="PORT", help="sandbox DNS; 0 turns it off")
+    parser.add_argument("--dns-rate", type=float, default=100.0, metavar="QPS", help="DNS queries/s per sandbox")
+    parser.add_argument("--state-dir", type=absolute, metavar="DIR", help="keys, broker state, admin socket")
+    parser.add_argument("--broker-port", type=int, default=8080, metavar="PORT", help="0 turns the broker off")
+    parser.add_argument("--broker-admin", metavar="SOCKET|127.0.0.1:PORT", help="default: STATE_DIR/admin.sock")
+    parser.add_argument(
+        "--broker-max-connections", type=int, default=32, metavar="N", help="open broker connections per address"
+    )
+    parser.add_argument("--github-api", default="https://api.github.com", metavar="URL")
+    parser.add_argument("--github-app-id", metavar="ID")
+    parser.add_argument("--github-app-key", type=absolute, metavar="PEM", help="the GitHub App's private key file")
+    parser.add_argument("--github-installation-id", type=int, metavar="ID", help="default: looked up per repo")
+    parser.add_argument(
+        "--github-token-file", type=absolute, metavar="FILE", help="static-token mode (GitHub Enterprise)"
+    )
+    parser.add_argument("--github-token-env", metavar="VAR", help="static-token mode, from an environment variable")
+    parser.add_argument("--github-timeout", type=float, default=10.0, metavar="S")
+    parser.add_argument("--token-ttl", type=duration, default=900, metavar="DURATION", help="e.g. 15m")
+    parser.add_argument("--token-max-ttl", type=duration, default=3600, metavar="DURATION")
+    parser.add_argument("--dns-min-ttl", type=int, default=5, metavar="S", help="shortest time an answer is cached")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_gateway_options(parser)
+    parser.add_argument("--listen", required=True, metavar="ADDR")
+    parser.add_argument("--sandbox", action="append", metavar="ID=CIDR[:PROFILE]", help="repeatable")
+    parser.add_argument("--audit-stdout", action="store_true")
+    parser.set_defaults(func=cmd_gateway)
+
+
+def gateway_config(args: argparse.Namespace, policy: Policy, listen: str, sandboxes: list[Sandbox]) -> GatewayConfig:
+    """The gateway options as the library's settings (limits checked already)."""
+    try:
+        upstream_dns = [parse_server(s) for s in args.upstream_dns or []]
+    except ValueError as e:
+        raise UsageError(f"--upstream-dns: {e}") from None
+    if args.profile and args.profile not in policy.profiles:
+        raise UsageError(f"no profile {args.profile!r} in {policy.source}")
+    if args.upstream_ca:
+        check_ca_bundle(args.upstream_ca)
+    return GatewayConfig(
+        policy=policy,
+        listen=listen,
+        proxy_port=args.proxy_port,
+        sandboxes=sandboxes,
+        upstream_dns=upstream_dns,
+        upstream_ca=args.upstream_ca,
+        audit_path=args.audit,
+        audit_stdout=getattr(args, "audit_stdout", False),
+        connect_timeout=args.connect_timeout,
+        idle_timeout=args.idle_timeout,
+        max_tunnels_per_sandbox=args.max_tunnels,
+        max_connections_per_sandbox=args.max_connections,
+        dns_min_ttl=args.dns_min_ttl,
+        dns_port=args.dns_port,
+        dns_rate=args.dns_rate,
+        state_dir=args.state_dir,
+        broker=BrokerConfig(
+            port=args.broker_port,
+            admin=args.broker_admin,
+            github_api=args.github_api,
+            github_app_id=args.github_app_id,
+            github_app_key=args.github_app_key,
+            github_installation_id=args.github_installation_id,
+            github_token_file=args.github_token_file,
+            github_token_env=args.github_token_env,
+            github_timeout=args.github_timeout,
+            token_ttl=args.token_ttl,
+            token_max_ttl=args.token_max_ttl,
+            max_connections_per_client=args.broker_max_connections,
+        ),
+    )
+
+
+def check_ca_bundle(path: str) -> None:
+    """UsageError unless `path` holds CA certificates: a bundle that does not load would be found out only when
+    the broker first calls GitHub (and the proxy, which passes TLS through, never reads it)."""
+    try:
+        ssl.create_default_context(cafile=path)
+    except (OSError, ssl.SSLError) as e:
+        raise UsageError(f"--upstream-ca {path}: no CA certificates there ({e.strerror or e})") from None
+
+
+def local_address(address: str) -> None:
+    """UsageError unless `address` is one of this host's (network namespace's) own: mitmproxy would log its bind
+    error and the gateway wait for a listener that never comes."""
+    family = socket.AF_INET6 if ":" in address else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        try:
+            probe.bind((address, 0))
+        except OSError as e:
+            raise UsageError(f"--listen {address}: {e.strerror}: not an address of this host") from None
+
+
+def sandboxes(specs: list[str], profile: str | None, policy: Policy) -> list[Sandbox]:
+    """`--sandbox ID=CIDR[:PROFILE]`; with none given, one sandbox `default` covers every client."""
+    if not specs:
+        name = profile or policy.default_profile
+        return [Sandbox("default", name, ipaddress.ip_network(n)) for n in ("0.0.0.0/0", "::/0")]
+    found = []
+    for spec in specs:
+        sandbox_id, sep, rest = spec.partition("=")
+        if not sep or not sandbox_id:
+            raise UsageError(f"--sandbox {spec!r}: expected ID=CIDR[:PROFILE]")
+        cidr, _, sandbox_profile = rest.partition(":") if rest.count(":") <= 1 else (rest, "", "")
+        try:
+            network = ipaddress.ip_network(cidr, strict=True)
+        except ValueError as e:
+            raise UsageError(f"--sandbox {spec!r}: {e}") from None
+        sandbox_profile = sandbox_profile or profile or policy.default_profile
+        if sandbox_profile not in policy.profiles:
+            raise UsageError(f"--sandbox {spec!r}: no profile {sandbox_profile!r} in the policy")
+        found.append(Sandbox(sandbox_id, sandbox_profile, network))
+    return found
+
+
+def cmd_gateway(args: argparse.Namespace) -> int:
+    check_limits(args)
+    try:  # before the state directory exists; a name would be resolved differently by each listener
+        ipaddress.ip_address(args.listen)
+    except ValueError:
+        raise UsageError(f"--listen {args.listen!r}: give the IP address to listen on (127.0.0.1, ::1, ...)") from None
+    local_address(args.listen)
+    # A service: its INFO lines (listening, a policy reloaded) are what its operator reads, -v or not.
+    logging.getLogger("airlock").setLevel(logging.INFO)
+    args.state_dir = args.state_dir or DEFAULT_STATE_DIR
+    policy = load_policy_file(args.policy)
+    config = gateway_config(args, policy, args.listen, sandboxes(args.sandbox or [], args.profile, policy))
+    return asyncio.run(serve(config, args.policy))
+
+
+async def serve(config: GatewayConfig, policy_path: str | None) -> int:
+    """Run until SIGTERM (exit 0) or SIGINT (130); SIGHUP reloads the policy from `policy_path`."""
+    gateway = Gateway(config)
+    # Handlers first: a signal that arrives while the gateway starts still stops it cleanly.
+    stopped = signal_future(signal.SIGTERM, signal.SIGINT)
+    asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, reload_policy, gateway, policy_path)
+    try:
+        await gateway.start()
+        dns = f", DNS on port {config.dns_port}" if config.dns_port else ""
+        where = format_host_port(config.listen, config.proxy_port)
+        print(f"airlock gateway: proxy on {where}{dns}", file=sys.stderr, flush=True)
+        signum = await stopped
+    finally:
+        await gateway.stop()
+    if signum == signal.SIGINT:
+        print("airlock: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    return 0
+
+
+def reload_policy(gateway: Gateway, path: str | None) -> None:
+    """SIGHUP: load the policy again; a bad file is reported and the running policy stays."""
+    try:
+        gateway.replace_policy(load_policy_file(path))
+        log.info("policy reloaded from %s", path or default_policy_path())
+    except PolicyError as e:
+        log.error("policy NOT reloaded, the running policy stays:\n%s", e)
+    except Exception as e:  # e.g. a SIGHUP before the gateway has started: keep what runs
+        log.error("policy NOT reloaded, the running policy stays: %s: %s", type(e).__name__, e)

@@ -1,0 +1,39 @@
+"""`airlock reap`: remove sandboxes whose lifetime has passed (docker labels) and leftovers of crashed runs."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from .common import duration
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--older-than", type=duration, metavar="DURATION", help="also anything older than this")
+    parser.set_defaults(func=cmd_reap)
+
+
+def cmd_reap(args: argparse.Namespace) -> int:
+    removed = [f"docker {s}" for s in reap_docker(args.older_than)]
+    if args.older_than is not None:
+        from airlock.sandbox.netns import reap_netns
+
+        removed += [f"netns {s}" for s in reap_netns(args.older_than)]
+    for item in removed:
+        print(f"removed {item}")
+    return 0
+
+
+def reap_docker(older_than: int | None) -> list[str]:
+    """The docker sandboxes removed; none (said on stderr) when no docker engine answers."""
+    import docker
+
+    from airlock.sandbox.docker import reap
+
+    try:
+        client = docker.from_env()
+        client.ping()
+        return reap(client, older_than)
+    except docker.errors.DockerException:
+        print("airlock reap: no docker engine answers; docker sandboxes not checked", file=sys.stderr)
+        return []

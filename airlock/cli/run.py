@@ -1,0 +1,244 @@
+"""`airlock run [options] -- CMD...`: the command in a fenced sandbox whose only network is its own gateway, by
+either backend's `launch()`; the command's exit code passed through (124 after --timeout, 128+N when signal N
+stopped the run)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import dataclasses
+import os
+import signal
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from airlock.broker.grants import Grant, GrantError, parse_grant
+from airlock.gateway import GatewayConfig
+from airlock.policy import Policy
+from airlock.sandbox.embedded import gateway_credentials
+from airlock.sandbox.limits import DEFAULT_OUTPUT_LIMIT
+from airlock.sandbox.netns_launch import ISOLATIONS, choose_isolation
+
+from .common import EXIT_TIMEOUT, EXIT_USAGE, UsageError, check_limits, load_policy_file, signal_future
+from .gateway import add_gateway_options, gateway_config
+
+if TYPE_CHECKING:
+    import docker
+
+    from airlock.sandbox.docker import Limits
+
+DOCKER_ONLY = ("cpus", "memory", "pids", "mount")
+
+
+def add_arguments(run: argparse.ArgumentParser) -> None:
+    add_gateway_options(run)
+    run.add_argument("--backend", choices=("auto", "netns", "docker"), default="auto", help="auto: docker if --image")
+    run.add_argument("--image", help="docker backend: the image to run")
+    run.add_argument("--cpus", type=float, help="docker backend: CPU limit (default 1)")
+    run.add_argument("--memory", help="docker backend: memory limit, memory+swap alike (default 512m)")
+    run.add_argument("--pids", type=int, help="docker backend: process limit (default 256)")
+    run.add_argument("--timeout", type=float, default=3600.0, metavar="S", help="then kill it all (exit 124)")
+    run.add_argument("--output-limit", type=int, default=DEFAULT_OUTPUT_LIMIT, metavar="BYTES")
+    run.add_argument("--mount", action="append", metavar="HOST:CONTAINER", help="docker backend: read-only mount")
+    run.add_argument("--user", help="run the command as this user (default: the sudo caller, else nobody)")
+    run.add_argument(
+        "--isolation", choices=ISOLATIONS, default="auto",
+        help="netns backend: read-only host, private /tmp and PIDs via bubblewrap (auto: when installed)",
+    )  # fmt: skip
+    run.add_argument("--env", action="append", metavar="NAME[=VALUE]", help="pass a variable in (repeatable)")
+    run.add_argument(
+        "--grant", action="append", metavar="TOOL:OWNER/REPO[:base=B|B2,head=PATTERN]",
+        help="mint a broker token with this grant for the sandbox (repeatable; without, no broker runs)",
+    )  # fmt: skip
+    run.add_argument("--sandbox-id", metavar="ID", help="name of the sandbox (default: random); [a-z0-9], 1-12 chars")
+    run.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- CMD...")
+    run.set_defaults(func=cmd_run)
+
+
+@dataclass
+class RunConfig:
+    """`airlock run`'s arguments as the launchers take them."""
+
+    backend: str  # "netns" or "docker"
+    command: list[str]
+    gateway: GatewayConfig
+    profile: str | None = None
+    sandbox_id: str | None = None
+    grants: list[Grant] = field(default_factory=list)
+    token_ttl: int | None = None
+    timeout: float = 3600.0
+    env: dict[str, str] = field(default_factory=dict)
+    user: str | None = None  # netns
+    isolation: str = "bwrap"  # netns: "bwrap" or "none"
+    image: str | None = None  # docker
+    limits: Limits | None = None  # docker
+    mounts: list[tuple[str, str]] = field(default_factory=list)  # docker, always read-only
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    check_limits(args)
+    command = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
+    if not command:
+        raise UsageError("nothing to run: airlock run [options] -- CMD...")
+    if os.geteuid() != 0:
+        print(
+            "airlock run: needs root to create a network namespace and its nftables fence; "
+            "run it with sudo (the command itself runs as you, without privileges)",
+            file=sys.stderr,
+        )
+        return EXIT_USAGE
+    run = run_config(args, command, load_policy_file(args.policy))
+    detail = f", image {run.image}" if run.backend == "docker" else f", filesystem isolation {run.isolation}"
+    print(f"airlock: backend {run.backend}{detail}", file=sys.stderr)
+    return asyncio.run(_run_docker(run) if run.backend == "docker" else _run_netns(run))
+
+
+def run_config(args: argparse.Namespace, command: list[str], policy: Policy) -> RunConfig:
+    grants = parse_grants(args.grant or [])
+    gateway = gateway_config(args, policy, "0.0.0.0", [])  # listen and sandbox: the launcher's
+    if not grants:  # the sandbox holds no token: a broker could only refuse it, so none runs (its port stays shut)
+        gateway = dataclasses.replace(gateway, broker=dataclasses.replace(gateway.broker, port=0))
+    run = RunConfig(
+        choose_backend(args.backend, args.image), command, gateway, args.profile, args.sandbox_id, grants,
+        args.token_ttl, args.timeout, passed_env(args.env or []),
+    )  # fmt: skip
+    if run.backend == "netns":
+        if docker_only := [f"--{name}" for name in DOCKER_ONLY if getattr(args, name)]:
+            raise UsageError(f"{', '.join(docker_only)}: docker backend only (the netns backend sets no such limits)")
+        run.user, run.isolation = args.user, choose_isolation(args.isolation)
+    else:
+        run.image, run.limits = args.image, docker_limits(args)
+        run.mounts = [parse_mount(m, gateway_credentials(gateway)) for m in args.mount or []]
+    return run
+
+
+def choose_backend(backend: str, image: str | None) -> str:
+    """docker when asked (or when an image is named); netns otherwise."""
+    if backend == "netns" and image:
+        raise UsageError("--image needs --backend docker")
+    if backend == "docker" and not image:
+        raise UsageError("--backend docker needs --image IMAGE")
+    return "docker" if image else "netns"
+
+
+def parse_grants(texts: list[str]) -> list[Grant]:
+    try:
+        return [parse_grant(g) for g in texts]
+    except GrantError as e:
+        raise UsageError(f"--grant: {e}") from None
+
+
+def passed_env(passed: list[str]) -> dict[str, str]:
+    """`--env NAME` (from this environment) and `--env NAME=VALUE`."""
+    env: dict[str, str] = {}
+    for item in passed:
+        name, sep, value = item.partition("=")
+        if not name.isidentifier():
+            raise UsageError(f"--env {item!r}: not a variable name")
+        if sep:
+            env[name] = value
+        elif name in os.environ:
+            env[name] = os.environ[name]
+    return env
+
+
+def docker_limits(args: argparse.Namespace) -> Limits:
+    """The container's limits: those given, the defaults for the rest."""
+    from airlock.sandbox.docker import Limits
+
+    given = {"cpus": args.cpus, "memory": args.memory, "pids": args.pids}
+    chosen = {k: v for k, v in given.items() if v is not None}
+    return Limits(**chosen, timeout=args.timeout, output_limit=args.output_limit)
+
+
+def parse_mount(text: str, credentials: list[str]) -> tuple[str, str]:
+    host, sep, target = text.partition(":")
+    if not sep or not host.startswith("/") or not target.startswith("/"):
+        raise UsageError(f"--mount {text!r}: expected /host/path:/container/path (always read-only)")
+    source = Path(host).resolve()
+    for credential in credentials:
+        if Path(credential).resolve().is_relative_to(source):
+            raise UsageError(f"--mount {text!r}: would show the container {credential}, a gateway credential")
+    return host, target.removesuffix(":ro")
+
+
+# --- the two backends --------------------------------------------------------------------------------------------
+
+
+def _stop_signals() -> asyncio.Future[int]:
+    """The first of SIGINT, SIGTERM and SIGHUP to arrive (its number): the run is then stopped and removed."""
+    return signal_future(signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+async def _first(waiter: asyncio.Future[int | None], stopped: asyncio.Future[int]) -> bool:
+    """Whether a signal came before the command ended."""
+    futures: list[asyncio.Future[Any]] = [waiter, stopped]
+    await asyncio.wait(futures, return_when=asyncio.FIRST_COMPLETED)
+    return not waiter.done()
+
+
+async def _run_netns(run: RunConfig) -> int:
+    from airlock.sandbox.netns_launch import launch
+
+    stopped = _stop_signals()  # before anything exists: a signal while the sandbox is built still removes it
+    handle = await launch(
+        run.command, run.gateway, profile=run.profile, sandbox_id=run.sandbox_id, user=run.user,
+        isolation=run.isolation, env=run.env, grants=run.grants, token_ttl=run.token_ttl, timeout=run.timeout,
+    )  # fmt: skip
+    async with handle:
+        waiter = asyncio.ensure_future(handle.wait())
+        if interrupted := await _first(waiter, stopped):
+            waiter.cancel()
+            await handle.stop()
+        code = None if interrupted else waiter.result()
+    return _outcome(code, stopped.result() if interrupted else None, run.timeout)
+
+
+async def _run_docker(run: RunConfig) -> int:
+    from airlock.sandbox.docker_launch import launch
+
+    assert run.image is not None and run.limits is not None
+    client = _docker_client()
+    stopped = _stop_signals()
+    handle = await launch(
+        client, run.image, run.command, run.gateway, profile=run.profile, sandbox_id=run.sandbox_id,
+        limits=run.limits, mounts=run.mounts, env=run.env, grants=run.grants, token_ttl=run.token_ttl,
+    )  # fmt: skip
+    async with handle:
+        output = asyncio.ensure_future(handle.stream(sys.stdout.buffer, sys.stderr.buffer))
+        waiter = asyncio.ensure_future(handle.wait())
+        if interrupted := await _first(waiter, stopped):
+            handle.kill()
+        code = await waiter
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(output, 10)  # the streams end when the container stops
+        if code is not None and not interrupted and handle.oom_killed():
+            print(f"airlock: killed at the {run.limits.memory} memory limit", file=sys.stderr)
+    return _outcome(code, stopped.result() if interrupted else None, run.timeout)
+
+
+def _docker_client() -> docker.DockerClient:
+    import docker
+
+    try:
+        client = docker.from_env()
+        client.ping()
+    except docker.errors.DockerException as e:
+        raise UsageError(
+            f"no docker engine answers ({e}): install and start one (apt-get install docker.io; systemctl start "
+            "docker), or point DOCKER_HOST at one — or use --backend netns"
+        ) from None
+    return client
+
+
+def _outcome(code: int | None, signum: int | None, timeout: float) -> int:
+    if signum is not None:
+        print(f"airlock: stopped by {signal.Signals(signum).name}; the sandbox is removed", file=sys.stderr)
+        return 128 + signum
+    if code is None:
+        print(f"airlock: killed after the {timeout:g}s timeout", file=sys.stderr)
+        return EXIT_TIMEOUT
+    return code

@@ -1,0 +1,102 @@
+"""`airlock token issue|revoke`: mint or revoke broker tokens through a running gateway's admin listener."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from airlock.broker.grants import GrantError, parse_grant
+from airlock.brokerconfig import admin_endpoint
+
+from .common import DEFAULT_STATE_DIR, EXIT_USAGE, UsageError, absolute, duration
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    actions = parser.add_subparsers(dest="action", required=True)
+    issue = actions.add_parser("issue", help="print a new sandbox token")
+    issue.add_argument("--sandbox", required=True)
+    issue.add_argument("--grant", action="append", required=True, metavar="TOOL:OWNER/REPO[:base=B,head=P]")
+    issue.add_argument("--ttl", type=duration, default=None, metavar="DURATION")
+    revoke = actions.add_parser("revoke", help="revoke one token or every token of a sandbox")
+    which = revoke.add_mutually_exclusive_group(required=True)
+    which.add_argument("--jti")
+    which.add_argument("--sandbox")
+    for sub in (issue, revoke):
+        sub.add_argument("--admin", metavar="SOCKET|127.0.0.1:PORT")
+        sub.add_argument(
+            "--state-dir", type=absolute, metavar="DIR", help=f"the gateway's state directory ({DEFAULT_STATE_DIR})"
+        )
+    issue.set_defaults(func=cmd_token_issue)
+    revoke.set_defaults(func=cmd_token_revoke)
+
+
+@dataclass(frozen=True)
+class Admin:
+    """The gateway's admin listener: a unix socket (default STATE_DIR/admin.sock) or a loopback HOST:PORT."""
+
+    endpoint: Path | tuple[str, int]
+
+    @classmethod
+    def of(cls, args: argparse.Namespace) -> Admin:
+        return cls(admin_endpoint(args.admin or str(Path(args.state_dir or DEFAULT_STATE_DIR) / "admin.sock")))
+
+    def __str__(self) -> str:
+        if isinstance(self.endpoint, Path):
+            return str(self.endpoint)
+        host, port = self.endpoint
+        return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+    async def call(self, path: str, payload: dict[str, Any]) -> dict[str, Any]:
+        import aiohttp
+
+        connector: aiohttp.BaseConnector
+        if isinstance(self.endpoint, Path):
+            connector, base = aiohttp.UnixConnector(path=str(self.endpoint)), "http://airlock-admin"
+        else:
+            connector, base = aiohttp.TCPConnector(), f"http://{self}"
+        try:
+            async with (
+                aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=10)) as session,
+                session.post(base + path, json=payload) as reply,
+            ):
+                body = await reply.json(content_type=None)
+        except (aiohttp.ClientError, OSError, ValueError, TimeoutError) as e:
+            why = str(e) or type(e).__name__
+            raise UsageError(f"cannot reach the broker's admin listener at {self}: {why}") from None
+        if not isinstance(body, dict):
+            raise UsageError(f"{self} is not a broker's admin listener (it answered {reply.status})")
+        if reply.status != 200:
+            raise UsageError(f"broker refused: {body.get('message', reply.status)}")
+        return body
+
+
+def cmd_token_issue(args: argparse.Namespace) -> int:
+    try:
+        grants = [parse_grant(g).to_claim() for g in args.grant]
+    except GrantError as e:
+        raise UsageError(f"--grant: {e}") from None
+    admin = Admin.of(args)
+    body = asyncio.run(admin.call("/v1/tokens", {"sandbox": args.sandbox, "grants": grants, "ttl": args.ttl}))
+    print(body["token"])
+    expires = datetime.fromtimestamp(body["expires_at"], UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    print(f"jti {body['jti']}, sandbox {body['sandbox']}, expires at {expires}", file=sys.stderr)
+    return 0
+
+
+def cmd_token_revoke(args: argparse.Namespace) -> int:
+    payload = {"jti": args.jti} if args.jti else {"sandbox": args.sandbox}
+    body = asyncio.run(Admin.of(args).call("/v1/revocations", payload))
+    what = f"token {args.jti}" if args.jti else f"every token of sandbox {args.sandbox}"
+    if body.get("known") is False:
+        # Revoked all the same (it can never be used), but the token meant is most likely still valid.
+        unknown = "no token with this id was issued" if args.jti else "this gateway serves no such sandbox"
+        option = "--jti" if args.jti else "--sandbox"
+        print(f"airlock: {what} revoked, but {unknown}: check the {option}", file=sys.stderr)
+        return EXIT_USAGE
+    print(f"revoked {what}")
+    return 0

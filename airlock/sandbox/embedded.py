@@ -1,0 +1,79 @@
+"""What both launchers share, in one place: the run's state directory (and its removal with the watchdog's
+release), the gateway's credentials, the ports the fence opens, the sandbox's own gateway (on the gateway address
+of the sandbox's link, serving that one sandbox), its broker token and the variables by which the command finds
+the gateway."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import ipaddress
+import tempfile
+
+from airlock.broker.grants import Grant
+from airlock.gateway import Gateway, GatewayConfig
+from airlock.policy import Sandbox
+
+from .watchdog import Watchdog
+
+
+def state_directory(config: GatewayConfig) -> tuple[GatewayConfig, tempfile.TemporaryDirectory[str] | None]:
+    """The config with its state directory: the one it names, else a temporary one (returned too) that the
+    launcher removes at the end — and its watchdog, if the launcher dies."""
+    if config.state_dir is not None:
+        return config, None
+    temporary = tempfile.TemporaryDirectory(prefix="airlock-run-")
+    return dataclasses.replace(config, state_dir=temporary.name), temporary
+
+
+async def release(watchdog: Watchdog | None, state: tempfile.TemporaryDirectory[str] | None) -> None:
+    """The last of a teardown, once the sandbox is gone: the temporary state directory, then the watchdog."""
+    if state is not None:
+        state.cleanup()
+    if watchdog is not None:
+        await asyncio.to_thread(watchdog.release)
+
+
+def gateway_credentials(config: GatewayConfig) -> list[str]:
+    """What the gateway holds that the sandbox must never read: the GitHub key or token file, and a state
+    directory it was given (signing keys, broker store, admin socket). A temporary one is 0700 root."""
+    return [p for p in (config.broker.github_app_key, config.broker.github_token_file, config.state_dir) if p]
+
+
+def fence_ports(config: GatewayConfig) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The gateway's TCP and UDP ports the fence opens to the sandbox."""
+    dns = (config.dns_port,) if config.dns_port else ()
+    broker = (config.broker.port,) if config.broker.port else ()
+    return (config.proxy_port, *dns, *broker), dns
+
+
+async def start_gateway(
+    config: GatewayConfig, listen: str, sandbox_id: str, sandbox_ip: str, profile: str | None
+) -> Gateway:
+    """The sandbox's gateway, listening on `listen` and knowing exactly one client: the sandbox's address."""
+    identity = Sandbox(sandbox_id, profile or config.policy.default_profile, ipaddress.ip_network(f"{sandbox_ip}/32"))
+    gateway = Gateway(dataclasses.replace(config, listen=listen, sandboxes=[identity]))
+    await gateway.start()
+    return gateway
+
+
+async def mint_token(gateway: Gateway, sandbox_id: str, grants: list[Grant], ttl: int | None) -> str | None:
+    """The sandbox's broker token for these grants; None without grants or without a broker."""
+    if not grants or gateway.broker is None:
+        return None
+    token, _ = await gateway.broker.issue(sandbox_id, grants, ttl)
+    return token
+
+
+def gateway_environment(gateway: Gateway, sandbox_id: str, with_broker: bool) -> dict[str, str]:
+    """What a sandboxed command needs to find its gateway: the proxy variables, its sandbox id, and the broker's
+    address when it holds a token for it."""
+    config = gateway.config
+    proxy = f"http://{config.listen}:{config.proxy_port}"
+    env = {name: proxy for name in ("HTTP_PROXY", "HTTPS_PROXY", "http_proxy", "https_proxy")}
+    # The broker lives on the gateway's own address: talk to it directly (the fence allows its port).
+    env["NO_PROXY"] = env["no_proxy"] = f"localhost,127.0.0.1,::1,{config.listen}"
+    if with_broker and config.broker.port:
+        env["AIRLOCK_BROKER_URL"] = f"http://{config.listen}:{config.broker.port}"
+    env["AIRLOCK_SANDBOX"] = sandbox_id
+    return env

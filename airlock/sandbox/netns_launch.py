@@ -1,0 +1,348 @@
+"""`launch()`: a command in a network namespace whose only link leads to its own embedded gateway, as one handle
+(`wait()`, `stop()`, `kill()`, `logs()`, `close()`; an async context manager) — what `airlock run` uses for the
+netns backend. Its docker twin is `airlock.sandbox.docker_launch.launch()`.
+
+Checked before anything exists: the command's user (never root), and what it must not read or change. bubblewrap
+hides the gateway's credentials, the usual ones of the user's home and the host services that would act outside
+the sandbox's network, and binds the gateway's inputs and airlock's own code read-only; with isolation "none"
+nothing can be hidden, so `launch()` refuses while any of them is in the user's reach. Then, in this order: the
+watchdog, the namespace and its fence, the gateway, the environment and token, the working directory's guard, the
+command. `close()` goes back: everything in the namespace is killed and namespace, link and fence are removed,
+then the working directory is checked, then the gateway stops, then the state directory goes and the watchdog is
+released.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import pwd
+import sys
+import tempfile
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+from airlock.broker.grants import Grant
+from airlock.gateway import Gateway, GatewayConfig
+
+from . import netns
+from .embedded import (
+    fence_ports,
+    gateway_credentials,
+    gateway_environment,
+    mint_token,
+    release,
+    start_gateway,
+    state_directory,
+)
+from .limits import DEFAULT_OUTPUT_LIMIT, TIMEOUT, limit_problem
+from .netns import NetnsSandbox, SandboxError
+from .watchdog import Watchdog
+from .workdir import WorkdirError, WorkdirGuard
+
+ISOLATIONS = ("auto", "bwrap", "none")
+STOP_GRACE = 5.0  # seconds between SIGTERM and SIGKILL when the command is asked to stop
+
+Report = Callable[[str], None]
+
+
+def say(line: str) -> None:
+    """The launcher's word to the user: one line on stderr."""
+    print(f"airlock: {line}", file=sys.stderr, flush=True)
+
+
+class NetnsHandle:
+    """A running sandboxed command. `wait()` for it; `close()` (or leaving `async with`) removes the sandbox."""
+
+    def __init__(
+        self,
+        sandbox: NetnsSandbox,
+        gateway: Gateway,
+        process: asyncio.subprocess.Process,
+        timeout: float,
+        teardown: Callable[[], Awaitable[None]],
+        output_limit: int = DEFAULT_OUTPUT_LIMIT,
+    ) -> None:
+        self.sandbox, self.gateway, self.process = sandbox, gateway, process
+        self._teardown: Callable[[], Awaitable[None]] | None = teardown  # once only
+        self._deadline = asyncio.get_running_loop().time() + timeout
+        self._exited = asyncio.ensure_future(process.wait())
+        self._output = (bytearray(), bytearray())
+        self._readers = [
+            asyncio.ensure_future(_drain(stream, into, output_limit))
+            for stream, into in zip((process.stdout, process.stderr), self._output, strict=True)
+            if stream is not None
+        ]
+
+    async def wait(self, timeout: float | None = None) -> int | None:
+        """The command's exit code (128+N when signal N ended it); None when the given timeout or the launch's
+        passed first — then every process in the sandbox has been killed."""
+        left = self._deadline - asyncio.get_running_loop().time()
+        left = left if timeout is None else min(left, timeout)
+        done, _ = await asyncio.wait({self._exited}, timeout=max(left, 0))
+        if not done:
+            await asyncio.to_thread(self.sandbox.kill_all)  # the whole namespace, not only the command's process
+            await self._exited
+            return None
+        return self._code()
+
+    async def stop(self, grace: float = STOP_GRACE) -> int:
+        """SIGTERM to the command, SIGKILL if it has not ended `grace` seconds later; its exit code."""
+        with contextlib.suppress(ProcessLookupError):
+            self.process.terminate()
+        done, _ = await asyncio.wait({self._exited}, timeout=grace)
+        if not done:
+            self.kill()
+            await self._exited
+        return self._code()
+
+    def kill(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            self.process.kill()
+
+    def logs(self) -> tuple[bytes, bytes]:
+        """stdout and stderr so far, each capped at the output limit (empty unless launched with capture_output)."""
+        return bytes(self._output[0]), bytes(self._output[1])
+
+    async def close(self) -> None:
+        """Kill everything in the sandbox and remove it, check the working directory, then stop the gateway."""
+        teardown, self._teardown = self._teardown, None
+        if teardown is None:
+            return
+        try:
+            await teardown()
+        finally:
+            pending = {self._exited, *self._readers}
+            await asyncio.wait(pending, timeout=5)  # everything that held the pipes is gone
+            for task in pending:
+                task.cancel()
+
+    def _code(self) -> int:
+        code = self.process.returncode if self.process.returncode is not None else 1
+        return code if code >= 0 else 128 - code
+
+    async def __aenter__(self) -> NetnsHandle:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+
+async def _drain(stream: asyncio.StreamReader, into: bytearray, limit: int) -> None:
+    """Keep what fits under `limit`, read and drop the rest: the command never blocks on a full pipe."""
+    while chunk := await stream.read(65536):
+        into += chunk[: max(0, limit - len(into))]
+
+
+async def launch(
+    command: list[str],
+    gateway: GatewayConfig,
+    *,
+    profile: str | None = None,
+    sandbox_id: str | None = None,
+    user: str | None = None,
+    isolation: str = "auto",
+    env: dict[str, str] | None = None,
+    grants: list[Grant] | None = None,
+    token_ttl: int | None = None,
+    timeout: float = 3600.0,
+    watchdog: Watchdog | None = None,
+    capture_output: bool = False,
+    output_limit: int = DEFAULT_OUTPUT_LIMIT,
+    report: Report = say,
+) -> NetnsHandle:
+    """Run `command` in a new fenced namespace, in this process's working directory, as `user` (default: whoever
+    called sudo, else nobody; never root). `gateway` gives the gateway's settings; its `listen` and `sandboxes`
+    are filled in here, and a temporary state directory when it names none. `env` adds variables to a clean
+    environment. The command's output goes where this process's goes, or with `capture_output` to `logs()`.
+    `report` hears what the user must know (notes before the start, the working directory's check at the end).
+    On any failure everything created so far is removed again. A watchdog process (started here unless one is
+    given, which its giver releases) removes the sandbox if this process dies, or if it is still there `GRACE`
+    seconds after `timeout`."""
+    if problem := limit_problem("timeout", timeout, TIMEOUT, lowest_included=False):
+        raise SandboxError(problem)
+    isolate_fs = choose_isolation(isolation) == "bwrap"
+    pw = netns.resolve_user(user)  # everything that can be refused is, before anything is created
+    hidden = hidden_paths(isolate_fs, pw, gateway_credentials(gateway))
+    read_only = kept_from_writes(isolate_fs, pw, gateway_inputs(gateway))
+    if note := unwritable_workdir(pw, named=user is not None):
+        report(note)
+    tcp_ports, udp_ports = fence_ports(gateway)
+    sandbox = NetnsSandbox(sandbox_id, tcp_ports=tcp_ports, udp_ports=udp_ports)
+    gateway, state = state_directory(gateway)
+    own = None
+    try:
+        if watchdog is None:
+            own = await asyncio.to_thread(Watchdog.start, timeout, [state.name] if state else [])
+    except BaseException:
+        await release(None, state)
+        raise
+    # Removes the sandbox if this process dies (bubblewrap's --die-with-parent ends only the command, and without
+    # bubblewrap nothing would); namespace, link and fence calls block: all of them off the event loop.
+    keeper = sandbox.watchdog = watchdog or own
+    assert keeper is not None
+    running: Gateway | None = None
+    guard: WorkdirGuard | None = None
+
+    async def teardown() -> None:
+        await _teardown(sandbox, guard, running, own, state, report)
+
+    try:
+        await asyncio.to_thread(sandbox.create)
+        assert sandbox.sandbox_id is not None and gateway.state_dir is not None
+        running = await start_gateway(gateway, sandbox.gateway_ip, sandbox.sandbox_id, sandbox.sandbox_ip, profile)
+        environment = host_environment(pw) | (env or {})
+        environment |= gateway_environment(running, sandbox.sandbox_id, bool(grants))
+        if token := await mint_token(running, sandbox.sandbox_id, grants or [], token_ttl):
+            environment["AIRLOCK_TOKEN_FILE"] = str(sandbox.place_token(token, pw))
+        if isolate_fs:
+            guard = WorkdirGuard(Path.cwd(), pw, sandbox.sandbox_id, Path(gateway.state_dir) / "workdir")
+            try:
+                await asyncio.to_thread(guard.prepare)
+            except WorkdirError:
+                guard = None  # nothing was changed: nothing to check afterwards
+                raise
+            keeper.guard("workdir", sandbox.sandbox_id, str(guard.save()))  # checked even if we die
+        argv = sandbox.command(command, user, isolate_fs, hidden=hidden, read_only=read_only, guard=guard)
+        pipe = asyncio.subprocess.PIPE if capture_output else None
+        # Its own session: no controlling terminal, so it cannot push keystrokes into the shell that started it.
+        process = await asyncio.create_subprocess_exec(
+            *argv, env=environment, start_new_session=True, stdout=pipe, stderr=pipe
+        )
+    except BaseException:
+        await teardown()
+        raise
+    return NetnsHandle(sandbox, running, process, timeout, teardown, output_limit)
+
+
+async def _teardown(
+    sandbox: NetnsSandbox,
+    guard: WorkdirGuard | None,
+    gateway: Gateway | None,
+    watchdog: Watchdog | None,
+    state: tempfile.TemporaryDirectory[str] | None,
+    report: Report,
+) -> None:
+    """Nothing of the sandbox outlives its gateway, and the working directory is checked only once nothing of the
+    sandbox is left to write in it. If removing fails, the gateway stops anyway (the fence stays: the sandbox has
+    nothing to reach) and the watchdog is not released: it removes the rest, and checks the working directory,
+    when this process exits."""
+    try:
+        await asyncio.to_thread(sandbox.destroy)
+    except BaseException:
+        if gateway is not None:
+            await gateway.stop()
+        raise
+    if guard is not None:
+        await asyncio.to_thread(_finish_workdir, guard, report)
+    if gateway is not None:
+        await gateway.stop()
+    await release(watchdog, state)
+
+
+def _finish_workdir(guard: WorkdirGuard, report: Report) -> None:
+    try:
+        lines = guard.finish()
+    except Exception as e:  # whatever went wrong, the user must hear that the folder was not checked
+        lines = [f"could not check the working directory for files the sandbox planted ({e}): do not run git there"]
+    for line in lines:
+        report(line)
+
+
+# --- what is checked before anything is created -----------------------------------------------------------------
+
+
+def choose_isolation(requested: str) -> str:
+    """bwrap unless `none` is asked for; `none` keeps the host filesystem as the user sees it."""
+    if requested not in ISOLATIONS:
+        raise SandboxError(f"isolation {requested!r}: choose one of {', '.join(ISOLATIONS)}")
+    if requested != "none" and not netns.bubblewrap_available():
+        # No quiet fallback: without bubblewrap the command sees the host as its user does.
+        raise SandboxError(
+            "bubblewrap is not installed (apt-get install bubblewrap; scripts/setup does): the command would see "
+            "the host's files as its user; install it, or say --isolation none to accept that"
+        )
+    return "bwrap" if requested == "auto" else requested
+
+
+def gateway_inputs(config: GatewayConfig) -> list[Path]:
+    """What the gateway reads or appends to, which the command must not change: the policy file (if it came from
+    one), the upstream CA bundle and the audit log."""
+    policy = [Path(config.policy.source)] if Path(config.policy.source).is_file() else []
+    return policy + [Path(p) for p in (config.upstream_ca, config.audit_path) if p]
+
+
+def hidden_paths(isolate_fs: bool, user: pwd.struct_passwd, credentials: list[str]) -> list[Path]:
+    """The paths bubblewrap hides from the command: the gateway's credentials, the usual ones in the user's home,
+    and host services that would run commands outside the sandbox. Without bubblewrap nothing can be hidden:
+    refuse to start while the command's user could read or change a gateway credential, or has a session whose
+    services (systemd --user, rootless docker, dbus) it could ask to run something on the host's network."""
+    if isolate_fs:
+        return netns.credential_paths(user, credentials) + netns.host_service_paths()
+    for path in netns.credential_paths(user, credentials):
+        if exposed := netns.accessible_by(path, user):
+            raise SandboxError(
+                f"{exposed[0]} is readable or writable by {user.pw_name}, who runs the sandboxed command, and "
+                "--isolation none cannot hide it: make it root's alone (chown root; chmod 600), or use bubblewrap"
+            )
+    if session := netns.user_session(user):
+        raise SandboxError(
+            f"{user.pw_name} has a session ({session}) whose services could start processes outside the sandbox's "
+            "network, and --isolation none cannot hide it: use bubblewrap, or --user an account without a session"
+        )
+    return []
+
+
+def kept_from_writes(isolate_fs: bool, user: pwd.struct_passwd, inputs: list[Path]) -> list[Path]:
+    """What the command must not change although it may be in reach: the gateway's `inputs` and airlock's own
+    code, which root runs next time. bubblewrap binds these read-only (returned); without it, refuse to start. A
+    working directory whose files run outside the sandbox is refused either way."""
+    if isolate_fs and (problem := netns.workdir_problem(Path.cwd(), user)):
+        raise SandboxError(f"the working directory {Path.cwd()} would be writable in the sandbox, but {problem}")
+    exposed = [p for p in [*inputs, *airlock_code()] if netns.writable_in_sandbox(p, user, isolate_fs)]
+    if exposed and not isolate_fs:
+        raise SandboxError(
+            f"{exposed[0]} could be changed by {user.pw_name}, who runs the sandboxed command, and --isolation none "
+            "cannot protect it: make it (and its folder) root's, or use bubblewrap"
+        )
+    return exposed
+
+
+def airlock_code() -> list[Path]:
+    """Where this airlock and its Python environment live (an editable install's source folders included)."""
+    import airlock
+    import airlock.broker
+    import airlock.dns
+    import airlock.policy
+    import airlock.proxy
+
+    packages = (airlock, airlock.broker, airlock.dns, airlock.policy, airlock.proxy)
+    return [Path(sys.prefix)] + [Path(module.__file__).parent for module in packages if module.__file__]
+
+
+def unwritable_workdir(user: pwd.struct_passwd, named: bool) -> str | None:
+    """What to tell the user when the command's user cannot write the working directory: the run goes on (the
+    command may only read), but a command that writes would fail there later."""
+    cwd = Path.cwd()
+    if netns.may_write(cwd, user):
+        return None
+    why = "" if named or os.environ.get("SUDO_UID") else " (airlock run as root, not through sudo)"
+    return (
+        f"the command runs as {user.pw_name}{why}, who cannot write the working directory {cwd}: to let it, pass "
+        f"--user with an account that may, or make the folder writable for {user.pw_name}"
+    )
+
+
+def host_environment(user: pwd.struct_passwd) -> dict[str, str]:
+    """A clean environment: nothing of the host's leaks in (tokens live in environments)."""
+    env = {
+        "PATH": "/usr/local/bin:/usr/bin:/bin",
+        "HOME": user.pw_dir if os.path.isdir(user.pw_dir) else "/tmp",
+        "USER": user.pw_name,
+        "LOGNAME": user.pw_name,
+        "LANG": os.environ.get("LANG", "C.UTF-8"),
+    }
+    if "TERM" in os.environ:
+        env["TERM"] = os.environ["TERM"]
+    return env

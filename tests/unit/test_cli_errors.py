@@ -1,0 +1,239 @@
+"""What a user can type never ends in a traceback: one `airlock: ...` line (or the policy's `file:line` lines) and
+exit 2, Ctrl-C exit 130 — and the odd inputs that used to get further than that."""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+from pathlib import Path
+
+import docker
+import pytest
+
+from airlock import AirlockError, cli
+from airlock.brokerconfig import BrokerConfigError
+from airlock.cli import gateway as gateway_command
+from airlock.cli import policy as policy_command
+from airlock.cli import run as run_command
+from airlock.cli.common import UsageError
+from airlock.gateway import GatewayError
+from airlock.policy import PolicyError
+from airlock.sandbox.docker import DockerSandboxError
+from airlock.sandbox.fence import FenceError
+from airlock.sandbox.netns import SandboxError
+from airlock.sandbox.watchdog import WatchdogError
+from airlock.sandbox.workdir import WorkdirError
+
+GATEWAY = ["gateway", "--listen", "127.0.0.1", "--upstream-dns", "127.0.0.1"]
+GRANT = "create_pull_request:acme/app"
+
+# (id, argv with TMP for a fresh folder, what the one line on stderr says)
+ODD_INPUTS = [
+    ("policy-is-a-directory", ["policy", "check", "TMP"], "TMP:1: cannot read policy"),
+    ("explain-policy-is-a-directory", ["policy", "explain", "--policy", "TMP", "pypi.org:443"], "cannot read policy"),
+    ("policy-with-nul", ["policy", "check", "a\0b"], "cannot read policy"),
+    ("gateway-policy-missing", [*GATEWAY, "--policy", "TMP/absent.yaml"], "TMP/absent.yaml:1: cannot read policy"),
+    ("gateway-state-in-proc", [*GATEWAY, "--state-dir", "/proc/airlock-state"], "airlock: state directory /proc/"),
+    ("gateway-state-is-a-file", [*GATEWAY, "--state-dir", "/etc/hostname"], "airlock: state directory /etc/hostname"),
+    ("gateway-audit-in-missing-folder", [*GATEWAY, "--audit", "TMP/no/such/audit.log"], "airlock: audit log TMP/no"),
+    ("gateway-bad-upstream-dns", ["gateway", "--listen", "::1", "--upstream-dns", "dns.example"], "--upstream-dns"),
+    ("gateway-bad-sandbox-network", [*GATEWAY, "--sandbox", "a=10.0.0.1/8"], "--sandbox 'a=10.0.0.1/8'"),
+    ("gateway-unknown-profile", [*GATEWAY, "--profile", "nope"], "no profile 'nope'"),
+    ("gateway-bad-port", [*GATEWAY, "--proxy-port", "99999"], "--proxy-port 99999"),
+    ("gateway-listen-not-here", ["gateway", "--listen", "192.0.2.77"], "--listen 192.0.2.77: Cannot assign requested"),
+    ("gateway-ca-missing", [*GATEWAY, "--upstream-ca", "TMP/absent.pem"], "--upstream-ca TMP/absent.pem: no CA"),
+    ("gateway-ca-not-pem", [*GATEWAY, "--upstream-ca", "/etc/hostname"], "--upstream-ca /etc/hostname: no CA"),
+    ("explain-unclosed-bracket", ["policy", "explain", "http://[::1"], "airlock: 'http://[::1': Invalid IPv6 URL"),
+    ("token-bad-grant", ["token", "issue", "--sandbox", "s", "--grant", "rm:-rf"], "airlock: --grant:"),
+    ("token-no-listener", ["token", "revoke", "--state-dir", "TMP", "--jti", "x"], "cannot reach the broker's admin"),
+    ("token-admin-relative", ["token", "revoke", "--admin", "./admin.sock", "--jti", "x"], "cannot reach"),
+    ("token-admin-not-loopback", ["token", "revoke", "--admin", "192.0.2.1:80", "--jti", "x"], "loopback"),
+]
+
+
+@pytest.mark.parametrize(("argv", "says"), [c[1:] for c in ODD_INPUTS], ids=[c[0] for c in ODD_INPUTS])
+def test_odd_input_is_one_line_and_exit_2(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], argv: list[str], says: str
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    assert cli.main([a.replace("TMP", str(tmp_path)) for a in argv]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+    assert says.replace("TMP", str(tmp_path)) in err, err
+
+
+RUN = ["run", "--upstream-dns", "127.0.0.1"]
+# As root, up to where a sandbox would be built (both backends refuse first): (id, argv, what stderr says)
+ODD_RUNS = [
+    ("policy-missing", [*RUN, "--policy", "TMP/absent.yaml", "--", "true"], "TMP/absent.yaml:1: cannot read"),
+    ("bad-grant", [*RUN, "--grant", "create_pull_request", "--", "true"], "airlock: --grant:"),
+    ("bad-env", [*RUN, "--env", "A-B=1", "--", "true"], "airlock: --env 'A-B=1': not a variable name"),
+    ("bad-mount", [*RUN, "--image", "i", "--mount", "rel:/x", "--", "true"], "airlock: --mount 'rel:/x'"),
+    ("image-with-netns", [*RUN, "--backend", "netns", "--image", "i", "--", "true"], "--image needs --backend docker"),
+    ("docker-without-image", [*RUN, "--backend", "docker", "--", "true"], "--backend docker needs --image"),
+    ("unknown-profile", [*RUN, "--profile", "nope", "--", "true"], "no profile 'nope'"),
+]
+
+
+@pytest.mark.parametrize(("argv", "says"), [c[1:] for c in ODD_RUNS], ids=[c[0] for c in ODD_RUNS])
+def test_odd_run_input_is_refused_before_anything_is_built(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], argv: list[str], says: str
+) -> None:
+    async def must_not_run(run: object) -> int:
+        raise AssertionError("a sandbox would have been started")
+
+    monkeypatch.setattr(run_command.os, "geteuid", lambda: 0)
+    monkeypatch.setattr(run_command, "_run_netns", must_not_run)
+    monkeypatch.setattr(run_command, "_run_docker", must_not_run)
+    assert cli.main([a.replace("TMP", str(tmp_path)) for a in argv]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+    assert says.replace("TMP", str(tmp_path)) in err, err
+
+
+def test_without_a_docker_engine_the_error_says_how_to_get_one(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    def no_engine(**kwargs: object) -> docker.DockerClient:
+        raise docker.errors.DockerException("Error while fetching server API version: no such file")
+
+    monkeypatch.setattr(run_command.os, "geteuid", lambda: 0)
+    monkeypatch.setattr(docker, "from_env", no_engine)
+    assert cli.main(["run", "--image", "debian", "--upstream-dns", "127.0.0.1", "--", "true"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[0] == "airlock: backend docker, image debian"
+    assert err[1].startswith("airlock: no docker engine answers (Error while fetching") and len(err) == 2
+    assert "apt-get install docker.io" in err[1] and "DOCKER_HOST" in err[1] and "--backend netns" in err[1]
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        GatewayError("x"), SandboxError("x"), FenceError("x"), DockerSandboxError("x"), BrokerConfigError("x"),
+        UsageError("x"), WatchdogError("x"), WorkdirError("x"), PolicyError(["p.yaml:1: x"]),
+    ],
+    ids=lambda e: type(e).__name__,
+)  # fmt: skip
+def test_every_error_airlock_reports_shares_one_root(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], error: AirlockError
+) -> None:
+    def fails(path: str | None) -> object:
+        raise error
+
+    monkeypatch.setattr(policy_command, "_load", fails)
+    assert isinstance(error, AirlockError)
+    assert cli.main(["policy", "check", "p.yaml"]) == 2
+    assert capsys.readouterr().err == ("p.yaml:1: x\n" if isinstance(error, PolicyError) else "airlock: x\n")
+
+
+def test_a_message_of_several_lines_is_said_in_one(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    def fails(path: str | None) -> object:
+        raise SandboxError("ip netns add airlock-x: first line\n  second line\n")
+
+    monkeypatch.setattr(policy_command, "_load", fails)
+    assert cli.main(["policy", "check", "p.yaml"]) == 2
+    assert capsys.readouterr().err == "airlock: ip netns add airlock-x: first line; second line\n"
+
+
+@pytest.mark.parametrize(("raised", "code", "says"), [
+    (KeyboardInterrupt(), 130, "airlock: interrupted\n"),
+    (RuntimeError("boom"), 2, "airlock: unexpected error: RuntimeError: boom\n"),
+])  # fmt: skip
+def test_ctrl_c_and_the_unforeseen_are_one_line_too(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], raised: BaseException, code: int, says: str
+) -> None:
+    def fails(path: str | None) -> object:
+        raise raised
+
+    monkeypatch.setattr(policy_command, "_load", fails)
+    assert cli.main(["policy", "check", "p.yaml"]) == code
+    assert capsys.readouterr().err == says
+
+
+def test_version_comes_from_the_package(capsys: pytest.CaptureFixture[str]) -> None:
+    from importlib.metadata import version
+
+    with pytest.raises(SystemExit) as info:
+        cli.main(["--version"])
+    assert info.value.code == 0
+    assert capsys.readouterr().out == f"airlock {version('airlock')}\n"
+
+
+def test_a_successful_reload_is_info_and_a_failed_one_an_error(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    class Gateway:
+        def replace_policy(self, policy: object) -> None:
+            pass
+
+    good, bad = tmp_path / "good.yaml", tmp_path / "bad.yaml"
+    good.write_text("version: 1\nprofiles:\n  default:\n    allow:\n      - host: pypi.org\n")
+    bad.write_text("version: 1\nprofiles: [\n")
+    with caplog.at_level(logging.INFO, logger="airlock"):
+        gateway_command.reload_policy(Gateway(), str(good))  # type: ignore[arg-type]
+        gateway_command.reload_policy(Gateway(), str(bad))  # type: ignore[arg-type]
+    assert [(r.levelname, r.getMessage().split(" from ")[0][:20]) for r in caplog.records] == [
+        ("INFO", "policy reloaded"),
+        ("ERROR", "policy NOT reloaded,"),
+    ]
+
+
+def test_path_options_are_absolute_and_never_resolved(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "link.log").symlink_to("/dev/null")
+    args = cli.build_parser().parse_args(
+        ["gateway", "--listen", "127.0.0.1", "--state-dir", "state", "--audit", "link.log", "--policy", "../p.yaml"]
+    )
+    assert args.state_dir == str(tmp_path / "state")
+    assert args.audit == str(tmp_path / "link.log")  # the symlink itself: the gateway refuses to log through it
+    assert args.policy == str(tmp_path / ".." / "p.yaml")
+
+
+def test_help_loads_no_command_group() -> None:
+    """`airlock --help` stays quick: it imports no policy, gateway or sandbox code."""
+    probe = (
+        "import sys\nfrom airlock.cli import main\ntry:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
+        "print(sorted(m for m in sys.modules if m.startswith(('airlock.', 'yaml', 'mitmproxy', 'asyncio'))))"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
+    assert (
+        out.splitlines()[-1]
+        == "['airlock.cli', 'airlock.cli.common', 'airlock.errors', 'airlock.sandbox', 'airlock.sandbox.limits']"
+    )
+
+
+def test_the_gateway_imports_neither_mitmproxys_unused_addons_nor_the_broker() -> None:
+    probe = (
+        "import sys\nimport airlock.gateway\n"
+        "print(sorted(m for m in sys.modules if m.startswith(('mitmproxy.addons.', 'airlock.broker.', 'aiohttp'))\n"
+        "             or m == 'airlock.brokerd'))\n"
+        "from mitmproxy.addons import default_addons\nprint(len(default_addons()) > 20)"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
+    loaded, whole_later = out.splitlines()
+    assert loaded == str([
+        "mitmproxy.addons.core", "mitmproxy.addons.disable_h2c", "mitmproxy.addons.next_layer",
+        "mitmproxy.addons.proxyserver", "mitmproxy.addons.termlog", "mitmproxy.addons.tlsconfig",
+    ])  # fmt: skip
+    assert whole_later == "True"  # anyone else asking for mitmproxy's default set still gets it
+
+
+def test_the_gateways_tls_addon_makes_no_certificate_authority_until_one_is_needed(tmp_path: Path) -> None:
+    """TLS is passed through: the CA mitmproxy would intercept with is made only if something asks for a cert."""
+    from mitmproxy.proxy.context import Context
+    from mitmproxy.test import taddons, tflow
+
+    from airlock.mitm import TlsConfig
+
+    tls = TlsConfig()
+    with taddons.context(tls) as tctx:
+        tctx.configure(tls, confdir=str(tmp_path))
+        tls.running()
+        assert list(tmp_path.iterdir()) == []
+        context = Context(tflow.tclient_conn(), tctx.options)
+        context.server.address = ("example.com", 443)
+        assert tls.get_cert(context).cert.issuer  # asked for: made, from the same options
+        assert (tmp_path / "mitmproxy-ca.pem").exists()

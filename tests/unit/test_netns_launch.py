@@ -1,0 +1,98 @@
+"""The netns launcher's checks before anything exists, and what `airlock run` hands it."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import pwd
+from pathlib import Path
+
+import pytest
+
+from airlock.cli import build_parser
+from airlock.cli.common import default_policy_path
+from airlock.cli.run import run_config
+from airlock.gateway import GatewayConfig
+from airlock.policy import load_policy, parse_policy
+from airlock.sandbox import netns, netns_launch
+from airlock.sandbox.netns import SandboxError
+from airlock.sandbox.netns_launch import gateway_inputs, unwritable_workdir
+
+POLICY = "version: 1\nprofiles:\n  default:\n    allow:\n      - host: pypi.org\n"
+
+
+def _agent(tmp_path: Path) -> pwd.struct_passwd:
+    return pwd.struct_passwd(("agent", "x", 4242, 4242, "", str(tmp_path / "home"), "/bin/sh"))
+
+
+@pytest.mark.parametrize(
+    ("owner", "mode", "named", "sudo", "told"),
+    [
+        (0, 0o755, False, None, "the command runs as agent (airlock run as root, not through sudo), who cannot"),
+        (0, 0o755, True, None, "the command runs as agent, who cannot write"),  # --user named it: no reason to add
+        (0, 0o755, False, "1000", "the command runs as agent, who cannot write"),
+        (0, 0o777, False, None, None),
+        (0, 0o1733, False, None, None),  # like /tmp: writable and searchable
+        (4242, 0o755, False, None, None),
+        (4242, 0o555, False, None, "cannot write the working directory"),
+    ],
+)
+def test_a_user_who_cannot_write_the_working_directory_is_told_how_to_fix_it(
+    privileged: None, monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+    owner: int, mode: int, named: bool, sudo: str | None, told: str | None,
+) -> None:  # fmt: skip
+    folder = tmp_path / "project"
+    folder.mkdir()
+    os.chown(folder, owner, owner)
+    folder.chmod(mode)
+    monkeypatch.chdir(folder)
+    monkeypatch.delenv("SUDO_UID", raising=False)
+    if sudo:
+        monkeypatch.setenv("SUDO_UID", sudo)
+    note = unwritable_workdir(_agent(tmp_path), named)
+    if told is None:
+        assert note is None
+    else:
+        assert note is not None and told in note and str(folder) in note, note
+        assert note.endswith("pass --user with an account that may, or make the folder writable for agent")
+
+
+def test_the_note_comes_before_anything_is_created(
+    privileged: None, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    folder = tmp_path / "root-only"
+    folder.mkdir(mode=0o755)
+    monkeypatch.chdir(folder)
+    monkeypatch.delenv("SUDO_UID", raising=False)
+    events: list[str] = []
+
+    def create(self: netns.NetnsSandbox) -> None:
+        events.append("create")
+        raise SandboxError("stop here")
+
+    monkeypatch.setattr(netns.NetnsSandbox, "create", create)
+    monkeypatch.setattr(netns_launch, "kept_from_writes", lambda *args: [])
+    config = GatewayConfig(parse_policy(POLICY), "0.0.0.0")
+
+    async def launch() -> None:
+        await netns_launch.launch(["true"], config, isolation="none", report=events.append)
+
+    with pytest.raises(SandboxError, match="stop here"):
+        asyncio.run(launch())
+    assert len(events) == 2 and "the command runs as nobody" in events[0] and events[1] == "create"
+
+
+def test_the_gateways_inputs_come_from_its_config(tmp_path: Path) -> None:
+    path = tmp_path / "policy.yaml"
+    path.write_text(POLICY)
+    config = GatewayConfig(load_policy(path), "0.0.0.0", upstream_ca="/ca.pem", audit_path=str(tmp_path / "a.log"))
+    assert gateway_inputs(config) == [path, Path("/ca.pem"), tmp_path / "a.log"]
+    assert gateway_inputs(GatewayConfig(parse_policy(POLICY), "0.0.0.0")) == []  # not read from a file
+
+
+@pytest.mark.parametrize(("grants", "port"), [((), 0), (("--grant", "create_pull_request:acme/app"), 8080)])
+def test_without_a_grant_airlock_run_starts_no_broker(grants: tuple[str, ...], port: int) -> None:
+    """The sandbox would hold no token: a broker could only refuse it, so none runs and the fence keeps its port."""
+    args = build_parser(["run"]).parse_args(["run", *grants, "--", "true"])
+    run = run_config(args, ["true"], load_policy(default_policy_path()))
+    assert run.gateway.broker.port == port
