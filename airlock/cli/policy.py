@@ -15,7 +15,6 @@ from airlock.policy import (
     canonical_host,
     decide,
     format_host_port,
-    load_policy,
     parse_ip_literal,
     vet,
 )
@@ -42,7 +41,7 @@ def cmd_policy_check(args: argparse.Namespace) -> int:
     status = 0
     for path in args.file:
         try:
-            policy = load_policy(path)
+            policy = _load(path)
         except PolicyError as e:
             print(e, file=sys.stderr)
             status = EXIT_USAGE

@@ -404,7 +404,7 @@ async def make(tmp_path: Path, app_key: rsa.RSAPrivateKey) -> AsyncIterator[Fact
             audit: list[AuditRecord] = []
             authority = TokenAuthority(KeyRing(state / "keys", 3600), default_ttl=600)
             served = None if serves is None else lambda: serves
-            broker = Broker(authority, store, identify, github, audit.append, settings, served)  # type: ignore[arg-type]
+            broker = Broker(authority, store, identify, github, audit.append, settings, serves=served)  # type: ignore[arg-type]
             stack.callback(broker.close)  # after the apps below have closed, before the store does
             sandbox = TestClient(TestServer(broker.sandbox_app(), host=LOOPBACK))
             admin = TestClient(TestServer(broker.admin_app(), host=LOOPBACK))
