@@ -37,6 +37,9 @@ class SandboxRegistry:
                 raise ValueError(f"sandbox {sandbox.id}: {sandbox.network} overlaps {other.id}'s {other.network}")
         self._sandboxes.append(sandbox)
 
+    def ids(self) -> list[str]:
+        return list(dict.fromkeys(sandbox.id for sandbox in self._sandboxes))  # a sandbox may have several networks
+
     def identify(self, address: IPAddress | str) -> Sandbox | None:
         known = self._known.get(address)
         if known is not None or address in self._known:
