@@ -1,0 +1,123 @@
+"""Start-up: how long `airlock --help` and `airlock run -- true` take, next to the interpreter's own start.
+
+    sudo .venv/bin/python -P bench/startup.py [--runs 15] [--output FILE]
+
+Each command runs `--runs` times, interleaved (`python -c pass`, `airlock --help`, the import of what `airlock
+run` loads, `airlock run -- true`, then again), so that drift hits every row alike; the report gives the median
+and the 90th percentile of the wall time, the median CPU time of the command and everything it started (user +
+system, from the reaped children's rusage: less sensitive than wall time to what else the machine runs), and the
+median as a ratio to `python -c pass`.
+
+`airlock run -- true` needs root and builds a sandbox (namespace, veth, nftables fence, embedded gateway,
+watchdog): it runs inside the gateway namespace of the end-to-end topology (tests/e2e/topology.py), never in the
+host's network, with `--upstream-dns` pointing into the (empty) fake internet — `true` asks nothing — from a
+scratch working directory that is no git repository. The interpreter rows run in that namespace too, so every row
+pays `ip netns exec` alike. The namespaces are deleted at the end, also on Ctrl-C or SIGTERM.
+
+Targets (issue 10): `airlock run -- true` under 400 ms, `airlock --help` under 60 ms, on the 2-CPU machine.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import shutil
+import statistics
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+# The e2e helpers, not the repo root: the root's dns/ would shadow dnspython. bench/ last: its dns.py and
+# docker.py must not shadow dnspython and docker-py.
+sys.path.insert(0, str(REPO / "tests" / "e2e"))
+sys.path.append(str(REPO / "bench"))
+
+import common  # noqa: E402
+from common import fmt, percentile  # noqa: E402
+from topology import DNS_SERVER, Topology  # noqa: E402
+
+AIRLOCK = str(Path(sys.executable).parent / "airlock")
+TARGETS_MS = {"airlock --help": 60.0, "airlock run -- true": 400.0}
+
+
+def rows() -> dict[str, list[str]]:
+    return {
+        "python -c pass": [sys.executable, "-c", "pass"],
+        "airlock --help": [AIRLOCK, "--help"],
+        "import what `airlock run` loads": [sys.executable, "-c", "import airlock.cli.run"],
+        "airlock run -- true": [AIRLOCK, "run", "--upstream-dns", DNS_SERVER, "--", "true"],
+    }
+
+
+def children_cpu() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def once(topo: Topology, argv: list[str], workdir: Path) -> tuple[float, float]:
+    """Wall and CPU seconds of one run of `argv` in the gateway namespace (an error if it fails)."""
+    cpu0, t0 = children_cpu(), time.perf_counter()
+    proc = topo.run(topo.gw, argv, timeout=120, cwd=workdir)
+    wall, cpu = time.perf_counter() - t0, children_cpu() - cpu0
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(argv)} exited {proc.returncode}:\n{proc.stdout}\n{proc.stderr[-3000:]}")
+    return wall, cpu
+
+
+def measure(runs: int, workdir: Path) -> dict[str, tuple[list[float], list[float]]]:
+    samples: dict[str, tuple[list[float], list[float]]] = {name: ([], []) for name in rows()}
+    with Topology() as topo:
+        for argv in rows().values():  # warm the page cache and the .pyc files: not counted
+            once(topo, argv, workdir)
+        for round_ in range(runs):
+            print(f"  round {round_ + 1}/{runs}", file=sys.stderr, flush=True)
+            for name, argv in rows().items():
+                wall, cpu = once(topo, argv, workdir)
+                samples[name][0].append(wall)
+                samples[name][1].append(cpu)
+    return samples
+
+
+def report(samples: dict[str, tuple[list[float], list[float]]], command: str, info: dict[str, str]) -> str:
+    base = statistics.median(samples["python -c pass"][0])
+    lines = [
+        "# airlock start-up", "", f"`{command}`", "", common.machine_line(info), "",
+        "| command (in a network namespace, `ip netns exec` included) | median ms | p90 ms | CPU ms | ratio to `python -c pass` | target |",  # noqa: E501
+        "|---|---:|---:|---:|---:|---|",
+    ]  # fmt: skip
+    for name, (walls, cpus) in samples.items():
+        median = statistics.median(walls)
+        target = TARGETS_MS.get(name)
+        verdict = "" if target is None else f"< {target:.0f} ms: {'met' if median * 1000 < target else 'NOT met'}"
+        p90 = percentile(sorted(walls), 0.9) or 0.0
+        row = [name, fmt(median * 1000), fmt(p90 * 1000), fmt(statistics.median(cpus) * 1000)]
+        lines.append(f"| {' | '.join(row)} | {median / base:.2f}x | {verdict} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = common.bench_parser(__doc__)
+    parser.add_argument("--runs", type=int, default=15, help="measured runs of each command (default 15)")
+    args = common.parse_args(parser, argv)
+    if not 3 <= args.runs <= 200:
+        parser.error("keep --runs in 3..200")
+    if os.geteuid() != 0:
+        parser.error("needs root: `airlock run` builds a network namespace")
+    if shutil.which("ip") is None:
+        parser.error("ip not found (apt-get install -y iproute2)")
+    common.interrupt_on_sigterm()
+    command = common.command_line("-P", "bench/startup.py")
+    info = common.machine_info(load=f"{os.getloadavg()[0]:.2f}")
+    common.warn_if_loaded(float(info["load"]), "high")
+    with common.scratch_dir("airlock-bench-startup-") as workdir:
+        workdir.chmod(0o755)
+        (workdir / "cwd").mkdir(mode=0o777)  # the sandbox's user (nobody) may write it: no note on stderr
+        (workdir / "cwd").chmod(0o777)
+        samples = measure(args.runs, workdir / "cwd")
+    common.emit(report(samples, command, info), args.output)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
