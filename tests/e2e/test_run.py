@@ -356,7 +356,7 @@ def test_without_a_grant_no_broker_listens(run_in_gw):
     without = run_in_gw("sh", "-c", BROKER_PROBE)
     assert without.stdout.split()[-1] in ("rc=7", "rc=28"), without  # nothing to reach: the fence drops it
     granted = run_in_gw("sh", "-c", BROKER_PROBE, options=("--grant", "create_pull_request:acme/app"))
-    assert granted.stdout.split() == ["404", "rc=0"], granted  # the sandbox holds a token: its broker answers
+    assert granted.stdout.split() == ["401", "rc=0"], granted  # its broker answers (and asks for the token)
 
 
 LAUNCH = """
