@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
 import json
 import os
 import signal
@@ -16,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from airlock.gateway import Gateway, GatewayConfig
+from airlock.policy import Sandbox, load_policy
 
 from topology import DNS_SERVER, GW_IP, SBX_IP, Topology
 
@@ -102,6 +104,17 @@ class GatewayProcess:
             if found or time.monotonic() > deadline:
                 return found
             time.sleep(0.05)
+
+
+def e2e_gateway_config(state: Path) -> GatewayConfig:
+    """The Python API's config of a gateway like the shared one: the e2e policy, the one sandbox, its defaults."""
+    return GatewayConfig(
+        policy=load_policy(E2E_POLICY),
+        listen=GW_IP,
+        sandboxes=[Sandbox("sbx", "default", ipaddress.ip_network(f"{SBX_IP}/32"))],
+        upstream_dns=[(DNS_SERVER, 53)],
+        audit_path=str(state / "audit.jsonl"),
+    )
 
 
 @contextlib.contextmanager

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import ipaddress
 import os
 import signal
 import socket
@@ -15,13 +14,13 @@ from pathlib import Path
 import pytest
 
 from airlock.dns.upstream import ResolverUnavailable
-from airlock.gateway import Gateway, GatewayConfig
-from airlock.policy import Sandbox, load_policy, parse_policy
+from airlock.gateway import Gateway
+from airlock.policy import parse_policy
 
-from gateway_proc import AIRLOCK, E2E_POLICY, PROXY, gateway_in_thread
+from gateway_proc import AIRLOCK, E2E_POLICY, PROXY, e2e_gateway_config, gateway_in_thread
 from netclient import ForeignListeners, in_netns, proxy_http, tcp_probe, tls_get
 from testca import TestCA
-from topology import DNS_SERVER, GW_IP, SBX_IP, FakeNet, Topology
+from topology import GW_IP, SBX_IP, FakeNet, Topology
 
 ALLOWED_IP = "192.0.2.10"
 AUDIT_FIELDS = {
@@ -298,13 +297,7 @@ def test_unknown_source_network_is_refused(topology: Topology, fakenet: FakeNet,
 @pytest.fixture
 def inproc_gateway(topology: Topology, fakenet: FakeNet, own_gateway, tmp_path: Path) -> Iterator[Gateway]:
     """A Gateway object running on its own loop in a thread that joined the gateway namespace."""
-    config = GatewayConfig(
-        policy=load_policy(E2E_POLICY),
-        listen=GW_IP,
-        sandboxes=[Sandbox("sbx", "default", ipaddress.ip_network(f"{SBX_IP}/32"))],
-        upstream_dns=[(DNS_SERVER, 53)],
-        audit_path=str(tmp_path / "audit.jsonl"),
-    )
+    config = e2e_gateway_config(tmp_path)
     with gateway_in_thread(topology, config) as gateway:
         yield gateway
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import contextlib
 import http.client
-import ipaddress
 import logging
 import math
 import os
@@ -21,13 +20,10 @@ from pathlib import Path
 import pytest
 from dnslib import RCODE, DNSRecord
 
-from airlock.gateway import GatewayConfig
-from airlock.policy import Sandbox, load_policy
-
-from gateway_proc import E2E_POLICY, PROXY, GatewayProcess, gateway_in_thread
+from gateway_proc import PROXY, GatewayProcess, e2e_gateway_config, gateway_in_thread
 from netclient import HeldTunnels, in_netns, proxy_http, raise_open_file_limit, tls_get
 from testca import TestCA
-from topology import DNS_SERVER, GW_IP, SBX_IP, FakeNet, Topology
+from topology import GW_IP, SBX_IP, FakeNet, Topology
 
 ALLOWED_IP = "192.0.2.10"
 BROKER = (GW_IP, 8080)
@@ -56,13 +52,7 @@ def test_a_thousand_concurrent_tunnels_work_with_the_defaults(
     topology: Topology, fakenet: FakeNet, own_gateway, test_ca: TestCA, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ):
     # A common default: 1,024 open files (soft), a high hard limit. The gateway raises the soft limit itself.
-    config = GatewayConfig(
-        policy=load_policy(E2E_POLICY),
-        listen=GW_IP,
-        sandboxes=[Sandbox("sbx", "default", ipaddress.ip_network(f"{SBX_IP}/32"))],
-        upstream_dns=[(DNS_SERVER, 53)],
-        audit_path=str(tmp_path / "audit.jsonl"),
-    )
+    config = e2e_gateway_config(tmp_path)
     soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
     resource.setrlimit(resource.RLIMIT_NOFILE, (1024, HARD_LIMIT))
     caplog.set_level(logging.INFO)

@@ -27,6 +27,8 @@ from airlock.dns.server import DnsServer
 from airlock.dns.upstream import Answer, Resolver, ResolverConfig
 from airlock.policy import LivePolicy, ReasonCode, Sandbox, SandboxRegistry, parse_policy
 
+from tasks import counting_tasks
+
 LOCALHOST = "127.0.0.1"
 
 POLICY = parse_policy(
@@ -300,19 +302,8 @@ async def test_a_flood_from_an_address_of_no_sandbox_costs_a_few_lines_and_no_ta
 ) -> None:
     async with running(make_resolver(upstream), network="127.0.0.2/32") as gw:  # 127.0.0.1 is no sandbox
         gw.server.admission.strangers.interval = 0.5
-        loop = asyncio.get_running_loop()
-        spawned: list[object] = []
-        default = loop.get_task_factory()
-
-        def counting(loop: asyncio.AbstractEventLoop, coro, **kwargs):
-            spawned.append(coro)
-            return default(loop, coro, **kwargs) if default else asyncio.Task(coro, loop=loop, **kwargs)
-
-        loop.set_task_factory(counting)
-        try:
+        with counting_tasks() as spawned:
             replies = await asyncio.to_thread(_burst, gw.port, [f"q{i}.allowed.test" for i in range(300)], 0.5)
-        finally:
-            loop.set_task_factory(default)
         await asyncio.sleep(0.3)  # the interval ends: its summary line
     assert len(replies) == 10 and {rcode(r) for r in replies} == {"REFUSED"}
     assert len(spawned) <= 10  # one task per answered query; the dropped ones cost none

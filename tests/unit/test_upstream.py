@@ -32,6 +32,8 @@ from airlock.dns.upstream import (
     system_servers,
 )
 
+from tasks import counting_tasks
+
 LOCALHOST = "127.0.0.1"
 
 ZONE = """
@@ -372,22 +374,11 @@ async def test_resolving_a_cached_name_spawns_no_task(resolver: Resolver, zone: 
     await resolver.resolve("a.test")
     with contextlib.suppress(NameNotFound):
         await resolver.resolve("nothing-cached.test")
-    loop = asyncio.get_running_loop()
-    spawned: list[object] = []
-    default = loop.get_task_factory()
-
-    def counting(loop: asyncio.AbstractEventLoop, coro, **kwargs):
-        spawned.append(coro)
-        return default(loop, coro, **kwargs) if default else asyncio.Task(coro, loop=loop, **kwargs)
-
-    loop.set_task_factory(counting)
-    try:
+    with counting_tasks() as spawned:
         for _ in range(10):
             assert (await resolver.resolve("a.test")).addresses
             with pytest.raises(NameNotFound):
                 await resolver.resolve("nothing-cached.test")
-    finally:
-        loop.set_task_factory(default)
     assert spawned == []
 
 
