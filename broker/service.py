@@ -18,26 +18,20 @@ upstream (also an answer of the wrong shape), 503 broker state unavailable or to
 Whatever leaves the broker (bodies, headers, idempotency records, audit lines, the call store, log lines) goes
 through one redactor that knows every credential the GitHub client has held.
 
-The state store is synchronous (SQLite); its calls run on a few threads of the broker's own, never on the event
-loop, so a locked or slow database delays only the broker calls that need it, never the proxy or DNS.
+The call itself (tool, grant, slot, schema, run) is `Broker.invoke`, which any surface calls; the tools live in
+broker.github_tools, the state store behind broker.state.
 """
 
 from __future__ import annotations
 
-import asyncio
-import base64
-import binascii
-import contextlib
-import hashlib
 import json
 import logging
 import math
 import time
 import traceback
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
-from typing import Any, TypeGuard
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
 
 from aiohttp import web
 from aiohttp.typedefs import Handler
@@ -45,29 +39,29 @@ from aiohttp.typedefs import Handler
 from airlock.audit import AuditRecord
 from airlock.policy import ReasonCode, TokenBuckets
 
-from .github import GitHubClient, PullRequest, UpstreamError
-from .gitpush import Pusher, PushError, PushLimits
-from .grants import Grant, GrantError, valid_branch, valid_repo, validated
+from .bodies import MAX_REQUEST_BYTES, json_object
+from .calls import Call, KeyedLocks, Tool
+from .errors import BrokerError, Result
+from .github import GitHubClient
+from .github_tools import GitHubTools
+from .gitpush import Pusher
+from .grants import Grant, GrantError
 from .redact import Redactor
-from .shapes import JsonLimitError, loads
-from .store import BrokerStore, StoreError
+from .state import State
+from .store import BrokerStore
 from .tokens import Claims, TokenAuthority, TokenError
-from .tools import MAX_BODY, MAX_TITLE, TOOLS, ToolSpec
+from .tools import TOOLS
 
 log = logging.getLogger("airlock.broker")
 
-__all__ = ["MAX_BODY", "MAX_REQUEST_BYTES", "MAX_TITLE", "Broker", "BrokerError", "BrokerSettings"]
+__all__ = ["Broker", "BrokerError", "BrokerSettings"]
 
-MAX_REQUEST_BYTES = 128 * 1024  # every body but push_branch's
-MAX_REQUEST_DEPTH = 8  # the deepest request, a token's grants, nests 3 deep
-BODY_OVERHEAD = 64 * 1024  # a push_branch body: the base64 bundle and this much for the rest of the JSON
-THREADED_BODY = 1024 * 1024  # bodies larger than this are parsed and decoded off the event loop
 CLAIMS = web.RequestKey("claims", Claims)
 RECORD = web.RequestKey("record", AuditRecord)
-STATE_THREADS = 4  # each with its own SQLite connection: reads go on while a write waits for a lock
-STATE_DEADLINE = 10.0  # seconds a call waits for the state store (queued or busy) before it is refused (503)
 UNKNOWN_SANDBOX = "-"  # what the audit record names a source address no sandbox owns
 AUTH_FAILURES = (401, 403)  # what `_authenticate` refuses with, as opposed to 503 (its state unreadable)
+
+type InputReader = Callable[[int], Awaitable[dict[str, Any]]]  # the call's input, read within a byte limit
 
 
 @dataclass
@@ -82,48 +76,6 @@ class BrokerSettings:
     def __post_init__(self) -> None:
         if min(self.calls_per_minute, self.burst, self.failed_auths_per_second, self.failed_auth_burst) <= 0:
             raise ValueError("broker rate limits must be positive")
-
-
-class BrokerError(Exception):
-    def __init__(
-        self,
-        status: int,
-        code: str,
-        message: str,
-        headers: dict[str, str] | None = None,
-        details: dict[str, Any] | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status, self.code, self.message = status, code, message
-        self.headers = headers or {}
-        self.details = details or {}  # further fields of the error body, e.g. the path of a bad input
-
-
-@dataclass
-class _Inflight:
-    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
-    users: int = 0  # calls holding or waiting for the lock
-
-
-@dataclass(frozen=True)
-class _Call:
-    request: web.Request
-    claims: Claims
-    record: AuditRecord
-    input: dict[str, Any]  # validated against the tool's schema
-
-
-type Result = tuple[int, dict[str, Any], dict[str, str]]  # status, body, headers
-
-
-@dataclass(frozen=True)
-class _Tool:
-    spec: ToolSpec
-    run: Callable[[_Call], Awaitable[Result]]
-    max_request_bytes: int
-    limits: Mapping[str, int | float]
-    slots: asyncio.Semaphore | None = None  # calls of this tool in progress at once, broker-wide
-    slot_wait: float = 0.0  # seconds a call waits for a slot before 503
 
 
 class Broker:
@@ -144,39 +96,44 @@ class Broker:
         self.serves = serves  # the ids of the sandboxes the gateway serves; None: any id may be given a token
         self.github = github
         self.emit = emit
-        self.pusher = pusher
         self.settings = settings or BrokerSettings()
         self._limiter = TokenBuckets(self.settings.calls_per_minute / 60, self.settings.burst)
         self._failures = TokenBuckets(self.settings.failed_auths_per_second, self.settings.failed_auth_burst)
-        self._inflight: dict[tuple[str, ...], _Inflight] = {}
+        self.locks = KeyedLocks()
         self.redactor = github.redactor if github is not None else Redactor()
-        self._state_threads = ThreadPoolExecutor(STATE_THREADS, thread_name_prefix="airlock-broker-state")
-        self.tools = self._tools()
-
-    def _tools(self) -> dict[str, _Tool]:
-        per_minute = {"calls_per_minute": self.settings.calls_per_minute}
-        push = self.pusher.limits if self.pusher is not None else PushLimits()
-        push_request = 4 * -(-push.max_bundle_bytes // 3) + BODY_OVERHEAD
-        tools = [
-            _Tool(
-                TOOLS["create_pull_request"], self._create_pull_request, MAX_REQUEST_BYTES,
-                per_minute | {"max_request_bytes": MAX_REQUEST_BYTES, "max_title": MAX_TITLE, "max_body": MAX_BODY},
-            ),
-            _Tool(
-                TOOLS["push_branch"], self._push_branch, push_request,
-                per_minute | {
-                    "max_request_bytes": push_request, "max_bundle_bytes": push.max_bundle_bytes,
-                    "max_objects": push.max_objects, "timeout_seconds": push.timeout,
-                    "concurrent_pushes": push.concurrent,
-                },
-                asyncio.Semaphore(push.concurrent), push.timeout,
-            ),
-        ]  # fmt: skip
-        return {tool.spec.name: tool for tool in tools}
+        self.state = State(store)
+        github_tools = GitHubTools(github, pusher, self.state, self.locks, self.redactor)
+        self.tools: dict[str, Tool] = {t.name: t for t in github_tools.tools(self.settings.calls_per_minute)}
 
     def close(self) -> None:
         """Stop the state threads (after the listeners: no call is left to need them)."""
-        self._state_threads.shutdown(wait=True, cancel_futures=True)
+        self.state.close()
+
+    async def invoke(
+        self,
+        name: str,
+        claims: Claims,
+        record: AuditRecord,
+        read_input: InputReader,
+        idempotency_key: str | None = None,
+    ) -> Result:
+        """One call of a tool by an authenticated caller: known tool, granted, a slot free, the input within the
+        tool's size limit and accepted by its schema; then the tool runs."""
+        tool = self.tools.get(name)
+        if tool is None:
+            raise BrokerError(404, "unknown_tool", f"no such tool; known: {', '.join(self.tools)}")
+        if not any(g.tool == tool.name for g in claims.grants):
+            raise BrokerError(403, "outside_grant", f"this token has no grant for {tool.name}")
+        async with tool.slot():
+            body = await read_input(tool.max_request_bytes)
+            if problem := tool.spec.problem(body):
+                path, what = problem
+                raise BrokerError(400, "invalid_input", f"{path or 'the input'} {what}", details={"path": path})
+            return await tool.run(Call(claims, record, body, idempotency_key))
+
+    def granted_tools(self, claims: Claims) -> list[dict[str, Any]]:
+        granted = {g.tool for g in claims.grants}
+        return [t.listing(claims.grants) for t in self.tools.values() if t.name in granted]
 
     # --- sandbox-facing -----------------------------------------------------------------------------------------
 
@@ -220,39 +177,17 @@ class Broker:
             await self._record_call(record)
 
     async def list_tools(self, request: web.Request) -> web.Response:
-        grants = request[CLAIMS].grants
-        granted = {g.tool for g in grants}
-        return self._reply({"tools": [_listing(t, grants) for t in self.tools.values() if t.spec.name in granted]})
+        return self._reply({"tools": self.granted_tools(request[CLAIMS])})
 
     async def call_tool(self, request: web.Request) -> web.Response:
-        claims, record = request[CLAIMS], request[RECORD]
-        tool = self.tools.get(request.match_info["name"])
-        if tool is None:
-            raise BrokerError(404, "unknown_tool", f"no such tool; known: {', '.join(self.tools)}")
-        if not any(g.tool == tool.spec.name for g in claims.grants):
-            raise BrokerError(403, "outside_grant", f"this token has no grant for {tool.spec.name}")
-        async with self._slot(tool):
-            body = await _json_object(request, tool.max_request_bytes)
-            if problem := tool.spec.problem(body):
-                path, what = problem
-                raise BrokerError(400, "invalid_input", f"{path or 'the input'} {what}", details={"path": path})
-            status, result, headers = await tool.run(_Call(request, claims, record, body))
+        status, result, headers = await self.invoke(
+            request.match_info["name"],
+            request[CLAIMS],
+            request[RECORD],
+            lambda limit: json_object(request, limit),
+            request.headers.get("Idempotency-Key"),
+        )
         return self._reply(result, status, headers)
-
-    @contextlib.asynccontextmanager
-    async def _slot(self, tool: _Tool) -> AsyncIterator[None]:
-        if tool.slots is None:
-            yield
-            return
-        try:
-            async with asyncio.timeout(tool.slot_wait):
-                await tool.slots.acquire()
-        except TimeoutError:
-            raise BrokerError(503, "busy", f"too many {tool.spec.name} calls in progress; try again") from None
-        try:
-            yield
-        finally:
-            tool.slots.release()
 
     def _reply(self, body: dict[str, Any], status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
         """Every JSON answer of the broker, error or not, leaves through here: redacted, headers too."""
@@ -265,74 +200,9 @@ class Broker:
         if "jti" not in record.extra:
             return
         try:
-            await self._store(lambda: self.store.record_call(json.loads(record.to_json())))
+            await self.state(lambda: self.store.record_call(json.loads(record.to_json())))
         except BrokerError:
             log.error("could not record a brokered call (request %s); the audit log has it", record.request_id)
-
-    async def _create_pull_request(self, call: _Call) -> Result:
-        claims, record = call.claims, call.record
-        fields = _pull_request_fields(call.input)
-        repo = fields.pop("repo")
-        record.host = repo
-        record.extra.update(head=fields["head"], base=fields["base"])
-        grant = _covering_grant(claims.grants, repo, fields["base"], fields["head"])
-        if self.github is None:
-            raise BrokerError(503, "not_configured", "the broker has no GitHub credential configured")
-        scope = claims.sandbox
-        request_hash = hashlib.sha256(json.dumps([repo, fields], sort_keys=True).encode()).hexdigest()
-        # Without a key, the same token asking the same thing twice is the same call.
-        key = call.request.headers.get("Idempotency-Key") or f"jti:{claims.jti}:{request_hash}"
-        async with self._one_at_a_time((scope, key)):
-            previous = await self._idempotent(scope, key, request_hash)
-            if previous is not None:
-                record.reason = "replayed idempotent result"
-                status, body = previous
-                return status, body, _location(body)
-            try:
-                # The grant's spelling, not the caller's: GitHub sees one name per repository (one cached token).
-                pull, existed = await self.github.create_pull_request(grant.repo, fields)
-            except UpstreamError as e:
-                raise BrokerError(e.status, e.code, e.message) from None
-            body = self.redactor.value(_pull_summary(pull, existed))
-            record.extra["number"] = pull.number
-            record.reason = "existing pull request" if existed else "created"
-            status = 200 if existed else 201
-            await self._store(lambda: self.store.idempotent_put(scope, key, request_hash, status, body))
-        return status, body, _location(body)
-
-    async def _push_branch(self, call: _Call) -> Result:
-        record = call.record
-        repo, branch = call.input["repo"], call.input["branch"]
-        record.host = repo
-        record.extra["branch"] = branch
-        grant = _push_grant(call.claims.grants, repo, branch)
-        data, digest = await _decoded_bundle(call.input["bundle"])
-        record.extra.update(bundle_sha256=digest, bundle_bytes=len(data))  # the bundle itself is never kept
-        if self.pusher is None:
-            raise BrokerError(503, "not_configured", "the broker has no GitHub credential (or no git) for pushes")
-        # One push at a time per branch, across sandboxes: the second sees what the first left upstream.
-        async with self._one_at_a_time(("push_branch", grant.repo.lower(), branch)):
-            try:
-                pushed = await self.pusher.push(grant.repo, branch, data)
-            except PushError as e:
-                raise BrokerError(e.status, e.code, e.message) from None
-        record.extra.update(sha=pushed.sha, ref=pushed.ref, previous=pushed.previous)
-        record.reason = "unchanged" if pushed.previous == pushed.sha else "pushed"
-        return 200, {"sha": pushed.sha, "ref": pushed.ref, "previous": pushed.previous}, {}
-
-    @contextlib.asynccontextmanager
-    async def _one_at_a_time(self, key: tuple[str, ...]) -> AsyncIterator[None]:
-        """Serialise the calls with one key (an idempotency key, a branch); the entry goes when no call holds or
-        awaits it."""
-        entry = self._inflight.setdefault(key, _Inflight())
-        entry.users += 1
-        try:
-            async with entry.lock:
-                yield
-        finally:
-            entry.users -= 1
-            if entry.users == 0:
-                del self._inflight[key]
 
     async def _authenticate_limited(self, request: web.Request, record: AuditRecord) -> Claims:
         """`_authenticate`, with its refusals limited per source address; past the limit nothing is verified."""
@@ -367,34 +237,16 @@ class Broker:
         if record.sandbox != claims.sandbox:
             # A token is usable only from the network of the sandbox it was minted for.
             raise BrokerError(403, "wrong_sandbox", "this token belongs to another sandbox")
-        if await self._store(lambda: self.store.is_revoked(claims.jti, claims.sandbox, claims.issued_at)):
+        if await self.state(lambda: self.store.is_revoked(claims.jti, claims.sandbox, claims.issued_at)):
             raise BrokerError(401, "revoked_token", "token has been revoked")
         return claims
-
-    async def _idempotent(self, scope: str, key: str, request_hash: str) -> tuple[int, dict[str, Any]] | None:
-        previous = await self._store(lambda: self.store.idempotent_get(scope, key))
-        if previous is None:
-            return None
-        stored_hash, status, body = previous
-        if stored_hash != request_hash:
-            raise BrokerError(422, "idempotency_conflict", "Idempotency-Key was used before with other arguments")
-        return status, body
-
-    async def _store(self, action: Callable[[], Any]) -> Any:
-        """`action` (a store call) on a state thread; any failure, or no answer in time, is 503 (fail closed)."""
-        try:
-            async with asyncio.timeout(STATE_DEADLINE):
-                return await asyncio.get_running_loop().run_in_executor(self._state_threads, action)
-        except (StoreError, TimeoutError, RuntimeError) as e:  # RuntimeError: the threads are shut down
-            log.error("broker state unavailable: %s", str(e) or f"no answer within {STATE_DEADLINE:g}s")
-            raise BrokerError(503, "state_unavailable", "broker state is unavailable; refusing to act") from None
 
     @web.middleware
     async def _json_errors(self, request: web.Request, handler: Handler) -> web.StreamResponse:
         try:
             return await handler(request)
         except BrokerError as e:
-            return self._reply({"error": e.code, "message": e.message, **e.details}, e.status, e.headers)
+            return self._reply(e.body(), e.status, e.headers)
         except web.HTTPException as e:
             return self._reply({"error": "http_error", "message": e.reason}, e.status)
         except Exception as e:  # a bug: one redacted line for the operator, a stable code for the client
@@ -424,11 +276,11 @@ class Broker:
     async def issue(self, sandbox: str, grants: list[Grant], ttl: int | None = None) -> tuple[str, Claims]:
         """Mint a token and remember its id until it expires (so that a revocation can tell it from a typo)."""
         token, claims = self.mint(sandbox, grants, ttl)
-        await self._store(lambda: self.store.record_issued(claims.jti, sandbox, claims.expires_at))
+        await self.state(lambda: self.store.record_issued(claims.jti, sandbox, claims.expires_at))
         return token, claims
 
     async def issue_token(self, request: web.Request) -> web.Response:
-        body = await _json_object(request)
+        body = await json_object(request)
         sandbox = body.get("sandbox")
         if not isinstance(sandbox, str) or not sandbox:
             raise BrokerError(422, "invalid_request", "sandbox is required")
@@ -452,15 +304,15 @@ class Broker:
         return self._reply({"token": token, "jti": claims.jti, "sandbox": sandbox, "expires_at": claims.expires_at})
 
     async def revoke(self, request: web.Request) -> web.Response:
-        body = await _json_object(request)
+        body = await json_object(request)
         # Revoked whether known or not (fail closed); `known` tells the caller whether the id was one of ours.
         if isinstance(body.get("jti"), str):
             until = int(time.time()) + self.authority.keys.max_ttl
-            known = await self._store(lambda: self.store.was_issued(body["jti"]))
-            await self._store(lambda: self.store.revoke_token(body["jti"], until))
+            known = await self.state(lambda: self.store.was_issued(body["jti"]))
+            await self.state(lambda: self.store.revoke_token(body["jti"], until))
             return self._reply({"revoked": {"jti": body["jti"]}, "known": known})
         if isinstance(body.get("sandbox"), str):
-            await self._store(lambda: self.store.revoke_sandbox(body["sandbox"]))
+            await self.state(lambda: self.store.revoke_sandbox(body["sandbox"]))
             known = self.serves is None or body["sandbox"] in self.serves()
             return self._reply({"revoked": {"sandbox": body["sandbox"]}, "known": known})
         raise BrokerError(422, "invalid_request", "give jti or sandbox")
@@ -472,119 +324,9 @@ class Broker:
         return self._reply(self.authority.keys.jwks())
 
 
-async def _json_object(request: web.Request, limit: int = MAX_REQUEST_BYTES) -> dict[str, Any]:
-    """The body as a JSON object. Its size is capped before and while it is read, and its nesting before it is
-    parsed: the parser recurses, and is linear in everything else."""
-    data = await _body(request, limit)
-    if len(data) > THREADED_BODY:  # megabytes of bundle: scanned and parsed while the loop serves others
-        return await asyncio.to_thread(_parsed_object, data)
-    return _parsed_object(data)
-
-
-async def _body(request: web.Request, limit: int) -> bytes:
-    too_large = BrokerError(413, "too_large", f"request bodies are limited to {limit} bytes")
-    if (request.content_length or 0) > limit:
-        raise too_large  # refused unread
-    data = bytearray()
-    async for chunk in request.content.iter_chunked(64 * 1024):
-        data += chunk
-        if len(data) > limit:
-            raise too_large
-    return bytes(data)
-
-
-def _parsed_object(data: bytes) -> dict[str, Any]:
-    try:
-        body = loads(data, MAX_REQUEST_DEPTH)
-    except JsonLimitError:
-        raise BrokerError(400, "too_deep", f"JSON bodies nest at most {MAX_REQUEST_DEPTH} levels deep") from None
-    except ValueError:  # UnicodeDecodeError, and too many digits in a number, are ValueErrors too
-        raise BrokerError(422, "invalid_json", "the request body must be a JSON object") from None
-    if not isinstance(body, dict):
-        raise BrokerError(422, "invalid_json", "the request body must be a JSON object")
-    return body
-
-
-def _pull_request_fields(body: dict[str, Any]) -> dict[str, Any]:
-    """The pull request's fields from an input its schema accepted, checked further."""
-    repo, head, base, title = (body[k] for k in ("repo", "head", "base", "title"))
-    text, draft = body.get("body", ""), body.get("draft", False)
-    try:
-        validated("create_pull_request", repo, (base,), head)
-    except GrantError as e:
-        raise BrokerError(422, "invalid_request", str(e)) from None
-    if not (valid_branch(head) and valid_branch(base)):
-        raise BrokerError(422, "invalid_request", "head and base must be branch names")
-    if not title.strip():
-        raise BrokerError(422, "invalid_request", "title must not be blank")
-    return {"repo": repo, "head": head, "base": base, "title": title, "body": text, "draft": draft}
-
-
-def _push_grant(grants: tuple[Grant, ...], repo: str, branch: str) -> Grant:
-    """The grant that lets `branch` be pushed, else 422 (not a branch name), 403 outside the grants, or 403 when
-    any push grant on the repository protects the branch."""
-    if not valid_repo(repo):
-        raise BrokerError(422, "invalid_request", f"repository must be owner/name, got {repo!r}")
-    if not valid_branch(branch):
-        raise BrokerError(422, "invalid_request", "branch must be a branch name")
-    pushes = [g for g in grants if g.tool == "push_branch"]
-    refusals = [g.permits_push(repo, branch) for g in pushes]
-    if None not in refusals:
-        raise BrokerError(403, "outside_grant", (refusals[0] if refusals else None) or "no grant for push_branch")
-    on_repo = [g for g in pushes if g.repo.lower() == repo.lower()]
-    if pattern := next((p for g in on_repo if (p := g.protects(branch))), None):
-        raise BrokerError(403, "protected_branch", f"branch {branch!r} is protected ({pattern!r})")
-    return pushes[refusals.index(None)]
-
-
-async def _decoded_bundle(text: str) -> tuple[bytes, str]:
-    """The bundle's bytes and their sha256 (megabytes: off the event loop)."""
-
-    def decode() -> tuple[bytes, str]:
-        data = base64.b64decode(text, validate=True)
-        return data, hashlib.sha256(data).hexdigest()
-
-    try:
-        return await asyncio.to_thread(decode) if len(text) > THREADED_BODY else decode()
-    except binascii.Error:
-        raise BrokerError(400, "invalid_input", "/bundle must be base64", details={"path": "/bundle"}) from None
-
-
 def _call_name(request: web.Request) -> str:
     """What the audit calls a sandbox request: the tool's name, list_tools, or "-" for anything else."""
     if request.method == "GET" and request.path == "/v1/tools":
         return "list_tools"
     name = request.match_info.get("name")
     return name if name in TOOLS else "-"
-
-
-def _listing(tool: _Tool, grants: tuple[Grant, ...]) -> dict[str, Any]:
-    scopes = [g.scope() for g in grants if g.tool == tool.spec.name]
-    return {
-        "name": tool.spec.name, "description": tool.spec.description, "input_schema": tool.spec.input_schema,
-        "limits": tool.limits, "grant": {"scopes": scopes},
-    }  # fmt: skip
-
-
-def _covering_grant(grants: tuple[Grant, ...], repo: str, base: str, head: str) -> Grant:
-    """The first grant that covers the call, else 403 with why the first one does not."""
-    refusals = [g.permits("create_pull_request", repo, base, head) for g in grants]
-    if None in refusals:
-        return grants[refusals.index(None)]
-    raise BrokerError(403, "outside_grant", (refusals[0] if refusals else None) or "no grant")
-
-
-def _all_strings(values: list[Any]) -> TypeGuard[list[str]]:
-    return all(isinstance(value, str) for value in values)
-
-
-def _pull_summary(pull: PullRequest, existed: bool) -> dict[str, Any]:
-    """Only what the agent needs; nothing GitHub returned about tokens or installations."""
-    return {
-        "number": pull.number, "url": pull.url, "html_url": pull.html_url, "state": pull.state, "draft": pull.draft,
-        "head": pull.head, "base": pull.base, "existing": existed,
-    }  # fmt: skip
-
-
-def _location(body: dict[str, Any]) -> dict[str, str]:
-    return {"Location": str(body["url"])} if body.get("url") and not body.get("existing") else {}

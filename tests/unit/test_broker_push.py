@@ -26,10 +26,11 @@ from aiohttp.test_utils import TestClient, TestServer
 from jsonschema import Draft202012Validator
 
 from airlock.audit import AuditRecord
+from airlock.broker.bodies import THREADED_BODY
 from airlock.broker.github import GitHubClient, StaticCredential
 from airlock.broker.gitpush import GitTransport, Pusher, PushLimits, git_base_url
 from airlock.broker.grants import parse_grant
-from airlock.broker.service import THREADED_BODY, Broker
+from airlock.broker.service import Broker
 from airlock.broker.store import SqliteStore
 from airlock.broker.tokens import KeyRing, TokenAuthority
 

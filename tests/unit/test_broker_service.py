@@ -27,10 +27,12 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import rsa
 
 from airlock.audit import AuditRecord
+from airlock.broker.bodies import MAX_REQUEST_BYTES
 from airlock.broker.github import AppCredential, GitHubClient, StaticCredential
-from airlock.broker.service import MAX_BODY, MAX_REQUEST_BYTES, MAX_TITLE, Broker, BrokerSettings
+from airlock.broker.service import Broker, BrokerSettings
 from airlock.broker.store import SqliteStore, StoreError
 from airlock.broker.tokens import KeyRing, TokenAuthority
+from airlock.broker.tools import MAX_BODY, MAX_TITLE
 
 LOOPBACK = "127.0.0.1"
 SANDBOX = "sbx-1"
@@ -1115,7 +1117,7 @@ async def test_idempotency_locks_are_dropped_however_calls_end(
         h.store.failing.add(failing)
     replies = await asyncio.gather(*(h.pr(token, {"head": "agent/fix-1"} | fields, key=key) for _ in range(3)))
     assert [r.status for r in replies] == [status] * 3, [r.body for r in replies]
-    assert h.broker._inflight == {}
+    assert h.broker.locks.entries == {}
 
 
 # --- rate limit -------------------------------------------------------------------------------------------------

@@ -1,0 +1,184 @@
+"""The GitHub tools: each checks what the token's grants allow, then acts with the broker's own credential.
+
+- `create_pull_request`: idempotent (the caller's Idempotency-Key, else the token and the arguments), serialised
+  per key, its result remembered in the state store.
+- `push_branch`: a git bundle pushed by broker.gitpush, one push at a time per branch across sandboxes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import hashlib
+import json
+from typing import Any
+
+from .bodies import MAX_REQUEST_BYTES, THREADED_BODY
+from .calls import Call, KeyedLocks, Tool
+from .errors import BrokerError, Result
+from .github import GitHubClient, PullRequest, UpstreamError
+from .gitpush import Pusher, PushError, PushLimits
+from .grants import Grant, GrantError, valid_branch, valid_repo, validated
+from .redact import Redactor
+from .state import State
+from .tools import MAX_BODY, MAX_TITLE, TOOLS
+
+BODY_OVERHEAD = 64 * 1024  # a push_branch body: the base64 bundle and this much for the rest of the JSON
+
+
+class GitHubTools:
+    def __init__(
+        self,
+        github: GitHubClient | None,
+        pusher: Pusher | None,
+        state: State,
+        locks: KeyedLocks,
+        redactor: Redactor,
+    ) -> None:
+        self.github, self.pusher, self.state, self.locks, self.redactor = github, pusher, state, locks, redactor
+
+    def tools(self, calls_per_minute: int) -> list[Tool]:
+        per_minute = {"calls_per_minute": calls_per_minute}
+        push = self.pusher.limits if self.pusher is not None else PushLimits()
+        push_request = 4 * -(-push.max_bundle_bytes // 3) + BODY_OVERHEAD
+        return [
+            Tool(
+                TOOLS["create_pull_request"], self.create_pull_request, MAX_REQUEST_BYTES,
+                per_minute | {"max_request_bytes": MAX_REQUEST_BYTES, "max_title": MAX_TITLE, "max_body": MAX_BODY},
+            ),
+            Tool(
+                TOOLS["push_branch"], self.push_branch, push_request,
+                per_minute | {
+                    "max_request_bytes": push_request, "max_bundle_bytes": push.max_bundle_bytes,
+                    "max_objects": push.max_objects, "timeout_seconds": push.timeout,
+                    "concurrent_pushes": push.concurrent,
+                },
+                asyncio.Semaphore(push.concurrent), push.timeout,
+            ),
+        ]  # fmt: skip
+
+    async def create_pull_request(self, call: Call) -> Result:
+        claims, record = call.claims, call.record
+        fields = _pull_request_fields(call.input)
+        repo = fields.pop("repo")
+        record.host = repo
+        record.extra.update(head=fields["head"], base=fields["base"])
+        grant = _covering_grant(claims.grants, repo, fields["base"], fields["head"])
+        if self.github is None:
+            raise BrokerError(503, "not_configured", "the broker has no GitHub credential configured")
+        scope = claims.sandbox
+        request_hash = hashlib.sha256(json.dumps([repo, fields], sort_keys=True).encode()).hexdigest()
+        # Without a key, the same token asking the same thing twice is the same call.
+        key = call.idempotency_key or f"jti:{claims.jti}:{request_hash}"
+        async with self.locks.one_at_a_time((scope, key)):
+            previous = await self._idempotent(scope, key, request_hash)
+            if previous is not None:
+                record.reason = "replayed idempotent result"
+                status, body = previous
+                return status, body, _location(body)
+            try:
+                # The grant's spelling, not the caller's: GitHub sees one name per repository (one cached token).
+                pull, existed = await self.github.create_pull_request(grant.repo, fields)
+            except UpstreamError as e:
+                raise BrokerError(e.status, e.code, e.message) from None
+            body = self.redactor.value(_pull_summary(pull, existed))
+            record.extra["number"] = pull.number
+            record.reason = "existing pull request" if existed else "created"
+            status = 200 if existed else 201
+            await self.state(lambda: self.state.store.idempotent_put(scope, key, request_hash, status, body))
+        return status, body, _location(body)
+
+    async def push_branch(self, call: Call) -> Result:
+        record = call.record
+        repo, branch = call.input["repo"], call.input["branch"]
+        record.host = repo
+        record.extra["branch"] = branch
+        grant = _push_grant(call.claims.grants, repo, branch)
+        data, digest = await _decoded_bundle(call.input["bundle"])
+        record.extra.update(bundle_sha256=digest, bundle_bytes=len(data))  # the bundle itself is never kept
+        if self.pusher is None:
+            raise BrokerError(503, "not_configured", "the broker has no GitHub credential (or no git) for pushes")
+        # One push at a time per branch, across sandboxes: the second sees what the first left upstream.
+        async with self.locks.one_at_a_time(("push_branch", grant.repo.lower(), branch)):
+            try:
+                pushed = await self.pusher.push(grant.repo, branch, data)
+            except PushError as e:
+                raise BrokerError(e.status, e.code, e.message) from None
+        record.extra.update(sha=pushed.sha, ref=pushed.ref, previous=pushed.previous)
+        record.reason = "unchanged" if pushed.previous == pushed.sha else "pushed"
+        return 200, {"sha": pushed.sha, "ref": pushed.ref, "previous": pushed.previous}, {}
+
+    async def _idempotent(self, scope: str, key: str, request_hash: str) -> tuple[int, dict[str, Any]] | None:
+        previous = await self.state(lambda: self.state.store.idempotent_get(scope, key))
+        if previous is None:
+            return None
+        stored_hash, status, body = previous
+        if stored_hash != request_hash:
+            raise BrokerError(422, "idempotency_conflict", "Idempotency-Key was used before with other arguments")
+        return status, body
+
+
+def _pull_request_fields(body: dict[str, Any]) -> dict[str, Any]:
+    """The pull request's fields from an input its schema accepted, checked further."""
+    repo, head, base, title = (body[k] for k in ("repo", "head", "base", "title"))
+    text, draft = body.get("body", ""), body.get("draft", False)
+    try:
+        validated("create_pull_request", repo, (base,), head)
+    except GrantError as e:
+        raise BrokerError(422, "invalid_request", str(e)) from None
+    if not (valid_branch(head) and valid_branch(base)):
+        raise BrokerError(422, "invalid_request", "head and base must be branch names")
+    if not title.strip():
+        raise BrokerError(422, "invalid_request", "title must not be blank")
+    return {"repo": repo, "head": head, "base": base, "title": title, "body": text, "draft": draft}
+
+
+def _covering_grant(grants: tuple[Grant, ...], repo: str, base: str, head: str) -> Grant:
+    """The first grant that covers the call, else 403 with why the first one does not."""
+    refusals = [g.permits("create_pull_request", repo, base, head) for g in grants]
+    if None in refusals:
+        return grants[refusals.index(None)]
+    raise BrokerError(403, "outside_grant", (refusals[0] if refusals else None) or "no grant")
+
+
+def _push_grant(grants: tuple[Grant, ...], repo: str, branch: str) -> Grant:
+    """The grant that lets `branch` be pushed, else 422 (not a branch name), 403 outside the grants, or 403 when
+    any push grant on the repository protects the branch."""
+    if not valid_repo(repo):
+        raise BrokerError(422, "invalid_request", f"repository must be owner/name, got {repo!r}")
+    if not valid_branch(branch):
+        raise BrokerError(422, "invalid_request", "branch must be a branch name")
+    pushes = [g for g in grants if g.tool == "push_branch"]
+    refusals = [g.permits_push(repo, branch) for g in pushes]
+    if None not in refusals:
+        raise BrokerError(403, "outside_grant", (refusals[0] if refusals else None) or "no grant for push_branch")
+    on_repo = [g for g in pushes if g.repo.lower() == repo.lower()]
+    if pattern := next((p for g in on_repo if (p := g.protects(branch))), None):
+        raise BrokerError(403, "protected_branch", f"branch {branch!r} is protected ({pattern!r})")
+    return pushes[refusals.index(None)]
+
+
+async def _decoded_bundle(text: str) -> tuple[bytes, str]:
+    """The bundle's bytes and their sha256 (megabytes: off the event loop)."""
+
+    def decode() -> tuple[bytes, str]:
+        data = base64.b64decode(text, validate=True)
+        return data, hashlib.sha256(data).hexdigest()
+
+    try:
+        return await asyncio.to_thread(decode) if len(text) > THREADED_BODY else decode()
+    except binascii.Error:
+        raise BrokerError(400, "invalid_input", "/bundle must be base64", details={"path": "/bundle"}) from None
+
+
+def _pull_summary(pull: PullRequest, existed: bool) -> dict[str, Any]:
+    """Only what the agent needs; nothing GitHub returned about tokens or installations."""
+    return {
+        "number": pull.number, "url": pull.url, "html_url": pull.html_url, "state": pull.state, "draft": pull.draft,
+        "head": pull.head, "base": pull.base, "existing": existed,
+    }  # fmt: skip
+
+
+def _location(body: dict[str, Any]) -> dict[str, str]:
+    return {"Location": str(body["url"])} if body.get("url") and not body.get("existing") else {}
