@@ -28,7 +28,8 @@ from airlock.interfaces import interface_addresses
 from airlock.live import GatewayAddresses
 from airlock.mitm import Master, Proxyserver, TlsConfig, core, disable_h2c, next_layer, options
 from airlock.policy import IPAddress, LivePolicy, Policy, Sandbox, SandboxRegistry
-from airlock.proxy.addon import Airlock, GatewaySettings, build_addon
+from airlock.proxy.addon import Airlock, build_addon
+from airlock.proxy.shared import GatewaySettings
 from airlock.sandbox.fence import mark_listeners
 
 if TYPE_CHECKING:

@@ -26,7 +26,8 @@ from mitmproxy.test import tflow
 
 from airlock.dns.upstream import Resolver, ResolverConfig
 from airlock.policy import LivePolicy, Sandbox, SandboxRegistry, parse_policy
-from airlock.proxy.addon import GatewaySettings, build_addon
+from airlock.proxy.addon import build_addon
+from airlock.proxy.shared import GatewaySettings
 
 POLICY = parse_policy("version: 1\nprofiles:\n  default:\n    allow:\n      - host: allowed.test\n")
 EVENTS = (http_layer.HttpRequestHook, http_layer.HttpResponseHeadersHook)

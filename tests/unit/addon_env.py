@@ -1,4 +1,4 @@
-"""The proxy addon without a network, for the unit tests of proxy/addon.py: the real addons on a fake resolver that
+"""The proxy addon without a network, for the unit tests of proxy/: the real addons on a fake resolver that
 answers from a dict, a fixed set of the gateway's own addresses in place of the bind probe, and a list as the audit
 sink. Flows and connections are mitmproxy's own test objects (`mitmproxy.test.tflow`)."""
 
@@ -20,17 +20,13 @@ from mitmproxy.test import taddons, tflow, tutils
 from airlock.audit import AuditRecord
 from airlock.dns.upstream import Answer, NameNotFound, Resolver, ResolverUnavailable
 from airlock.policy import KnownAddresses, LivePolicy, Sandbox, SandboxRegistry, parse_policy
-from airlock.proxy.addon import (
-    GatewaySettings,
-    HttpAudit,
-    HttpPolicy,
-    PinnedConnect,
-    SandboxIdentity,
-    TunnelPolicy,
-    _ClientState,
-    _Shared,
-    build_addon,
-)
+from airlock.proxy.addon import build_addon
+from airlock.proxy.connect import PinnedConnect
+from airlock.proxy.httpaudit import HttpAudit
+from airlock.proxy.httppolicy import HttpPolicy
+from airlock.proxy.identity import SandboxIdentity
+from airlock.proxy.shared import ClientState, GatewaySettings, Shared
+from airlock.proxy.tunnels import TunnelPolicy
 
 POLICY = parse_policy(
     """\
@@ -126,7 +122,7 @@ class FakeResolver:
 
 @dataclass
 class Gateway:
-    shared: _Shared
+    shared: Shared
     resolver: FakeResolver
     records: list[AuditRecord]
     addons: list[object]
@@ -154,7 +150,7 @@ class Gateway:
     def audit(self) -> HttpAudit:
         return self.addon(HttpAudit)
 
-    def state(self, client: connection.Client) -> _ClientState:
+    def state(self, client: connection.Client) -> ClientState:
         return self.shared.client(client)
 
 

@@ -1,4 +1,4 @@
-"""The proxy addon's judgement without a network (proxy/addon.py): the text checks (Host header, SNI, the authority
+"""The proxy addon's judgement without a network (proxy/): the text checks (Host header, SNI, the authority
 written for HTTP/1.0) and `evaluate`, which canonicalizes, decides, resolves, vets and chooses the address to pin,
 on a fake resolver (tests/unit/addon_env.py). The hooks built on them are in test_addon_hooks.py."""
 
@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 from addon_env import OWN, PROBED, SBX, TIGHT, answer, gateway, request_flow
 
-from airlock.proxy.addon import _authority, _host_header_mismatch, _names_target, _sni_mismatch
+from airlock.proxy.httppolicy import _authority, _host_header_mismatch, _names_target
+from airlock.proxy.tunnels import _sni_mismatch
 
 V6 = "2606:4700::1"
 

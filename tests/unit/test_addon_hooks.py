@@ -1,4 +1,4 @@
-"""The proxy addon's hooks on mitmproxy's test flows (proxy/addon.py), without root or a network: what the sandbox
+"""The proxy addon's hooks on mitmproxy's test flows (proxy/), without root or a network: what the sandbox
 is answered, which address mitmproxy is told to connect to, and what the audit says. The gateway is the real one on
 a fake resolver (tests/unit/addon_env.py); the audit sink is a list."""
 
@@ -30,7 +30,8 @@ from mitmproxy import http
 from mitmproxy.proxy.layers import TCPLayer
 
 from airlock.dns.upstream import Answer
-from airlock.proxy.addon import DECISION_HEADER, REQUEST_ID_HEADER, _MeteredTunnel
+from airlock.proxy.httppolicy import DECISION_HEADER, REQUEST_ID_HEADER
+from airlock.proxy.tunnels import _MeteredTunnel
 
 
 @pytest.fixture(autouse=True)

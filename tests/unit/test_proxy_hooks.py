@@ -14,7 +14,10 @@ from mitmproxy.test import tflow
 from airlock.audit import AuditRecord
 from airlock.dns.upstream import Resolver, ResolverConfig
 from airlock.policy import LivePolicy, Sandbox, SandboxRegistry, parse_policy
-from airlock.proxy.addon import Airlock, GatewaySettings, HttpAudit, SandboxIdentity, build_addon
+from airlock.proxy.addon import Airlock, build_addon
+from airlock.proxy.httpaudit import HttpAudit
+from airlock.proxy.identity import SandboxIdentity
+from airlock.proxy.shared import GatewaySettings
 
 POLICY = parse_policy("version: 1\nprofiles:\n  default:\n    allow:\n      - host: allowed.test\n")
 

@@ -35,7 +35,8 @@ from airlock.policy import (
     parse_policy,
     vet,
 )
-from airlock.proxy.addon import GatewaySettings, build_addon
+from airlock.proxy.addon import build_addon
+from airlock.proxy.shared import GatewaySettings
 
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "audit-codes.md"
 POLICY = parse_policy(

@@ -9,8 +9,8 @@ import pytest
 from mitmproxy.proxy.layers.tls import parse_client_hello
 
 from airlock.policy import ReasonCode
-from airlock.proxy.addon import _hello_refusal
 from airlock.proxy.tlsnames import ECH_EXTENSIONS, TlsNameError, hidden_name, server_name
+from airlock.proxy.tunnels import _hello_refusal
 
 
 def entry(name: bytes, name_type: int = 0) -> bytes:

@@ -1,0 +1,175 @@
+"""The early answers to CONNECT and plain-HTTP requests: the 403 (or 400, 429, 500) the agent can read."""
+
+from __future__ import annotations
+
+import json
+import time
+
+from mitmproxy import ctx, http
+from mitmproxy.net.http.http1 import expected_http_body_size
+from mitmproxy.utils import human
+
+from airlock.audit import AuditRecord, Kind
+from airlock.policy import HostError, ReasonCode, canonical_host, format_host_port
+
+from .failclosed import fail_closed
+from .shared import ClientState, Shared
+
+DECISION_HEADER = "X-Airlock-Decision"
+REQUEST_ID_HEADER = "X-Airlock-Request-Id"
+
+
+class HttpPolicy:
+    """Early answers to what the sandbox asks for (CONNECT targets, plain-HTTP requests): a denial here is a
+    403 the agent can read, and no upstream connection is ever attempted."""
+
+    def __init__(self, shared: Shared) -> None:
+        self.shared = shared
+
+    def _deny_flow(self, flow: http.HTTPFlow) -> None:
+        self.shared.client(flow.client_conn).denied = "internal error"
+        record = AuditRecord(
+            "http", "-", flow.client_conn.peername[0], "-", None, "error", "airlock internal error",
+            ReasonCode.INTERNAL_ERROR,
+        )  # fmt: skip
+        self.shared.emit(record)
+        _answer(flow, _deny_response(record, None, 500))
+
+    def _record(self, flow: http.HTTPFlow, kind: Kind, state: ClientState) -> AuditRecord:
+        request = flow.request
+        path = None if kind == "connect" else request.path.split("?", 1)[0]
+        sandbox = state.sandbox.id if state.sandbox else "-"
+        return AuditRecord(
+            kind, sandbox, flow.client_conn.peername[0], request.host, request.port, "deny", "",
+            ReasonCode.INTERNAL_ERROR,  # every caller sets its own reason and code before the record is emitted
+            method=request.method, path=path,
+        )  # fmt: skip
+
+    def _refuse(self, flow: http.HTTPFlow, record: AuditRecord, hint: str | None, status: int = 403) -> None:
+        self.shared.emit(record)
+        _answer(flow, _deny_response(record, hint, status))
+
+    @fail_closed(_deny_flow)
+    async def http_connect(self, flow: http.HTTPFlow) -> None:
+        state = self.shared.client(flow.client_conn)
+        record = self._record(flow, "connect", state)
+        outcome = await self.shared.evaluate(state.sandbox, flow.request.host, flow.request.port)
+        outcome.fill(record)
+        if not outcome.decision.allow:
+            return self._refuse(flow, record, outcome.decision.hint)
+        state.vetted[(flow.request.host, flow.request.port)] = outcome
+        assert state.sandbox is not None
+        limit = self.shared.settings.max_tunnels_per_sandbox
+        if self.shared.tunnels[state.sandbox.id] >= limit:
+            record.decision, record.reason = "deny", f"sandbox already has {limit} open tunnels"
+            record.code = ReasonCode.TUNNEL_LIMIT
+            self.shared.refuse(record)  # a client retrying in a loop gets its 429s, the audit a summary
+            return _answer(flow, _deny_response(record, None, 429))
+        self.shared.tunnels[state.sandbox.id] += 1
+        state.tunnel, state.tunnel_decision, state.started = record, outcome.decision, time.monotonic()
+
+    @fail_closed(_deny_flow)
+    async def requestheaders(self, flow: http.HTTPFlow) -> None:
+        state = self.shared.client(flow.client_conn)
+        record = self._record(flow, "http", state)
+        if state.tunnel is not None:
+            # Requests inside a tunnel exist only if something intercepted it; airlock passes tunnels through.
+            record.reason, record.code = "HTTP request inside a tunnel", ReasonCode.REQUEST_IN_TUNNEL
+            return self._refuse(flow, record, None)
+        request = flow.request
+        if request.host_header is None and request.http_version != "HTTP/1.0":
+            # mitmproxy forwards an absolute-form request without one: the upstream would pick its default site.
+            record.reason = f"{request.http_version} request without a Host header"
+            record.code = ReasonCode.MISSING_HOST_HEADER
+            return self._refuse(flow, record, None, 400)
+        outcome = await self.shared.evaluate(state.sandbox, request.host, request.port)
+        outcome.fill(record)
+        if outcome.decision.allow and (mismatch := _host_header_mismatch(flow, outcome.host)):
+            record.decision, record.reason, record.code, record.rule = "deny", mismatch, ReasonCode.HOST_MISMATCH, None
+        if record.decision != "allow":
+            return self._refuse(flow, record, outcome.decision.hint)
+        if request.host_header is None:  # HTTP/1.0 may omit it: the upstream gets the name that was judged
+            request.host_header = _authority(outcome.host, request.port, _default_port(flow))
+        state.vetted[(request.host, request.port)] = outcome
+        flow.metadata["airlock"] = record
+        flow.metadata["airlock_started"] = time.monotonic()
+
+
+def _answer(flow: http.HTTPFlow, response: http.Response) -> None:
+    """Answer a refused request, or kill it where mitmproxy 12 cannot answer: a response set on a request whose
+    body it streams, or starts streaming later, crashes its HTTP layer ("Can't set a response and enable
+    streaming at the same time"). Nothing is forwarded either way."""
+    if _body_is_buffered(flow.request):
+        flow.response = response
+    else:
+        flow.kill()
+
+
+def _body_is_buffered(request: http.Request) -> bool:
+    """Will mitmproxy read this request's whole body before answering? Only when its length is known (no chunked
+    HTTP/1, no HTTP/2 or 3 stream without Content-Length) and within stream_large_bodies."""
+    if request.stream:
+        return False
+    if (request.is_http2 or request.is_http3) and "content-length" not in request.headers:
+        return False  # a stream may carry DATA whatever its headers say
+    try:
+        size = expected_http_body_size(request)
+    except ValueError:
+        return False
+    limit = human.parse_size(ctx.options.stream_large_bodies)
+    return size is not None and size >= 0 and (limit is None or size <= limit)
+
+
+def _deny_response(record: AuditRecord, hint: str | None, status: int = 403) -> http.Response:
+    body = {
+        "decision": "deny", "reason": record.reason, "code": record.code, "rule_hint": hint,
+        "request_id": record.request_id,
+    }  # fmt: skip
+    return http.Response.make(
+        status,
+        json.dumps(body, indent=None).encode() + b"\n",
+        {
+            "Content-Type": "application/json",
+            DECISION_HEADER: "deny",
+            REQUEST_ID_HEADER: record.request_id,
+            "Connection": "close",
+        },
+    )
+
+
+def _default_port(flow: http.HTTPFlow) -> int:
+    return 443 if flow.request.scheme == "https" else 80
+
+
+def _authority(host: str, port: int, default_port: int) -> str:
+    """`host[:port]` as a Host header writes it: the port only when it is not the scheme's default."""
+    text = format_host_port(host, port)
+    return text if port != default_port else text.rsplit(":", 1)[0]
+
+
+def _host_header_mismatch(flow: http.HTTPFlow, host: str) -> str | None:
+    """The Host header must name exactly the target being judged: no domain fronting."""
+    port = flow.request.port
+    header = flow.request.host_header
+    if header is not None and not _names_target(header, host, port, _default_port(flow)):
+        return f"Host header {header!r} does not match the request target {format_host_port(host, port)}"
+    return None
+
+
+def _names_target(text: str, host: str, port: int, default_port: int) -> bool:
+    """Does `host[:port]` text name this canonical host and port?"""
+    text_host, text_port = text, ""
+    if text.startswith("["):
+        text_host, bracket, rest = text.partition("]")
+        if not bracket or rest[:1] not in ("", ":"):
+            return False  # `[v6`, `[v6]80`: the upstream's parser may read these otherwise than this one
+        text_host, text_port = text_host + "]", rest[1:]
+    elif text.count(":") > 1:
+        return False  # an IPv6 literal in an authority is always bracketed (RFC 3986 §3.2.2)
+    elif text.count(":") == 1:
+        text_host, text_port = text.split(":")
+    try:
+        same_host = canonical_host(text_host) == host
+    except HostError:
+        return False
+    return same_host and (text_port == str(port) or (text_port == "" and port == default_port))

@@ -1,0 +1,171 @@
+"""What every concern of the addon reads: the gateway's settings, the state of each client connection, the open
+connection counts, and the one judgement of an upstream target (`Shared.evaluate`)."""
+
+from __future__ import annotations
+
+import ipaddress
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from mitmproxy import connection
+
+from airlock.audit import AuditRecord, AuditThrottle
+from airlock.dns.upstream import ResolveError, Resolver
+from airlock.policy import (
+    Decision,
+    HostError,
+    IPAddress,
+    LivePolicy,
+    ReasonCode,
+    Sandbox,
+    canonical_host,
+    decide,
+    decide_alias,
+    is_ip,
+    vet,
+)
+
+_UNKNOWN_SANDBOX = Decision(False, "connection from an address that belongs to no sandbox", ReasonCode.UNKNOWN_SANDBOX)
+
+
+@dataclass
+class GatewaySettings:
+    connect_timeout: float = 10.0
+    # A flood of idle connections must not starve the gateway. The gateway derives these from its open-file
+    # limit (airlock/gateway.py): each proxied connection holds two descriptors, the sandbox's and the upstream.
+    max_tunnels_per_sandbox: int = 3584
+    max_connections_per_sandbox: int = 4096  # client connections; upstream connections are capped alike
+    max_connections: int = 65536  # client connections of all sandboxes together; upstream ones alike
+    # Why the audit log cannot be written, or None: while it cannot, every new request is denied (fail closed).
+    audit_failure: Callable[[], str | None] = field(default=lambda: None)
+
+
+@dataclass
+class ClientState:
+    """What the gateway knows about one sandbox client connection."""
+
+    sandbox: Sandbox | None
+    tunnel: AuditRecord | None = None  # the CONNECT decision, once the sandbox asked for a tunnel
+    tunnel_decision: Decision | None = None
+    denied: str | None = None  # set once anything denied this connection: no upstream may be opened
+    # Outcomes the early hooks vetted, by the (host, port) mitmproxy will ask to connect to: the connection
+    # goes to exactly the address that was checked, and a rebinding name gets no second answer.
+    vetted: dict[tuple[str, int], Outcome] = field(default_factory=dict)
+    started: float = field(default_factory=time.monotonic)
+    counted: bool = False  # holds one of the sandbox's connection slots
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    decision: Decision
+    host: str  # canonical when the host was valid
+    resolved: list[str] = field(default_factory=list)
+    chosen_ip: str | None = None
+
+    def fill(self, record: AuditRecord) -> None:
+        record.host, record.resolved, record.chosen_ip = self.host, self.resolved, self.chosen_ip
+        record.decision = "allow" if self.decision.allow else "deny"
+        record.reason, record.code = self.decision.reason, self.decision.code
+        record.rule = self.decision.rule.source if self.decision.rule else None
+
+
+class Shared:
+    """State all hook classes read: the live policy (policy, sandbox registry, the gateway's own addresses) and
+    per-client connection state."""
+
+    def __init__(
+        self, live: LivePolicy, resolver: Resolver, emit: Callable[[AuditRecord], None], settings: GatewaySettings
+    ) -> None:
+        self.live = live
+        self.resolver = resolver
+        self.emit = emit
+        self.settings = settings
+        self.clients: dict[str, ClientState] = {}
+        self.tunnels: Counter[str] = Counter()
+        self.connections: Counter[str] = Counter()  # open client connections per sandbox
+        self.open_connections = 0  # of all sandboxes
+        self.upstreams: Counter[str] = Counter()  # open upstream connections per sandbox
+        self.upstream_of: dict[str, str] = {}  # server connection id → the sandbox whose upstream slot it holds
+        self.refusals = AuditThrottle(emit)  # refusals that come in floods: a few lines each, then a summary
+        self.resolved: dict[str, list[str]] = {}  # server connection id → addresses the name resolved to
+
+    def client(self, client: connection.Client) -> ClientState:
+        state = self.clients.get(client.id)
+        if state is None:
+            state = self.clients[client.id] = ClientState(self.live.current.registry.identify(client.peername[0]))
+        return state
+
+    def refuse(self, record: AuditRecord) -> None:
+        """Audit a refusal that may come in a flood (unknown network, over a cap): a few lines, then a summary."""
+        if self.refusals.admit(record.kind, record.sandbox, record.reason, record.code, record.client):
+            self.emit(record)
+
+    def connection_refusal(self, sandbox: str) -> str | None:
+        """Why one more client connection of this sandbox must be refused, if it must."""
+        settings = self.settings
+        if self.connections[sandbox] >= settings.max_connections_per_sandbox:
+            return f"sandbox already has {settings.max_connections_per_sandbox} connections open"
+        if self.open_connections >= settings.max_connections:
+            return f"the gateway already has {settings.max_connections} connections open"
+        return None
+
+    def take_upstream(self, server_id: str, sandbox: str) -> str | None:
+        """Hold an upstream slot for this server connection; or why none is left. A client connection may open
+        several upstream connections (one per host it sends plain HTTP to): they are capped like the clients."""
+        settings = self.settings
+        if self.upstreams[sandbox] >= settings.max_connections_per_sandbox:
+            return f"sandbox already has {settings.max_connections_per_sandbox} upstream connections open"
+        if len(self.upstream_of) >= settings.max_connections:
+            return f"the gateway already has {settings.max_connections} upstream connections open"
+        self.upstream_of[server_id] = sandbox
+        self.upstreams[sandbox] += 1
+        return None
+
+    def release_upstream(self, server_id: str) -> None:
+        sandbox = self.upstream_of.pop(server_id, None)
+        if sandbox is not None:
+            self.upstreams[sandbox] -= 1
+
+    async def evaluate(self, sandbox: Sandbox | None, raw_host: str, port: int) -> Outcome:
+        """The whole judgement of one upstream target: canonicalize, decide, resolve, vet, choose; under one
+        snapshot of the live policy, however long the resolution takes."""
+        if sandbox is None:
+            return Outcome(_UNKNOWN_SANDBOX, raw_host)
+        if (failure := self.settings.audit_failure()) is not None:
+            reason = f"audit log unavailable ({failure}): no request is allowed until it can be written"
+            return Outcome(Decision(False, reason, ReasonCode.AUDIT_UNAVAILABLE), raw_host)
+        try:
+            host = _target(raw_host, port)
+        except HostError as e:
+            return Outcome(Decision(False, f"invalid host: {e}", ReasonCode.INVALID_HOST), raw_host)
+        live = self.live.current
+        profile = live.profile(sandbox)
+        decision = decide(profile, host, port)
+        if not decision.allow:
+            return Outcome(decision, host)
+        if is_ip(host):
+            addresses: tuple[IPAddress, ...] = (ipaddress.ip_address(host),)
+        else:
+            try:
+                answer = await self.resolver.resolve(host)
+            except ResolveError as e:
+                failed = Decision(False, f"resolution failed: {e}", ReasonCode.RESOLVE_FAILED, decision.rule)
+                return Outcome(failed, host)
+            if denied := decide_alias(profile, answer.cnames, port):
+                return Outcome(denied, host, [str(a) for a in answer.addresses])
+            addresses = answer.addresses
+        vetted = vet(profile, addresses, port, live.own.among(addresses))
+        resolved = [str(a) for a in addresses]
+        if not vetted.allowed:
+            return Outcome(Decision(False, vetted.reason, vetted.code, None, decision.hint), host, resolved)
+        chosen = min(vetted.allowed, key=lambda a: a.version)  # IPv4 first: the family most often routed
+        return Outcome(decision, host, resolved, str(chosen))
+
+
+def _target(raw_host: str, port: int) -> str:
+    """Canonical host, or HostError. Bracketed IPv6 from URLs is accepted by canonical_host."""
+    if not 1 <= port <= 65535:
+        raise HostError(f"port {port} out of range")
+    return canonical_host(raw_host)
