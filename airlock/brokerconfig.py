@@ -23,6 +23,7 @@ class BrokerConfigError(AirlockError, ValueError):
 class BrokerConfig:
     port: int = 8080  # sandbox-facing, on the gateway's sandbox address; 0: no broker
     admin: str | None = None  # unix socket path or 127.0.0.1:PORT; default <state>/admin.sock
+    call_log: str | None = None  # the directory of the record of brokered calls; default <state>/calls
     github_api: str = "https://api.github.com"
     github_git: str | None = None  # where git reaches the repositories; None: derived from github_api
     github_app_id: str | None = None

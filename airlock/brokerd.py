@@ -19,6 +19,7 @@ import aiohttp
 from aiohttp import web
 from aiohttp.abc import AbstractResolver
 
+from airlock.broker.calllog import CallLog
 from airlock.broker.github import AppCredential, Credential, GitHubClient, StaticCredential
 from airlock.broker.gitpush import GitTransport, Pusher, git_base_url
 from airlock.broker.service import Broker, BrokerSettings
@@ -214,6 +215,7 @@ class BrokerRuntime:
         keys = KeyRing(self.state_dir / "keys", config.token_max_ttl)
         # Off the event loop, as every later store call: the proxy and DNS already serve, and the file may be locked.
         store = await asyncio.to_thread(SqliteStore, self.state_dir / "broker.sqlite3")
+        call_log = await asyncio.to_thread(CallLog.in_directory, Path(config.call_log or self.state_dir / "calls"))
         github_credential = credential(config)
         github = pusher = None
         if github_credential is not None:
@@ -237,7 +239,9 @@ class BrokerRuntime:
         settings = BrokerSettings(calls_per_minute=config.calls_per_minute)
         authority = TokenAuthority(keys, config.token_ttl)
         served = lambda: self.live.current.registry.ids()  # noqa: E731 - read at each call: a reload may add some
-        self.broker = Broker(authority, store, identify, github, self.emit, settings, pusher, serves=served)
+        self.broker = Broker(
+            authority, store, identify, github, self.emit, settings, pusher, serves=served, call_log=call_log
+        )
         await self._serve(self.broker.sandbox_app(), listen, config.port, config.max_connections_per_client)
         await self._serve_admin(self.broker.admin_app())
         return self.broker
@@ -291,3 +295,5 @@ class BrokerRuntime:
     def _close_state(broker: Broker) -> None:
         broker.close()  # waits for a store call still running (a write waiting for a lock, at most its timeout)
         broker.store.close()  # type: ignore[attr-defined]
+        if broker.calls is not None:
+            broker.calls.log.close()

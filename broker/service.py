@@ -24,7 +24,6 @@ broker.github_tools, the state store behind broker.state.
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import time
@@ -40,6 +39,7 @@ from airlock.audit import AuditRecord
 from airlock.policy import ReasonCode, TokenBuckets
 
 from .bodies import MAX_REQUEST_BYTES, json_object
+from .calllog import CallLog, CallRecorder
 from .calls import Call, KeyedLocks, Tool
 from .errors import BrokerError, Result
 from .github import GitHubClient
@@ -59,6 +59,7 @@ __all__ = ["Broker", "BrokerError", "BrokerSettings"]
 CLAIMS = web.RequestKey("claims", Claims)
 RECORD = web.RequestKey("record", AuditRecord)
 UNKNOWN_SANDBOX = "-"  # what the audit record names a source address no sandbox owns
+INTERNAL_ERROR = BrokerError(500, "internal_error", "the broker failed; see its log")
 AUTH_FAILURES = (401, 403)  # what `_authenticate` refuses with, as opposed to 503 (its state unreadable)
 
 type InputReader = Callable[[int], Awaitable[dict[str, Any]]]  # the call's input, read within a byte limit
@@ -89,6 +90,7 @@ class Broker:
         settings: BrokerSettings | None = None,
         pusher: Pusher | None = None,
         serves: Callable[[], list[str]] | None = None,
+        call_log: CallLog | None = None,
     ) -> None:
         self.authority = authority
         self.store = store
@@ -102,6 +104,8 @@ class Broker:
         self.locks = KeyedLocks()
         self.redactor = github.redactor if github is not None else Redactor()
         self.state = State(store)
+        # Every tool call, in the operator's record; None only where nothing reads it (tests, benchmarks).
+        self.calls = CallRecorder(call_log, self.state, self.redactor) if call_log is not None else None
         github_tools = GitHubTools(github, pusher, self.state, self.locks, self.redactor)
         self.tools: dict[str, Tool] = {t.name: t for t in github_tools.tools(self.settings.calls_per_minute)}
 
@@ -118,18 +122,40 @@ class Broker:
         idempotency_key: str | None = None,
     ) -> Result:
         """One call of a tool by an authenticated caller: known tool, granted, a slot free, the input within the
-        tool's size limit and accepted by its schema; then the tool runs."""
-        tool = self.tools.get(name)
-        if tool is None:
-            raise BrokerError(404, "unknown_tool", f"no such tool; known: {', '.join(self.tools)}")
-        if not any(g.tool == tool.name for g in claims.grants):
-            raise BrokerError(403, "outside_grant", f"this token has no grant for {tool.name}")
-        async with tool.slot():
-            body = await read_input(tool.max_request_bytes)
-            if problem := tool.spec.problem(body):
-                path, what = problem
-                raise BrokerError(400, "invalid_input", f"{path or 'the input'} {what}", details={"path": path})
-            return await tool.run(Call(claims, record, body, idempotency_key))
+        tool's size limit and accepted by its schema, recorded in the call log; then the tool runs."""
+        started = time.monotonic()
+        call_id: int | None = None
+        try:
+            tool = self.tools.get(name)
+            if tool is None:
+                raise BrokerError(404, "unknown_tool", f"no such tool; known: {', '.join(self.tools)}")
+            if not any(g.tool == tool.name for g in claims.grants):
+                raise BrokerError(403, "outside_grant", f"this token has no grant for {tool.name}")
+            async with tool.slot():
+                body = await read_input(tool.max_request_bytes)
+                if problem := tool.spec.problem(body):
+                    path, what = problem
+                    raise BrokerError(400, "invalid_input", f"{path or 'the input'} {what}", details={"path": path})
+                call = Call(claims, record, body, idempotency_key)
+                if self.calls is not None:
+                    call_id = await self.calls.begin(tool.spec, call)
+                status, result, headers = await tool.run(call)
+        except BrokerError as e:
+            if self.calls is not None:
+                if call_id is None:
+                    await self.calls.refused(name, claims, record, e, started)
+                else:
+                    await self.calls.end(call_id, e.status, None, e, started)
+            raise
+        except Exception:  # a bug: the row says so (the error itself goes to the log by _json_errors)
+            if self.calls is not None and call_id is not None:
+                await self.calls.end(
+                    call_id, 500, None, BrokerError(500, "internal_error", "the broker failed"), started
+                )
+            raise
+        if self.calls is not None and call_id is not None:
+            await self.calls.end(call_id, status, result, None, started)
+        return status, result, headers
 
     def granted_tools(self, claims: Claims) -> list[dict[str, Any]]:
         granted = {g.tool for g in claims.grants}
@@ -174,7 +200,6 @@ class Broker:
         finally:
             record.duration_ms = round((time.monotonic() - started) * 1000, 3)
             self.emit(self.redactor.record(record))
-            await self._record_call(record)
 
     async def list_tools(self, request: web.Request) -> web.Response:
         return self._reply({"tools": self.granted_tools(request[CLAIMS])})
@@ -193,16 +218,6 @@ class Broker:
         """Every JSON answer of the broker, error or not, leaves through here: redacted, headers too."""
         headers = {name: self.redactor.text(value) for name, value in (headers or {}).items()}
         return web.json_response(self.redactor.value(body), status=status, headers=headers)
-
-    async def _record_call(self, record: AuditRecord) -> None:
-        # Only calls whose token verified (they carry its jti): otherwise whoever reaches the port could fill the
-        # disk, one row per request. The audit line above has every call.
-        if "jti" not in record.extra:
-            return
-        try:
-            await self.state(lambda: self.store.record_call(json.loads(record.to_json())))
-        except BrokerError:
-            log.error("could not record a brokered call (request %s); the audit log has it", record.request_id)
 
     async def _authenticate_limited(self, request: web.Request, record: AuditRecord) -> Claims:
         """`_authenticate`, with its refusals limited per source address; past the limit nothing is verified."""
@@ -255,7 +270,7 @@ class Broker:
                 "broker: unexpected %s at %s:%s: %s",
                 type(e).__name__, where.filename, where.lineno, self.redactor.text(str(e))[:300],
             )  # fmt: skip
-            return self._reply({"error": "internal_error", "message": "the broker failed; see its log"}, 500)
+            return self._reply(INTERNAL_ERROR.body(), 500)
 
     # --- admin --------------------------------------------------------------------------------------------------
 

@@ -1,5 +1,5 @@
 """Broker state that must survive a restart: revocations, the tokens issued (until they expire), idempotency
-records, the record of brokered calls.
+records. (The record of brokered calls is broker.calllog's, in a file of its own.)
 
 `BrokerStore` is the interface; `SqliteStore` (WAL) is the default. A fleet of gateways would put a shared
 store behind the same methods. Any store failure raises `StoreError`, and the broker answers 503: an unreadable
@@ -28,7 +28,6 @@ class BrokerStore(Protocol):
     def is_revoked(self, jti: str, sandbox: str, issued_at: int) -> bool: ...
     def idempotent_get(self, scope: str, key: str) -> tuple[str, int, dict[str, Any]] | None: ...
     def idempotent_put(self, scope: str, key: str, request_hash: str, status: int, body: dict[str, Any]) -> None: ...
-    def record_call(self, record: dict[str, Any]) -> None: ...
 
 
 _SCHEMA = """
@@ -39,14 +38,16 @@ CREATE TABLE IF NOT EXISTS idempotency (
     scope TEXT NOT NULL, key TEXT NOT NULL, request_hash TEXT NOT NULL, status INTEGER NOT NULL,
     body TEXT NOT NULL, created REAL NOT NULL, PRIMARY KEY (scope, key)
 );
-CREATE TABLE IF NOT EXISTS brokered_call (ts REAL NOT NULL, record TEXT NOT NULL);
 """
 
 
-class SqliteStore:
-    """One SQLite connection per thread that calls (SQLite's rule: a connection is used by one thread at a time;
-    with WAL, each thread's reads go on while another's write waits for a lock). A write waits `busy_timeout`
-    seconds for a lock held elsewhere, then fails as StoreError."""
+class SqliteFile:
+    """One SQLite database (WAL) with one connection per thread that calls (SQLite's rule: a connection is used by
+    one thread at a time; with WAL, each thread's reads go on while another's write waits for a lock). A write
+    waits `busy_timeout` seconds for a lock held elsewhere, then fails as StoreError."""
+
+    SCHEMA = ""
+    WHAT = "broker state"
 
     def __init__(self, path: Path, busy_timeout: float = 5.0) -> None:
         self.path = path
@@ -59,10 +60,10 @@ class SqliteStore:
             path.parent.mkdir(parents=True, exist_ok=True)
             db = self._connection()
             db.execute("PRAGMA journal_mode=WAL")  # kept in the file: every connection uses it
-            db.executescript(_SCHEMA)
+            db.executescript(self.SCHEMA)
         except (sqlite3.Error, OSError) as e:
             self.close()
-            raise StoreError(f"cannot open broker state {path}: {e}") from e
+            raise StoreError(f"cannot open {self.WHAT} {path}: {e}") from e
 
     def _connection(self) -> sqlite3.Connection:
         db: sqlite3.Connection | None = getattr(self._local, "db", None)
@@ -70,7 +71,7 @@ class SqliteStore:
             return db
         with self._lock:
             if self._closed:
-                raise StoreError(f"broker state {self.path} is closed")
+                raise StoreError(f"{self.WHAT} {self.path} is closed")
             # check_same_thread off only so that close() may close every thread's connection at the end.
             db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None, timeout=self.busy_timeout)
             self._connections.append(db)
@@ -82,7 +83,19 @@ class SqliteStore:
         try:
             return self._connection().execute(sql, args).fetchall()
         except sqlite3.Error as e:
-            raise StoreError(f"broker state {self.path}: {e}") from e
+            raise StoreError(f"{self.WHAT} {self.path}: {e}") from e
+
+    def close(self) -> None:
+        """Close every thread's connection; any call afterwards raises StoreError."""
+        with self._lock:
+            self._closed = True
+            for db in self._connections:
+                db.close()
+            self._connections.clear()
+
+
+class SqliteStore(SqliteFile):
+    SCHEMA = _SCHEMA
 
     def revoke_token(self, jti: str, expires_at: int) -> None:
         self._run("INSERT OR REPLACE INTO revoked_token VALUES (?, ?)", (jti, expires_at))
@@ -118,14 +131,3 @@ class SqliteStore:
             "INSERT OR REPLACE INTO idempotency VALUES (?, ?, ?, ?, ?, ?)",
             (scope, key, request_hash, status, json.dumps(body), time.time()),
         )
-
-    def record_call(self, record: dict[str, Any]) -> None:
-        self._run("INSERT INTO brokered_call VALUES (?, ?)", (time.time(), json.dumps(record)))
-
-    def close(self) -> None:
-        """Close every thread's connection; any call afterwards raises StoreError."""
-        with self._lock:
-            self._closed = True
-            for db in self._connections:
-                db.close()
-            self._connections.clear()

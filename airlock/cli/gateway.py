@@ -11,6 +11,7 @@ import signal
 import socket
 import ssl
 import sys
+from pathlib import Path
 
 from airlock.brokerconfig import BrokerConfig
 from airlock.dns.upstream import parse_server
@@ -57,6 +58,10 @@ def add_gateway_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--state-dir", type=absolute, metavar="DIR", help="keys, broker state, admin socket")
     parser.add_argument("--broker-port", type=int, default=8080, metavar="PORT", help="0 turns the broker off")
     parser.add_argument("--broker-admin", metavar="SOCKET|127.0.0.1:PORT", help="default: STATE_DIR/admin.sock")
+    parser.add_argument(
+        "--call-log", type=absolute, metavar="DIR",
+        help=f"where every brokered call is recorded (default: STATE_DIR/calls, else {DEFAULT_STATE_DIR}/calls)",
+    )  # fmt: skip
     parser.add_argument(
         "--broker-max-connections", type=int, default=32, metavar="N", help="open broker connections per address"
     )
@@ -112,6 +117,7 @@ def gateway_config(args: argparse.Namespace, policy: Policy, listen: str, sandbo
         broker=BrokerConfig(
             port=args.broker_port,
             admin=args.broker_admin,
+            call_log=args.call_log or str(Path(args.state_dir or DEFAULT_STATE_DIR) / "calls"),
             github_api=args.github_api,
             github_app_id=args.github_app_id,
             github_app_key=args.github_app_key,

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import ipaddress
+import os
 import tempfile
 
 from airlock.broker.grants import Grant
@@ -35,9 +36,18 @@ async def release(watchdog: Watchdog | None, state: tempfile.TemporaryDirectory[
 
 
 def gateway_credentials(config: GatewayConfig) -> list[str]:
-    """What the gateway holds that the sandbox must never read: the GitHub key or token file, and a state
-    directory it was given (signing keys, broker store, admin socket). A temporary one is 0700 root."""
-    return [p for p in (config.broker.github_app_key, config.broker.github_token_file, config.state_dir) if p]
+    """What the gateway holds that the sandbox must never read: the GitHub key or token file, a state directory it
+    was given (signing keys, broker store, admin socket; a temporary one is 0700 root), and the call log (every
+    sandbox's inputs: see `prepare_call_log`)."""
+    broker = config.broker
+    return [p for p in (broker.github_app_key, broker.github_token_file, config.state_dir, broker.call_log) if p]
+
+
+def prepare_call_log(config: GatewayConfig) -> None:
+    """Make the call log's folder (root's alone) before the sandbox's hidden paths are chosen, so that it is hidden
+    as the folder the broker will write into."""
+    if config.broker.port and config.broker.call_log:
+        os.makedirs(config.broker.call_log, mode=0o700, exist_ok=True)
 
 
 def fence_ports(config: GatewayConfig) -> tuple[tuple[int, ...], tuple[int, ...]]:

@@ -32,6 +32,7 @@ from .embedded import (
     gateway_credentials,
     gateway_environment,
     mint_token,
+    prepare_call_log,
     release,
     start_gateway,
     state_directory,
@@ -164,6 +165,7 @@ async def launch(
         raise SandboxError(problem)
     isolate_fs = choose_isolation(isolation) == "bwrap"
     pw = netns.resolve_user(user)  # everything that can be refused is, before anything is created
+    prepare_call_log(gateway)
     hidden = hidden_paths(isolate_fs, pw, gateway_credentials(gateway))
     read_only = kept_from_writes(isolate_fs, pw, gateway_inputs(gateway))
     if note := unwritable_workdir(pw, named=user is not None):

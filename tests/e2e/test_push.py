@@ -283,5 +283,15 @@ def test_an_agent_in_airlock_run_pushes_its_commits_and_opens_a_pull_request(
                                         "previous"}  # fmt: skip
     secrets = [t["token"] for t in fake_github.tokens()]
     assert len(secrets) == 3  # contents: read, contents: write, pull_requests: write
+    # The call log has both tool calls as the security team reads them, the push's bundle by hash and size.
+    log = subprocess.run([AIRLOCK, "tools", "log", "--json", "--state-dir", str(tmp_path / "state")],
+                         capture_output=True, text=True, check=True, timeout=30)  # fmt: skip
+    calls = [json.loads(line) for line in log.stdout.splitlines()]
+    assert [(c["tool"], c["status"], c["sandbox"]) for c in calls] == [
+        ("push_branch", 200, records[0]["sandbox"]), ("create_pull_request", 201, records[0]["sandbox"]),
+    ]  # fmt: skip
+    kept = {"sha256": records[0]["extra"]["bundle_sha256"], "bytes": records[0]["extra"]["bundle_bytes"]}
+    assert calls[0]["input"] == {"repo": "acme/app", "branch": "agent/fix-1", "bundle": kept}
+    assert calls[1]["result"] == json.loads(pull)
     for secret in secrets:
-        assert secret not in result.stdout + result.stderr + audit.read_text()
+        assert secret not in result.stdout + result.stderr + audit.read_text() + log.stdout

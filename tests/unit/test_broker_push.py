@@ -12,7 +12,6 @@ import base64
 import contextlib
 import json
 import os
-import sqlite3
 import subprocess
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
@@ -27,6 +26,7 @@ from jsonschema import Draft202012Validator
 
 from airlock.audit import AuditRecord
 from airlock.broker.bodies import THREADED_BODY
+from airlock.broker.calllog import FILE_NAME, CallLog
 from airlock.broker.github import GitHubClient, StaticCredential
 from airlock.broker.gitpush import GitTransport, Pusher, PushLimits, git_base_url
 from airlock.broker.grants import parse_grant
@@ -100,9 +100,13 @@ class World:
         out = git("for-each-ref", "--format=%(refname) %(objectname)", cwd=self.remote)
         return dict(line.split(" ", 1) for line in out.splitlines())
 
-    def stored_calls(self) -> list[str]:
-        with contextlib.closing(sqlite3.connect(self.state / "broker.sqlite3")) as db:
-            return [row[0] for row in db.execute("SELECT record FROM brokered_call")]
+    def stored_calls(self) -> list[dict[str, Any]]:
+        """The call log's rows."""
+        log = CallLog(self.state / "calls" / FILE_NAME)
+        try:
+            return [c.to_json() for c in log.calls()]
+        finally:
+            log.close()
 
 
 Factory = Callable[..., Awaitable[World]]
@@ -140,7 +144,9 @@ async def world(tmp_path: Path) -> AsyncIterator[Factory]:
             audit: list[AuditRecord] = []
             authority = TokenAuthority(KeyRing(tmp_path / "state" / "keys", 3600), default_ttl=600)
             identify = lambda client: SANDBOX if client == LOOPBACK else None  # noqa: E731
-            broker = Broker(authority, store, identify, github, audit.append, None, pusher)
+            call_log = CallLog.in_directory(tmp_path / "state" / "calls")
+            stack.callback(call_log.close)
+            broker = Broker(authority, store, identify, github, audit.append, None, pusher, call_log=call_log)
             stack.callback(broker.close)
             client = TestClient(TestServer(broker.sandbox_app(), host=LOOPBACK))
             await client.start_server()
@@ -172,9 +178,12 @@ async def test_pushes_a_new_branch_with_exactly_the_bundles_commits(world: Facto
     assert record.extra["bundle_bytes"] == len(bundle) and len(record.extra["bundle_sha256"]) == 64
     assert (record.extra["sha"], record.extra["ref"], record.extra["status"]) == (tip, "refs/heads/agent/x", 200)
     assert record.duration_ms is not None and record.duration_ms > 0
-    stored = w.stored_calls()
-    assert len(stored) == 1 and json.loads(stored[0])["extra"]["bundle_sha256"] == record.extra["bundle_sha256"]
-    assert base64.b64encode(bundle).decode()[:40] not in stored[0] + record.to_json()  # never the content
+    (call,) = w.stored_calls()
+    # The bundle by hash and size, never its content; the input's other fields as they were.
+    digest = {"sha256": record.extra["bundle_sha256"], "bytes": len(bundle)}
+    assert call["input"] == {"repo": "acme/app", "branch": "agent/x", "bundle": digest}
+    assert call["result"] == reply.body and call["status"] == 200 and call["tool"] == "push_branch"
+    assert base64.b64encode(bundle).decode()[:40] not in json.dumps(call) + record.to_json()
     assert not list((w.state.parent / "push").iterdir())  # the private repository is gone
 
 
@@ -491,7 +500,7 @@ async def test_what_git_says_is_redacted(world: Factory, unused_tcp_port: int) -
     assert (reply.status, reply.body["error"]) == (502, "upstream_error"), reply.body
     assert "denied for Basic [redacted]" in reply.body["message"]
     basic = base64.b64encode(f"x-access-token:{STATIC_SECRET}".encode()).decode()
-    for text in (json.dumps(reply.body), w.audit[-1].to_json(), *w.stored_calls()):
+    for text in (json.dumps(reply.body), w.audit[-1].to_json(), *map(json.dumps, w.stored_calls())):
         assert STATIC_SECRET not in text and basic not in text
 
 

@@ -28,6 +28,7 @@ from cryptography.hazmat.primitives.asymmetric import rsa
 
 from airlock.audit import AuditRecord
 from airlock.broker.bodies import MAX_REQUEST_BYTES
+from airlock.broker.calllog import CallLog
 from airlock.broker.github import AppCredential, GitHubClient, StaticCredential
 from airlock.broker.service import Broker, BrokerSettings
 from airlock.broker.store import SqliteStore, StoreError
@@ -272,6 +273,7 @@ class Harness:
     store: FlakyStore
     state: Path
     audit: list[AuditRecord]
+    call_log: CallLog
     seen: list[str] = field(default_factory=list)  # every response the sandbox or admin saw, headers included
     static_secret: str | None = None
 
@@ -333,16 +335,17 @@ class Harness:
         values = [*self.github.tokens_issued, *(token for _, _, token in self.github.app_jwts)]
         return values + ([self.static_secret] if self.static_secret else [])
 
-    def brokered_calls(self) -> list[str]:
-        with contextlib.closing(sqlite3.connect(self.state / "broker.sqlite3")) as db:
-            return [row[0] for row in db.execute("SELECT record FROM brokered_call")]
+    def brokered_calls(self) -> list[dict[str, Any]]:
+        """The call log's rows, as `airlock tools log --json` prints them."""
+        return [c.to_json() for c in self.call_log.calls()]
 
     def idempotency_records(self) -> list[str]:
         with contextlib.closing(sqlite3.connect(self.state / "broker.sqlite3")) as db:
             return [row[0] for row in db.execute("SELECT body FROM idempotency")]
 
     def assert_no_secrets(self) -> None:
-        haystacks = self.seen + [r.to_json() for r in self.audit] + self.brokered_calls() + self.idempotency_records()
+        haystacks = self.seen + [r.to_json() for r in self.audit] + [json.dumps(c) for c in self.brokered_calls()]
+        haystacks += self.idempotency_records()
         secrets = self.secrets()
         assert secrets, "the test should have exercised a credential"
         for secret in secrets:
@@ -406,7 +409,18 @@ async def make(tmp_path: Path, app_key: rsa.RSAPrivateKey) -> AsyncIterator[Fact
             audit: list[AuditRecord] = []
             authority = TokenAuthority(KeyRing(state / "keys", 3600), default_ttl=600)
             served = None if serves is None else lambda: serves
-            broker = Broker(authority, store, identify, github, audit.append, settings, serves=served)  # type: ignore[arg-type]
+            call_log = CallLog.in_directory(state / "calls")
+            stack.callback(call_log.close)
+            broker = Broker(
+                authority,
+                store,
+                identify,
+                github,
+                audit.append,
+                settings,
+                serves=served,
+                call_log=call_log,  # type: ignore[arg-type]
+            )
             stack.callback(broker.close)  # after the apps below have closed, before the store does
             sandbox = TestClient(TestServer(broker.sandbox_app(), host=LOOPBACK))
             admin = TestClient(TestServer(broker.admin_app(), host=LOOPBACK))
@@ -414,7 +428,7 @@ async def make(tmp_path: Path, app_key: rsa.RSAPrivateKey) -> AsyncIterator[Fact
                 await client.start_server()
                 stack.push_async_callback(client.close)
             static = STATIC_SECRET if credential == "static" else None
-            return Harness(broker, sandbox, admin, fake, store, state, audit, static_secret=static)
+            return Harness(broker, sandbox, admin, fake, store, state, audit, call_log, static_secret=static)
 
         yield factory
 
@@ -445,7 +459,9 @@ async def test_creates_pull_request(make: Factory, credential: str) -> None:
     assert (record.decision, record.reason, record.code, record.extra["status"]) == ("allow", "created", "allowed", 201)
     assert record.extra["number"] == 1
     assert record.extra["head"] == "agent/fix-1" and record.extra["base"] == "main"
-    assert json.loads(h.brokered_calls()[0])["decision"] == "allow"
+    (call,) = h.brokered_calls()
+    assert (call["tool"], call["sandbox"], call["status"], call["error"]) == ("create_pull_request", SANDBOX, 201, None)
+    assert call["input"] == FIELDS | {"draft": True} and call["result"]["number"] == 1
     h.assert_no_secrets()
     h.assert_github_happy()
 
@@ -1135,17 +1151,17 @@ async def test_rate_limit_per_token(make: Factory) -> None:
 
 
 FAILED_AUTHS = [
-    pytest.param(None, 401, "missing_token", False, id="no-token"),
-    pytest.param("Bearer x.y.z", 401, "invalid_token", False, id="garbage"),
-    pytest.param("Bearer {expired}", 401, "invalid_token", False, id="expired"),
-    pytest.param("Bearer {revoked}", 401, "revoked_token", True, id="revoked"),
-    pytest.param("Bearer {other_sandbox}", 403, "wrong_sandbox", True, id="other-sandboxs-token"),
+    pytest.param(None, 401, "missing_token", id="no-token"),
+    pytest.param("Bearer x.y.z", 401, "invalid_token", id="garbage"),
+    pytest.param("Bearer {expired}", 401, "invalid_token", id="expired"),
+    pytest.param("Bearer {revoked}", 401, "revoked_token", id="revoked"),
+    pytest.param("Bearer {other_sandbox}", 403, "wrong_sandbox", id="other-sandboxs-token"),
 ]
 
 
-@pytest.mark.parametrize(("auth", "status", "code", "stored"), FAILED_AUTHS)
+@pytest.mark.parametrize(("auth", "status", "code"), FAILED_AUTHS)
 async def test_failed_authentications_are_limited_per_source(
-    make: Factory, monkeypatch: pytest.MonkeyPatch, auth: str | None, status: int, code: str, stored: bool
+    make: Factory, monkeypatch: pytest.MonkeyPatch, auth: str | None, status: int, code: str
 ) -> None:
     h = await make(settings=BrokerSettings(failed_auths_per_second=0.01, failed_auth_burst=3))
     valid, revoked = await h.token(), await h.token()
@@ -1168,9 +1184,9 @@ async def test_failed_authentications_are_limited_per_source(
     assert (reply.status, reply.body["error"]) == (429, "auth_rate_limited")
     assert len(verified) == (0 if auth is None else 3)
     assert h.github.calls == []
-    # Every call is audited; only the calls whose token verified are stored.
+    # Every call is audited; none reached a tool, so the call log has none.
     assert [r.extra["status"] for r in h.audit] == [status] * 3 + [429] * 3
-    assert [json.loads(r)["extra"]["status"] for r in h.brokered_calls()] == ([status] * 3 if stored else [])
+    assert h.brokered_calls() == []
 
 
 async def test_flood_of_bad_tokens_is_cut_short_and_not_stored(make: Factory) -> None:
@@ -1234,16 +1250,41 @@ async def test_closed_store_is_503(make: Factory) -> None:
     reply = await h.pr(token)
     assert reply.status == 503 and reply.body["error"] == "state_unavailable"
     assert h.github.calls == []
-    assert len(h.audit) == 1  # still audited, even though the call record could not be stored
+    assert len(h.audit) == 1  # still audited, though nothing could be looked up
 
 
-async def test_call_record_failure_does_not_undo_a_created_pull_request(make: Factory) -> None:
-    # The PR exists upstream by then; the audit emit still has the record (the store copy is best effort).
+def break_call_log(h: Harness, monkeypatch: pytest.MonkeyPatch, operation: str) -> None:
+    def fail(*args: Any) -> Any:
+        raise StoreError(f"{operation}: disk on fire")
+
+    monkeypatch.setattr(h.call_log, operation, fail)
+
+
+async def test_a_call_that_cannot_be_logged_is_refused_before_it_acts(
+    make: Factory, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
     h = await make()
-    h.store.failing.add("record_call")
-    reply = await h.pr(await h.token())
+    token = await h.token()
+    break_call_log(h, monkeypatch, "begin")
+    reply = await h.pr(token)
+    assert (reply.status, reply.body["error"]) == (503, "state_unavailable")
+    assert h.github.calls == []  # nothing done that the log does not hold
+    assert (h.audit[-1].decision, h.audit[-1].code) == ("error", "state_unavailable")
+
+
+async def test_a_log_that_fails_after_the_tool_acted_does_not_undo_the_pull_request(
+    make: Factory, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # The PR exists upstream by then: answered as made; the row stays without an ending, the audit has the rest.
+    h = await make()
+    token = await h.token()
+    break_call_log(h, monkeypatch, "finish")
+    reply = await h.pr(token)
     assert reply.status == 201
     assert h.audit[-1].decision == "allow"
+    (call,) = h.brokered_calls()
+    assert call["status"] is None and call["input"]["head"] == "agent/fix-1"
+    assert any("could not complete call" in r.getMessage() for r in caplog.records)
 
 
 async def test_admin_revocation_with_broken_store_is_503(make: Factory) -> None:
@@ -1316,16 +1357,19 @@ async def test_a_store_locked_longer_than_its_timeout_is_503(make: Factory, capl
     assert_quiet_log(caplog)
 
 
-async def test_store_calls_never_run_on_the_event_loop_thread(make: Factory) -> None:
+async def test_store_calls_never_run_on_the_event_loop_thread(make: Factory, monkeypatch: pytest.MonkeyPatch) -> None:
     h = await make()
     loop_thread = threading.get_ident()
     threads: list[int] = []
-    for name in ("is_revoked", "idempotent_get", "idempotent_put", "record_call", "revoke_token"):
+    for name in ("is_revoked", "idempotent_get", "idempotent_put", "revoke_token"):
         method = getattr(h.store.inner, name)
         h.store.wrapped[name] = lambda *a, _m=method, **k: threads.append(threading.get_ident()) or _m(*a, **k)
+    for name in ("begin", "finish"):
+        method = getattr(h.call_log, name)
+        monkeypatch.setattr(h.call_log, name, lambda *a, _m=method: threads.append(threading.get_ident()) or _m(*a))
     assert (await h.pr(await h.token())).status == 201
     assert (await h.admin_post("/v1/revocations", {"jti": "j"})).status == 200
-    assert len(threads) == 5 and loop_thread not in threads
+    assert len(threads) == 6 and loop_thread not in threads
 
 
 # --- credentials never leave ------------------------------------------------------------------------------------
