@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+import json
 from collections import defaultdict
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Literal
 
 from .addresses import Network
@@ -15,6 +19,10 @@ DEFAULT_ALLOW_PORTS: frozenset[int] = frozenset({443})
 # traffic may well be another protocol (ssh on 22), which a tunnel carries only under `tunnel: true`.
 WEB_PORTS: frozenset[int] = frozenset({80, 443})
 type Action = Literal["allow", "deny"]
+# A rule's id when it has no name: the prefix holds a ':', which no name may, so the two never collide.
+RULE_HASH_PREFIX = "sha256:"
+RULE_HASH_DIGITS = 12
+POLICY_HASH_DIGITS = 16
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,7 +34,20 @@ class Rule:
     ports: frozenset[int] | None = None  # None: every port (deny rules only)
     tunnel: bool = False  # a CONNECT tunnel that is not TLS (e.g. ssh on 22) is allowed
     ech: bool = False  # TLS with Encrypted Client Hello is allowed: the host's operator is trusted with the inner name
-    name: str | None = None
+    name: str | None = None  # the rule's stable id, unique in its file (the loader checks)
+
+    @property
+    def id(self) -> str:
+        """What audit lines and tools call the rule: its `name`, else a short hash of what it says. Never its
+        line, which every edit above it shifts; a rule keeps its id wherever it moves, until its content changes."""
+        if self.name is not None:
+            return self.name
+        return RULE_HASH_PREFIX + hashlib.sha256(self.canonical().encode()).hexdigest()[:RULE_HASH_DIGITS]
+
+    def canonical(self) -> str:
+        """What the rule decides, in one fixed spelling (no name, no line): equal for rules that decide alike."""
+        ports = "any" if self.ports is None else ",".join(map(str, sorted(self.ports)))
+        return f"{self.action} {self.target} ports={ports} tunnel={int(self.tunnel)} ech={int(self.ech)}"
 
     def matches_port(self, port: int | None) -> bool:
         """`port` None asks about a name or address as such (DNS has no port): an allow rule opens it for
@@ -151,9 +172,28 @@ class Policy:
     default_profile: str
     source: str
 
+    @cached_property
+    def hash(self) -> str:
+        """`sha256:` and the start of the digest of what the policy decides (profiles, rules with their names, DNS
+        limits, the default profile), so comments, layout and line numbers never change it; `policy check` prints
+        it and every audit line carries it."""
+        content = {
+            "default_profile": self.default_profile,
+            "profiles": {name: _profile_content(p) for name, p in sorted(self.profiles.items())},
+        }
+        digest = hashlib.sha256(json.dumps(content, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+        return "sha256:" + digest[:POLICY_HASH_DIGITS]
+
     def profile(self, name: str | None = None) -> Profile:
         try:
             return self.profiles[name or self.default_profile]
         except KeyError:
             known = ", ".join(sorted(self.profiles))
             raise KeyError(f"no profile {name!r} in {self.source} (profiles: {known})") from None
+
+
+def _profile_content(profile: Profile) -> dict[str, object]:
+    def rules(rules: tuple[Rule, ...]) -> list[list[str | None]]:
+        return [[rule.canonical(), rule.name] for rule in rules]
+
+    return {"allow": rules(profile.allow), "deny": rules(profile.deny), "dns": dataclasses.asdict(profile.dns)}

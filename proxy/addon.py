@@ -95,8 +95,8 @@ class Outcome:
     def fill(self, record: AuditRecord) -> None:
         record.host, record.resolved, record.chosen_ip = self.host, self.resolved, self.chosen_ip
         record.decision = "allow" if self.decision.allow else "deny"
-        record.reason, record.code = self.decision.reason, self.decision.code
-        record.rule = self.decision.rule.source if self.decision.rule else None
+        record.reason, record.code, record.hint = self.decision.reason, self.decision.code, self.decision.hint
+        record.decided_by(self.decision.rule)
 
 
 class _Shared:
@@ -388,7 +388,8 @@ class HttpPolicy:
         outcome = await self.shared.evaluate(state.sandbox, request.host, request.port)
         outcome.fill(record)
         if outcome.decision.allow and (mismatch := _host_header_mismatch(flow, outcome.host)):
-            record.decision, record.reason, record.code, record.rule = "deny", mismatch, ReasonCode.HOST_MISMATCH, None
+            record.decision, record.reason, record.code = "deny", mismatch, ReasonCode.HOST_MISMATCH
+            record.decided_by(None)
         if record.decision != "allow":
             return self._refuse(flow, record, outcome.decision.hint)
         if request.host_header is None:  # HTTP/1.0 may omit it: the upstream gets the name that was judged

@@ -48,7 +48,7 @@ def cmd_policy_check(args: argparse.Namespace) -> int:
             continue
         rules = sum(len(p.allow) + len(p.deny) for p in policy.profiles.values())
         counts = f"{len(policy.profiles)} profiles, {rules} rules, default profile {policy.default_profile!r}"
-        print(f"{path}: ok ({counts})")
+        print(f"{path}: ok ({counts}), policy {policy.hash}")
     return status
 
 
