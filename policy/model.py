@@ -35,14 +35,19 @@ class Rule:
     tunnel: bool = False  # a CONNECT tunnel that is not TLS (e.g. ssh on 22) is allowed
     ech: bool = False  # TLS with Encrypted Client Hello is allowed: the host's operator is trusted with the inner name
     name: str | None = None  # the rule's stable id, unique in its file (the loader checks)
+    _id: str | None = field(default=None, init=False, repr=False, compare=False)  # `id`, once asked for
 
     @property
     def id(self) -> str:
         """What audit lines and tools call the rule: its `name`, else a short hash of what it says. Never its
-        line, which every edit above it shifts; a rule keeps its id wherever it moves, until its content changes."""
-        if self.name is not None:
-            return self.name
-        return RULE_HASH_PREFIX + hashlib.sha256(self.canonical().encode()).hexdigest()[:RULE_HASH_DIGITS]
+        line, which every edit above it shifts; a rule keeps its id wherever it moves, until its content changes.
+        Computed when first asked for (most rules of a large policy never decide anything) and kept."""
+        if self._id is not None:
+            return self._id
+        if (rule_id := self.name) is None:
+            rule_id = RULE_HASH_PREFIX + hashlib.sha256(self.canonical().encode()).hexdigest()[:RULE_HASH_DIGITS]
+        object.__setattr__(self, "_id", rule_id)
+        return rule_id
 
     def canonical(self) -> str:
         """What the rule decides, in one fixed spelling (no name, no line): equal for rules that decide alike."""
@@ -176,13 +181,13 @@ class Policy:
     def hash(self) -> str:
         """`sha256:` and the start of the digest of what the policy decides (profiles, rules with their names, DNS
         limits, the default profile), so comments, layout and line numbers never change it; `policy check` prints
-        it and every audit line carries it."""
-        content = {
-            "default_profile": self.default_profile,
-            "profiles": {name: _profile_content(p) for name, p in sorted(self.profiles.items())},
-        }
-        digest = hashlib.sha256(json.dumps(content, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
-        return "sha256:" + digest[:POLICY_HASH_DIGITS]
+        it and every audit line carries it. The loader computes it as it loads (off the event loop)."""
+        digest = hashlib.sha256(json.dumps(["default_profile", self.default_profile]).encode())
+        for name, profile in sorted(self.profiles.items()):
+            digest.update(json.dumps(["profile", name, dataclasses.asdict(profile.dns)], sort_keys=True).encode())
+            for rule in (*profile.allow, *profile.deny):
+                digest.update(f"\n{rule.canonical()} name={rule.name or ''}".encode())
+        return "sha256:" + digest.hexdigest()[:POLICY_HASH_DIGITS]
 
     def profile(self, name: str | None = None) -> Profile:
         try:
@@ -190,10 +195,3 @@ class Policy:
         except KeyError:
             known = ", ".join(sorted(self.profiles))
             raise KeyError(f"no profile {name!r} in {self.source} (profiles: {known})") from None
-
-
-def _profile_content(profile: Profile) -> dict[str, object]:
-    def rules(rules: tuple[Rule, ...]) -> list[list[str | None]]:
-        return [[rule.canonical(), rule.name] for rule in rules]
-
-    return {"allow": rules(profile.allow), "deny": rules(profile.deny), "dns": dataclasses.asdict(profile.dns)}
