@@ -19,6 +19,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from airlock.audit import AuditLog
+from airlock.audit.notices import DenialNotices
+from airlock.auditing import GatewayAudit, tell
 from airlock.brokerconfig import BrokerConfig
 from airlock.dns.admission import DnsSettings
 from airlock.dns.server import DnsServer
@@ -27,7 +29,7 @@ from airlock.errors import AirlockError
 from airlock.interfaces import interface_addresses
 from airlock.live import GatewayAddresses
 from airlock.mitm import Master, Proxyserver, TlsConfig, core, disable_h2c, next_layer, options
-from airlock.policy import IPAddress, LivePolicy, Policy, Sandbox, SandboxRegistry
+from airlock.policy import IPAddress, LivePolicy, Policy, PolicyError, Sandbox, SandboxRegistry
 from airlock.proxy.addon import Airlock, build_addon
 from airlock.proxy.shared import GatewaySettings
 from airlock.sandbox.fence import mark_listeners
@@ -66,6 +68,7 @@ class GatewayConfig:
     upstream_ca: str | None = None
     audit_path: str | None = None
     audit_stdout: bool = False
+    show_denials: bool = False  # each denial as one line on stderr, as it happens (`airlock run`; rate-limited)
     connect_timeout: float = 10.0
     idle_timeout: float = 300.0
     max_tunnels_per_sandbox: int | None = None  # None: derived from the open-file limit, like the next two
@@ -270,6 +273,9 @@ class Gateway:
             self.audit = AuditLog(config.audit_path, config.audit_stdout)
         except OSError as e:
             raise GatewayError(f"audit log {config.audit_path}: {e.strerror or e}") from e
+        self.notices = DenialNotices(tell) if config.show_denials else None
+        self.auditing = GatewayAudit(self.audit.emit, config.sandboxes, self.notices)
+        self.emit = self.auditing.emit  # what proxy, DNS and broker write their audit lines with
         # Signing keys, the broker's store and admin socket live here: root's alone. A temporary one goes at stop.
         self._own_state = config.state_dir is None
         self._state_dir = config.state_dir or tempfile.mkdtemp(prefix="airlock-gw-")
@@ -294,7 +300,7 @@ class Gateway:
         )
         master = Master(opts)
         self._own = GatewayAddresses(own_addresses() | {ipaddress.ip_address(config.listen)})
-        live = self.live = LivePolicy(config.policy, self.registry, self._own)
+        live = self.live = self.auditing.live = LivePolicy(config.policy, self.registry, self._own)
         settings = GatewaySettings(
             connect_timeout=config.connect_timeout,
             max_tunnels_per_sandbox=caps.tunnels,
@@ -302,7 +308,7 @@ class Gateway:
             max_connections=caps.total,
             audit_failure=self._audit_failure,
         )
-        self.airlock = build_addon(live, self.resolver, self.audit.emit, settings)
+        self.airlock = build_addon(live, self.resolver, self.emit, settings)
         self.shared = self.airlock.shared
         # Only the addons a proxy needs: no script loader, replay, onboarding app (mitm.it), header or body
         # rewriting — less to dispatch on every event, and nothing a request could reach but airlock's hooks.
@@ -340,7 +346,7 @@ class Gateway:
         log.info("airlock proxy listening on %s:%d", config.listen, config.proxy_port)
         if config.dns_port:
             dns_settings = DnsSettings(rate_per_second=config.dns_rate, audit_failure=self._audit_failure)
-            self.dns = DnsServer(live, self.resolver, self.audit.emit, dns_settings, config.listen, config.dns_port)
+            self.dns = DnsServer(live, self.resolver, self.emit, dns_settings, config.listen, config.dns_port)
             try:
                 await self.dns.start()
             except OSError as e:
@@ -353,7 +359,7 @@ class Gateway:
             from airlock.brokerd import BrokerRuntime
 
             runtime = BrokerRuntime(
-                config.broker, Path(self._state_dir), live, self.resolver, self.audit.emit, config.upstream_ca
+                config.broker, Path(self._state_dir), live, self.resolver, self.emit, config.upstream_ca
             )
             self._broker_runtime = runtime
             try:
@@ -375,6 +381,10 @@ class Gateway:
     def _audit_failure(self) -> str | None:
         return self.audit.failure
 
+    def reopen_audit(self) -> None:
+        """SIGUSR1: the audit file opened anew at its path (after log rotation moved it away)."""
+        self.audit.reopen()
+
     async def _flush_audit(self) -> None:
         while True:
             await asyncio.sleep(0.1)
@@ -388,7 +398,17 @@ class Gateway:
         PolicyError, and the running policy stays."""
         if self.live is None:
             raise GatewayError("the gateway has not started: no policy to replace")
-        self.live.replace(policy)
+        running = self.live.current.policy.hash
+        try:
+            self.live.replace(policy)
+        except PolicyError as e:
+            self.auditing.policy_refused(policy.source, e.errors, refused_hash=policy.hash)
+            raise
+        self.auditing.policy_loaded(policy, running)
+
+    def policy_refused(self, source: str, errors: list[str]) -> None:
+        """Audit a policy file that did not load (the running policy stays)."""
+        self.auditing.policy_refused(source, errors)
 
     async def stop(self) -> None:
         if self._master is None:
@@ -402,6 +422,8 @@ class Gateway:
             await self._broker_runtime.stop()
         if self.shared is not None:
             self.shared.refusals.flush()
+        if self.notices is not None:
+            self.notices.flush()
         # Master.shutdown() alone leaves the listening sockets open: close the servers first.
         with contextlib.suppress(Exception):
             await master.addons.get("proxyserver").servers.update([])

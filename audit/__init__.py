@@ -2,8 +2,17 @@
 and the throttle for refusals that come in floods. Proxy, DNS server and broker import it; it imports nothing of
 theirs, and of the policy core nothing at all."""
 
-from .record import AuditRecord, Kind, RepeatedDecisions, new_request_id
+from .record import SCHEMA_VERSION, AuditRecord, Kind, RepeatedDecisions, Verdict, new_request_id
 from .sink import AuditLog
 from .throttle import AuditThrottle
 
-__all__ = ["AuditLog", "AuditRecord", "AuditThrottle", "Kind", "RepeatedDecisions", "new_request_id"]
+__all__ = [
+    "SCHEMA_VERSION",
+    "AuditLog",
+    "AuditRecord",
+    "AuditThrottle",
+    "Kind",
+    "RepeatedDecisions",
+    "Verdict",
+    "new_request_id",
+]

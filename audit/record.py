@@ -11,9 +11,22 @@ import json
 import secrets
 import time
 from dataclasses import dataclass, field, fields
-from typing import Literal
+from typing import Literal, Protocol
 
-type Kind = Literal["http", "connect", "dns", "broker"]
+type Kind = Literal["http", "connect", "dns", "broker", "policy"]
+type Verdict = Literal["allow", "deny", "error"]
+# The version of the record's shape (docs/audit-record.schema.json): raised when a field changes meaning or goes.
+SCHEMA_VERSION = 1
+
+
+class RuleRef(Protocol):
+    """What a record takes from the rule that decided: the policy core's Rule, seen from here."""
+
+    @property
+    def id(self) -> str: ...
+
+    @property
+    def source(self) -> str: ...
 
 
 _ID_PREFIX = secrets.token_hex(4)
@@ -44,20 +57,28 @@ class AuditRecord:
     client: str
     host: str
     port: int | None
-    decision: Literal["allow", "deny", "error"]
+    decision: Verdict
     reason: str
     code: str  # stable, machine-readable: a ReasonCode, or on broker lines the broker's error code
     request_id: str = field(default_factory=new_request_id)
     ts: float = field(default_factory=time.time)
+    schema: int = SCHEMA_VERSION
+    profile: str | None = None  # the sandbox's profile; the gateway stamps it (and policy_hash) as it emits
+    policy_hash: str | None = None  # Policy.hash of the policy in force
     method: str | None = None
     path: str | None = None
-    rule: str | None = None
+    rule: str | None = None  # the deciding rule's stable id (Rule.id): its name, else a hash of its content
+    rule_source: str | None = None  # that rule's file:line, for the person who edits it (shifts with every edit)
+    hint: str | None = None  # on a denial: the rule that would allow it, when one may
     resolved: list[str] = field(default_factory=list)
     chosen_ip: str | None = None
     bytes_in: int | None = None  # from the sandbox towards upstream
     bytes_out: int | None = None  # from upstream back to the sandbox
     duration_ms: float | None = None
     extra: dict[str, object] = field(default_factory=dict)  # kind-specific details, e.g. DNS exfil signals
+
+    def decided_by(self, rule: RuleRef | None) -> None:
+        self.rule, self.rule_source = (rule.id, rule.source) if rule is not None else (None, None)
 
     def to_json(self) -> str:
         record = {name: getattr(self, name) for name in _AUDIT_FIELDS}  # asdict() deep-copies: too slow per query

@@ -73,6 +73,17 @@ class _Sink:
         self.fd = fd
         log.warning("audit log %s was removed or replaced: writing on in a new file at that path", self.path)
 
+    def reopen(self) -> None:
+        """A new file descriptor for the path (the old one is closed); on failure the old one stays in use."""
+        assert self.path is not None
+        try:
+            fd = _open_log(self.path)
+        except OSError as e:
+            log.error("audit log %s not reopened (%s): writing on to the file already open", self.path, e.strerror)
+            return
+        os.close(self.fd)
+        self.fd = fd
+
     def close(self) -> None:
         os.close(self.fd)
 
@@ -132,6 +143,13 @@ class AuditLog:
                 "audit log written again: requests and DNS queries are decided again (%d lines lost)", self._lost
             )
             self.failure, self._lost = None, 0
+
+    def reopen(self) -> None:
+        """Write out what waits, then open each file anew at its path: SIGUSR1, as log rotation sends it after
+        moving the file away (`postrotate`). A file moved away is also noticed at the next write without it."""
+        self.flush()
+        for sink in self._owned:
+            sink.reopen()
 
     def close(self) -> None:
         self.flush()

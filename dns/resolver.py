@@ -160,10 +160,10 @@ class PolicyResolver:
         record.host = name
         profile = live.profile(sandbox)
         decision = decide_name(profile, name)
+        record.decided_by(decision.rule)
         if not decision.allow:
-            record.rule = decision.rule.source if decision.rule else None
+            record.hint = decision.hint
             return self._refuse(reply, record, decision.reason, decision.code, started)
-        record.rule = decision.rule.source if decision.rule else None
         flags = self._signals(record, sandbox.id, name, profile.dns)
         if flags and profile.dns.refuse:
             reason = "suspicious name: " + "; ".join(flags)
@@ -207,7 +207,7 @@ class PolicyResolver:
             record.extra["cnames"] = list(answer.cnames)
             denied = decide_alias(profile, answer.cnames, None)
             if denied is not None:
-                record.rule = denied.rule.source if denied.rule else None
+                record.decided_by(denied.rule)
                 reply.header.rcode = RCODE.REFUSED
                 return self._finish(reply, record, "deny", denied.reason, denied.code, started)
         vetted = vet(profile, answer.addresses, None, live.own.among(answer.addresses))

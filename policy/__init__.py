@@ -3,7 +3,7 @@ the policy file, no asyncio)."""
 
 from .addresses import SANDBOX_LINK_NETWORKS, Category, Classification, classify, embedded_ipv4
 from .codes import ReasonCode
-from .decide import Decision, Rejection, Vetted, decide, decide_alias, decide_name, vet
+from .decide import Decision, Judgement, Rejection, Vetted, decide, decide_alias, decide_name, judge, vet
 from .hosts import HostError, IPAddress, canonical_host, format_host_port, is_ip, parse_ip_literal
 from .live import KnownAddresses, LivePolicy, OwnAddresses, Snapshot, missing_profiles
 from .loader import PolicyError, load_policy, parse_policy
@@ -22,6 +22,7 @@ __all__ = [
     "DnsLimits",
     "HostError",
     "IPAddress",
+    "Judgement",
     "KnownAddresses",
     "LivePolicy",
     "OwnAddresses",
@@ -45,6 +46,7 @@ __all__ = [
     "format_host_port",
     "is_ip",
     "is_public_suffix",
+    "judge",
     "load_policy",
     "missing_profiles",
     "parse_ip_literal",

@@ -46,6 +46,9 @@ class ReasonCode(enum.StrEnum):
     TYPE_NOT_ANSWERED = "type_not_answered"  # an allowed name, asked for a type other than A/AAAA: empty answer
     NAME_NOT_FOUND = "name_not_found"  # an allowed name the upstream says does not exist (NXDOMAIN)
     INFLIGHT_LIMIT = "inflight_limit"  # too many of the sandbox's queries already wait on upstream
+    # The policy itself (kind `policy`): a reload put in force, or refused while the running policy stays.
+    POLICY_LOADED = "policy_loaded"
+    POLICY_REFUSED = "policy_refused"
     # Anything: a fault in airlock itself, answered as a denial (fail closed).
     AUDIT_UNAVAILABLE = "audit_unavailable"  # the audit log cannot be written: nothing is allowed until it can
     INTERNAL_ERROR = "internal_error"

@@ -7,7 +7,7 @@ Pure functions of (profile, input). Two stages, because a name is only as safe a
 from __future__ import annotations
 
 import ipaddress
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -203,3 +203,40 @@ def vet(
         else:
             rejected.append(Rejection(address, verdict.code, verdict.reason))
     return Vetted(tuple(allowed), tuple(rejected))
+
+
+@dataclass(frozen=True, slots=True)
+class Judgement:
+    """The whole judgement of one upstream target, as the proxy makes it: the decision, and for an allowed name
+    or address the vetting of its addresses and the one connected to."""
+
+    decision: Decision
+    vetted: Vetted | None = None
+    chosen: IPAddress | None = None
+
+
+def judge(
+    profile: Profile,
+    host: str,
+    port: int,
+    addresses: Sequence[IPAddress] | None,
+    cnames: Iterable[str] = (),
+    own_addresses: frozenset[IPAddress] = frozenset(),
+) -> Judgement:
+    """decide, then (when allowed) the CNAME chain and every address: `addresses` are what the name resolved to
+    (an IP literal is its own address, whatever is passed), None when it did not resolve. IPv4 is chosen first,
+    the family most often routed."""
+    decision = decide(profile, host, port)
+    if not decision.allow:
+        return Judgement(decision)
+    if is_ip(host):
+        addresses = (ipaddress.ip_address(host),)
+    elif addresses is None:
+        reason = "resolution failed: the name does not resolve"
+        return Judgement(Decision(False, reason, ReasonCode.RESOLVE_FAILED, decision.rule))
+    if denied := decide_alias(profile, cnames, port):
+        return Judgement(denied)
+    vetted = vet(profile, addresses, port, own_addresses)
+    if not vetted.allowed:
+        return Judgement(Decision(False, vetted.reason, vetted.code, None, decision.hint), vetted)
+    return Judgement(decision, vetted, min(vetted.allowed, key=lambda a: a.version))

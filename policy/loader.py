@@ -42,6 +42,8 @@ _BOOLEANS = MappingProxyType({"true": True, "yes": True, "on": True, "false": Fa
 # Plain ASCII decimal only: YAML reads `0443` as octal 291 and `0x1bb` as hex where a reader sees 443, and int()
 # or str.isdigit() would take Arabic-Indic or fullwidth digits, or `²`. [0-9] is ASCII; `\d` is not.
 _PORT = re.compile(r"0|[1-9][0-9]*")
+# A rule's `name:` is its id in audit lines and tools: letters, digits and `_.-`, starting with a letter.
+_RULE_NAME = re.compile(r"[A-Za-z][A-Za-z0-9_.-]{0,63}")
 _NAME_AND_PORT = re.compile(r"([^:\[\]]+):([0-9]+)")  # `pypi.org:443`, written where only a host belongs
 _ALIAS = re.compile(r"\*[^\s,\[\]{}]*")  # what YAML took for an alias: the unquoted value from its `*` on
 _DECIMAL = MappingProxyType({int: re.compile(r"[0-9]+"), float: re.compile(r"[0-9]+(\.[0-9]+)?")})
@@ -87,15 +89,21 @@ def parse_policy(text: str, filename: str = "<policy>") -> Policy:
         raise PolicyError([f"{filename}:1: cannot load policy: {type(e).__name__}: {e}"]) from e
 
 
-def _parse(text: str, filename: str) -> Policy:
+def compose(text: str, filename: str) -> yaml.Node | None:
+    """The YAML node tree of `text` (its nodes know their lines), or PolicyError with `file:line: invalid YAML`."""
     try:
-        root = yaml.compose(text, Loader=_YAML_LOADER)
+        return yaml.compose(text, Loader=_YAML_LOADER)
     except yaml.YAMLError as e:
         raise PolicyError([_yaml_error(e, text, filename)]) from None
+
+
+def _parse(text: str, filename: str) -> Policy:
+    root = compose(text, filename)
     builder = _Builder(filename)
     policy = builder.policy(root)
     if builder.errors or policy is None:
         raise PolicyError(builder.messages() or [f"{filename}:1: empty policy"])
+    policy.hash  # noqa: B018 -- computed with the load, so that no audit line pays for it on the event loop
     return policy
 
 
@@ -114,7 +122,10 @@ def _yaml_error(error: yaml.YAMLError, text: str, filename: str) -> str:
     return f"{filename}:{line}: invalid YAML: {problem}"
 
 
-class _Builder:
+class NodeReader:
+    """Reads values off a YAML node tree, collecting every problem as `file:line: message` (the policy here; the
+    case files of `airlock policy test` too)."""
+
     def __init__(self, filename: str) -> None:
         self.filename = filename
         self.errors: list[tuple[int, str]] = []
@@ -161,6 +172,18 @@ class _Builder:
         if value is None:
             self.error(node, f"{what} must be true or false")
         return value
+
+    def sequence(self, node: yaml.Node | None, what: str) -> list[yaml.Node]:
+        if not _is_list(node):
+            self.error(node, f"{what} must be a list")
+            return []
+        return list(node.value)
+
+
+class _Builder(NodeReader):
+    def __init__(self, filename: str) -> None:
+        super().__init__(filename)
+        self.rule_names: dict[str, yaml.Node] = {}  # every rule name in the file, and the rule that has it
 
     def policy(self, root: yaml.Node | None) -> Policy | None:
         if root is None:
@@ -238,12 +261,25 @@ class _Builder:
             ports = DEFAULT_ALLOW_PORTS
         tunnel = self.allow_only(action, fields["tunnel"][1], "tunnel") if "tunnel" in fields else False
         ech = self.allow_only(action, fields["ech"][1], "ech") if "ech" in fields else False
-        name = self.scalar(fields["name"][1], "name") if "name" in fields else None
+        name = self.rule_name(fields["name"][1], node) if "name" in fields else None
         if "comment" in fields:
             self.scalar(fields["comment"][1], "comment")
         if len(self.errors) != before:
             return None
         return Rule(action, self.where(node), host=host, cidr=cidr, ports=ports, tunnel=tunnel, ech=ech, name=name)
+
+    def rule_name(self, node: yaml.Node, rule: yaml.Node) -> str | None:
+        """A rule's stable id: a simple identifier, unique in the file (across profiles)."""
+        name = self.scalar(node, "name")
+        if name is None:
+            return None
+        if not _RULE_NAME.fullmatch(name):
+            self.error(node, f"name {name!r}: use letters, digits, '_', '.' and '-' (at most 64, a letter first)")
+            return None
+        if (first := self.rule_names.setdefault(name, rule)) is not rule:
+            self.error(node, f"name {name!r} is already the name of the rule at {self.where(first)}")
+            return None
+        return name
 
     def allow_only(self, action: Action, node: yaml.Node, key: str) -> bool:
         """A switch that widens what an allow rule lets through (`tunnel`, `ech`)."""

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+import json
 from collections import defaultdict
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Literal
 
 from .addresses import Network
@@ -15,6 +19,10 @@ DEFAULT_ALLOW_PORTS: frozenset[int] = frozenset({443})
 # traffic may well be another protocol (ssh on 22), which a tunnel carries only under `tunnel: true`.
 WEB_PORTS: frozenset[int] = frozenset({80, 443})
 type Action = Literal["allow", "deny"]
+# A rule's id when it has no name: the prefix holds a ':', which no name may, so the two never collide.
+RULE_HASH_PREFIX = "sha256:"
+RULE_HASH_DIGITS = 12
+POLICY_HASH_DIGITS = 16
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,7 +34,25 @@ class Rule:
     ports: frozenset[int] | None = None  # None: every port (deny rules only)
     tunnel: bool = False  # a CONNECT tunnel that is not TLS (e.g. ssh on 22) is allowed
     ech: bool = False  # TLS with Encrypted Client Hello is allowed: the host's operator is trusted with the inner name
-    name: str | None = None
+    name: str | None = None  # the rule's stable id, unique in its file (the loader checks)
+    _id: str | None = field(default=None, init=False, repr=False, compare=False)  # `id`, once asked for
+
+    @property
+    def id(self) -> str:
+        """What audit lines and tools call the rule: its `name`, else a short hash of what it says. Never its
+        line, which every edit above it shifts; a rule keeps its id wherever it moves, until its content changes.
+        Computed when first asked for (most rules of a large policy never decide anything) and kept."""
+        if self._id is not None:
+            return self._id
+        if (rule_id := self.name) is None:
+            rule_id = RULE_HASH_PREFIX + hashlib.sha256(self.canonical().encode()).hexdigest()[:RULE_HASH_DIGITS]
+        object.__setattr__(self, "_id", rule_id)
+        return rule_id
+
+    def canonical(self) -> str:
+        """What the rule decides, in one fixed spelling (no name, no line): equal for rules that decide alike."""
+        ports = "any" if self.ports is None else ",".join(map(str, sorted(self.ports)))
+        return f"{self.action} {self.target} ports={ports} tunnel={int(self.tunnel)} ech={int(self.ech)}"
 
     def matches_port(self, port: int | None) -> bool:
         """`port` None asks about a name or address as such (DNS has no port): an allow rule opens it for
@@ -150,6 +176,18 @@ class Policy:
     profiles: dict[str, Profile]
     default_profile: str
     source: str
+
+    @cached_property
+    def hash(self) -> str:
+        """`sha256:` and the start of the digest of what the policy decides (profiles, rules with their names, DNS
+        limits, the default profile), so comments, layout and line numbers never change it; `policy check` prints
+        it and every audit line carries it. The loader computes it as it loads (off the event loop)."""
+        digest = hashlib.sha256(json.dumps(["default_profile", self.default_profile]).encode())
+        for name, profile in sorted(self.profiles.items()):
+            digest.update(json.dumps(["profile", name, dataclasses.asdict(profile.dns)], sort_keys=True).encode())
+            for rule in (*profile.allow, *profile.deny):
+                digest.update(f"\n{rule.canonical()} name={rule.name or ''}".encode())
+        return "sha256:" + digest.hexdigest()[:POLICY_HASH_DIGITS]
 
     def profile(self, name: str | None = None) -> Profile:
         try:

@@ -85,7 +85,8 @@ class HttpPolicy:
         outcome = await self.shared.evaluate(state.sandbox, request.host, request.port)
         outcome.fill(record)
         if outcome.decision.allow and (mismatch := _host_header_mismatch(flow, outcome.host)):
-            record.decision, record.reason, record.code, record.rule = "deny", mismatch, ReasonCode.HOST_MISMATCH, None
+            record.decision, record.reason, record.code = "deny", mismatch, ReasonCode.HOST_MISMATCH
+            record.decided_by(None)
         if record.decision != "allow":
             return self._refuse(flow, record, outcome.decision.hint)
         if request.host_header is None:  # HTTP/1.0 may omit it: the upstream gets the name that was judged

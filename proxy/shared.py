@@ -67,8 +67,8 @@ class Outcome:
     def fill(self, record: AuditRecord) -> None:
         record.host, record.resolved, record.chosen_ip = self.host, self.resolved, self.chosen_ip
         record.decision = "allow" if self.decision.allow else "deny"
-        record.reason, record.code = self.decision.reason, self.decision.code
-        record.rule = self.decision.rule.source if self.decision.rule else None
+        record.reason, record.code, record.hint = self.decision.reason, self.decision.code, self.decision.hint
+        record.decided_by(self.decision.rule)
 
 
 class Shared:

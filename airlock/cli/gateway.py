@@ -43,7 +43,10 @@ def add_gateway_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--upstream-ca", type=absolute, metavar="FILE", help="CA bundle for upstream TLS the gateway verifies"
     )
-    parser.add_argument("--audit", type=absolute, metavar="FILE", help="append one JSON line per decision to FILE")
+    parser.add_argument(
+        "--audit", type=audit_destination, metavar="FILE",
+        help="append one JSON line per decision to FILE ('-': stdout); SIGUSR1 reopens it (log rotation)",
+    )  # fmt: skip
     parser.add_argument("--connect-timeout", type=float, default=10.0, metavar="S")
     parser.add_argument("--idle-timeout", type=float, default=300.0, metavar="S")
     parser.add_argument(
@@ -104,8 +107,8 @@ def gateway_config(args: argparse.Namespace, policy: Policy, listen: str, sandbo
         sandboxes=sandboxes,
         upstream_dns=upstream_dns,
         upstream_ca=args.upstream_ca,
-        audit_path=args.audit,
-        audit_stdout=getattr(args, "audit_stdout", False),
+        audit_path=None if args.audit == "-" else args.audit,
+        audit_stdout=args.audit == "-" or getattr(args, "audit_stdout", False),
         connect_timeout=args.connect_timeout,
         idle_timeout=args.idle_timeout,
         max_tunnels_per_sandbox=args.max_tunnels,
@@ -130,6 +133,11 @@ def gateway_config(args: argparse.Namespace, policy: Policy, listen: str, sandbo
             max_connections_per_client=args.broker_max_connections,
         ),
     )
+
+
+def audit_destination(text: str) -> str:
+    """`--audit FILE`, made absolute; `-` stays: the audit goes to stdout."""
+    return text if text == "-" else absolute(text)
 
 
 def check_ca_bundle(path: str) -> None:
@@ -190,11 +198,13 @@ def cmd_gateway(args: argparse.Namespace) -> int:
 
 
 async def serve(config: GatewayConfig, policy_path: str | None) -> int:
-    """Run until SIGTERM (exit 0) or SIGINT (130); SIGHUP reloads the policy from `policy_path`."""
+    """Run until SIGTERM (exit 0) or SIGINT (130); SIGHUP reloads the policy from `policy_path`, SIGUSR1 reopens
+    the audit file."""
     gateway = Gateway(config)
     # Handlers first: a signal that arrives while the gateway starts still stops it cleanly.
     stopped = signal_future(signal.SIGTERM, signal.SIGINT)
     asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, reload_policy, gateway, policy_path)
+    asyncio.get_running_loop().add_signal_handler(signal.SIGUSR1, gateway.reopen_audit)
     try:
         await gateway.start()
         dns = f", DNS on port {config.dns_port}" if config.dns_port else ""
@@ -211,9 +221,15 @@ async def serve(config: GatewayConfig, policy_path: str | None) -> int:
 
 def reload_policy(gateway: Gateway, path: str | None) -> None:
     """SIGHUP: load the policy again; a bad file is reported and the running policy stays."""
+    source = str(path or default_policy_path())
     try:
-        gateway.replace_policy(load_policy_file(path))
-        log.info("policy reloaded from %s", path or default_policy_path())
+        try:
+            policy = load_policy_file(path)
+        except PolicyError as e:
+            gateway.policy_refused(source, e.errors)
+            raise
+        gateway.replace_policy(policy)  # audits the reload, or its refusal
+        log.info("policy reloaded from %s (%s)", source, policy.hash)
     except PolicyError as e:
         log.error("policy NOT reloaded, the running policy stays:\n%s", e)
     except Exception as e:  # e.g. a SIGHUP before the gateway has started: keep what runs

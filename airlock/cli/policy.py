@@ -1,22 +1,25 @@
-"""`airlock policy check FILE` (exit 0 valid, 2 with FILE:LINE errors) and `airlock policy explain` (0 allow,
-1 deny, 2 error): the policy core asked directly, no gateway."""
+"""`airlock policy check FILE` (exit 0 valid, 2 with FILE:LINE errors), `airlock policy explain` (0 allow, 1 deny,
+2 error; `--json`), `airlock policy test POLICY CASES` (0 all match, 1 a mismatch, 2 a bad file) and `airlock policy
+suggest AUDIT` (a policy for what was denied): the policy core asked directly, no gateway."""
 
 from __future__ import annotations
 
 import argparse
-import ipaddress
+import json
 import sys
 from urllib.parse import urlsplit
 
 from airlock.policy import (
     WEB_PORTS,
     HostError,
+    Judgement,
     PolicyError,
     canonical_host,
     decide,
     format_host_port,
+    is_ip,
+    judge,
     parse_ip_literal,
-    vet,
 )
 
 from .common import EXIT_ALLOW, EXIT_DENY, EXIT_USAGE, UsageError
@@ -32,8 +35,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     explain.add_argument("--policy", metavar="FILE")
     explain.add_argument("--profile", metavar="P")
     explain.add_argument("--resolve", action="append", metavar="HOST=IP[,IP...]", help="repeatable")
+    explain.add_argument("--json", action="store_true", help="print one JSON object (decision, code, rule, hint, ...)")
     explain.add_argument("target", help="URL or host:port")
     explain.set_defaults(func=cmd_policy_explain)
+    test = actions.add_parser("test", help="run expected decisions: exit 0 all match, 1 a mismatch, 2 a bad file")
+    test.add_argument("policy", metavar="POLICY")
+    test.add_argument("cases", metavar="CASES.yaml")
+    test.set_defaults(func=cmd_policy_test)
+    suggest = actions.add_parser("suggest", help="print a policy of allow rules for what an audit log shows denied")
+    suggest.add_argument("audit", metavar="AUDIT.jsonl")
+    suggest.add_argument("--profile", metavar="P", help="only this profile's denials")
+    suggest.add_argument("--since", metavar="T", help="only denials from T on: an ISO time or a duration (2h, 1d)")
+    suggest.add_argument(
+        "--collapse", type=int, metavar="N", help="offer *.parent for N or more sibling names (never a public suffix)"
+    )
+    suggest.add_argument("--merge", metavar="POLICY", help="print POLICY with the rules added (comments kept)")
+    suggest.set_defaults(func=cmd_policy_suggest)
 
 
 def cmd_policy_check(args: argparse.Namespace) -> int:
@@ -48,8 +65,32 @@ def cmd_policy_check(args: argparse.Namespace) -> int:
             continue
         rules = sum(len(p.allow) + len(p.deny) for p in policy.profiles.values())
         counts = f"{len(policy.profiles)} profiles, {rules} rules, default profile {policy.default_profile!r}"
-        print(f"{path}: ok ({counts})")
+        print(f"{path}: ok ({counts}), policy {policy.hash}")
     return status
+
+
+def cmd_policy_test(args: argparse.Namespace) -> int:
+    from .policytest import run_cases
+
+    return run_cases(args.policy, args.cases)
+
+
+def cmd_policy_suggest(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from .suggest import render, since_time, suggest
+
+    if args.collapse is not None and args.collapse < 2:
+        raise UsageError(f"--collapse {args.collapse}: give 2 or more sibling names")
+    since = since_time(args.since) if args.since else None
+    base = _load(args.merge) if args.merge else None
+    try:
+        with open(args.audit, encoding="utf-8") as audit:
+            suggestions = suggest(audit, base, args.profile, since, args.collapse)
+    except (OSError, UnicodeDecodeError) as e:
+        raise UsageError(f"{args.audit}: {e}") from None
+    print(render(suggestions, Path(args.merge) if args.merge else None, args.audit), end="")
+    return 0
 
 
 def parse_target(text: str) -> tuple[str, int]:
@@ -107,27 +148,54 @@ def cmd_policy_explain(args: argparse.Namespace) -> int:
         raise UsageError(str(e.args[0])) from None
     host, port = parse_target(args.target)
     resolved = _parse_resolve(args.resolve or [])
-    target = format_host_port(host, port)
     decision = decide(profile, host, port)
-    print(f"target:   {target} (profile {profile.name})")
+    # A name allowed without --resolve: its addresses are not known here, so only the name is judged.
+    judged = decision.allow and (is_ip(host) or host in resolved)
+    judgement = judge(profile, host, port, resolved.get(host)) if judged else Judgement(decision)
+    if args.json:
+        print(json.dumps(_explanation(profile.name, format_host_port(host, port), judgement, judged, policy.hash)))
+    else:
+        _print_explanation(profile.name, format_host_port(host, port), port, judgement, judged)
+    return EXIT_ALLOW if judgement.decision.allow else EXIT_DENY
+
+
+def _explanation(profile: str, target: str, judgement: Judgement, judged: bool, policy_hash: str) -> dict[str, object]:
+    """`explain --json`: the fields an audit line of this decision would carry, and the addresses' vetting."""
+    decision, vetted = judgement.decision, judgement.vetted
+    return {
+        "target": target,
+        "profile": profile,
+        "policy_hash": policy_hash,
+        "decision": "allow" if decision.allow else "deny",
+        "code": decision.code,
+        "reason": decision.reason,
+        "rule": decision.rule.id if decision.rule else None,
+        "rule_source": decision.rule.source if decision.rule else None,
+        "hint": decision.hint,
+        "addresses_vetted": judged,
+        "allowed_addresses": [str(a) for a in vetted.allowed] if vetted else [],
+        "blocked_addresses": [
+            {"address": str(r.address), "code": r.code, "reason": r.reason} for r in (vetted.rejected if vetted else ())
+        ],
+        "connect_to": str(judgement.chosen) if judgement.chosen else None,
+    }
+
+
+def _print_explanation(profile: str, target: str, port: int, judgement: Judgement, judged: bool) -> None:
+    decision, vetted = judgement.decision, judgement.vetted
+    print(f"target:   {target} (profile {profile})")
     if decision.rule is not None:
         print(f"rule:     {decision.rule.describe()}")
+    for rejection in vetted.rejected if vetted else ():
+        print(f"blocked:  {rejection.address} — {rejection.reason}")
     if not decision.allow:
         print(f"decision: deny [{decision.code}] — {decision.reason}")
         if decision.hint:
             print(f"to allow: {decision.hint}")
-        return EXIT_DENY
+        return
     if port not in WEB_PORTS and not decision.tunnel:
         print("tunnel:   TLS only; a CONNECT tunnel that is not TLS (e.g. ssh) needs `tunnel: true` on the rule")
-    addresses = [ipaddress.ip_address(host)] if parse_ip_literal(host) else resolved.get(host)
-    if addresses is None:
+    if not judged:
         print("decision: allow (name allowed; its addresses are vetted after DNS — pass --resolve to check them)")
-        return EXIT_ALLOW
-    vetted = vet(profile, addresses, port)
-    for rejection in vetted.rejected:
-        print(f"blocked:  {rejection.address} — {rejection.reason}")
-    if not vetted.allowed:
-        print(f"decision: deny [{vetted.code}] — {vetted.reason}")
-        return EXIT_DENY
-    print(f"decision: allow — would connect to {vetted.allowed[0]}")
-    return EXIT_ALLOW
+        return
+    print(f"decision: allow — would connect to {judgement.chosen}")

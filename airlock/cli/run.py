@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from airlock.broker.grants import Grant, GrantError, parse_grant
-from airlock.gateway import GatewayConfig
+from airlock.gateway import Gateway, GatewayConfig
 from airlock.policy import Policy
 from airlock.sandbox.embedded import gateway_credentials
 from airlock.sandbox.limits import DEFAULT_OUTPUT_LIMIT
@@ -54,6 +54,7 @@ def add_arguments(run: argparse.ArgumentParser) -> None:
         help="mint a broker token with this grant for the sandbox (repeatable; without, no broker runs)",
     )  # fmt: skip
     run.add_argument("--sandbox-id", metavar="ID", help="name of the sandbox (default: random); [a-z0-9], 1-12 chars")
+    run.add_argument("--quiet", action="store_true", help="do not tell each denial on stderr as it happens")
     run.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- CMD...")
     run.set_defaults(func=cmd_run)
 
@@ -99,6 +100,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 def run_config(args: argparse.Namespace, command: list[str], policy: Policy) -> RunConfig:
     grants = parse_grants(args.grant or [])
     gateway = gateway_config(args, policy, "0.0.0.0", [])  # listen and sandbox: the launcher's
+    gateway = dataclasses.replace(gateway, show_denials=not args.quiet)
     if not grants:  # the sandbox holds no token: a broker could only refuse it, so none runs (its port stays shut)
         gateway = dataclasses.replace(gateway, broker=dataclasses.replace(gateway.broker, port=0))
     run = RunConfig(
@@ -173,6 +175,11 @@ def _stop_signals() -> asyncio.Future[int]:
     return signal_future(signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
+def _reopen_audit_on_sigusr1(gateway: Gateway) -> None:
+    """As `airlock gateway` does: log rotation moves the audit file away, then sends SIGUSR1."""
+    asyncio.get_running_loop().add_signal_handler(signal.SIGUSR1, gateway.reopen_audit)
+
+
 async def _first(waiter: asyncio.Future[int | None], stopped: asyncio.Future[int]) -> bool:
     """Whether a signal came before the command ended."""
     futures: list[asyncio.Future[Any]] = [waiter, stopped]
@@ -189,6 +196,7 @@ async def _run_netns(run: RunConfig) -> int:
         isolation=run.isolation, env=run.env, grants=run.grants, token_ttl=run.token_ttl, timeout=run.timeout,
     )  # fmt: skip
     async with handle:
+        _reopen_audit_on_sigusr1(handle.gateway)
         waiter = asyncio.ensure_future(handle.wait())
         if interrupted := await _first(waiter, stopped):
             waiter.cancel()
@@ -208,6 +216,7 @@ async def _run_docker(run: RunConfig) -> int:
         limits=run.limits, mounts=run.mounts, env=run.env, grants=run.grants, token_ttl=run.token_ttl,
     )  # fmt: skip
     async with handle:
+        _reopen_audit_on_sigusr1(handle.gateway)
         output = asyncio.ensure_future(handle.stream(sys.stdout.buffer, sys.stderr.buffer))
         waiter = asyncio.ensure_future(handle.wait())
         if interrupted := await _first(waiter, stopped):

@@ -16,12 +16,17 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from jsonschema import Draft202012Validator
+
 from airlock.gateway import Gateway, GatewayConfig
 from airlock.policy import Sandbox, load_policy
 
 from topology import DNS_SERVER, GW_IP, SBX_IP, Topology
 
 AIRLOCK = str(Path(sys.executable).parent / "airlock")
+AUDIT_SCHEMA = Draft202012Validator(
+    json.loads((Path(__file__).resolve().parents[2] / "docs" / "audit-record.schema.json").read_text(encoding="utf-8"))
+)
 POLICIES = Path(__file__).parent / "policies"
 E2E_POLICY = POLICIES / "e2e.yaml"
 PROXY = (GW_IP, 3128)
@@ -71,15 +76,19 @@ class GatewayProcess:
         raise RuntimeError(f"gateway did not start in {timeout}s:\n{self.log()}")
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 15) -> int | None:
+        """Stop the gateway; then every line it audited must match docs/audit-record.schema.json (so every e2e
+        test that runs a gateway checks the published schema against what really gets written)."""
         if self.proc is None or self.proc.poll() is not None:
             return self.proc.returncode if self.proc else None
         self.proc.send_signal(sig)
         try:
-            return self.proc.wait(timeout)
+            code = self.proc.wait(timeout)
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
             raise AssertionError(f"gateway ignored signal {sig} for {timeout}s") from None
+        assert_audit_schema(self.audit())
+        return code
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
@@ -104,6 +113,16 @@ class GatewayProcess:
             if found or time.monotonic() > deadline:
                 return found
             time.sleep(0.05)
+
+
+def assert_audit_schema(records: list[dict[str, Any]]) -> None:
+    """Every record matches the published audit schema."""
+    problems = [
+        f"{record}: {'/'.join(map(str, error.absolute_path))}: {error.message}"
+        for record in records
+        for error in AUDIT_SCHEMA.iter_errors(record)
+    ]
+    assert not problems, "audit lines outside docs/audit-record.schema.json:\n" + "\n".join(problems[:10])
 
 
 def e2e_gateway_config(state: Path) -> GatewayConfig:

@@ -133,7 +133,7 @@ async def test_an_allowed_connect_is_pinned_to_the_vetted_address_and_audited_on
     gw.identity.client_disconnected(flow.client_conn)
     [record] = gw.records
     assert (record.kind, record.decision, record.host, record.port) == ("connect", "allow", "allowed.test", 443)
-    assert (record.chosen_ip, record.resolved, record.rule) == ("203.0.113.10", ["203.0.113.10"], "p.yaml:5")
+    assert (record.chosen_ip, record.resolved, record.rule_source) == ("203.0.113.10", ["203.0.113.10"], "p.yaml:5")
     assert record.duration_ms is not None and record.duration_ms >= 0
     assert gw.shared.tunnels["sbx"] == 0 and gw.shared.clients == {}
 

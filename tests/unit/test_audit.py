@@ -98,3 +98,29 @@ def test_a_symlink_planted_at_the_path_is_not_followed(tmp_path: Path) -> None:
     log.flush()
     assert log.failure is not None and not (tmp_path / "elsewhere").exists()
     log.close()
+
+
+def test_reopen_writes_out_what_waits_then_opens_the_path_anew(tmp_path: Path) -> None:
+    file, rotated = tmp_path / "audit.jsonl", tmp_path / "audit.jsonl.1"
+    log = AuditLog(file)
+    log.emit(record("/before"))
+    log.flush()
+    file.rename(rotated)  # log rotation, then SIGUSR1
+    log.emit(record("/waiting"))
+    log.reopen()
+    assert file.exists() and paths(file) == ["/waiting"]
+    log.emit(record("/after"))
+    log.flush()
+    assert paths(file) == ["/waiting", "/after"] and paths(rotated) == ["/before"]
+    log.close()
+
+
+def test_a_reopen_that_fails_keeps_the_open_file(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    directory = tmp_path / "logs"
+    directory.mkdir()
+    log = AuditLog(directory / "audit.jsonl")
+    (directory / "audit.jsonl").unlink()
+    directory.rmdir()  # nowhere to create the file again
+    log.reopen()
+    assert "not reopened" in caplog.records[-1].getMessage()
+    log.close()

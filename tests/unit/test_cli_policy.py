@@ -130,9 +130,13 @@ def test_check_loader_bug_is_exit_2(
 class _Gateway:
     def __init__(self) -> None:
         self.policies: list[Policy] = []
+        self.refused: list[str] = []
 
     def replace_policy(self, policy: Policy) -> None:
         self.policies.append(policy)
+
+    def policy_refused(self, source: str, errors: list[str]) -> None:
+        self.refused.append(source)
 
 
 @pytest.mark.parametrize(
@@ -146,6 +150,7 @@ def test_sighup_reload_keeps_running_policy_on_odd_yaml(tmp_path: Path, content:
     gateway = _Gateway()
     reload_policy(gateway, str(path))  # must not raise: it runs inside the event loop's signal handler
     assert len(gateway.policies) == loaded
+    assert gateway.refused == ([] if loaded else [str(path)])  # a file that does not load is audited as refused
 
 
 def test_check_several_files_reports_each_and_fails_if_any_is_bad(

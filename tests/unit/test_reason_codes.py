@@ -20,6 +20,7 @@ from mitmproxy.proxy.context import Context
 from mitmproxy.test import tflow, tutils
 
 from airlock.audit import AuditRecord
+from airlock.auditing import GatewayAudit
 from airlock.dns.admission import DnsSettings
 from airlock.dns.resolver import Handler, PolicyResolver
 from airlock.dns.upstream import Answer, NameNotFound, ResolveError
@@ -329,6 +330,23 @@ async def _dns_inflight() -> str:
 @produces(ReasonCode.INTERNAL_ERROR)
 async def _dns_bug() -> str:
     return await _dns(DNSRecord.question("bug.names.test"))
+
+
+# --- the gateway: policy reloads -----------------------------------------------------------------------------------
+
+
+@produces(ReasonCode.POLICY_LOADED)
+async def _policy_loaded() -> str:
+    audit: list[AuditRecord] = []
+    GatewayAudit(audit.append, [SANDBOX]).policy_loaded(POLICY, "sha256:0")
+    return audit[-1].code
+
+
+@produces(ReasonCode.POLICY_REFUSED)
+async def _policy_refused() -> str:
+    audit: list[AuditRecord] = []
+    GatewayAudit(audit.append, [SANDBOX]).policy_refused("p.yaml", ["p.yaml:1: invalid YAML"])
+    return audit[-1].code
 
 
 @pytest.fixture(autouse=True)
