@@ -60,8 +60,8 @@ INSTRUCTIONS = (
     "the broker's own credential, and audited."
 )
 
-# JSON-RPC 2.0 error codes.
-PARSE_ERROR, INVALID_REQUEST, METHOD_NOT_FOUND, INVALID_PARAMS = -32700, -32600, -32601, -32602
+# JSON-RPC 2.0 error codes; -32000 is the first of the server's own, here: the broker could not take the request.
+PARSE_ERROR, INVALID_REQUEST, METHOD_NOT_FOUND, INVALID_PARAMS, SERVER_ERROR = -32700, -32600, -32601, -32602, -32000
 
 type Reply = Callable[[dict[str, Any], int, dict[str, str] | None], web.Response]
 type RequestId = str | int
@@ -118,10 +118,11 @@ class McpSurface:
                     return web.Response(status=202), None
                 result, refusal = await self._answer(message, claims, record, request, len(data))
             return self.reply({"jsonrpc": "2.0", "id": message.id, "result": result}, 200, None), refusal
-        except RpcError as e:
-            request_id = message.id if message is not None else e.request_id
-            error = {"code": e.rpc, "message": e.message, "data": e.body()}
-            return self.reply({"jsonrpc": "2.0", "id": request_id, "error": error}, e.status, None), e
+        except BrokerError as e:  # an RpcError, or the broker too busy for a large body
+            failed = e if isinstance(e, RpcError) else RpcError(SERVER_ERROR, e.status, e.code, e.message)
+            request_id = message.id if message is not None else failed.request_id
+            error = {"code": failed.rpc, "message": failed.message, "data": failed.body()}
+            return self.reply({"jsonrpc": "2.0", "id": request_id, "error": error}, failed.status, None), failed
 
     def _check_headers(self, request: web.Request) -> None:
         # DNS rebinding: a web page's script reaching the broker under a name of its own. The only origin the broker
