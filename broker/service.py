@@ -2,7 +2,8 @@
 
 - Sandbox-facing (through the fence, on the gateway's sandbox address): `GET /v1/tools` (the tools this token
   may call, with their input schemas, limits and grant scopes) and `POST /v1/tools/<name>` (create_pull_request,
-  push_branch). Every path, an unknown one too, needs the sandbox token, presented from that sandbox's network.
+  push_branch), and `POST /mcp`, the same tools over the Model Context Protocol (broker.mcp). Every path, an
+  unknown one too, needs the sandbox token, presented from that sandbox's network.
   The broker checks the token, validates the input against the tool's JSON Schema (400 `invalid_input`, with the
   field's path), checks the grant, and acts with its own credential. Responses carry results, never credentials.
 - Admin (loopback or a unix socket the sandboxes cannot reach): mint and revoke tokens, rotate keys, JWKS.
