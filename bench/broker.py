@@ -26,6 +26,10 @@ next to the same call made straight to the fake GitHub, one run, one table.
      sandbox): the broker answers the recorded result without calling GitHub.
    - broker refusal: a base branch outside the grant (403 `outside_grant`): token check, revocation lookup,
      validation, audit and the call record, no upstream call. Its latency is the broker's floor.
+   - mcp create, mcp refusal: the same two calls as MCP `tools/call` (`POST /mcp`, JSON-RPC, with the headers an
+     MCP client sends after `initialize`; the broker is stateless, so no session to set up), heads
+     `agent/mcp-<i>`; the refusal is a tool error (`isError`, `outside_grant`). MCP's added latency is mcp create
+     minus broker create (and mcp refusal minus broker refusal, no upstream in it), at p50; the target: < 2 ms.
 
    - push: `--pushes` pairs (default 10), each a fresh commit adding 1,000,000 random bytes to `main` of a local
      clone of the fake's acme/app, interleaved: **direct** `git push` of one such commit from the gateway namespace
@@ -37,8 +41,8 @@ next to the same call made straight to the fake GitHub, one run, one table.
    The broker allows 30 calls a minute per token (burst 10) and has no flag to raise it, so tokens are minted up
    front through the admin socket and each is used for at most 8 calls. Before measuring, a warm-up makes the
    broker obtain (and cache) its installation token and open its upstream connection. The series run in rounds of
-   `--chunk` calls, interleaved (direct, create, replay, refusal, direct, ...), so drift hits every series alike.
-   The broker's added latency is broker create minus direct, at the same percentile.
+   `--chunk` calls, interleaved (direct, create, replay, refusal, mcp create, mcp refusal, direct, ...), so drift
+   hits every series alike. The broker's added latency is broker create minus direct, at the same percentile.
 
 The client, the gateway and the fake GitHub share the machine's CPUs: the report says how much CPU other processes
 used during the run (the machine's busy time in /proc/stat minus the CPU of this script and everything it started)
@@ -110,11 +114,14 @@ GIT_ENV = {
 }  # fmt: skip
 BROKER = (GW_IP, 8080)
 PR_PATH = "/v1/tools/create_pull_request"
+MCP_PATH = "/mcp"
+MCP_HEADERS = {"Accept": "application/json, text/event-stream", "MCP-Protocol-Version": "2025-11-25"}
 GITHUB_PULLS = "/repos/acme/app/pulls"
 CALLS_PER_TOKEN = 8  # the broker's per-token bucket holds 10
 WARMUP = 20
 TIMEOUT = 15.0
-SERIES = ("direct", "create", "replay", "refusal")
+SERIES = ("direct", "create", "replay", "refusal", "mcp", "mcp_refusal")
+BROKER_SERIES = len(SERIES) - 1  # all but direct
 
 
 # ------------------------------------------------------------------------------------------------ helpers
@@ -355,6 +362,15 @@ class Clients:
             headers["Idempotency-Key"] = key
         return timed(self.broker_conn, PR_PATH, json.dumps(request).encode(), headers)
 
+    def mcp(self, head: str, base: str = "main", key: str | None = None) -> tuple[int, Any, float]:
+        arguments = {"repo": "acme/app", "head": head, "base": base, "title": f"Bench {head}"}
+        message = {"jsonrpc": "2.0", "id": 1, "method": "tools/call",
+                   "params": {"name": "create_pull_request", "arguments": arguments}}  # fmt: skip
+        headers = MCP_HEADERS | {"Authorization": f"Bearer {self.tokens.next()}", "Content-Type": "application/json"}
+        if key:
+            headers["Idempotency-Key"] = key
+        return timed(self.broker_conn, MCP_PATH, json.dumps(message).encode(), headers)
+
     def call(self, series: str, i: int) -> tuple[int, Any, float]:
         if series == "direct":
             return self.direct(f"agent/direct-{i}")
@@ -362,6 +378,10 @@ class Clients:
             return self.broker(f"agent/bench-{i}", key=f"bench-{i}")
         if series == "replay":
             return self.broker(f"agent/bench-{i}", key=f"bench-{i}")
+        if series == "mcp":
+            return self.mcp(f"agent/mcp-{i}", key=f"mcp-{i}")
+        if series == "mcp_refusal":
+            return self.mcp(f"agent/refused-{i}", base="develop")
         return self.broker(f"agent/refused-{i}", base="develop")  # the grant allows main and release
 
     def stop(self) -> None:
@@ -457,7 +477,7 @@ class PushBench:
         self.conn.close()
 
 
-EXPECTED = {"direct": 201, "create": 201, "replay": 201, "refusal": 403}
+EXPECTED = {"direct": 201, "create": 201, "replay": 201, "refusal": 403, "mcp": 200, "mcp_refusal": 200}
 
 
 def check(series: str, i: int, status: int, body: Any, clients: Clients) -> None:
@@ -471,6 +491,18 @@ def check(series: str, i: int, status: int, body: Any, clients: Clients) -> None
         raise RuntimeError(f"replay {i}: {body} is not the recorded {clients.creates[i]}")
     elif series == "refusal" and body.get("error") != "outside_grant":
         raise RuntimeError(f"refusal {i}: {body}")
+    elif series.startswith("mcp"):
+        check_mcp(series, i, body)
+
+
+def check_mcp(series: str, i: int, body: Any) -> None:
+    result = body.get("result") or {}
+    content = result.get("structuredContent") or {}
+    created = not result.get("isError") and content.get("existing") is False
+    if series == "mcp" and not (created and content.get("head") == f"agent/mcp-{i}"):
+        raise RuntimeError(f"mcp call {i}: unexpected answer {body}")
+    if series == "mcp_refusal" and not (result.get("isError") and content.get("error") == "outside_grant"):
+        raise RuntimeError(f"mcp refusal {i}: {body}")
 
 
 def run_e2e(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
@@ -494,14 +526,15 @@ def run_e2e(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         assert gateway.proc is not None and github.proc is not None
         admin = workdir / "gateway" / "state" / "admin.sock"
 
-        total_broker_calls = 3 * args.calls + 2 * WARMUP
+        total_broker_calls = BROKER_SERIES * args.calls + 4 * WARMUP
         tokens = Tokens(admin, -(-total_broker_calls // CALLS_PER_TOKEN) + 1)
         clients = Clients(topo, github, ca.ca_cert, tokens)
         procs.append(clients)  # stopped first: closes its connections
 
         print("  warming up ...", file=sys.stderr, flush=True)
         for i in range(WARMUP):
-            for series, status_ok in (("direct", 201), ("create", 201), ("refusal", 403)):
+            for series, status_ok in (("direct", 201), ("create", 201), ("refusal", 403), ("mcp", 200),
+                                      ("mcp_refusal", 200)):  # fmt: skip
                 status, body, _ = clients.call(series, 100_000 + i)
                 if status != status_ok:
                     raise RuntimeError(f"warm-up {series}: {status} {body}")
@@ -533,8 +566,8 @@ def run_e2e(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         upstream = Counter(
             f"{c['user_agent']} {c['method']} {c['path']} {c['status']}" for c in github.calls()[calls_before:]
         )
-        if prs_made != 2 * args.calls:
-            raise RuntimeError(f"the fake GitHub saw {prs_made} new pull requests, expected {2 * args.calls}")
+        if prs_made != 3 * args.calls:  # direct, create, mcp
+            raise RuntimeError(f"the fake GitHub saw {prs_made} new pull requests, expected {3 * args.calls}")
         out = {
             "series": results,
             "prs_made": prs_made,
@@ -600,6 +633,8 @@ def report(
         "create": "**broker create**: sbx ns → broker → fake GitHub",
         "replay": "broker replay (same `Idempotency-Key`, no GitHub call)",
         "refusal": "broker refusal (403 outside grant, no GitHub call)",
+        "mcp": "**mcp create**: `tools/call` at /mcp, sbx ns → broker → fake GitHub",
+        "mcp_refusal": "mcp refusal (tool error `outside_grant`, no GitHub call)",
     }
     for name in SERIES:
         s = res[name]
@@ -617,8 +652,11 @@ def report(
         f"broker's added latency: **p50 {added50:+.2f} ms** (target < 5 ms: {'met' if added50 < 5 else 'NOT met'}), "
         f"p99 {added99:+.2f} ms; replay p50 {fmt(res['replay'].p(0.5), 2)} ms",
         "",
-        f"Checks: every call answered as expected (direct and create 201 with a new pull request each, "
-        f"{e2e['prs_made']} in all; replay 201 with the recorded body; refusal 403 `outside_grant`). Requests the "
+        mcp_line(res),
+        "",
+        f"Checks: every call answered as expected (direct and create 201, mcp create 200, with a new pull request "
+        f"each, {e2e['prs_made']} in all; replay 201 with the recorded body; refusal 403 `outside_grant`, mcp "
+        "refusal 200 with a tool error `outside_grant`). Requests the "
         "fake GitHub received during the measured calls (User-Agent, request, status): "
         + ", ".join(f"`{k}` {v:,}" for k, v in sorted(e2e["upstream_calls"].items()))
         + f". Installation "
@@ -634,6 +672,16 @@ def report(
     if e2e["push"]:
         lines += push_report(e2e["push"])
     return "\n".join(lines) + "\n"
+
+
+def mcp_line(res: dict[str, Series]) -> str:
+    create = res["mcp"].p(0.5) - res["create"].p(0.5)  # type: ignore[operator]
+    refusal = res["mcp_refusal"].p(0.5) - res["refusal"].p(0.5)  # type: ignore[operator]
+    met = "met" if max(create, refusal) < 2 else "NOT met"
+    return (
+        f"MCP `tools/call`'s added latency vs REST: **p50 {create:+.2f} ms** creating a pull request, "
+        f"{refusal:+.2f} ms refused (target < 2 ms: {met})"
+    )
 
 
 def push_report(push: dict[str, list[float]]) -> list[str]:

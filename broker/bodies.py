@@ -17,13 +17,13 @@ THREADED_BODY = 1024 * 1024  # bodies larger than this are parsed and decoded of
 
 
 async def json_object(request: web.Request, limit: int = MAX_REQUEST_BYTES) -> dict[str, Any]:
-    data = await _body(request, limit)
-    if len(data) > THREADED_BODY:  # megabytes of bundle: scanned and parsed while the loop serves others
-        return await asyncio.to_thread(parsed_object, data)
-    return parsed_object(data)
+    body = await parsed(await read_body(request, limit))
+    if not isinstance(body, dict):
+        raise BrokerError(422, "invalid_json", "the request body must be a JSON object")
+    return body
 
 
-async def _body(request: web.Request, limit: int) -> bytes:
+async def read_body(request: web.Request, limit: int) -> bytes:
     too_large = BrokerError(413, "too_large", f"request bodies are limited to {limit} bytes")
     if (request.content_length or 0) > limit:
         raise too_large  # refused unread
@@ -35,13 +35,18 @@ async def _body(request: web.Request, limit: int) -> bytes:
     return bytes(data)
 
 
-def parsed_object(data: bytes) -> dict[str, Any]:
+async def parsed(data: bytes, max_depth: int = MAX_REQUEST_DEPTH) -> Any:
+    """Any JSON value, nested at most `max_depth` deep; megabytes of bundle are scanned and parsed while the loop
+    serves others."""
+    if len(data) > THREADED_BODY:
+        return await asyncio.to_thread(_parsed, data, max_depth)
+    return _parsed(data, max_depth)
+
+
+def _parsed(data: bytes, max_depth: int) -> Any:
     try:
-        body = loads(data, MAX_REQUEST_DEPTH)
+        return loads(data, max_depth)
     except JsonLimitError:
-        raise BrokerError(400, "too_deep", f"JSON bodies nest at most {MAX_REQUEST_DEPTH} levels deep") from None
+        raise BrokerError(400, "too_deep", f"JSON bodies nest at most {max_depth} levels deep") from None
     except ValueError:  # UnicodeDecodeError, and too many digits in a number, are ValueErrors too
         raise BrokerError(422, "invalid_json", "the request body must be a JSON object") from None
-    if not isinstance(body, dict):
-        raise BrokerError(422, "invalid_json", "the request body must be a JSON object")
-    return body

@@ -45,20 +45,25 @@ class Tool:
             "limits": self.limits, "grant": {"scopes": scopes},
         }  # fmt: skip
 
-    @contextlib.asynccontextmanager
-    async def slot(self) -> AsyncIterator[None]:
-        if self.slots is None:
-            yield
-            return
-        try:
-            async with asyncio.timeout(self.slot_wait):
-                await self.slots.acquire()
-        except TimeoutError:
-            raise BrokerError(503, "busy", f"too many {self.name} calls in progress; try again") from None
-        try:
-            yield
-        finally:
-            self.slots.release()
+    def slot(self) -> contextlib.AbstractAsyncContextManager[None]:
+        return bounded(self.slots, self.slot_wait, f"{self.name} calls")
+
+
+@contextlib.asynccontextmanager
+async def bounded(slots: asyncio.Semaphore | None, wait: float, what: str) -> AsyncIterator[None]:
+    """One of `slots` (none needed when None), waited for at most `wait` seconds; else 503 `busy`."""
+    if slots is None:
+        yield
+        return
+    try:
+        async with asyncio.timeout(wait):
+            await slots.acquire()
+    except TimeoutError:
+        raise BrokerError(503, "busy", f"too many {what} in progress; try again") from None
+    try:
+        yield
+    finally:
+        slots.release()
 
 
 @dataclass

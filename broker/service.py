@@ -2,7 +2,8 @@
 
 - Sandbox-facing (through the fence, on the gateway's sandbox address): `GET /v1/tools` (the tools this token
   may call, with their input schemas, limits and grant scopes) and `POST /v1/tools/<name>` (create_pull_request,
-  push_branch). Every path, an unknown one too, needs the sandbox token, presented from that sandbox's network.
+  push_branch), and `POST /mcp`, the same tools over the Model Context Protocol (broker.mcp). Every path, an
+  unknown one too, needs the sandbox token, presented from that sandbox's network.
   The broker checks the token, validates the input against the tool's JSON Schema (400 `invalid_input`, with the
   field's path), checks the grant, and acts with its own credential. Responses carry results, never credentials.
 - Admin (loopback or a unix socket the sandboxes cannot reach): mint and revoke tokens, rotate keys, JWKS.
@@ -46,6 +47,7 @@ from .github import GitHubClient
 from .github_tools import GitHubTools
 from .gitpush import Pusher
 from .grants import Grant, GrantError
+from .mcp import McpSurface
 from .redact import Redactor
 from .state import State
 from .store import BrokerStore
@@ -58,6 +60,8 @@ __all__ = ["Broker", "BrokerError", "BrokerSettings"]
 
 CLAIMS = web.RequestKey("claims", Claims)
 RECORD = web.RequestKey("record", AuditRecord)
+# A refusal answered with a success status (an MCP tool error, a JSON-RPC error): audited as the refusal it is.
+REFUSED = web.RequestKey("refused", BrokerError)
 UNKNOWN_SANDBOX = "-"  # what the audit record names a source address no sandbox owns
 INTERNAL_ERROR = BrokerError(500, "internal_error", "the broker failed; see its log")
 AUTH_FAILURES = (401, 403)  # what `_authenticate` refuses with, as opposed to 503 (its state unreadable)
@@ -108,6 +112,7 @@ class Broker:
         self.calls = CallRecorder(call_log, self.state, self.redactor) if call_log is not None else None
         github_tools = GitHubTools(github, pusher, self.state, self.locks, self.redactor)
         self.tools: dict[str, Tool] = {t.name: t for t in github_tools.tools(self.settings.calls_per_minute)}
+        self.mcp = McpSurface(self, self._reply)
 
     def close(self) -> None:
         """Stop the state threads (after the listeners: no call is left to need them)."""
@@ -167,6 +172,9 @@ class Broker:
         app = web.Application(client_max_size=MAX_REQUEST_BYTES, middlewares=[self._json_errors, self._sandbox_calls])
         app.router.add_get("/v1/tools", self.list_tools)
         app.router.add_post("/v1/tools/{name}", self.call_tool)
+        app.router.add_post("/mcp", self.call_mcp)
+        app.router.add_get("/mcp", self.mcp.not_allowed, allow_head=False)
+        app.router.add_delete("/mcp", self.mcp.not_allowed)
         return app
 
     @web.middleware
@@ -184,11 +192,13 @@ class Broker:
                 raise BrokerError(429, "rate_limited", f"more than {self.settings.calls_per_minute} calls a minute")
             request[CLAIMS], request[RECORD] = claims, record
             response: web.StreamResponse = await handler(request)
-            record.decision, record.code, record.extra["status"] = "allow", ReasonCode.ALLOWED, response.status
+            if (refused := request.get(REFUSED)) is not None:
+                _refusal(record, refused, response.status)
+            else:
+                record.decision, record.code, record.extra["status"] = "allow", ReasonCode.ALLOWED, response.status
             return response
         except BrokerError as e:
-            record.decision = "error" if e.status >= 500 else "deny"
-            record.reason, record.code, record.extra["status"] = e.message, e.code, e.status
+            _refusal(record, e, e.status)
             raise
         except web.HTTPException as e:  # aiohttp's own 404/405: no such route
             record.reason, record.extra["status"] = e.reason, e.status
@@ -213,6 +223,12 @@ class Broker:
             request.headers.get("Idempotency-Key"),
         )
         return self._reply(result, status, headers)
+
+    async def call_mcp(self, request: web.Request) -> web.StreamResponse:
+        response, refused = await self.mcp.handle(request, request[CLAIMS], request[RECORD])
+        if refused is not None:
+            request[REFUSED] = refused
+        return response
 
     def _reply(self, body: dict[str, Any], status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
         """Every JSON answer of the broker, error or not, leaves through here: redacted, headers too."""
@@ -339,9 +355,17 @@ class Broker:
         return self._reply(self.authority.keys.jwks())
 
 
+def _refusal(record: AuditRecord, e: BrokerError, status: int) -> None:
+    record.decision = "error" if e.status >= 500 else "deny"
+    record.reason, record.code, record.extra["status"] = e.message, e.code, status
+
+
 def _call_name(request: web.Request) -> str:
-    """What the audit calls a sandbox request: the tool's name, list_tools, or "-" for anything else."""
+    """What the audit calls a sandbox request: the tool's name, list_tools, "mcp" (made precise once the message is
+    read: "mcp:initialize", the tool's name), or "-" for anything else."""
     if request.method == "GET" and request.path == "/v1/tools":
         return "list_tools"
+    if request.path == "/mcp":
+        return "mcp"
     name = request.match_info.get("name")
     return name if name in TOOLS else "-"

@@ -1536,7 +1536,7 @@ async def test_unknown_routes_and_methods_are_json(make: Factory) -> None:
 @pytest.mark.parametrize(
     ("method", "path"),
     [("GET", "/nowhere"), ("PUT", PATH), ("GET", "/v1/tools"), ("POST", "/v1/tools/push_branch"),
-     ("POST", "/v1/tools/delete_repository"), ("GET", "/v1/jwks")],
+     ("POST", "/v1/tools/delete_repository"), ("GET", "/v1/jwks"), ("POST", "/mcp"), ("GET", "/mcp")],
 )  # fmt: skip
 async def test_every_sandbox_path_needs_the_token_from_its_own_network(make: Factory, method: str, path: str) -> None:
     h = await make()
