@@ -14,6 +14,8 @@ from typing import Any
 
 from aiohttp.test_utils import TestServer
 
+from airlock.broker.calllog import CallLog
+
 # The broker harness and its fake GitHub, shared with the broker's own tests.
 from test_broker_service import (  # noqa: F401 - app_key and make are fixtures
     FIELDS,
@@ -26,8 +28,6 @@ from test_broker_service import (  # noqa: F401 - app_key and make are fixtures
     app_key,
     make,
 )
-
-from airlock.broker.calllog import CallLog
 
 AIRLOCK = str(Path(sys.executable).parent / "airlock")
 PUSH_GRANT = {"tool": "push_branch", "repo": "acme/app", "base": ["main"], "head": "agent/*"}
