@@ -9,6 +9,7 @@ from typing import Literal
 
 from .addresses import Network
 from .hosts import IPAddress
+from .tools import ToolDeclaration
 
 DEFAULT_ALLOW_PORTS: frozenset[int] = frozenset({443})
 # Where a CONNECT most likely carries TLS (443), or a plain request is proxied as HTTP (80): anywhere else the
@@ -150,6 +151,7 @@ class Policy:
     profiles: dict[str, Profile]
     default_profile: str
     source: str
+    tools: tuple[ToolDeclaration, ...] = ()  # declared tools (the `tools:` section), in file order
 
     def profile(self, name: str | None = None) -> Profile:
         try:

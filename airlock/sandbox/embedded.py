@@ -35,9 +35,11 @@ async def release(watchdog: Watchdog | None, state: tempfile.TemporaryDirectory[
 
 
 def gateway_credentials(config: GatewayConfig) -> list[str]:
-    """What the gateway holds that the sandbox must never read: the GitHub key or token file, and a state
-    directory it was given (signing keys, broker store, admin socket). A temporary one is 0700 root."""
-    return [p for p in (config.broker.github_app_key, config.broker.github_token_file, config.state_dir) if p]
+    """What the gateway holds that the sandbox must never read: the GitHub key or token file, the files of its
+    `--secret`s, and a state directory it was given (signing keys, broker store, admin socket). A temporary one
+    is 0700 root."""
+    secrets = [s.where for s in config.broker.secrets if s.kind == "file"]
+    return [p for p in (config.broker.github_app_key, config.broker.github_token_file, *secrets, config.state_dir) if p]
 
 
 def fence_ports(config: GatewayConfig) -> tuple[tuple[int, ...], tuple[int, ...]]:
