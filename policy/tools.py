@@ -586,8 +586,10 @@ class ToolsReader:
                 return None
             if _is_mapping(value_node):
                 secret = self.b.mapping(value_node, f"{label}: env {name}", frozenset({"secret"}))
-                if "secret" not in secret or (ref := self.secret_name(label, secret["secret"][1])) is None:
+                if "secret" not in secret:
                     self.b.error(value_node, f"{label}: env {name}: give a text, or {{secret: NAME}}")
+                    return None
+                if (ref := self.secret_name(label, secret["secret"][1])) is None:
                     return None
                 found.append((name, SecretRef(ref)))
             elif (text := self.b.scalar(value_node, f"env {name}")) is not None:
