@@ -5,10 +5,17 @@ redacted. An https tool whose upstream resolves to an internal address no CIDR r
 
 from __future__ import annotations
 
+import http.client
 import json
+import signal
+import subprocess
+import time
 from pathlib import Path
+from typing import Any
 
-from gateway_proc import E2E_POLICY
+from gateway_proc import AIRLOCK, E2E_POLICY, GatewayProcess
+from netclient import in_netns
+from topology import GW_IP
 
 SECRET = "tkt_e2e_" + "Zq8" * 10
 TOOLS = """
@@ -68,3 +75,60 @@ def test_a_sandbox_calls_declared_argv_and_https_tools(run_in_gw, fakenet, test_
     assert [(r["method"], r["decision"]) for r in records] == [
         ("echo_value", "allow"), ("upstream_headers", "allow"), ("internal_service", "error"),
     ]  # fmt: skip
+
+
+ECHO = """
+tools:
+  - name: {name}
+    description: echo a value
+    input: {{type: object, properties: {{value: {{type: string}}}}, required: [value]}}
+    argv: ["/bin/echo", "{{value}}"]
+{env}"""
+
+
+def issue(gw: GatewayProcess, grant: str) -> subprocess.CompletedProcess[str]:
+    argv = [AIRLOCK, "token", "issue", "--state-dir", str(gw.workdir / "state"), "--sandbox", "sbx", "--grant", grant]
+    return subprocess.run(argv, capture_output=True, text=True, timeout=30)
+
+
+def call(token: str, tool: str, body: dict[str, Any]) -> tuple[int, Any]:
+    conn = http.client.HTTPConnection(GW_IP, 8080, timeout=15)
+    conn.request("POST", f"/v1/tools/{tool}", json.dumps(body), {"Authorization": f"Bearer {token}"})
+    response = conn.getresponse()
+    answer = response.status, json.loads(response.read())
+    conn.close()
+    return answer
+
+
+def reload(gw: GatewayProcess, policy: Path, text: str, expect: str) -> None:
+    policy.write_text(text)
+    gw.proc.send_signal(signal.SIGHUP)
+    deadline = time.monotonic() + 5
+    while expect not in gw.log() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert expect in gw.log(), gw.log()
+
+
+def test_declared_tools_follow_a_reload_and_grants_name_only_declared_ones(topology, own_gateway, tmp_path):
+    policy = tmp_path / "live.yaml"
+    policy.write_text(E2E_POLICY.read_text() + ECHO.format(name="echo_value", env=""))
+    gw = own_gateway(policy)
+    refused = issue(gw, "no_such_tool")
+    assert refused.returncode == 2 and "declares no such tool (declared: echo_value)" in refused.stderr
+    token = issue(gw, "echo_value").stdout.strip()
+    assert in_netns(topology.sbx, call, token, "echo_value", {"value": "one"}) == (
+        200, {"exit_code": 0, "stdout": "one\n"},
+    )  # fmt: skip
+
+    # A policy whose tool needs a secret the gateway was not given: refused, the running one stays.
+    needs_secret = ECHO.format(name="echo_again", env="    env: {T: {secret: MISSING}}\n")
+    reload(gw, policy, E2E_POLICY.read_text() + needs_secret, "NOT reloaded")
+    assert "needs --secret MISSING" in gw.log() and f"{policy}:" in gw.log()
+    assert in_netns(topology.sbx, call, token, "echo_value", {"value": "two"})[0] == 200
+
+    # A good one comes into force: the old tool is gone, the new one can be granted and called.
+    reload(gw, policy, E2E_POLICY.read_text() + ECHO.format(name="echo_again", env=""), "policy reloaded")
+    status, body = in_netns(topology.sbx, call, token, "echo_value", {"value": "three"})
+    assert (status, body["error"]) == (404, "unknown_tool")
+    again = issue(gw, "echo_again").stdout.strip()
+    assert in_netns(topology.sbx, call, again, "echo_again", {"value": "four"})[0] == 200
