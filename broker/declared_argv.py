@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import pwd
 import shutil
@@ -39,6 +40,8 @@ if TYPE_CHECKING:
     from .declared import Runtime
 
 STDERR_KEPT = 4096
+REAP_WAIT = 5.0  # seconds to see a killed command's pipes close
+log = logging.getLogger("airlock.broker")
 SYSTEM_PATH = "/usr/bin:/bin:/usr/sbin:/sbin"
 
 
@@ -126,20 +129,33 @@ class ArgvExecutor:
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
         )  # fmt: skip
         assert process.stdout is not None and process.stderr is not None
+        tasks = [
+            asyncio.ensure_future(read_capped(process.stdout, self.declared.max_output, "the tool's output")),
+            asyncio.ensure_future(read_kept(process.stderr, STDERR_KEPT)),
+        ]
+        if stdin is not None:
+            tasks.append(asyncio.ensure_future(_feed(process, stdin.encode())))
         try:
-            feeding = _feed(process, stdin.encode()) if stdin is not None else asyncio.sleep(0)
-            out, err, _, code = await asyncio.gather(
-                read_capped(process.stdout, self.declared.max_output, "the tool's output"),
-                read_kept(process.stderr, STDERR_KEPT),
-                feeding,
-                process.wait(),
-            )
-            return code, out, err
+            out, err, *_ = await asyncio.gather(*tasks)
+            return await process.wait(), out, err
         finally:
             # Whatever ended the call (its end, a timeout, too much output): nothing of it runs on.
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(process.pid, signal.SIGKILL)
-            await process.wait()
+            for task in tasks:
+                task.cancel()
+            await self.reap(process, tasks)
+
+    async def reap(self, process: asyncio.subprocess.Process, tasks: list[asyncio.Future[Any]]) -> None:
+        """Wait for the killed command: asyncio reports its exit only once its pipes have closed, and a pipe left
+        unread past its buffer is never seen closing, so what is left in them is read and dropped."""
+        assert process.stdout is not None and process.stderr is not None
+        try:
+            async with asyncio.timeout(REAP_WAIT):
+                await asyncio.gather(*tasks, return_exceptions=True)
+                await asyncio.gather(read_kept(process.stdout, 0), read_kept(process.stderr, 0), process.wait())
+        except TimeoutError:
+            log.warning("%s: a process of the tool still holds its output open after it was killed", self.declared.name)
 
 
 async def _feed(process: asyncio.subprocess.Process, data: bytes) -> None:
