@@ -26,7 +26,7 @@ import pwd
 import shutil
 import signal
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from airlock.policy.tools import ArgvCommand, SecretRef, TemplateError, ToolDeclaration, text_of, whole_field
@@ -129,7 +129,7 @@ class ArgvExecutor:
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
         )  # fmt: skip
         assert process.stdout is not None and process.stderr is not None
-        tasks = [
+        tasks: list[asyncio.Future[Any]] = [
             asyncio.ensure_future(read_capped(process.stdout, self.declared.max_output, "the tool's output")),
             asyncio.ensure_future(read_kept(process.stderr, STDERR_KEPT)),
         ]
@@ -146,7 +146,7 @@ class ArgvExecutor:
                 task.cancel()
             await self.reap(process, tasks)
 
-    async def reap(self, process: asyncio.subprocess.Process, tasks: list[asyncio.Future[Any]]) -> None:
+    async def reap(self, process: asyncio.subprocess.Process, tasks: Sequence[asyncio.Future[Any]]) -> None:
         """Wait for the killed command: asyncio reports its exit only once its pipes have closed, and a pipe left
         unread past its buffer is never seen closing, so what is left in them is read and dropped."""
         assert process.stdout is not None and process.stderr is not None
