@@ -6,17 +6,36 @@ a broker imports none of that. The admin address is read here for the listener a
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 from airlock.errors import AirlockError
 
 LOOPBACK_NAMES = ("127.0.0.1", "::1", "localhost")
 _PORT = re.compile(r"[0-9]{1,5}")
+_SECRET_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}")  # policy.tools.SECRET_NAME, without importing the policy
 
 
 class BrokerConfigError(AirlockError, ValueError):
     pass
+
+
+@dataclass(frozen=True)
+class SecretSource:
+    """`--secret NAME=file:PATH|env:VAR`: where the gateway reads a secret that declared tools name."""
+
+    name: str
+    kind: Literal["file", "env"]
+    where: str  # an absolute path, or a variable's name
+
+
+def parse_secret(spec: str) -> SecretSource:
+    name, _, source = spec.partition("=")
+    kind, _, where = source.partition(":")
+    if not _SECRET_NAME.fullmatch(name) or kind not in ("file", "env") or not where:
+        raise BrokerConfigError(f"--secret {spec!r}: expected NAME=file:PATH or NAME=env:VAR")
+    return SecretSource(name, kind, str(Path(where).absolute()) if kind == "file" else where)  # type: ignore[arg-type]
 
 
 @dataclass
@@ -36,6 +55,7 @@ class BrokerConfig:
     token_max_ttl: int = 3600
     calls_per_minute: int = 30
     max_connections_per_client: int = 32  # open connections to the sandbox-facing listener per source address
+    secrets: list[SecretSource] = field(default_factory=list)  # what declared tools may name (policy tools:)
 
 
 def admin_endpoint(address: str) -> Path | tuple[str, int]:

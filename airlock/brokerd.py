@@ -11,7 +11,7 @@ import os
 import socket
 import ssl
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -20,15 +20,29 @@ from aiohttp import web
 from aiohttp.abc import AbstractResolver
 
 from airlock.broker.calllog import CallLog
+from airlock.broker.declared import DeclaredTools, Runtime
 from airlock.broker.github import AppCredential, Credential, GitHubClient, StaticCredential
 from airlock.broker.gitpush import GitTransport, Pusher, git_base_url
 from airlock.broker.service import Broker, BrokerSettings
 from airlock.broker.shapes import CREDENTIAL
 from airlock.broker.store import SqliteStore
 from airlock.broker.tokens import KeyRing, TokenAuthority
+from airlock.broker.tools import TOOLS
 from airlock.brokerconfig import BrokerConfig, BrokerConfigError, admin_endpoint
 from airlock.dns.upstream import ResolveError, Resolver
-from airlock.policy import HostError, LivePolicy, TokenBuckets, canonical_host, parse_ip_literal
+from airlock.policy import (
+    HostError,
+    IPAddress,
+    LivePolicy,
+    Policy,
+    ReasonCode,
+    Rejection,
+    TokenBuckets,
+    Vetted,
+    canonical_host,
+    parse_ip_literal,
+    vet,
+)
 
 log = logging.getLogger("airlock.broker")
 
@@ -81,6 +95,27 @@ def credential(config: BrokerConfig) -> Credential | None:
             raise BrokerConfigError(f"environment variable {config.github_token_env} is empty")
         return _static(token, f"environment variable {config.github_token_env}")
     return None
+
+
+def read_secrets(config: BrokerConfig) -> dict[str, str]:
+    """The `--secret`s, read once at start: each one token (visible ASCII, no spaces: it goes into a header or an
+    environment, and the redactor recognises it as written)."""
+    secrets = {}
+    for source in config.secrets:
+        where = f"--secret {source.name}"
+        if source.name in secrets:
+            raise BrokerConfigError(f"{where} is given twice")
+        if source.kind == "file":
+            try:
+                value = Path(source.where).read_text().strip()
+            except (OSError, ValueError) as e:
+                raise BrokerConfigError(f"{where}: cannot read {source.where}: {e}") from None
+        else:
+            value = os.environ.get(source.where, "").strip()
+        if not CREDENTIAL.test(value):
+            raise BrokerConfigError(f"{where}: {source.kind} {source.where} must hold one token (no spaces)")
+        secrets[source.name] = value
+    return secrets
 
 
 def _static(token: str, where: str) -> StaticCredential:
@@ -163,9 +198,9 @@ class SharedResolver(AbstractResolver):
 
     async def addresses(self, host: str) -> list[str]:
         """`host`'s addresses through the gateway's resolver (git is handed these: it resolves nothing itself)."""
-        return [str(a) for a in await self._addresses(host)]
+        return [str(a) for a in await self.ip_addresses(host)]
 
-    async def _addresses(self, host: str) -> list[ipaddress.IPv4Address | ipaddress.IPv6Address]:
+    async def ip_addresses(self, host: str) -> list[ipaddress.IPv4Address | ipaddress.IPv6Address]:
         try:
             literal = parse_ip_literal(host)
             return [literal] if literal else list((await self.resolver.resolve(canonical_host(host))).addresses)
@@ -174,7 +209,7 @@ class SharedResolver(AbstractResolver):
             raise OSError(f"cannot resolve {host}: {e}") from None
 
     async def resolve(self, host: str, port: int = 0, family: socket.AddressFamily = socket.AF_INET) -> list[Any]:
-        addresses = await self._addresses(host)
+        addresses = await self.ip_addresses(host)
         return [
             {
                 "hostname": host, "host": str(a), "port": port, "proto": 0, "flags": socket.AI_NUMERICHOST,
@@ -205,6 +240,7 @@ class BrokerRuntime:
         self.emit = emit
         self.upstream_ca = upstream_ca
         self.broker: Broker | None = None
+        self.declared: DeclaredTools | None = None
         self._runners: list[web.AppRunner] = []
         self._servers: list[asyncio.Server] = []
         self._session: aiohttp.ClientSession | None = None
@@ -212,6 +248,11 @@ class BrokerRuntime:
 
     async def start(self, listen: str) -> Broker:
         config = self.config
+        # Before anything is opened: a missing secret or a tool this broker cannot serve stops the start.
+        runtime = Runtime(read_secrets(config), SharedResolver(self.resolver).ip_addresses, self.vet, self.upstream_ca)
+        self.declared = DeclaredTools(lambda: self.live.current.policy, runtime, TOOLS)
+        if problems := self.declared.problems(self.live.current.policy):
+            raise BrokerConfigError("\n".join(problems))
         keys = KeyRing(self.state_dir / "keys", config.token_max_ttl)
         # Off the event loop, as every later store call: the proxy and DNS already serve, and the file may be locked.
         store = await asyncio.to_thread(SqliteStore, self.state_dir / "broker.sqlite3")
@@ -240,11 +281,33 @@ class BrokerRuntime:
         authority = TokenAuthority(keys, config.token_ttl)
         served = lambda: self.live.current.registry.ids()  # noqa: E731 - read at each call: a reload may add some
         self.broker = Broker(
-            authority, store, identify, github, self.emit, settings, pusher, serves=served, call_log=call_log
+            authority,
+            store,
+            identify,
+            github,
+            self.emit,
+            settings,
+            pusher,
+            serves=served,
+            call_log=call_log,
+            declared=self.declared,
         )
         await self._serve(self.broker.sandbox_app(), listen, config.port, config.max_connections_per_client)
         await self._serve_admin(self.broker.admin_app())
         return self.broker
+
+    def problems(self, policy: Policy) -> list[str]:
+        """Why this broker could not serve `policy`'s declared tools (a reload to it is refused)."""
+        return self.declared.problems(policy) if self.declared is not None else []
+
+    def vet(self, sandbox_id: str, addresses: Sequence[IPAddress], port: int) -> Vetted:
+        """A declared tool's upstream addresses judged as the proxy judges any upstream of this sandbox."""
+        live = self.live.current
+        sandbox = next((s for s in live.registry.sandboxes if s.id == sandbox_id), None)
+        if sandbox is None:  # its token was bound to a sandbox the gateway no longer serves
+            refused = tuple(Rejection(a, ReasonCode.UNKNOWN_SANDBOX, "no such sandbox") for a in addresses)
+            return Vetted((), refused)
+        return vet(live.profile(sandbox), addresses, port, live.own.among(addresses))
 
     async def _serve(self, app: web.Application, host: str, port: int, per_client: int | None = None) -> None:
         runner = web.AppRunner(app, access_log=None, logger=HTTP_LOG)

@@ -394,12 +394,15 @@ class Gateway:
         """Swap in a new, already validated policy for proxy, DNS and broker at once (the one place it is swapped);
         connections already open keep the decision they had, replies the DNS server remembered are forgotten.
 
-        A policy without a profile that a running sandbox uses would fail its every request and DNS query:
-        PolicyError, and the running policy stays."""
+        A policy without a profile that a running sandbox uses would fail its every request and DNS query, and
+        one whose declared tools the broker cannot serve (a secret it was not given) would fail their calls:
+        PolicyError, and the running policy stays. The declared tools follow the policy in force."""
         if self.live is None:
             raise GatewayError("the gateway has not started: no policy to replace")
         running = self.live.current.policy.hash
         try:
+            if self._broker_runtime is not None and (problems := self._broker_runtime.problems(policy)):
+                raise PolicyError(problems)  # e.g. a declared tool naming a secret the gateway was not given
             self.live.replace(policy)
         except PolicyError as e:
             self.auditing.policy_refused(policy.source, e.errors, refused_hash=policy.hash)

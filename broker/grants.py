@@ -5,6 +5,9 @@
 - `push_branch:acme/app:head=agent/*`: pushes (fast-forward only) to a branch matching `head`. Its `base`
   branches are the ones the work starts from, and are never written.
 - `protect=P|Q` (either tool): further branch patterns the grant never writes nor opens a pull request from.
+- `lookup_ticket` (a tool the policy declares, policy.tools): that tool, as declared; no repository or branches.
+  The claim is `{"tool": "lookup_ticket"}`; whether the policy declares the tool is checked when a token is
+  minted (and again at each call, since a reload may drop it).
 """
 
 from __future__ import annotations
@@ -13,6 +16,8 @@ import fnmatch
 import re
 from dataclasses import dataclass
 from typing import Any
+
+from airlock.policy.tools import TOOL_NAME
 
 TOOLS = frozenset({"create_pull_request", "push_branch"})
 # `\Z`, not `$`: `$` also matches before a trailing newline, which would let "main\n" through.
@@ -35,7 +40,14 @@ class Grant:
     head: str = "agent/*"  # the branch pattern a pull request may come from, or a push may write
     protect: tuple[str, ...] = ()  # branch patterns never written, nor a pull request's head
 
+    @property
+    def declared(self) -> bool:
+        """A grant of a tool the policy declares (no repository), not of a built-in GitHub tool."""
+        return not self.repo
+
     def to_claim(self) -> dict[str, Any]:
+        if self.declared:
+            return {"tool": self.tool}
         claim: dict[str, Any] = {"tool": self.tool, "repo": self.repo, "base": list(self.base), "head": self.head}
         if self.protect:  # absent rather than empty: tokens without it read exactly as before
             claim["protect"] = list(self.protect)
@@ -45,6 +57,8 @@ class Grant:
     def from_claim(cls, claim: Any) -> Grant:
         if not isinstance(claim, dict):
             raise GrantError("grant must be an object")
+        if claim.keys() == {"tool"} and isinstance(claim["tool"], str) and claim["tool"] not in TOOLS:
+            return declared_grant(claim["tool"])
         base = _patterns(claim.get("base", ["main"]), "base")
         protect = _patterns(claim.get("protect", []), "protect")
         tool, repo, head = claim.get("tool"), claim.get("repo"), claim.get("head")
@@ -77,6 +91,8 @@ class Grant:
 
     def scope(self) -> dict[str, Any]:
         """What the grant is scoped to, as the tool listing shows it."""
+        if self.declared:
+            return {}
         return {k: v for k, v in self.to_claim().items() if k != "tool"} | {"protect": list(self.protect)}
 
     def _scope(self, tool: str, repo: str, head: str) -> str | None:
@@ -111,8 +127,17 @@ def validated(tool: str, repo: str, base: tuple[str, ...], head: str, protect: t
     return Grant(tool, repo, base, head, protect)
 
 
+def declared_grant(tool: str) -> Grant:
+    """The grant of a declared tool (its name alone)."""
+    if not TOOL_NAME.match(tool):
+        raise GrantError(f"unknown tool {tool!r} (built-in: {', '.join(sorted(TOOLS))}; or a tool the policy declares)")
+    return Grant(tool, "", (), "", ())
+
+
 def parse_grant(text: str) -> Grant:
-    """`TOOL:OWNER/REPO[:base=main|release,head=agent/*,protect=P|Q]` (CLI form)."""
+    """`TOOL:OWNER/REPO[:base=main|release,head=agent/*,protect=P|Q]`, or a declared tool's name (CLI form)."""
+    if ":" not in text and text not in TOOLS:
+        return declared_grant(text)
     tool, _, rest = text.partition(":")
     repo, _, options = rest.partition(":")
     base: tuple[str, ...] = ("main",)

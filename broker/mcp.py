@@ -140,7 +140,7 @@ class McpSurface:
     def _body_limit(self, claims: Claims) -> int:
         """The largest body one of the token's tools takes (the common limit at least, for the other methods)."""
         granted = {g.tool for g in claims.grants}
-        sizes = [t.max_request_bytes for t in self.broker.tools.values() if t.name in granted]
+        sizes = [t.max_request_bytes for t in self.broker.all_tools().values() if t.name in granted]
         return max([MAX_REQUEST_BYTES, *sizes])
 
     async def _read(self, request: web.Request, limit: int) -> bytes:
@@ -179,8 +179,9 @@ class McpSurface:
         name, arguments = params.get("name"), params.get("arguments", {})
         if not isinstance(name, str) or not isinstance(arguments, dict):
             raise RpcError(INVALID_PARAMS, 200, "invalid_params", "tools/call takes a name and an arguments object")
-        if name not in self.broker.tools:  # a protocol error in MCP (a refusal of the tool's own is a tool error)
-            known = ", ".join(self.broker.tools)
+        # An unknown tool is a protocol error in MCP (a refusal of the tool's own is a tool error).
+        if name not in (tools := self.broker.all_tools()):
+            known = ", ".join(tools)
             raise RpcError(INVALID_PARAMS, 200, "unknown_tool", f"no such tool; known: {known}")
         record.method = name
         try:

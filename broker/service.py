@@ -29,7 +29,7 @@ import logging
 import math
 import time
 import traceback
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,6 +42,7 @@ from airlock.policy import ReasonCode, TokenBuckets
 from .bodies import MAX_REQUEST_BYTES, json_object
 from .calllog import CallLog, CallRecorder
 from .calls import Call, KeyedLocks, Tool
+from .declared import DeclaredTools
 from .errors import BrokerError, Result
 from .github import GitHubClient
 from .github_tools import GitHubTools
@@ -52,7 +53,6 @@ from .redact import Redactor
 from .state import State
 from .store import BrokerStore
 from .tokens import Claims, TokenAuthority, TokenError
-from .tools import TOOLS
 
 log = logging.getLogger("airlock.broker")
 
@@ -95,6 +95,7 @@ class Broker:
         pusher: Pusher | None = None,
         serves: Callable[[], list[str]] | None = None,
         call_log: CallLog | None = None,
+        declared: DeclaredTools | None = None,
     ) -> None:
         self.authority = authority
         self.store = store
@@ -113,6 +114,13 @@ class Broker:
         github_tools = GitHubTools(github, pusher, self.state, self.locks, self.redactor)
         self.tools: dict[str, Tool] = {t.name: t for t in github_tools.tools(self.settings.calls_per_minute)}
         self.mcp = McpSurface(self, self._reply)
+        self.declared = declared  # the policy's declared tools, beside the built-in ones
+        for secret in declared.runtime.secrets.values() if declared is not None else ():
+            self.redactor.hold(secret)
+
+    def all_tools(self) -> dict[str, Tool]:
+        """Built-in and declared tools, by name (the declared ones as the policy in force declares them)."""
+        return self.tools | dict(self.declared.tools()) if self.declared is not None else self.tools
 
     def close(self) -> None:
         """Stop the state threads (after the listeners: no call is left to need them)."""
@@ -131,9 +139,10 @@ class Broker:
         started = time.monotonic()
         call_id: int | None = None
         try:
-            tool = self.tools.get(name)
+            tools = self.all_tools()
+            tool = tools.get(name)
             if tool is None:
-                raise BrokerError(404, "unknown_tool", f"no such tool; known: {', '.join(self.tools)}")
+                raise BrokerError(404, "unknown_tool", f"no such tool; known: {', '.join(tools)}")
             if not any(g.tool == tool.name for g in claims.grants):
                 raise BrokerError(403, "outside_grant", f"this token has no grant for {tool.name}")
             async with tool.slot():
@@ -154,9 +163,7 @@ class Broker:
             raise
         except Exception:  # a bug: the row says so (the error itself goes to the log by _json_errors)
             if self.calls is not None and call_id is not None:
-                await self.calls.end(
-                    call_id, 500, None, BrokerError(500, "internal_error", "the broker failed"), started
-                )
+                await self.calls.end(call_id, 500, None, INTERNAL_ERROR, started)
             raise
         if self.calls is not None and call_id is not None:
             await self.calls.end(call_id, status, result, None, started)
@@ -164,7 +171,7 @@ class Broker:
 
     def granted_tools(self, claims: Claims) -> list[dict[str, Any]]:
         granted = {g.tool for g in claims.grants}
-        return [t.listing(claims.grants) for t in self.tools.values() if t.name in granted]
+        return [t.listing(claims.grants) for t in self.all_tools().values() if t.name in granted]
 
     # --- sandbox-facing -----------------------------------------------------------------------------------------
 
@@ -185,7 +192,7 @@ class Broker:
         sandbox = self.identify(client) or UNKNOWN_SANDBOX
         # Every ending below sets the decision, reason and code; the code is the one the caller's body carries.
         record = AuditRecord("broker", sandbox, client, "-", None, "deny", "", ReasonCode.INTERNAL_ERROR)
-        record.method, record.path = _call_name(request), request.path
+        record.method, record.path = _call_name(request, self.all_tools()), request.path
         try:
             claims = await self._authenticate_limited(request, record)
             if not self._limiter.take(claims.jti, time.monotonic()):
@@ -299,6 +306,11 @@ class Broker:
         return app
 
     def mint(self, sandbox: str, grants: list[Grant], ttl: int | None = None) -> tuple[str, Claims]:
+        declared = list(self.declared.tools()) if self.declared is not None else []
+        if unknown := [g.tool for g in grants if g.declared and g.tool not in declared]:
+            known = ", ".join(declared) or "none"
+            message = f"grant for {unknown[0]!r}: the policy declares no such tool (declared: {known})"
+            raise BrokerError(422, "unknown_tool", message)
         try:
             return self.authority.mint(sandbox, grants, ttl)
         except TokenError as e:
@@ -360,7 +372,7 @@ def _refusal(record: AuditRecord, e: BrokerError, status: int) -> None:
     record.reason, record.code, record.extra["status"] = e.message, e.code, status
 
 
-def _call_name(request: web.Request) -> str:
+def _call_name(request: web.Request, tools: Mapping[str, Tool]) -> str:
     """What the audit calls a sandbox request: the tool's name, list_tools, "mcp" (made precise once the message is
     read: "mcp:initialize", the tool's name), or "-" for anything else."""
     if request.method == "GET" and request.path == "/v1/tools":
@@ -368,4 +380,4 @@ def _call_name(request: web.Request) -> str:
     if request.path == "/mcp":
         return "mcp"
     name = request.match_info.get("name")
-    return name if name in TOOLS else "-"
+    return name if name is not None and name in tools else "-"

@@ -24,8 +24,9 @@ from .addresses import EMBEDDING_NETWORKS, Network, covers_metadata
 from .hosts import HostError, canonical_host, is_ip
 from .model import DEFAULT_ALLOW_PORTS, Action, DnsLimits, Policy, Profile, Rule
 from .suffixes import is_public_suffix
+from .tools import ToolsReader
 
-_TOP_KEYS = frozenset({"version", "default_profile", "profiles"})
+_TOP_KEYS = frozenset({"version", "default_profile", "profiles", "tools", "upstreams"})
 _PROFILE_KEYS = frozenset({"description", "allow", "deny", "dns"})
 _DNS_KEYS = frozenset({"refuse_suspicious", "max_label_length", "max_label_entropy", "max_new_subdomains_per_minute"})
 _RULE_KEYS = frozenset({"host", "cidr", "ports", "tunnel", "ech", "name", "comment"})
@@ -205,7 +206,8 @@ class _Builder(NodeReader):
         # Reported alongside other errors (every problem at once), unless `profiles` itself was unreadable.
         if default not in profiles and _is_mapping(top["profiles"][1]):
             self.error(top.get("default_profile", (root, root))[1], f"default profile {default!r} is not defined")
-        return Policy(profiles, default, self.filename)
+        tools = ToolsReader(self).read(top.get("tools", (None, None))[1], top.get("upstreams", (None, None))[1])
+        return Policy(profiles, default, self.filename, tools)
 
     def profile(self, name: str, key_node: yaml.Node, node: yaml.Node) -> Profile | None:
         fields = self.mapping(node, f"profile {name!r}", _PROFILE_KEYS)

@@ -13,6 +13,7 @@ from typing import Literal
 
 from .addresses import Network
 from .hosts import IPAddress
+from .tools import ToolDeclaration
 
 DEFAULT_ALLOW_PORTS: frozenset[int] = frozenset({443})
 # Where a CONNECT most likely carries TLS (443), or a plain request is proxied as HTTP (80): anywhere else the
@@ -176,6 +177,7 @@ class Policy:
     profiles: dict[str, Profile]
     default_profile: str
     source: str
+    tools: tuple[ToolDeclaration, ...] = ()  # declared tools (the `tools:` section), in file order
 
     @cached_property
     def hash(self) -> str:

@@ -13,7 +13,7 @@ import ssl
 import sys
 from pathlib import Path
 
-from airlock.brokerconfig import BrokerConfig
+from airlock.brokerconfig import BrokerConfig, BrokerConfigError, parse_secret
 from airlock.dns.upstream import parse_server
 from airlock.gateway import Gateway, GatewayConfig
 from airlock.policy import Policy, PolicyError, Sandbox, format_host_port
@@ -77,6 +77,10 @@ def add_gateway_options(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--github-token-env", metavar="VAR", help="static-token mode, from an environment variable")
     parser.add_argument("--github-timeout", type=float, default=10.0, metavar="S")
+    parser.add_argument(
+        "--secret", action="append", metavar="NAME=file:PATH|env:VAR",
+        help="a secret the policy's declared tools name (repeatable); never shown to a sandbox",
+    )  # fmt: skip
     parser.add_argument("--token-ttl", type=duration, default=900, metavar="DURATION", help="e.g. 15m")
     parser.add_argument("--token-max-ttl", type=duration, default=3600, metavar="DURATION")
     parser.add_argument("--dns-min-ttl", type=int, default=5, metavar="S", help="shortest time an answer is cached")
@@ -100,6 +104,10 @@ def gateway_config(args: argparse.Namespace, policy: Policy, listen: str, sandbo
         raise UsageError(f"no profile {args.profile!r} in {policy.source}")
     if args.upstream_ca:
         check_ca_bundle(args.upstream_ca)
+    try:
+        secrets = [parse_secret(spec) for spec in args.secret or []]
+    except BrokerConfigError as e:
+        raise UsageError(str(e)) from None
     return GatewayConfig(
         policy=policy,
         listen=listen,
@@ -131,6 +139,7 @@ def gateway_config(args: argparse.Namespace, policy: Policy, listen: str, sandbo
             token_ttl=args.token_ttl,
             token_max_ttl=args.token_max_ttl,
             max_connections_per_client=args.broker_max_connections,
+            secrets=secrets,
         ),
     )
 

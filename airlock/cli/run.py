@@ -50,7 +50,7 @@ def add_arguments(run: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     run.add_argument("--env", action="append", metavar="NAME[=VALUE]", help="pass a variable in (repeatable)")
     run.add_argument(
-        "--grant", action="append", metavar="TOOL:OWNER/REPO[:base=B|B2,head=PATTERN]",
+        "--grant", action="append", metavar="TOOL:OWNER/REPO[:base=B|B2,head=PATTERN] | DECLARED_TOOL",
         help="mint a broker token with this grant for the sandbox (repeatable; without, no broker runs)",
     )  # fmt: skip
     run.add_argument("--sandbox-id", metavar="ID", help="name of the sandbox (default: random); [a-z0-9], 1-12 chars")
@@ -98,14 +98,17 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def run_config(args: argparse.Namespace, command: list[str], policy: Policy) -> RunConfig:
-    grants = parse_grants(args.grant or [])
+    grants = parse_grants(args.grant or [], policy)
     gateway = gateway_config(args, policy, "0.0.0.0", [])  # listen and sandbox: the launcher's
     gateway = dataclasses.replace(gateway, show_denials=not args.quiet)
+    env = passed_env(args.env or [])
+    if shown := sorted({s.where for s in gateway.broker.secrets if s.kind == "env"} & env.keys()):
+        raise UsageError(f"--env {shown[0]}: that variable holds a --secret, which the sandbox must never see")
     if not grants:  # the sandbox holds no token: a broker could only refuse it, so none runs (its port stays shut)
         gateway = dataclasses.replace(gateway, broker=dataclasses.replace(gateway.broker, port=0))
     run = RunConfig(
         choose_backend(args.backend, args.image), command, gateway, args.profile, args.sandbox_id, grants,
-        args.token_ttl, args.timeout, passed_env(args.env or []),
+        args.token_ttl, args.timeout, env,
     )  # fmt: skip
     if run.backend == "netns":
         if docker_only := [f"--{name}" for name in DOCKER_ONLY if getattr(args, name)]:
@@ -126,11 +129,18 @@ def choose_backend(backend: str, image: str | None) -> str:
     return "docker" if image else "netns"
 
 
-def parse_grants(texts: list[str]) -> list[Grant]:
+def parse_grants(texts: list[str], policy: Policy) -> list[Grant]:
+    """The grants, each of a built-in tool or of one the policy declares."""
     try:
-        return [parse_grant(g) for g in texts]
+        grants = [parse_grant(g) for g in texts]
     except GrantError as e:
         raise UsageError(f"--grant: {e}") from None
+    declared = [tool.name for tool in policy.tools]
+    for grant in grants:
+        if grant.declared and grant.tool not in declared:
+            known = ", ".join(declared) or "none"
+            raise UsageError(f"--grant {grant.tool}: {policy.source} declares no such tool (declared: {known})")
+    return grants
 
 
 def passed_env(passed: list[str]) -> dict[str, str]:

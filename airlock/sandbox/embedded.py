@@ -36,11 +36,13 @@ async def release(watchdog: Watchdog | None, state: tempfile.TemporaryDirectory[
 
 
 def gateway_credentials(config: GatewayConfig) -> list[str]:
-    """What the gateway holds that the sandbox must never read: the GitHub key or token file, a state directory it
-    was given (signing keys, broker store, admin socket; a temporary one is 0700 root), and the call log (every
-    sandbox's inputs: see `prepare_call_log`)."""
+    """What the gateway holds that the sandbox must never read: the GitHub key or token file, the files of its
+    `--secret`s, a state directory it was given (signing keys, broker store, admin socket; a temporary one is 0700
+    root), and the call log (every sandbox's inputs: see `prepare_call_log`)."""
     broker = config.broker
-    return [p for p in (broker.github_app_key, broker.github_token_file, config.state_dir, broker.call_log) if p]
+    secrets = [s.where for s in broker.secrets if s.kind == "file"]
+    named = (broker.github_app_key, broker.github_token_file, *secrets, config.state_dir, broker.call_log)
+    return [p for p in named if p]
 
 
 def prepare_call_log(config: GatewayConfig) -> None:

@@ -3,9 +3,10 @@
 - no module-level mutable state: every name a policy module binds is an immutable value (numbers, text, tuples,
   frozensets, read-only mappings, frozen dataclasses, compiled patterns, enums), a class, a function, or a memo of
   a pure function (`functools.cache`: what it holds is never observable); no `global` or `nonlocal` anywhere;
-- no I/O: importing it and deciding opens no file, socket or process, but for two reads — `load_policy` reads the
-  file it is given, and the Public Suffix List's data file (a file of the `publicsuffixlist` package) is read on
-  first use. Python's own loading of modules (.py, .pyc, .so files) is not I/O of the policy's.
+- no I/O: importing it and deciding opens no file, socket or process, but for these reads — `load_policy` reads the
+  file it is given, the Public Suffix List's data file (a file of the `publicsuffixlist` package) is read on
+  first use, and so are jsonschema's meta-schemas (files of `jsonschema-specifications`) when a policy declares
+  tools. Python's own loading of modules (.py, .pyc, .so files) is not I/O of the policy's.
 """
 
 from __future__ import annotations
@@ -93,6 +94,8 @@ P.vet(profile, (ipaddress.ip_address("192.0.2.1"), ipaddress.ip_address("::ffff:
 P.canonical_host("WWW.Allowed.TEST."), P.classify(ipaddress.ip_address("169.254.169.254"))
 P.registrable_domain("a.b.example.co.uk"), P.is_public_suffix("co.uk")
 P.load_policy(sys.argv[1])
+tools = "tools:\\n  - {name: t, description: d, argv: [/bin/true], input: {type: object}}\\n"
+assert P.parse_policy(text + tools).tools[0].name == "t"
 P.TokenBuckets(1.0, 2).take("k", 0.0)
 print(json.dumps(events))
 """
@@ -104,14 +107,17 @@ def test_the_policy_core_reads_only_its_policy_file_and_the_suffix_list(tmp_path
     run = subprocess.run(
         [sys.executable, "-c", _WORKLOAD, str(policy_file)], capture_output=True, text=True, timeout=60, check=True
     )
+    import jsonschema_specifications
     import publicsuffixlist
 
     suffix_list = Path(publicsuffixlist.__file__).parent
+    meta_schemas = Path(jsonschema_specifications.__file__).parent
     io = [
         (event, target)
         for event, target in json.loads(run.stdout)
         if not (event == "open" and target.endswith((".py", ".pyc", ".so")))  # Python loading a module
         and not (event == "open" and Path(target).parent == suffix_list)
+        and not (event == "open" and Path(target).is_relative_to(meta_schemas))
         and not (event == "open" and target == str(policy_file))
     ]
     assert io == []
