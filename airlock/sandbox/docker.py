@@ -27,7 +27,7 @@ from typing import Any, BinaryIO
 import docker
 import docker.errors
 import requests.exceptions
-from docker.types import IPAMConfig, IPAMPool
+from docker.types import IPAMConfig, IPAMPool, Ulimit
 
 from airlock.errors import AirlockError
 from airlock.interfaces import parse_ip_addr
@@ -35,7 +35,22 @@ from airlock.policy import SANDBOX_LINK_NETWORKS
 
 from . import SANDBOX_ID
 from .fence import DOCKER_TABLE_PREFIX, Fence
-from .limits import CPUS, DEFAULT_OUTPUT_LIMIT, OUTPUT_LIMIT, PIDS, TIMEOUT, limit_problem, memory_bytes
+from .limits import (
+    CPUS,
+    DEFAULT_CPUS,
+    DEFAULT_MEMORY,
+    DEFAULT_NOFILE,
+    DEFAULT_NPROC,
+    DEFAULT_OUTPUT_LIMIT,
+    DEFAULT_PIDS,
+    NOFILE,
+    NPROC,
+    OUTPUT_LIMIT,
+    PIDS,
+    TIMEOUT,
+    limit_problem,
+    memory_bytes,
+)
 from .watchdog import Watchdog
 
 log = logging.getLogger("airlock.sandbox.docker")
@@ -60,9 +75,11 @@ class DockerSandboxError(AirlockError, RuntimeError):
 
 @dataclass
 class Limits:
-    cpus: float = 1.0
-    memory: str = "512m"  # swap is never added on top: memory+swap = memory
-    pids: int = 256
+    cpus: float = DEFAULT_CPUS
+    memory: str = DEFAULT_MEMORY  # swap is never added on top: memory+swap = memory
+    pids: int = DEFAULT_PIDS
+    nofile: int = DEFAULT_NOFILE  # RLIMIT_NOFILE, soft = hard
+    nproc: int = DEFAULT_NPROC  # RLIMIT_NPROC: counts every process of the container's uid on the host
     tmp_size: str = "64m"
     timeout: float = 3600.0  # then the container is killed and removed
     output_limit: int = DEFAULT_OUTPUT_LIMIT
@@ -73,6 +90,8 @@ class Limits:
         problems = [
             limit_problem("cpus", self.cpus, CPUS),
             limit_problem("pids", self.pids, PIDS),
+            limit_problem("nofile", self.nofile, NOFILE),
+            limit_problem("nproc", self.nproc, NPROC),
             limit_problem("timeout", self.timeout, TIMEOUT, lowest_included=False),
             limit_problem("output_limit", self.output_limit, OUTPUT_LIMIT),
         ]
@@ -258,6 +277,10 @@ class DockerSandbox:
             mem_limit=memory_bytes(limits.memory),
             memswap_limit=memory_bytes(limits.memory),
             nano_cpus=int(limits.cpus * 1e9),
+            ulimits=[
+                Ulimit(name="nofile", soft=limits.nofile, hard=limits.nofile),
+                Ulimit(name="nproc", soft=limits.nproc, hard=limits.nproc),
+            ],
             init=True,
             dns=[self.gateway_ip],
             binds=binds,

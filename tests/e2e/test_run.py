@@ -16,10 +16,12 @@ from pathlib import Path
 
 import pytest
 
+from airlock.sandbox.cgroups import host_parents
 from airlock.sandbox.fence import NETNS_TABLE_PREFIX
 from airlock.sandbox.netns import NetnsSandbox
 
 from gateway_proc import AIRLOCK, E2E_POLICY
+from hostcgroups import with_host_cgroups
 from netclient import GATEWAY_PORTS, SENDER, ForeignListeners, in_netns
 from topology import DNS_SERVER, FakeNet, Topology
 
@@ -75,7 +77,7 @@ def test_run_has_no_direct_route_out(run_in_gw, fakenet: FakeNet):
 
 def _run_argv(sandbox_id: str, *cmd: str) -> list[str]:
     options = ["--policy", E2E_POLICY, "--upstream-dns", DNS_SERVER, "--sandbox-id", sandbox_id]
-    return [AIRLOCK, "run", *options, "--", *cmd]
+    return with_host_cgroups([AIRLOCK, "run", *options, "--", *cmd])
 
 
 def _start_run(topology: Topology, sandbox_id: str, *cmd: str) -> subprocess.Popen:
@@ -267,9 +269,9 @@ def test_run_timeout_kills_the_whole_sandbox(run_in_gw):
     assert left == []
 
 
-def test_docker_only_limits_are_refused_for_the_netns_backend(run_in_gw):
-    result = run_in_gw("true", options=("--memory", "64m", "--pids", "10"))
-    assert result.returncode == 2 and "--memory, --pids: docker backend only" in result.stderr, result.stderr
+def test_docker_only_options_are_refused_for_the_netns_backend(run_in_gw):
+    result = run_in_gw("true", options=("--mount", "/usr/share:/data"))
+    assert result.returncode == 2 and "--mount: docker backend only" in result.stderr, result.stderr
 
 
 def _pids_with(marker: str) -> list[int]:
@@ -322,6 +324,7 @@ def _what_is_left(topology: Topology, sandbox_id: str, marker: str) -> list[str]
         "namespace": f"airlock-{sandbox_id}" in _netns_list(),
         "fence": f"{NETNS_TABLE_PREFIX}{sandbox_id}" in tables,
         "link": f"alh{sandbox_id}" in links,
+        "cgroup": any((parent / sandbox_id).exists() for parent, _ in host_parents().values()),
     }
     return [what for what, there in found.items() if there]
 
