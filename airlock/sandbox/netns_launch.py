@@ -26,7 +26,7 @@ from pathlib import Path
 from airlock.broker.grants import Grant
 from airlock.gateway import Gateway, GatewayConfig
 
-from . import cgroups, netns
+from . import cgroups, netns, seccomp
 from .embedded import (
     fence_ports,
     gateway_credentials,
@@ -197,6 +197,8 @@ async def launch(
     running: Gateway | None = None
     guard: WorkdirGuard | None = None
     cgroup: cgroups.SandboxCgroup | None = None
+    # libseccomp compiles the filter while the namespace is built (its calls leave the event loop and the GIL).
+    program = asyncio.ensure_future(asyncio.to_thread(seccomp.program_fd))
 
     async def teardown() -> None:
         await _teardown(sandbox, cgroup, guard, running, own, state, report)
@@ -220,19 +222,29 @@ async def launch(
                 guard = None  # nothing was changed: nothing to check afterwards
                 raise
             keeper.guard("workdir", sandbox.sandbox_id, str(guard.save()))  # checked even if we die
-        argv = sandbox.command(command, user, isolate_fs, hidden=hidden, read_only=read_only, guard=guard)
+        fd = await program
+        argv = sandbox.command(
+            command, user, isolate_fs, hidden=hidden, read_only=read_only, guard=guard, seccomp_fd=fd
+        )
         argv = [*cgroup.enter_argv(), *rlimit_argv(resources), *argv]  # in its cgroup before it runs anything
         pipe = asyncio.subprocess.PIPE if capture_output else None
         # Its own session: no controlling terminal, so it cannot push keystrokes into the shell that started it.
         process = await asyncio.create_subprocess_exec(
-            *argv, env=environment, start_new_session=True, stdout=pipe, stderr=pipe
+            *argv, env=environment, start_new_session=True, stdout=pipe, stderr=pipe, pass_fds=(fd,)
         )
     except BaseException:
         await teardown()
         raise
+    finally:
+        program.add_done_callback(_close_program)  # the sandbox holds its own copy: ours goes, also on failure
     handle = NetnsHandle(sandbox, running, process, timeout, teardown, output_limit)
     handle.cgroup = cgroup
     return handle
+
+
+def _close_program(program: asyncio.Future[int]) -> None:
+    if not program.cancelled() and program.exception() is None:
+        os.close(program.result())
 
 
 async def _teardown(
