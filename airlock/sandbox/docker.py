@@ -2,10 +2,10 @@
 the gateway's address on that network, fenced by nftables like the netns backend.
 
 Hardening is not optional: read-only root, `/tmp` and every VOLUME the image declares as size-capped
-noexec/nosuid tmpfs, every capability dropped, no-new-privileges, pids/memory(=memory+swap)/CPU limits, a non-root
-user, an init as PID 1, no host paths but read-only mounts the caller names (never system folders, engine sockets or
-state, /run), DNS and proxy pointing at the gateway, a hard timeout, capped output. Limits can be changed; the rest
-cannot be turned off.
+noexec/nosuid tmpfs, every capability dropped, no-new-privileges, airlock's seccomp profile, pids/memory
+(=memory+swap)/CPU limits and rlimits, a non-root user, an init as PID 1, no host paths but read-only mounts the
+caller names (never system folders, engine sockets or state, /run), DNS and proxy pointing at the gateway, a hard
+timeout, capped output. Limits can be changed; the rest cannot be turned off.
 """
 
 from __future__ import annotations
@@ -51,6 +51,7 @@ from .limits import (
     limit_problem,
     memory_bytes,
 )
+from .seccomp import docker_security_opt
 from .watchdog import Watchdog
 
 log = logging.getLogger("airlock.sandbox.docker")
@@ -272,7 +273,7 @@ class DockerSandbox:
             read_only=True,
             tmpfs=tmpfs,
             cap_drop=["ALL"],
-            security_opt=["no-new-privileges"],
+            security_opt=["no-new-privileges", docker_security_opt()],  # docker's default seccomp minus airlock's
             pids_limit=limits.pids,
             mem_limit=memory_bytes(limits.memory),
             memswap_limit=memory_bytes(limits.memory),

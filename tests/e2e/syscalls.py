@@ -42,7 +42,9 @@ for item in sys.argv[1:]:
     label, number = item.split("=")
     pid = os.fork()
     if pid == 0:
-        got = libc.syscall(int(number), *ARGS.get(label, [0, 0, 0, 0, 0, 0]))
+        # Whole registers, as libc passes them (ctypes would pass a plain int as a sign-extended C int).
+        args = [ctypes.c_long(a) if isinstance(a, int) else a for a in ARGS.get(label, [0, 0, 0, 0, 0, 0])]
+        got = libc.syscall(ctypes.c_long(int(number)), *args)
         if got == 0 and label.startswith("clone"):  # the new process: gone at once
             os._exit(0)
         os._exit(0 if got >= 0 else min(ctypes.get_errno(), 254))
