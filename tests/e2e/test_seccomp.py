@@ -65,6 +65,15 @@ def test_no_new_namespaces_from_the_command_line(run_in_gw, fakenet: FakeNet):
     assert fakenet.total_connections() == 0
 
 
+def test_no_raw_sockets_and_no_mounts(run_in_gw):
+    script = (
+        "ping -c1 -W1 10.9.9.9 >/dev/null 2>&1 || echo PING-FAILED; mount -t tmpfs none /tmp 2>/dev/null || "
+        "echo MOUNT-FAILED; python3 -c 'import socket; socket.socket(socket.AF_INET, socket.SOCK_RAW, 1)' "
+        "2>/dev/null || echo RAW-FAILED"
+    )
+    assert run_in_gw("sh", "-c", script).stdout.split() == ["PING-FAILED", "MOUNT-FAILED", "RAW-FAILED"]
+
+
 def _wheel(folder: Path) -> Path:
     """A pure-Python wheel built by hand (no build tools): module `airlockdemo`."""
     files = {
