@@ -3,6 +3,7 @@ sandbox namespace and its fence live where everything it dials lands in the fake
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import pwd
@@ -291,7 +292,7 @@ def test_a_killed_launcher_leaves_no_sandbox_and_no_way_to_another_program_on_it
     launcher = topology.popen(topology.gw, argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 30
-        while not _pids_with(marker):
+        while not _sending(launcher, marker):
             assert time.monotonic() < deadline and launcher.poll() is None, "the sandbox did not start"
             time.sleep(0.1)
         time.sleep(1)  # it is sending to the gateway
@@ -314,6 +315,16 @@ def test_a_killed_launcher_leaves_no_sandbox_and_no_way_to_another_program_on_it
         leftover = NetnsSandbox(sandbox_id)
         leftover.owned = True
         in_netns(topology.gw, leftover.destroy)
+
+
+def _sending(launcher: subprocess.Popen, marker: str) -> bool:
+    """Whether the sandbox's command runs: a process naming the marker in another network namespace than the
+    launcher's (which names it too, in its argv)."""
+    with contextlib.suppress(OSError):
+        outside = os.stat(f"/proc/{launcher.pid}/ns/net").st_ino
+        others = [pid for pid in _pids_with(marker) if pid != launcher.pid]  # it enters the gateway's on its way
+        return any(os.stat(f"/proc/{pid}/ns/net").st_ino != outside for pid in others)
+    return False
 
 
 def _what_is_left(topology: Topology, sandbox_id: str, marker: str) -> list[str]:
