@@ -14,7 +14,8 @@ host's network, with `--upstream-dns` pointing into the (empty) fake internet â€
 scratch working directory that is no git repository. The interpreter rows run in that namespace too, so every row
 pays `ip netns exec` alike. The namespaces are deleted at the end, also on Ctrl-C or SIGTERM.
 
-Targets (issue 10): `airlock run -- true` under 400 ms, `airlock --help` under 60 ms, on the 2-CPU machine.
+Targets (issue 10): `airlock run -- true` under 400 ms, `airlock --help` under 60 ms, on the 2-CPU machine. Then
+what the sandbox's limits (cgroup, rlimits, seccomp filter) add, step by step (bench/limits.py; issue 13: < 20 ms).
 """
 
 from __future__ import annotations
@@ -33,8 +34,11 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tests" / "e2e"))
 sys.path.append(str(REPO / "bench"))
 
+import limits  # noqa: E402
+
 import common  # noqa: E402
 from common import fmt, percentile  # noqa: E402
+from hostcgroups import with_host_cgroups  # noqa: E402
 from topology import DNS_SERVER, Topology  # noqa: E402
 
 AIRLOCK = str(Path(sys.executable).parent / "airlock")
@@ -46,7 +50,8 @@ def rows() -> dict[str, list[str]]:
         "python -c pass": [sys.executable, "-c", "pass"],
         "airlock --help": [AIRLOCK, "--help"],
         "import what `airlock run` loads": [sys.executable, "-c", "import airlock.cli.run"],
-        "airlock run -- true": [AIRLOCK, "run", "--upstream-dns", DNS_SERVER, "--", "true"],
+        # With the host's cgroups in view, as outside the test namespace: the sandbox gets its limits.
+        "airlock run -- true": with_host_cgroups([AIRLOCK, "run", "--upstream-dns", DNS_SERVER, "--", "true"]),
     }
 
 
@@ -115,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
         (workdir / "cwd").mkdir(mode=0o777)  # the sandbox's user (nobody) may write it: no note on stderr
         (workdir / "cwd").chmod(0o777)
         samples = measure(args.runs, workdir / "cwd")
-    common.emit(report(samples, command, info), args.output)
+    common.emit(report(samples, command, info) + limits.report(limits.measure(args.runs)), args.output)
     return 0
 
 

@@ -8,7 +8,7 @@ import argparse
 from pathlib import Path
 
 from airlock.errors import AirlockError
-from airlock.sandbox.limits import CPUS, DAY, OUTPUT_LIMIT, PIDS, TIMEOUT, limit_problem, memory_bytes
+from airlock.sandbox.limits import CPUS, DAY, NOFILE, NPROC, OUTPUT_LIMIT, PIDS, TIMEOUT, limit_problem, memory_bytes
 
 TYPE_CHECKING = False  # not typing's: importing typing is a tenth of `airlock --help`
 if TYPE_CHECKING:
@@ -62,6 +62,8 @@ LIMITS: dict[str, tuple[float, float, bool]] = {
     "timeout": (*TIMEOUT, False),
     "cpus": (*CPUS, True),
     "pids": (*PIDS, True),
+    "nofile": (*NOFILE, True),
+    "nproc": (*NPROC, True),
     "output_limit": (*OUTPUT_LIMIT, True),
 }
 

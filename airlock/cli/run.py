@@ -19,7 +19,15 @@ from airlock.broker.grants import Grant, GrantError, parse_grant
 from airlock.gateway import Gateway, GatewayConfig
 from airlock.policy import Policy
 from airlock.sandbox.embedded import gateway_credentials
-from airlock.sandbox.limits import DEFAULT_OUTPUT_LIMIT
+from airlock.sandbox.limits import (
+    DEFAULT_CPUS,
+    DEFAULT_MEMORY,
+    DEFAULT_NOFILE,
+    DEFAULT_NPROC,
+    DEFAULT_OUTPUT_LIMIT,
+    DEFAULT_PIDS,
+    Resources,
+)
 from airlock.sandbox.netns_launch import ISOLATIONS, choose_isolation
 
 from .common import EXIT_TIMEOUT, EXIT_USAGE, UsageError, check_limits, load_policy_file, signal_future
@@ -30,16 +38,21 @@ if TYPE_CHECKING:
 
     from airlock.sandbox.docker import Limits
 
-DOCKER_ONLY = ("cpus", "memory", "pids", "mount")
+DOCKER_ONLY = ("mount",)
+RESOURCES = ("cpus", "memory", "pids", "nofile", "nproc")
 
 
 def add_arguments(run: argparse.ArgumentParser) -> None:
     add_gateway_options(run)
     run.add_argument("--backend", choices=("auto", "netns", "docker"), default="auto", help="auto: docker if --image")
     run.add_argument("--image", help="docker backend: the image to run")
-    run.add_argument("--cpus", type=float, help="docker backend: CPU limit (default 1)")
-    run.add_argument("--memory", help="docker backend: memory limit, memory+swap alike (default 512m)")
-    run.add_argument("--pids", type=int, help="docker backend: process limit (default 256)")
+    run.add_argument("--cpus", type=float, help=f"CPU limit (default {DEFAULT_CPUS:g})")
+    run.add_argument("--memory", help=f"memory limit, memory+swap alike (default {DEFAULT_MEMORY})")
+    run.add_argument("--pids", type=int, help=f"limit of processes and threads in the sandbox (default {DEFAULT_PIDS})")
+    run.add_argument("--nofile", type=int, help=f"open files per process, RLIMIT_NOFILE (default {DEFAULT_NOFILE})")
+    run.add_argument(
+        "--nproc", type=int, help=f"processes of the sandbox's user on the host, RLIMIT_NPROC (default {DEFAULT_NPROC})"
+    )
     run.add_argument("--timeout", type=float, default=3600.0, metavar="S", help="then kill it all (exit 124)")
     run.add_argument("--output-limit", type=int, default=DEFAULT_OUTPUT_LIMIT, metavar="BYTES")
     run.add_argument("--mount", action="append", metavar="HOST:CONTAINER", help="docker backend: read-only mount")
@@ -74,6 +87,7 @@ class RunConfig:
     env: dict[str, str] = field(default_factory=dict)
     user: str | None = None  # netns
     isolation: str = "bwrap"  # netns: "bwrap" or "none"
+    resources: Resources = field(default_factory=Resources)  # netns
     image: str | None = None  # docker
     limits: Limits | None = None  # docker
     mounts: list[tuple[str, str]] = field(default_factory=list)  # docker, always read-only
@@ -112,8 +126,9 @@ def run_config(args: argparse.Namespace, command: list[str], policy: Policy) -> 
     )  # fmt: skip
     if run.backend == "netns":
         if docker_only := [f"--{name}" for name in DOCKER_ONLY if getattr(args, name)]:
-            raise UsageError(f"{', '.join(docker_only)}: docker backend only (the netns backend sets no such limits)")
+            raise UsageError(f"{', '.join(docker_only)}: docker backend only")
         run.user, run.isolation = args.user, choose_isolation(args.isolation)
+        run.resources = netns_resources(args)
     else:
         run.image, run.limits = args.image, docker_limits(args)
         run.mounts = [parse_mount(m, gateway_credentials(gateway)) for m in args.mount or []]
@@ -157,13 +172,22 @@ def passed_env(passed: list[str]) -> dict[str, str]:
     return env
 
 
+def given_resources(args: argparse.Namespace) -> dict[str, Any]:
+    """The compute limits named on the command line."""
+    return {name: getattr(args, name) for name in RESOURCES if getattr(args, name, None) is not None}
+
+
+def netns_resources(args: argparse.Namespace) -> Resources:
+    """The sandbox's limits: those given (refused if the host cannot enforce them), the defaults for the rest."""
+    given = given_resources(args)
+    return Resources(**given, required=frozenset(given))
+
+
 def docker_limits(args: argparse.Namespace) -> Limits:
     """The container's limits: those given, the defaults for the rest."""
     from airlock.sandbox.docker import Limits
 
-    given = {"cpus": args.cpus, "memory": args.memory, "pids": args.pids}
-    chosen = {k: v for k, v in given.items() if v is not None}
-    return Limits(**chosen, timeout=args.timeout, output_limit=args.output_limit)
+    return Limits(**given_resources(args), timeout=args.timeout, output_limit=args.output_limit)
 
 
 def parse_mount(text: str, credentials: list[str]) -> tuple[str, str]:
@@ -204,6 +228,7 @@ async def _run_netns(run: RunConfig) -> int:
     handle = await launch(
         run.command, run.gateway, profile=run.profile, sandbox_id=run.sandbox_id, user=run.user,
         isolation=run.isolation, env=run.env, grants=run.grants, token_ttl=run.token_ttl, timeout=run.timeout,
+        resources=run.resources,
     )  # fmt: skip
     async with handle:
         _reopen_audit_on_sigusr1(handle.gateway)
@@ -212,6 +237,8 @@ async def _run_netns(run: RunConfig) -> int:
             waiter.cancel()
             await handle.stop()
         code = None if interrupted else waiter.result()
+        if code is not None and handle.oom_killed():
+            print(f"airlock: killed at the {run.resources.memory} memory limit", file=sys.stderr)
     return _outcome(code, stopped.result() if interrupted else None, run.timeout)
 
 

@@ -2,10 +2,10 @@
 the gateway's address on that network, fenced by nftables like the netns backend.
 
 Hardening is not optional: read-only root, `/tmp` and every VOLUME the image declares as size-capped
-noexec/nosuid tmpfs, every capability dropped, no-new-privileges, pids/memory(=memory+swap)/CPU limits, a non-root
-user, an init as PID 1, no host paths but read-only mounts the caller names (never system folders, engine sockets or
-state, /run), DNS and proxy pointing at the gateway, a hard timeout, capped output. Limits can be changed; the rest
-cannot be turned off.
+noexec/nosuid tmpfs, every capability dropped, no-new-privileges, airlock's seccomp profile, pids/memory
+(=memory+swap)/CPU limits and rlimits, a non-root user, an init as PID 1, no host paths but read-only mounts the
+caller names (never system folders, engine sockets or state, /run), DNS and proxy pointing at the gateway, a hard
+timeout, capped output. Limits can be changed; the rest cannot be turned off.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from typing import Any, BinaryIO
 import docker
 import docker.errors
 import requests.exceptions
-from docker.types import IPAMConfig, IPAMPool
+from docker.types import IPAMConfig, IPAMPool, Ulimit
 
 from airlock.errors import AirlockError
 from airlock.interfaces import parse_ip_addr
@@ -35,7 +35,23 @@ from airlock.policy import SANDBOX_LINK_NETWORKS
 
 from . import SANDBOX_ID
 from .fence import DOCKER_TABLE_PREFIX, Fence
-from .limits import CPUS, DEFAULT_OUTPUT_LIMIT, OUTPUT_LIMIT, PIDS, TIMEOUT, limit_problem, memory_bytes
+from .limits import (
+    CPUS,
+    DEFAULT_CPUS,
+    DEFAULT_MEMORY,
+    DEFAULT_NOFILE,
+    DEFAULT_NPROC,
+    DEFAULT_OUTPUT_LIMIT,
+    DEFAULT_PIDS,
+    NOFILE,
+    NPROC,
+    OUTPUT_LIMIT,
+    PIDS,
+    TIMEOUT,
+    limit_problem,
+    memory_bytes,
+)
+from .seccomp import docker_security_opt
 from .watchdog import Watchdog
 
 log = logging.getLogger("airlock.sandbox.docker")
@@ -60,9 +76,11 @@ class DockerSandboxError(AirlockError, RuntimeError):
 
 @dataclass
 class Limits:
-    cpus: float = 1.0
-    memory: str = "512m"  # swap is never added on top: memory+swap = memory
-    pids: int = 256
+    cpus: float = DEFAULT_CPUS
+    memory: str = DEFAULT_MEMORY  # swap is never added on top: memory+swap = memory
+    pids: int = DEFAULT_PIDS
+    nofile: int = DEFAULT_NOFILE  # RLIMIT_NOFILE, soft = hard
+    nproc: int = DEFAULT_NPROC  # RLIMIT_NPROC: counts every process of the container's uid on the host
     tmp_size: str = "64m"
     timeout: float = 3600.0  # then the container is killed and removed
     output_limit: int = DEFAULT_OUTPUT_LIMIT
@@ -73,6 +91,8 @@ class Limits:
         problems = [
             limit_problem("cpus", self.cpus, CPUS),
             limit_problem("pids", self.pids, PIDS),
+            limit_problem("nofile", self.nofile, NOFILE),
+            limit_problem("nproc", self.nproc, NPROC),
             limit_problem("timeout", self.timeout, TIMEOUT, lowest_included=False),
             limit_problem("output_limit", self.output_limit, OUTPUT_LIMIT),
         ]
@@ -253,11 +273,15 @@ class DockerSandbox:
             read_only=True,
             tmpfs=tmpfs,
             cap_drop=["ALL"],
-            security_opt=["no-new-privileges"],
+            security_opt=["no-new-privileges", docker_security_opt()],  # docker's default seccomp minus airlock's
             pids_limit=limits.pids,
             mem_limit=memory_bytes(limits.memory),
             memswap_limit=memory_bytes(limits.memory),
             nano_cpus=int(limits.cpus * 1e9),
+            ulimits=[
+                Ulimit(name="nofile", soft=limits.nofile, hard=limits.nofile),
+                Ulimit(name="nproc", soft=limits.nproc, hard=limits.nproc),
+            ],
             init=True,
             dns=[self.gateway_ip],
             binds=binds,

@@ -16,6 +16,7 @@ import secrets
 import shutil
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -171,29 +172,35 @@ class NetnsSandbox:
         hidden: Sequence[Path] = (),
         read_only: Sequence[Path] = (),
         guard: WorkdirGuard | None = None,
+        seccomp_fd: int | None = None,
     ) -> list[str]:
         """The argv that runs `argv` inside the namespace as an unprivileged user without capabilities; with
         `isolate_fs`, bubblewrap also gives it a read-only view of the host without the `hidden` paths, the
         working directory writable but for `read_only` paths in it and what the `guard` protects, its own /tmp
-        and PID namespace."""
+        and PID namespace. The BPF program at `seccomp_fd` (inherited) becomes its seccomp filter."""
         pw = resolve_user(user)
         drop_privileges = [
             # No supplementary groups: `docker`, `lxd`, `disk` and the like would each be a way out.
             "setpriv", f"--reuid={pw.pw_uid}", f"--regid={pw.pw_gid}", "--clear-groups",
             "--no-new-privs", "--bounding-set=-all", "--inh-caps=-all", "--",
         ]  # fmt: skip
-        isolation = _bubblewrap(hidden, read_only, guard) if isolate_fs else _own_processes()
+        isolation = _bubblewrap(hidden, read_only, guard, seccomp_fd) if isolate_fs else _own_processes(seccomp_fd)
         prelude = guard.prelude() if guard and isolate_fs else []
         return ["ip", "netns", "exec", self.netns, *prelude, *isolation, *drop_privileges, *argv]
 
 
-def _own_processes() -> list[str]:
+def _own_processes(seccomp_fd: int | None = None) -> list[str]:
     """Without bubblewrap still a PID and IPC namespace and a /proc of its own: the host's processes (those of
-    the same user included, which it could otherwise ptrace or read the memory of) are out of sight."""
-    return ["unshare", "--pid", "--fork", "--kill-child", "--mount-proc", "--ipc", "--"]
+    the same user included, which it could otherwise ptrace or read the memory of) are out of sight. The
+    seccomp filter is installed after those namespaces exist (it refuses new ones)."""
+    load = [sys.executable, "-I", "-m", "airlock.sandbox.seccomp_load", str(seccomp_fd), "--"]
+    unshare = ["unshare", "--pid", "--fork", "--kill-child", "--mount-proc", "--ipc", "--"]
+    return unshare + (load if seccomp_fd is not None else [])
 
 
-def _bubblewrap(hidden: Sequence[Path], read_only: Sequence[Path], guard: WorkdirGuard | None) -> list[str]:
+def _bubblewrap(
+    hidden: Sequence[Path], read_only: Sequence[Path], guard: WorkdirGuard | None, seccomp_fd: int | None = None
+) -> list[str]:
     """The whole host read-only (so nothing planted for root to run later), the working directory writable as its
     permissions say but for `read_only` paths and what the `guard` keeps (git's own folders get a private layer,
     files that run later are read-only), the `hidden` paths empty, a private /tmp, and the command's own PID, IPC
@@ -204,6 +211,8 @@ def _bubblewrap(hidden: Sequence[Path], read_only: Sequence[Path], guard: Workdi
         masks += ["--tmpfs", str(path)] if path.is_dir() else ["--ro-bind", "/dev/null", str(path)]
     for path in _existing(read_only):
         masks += ["--ro-bind", str(path), str(path)]
+    if seccomp_fd is not None:  # bubblewrap installs it last, just before the command
+        masks += ["--seccomp", str(seccomp_fd)]
     return [
         "bwrap", "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", "--perms", "1777", "--tmpfs", "/tmp",
         "--bind", cwd, cwd, *masks, "--chdir", cwd,

@@ -6,10 +6,10 @@ Checked before anything exists: the command's user (never root), and what it mus
 hides the gateway's credentials, the usual ones of the user's home and the host services that would act outside
 the sandbox's network, and binds the gateway's inputs and airlock's own code read-only; with isolation "none"
 nothing can be hidden, so `launch()` refuses while any of them is in the user's reach. Then, in this order: the
-watchdog, the namespace and its fence, the gateway, the environment and token, the working directory's guard, the
-command. `close()` goes back: everything in the namespace is killed and namespace, link and fence are removed,
-then the working directory is checked, then the gateway stops, then the state directory goes and the watchdog is
-released.
+watchdog, the namespace and its fence, the cgroup, the gateway, the environment and token, the working directory's
+guard, the command. `close()` goes back: everything in the namespace is killed and namespace, link and fence are
+removed, then the cgroup, then the working directory is checked, then the gateway stops, then the state directory
+goes and the watchdog is released.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from pathlib import Path
 from airlock.broker.grants import Grant
 from airlock.gateway import Gateway, GatewayConfig
 
-from . import netns
+from . import cgroups, netns, seccomp
 from .embedded import (
     fence_ports,
     gateway_credentials,
@@ -37,7 +37,7 @@ from .embedded import (
     start_gateway,
     state_directory,
 )
-from .limits import DEFAULT_OUTPUT_LIMIT, TIMEOUT, limit_problem
+from .limits import DEFAULT_OUTPUT_LIMIT, TIMEOUT, Resources, limit_problem, rlimit_argv
 from .netns import NetnsSandbox, SandboxError
 from .watchdog import Watchdog
 from .workdir import WorkdirError, WorkdirGuard
@@ -66,6 +66,7 @@ class NetnsHandle:
         output_limit: int = DEFAULT_OUTPUT_LIMIT,
     ) -> None:
         self.sandbox, self.gateway, self.process = sandbox, gateway, process
+        self.cgroup: cgroups.SandboxCgroup | None = None
         self._teardown: Callable[[], Awaitable[None]] | None = teardown  # once only
         self._deadline = asyncio.get_running_loop().time() + timeout
         self._exited = asyncio.ensure_future(process.wait())
@@ -101,6 +102,10 @@ class NetnsHandle:
     def kill(self) -> None:
         with contextlib.suppress(ProcessLookupError):
             self.process.kill()
+
+    def oom_killed(self) -> bool:
+        """Whether the memory limit made the kernel kill a process of the sandbox (ask before `close()`)."""
+        return self.cgroup is not None and self.cgroup.oom_killed()
 
     def logs(self) -> tuple[bytes, bytes]:
         """stdout and stderr so far, each capped at the output limit (empty unless launched with capture_output)."""
@@ -148,6 +153,7 @@ async def launch(
     grants: list[Grant] | None = None,
     token_ttl: int | None = None,
     timeout: float = 3600.0,
+    resources: Resources | None = None,
     watchdog: Watchdog | None = None,
     capture_output: bool = False,
     output_limit: int = DEFAULT_OUTPUT_LIMIT,
@@ -158,6 +164,7 @@ async def launch(
     are filled in here, and a temporary state directory when it names none. `env` adds variables to a clean
     environment. The command's output goes where this process's goes, or with `capture_output` to `logs()`.
     `report` hears what the user must know (notes before the start, the working directory's check at the end).
+    `resources` are its compute limits (default: `Resources()`), enforced by a cgroup of its own and rlimits.
     On any failure everything created so far is removed again. A watchdog process (started here unless one is
     given, which its giver releases) removes the sandbox if this process dies, or if it is still there `GRACE`
     seconds after `timeout`."""
@@ -168,7 +175,12 @@ async def launch(
     prepare_call_log(gateway)
     hidden = hidden_paths(isolate_fs, pw, gateway_credentials(gateway))
     read_only = kept_from_writes(isolate_fs, pw, gateway_inputs(gateway))
+    resources = resources or Resources()
+    controllers = cgroups.host_parents()
+    notes = cgroups.check(resources, controllers)
     if note := unwritable_workdir(pw, named=user is not None):
+        notes.append(note)
+    for note in notes:
         report(note)
     tcp_ports, udp_ports = fence_ports(gateway)
     sandbox = NetnsSandbox(sandbox_id, tcp_ports=tcp_ports, udp_ports=udp_ports)
@@ -186,13 +198,19 @@ async def launch(
     assert keeper is not None
     running: Gateway | None = None
     guard: WorkdirGuard | None = None
+    cgroup: cgroups.SandboxCgroup | None = None
+    # libseccomp compiles the filter while the namespace is built (its calls leave the event loop and the GIL).
+    program = asyncio.ensure_future(asyncio.to_thread(seccomp.program_fd))
 
     async def teardown() -> None:
-        await _teardown(sandbox, guard, running, own, state, report)
+        await _teardown(sandbox, cgroup, guard, running, own, state, report)
 
     try:
         await asyncio.to_thread(sandbox.create)
         assert sandbox.sandbox_id is not None and gateway.state_dir is not None
+        cgroup = cgroups.SandboxCgroup(sandbox.sandbox_id, resources, controllers)
+        await asyncio.to_thread(cgroup.create)
+        keeper.guard("cgroup", sandbox.sandbox_id, cgroup.watchdog_words())
         running = await start_gateway(gateway, sandbox.gateway_ip, sandbox.sandbox_id, sandbox.sandbox_ip, profile)
         environment = host_environment(pw) | (env or {})
         environment |= gateway_environment(running, sandbox.sandbox_id, bool(grants))
@@ -206,20 +224,34 @@ async def launch(
                 guard = None  # nothing was changed: nothing to check afterwards
                 raise
             keeper.guard("workdir", sandbox.sandbox_id, str(guard.save()))  # checked even if we die
-        argv = sandbox.command(command, user, isolate_fs, hidden=hidden, read_only=read_only, guard=guard)
+        fd = await program
+        argv = sandbox.command(
+            command, user, isolate_fs, hidden=hidden, read_only=read_only, guard=guard, seccomp_fd=fd
+        )
+        argv = [*cgroup.enter_argv(), *rlimit_argv(resources), *argv]  # in its cgroup before it runs anything
         pipe = asyncio.subprocess.PIPE if capture_output else None
         # Its own session: no controlling terminal, so it cannot push keystrokes into the shell that started it.
         process = await asyncio.create_subprocess_exec(
-            *argv, env=environment, start_new_session=True, stdout=pipe, stderr=pipe
+            *argv, env=environment, start_new_session=True, stdout=pipe, stderr=pipe, pass_fds=(fd,)
         )
     except BaseException:
         await teardown()
         raise
-    return NetnsHandle(sandbox, running, process, timeout, teardown, output_limit)
+    finally:
+        program.add_done_callback(_close_program)  # the sandbox holds its own copy: ours goes, also on failure
+    handle = NetnsHandle(sandbox, running, process, timeout, teardown, output_limit)
+    handle.cgroup = cgroup
+    return handle
+
+
+def _close_program(program: asyncio.Future[int]) -> None:
+    if not program.cancelled() and program.exception() is None:
+        os.close(program.result())
 
 
 async def _teardown(
     sandbox: NetnsSandbox,
+    cgroup: cgroups.SandboxCgroup | None,
     guard: WorkdirGuard | None,
     gateway: Gateway | None,
     watchdog: Watchdog | None,
@@ -232,6 +264,8 @@ async def _teardown(
     when this process exits."""
     try:
         await asyncio.to_thread(sandbox.destroy)
+        if cgroup is not None:  # after the namespace's processes are killed: it is empty, or emptied now
+            await asyncio.to_thread(cgroup.remove)
     except BaseException:
         if gateway is not None:
             await gateway.stop()

@@ -4,7 +4,8 @@ The gateway lives inside the launcher (`airlock run`, or an orchestrator calling
 by any signal, SIGKILL included, leaves a sandbox that nothing serves, nothing times out and nothing removes. The
 launcher therefore starts this process first, in a session of its own (a ^C or hang-up for the launcher's terminal
 does not reach it), holding the read end of a pipe whose write end only the launcher holds. The launcher names each
-sandbox it has claimed (`netns ID`, `docker ID ENGINE`, `workdir ID STATE-FILE` for the working-directory check)
+sandbox it has claimed (`netns ID`, `docker ID ENGINE`, `cgroup ID GROUPS` for a netns sandbox's compute limits,
+`workdir ID STATE-FILE` for the working-directory check)
 over the pipe and says `release` once it has removed them itself. End of file without `release` means the launcher
 died: the watchdog removes what was named (every process, the container, the link or network, then the fence, in the
 backends' own order) and the launcher's temporary folders. It does the same when the deadline (the sandbox's timeout
@@ -169,6 +170,10 @@ def remove(words: list[str]) -> str:
             remove_sandbox(client, sandbox_id)
         finally:
             client.close()
+    elif backend == "cgroup":  # named after its namespace: whatever is left in it is killed, then it goes
+        from airlock.sandbox.cgroups import remove_named
+
+        remove_named(engine, sandbox_id)
     elif backend == "workdir":  # named after its sandbox, which is gone by now
         from pathlib import Path
 

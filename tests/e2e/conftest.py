@@ -17,11 +17,13 @@ import pytest
 # Helpers live next to the tests; the repo root stays off sys.path because its dns/ would shadow dnspython.
 sys.path.insert(0, str(Path(__file__).parent))
 
+from airlock.sandbox.cgroups import host_parents
 from airlock.sandbox.fence import NETNS_TABLE_PREFIX, Fence
 
 from dockerenv import DockerDaemon, DockerEnv, docker_problem
 from fakegithub_client import FakeGitHub, make_app_key, new_static_token
 from gateway_proc import AIRLOCK, E2E_POLICY, GatewayProcess
+from hostcgroups import with_host_cgroups
 from testca import TestCA, make_test_ca
 from topology import DNS_SERVER, FAKE_ADDRS, GW_IP, FakeNet, Topology
 
@@ -233,8 +235,8 @@ def docker_env(topology: Topology, tmp_path_factory: pytest.TempPathFactory) -> 
 
 @pytest.fixture
 def run_in_gw(topology: Topology, fakenet: FakeNet) -> Iterator:
-    """`airlock run` inside the gateway namespace (where all it dials lands in the fake internet or nowhere); checks
-    afterwards that it left nothing behind."""
+    """`airlock run` inside the gateway namespace (where all it dials lands in the fake internet or nowhere), seeing
+    the host's cgroups; checks afterwards that it left nothing behind."""
     ids: list[str] = []
 
     def run(*cmd: str, options: tuple[str, ...] = (), timeout: float = 60, **kw) -> subprocess.CompletedProcess:
@@ -244,7 +246,7 @@ def run_in_gw(topology: Topology, fakenet: FakeNet) -> Iterator:
             AIRLOCK, "run", "--policy", E2E_POLICY, "--upstream-dns", DNS_SERVER, "--sandbox-id", sandbox_id,
             *options, "--", *cmd,
         ]  # fmt: skip
-        return topology.run(topology.gw, argv, timeout=timeout, **kw)
+        return topology.run(topology.gw, with_host_cgroups(argv), timeout=timeout, **kw)
 
     yield run
     for sandbox_id in ids:
@@ -256,3 +258,4 @@ def run_in_gw(topology: Topology, fakenet: FakeNet) -> Iterator:
         assert f"{NETNS_TABLE_PREFIX}{sandbox_id}" not in tables
         links = topology.run(topology.gw, ["ip", "-o", "link"]).stdout
         assert f"alh{sandbox_id}" not in links
+        assert [parent / sandbox_id for parent, _ in host_parents().values() if (parent / sandbox_id).exists()] == []

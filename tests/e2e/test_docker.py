@@ -27,6 +27,7 @@ from airlock.sandbox.fence import Fence
 
 from gateway_proc import AIRLOCK, E2E_POLICY
 from netclient import SENDER, ForeignListeners, in_netns
+from syscalls import expected_in_a_sandbox, probe_argv, results
 from topology import DNS_SERVER, GW_OUTSIDE_IP, FakeNet, Topology
 
 ALLOWED_IP = "192.0.2.10"
@@ -170,6 +171,26 @@ def test_no_capabilities(docker_run):
     result = docker_run("sh", "-c", script)
     assert result.stdout.count("0000000000000000") == 3 and "NoNewPrivs:\t1" in result.stdout
     assert "PING-FAILED" in result.stdout and "MOUNT-FAILED" in result.stdout
+
+
+def test_every_listed_call_is_refused_by_the_containers_seccomp_profile(docker_run):
+    probe = docker_run(*probe_argv())
+    found = results(probe.stdout)
+    assert len(found) > 50 and found == expected_in_a_sandbox(found), probe.stderr
+    status = docker_run("grep", "-E", "^Seccomp:", "/proc/self/status")
+    assert status.stdout.split() == ["Seccomp:", "2"], status
+    script = (
+        "unshare -U true; echo user=$?; unshare -n true; echo net=$?; python3 -c 'import os; print(os.cpu_count() > 0)'"
+    )
+    ordinary = docker_run("sh", "-c", script)
+    assert ordinary.stdout.split() == ["user=1", "net=1", "True"], ordinary
+
+
+def test_rlimits_have_defaults_and_follow_the_flags(docker_run):
+    probe = "import resource as r; print(*(r.getrlimit(x) for x in (r.RLIMIT_NOFILE, r.RLIMIT_NPROC)))"
+    assert docker_run("python3", "-c", probe).stdout.split() == ["(4096,", "4096)", "(8192,", "8192)"]
+    given = docker_run("python3", "-c", probe, options=("--nofile", "64", "--nproc", "500"))
+    assert given.stdout.split() == ["(64,", "64)", "(500,", "500)"], given.stderr
 
 
 def test_fork_bomb_stops_at_the_pids_limit_and_the_host_stays_responsive(topology, docker_run, docker_env):

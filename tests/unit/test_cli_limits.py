@@ -51,6 +51,12 @@ DOCKER = ("--backend", "docker", "--image", "img")
         ((*DOCKER, "--pids", "0"), "--pids 0"),
         ((*DOCKER, "--pids", "-1"), "--pids -1"),
         ((*DOCKER, "--output-limit", "0"), "--output-limit 0"),
+        (("--memory", "0"), "--memory: '0'"),  # the netns backend takes the same limits
+        (("--cpus", "inf"), "--cpus inf"),
+        (("--pids", "0"), "--pids 0"),
+        (("--nofile", "0"), "--nofile 0"),
+        ((*DOCKER, "--nofile", "2000000"), "--nofile 2000000"),
+        (("--nproc", "-1"), "--nproc -1"),
         (("--max-tunnels", "0"), "--max-tunnels 0"),
         (("--max-connections", "-5"), "--max-connections -5"),
         (("--connect-timeout", "inf"), "--connect-timeout inf"),
@@ -81,6 +87,8 @@ def test_a_limit_that_is_off_infinite_or_absurd_is_a_usage_error(
         ("--timeout", "604800"),
         (*DOCKER, "--memory", "6m", "--cpus", "0.01", "--pids", "1", "--output-limit", "1"),
         (*DOCKER, "--memory", "2G"),
+        (*DOCKER, "--nofile", "16", "--nproc", "1"),
+        ("--memory", "6m", "--cpus", "0.01", "--pids", "1", "--nofile", "1048576", "--nproc", "4194304"),
         ("--dns-port", "0", "--broker-port", "0"),  # 0 turns these services off, as documented
         ("--dns-min-ttl", "0"),
     ],
