@@ -5,6 +5,9 @@
 - `push_branch:acme/app:head=agent/*`: pushes (fast-forward only) to a branch matching `head`. Its `base`
   branches are the ones the work starts from, and are never written.
 - `protect=P|Q` (either tool): further branch patterns the grant never writes nor opens a pull request from.
+- `get_pull_request:acme/app`, `comment_on_pull_request:acme/app`: reading, and commenting on, the pull requests
+  of the repository that the sandbox itself created (the broker records them). Branch options mean nothing to
+  these two and are ignored.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-TOOLS = frozenset({"create_pull_request", "push_branch"})
+TOOLS = frozenset({"create_pull_request", "push_branch", "get_pull_request", "comment_on_pull_request"})
 # `\Z`, not `$`: `$` also matches before a trailing newline, which would let "main\n" through.
 # The name goes into a URL path, so "." and ".." (which GitHub refuses anyway) are refused here.
 REPO = re.compile(r"^[A-Za-z0-9](?:[A-Za-z0-9-]{0,38})/(?!\.\.?\Z)[A-Za-z0-9._-]{1,100}\Z")

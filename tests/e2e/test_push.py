@@ -30,6 +30,8 @@ from topology import GW_IP, Topology
 BROKER = (GW_IP, 8080)
 PUSH_GRANT = "push_branch:acme/app:head=agent/*"
 PR_GRANT = "create_pull_request:acme/app:base=main,head=agent/*"
+READ_GRANT = "get_pull_request:acme/app"
+COMMENT_GRANT = "comment_on_pull_request:acme/app"
 NOBODY_UID = 65534
 
 
@@ -234,10 +236,21 @@ curl -sS -H "$AUTH" -H 'Content-Type: application/json' --data-binary @/tmp/push
      "$AIRLOCK_BROKER_URL/v1/tools/push_branch"; echo
 curl -sS -H "$AUTH" -H 'Content-Type: application/json' \\
      -d '{"repo":"acme/app","head":"agent/fix-1","base":"main","title":"Fix it"}' \\
-     "$AIRLOCK_BROKER_URL/v1/tools/create_pull_request"; echo
+     "$AIRLOCK_BROKER_URL/v1/tools/create_pull_request" > /tmp/pr.json; cat /tmp/pr.json; echo
+NUMBER=$(python3 -c 'import json, sys; print(json.load(sys.stdin)["number"])' < /tmp/pr.json)
+curl -sS -H "$AUTH" -H 'Content-Type: application/json' -d '{"repo":"acme/app","number":'"$NUMBER"'}' \\
+     "$AIRLOCK_BROKER_URL/v1/tools/get_pull_request"; echo
+curl -sS -H "$AUTH" -H 'Content-Type: application/json' \\
+     -d '{"repo":"acme/app","number":'"$NUMBER"',"body":"CI is red on lint; fixing."}' \\
+     "$AIRLOCK_BROKER_URL/v1/tools/comment_on_pull_request"; echo
 curl -sS -H "$AUTH" "$AIRLOCK_BROKER_URL/v1/tools"; echo
 git rev-parse HEAD
 """
+CHECK_RUNS = [
+    {"name": "build", "status": "completed", "conclusion": "success"},
+    {"name": "lint", "status": "completed", "conclusion": "failure"},
+    {"name": "e2e", "status": "queued", "conclusion": None},
+]
 
 
 @pytest.fixture
@@ -259,29 +272,51 @@ def test_an_agent_in_airlock_run_pushes_its_commits_and_opens_a_pull_request(
     run_in_gw: Any, fake_github: FakeGitHub, broker_args: tuple[str, ...], agent_repo: Path, tmp_path: Path
 ) -> None:
     audit = tmp_path / "audit.jsonl"
+    fake_github.set(check_runs=CHECK_RUNS)
     options = ("--state-dir", str(tmp_path / "state"), "--audit", str(audit), "--grant", PUSH_GRANT,
-               "--grant", PR_GRANT, *broker_args)  # fmt: skip
+               "--grant", PR_GRANT, "--grant", READ_GRANT, "--grant", COMMENT_GRANT, *broker_args)  # fmt: skip
     result = run_in_gw("sh", "-c", AGENT_SCRIPT, cwd=agent_repo, options=options, timeout=120)
     assert result.returncode == 0, result.stderr
-    pushed, pull, tools, head = result.stdout.strip().splitlines()[-4:]
+    pushed, pull, status, comment, tools, head = result.stdout.strip().splitlines()[-6:]
     assert json.loads(pushed) == {"sha": head, "ref": "refs/heads/agent/fix-1", "previous": None}, result.stderr
     assert json.loads(pull)["head"] == "agent/fix-1" and json.loads(pull)["existing"] is False
-    assert [t["name"] for t in json.loads(tools)["tools"]] == ["create_pull_request", "push_branch"]
+    number = json.loads(pull)["number"]
+    assert json.loads(status) == {
+        "number": number, "url": f"https://api.github.test/repos/acme/app/pulls/{number}",
+        "html_url": f"https://github.test/acme/app/pull/{number}", "state": "open", "draft": False, "merged": False,
+        "mergeable": True, "head": "agent/fix-1", "head_sha": head, "base": "main",
+        "checks": {"total": 3, "counts": {"success": 1, "failure": 1, "pending": 1}, "failing": ["lint"],
+                   "complete": True},
+    }, status  # fmt: skip
+    (posted,) = fake_github.comments()
+    assert json.loads(comment) == {"id": posted["id"], "html_url": posted["comment"]["html_url"], "number": number}
+    assert (posted["number"], posted["body"], posted["credential"]) == (number, "CI is red on lint; fixing.",
+                                                                      "installation")  # fmt: skip
+    assert (posted["permissions"], posted["repositories"]) == ({"pull_requests": "write", "metadata": "read"}, ["app"])
+    assert [t["name"] for t in json.loads(tools)["tools"]] == [
+        "create_pull_request", "push_branch", "get_pull_request", "comment_on_pull_request",
+    ]  # fmt: skip
     # The fake's repository has exactly the agent's two commits on the branch, and the pull request points there.
     bare = Path(fake_github.git()["app"]["path"])
     assert fake_github.git()["app"]["refs"]["refs/heads/agent/fix-1"] == head
     assert git("log", "--format=%s", "main..agent/fix-1", cwd=bare).splitlines() == ["Say more", "Fix it"]
     (pr,) = fake_github.prs()
     assert (pr["head"], pr["head_sha"], pr["base"], pr["credential"]) == ("agent/fix-1", head, "main", "installation")
-    # The audit: three broker calls of the sandbox, allowed, the push by bundle hash and size.
+    # The audit: the sandbox's broker calls, allowed, the push by bundle hash and size.
     records = [json.loads(line) for line in audit.read_text().splitlines() if '"kind":"broker"' in line]
     assert [(r["method"], r["decision"], r["extra"]["status"]) for r in records] == [
-        ("push_branch", "allow", 200), ("create_pull_request", "allow", 201), ("list_tools", "allow", 200),
+        ("push_branch", "allow", 200), ("create_pull_request", "allow", 201), ("get_pull_request", "allow", 200),
+        ("comment_on_pull_request", "allow", 201), ("list_tools", "allow", 200),
     ]  # fmt: skip
     assert records[0]["extra"]["sha"] == head
     assert set(records[0]["extra"]) == {"jti", "status", "branch", "bundle_sha256", "bundle_bytes", "sha", "ref",
                                         "previous"}  # fmt: skip
     secrets = [t["token"] for t in fake_github.tokens()]
-    assert len(secrets) == 3  # contents: read, contents: write, pull_requests: write
+    # One token per step, each with one permission besides metadata (the comment reuses the pull request's).
+    held = [sorted(t["permissions"].items()) for t in fake_github.tokens()]
+    assert sorted(held) == sorted(sorted([("metadata", "read"), permission]) for permission in [
+        ("contents", "read"), ("contents", "write"), ("pull_requests", "write"), ("pull_requests", "read"),
+        ("checks", "read"),
+    ])  # fmt: skip
     for secret in secrets:
         assert secret not in result.stdout + result.stderr + audit.read_text()
