@@ -32,6 +32,7 @@ PUSH_GRANT = "push_branch:acme/app:head=agent/*"
 PR_GRANT = "create_pull_request:acme/app:base=main,head=agent/*"
 READ_GRANT = "get_pull_request:acme/app"
 COMMENT_GRANT = "comment_on_pull_request:acme/app"
+GRANTS = (PUSH_GRANT, PR_GRANT, READ_GRANT, COMMENT_GRANT)  # what the walk-through's agent is given
 NOBODY_UID = 65534
 
 
@@ -273,12 +274,17 @@ def test_an_agent_in_airlock_run_pushes_its_commits_and_opens_a_pull_request(
 ) -> None:
     audit = tmp_path / "audit.jsonl"
     fake_github.set(check_runs=CHECK_RUNS)
-    options = ("--state-dir", str(tmp_path / "state"), "--audit", str(audit), "--grant", PUSH_GRANT,
-               "--grant", PR_GRANT, "--grant", READ_GRANT, "--grant", COMMENT_GRANT, *broker_args)  # fmt: skip
+    options = ("--state-dir", str(tmp_path / "state"), "--audit", str(audit), *(f"--grant={g}" for g in GRANTS),
+               *broker_args)  # fmt: skip
     result = run_in_gw("sh", "-c", AGENT_SCRIPT, cwd=agent_repo, options=options, timeout=120)
     assert result.returncode == 0, result.stderr
-    pushed, pull, status, comment, tools, head = result.stdout.strip().splitlines()[-6:]
-    assert json.loads(pushed) == {"sha": head, "ref": "refs/heads/agent/fix-1", "previous": None}, result.stderr
+    assert_walked_through(result.stdout, result.stderr, fake_github, audit)
+
+
+def assert_walked_through(stdout: str, stderr: str, fake_github: FakeGitHub, audit: Path) -> None:
+    """What AGENT_SCRIPT printed, what the fake GitHub has, what the audit says, after the agent ran it."""
+    pushed, pull, status, comment, tools, head = stdout.strip().splitlines()[-6:]
+    assert json.loads(pushed) == {"sha": head, "ref": "refs/heads/agent/fix-1", "previous": None}, stderr
     assert json.loads(pull)["head"] == "agent/fix-1" and json.loads(pull)["existing"] is False
     number = json.loads(pull)["number"]
     assert json.loads(status) == {
@@ -311,12 +317,11 @@ def test_an_agent_in_airlock_run_pushes_its_commits_and_opens_a_pull_request(
     assert records[0]["extra"]["sha"] == head
     assert set(records[0]["extra"]) == {"jti", "status", "branch", "bundle_sha256", "bundle_bytes", "sha", "ref",
                                         "previous"}  # fmt: skip
-    secrets = [t["token"] for t in fake_github.tokens()]
     # One token per step, each with one permission besides metadata (the comment reuses the pull request's).
     held = [sorted(t["permissions"].items()) for t in fake_github.tokens()]
     assert sorted(held) == sorted(sorted([("metadata", "read"), permission]) for permission in [
         ("contents", "read"), ("contents", "write"), ("pull_requests", "write"), ("pull_requests", "read"),
         ("checks", "read"),
     ])  # fmt: skip
-    for secret in secrets:
-        assert secret not in result.stdout + result.stderr + audit.read_text()
+    for secret in [t["token"] for t in fake_github.tokens()]:
+        assert secret not in stdout + stderr + audit.read_text()
