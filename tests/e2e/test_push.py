@@ -136,6 +136,28 @@ def test_push_fetches_with_a_read_token_and_pushes_with_a_write_token(
         assert base64.b64encode(f"x-access-token:{token['token']}".encode()).decode() not in text
 
 
+def upload_packs(fake_github: FakeGitHub) -> int:
+    return sum(1 for c in fake_github.calls("/acme/app.git/", "POST") if c["path"].endswith("/git-upload-pack"))
+
+
+def test_a_second_push_to_the_repository_fetches_nothing(
+    topology: Topology, gateway: GatewayProcess, fake_github: FakeGitHub, work: Work
+) -> None:
+    token = issue(gateway)
+    work.commit("a.txt", branch="agent/a")
+    assert push(topology, token, work.bundle(), "agent/a")[0] == 200
+    first = upload_packs(fake_github)
+    git("checkout", "-q", "-B", "agent/b", "main", cwd=work.path)
+    tip = work.commit("b.txt")
+    status, body = push(topology, token, work.bundle(), "agent/b")
+    assert (status, body["sha"]) == (200, tip), body
+    # The first push listed the branches and fetched the base (unless an earlier test's push to the repository
+    # left it in the broker's cache); the second only lists them: its base is cached.
+    assert first >= 1 and upload_packs(fake_github) - first == 1
+    bare = Path(fake_github.git()["app"]["path"])
+    assert git("log", "--format=%s", "main..agent/b", cwd=bare).splitlines() == ["add b.txt"]
+
+
 def test_an_installation_token_github_stopped_taking_is_replaced_once(
     topology: Topology, gateway: GatewayProcess, fake_github: FakeGitHub, work: Work
 ) -> None:
