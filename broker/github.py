@@ -17,9 +17,29 @@ import aiohttp
 import jwt
 
 from .redact import Redactor, clip
-from .shapes import BOOL, CREDENTIAL, POSITIVE_INT, TEXT, TIMESTAMP, WEB_URL, Shape, ShapeError, conforming, loads
+from .shapes import (
+    BOOL,
+    COUNT,
+    CREDENTIAL,
+    MAYBE_BOOL,
+    OBJECT_ID,
+    POSITIVE_INT,
+    TEXT,
+    TIMESTAMP,
+    WEB_URL,
+    Shape,
+    ShapeError,
+    conforming,
+    loads,
+    one_of,
+)
 
 PR_PERMISSIONS = {"pull_requests": "write"}
+READ_PULLS = {"pull_requests": "read"}
+READ_CHECKS = {"checks": "read"}
+# A pull request's conversation is an issue's: GitHub takes `issues: write` or `pull_requests: write` for its
+# comments. The latter is the token the broker already holds for pull requests, and gives no power over plain issues.
+COMMENT_PERMISSIONS = PR_PERMISSIONS
 READ_CONTENTS = {"contents": "read"}
 WRITE_CONTENTS = {"contents": "write"}
 TOKEN_REFRESH_MARGIN = 300  # seconds before expiry when a cached installation token is replaced
@@ -34,6 +54,22 @@ PULL_REQUEST: Shape = {
     "number": POSITIVE_INT, "url": WEB_URL, "html_url": WEB_URL, "state": TEXT, "draft": BOOL,
     "head": {"ref": TEXT}, "base": {"ref": TEXT},
 }  # fmt: skip
+PULL_STATUS: Shape = {
+    **PULL_REQUEST, "merged": BOOL, "mergeable": MAYBE_BOOL, "head": {"ref": TEXT, "sha": OBJECT_ID},
+}  # fmt: skip
+CHECK_RUNS: Shape = {"total_count": COUNT}  # and `check_runs`, a list of CHECK_RUN
+CHECK_RUN: Shape = {
+    "name": TEXT,
+    "status": one_of("queued", "in_progress", "completed", "waiting", "requested", "pending"),
+    "conclusion": one_of(
+        None, "success", "failure", "neutral", "cancelled", "skipped", "timed_out", "action_required", "stale",
+        "startup_failure",
+    ),
+}  # fmt: skip
+# Conclusions that keep a pull request from being green.
+FAILING = frozenset({"failure", "timed_out", "cancelled", "action_required", "startup_failure"})
+CHECK_RUNS_PAGE = 100  # GitHub's largest page; one is read (`complete` says whether it held them all)
+COMMENT: Shape = {"id": POSITIVE_INT, "html_url": WEB_URL}
 INSTALLATION: Shape = {"id": POSITIVE_INT}
 ACCESS_TOKEN: Shape = {"token": CREDENTIAL, "expires_at": TIMESTAMP}
 
@@ -72,6 +108,30 @@ class PullRequest:
         )  # fmt: skip
 
 
+@dataclass(frozen=True, slots=True)
+class PullStatus:
+    pull: PullRequest
+    merged: bool
+    mergeable: bool | None  # None: GitHub has not computed it yet
+    head_sha: str
+
+
+@dataclass(frozen=True, slots=True)
+class Checks:
+    """The check runs of a commit, summarised."""
+
+    total: int  # as GitHub counts them
+    counts: dict[str, int]  # by conclusion; "pending" for runs not completed
+    failing: tuple[str, ...]  # names of the runs whose conclusion is in FAILING
+    complete: bool  # False when there were more runs than one page holds
+
+
+@dataclass(frozen=True, slots=True)
+class Comment:
+    id: int
+    html_url: str
+
+
 @dataclass(frozen=True)
 class AppCredential:
     app_id: str
@@ -102,23 +162,55 @@ class GitHubClient:
 
     async def create_pull_request(self, repo: str, fields: dict[str, Any]) -> tuple[PullRequest, bool]:
         """The pull request (created, or the one that already existed) and whether it already existed."""
-        token = await self.repo_token(repo, PR_PERMISSIONS)
-        status, body = await self._call("POST", f"/repos/{repo}/pulls", token, fields)
-        if status == 401 and self.forget_token(repo, PR_PERMISSIONS, token):
-            # The cached installation token was revoked or expired early upstream: mint a fresh one, once.
-            token = await self.repo_token(repo, PR_PERMISSIONS)
-            status, body = await self._call("POST", f"/repos/{repo}/pulls", token, fields)
+        status, body = await self._repo_call("POST", f"/repos/{repo}/pulls", repo, PR_PERMISSIONS, fields)
         if status == 201:
             return PullRequest.from_api(body, "the created pull request"), False
         if status == 422 and _already_exists(body):
-            return await self._existing(repo, fields, token), True
+            return await self._existing(repo, fields), True
         raise _translate(status, body)
 
-    async def _existing(self, repo: str, fields: dict[str, Any], token: str) -> PullRequest:
+    async def pull_request(self, repo: str, number: int) -> PullStatus:
+        status, body = await self._repo_call("GET", f"/repos/{repo}/pulls/{number}", repo, READ_PULLS)
+        if status != 200:
+            raise _translate(status, body, f"reading pull request #{number}")
+        pull = self._conforming(body, PULL_STATUS, "the pull request")
+        return PullStatus(
+            PullRequest.from_api(pull, "the pull request"), pull["merged"], pull["mergeable"], pull["head"]["sha"]
+        )
+
+    async def check_runs(self, repo: str, sha: str) -> Checks:
+        """The latest check runs of commit `sha`, summarised (the first CHECK_RUNS_PAGE of them)."""
+        query = {"per_page": str(CHECK_RUNS_PAGE), "filter": "latest"}
+        path = f"/repos/{repo}/commits/{sha}/check-runs"
+        status, body = await self._repo_call("GET", path, repo, READ_CHECKS, params=query)
+        if status != 200:
+            raise _translate(status, body, "reading the check runs")
+        total = self._conforming(body, CHECK_RUNS, "the check runs")["total_count"]
+        listed = body.get("check_runs")
+        if not isinstance(listed, list) or len(listed) > CHECK_RUNS_PAGE:
+            raise _invalid(ShapeError(f"check_runs is not a list of at most {CHECK_RUNS_PAGE}"))
+        runs = [self._conforming(run, CHECK_RUN, "a check run") for run in listed]
+        counts: dict[str, int] = {}
+        for run in runs:
+            outcome = run["conclusion"] if run["status"] == "completed" and run["conclusion"] else "pending"
+            counts[outcome] = counts.get(outcome, 0) + 1
+        failing = tuple(run["name"] for run in runs if run["status"] == "completed" and run["conclusion"] in FAILING)
+        return Checks(max(total, len(runs)), counts, failing, total <= len(runs))
+
+    async def comment(self, repo: str, number: int, text: str) -> Comment:
+        """A comment on pull request `number` (GitHub keeps a pull request's conversation as its issue's)."""
+        path = f"/repos/{repo}/issues/{number}/comments"
+        status, body = await self._repo_call("POST", path, repo, COMMENT_PERMISSIONS, {"body": text})
+        if status != 201:
+            raise _translate(status, body, f"commenting on pull request #{number}")
+        comment = self._conforming(body, COMMENT, "the comment")
+        return Comment(comment["id"], comment["html_url"])
+
+    async def _existing(self, repo: str, fields: dict[str, Any]) -> PullRequest:
         """The open pull request from `fields`' head to its base, which GitHub said exists."""
         owner = repo.split("/")[0]
         query = {"head": f"{owner}:{fields['head']}", "base": fields["base"], "state": "open"}
-        status, found = await self._call("GET", f"/repos/{repo}/pulls", token, params=query)
+        status, found = await self._repo_call("GET", f"/repos/{repo}/pulls", repo, PR_PERMISSIONS, params=query)
         if status != 200:
             raise _translate(status, found, "GitHub says the pull request exists but could not list it")
         if not isinstance(found, list):
@@ -171,6 +263,24 @@ class GitHubClient:
             raise _translate(status, body, "GitHub did not issue an installation token")
         issued = self._conforming(body, ACCESS_TOKEN, "the installation token")
         return issued["token"], _expiry(issued["expires_at"])
+
+    async def _repo_call(
+        self,
+        method: str,
+        path: str,
+        repo: str,
+        permissions: dict[str, str],
+        payload: dict[str, Any] | None = None,
+        params: dict[str, str] | None = None,
+    ) -> tuple[int, Any]:
+        """A call about `repo` with its installation token for `permissions`; a token GitHub refuses (revoked or
+        expired early upstream) is replaced once."""
+        token = await self.repo_token(repo, permissions)
+        status, body = await self._call(method, path, token, payload, params)
+        if status == 401 and self.forget_token(repo, permissions, token):
+            token = await self.repo_token(repo, permissions)
+            status, body = await self._call(method, path, token, payload, params)
+        return status, body
 
     def _conforming(self, value: Any, shape: Shape, what: str) -> dict[str, Any]:
         try:

@@ -3,6 +3,10 @@
 - `create_pull_request`: idempotent (the caller's Idempotency-Key, else the token and the arguments), serialised
   per key, its result remembered in the state store.
 - `push_branch`: a git bundle pushed by broker.gitpush, one push at a time per branch across sandboxes.
+- `get_pull_request`, `comment_on_pull_request`: only on pull requests this sandbox created (create_pull_request
+  records each one it creates, with the sandbox; one that already existed is recorded only if the sandbox created
+  it before). Any other number, another sandbox's or one never made, answers the same 404 without asking GitHub,
+  so a sandbox learns nothing about pull requests that are not its own.
 """
 
 from __future__ import annotations
@@ -12,12 +16,13 @@ import base64
 import binascii
 import hashlib
 import json
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from .bodies import MAX_REQUEST_BYTES, THREADED_BODY
 from .calls import Call, KeyedLocks, Tool
 from .errors import BrokerError, Result
-from .github import GitHubClient, PullRequest, UpstreamError
+from .github import CHECK_RUNS_PAGE, Checks, GitHubClient, PullRequest, PullStatus, UpstreamError
 from .gitpush import Pusher, PushError, PushLimits
 from .grants import Grant, GrantError, valid_branch, valid_repo, validated
 from .redact import Redactor
@@ -56,6 +61,14 @@ class GitHubTools:
                 },
                 asyncio.Semaphore(push.concurrent), push.timeout,
             ),
+            Tool(
+                TOOLS["get_pull_request"], self.get_pull_request, MAX_REQUEST_BYTES,
+                per_minute | {"max_request_bytes": MAX_REQUEST_BYTES, "max_check_runs": CHECK_RUNS_PAGE},
+            ),
+            Tool(
+                TOOLS["comment_on_pull_request"], self.comment_on_pull_request, MAX_REQUEST_BYTES,
+                per_minute | {"max_request_bytes": MAX_REQUEST_BYTES, "max_body": MAX_BODY},
+            ),
         ]  # fmt: skip
 
     async def create_pull_request(self, call: Call) -> Result:
@@ -67,27 +80,88 @@ class GitHubTools:
         grant = _covering_grant(claims.grants, repo, fields["base"], fields["head"])
         if self.github is None:
             raise BrokerError(503, "not_configured", "the broker has no GitHub credential configured")
-        scope = claims.sandbox
-        request_hash = hashlib.sha256(json.dumps([repo, fields], sort_keys=True).encode()).hexdigest()
+        github = self.github
+        request_hash = _hash([repo, fields])
         # Without a key, the same token asking the same thing twice is the same call.
         key = call.idempotency_key or f"jti:{claims.jti}:{request_hash}"
+
+        async def create() -> tuple[int, dict[str, Any]]:
+            # The grant's spelling, not the caller's: GitHub sees one name per repository (one cached token).
+            pull, existed = await _upstream(github.create_pull_request(grant.repo, fields))
+            record.extra["number"] = pull.number
+            record.reason = "existing pull request" if existed else "created"
+            if not existed:  # one that existed is this sandbox's only if it created it before (recorded then)
+                await self.state(lambda: self.state.store.record_pull_request(claims.sandbox, grant.repo, pull.number))
+            return (200 if existed else 201), _pull_summary(pull, existed)
+
+        status, body = await self._once(call, key, request_hash, create)
+        return status, body, _location(body)
+
+    async def get_pull_request(self, call: Call) -> Result:
+        grant, number = await self._own_pull_request(call, "get_pull_request")
+        assert self.github is not None  # _own_pull_request refuses without one
+        status = await _upstream(self.github.pull_request(grant.repo, number))
+        checks = await _upstream(self.github.check_runs(grant.repo, status.head_sha))
+        call.record.reason = "read"
+        return 200, self.redactor.value(_pull_status(status, checks)), {}
+
+    async def comment_on_pull_request(self, call: Call) -> Result:
+        text = call.input["body"]
+        if not text.strip():
+            raise BrokerError(422, "invalid_request", "body must not be blank")
+        grant, number = await self._own_pull_request(call, "comment_on_pull_request")
+        github = self.github
+        assert github is not None  # _own_pull_request refuses without one
+
+        async def comment() -> tuple[int, dict[str, Any]]:
+            posted = await _upstream(github.comment(grant.repo, number, text))
+            call.record.extra["comment_id"] = posted.id
+            call.record.reason = "commented"
+            return 201, {"id": posted.id, "html_url": posted.html_url, "number": number}
+
+        if call.idempotency_key is None:  # a comment said twice is said twice: only the caller's key makes one
+            status, body = await comment()
+            body = self.redactor.value(body)
+        else:
+            request_hash = _hash(["comment_on_pull_request", grant.repo.lower(), number, text])
+            status, body = await self._once(call, call.idempotency_key, request_hash, comment)
+        return status, body, {}
+
+    async def _own_pull_request(self, call: Call, tool: str) -> tuple[Grant, int]:
+        """The grant of the call's tool on its repository and the pull request's number, when this sandbox
+        created that pull request; else 403 (no grant on the repository) or 404."""
+        repo, number = call.input["repo"], int(call.input["number"])  # the schema's "integer" takes 7.0 too
+        call.record.host = repo
+        call.record.extra["number"] = number
+        if not valid_repo(repo):
+            raise BrokerError(422, "invalid_request", f"repository must be owner/name, got {repo!r}")
+        grant = next((g for g in call.claims.grants if g.tool == tool and g.repo.lower() == repo.lower()), None)
+        if grant is None:
+            raise BrokerError(403, "outside_grant", f"repository {repo} is outside this token's {tool} grants")
+        if self.github is None:
+            raise BrokerError(503, "not_configured", "the broker has no GitHub credential configured")
+        creator = await self.state(lambda: self.state.store.pull_request_creator(grant.repo, number))
+        if creator != call.claims.sandbox:
+            raise BrokerError(
+                404, "unknown_pull_request", f"this sandbox created no pull request #{number} in {repo}"
+            )  # fmt: skip
+        return grant, number
+
+    async def _once(
+        self, call: Call, key: str, request_hash: str, act: Callable[[], Awaitable[tuple[int, dict[str, Any]]]]
+    ) -> tuple[int, dict[str, Any]]:
+        """`act` once per (sandbox, key): a call with a key used before gets the recorded result again (422 when
+        the arguments differ); calls with one key wait for each other."""
+        scope = call.claims.sandbox
         async with self.locks.one_at_a_time((scope, key)):
             previous = await self._idempotent(scope, key, request_hash)
             if previous is not None:
-                record.reason = "replayed idempotent result"
-                status, body = previous
-                return status, body, _location(body)
-            try:
-                # The grant's spelling, not the caller's: GitHub sees one name per repository (one cached token).
-                pull, existed = await self.github.create_pull_request(grant.repo, fields)
-            except UpstreamError as e:
-                raise BrokerError(e.status, e.code, e.message) from None
-            body = self.redactor.value(_pull_summary(pull, existed))
-            record.extra["number"] = pull.number
-            record.reason = "existing pull request" if existed else "created"
-            status = 200 if existed else 201
+                call.record.reason = "replayed idempotent result"
+                return previous
+            status, body = await act()
+            body = self.redactor.value(body)
             await self.state(lambda: self.state.store.idempotent_put(scope, key, request_hash, status, body))
-        return status, body, _location(body)
+        return status, body
 
     async def push_branch(self, call: Call) -> Result:
         record = call.record
@@ -117,6 +191,18 @@ class GitHubTools:
         if stored_hash != request_hash:
             raise BrokerError(422, "idempotency_conflict", "Idempotency-Key was used before with other arguments")
         return status, body
+
+
+async def _upstream[T](action: Awaitable[T]) -> T:
+    """What GitHub answered, its refusals and failures as the broker's errors."""
+    try:
+        return await action
+    except UpstreamError as e:
+        raise BrokerError(e.status, e.code, e.message) from None
+
+
+def _hash(value: Any) -> str:
+    return hashlib.sha256(json.dumps(value, sort_keys=True).encode()).hexdigest()
 
 
 def _pull_request_fields(body: dict[str, Any]) -> dict[str, Any]:
@@ -177,6 +263,19 @@ def _pull_summary(pull: PullRequest, existed: bool) -> dict[str, Any]:
     return {
         "number": pull.number, "url": pull.url, "html_url": pull.html_url, "state": pull.state, "draft": pull.draft,
         "head": pull.head, "base": pull.base, "existing": existed,
+    }  # fmt: skip
+
+
+def _pull_status(status: PullStatus, checks: Checks) -> dict[str, Any]:
+    pull = status.pull
+    return {
+        "number": pull.number, "url": pull.url, "html_url": pull.html_url, "state": pull.state, "draft": pull.draft,
+        "merged": status.merged, "mergeable": status.mergeable, "head": pull.head, "head_sha": status.head_sha,
+        "base": pull.base,
+        "checks": {
+            "total": checks.total, "counts": checks.counts, "failing": list(checks.failing),
+            "complete": checks.complete,
+        },
     }  # fmt: skip
 
 

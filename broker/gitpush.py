@@ -15,12 +15,12 @@ with a deadline for the whole push. Nothing from the bundle or the host configur
 - git resolves nothing itself: the broker resolves the host through the gateway's resolver and pins the address
   (`http.curloptResolve`).
 
-The bundle's header is checked first (broker.bundle), then its prerequisites are fetched from GitHub (shallow:
-one commit deep, deepened only if the fast-forward check needs more history) while the branch's state is read,
-the bundle is verified against them,
-and its pack is indexed with `git index-pack --strict` (git's own fetch from a bundle does not fsck). The branch
-must be absent upstream or an ancestor of the new commit; the push never forces, so GitHub refuses a branch that
-moved in between.
+The bundle's header is checked first (broker.bundle). While the branch's state is read from GitHub, its
+prerequisites are taken from the repository's cache of upstream objects (broker.gitcache; those it lacks are
+fetched into it first, one commit deep), the bundle is verified against them, and its pack is indexed with `git
+index-pack --strict` (git's own fetch from a bundle does not fsck). The branch must be absent upstream or an
+ancestor of the new commit (history deepened from GitHub, into the push's own repository, only if the check needs
+more); the push never forces, so GitHub refuses a branch that moved in between.
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
 from .bundle import Bundle, BundleError, parse_bundle
+from .gitcache import CacheSlot, ObjectCaches
 from .github import READ_CONTENTS, WRITE_CONTENTS, GitHubClient, UpstreamError
 from .grants import valid_branch
 from .redact import clip
@@ -81,6 +82,8 @@ class PushLimits:
     max_objects: int = 100_000
     timeout: float = 120.0  # seconds for the whole push
     concurrent: int = 4  # pushes in progress at once, broker-wide (each holds its bundle in memory)
+    max_cache_bytes: int = 512 * 1024 * 1024  # the caches of upstream objects, all repositories together
+    max_cache_age: float = 600.0  # seconds a cache serves new pushes (broker.gitcache)
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,6 +155,10 @@ class Pusher:
         self.transport = transport
         self.limits = limits or PushLimits()
         self.workdir = workdir  # where private repositories are made (None: the system's temporary directory)
+        # The caches of upstream objects live beside the private repositories; without a workdir, none.
+        self.caches = None
+        if workdir is not None:
+            self.caches = ObjectCaches(workdir / "cache", self.limits.max_cache_bytes, self.limits.max_cache_age)
 
     async def push(self, repo: str, branch: str, data: bytes) -> Pushed:
         bundle = self._parsed(data, branch)
@@ -201,20 +208,77 @@ class Pusher:
             raise PushError(422, "invalid_request", f"{branch!r} is not a valid branch name")
         await git.local("init", "--quiet", "--bare", "--template=", ".")
         url = self.transport.url(repo)
-        # The remote's branches and the bundle's base at once: one round trip's time, not two.
-        state, fetched = await asyncio.gather(
-            self._remote_state(git, repo, url, ref),
-            self._fetch(git, repo, url, list(bundle.prerequisites), "--depth=1"),
-            return_exceptions=True,
-        )
-        if isinstance(state, BaseException):
-            raise state
-        default, current = state
-        if branch == default:
-            raise PushError(403, "protected_branch", f"{branch!r} is the repository's default branch")
-        if isinstance(fetched, BaseException):
-            raise fetched
-        await self._unbundle(git, bundle, data)
+        async with contextlib.AsyncExitStack() as stack:
+            slot = await stack.enter_async_context(self.caches.use(repo)) if self.caches is not None else None
+            # The remote's branches while the bundle is checked against its base: one round trip's time at most.
+            state, checked = await asyncio.gather(
+                self._remote_state(git, repo, url, ref),
+                self._checked(git, slot, repo, url, bundle, data),
+                return_exceptions=True,
+            )
+            if isinstance(state, BaseException):
+                raise state
+            default, current = state
+            if branch == default:
+                raise PushError(403, "protected_branch", f"{branch!r} is the repository's default branch")
+            if isinstance(checked, BaseException):
+                raise checked
+            return await self._fast_forward(git, repo, url, ref, bundle, current)
+
+    async def _checked(
+        self, git: _Git, slot: CacheSlot | None, repo: str, url: str, bundle: Bundle, data: bytes
+    ) -> None:
+        """The bundle verified and indexed against its prerequisites, from the cache (else fetched for this push)."""
+        if slot is None:
+            await self._fetch(git, repo, url, list(bundle.prerequisites), "--depth=1")
+        else:
+            await self._borrow(git, slot, repo, url, bundle.prerequisites)
+        try:
+            await self._unbundle(git, bundle, data)
+        except PushError as e:
+            # It said it had them and git could not read them (or read something else under their names), or it
+            # is gone: no push uses it again.
+            damaged = e.code == "missing_prerequisites" or "hash mismatch" in e.message
+            if slot is not None and (damaged or not (slot.path / "objects").is_dir()):
+                slot.broken = True
+            raise
+
+    async def _borrow(self, git: _Git, slot: CacheSlot, repo: str, url: str, prerequisites: tuple[str, ...]) -> None:
+        """Lend the cache's objects and shallow list to the push's repository, once the cache holds the
+        prerequisites (those it lacks fetched into it from GitHub)."""
+        cache = _Git(self.git, slot.path, git.deadline, git.config)
+        try:
+            async with asyncio.timeout_at(git.deadline):  # another push may be fetching into it
+                await slot.lock.acquire()
+        except TimeoutError:
+            raise _timeout() from None
+        try:
+            try:
+                if not (slot.path / "HEAD").exists():
+                    slot.path.mkdir(mode=0o700, exist_ok=True)
+                    await cache.local("init", "--quiet", "--bare", "--template=", ".")
+                listed = await cache.local(
+                    "cat-file", "--batch-check", stdin="".join(f"{p}\n" for p in prerequisites).encode()
+                )
+            except PushError:
+                slot.broken = True
+                raise
+            missing = [line.split(" ")[0] for line in listed.stdout.splitlines() if line.endswith(" missing")]
+            await self._fetch(cache, repo, url, missing, "--depth=1")
+            shallow = slot.path / "shallow"
+            boundary = await asyncio.to_thread(shallow.read_bytes) if shallow.exists() else b""
+        finally:
+            slot.lock.release()
+        info = git.directory / "objects" / "info"
+        await asyncio.to_thread(info.mkdir, parents=True, exist_ok=True)
+        await asyncio.to_thread((info / "alternates").write_text, f"{slot.path / 'objects'}\n")
+        if boundary:  # the cache's commits whose parents it lacks: the push's repository must know them too
+            await asyncio.to_thread((git.directory / "shallow").write_bytes, boundary)
+
+    async def _fast_forward(
+        self, git: _Git, repo: str, url: str, ref: str, bundle: Bundle, current: str | None
+    ) -> Pushed:
+        """`ref` moved to the bundle's commit, when that is a fast-forward from `current` (its tip upstream)."""
         if current == bundle.oid:
             return Pushed(bundle.oid, ref, current)  # already there: the same push again
         if current and not await self._descends(git, repo, url, bundle.prerequisites, current, bundle.oid):

@@ -8,6 +8,9 @@
 - `lookup_ticket` (a tool the policy declares, policy.tools): that tool, as declared; no repository or branches.
   The claim is `{"tool": "lookup_ticket"}`; whether the policy declares the tool is checked when a token is
   minted (and again at each call, since a reload may drop it).
+- `get_pull_request:acme/app`, `comment_on_pull_request:acme/app`: reading, and commenting on, the pull requests
+  of the repository that the sandbox itself created (the broker records them). Branch options mean nothing to
+  these two and are ignored.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from typing import Any
 
 from airlock.policy.tools import TOOL_NAME
 
-TOOLS = frozenset({"create_pull_request", "push_branch"})
+TOOLS = frozenset({"create_pull_request", "push_branch", "get_pull_request", "comment_on_pull_request"})
 # `\Z`, not `$`: `$` also matches before a trailing newline, which would let "main\n" through.
 # The name goes into a URL path, so "." and ".." (which GitHub refuses anyway) are refused here.
 REPO = re.compile(r"^[A-Za-z0-9](?:[A-Za-z0-9-]{0,38})/(?!\.\.?\Z)[A-Za-z0-9._-]{1,100}\Z")

@@ -4,7 +4,7 @@ Python's `json` parser recurses once per nested array or object, so 20,000 `[` r
 traceback). `loads` counts the nesting on the text first, outside string literals, in one linear pass, and refuses
 what is deeper than the caller allows before the parser sees it.
 
-The shapes are a tiny typed checker rather than JSON Schema: the broker reads five small objects, and the checks that
+The shapes are a tiny typed checker rather than JSON Schema: the broker reads a few small objects, and the checks that
 matter here (an integer that is not a bool, text fit for a header, a credential fit for an Authorization header)
 read plainly in a few lines, with no dependency and no schema language to get wrong.
 """
@@ -88,6 +88,18 @@ CREDENTIAL = Kind(
     "a token", lambda v: isinstance(v, str) and len(v) <= MAX_CREDENTIAL and bool(_VISIBLE_ASCII.fullmatch(v))
 )
 TIMESTAMP = Kind("an ISO 8601 time", lambda v: isinstance(v, str) and len(v) <= 64 and _iso_time(v))
+COUNT = Kind("a count", lambda v: type(v) is int and 0 <= v < 2**63)
+MAYBE_BOOL = Kind("a boolean or null", lambda v: v is None or type(v) is bool)
+_OBJECT_ID = re.compile(r"[0-9a-f]{40}(?:[0-9a-f]{24})?")
+OBJECT_ID = Kind("a git object name", lambda v: isinstance(v, str) and bool(_OBJECT_ID.fullmatch(v)))
+
+
+def one_of(*values: str | None) -> Kind:
+    """A value from a fixed set (`None` in it: JSON null allowed)."""
+    allowed = frozenset(values)
+    described = ", ".join("null" if v is None else v for v in values)
+    return Kind(f"one of {described}", lambda v: (v is None or isinstance(v, str)) and v in allowed)
+
 
 type Shape = Mapping[str, Kind | Shape]
 

@@ -1,5 +1,6 @@
 """Broker state that must survive a restart: revocations, the tokens issued (until they expire), idempotency
-records. (The record of brokered calls is broker.calllog's, in a file of its own.)
+records, the pull requests each sandbox created. (The record of brokered calls is broker.calllog's, in a file of
+its own.)
 
 `BrokerStore` is the interface; `SqliteStore` (WAL) is the default. A fleet of gateways would put a shared
 store behind the same methods. Any store failure raises `StoreError`, and the broker answers 503: an unreadable
@@ -28,6 +29,8 @@ class BrokerStore(Protocol):
     def is_revoked(self, jti: str, sandbox: str, issued_at: int) -> bool: ...
     def idempotent_get(self, scope: str, key: str) -> tuple[str, int, dict[str, Any]] | None: ...
     def idempotent_put(self, scope: str, key: str, request_hash: str, status: int, body: dict[str, Any]) -> None: ...
+    def record_pull_request(self, sandbox: str, repo: str, number: int) -> None: ...
+    def pull_request_creator(self, repo: str, number: int) -> str | None: ...
 
 
 _SCHEMA = """
@@ -37,6 +40,10 @@ CREATE TABLE IF NOT EXISTS issued_token (jti TEXT PRIMARY KEY, sandbox TEXT NOT 
 CREATE TABLE IF NOT EXISTS idempotency (
     scope TEXT NOT NULL, key TEXT NOT NULL, request_hash TEXT NOT NULL, status INTEGER NOT NULL,
     body TEXT NOT NULL, created REAL NOT NULL, PRIMARY KEY (scope, key)
+);
+CREATE TABLE IF NOT EXISTS pull_request (
+    repo TEXT NOT NULL, number INTEGER NOT NULL, sandbox TEXT NOT NULL, created REAL NOT NULL,
+    PRIMARY KEY (repo, number)
 );
 """
 
@@ -131,3 +138,13 @@ class SqliteStore(SqliteFile):
             "INSERT OR REPLACE INTO idempotency VALUES (?, ?, ?, ?, ?, ?)",
             (scope, key, request_hash, status, json.dumps(body), time.time()),
         )
+
+    def record_pull_request(self, sandbox: str, repo: str, number: int) -> None:
+        """`sandbox` created pull request `number` of `repo` (owner/name, any case). A pull request has one creator:
+        a second record of it changes nothing."""
+        row = (repo.lower(), number, sandbox, time.time())
+        self._run("INSERT OR IGNORE INTO pull_request VALUES (?, ?, ?, ?)", row)
+
+    def pull_request_creator(self, repo: str, number: int) -> str | None:
+        rows = self._run("SELECT sandbox FROM pull_request WHERE repo = ? AND number = ?", (repo.lower(), number))
+        return rows[0][0] if rows else None

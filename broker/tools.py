@@ -22,6 +22,10 @@ REPO: dict[str, Any] = {
     "description": "owner/name of a GitHub repository the token's grant names",
 }  # fmt: skip
 BRANCH: dict[str, Any] = {"type": "string", "minLength": 1, "maxLength": 255}
+NUMBER: dict[str, Any] = {
+    "type": "integer", "minimum": 1, "maximum": 2**31 - 1,
+    "description": "the pull request's number, as create_pull_request returned it",
+}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -86,7 +90,36 @@ PUSH_BRANCH = ToolSpec(
     },
 )
 
-TOOLS = {tool.name: tool for tool in (CREATE_PULL_REQUEST, PUSH_BRANCH)}
+GET_PULL_REQUEST = ToolSpec(
+    "get_pull_request",
+    "The state of a pull request this sandbox opened with create_pull_request (any other answers 404): state, "
+    "merged, mergeable (null while GitHub computes it), its head commit, and a summary of that commit's check runs "
+    '(counts by conclusion, "pending" for runs not finished, and the names of the failing ones).',
+    {
+        "type": "object",
+        "properties": {"repo": REPO, "number": NUMBER},
+        "required": ["repo", "number"],
+        "additionalProperties": False,
+    },
+)
+
+COMMENT_ON_PULL_REQUEST = ToolSpec(
+    "comment_on_pull_request",
+    "Add a comment to a pull request this sandbox opened with create_pull_request (any other answers 404). Send "
+    "an Idempotency-Key header to make retries safe; without one, each call is a new comment.",
+    {
+        "type": "object",
+        "properties": {
+            "repo": REPO,
+            "number": NUMBER,
+            "body": {"type": "string", "minLength": 1, "maxLength": MAX_BODY, "description": "the comment (Markdown)"},
+        },
+        "required": ["repo", "number", "body"],
+        "additionalProperties": False,
+    },
+)
+
+TOOLS = {tool.name: tool for tool in (CREATE_PULL_REQUEST, PUSH_BRANCH, GET_PULL_REQUEST, COMMENT_ON_PULL_REQUEST)}
 
 _KINDS = {"object": "an object", "array": "an array", "string": "a string", "boolean": "a boolean",
           "integer": "an integer", "number": "a number", "null": "null"}  # fmt: skip
@@ -117,6 +150,8 @@ def _described(error: ValidationError) -> tuple[str, str]:
         return path, f"must be at least {expected} character{'s' if expected != 1 else ''}"
     if keyword == "maxLength":
         return path, f"must be at most {expected} characters"
+    if keyword in ("minimum", "maximum"):
+        return path, f"must be at {'least' if keyword == 'minimum' else 'most'} {expected}"
     if keyword == "pattern":
         return path, f"must match {expected}"
     return path, f"does not satisfy the schema's {keyword!r}"

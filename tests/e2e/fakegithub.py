@@ -15,7 +15,11 @@ What it models, as GitHub does it (status codes, error bodies {"message", "docum
   missing permission 403 "Resource not accessible by integration". GET /installation/repositories,
   DELETE /installation/token (revoke).
 - Pull requests on the owner's repos `app`, `other` and `hang`: POST/GET /repos/{owner}/{repo}/pulls,
-  GET/PATCH /repos/{owner}/{repo}/pulls/{number}. Branches: main, release and every agent/* (agent/no-commits has
+  GET/PATCH /repos/{owner}/{repo}/pulls/{number} (`mergeable` is null until the first GET computes it). Their
+  conversation: POST/GET /repos/{owner}/{repo}/issues/{number}/comments (`issues: write` or `pull_requests: write`
+  to post, as GitHub takes for a pull request's number). Check runs: GET
+  /repos/{owner}/{repo}/commits/{ref}/check-runs (`checks: read`; every commit has the runs of the `check_runs`
+  setting, paged with per_page/page). Branches: main, release and every agent/* (agent/no-commits has
   no commits ahead of anything). The list's `head` filter needs `owner:branch`; a bare branch is silently ignored,
   as on GitHub. Creating on `hang` (or with the `hang` setting) sleeps `hang_seconds` (60) before answering.
 - No User-Agent: 403 (GitHub requires one); an unsupported X-GitHub-Api-Version: 400.
@@ -71,7 +75,9 @@ HANG_REPOS = ("hang",)
 BRANCHES = ("main", "release", "agent/feature-1", "agent/feature-2", "agent/no-commits")
 BRANCH_PREFIX = "agent/"  # every agent/* branch exists too, with commits ahead of main
 NO_COMMITS = ("agent/no-commits",)
-INSTALLATION_PERMISSIONS = {"pull_requests": "write", "contents": "write", "metadata": "read", "issues": "write"}
+INSTALLATION_PERMISSIONS = {
+    "pull_requests": "write", "contents": "write", "metadata": "read", "issues": "write", "checks": "read",
+}  # fmt: skip
 LEVELS = {"read": 1, "write": 2, "admin": 3}
 TOKEN_ALPHABET = string.ascii_letters + string.digits
 JWT_MAX_LIFETIME = 600
@@ -83,6 +89,7 @@ DEFAULTS: dict[str, Any] = {
     "fail_status": None,  # create-PR calls answer this status (5xx: server error; 403/429: rate limited)
     "token_fail_status": None,  # the same for installation-token requests
     "token_ttl": 3600,  # lifetime of installation tokens issued from now on, in seconds
+    "check_runs": [],  # every commit's check runs: [{"name", "status", "conclusion"}]
 }
 MAX_CALLS = 10_000
 MAX_BODY = 64 * 1024 * 1024  # a git push of a large bundle
@@ -201,6 +208,7 @@ class State:
     tokens: dict[str, Token] = field(default_factory=dict)
     prs: dict[str, list[dict[str, Any]]] = field(default_factory=dict)  # repo -> PR objects, numbered from 1
     pr_log: list[dict[str, Any]] = field(default_factory=list)
+    comments: list[dict[str, Any]] = field(default_factory=list)  # on pull requests, with who posted them
     pushes: list[dict[str, Any]] = field(default_factory=list)
     settings: dict[str, Any] = field(default_factory=lambda: dict(DEFAULTS))
     connections: int = 0
@@ -211,6 +219,7 @@ class State:
         self.tokens.clear()
         self.prs.clear()
         self.pr_log.clear()
+        self.comments.clear()
         self.pushes.clear()
         self.settings = dict(DEFAULTS)
         self.connections = 0
@@ -220,6 +229,7 @@ class State:
         return {
             "calls": self.calls,
             "prs": self.pr_log,
+            "comments": self.comments,
             "tokens": [t.describe() for t in self.tokens.values()],
             "git": self.repos.info(),
             "pushes": self.pushes,
@@ -485,8 +495,9 @@ def verify_app_jwt(state: State, value: str | None) -> dict[str, Any]:
     return claims
 
 
-def repo_token(request: web.Request, permission: str, level: str, docs: str) -> tuple[str, Token]:
-    """Authorise a repository call: (canonical repo name, token). Order as on GitHub: 401, 404, 403."""
+def repo_token(request: web.Request, permission: str, level: str, docs: str, *alternatives: str) -> tuple[str, Token]:
+    """Authorise a repository call: (canonical repo name, token). Order as on GitHub: 401, 404, 403. Any of
+    `alternatives` (further permissions) at `level` will do as well."""
     state = request.app[STATE]
     owner, repo = request.match_info["owner"], request.match_info["repo"]
     scheme, value = credential(request)
@@ -503,7 +514,7 @@ def repo_token(request: web.Request, permission: str, level: str, docs: str) -> 
     name = state.canonical_repo(owner, repo)
     if name is None or not token.covers(name):
         raise not_found(docs)
-    if not token.allows(permission, level):
+    if not any(token.allows(p, level) for p in (permission, *alternatives)):
         raise ApiError(403, NOT_ACCESSIBLE, docs=docs)
     return name, token
 
@@ -568,6 +579,9 @@ DOC_CREATE_PR = "https://docs.github.com/rest/pulls/pulls#create-a-pull-request"
 DOC_LIST_PRS = "https://docs.github.com/rest/pulls/pulls#list-pull-requests"
 DOC_GET_PR = "https://docs.github.com/rest/pulls/pulls#get-a-pull-request"
 DOC_UPDATE_PR = "https://docs.github.com/rest/pulls/pulls#update-a-pull-request"
+DOC_COMMENTS = "https://docs.github.com/rest/issues/comments#create-an-issue-comment"
+DOC_LIST_COMMENTS = "https://docs.github.com/rest/issues/comments#list-issue-comments"
+DOC_CHECK_RUNS = "https://docs.github.com/rest/checks/runs#list-check-runs-for-a-git-reference"
 DOC_INSTALLATION_REPOS = (
     "https://docs.github.com/rest/apps/installations#list-repositories-accessible-to-the-app-installation"
 )
@@ -778,7 +792,77 @@ def find_pull(request: web.Request, repo: str, docs: str) -> dict[str, Any]:
 
 async def get_pull(request: web.Request) -> web.Response:
     repo, _ = repo_token(request, "pull_requests", "read", DOC_GET_PR)
-    return json_response(find_pull(request, repo, DOC_GET_PR))
+    pr = find_pull(request, repo, DOC_GET_PR)
+    if pr["mergeable"] is None and pr["state"] == "open":  # GitHub computes it in the background
+        pr.update(mergeable=True, mergeable_state="clean", rebaseable=True)
+    return json_response(pr)
+
+
+def comment_object(owner: str, repo: str, number: int, comment_id: int, body: str, login: str) -> dict[str, Any]:
+    full, now = f"{owner}/{repo}", iso(time.time())
+    return {
+        "id": comment_id,
+        "node_id": base64.b64encode(f"012:IssueComment{comment_id}".encode()).decode(),
+        "url": f"{API_URL}/repos/{full}/issues/comments/{comment_id}",
+        "html_url": f"{WEB_URL}/{full}/pull/{number}#issuecomment-{comment_id}",
+        "issue_url": f"{API_URL}/repos/{full}/issues/{number}",
+        "body": body,
+        "user": user_object(login),
+        "created_at": now,
+        "updated_at": now,
+        "author_association": "NONE" if login.endswith("[bot]") else "MEMBER",
+    }
+
+
+async def create_comment(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    # A pull request's number: GitHub takes either permission (a plain issue's would need `issues`).
+    repo, token = repo_token(request, "issues", "write", DOC_COMMENTS, "pull_requests")
+    pr = find_pull(request, repo, DOC_COMMENTS)
+    body = await json_object(request, DOC_COMMENTS)
+    check_types(body, {"body": (str,)}, DOC_COMMENTS)
+    if not body.get("body"):
+        missing = {"resource": "IssueComment", "code": "missing_field", "field": "body"}
+        raise ApiError(422, "Validation Failed", [missing], DOC_COMMENTS)
+    comment_id = 3_000_000 + len(state.comments) + 1
+    comment = comment_object(state.owner, repo, pr["number"], comment_id, body["body"], token.login)
+    pr["comments"] += 1
+    state.comments.append(
+        {"repo": f"{state.owner}/{repo}", "number": pr["number"], "id": comment_id, "body": body["body"],
+         "user": token.login, "credential": token.kind, "permissions": token.permissions,
+         "repositories": token.repositories, "comment": comment}
+    )  # fmt: skip
+    return json_response(comment, 201, {"Location": comment["url"]})
+
+
+async def list_comments(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    repo, _ = repo_token(request, "issues", "read", DOC_LIST_COMMENTS, "pull_requests")
+    pr = find_pull(request, repo, DOC_LIST_COMMENTS)
+    here = f"{state.owner}/{repo}"
+    return json_response([c["comment"] for c in state.comments if (c["repo"], c["number"]) == (here, pr["number"])])
+
+
+async def list_check_runs(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    repo, _ = repo_token(request, "checks", "read", DOC_CHECK_RUNS)
+    ref = request.match_info["ref"]
+    refs = state.repos.refs(repo)
+    commit = refs.get(f"refs/heads/{ref}", ref)
+    if not (len(commit) == 40 and all(c in "0123456789abcdef" for c in commit)):
+        raise ApiError(422, f"No commit found for SHA: {ref}", docs=DOC_CHECK_RUNS)
+    try:
+        per_page = max(1, min(int(request.query.get("per_page", 30)), 100))
+        page = max(1, int(request.query.get("page", 1)))
+    except ValueError:
+        per_page, page = 30, 1
+    runs = [
+        {"id": 4_000_000 + n, "head_sha": commit, "name": run["name"], "status": run["status"],
+         "conclusion": run.get("conclusion"), "html_url": f"{WEB_URL}/{state.owner}/{repo}/runs/{4_000_000 + n}",
+         "app": {"slug": "github-actions"}}
+        for n, run in enumerate(state.settings["check_runs"], 1)
+    ]  # fmt: skip
+    return json_response({"total_count": len(runs), "check_runs": runs[(page - 1) * per_page : page * per_page]})
 
 
 async def update_pull(request: web.Request) -> web.Response:
@@ -940,6 +1024,9 @@ def make_app(state: State) -> web.Application:
             web.get("/repos/{owner}/{repo}/pulls", list_pulls),
             web.get("/repos/{owner}/{repo}/pulls/{number}", get_pull),
             web.patch("/repos/{owner}/{repo}/pulls/{number}", update_pull),
+            web.post("/repos/{owner}/{repo}/issues/{number}/comments", create_comment),
+            web.get("/repos/{owner}/{repo}/issues/{number}/comments", list_comments),
+            web.get("/repos/{owner}/{repo}/commits/{ref}/check-runs", list_check_runs),
             web.get("/{owner}/{repo}.git/info/refs", git_smart_http),
             web.post("/{owner}/{repo}.git/{service}", git_smart_http),
         ]

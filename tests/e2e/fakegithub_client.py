@@ -118,7 +118,8 @@ class FakeGitHub(ControlledFake):
         self._call("reset")
 
     def set(self, **settings: Any) -> dict[str, Any]:
-        """Change behaviour: hang, hang_after_create, hang_seconds, fail_status, token_fail_status, token_ttl."""
+        """Change behaviour: hang, hang_after_create, hang_seconds, fail_status, token_fail_status, token_ttl,
+        check_runs."""
         return self._call("set", **settings)["settings"]
 
     def expire_tokens(self) -> int:
@@ -139,6 +140,10 @@ class FakeGitHub(ControlledFake):
     def prs(self) -> list[dict[str, Any]]:
         """PRs created: repo, number, title, head, base, body, draft, state, user, token, credential, html_url, url."""
         return self.stats()["prs"]
+
+    def comments(self) -> list[dict[str, Any]]:
+        """Comments posted on pull requests: repo, number, id, body, user, credential, permissions, repositories."""
+        return self.stats()["comments"]
 
     def tokens(self) -> list[dict[str, Any]]:
         """Installation tokens issued: token, permissions, repositories (None = all), expires_at, revoked, ..."""

@@ -338,6 +338,39 @@ def test_installation_token_scope(gh: Any, fake_github: FakeGitHub) -> None:
     assert fake_github.calls(APP_PR)[-1]["credential"] == "installation"
 
 
+def test_pull_request_comments_and_check_runs_want_their_permissions(gh: Any, fake_github: FakeGitHub) -> None:
+    writer = installation_token(gh, fake_github, NARROW)
+    assert gh("POST", APP_PR, writer, body=pr_body()).status == 201
+    fake_github.set(check_runs=[{"name": "build", "status": "completed", "conclusion": "failure"}])
+    resource = "Resource not accessible by integration"
+
+    def token(**permissions: str) -> str:
+        return installation_token(gh, fake_github, {"repositories": ["app"], "permissions": permissions})
+
+    reader = token(pull_requests="read")
+    first = gh("GET", f"{APP_PR}/1", reader).json()
+    assert (first["mergeable"], first["mergeable_state"], len(first["head"]["sha"])) == (True, "clean", 40)
+    comment = {"body": "Looks good."}
+    assert_error(gh("POST", "/repos/acme/app/issues/1/comments", reader, body=comment), 403, resource)
+    for permissions in ({"pull_requests": "write"}, {"issues": "write"}):  # either does, as on GitHub
+        posted = gh("POST", "/repos/acme/app/issues/1/comments", token(**permissions), body=comment)
+        assert posted.status == 201, posted.body
+        assert posted.json()["html_url"].startswith("https://github.test/acme/app/pull/1#issuecomment-")
+    assert_error(gh("POST", "/repos/acme/app/issues/2/comments", writer, body=comment), 404, "Not Found")
+    assert [c["body"] for c in gh("GET", "/repos/acme/app/issues/1/comments", reader).json()] == ["Looks good."] * 2
+    assert [(c["number"], c["permissions"]) for c in fake_github.comments()] == [
+        (1, {"metadata": "read", "pull_requests": "write"}), (1, {"metadata": "read", "issues": "write"}),
+    ]  # fmt: skip
+
+    runs = f"/repos/acme/app/commits/{first['head']['sha']}/check-runs"
+    assert_error(gh("GET", runs, reader), 403, resource)
+    listed = gh("GET", runs, token(checks="read")).json()
+    assert listed["total_count"] == 1
+    assert [(r["name"], r["conclusion"]) for r in listed["check_runs"]] == [("build", "failure")]
+    elsewhere = installation_token(gh, fake_github, {"repositories": ["other"], "permissions": {"checks": "read"}})
+    assert_error(gh("GET", runs, elsewhere), 404, "Not Found")
+
+
 def test_short_token_ttl(gh: Any, fake_github: FakeGitHub) -> None:
     fake_github.set(token_ttl=1)
     reply = gh("POST", "/app/installations/777/access_tokens", fake_github.app_jwt(), scheme="Bearer", body=NARROW)

@@ -30,6 +30,9 @@ from topology import GW_IP, Topology
 BROKER = (GW_IP, 8080)
 PUSH_GRANT = "push_branch:acme/app:head=agent/*"
 PR_GRANT = "create_pull_request:acme/app:base=main,head=agent/*"
+READ_GRANT = "get_pull_request:acme/app"
+COMMENT_GRANT = "comment_on_pull_request:acme/app"
+GRANTS = (PUSH_GRANT, PR_GRANT, READ_GRANT, COMMENT_GRANT)  # what the walk-through's agent is given
 NOBODY_UID = 65534
 
 
@@ -133,6 +136,28 @@ def test_push_fetches_with_a_read_token_and_pushes_with_a_write_token(
         assert base64.b64encode(f"x-access-token:{token['token']}".encode()).decode() not in text
 
 
+def upload_packs(fake_github: FakeGitHub) -> int:
+    return sum(1 for c in fake_github.calls("/acme/app.git/", "POST") if c["path"].endswith("/git-upload-pack"))
+
+
+def test_a_second_push_to_the_repository_fetches_nothing(
+    topology: Topology, gateway: GatewayProcess, fake_github: FakeGitHub, work: Work
+) -> None:
+    token = issue(gateway)
+    work.commit("a.txt", branch="agent/a")
+    assert push(topology, token, work.bundle(), "agent/a")[0] == 200
+    first = upload_packs(fake_github)
+    git("checkout", "-q", "-B", "agent/b", "main", cwd=work.path)
+    tip = work.commit("b.txt")
+    status, body = push(topology, token, work.bundle(), "agent/b")
+    assert (status, body["sha"]) == (200, tip), body
+    # The first push listed the branches and fetched the base (unless an earlier test's push to the repository
+    # left it in the broker's cache); the second only lists them: its base is cached.
+    assert first >= 1 and upload_packs(fake_github) - first == 1
+    bare = Path(fake_github.git()["app"]["path"])
+    assert git("log", "--format=%s", "main..agent/b", cwd=bare).splitlines() == ["add b.txt"]
+
+
 def test_an_installation_token_github_stopped_taking_is_replaced_once(
     topology: Topology, gateway: GatewayProcess, fake_github: FakeGitHub, work: Work
 ) -> None:
@@ -234,10 +259,21 @@ curl -sS -H "$AUTH" -H 'Content-Type: application/json' --data-binary @/tmp/push
      "$AIRLOCK_BROKER_URL/v1/tools/push_branch"; echo
 curl -sS -H "$AUTH" -H 'Content-Type: application/json' \\
      -d '{"repo":"acme/app","head":"agent/fix-1","base":"main","title":"Fix it"}' \\
-     "$AIRLOCK_BROKER_URL/v1/tools/create_pull_request"; echo
+     "$AIRLOCK_BROKER_URL/v1/tools/create_pull_request" > /tmp/pr.json; cat /tmp/pr.json; echo
+NUMBER=$(python3 -c 'import json, sys; print(json.load(sys.stdin)["number"])' < /tmp/pr.json)
+curl -sS -H "$AUTH" -H 'Content-Type: application/json' -d '{"repo":"acme/app","number":'"$NUMBER"'}' \\
+     "$AIRLOCK_BROKER_URL/v1/tools/get_pull_request"; echo
+curl -sS -H "$AUTH" -H 'Content-Type: application/json' \\
+     -d '{"repo":"acme/app","number":'"$NUMBER"',"body":"CI is red on lint; fixing."}' \\
+     "$AIRLOCK_BROKER_URL/v1/tools/comment_on_pull_request"; echo
 curl -sS -H "$AUTH" "$AIRLOCK_BROKER_URL/v1/tools"; echo
 git rev-parse HEAD
 """
+CHECK_RUNS = [
+    {"name": "build", "status": "completed", "conclusion": "success"},
+    {"name": "lint", "status": "completed", "conclusion": "failure"},
+    {"name": "e2e", "status": "queued", "conclusion": None},
+]
 
 
 @pytest.fixture
@@ -259,39 +295,70 @@ def test_an_agent_in_airlock_run_pushes_its_commits_and_opens_a_pull_request(
     run_in_gw: Any, fake_github: FakeGitHub, broker_args: tuple[str, ...], agent_repo: Path, tmp_path: Path
 ) -> None:
     audit = tmp_path / "audit.jsonl"
-    options = ("--state-dir", str(tmp_path / "state"), "--audit", str(audit), "--grant", PUSH_GRANT,
-               "--grant", PR_GRANT, *broker_args)  # fmt: skip
+    fake_github.set(check_runs=CHECK_RUNS)
+    options = ("--state-dir", str(tmp_path / "state"), "--audit", str(audit), *(f"--grant={g}" for g in GRANTS),
+               *broker_args)  # fmt: skip
     result = run_in_gw("sh", "-c", AGENT_SCRIPT, cwd=agent_repo, options=options, timeout=120)
     assert result.returncode == 0, result.stderr
-    pushed, pull, tools, head = result.stdout.strip().splitlines()[-4:]
-    assert json.loads(pushed) == {"sha": head, "ref": "refs/heads/agent/fix-1", "previous": None}, result.stderr
+    assert_walked_through(result.stdout, result.stderr, fake_github, audit)
+    # The call log has each tool call as the security team reads it, the push's bundle by hash and size.
+    log = subprocess.run([AIRLOCK, "tools", "log", "--json", "--state-dir", str(tmp_path / "state")],
+                         capture_output=True, text=True, check=True, timeout=30)  # fmt: skip
+    calls = [json.loads(line) for line in log.stdout.splitlines()]
+    assert [(c["tool"], c["status"]) for c in calls] == [
+        ("push_branch", 200), ("create_pull_request", 201), ("get_pull_request", 200),
+        ("comment_on_pull_request", 201),
+    ]  # fmt: skip
+    (push,) = [json.loads(line) for line in audit.read_text().splitlines() if '"method":"push_branch"' in line]
+    kept = {"sha256": push["extra"]["bundle_sha256"], "bytes": push["extra"]["bundle_bytes"]}
+    assert calls[0]["input"] == {"repo": "acme/app", "branch": "agent/fix-1", "bundle": kept}
+    assert {c["sandbox"] for c in calls} == {push["sandbox"]}
+    assert calls[1]["result"]["number"] == calls[2]["input"]["number"]
+    for secret in [t["token"] for t in fake_github.tokens()]:
+        assert secret not in log.stdout
+
+
+def assert_walked_through(stdout: str, stderr: str, fake_github: FakeGitHub, audit: Path) -> None:
+    """What AGENT_SCRIPT printed, what the fake GitHub has, what the audit says, after the agent ran it."""
+    pushed, pull, status, comment, tools, head = stdout.strip().splitlines()[-6:]
+    assert json.loads(pushed) == {"sha": head, "ref": "refs/heads/agent/fix-1", "previous": None}, stderr
     assert json.loads(pull)["head"] == "agent/fix-1" and json.loads(pull)["existing"] is False
-    assert [t["name"] for t in json.loads(tools)["tools"]] == ["create_pull_request", "push_branch"]
+    number = json.loads(pull)["number"]
+    assert json.loads(status) == {
+        "number": number, "url": f"https://api.github.test/repos/acme/app/pulls/{number}",
+        "html_url": f"https://github.test/acme/app/pull/{number}", "state": "open", "draft": False, "merged": False,
+        "mergeable": True, "head": "agent/fix-1", "head_sha": head, "base": "main",
+        "checks": {"total": 3, "counts": {"success": 1, "failure": 1, "pending": 1}, "failing": ["lint"],
+                   "complete": True},
+    }, status  # fmt: skip
+    (posted,) = fake_github.comments()
+    assert json.loads(comment) == {"id": posted["id"], "html_url": posted["comment"]["html_url"], "number": number}
+    assert (posted["number"], posted["body"], posted["credential"]) == (number, "CI is red on lint; fixing.",
+                                                                      "installation")  # fmt: skip
+    assert (posted["permissions"], posted["repositories"]) == ({"pull_requests": "write", "metadata": "read"}, ["app"])
+    assert [t["name"] for t in json.loads(tools)["tools"]] == [
+        "create_pull_request", "push_branch", "get_pull_request", "comment_on_pull_request",
+    ]  # fmt: skip
     # The fake's repository has exactly the agent's two commits on the branch, and the pull request points there.
     bare = Path(fake_github.git()["app"]["path"])
     assert fake_github.git()["app"]["refs"]["refs/heads/agent/fix-1"] == head
     assert git("log", "--format=%s", "main..agent/fix-1", cwd=bare).splitlines() == ["Say more", "Fix it"]
     (pr,) = fake_github.prs()
     assert (pr["head"], pr["head_sha"], pr["base"], pr["credential"]) == ("agent/fix-1", head, "main", "installation")
-    # The audit: three broker calls of the sandbox, allowed, the push by bundle hash and size.
+    # The audit: the sandbox's broker calls, allowed, the push by bundle hash and size.
     records = [json.loads(line) for line in audit.read_text().splitlines() if '"kind":"broker"' in line]
     assert [(r["method"], r["decision"], r["extra"]["status"]) for r in records] == [
-        ("push_branch", "allow", 200), ("create_pull_request", "allow", 201), ("list_tools", "allow", 200),
+        ("push_branch", "allow", 200), ("create_pull_request", "allow", 201), ("get_pull_request", "allow", 200),
+        ("comment_on_pull_request", "allow", 201), ("list_tools", "allow", 200),
     ]  # fmt: skip
     assert records[0]["extra"]["sha"] == head
     assert set(records[0]["extra"]) == {"jti", "status", "branch", "bundle_sha256", "bundle_bytes", "sha", "ref",
                                         "previous"}  # fmt: skip
-    secrets = [t["token"] for t in fake_github.tokens()]
-    assert len(secrets) == 3  # contents: read, contents: write, pull_requests: write
-    # The call log has both tool calls as the security team reads them, the push's bundle by hash and size.
-    log = subprocess.run([AIRLOCK, "tools", "log", "--json", "--state-dir", str(tmp_path / "state")],
-                         capture_output=True, text=True, check=True, timeout=30)  # fmt: skip
-    calls = [json.loads(line) for line in log.stdout.splitlines()]
-    assert [(c["tool"], c["status"], c["sandbox"]) for c in calls] == [
-        ("push_branch", 200, records[0]["sandbox"]), ("create_pull_request", 201, records[0]["sandbox"]),
-    ]  # fmt: skip
-    kept = {"sha256": records[0]["extra"]["bundle_sha256"], "bytes": records[0]["extra"]["bundle_bytes"]}
-    assert calls[0]["input"] == {"repo": "acme/app", "branch": "agent/fix-1", "bundle": kept}
-    assert calls[1]["result"] == json.loads(pull)
-    for secret in secrets:
-        assert secret not in result.stdout + result.stderr + audit.read_text() + log.stdout
+    # One token per step, each with one permission besides metadata (the comment reuses the pull request's).
+    held = [sorted(t["permissions"].items()) for t in fake_github.tokens()]
+    assert sorted(held) == sorted(sorted([("metadata", "read"), permission]) for permission in [
+        ("contents", "read"), ("contents", "write"), ("pull_requests", "write"), ("pull_requests", "read"),
+        ("checks", "read"),
+    ])  # fmt: skip
+    for secret in [t["token"] for t in fake_github.tokens()]:
+        assert secret not in stdout + stderr + audit.read_text()

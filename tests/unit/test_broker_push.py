@@ -12,7 +12,9 @@ import base64
 import contextlib
 import json
 import os
+import shutil
 import subprocess
+import zlib
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -67,6 +69,7 @@ class World:
     work: Path  # the agent's clone of it
     audit: list[AuditRecord]
     state: Path
+    pusher: Pusher
 
     async def token(self, *grants: str) -> str:
         token, _ = self.broker.mint(SANDBOX, [parse_grant(g) for g in grants or (PUSH_GRANT,)])
@@ -151,7 +154,7 @@ async def world(tmp_path: Path) -> AsyncIterator[Factory]:
             client = TestClient(TestServer(broker.sandbox_app(), host=LOOPBACK))
             await client.start_server()
             stack.push_async_callback(client.close)
-            return World(broker, client, remote, work, audit, tmp_path / "state")
+            return World(broker, client, remote, work, audit, tmp_path / "state", pusher)
 
         yield factory
 
@@ -184,7 +187,8 @@ async def test_pushes_a_new_branch_with_exactly_the_bundles_commits(world: Facto
     assert call["input"] == {"repo": "acme/app", "branch": "agent/x", "bundle": digest}
     assert call["result"] == reply.body and call["status"] == 200 and call["tool"] == "push_branch"
     assert base64.b64encode(bundle).decode()[:40] not in json.dumps(call) + record.to_json()
-    assert not list((w.state.parent / "push").iterdir())  # the private repository is gone
+    # The private repository is gone; the cache of upstream objects stays.
+    assert [path.name for path in (w.state.parent / "push").iterdir()] == ["cache"]
 
 
 async def test_a_bundle_of_megabytes_is_parsed_off_the_event_loop_and_pushed(world: Factory) -> None:
@@ -502,6 +506,144 @@ async def test_what_git_says_is_redacted(world: Factory, unused_tcp_port: int) -
     basic = base64.b64encode(f"x-access-token:{STATIC_SECRET}".encode()).decode()
     for text in (json.dumps(reply.body), w.audit[-1].to_json(), *map(json.dumps, w.stored_calls())):
         assert STATIC_SECRET not in text and basic not in text
+
+
+# --- the cache of upstream objects -------------------------------------------------------------------------------
+
+
+def fetches(w: World, monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, list[str]]]:
+    """Every fetch from "GitHub" the pusher makes from now on: (into which repository, the objects wanted)."""
+    seen: list[tuple[str, list[str]]] = []
+    fetch = w.pusher._fetch
+
+    async def recording(git: Any, repo: str, url: str, wants: list[str], depth: str) -> None:
+        seen.append((git.directory.parent.name, list(wants)))
+        await fetch(git, repo, url, wants, depth)
+
+    monkeypatch.setattr(w.pusher, "_fetch", recording)
+    return seen
+
+
+def cache_dirs(w: World) -> list[Path]:
+    return [p for p in (w.state.parent / "push" / "cache").iterdir() if not p.name.startswith(".")]
+
+
+async def test_a_second_push_takes_its_base_from_the_cache(world: Factory, monkeypatch: pytest.MonkeyPatch) -> None:
+    w = await world()
+    seen = fetches(w, monkeypatch)
+    main = git("rev-parse", "main", cwd=w.work)
+    w.commit("a.txt", branch="agent/a")
+    assert (await w.push(w.bundle(), "agent/a")).status == 200
+    git("checkout", "-q", "-B", "agent/b", "main", cwd=w.work)
+    tip = w.commit("b.txt")
+    reply = await w.push(w.bundle(), "agent/b")
+    assert (reply.status, reply.body["sha"]) == (200, tip), reply.body
+    assert [wants for _, wants in seen] == [[main], []]  # the base once, into the cache
+    assert seen[0][0] == "cache"
+    assert git("log", "--format=%s", "main..agent/b", cwd=w.remote).splitlines() == ["add b.txt"]
+
+
+async def test_concurrent_pushes_to_two_branches_share_the_cache(
+    world: Factory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    w = await world()
+    seen = fetches(w, monkeypatch)
+    bundles = {}
+    for branch in ("agent/a", "agent/b"):
+        git("checkout", "-q", "-B", branch, "main", cwd=w.work)
+        w.commit(f"{branch[-1]}.txt")
+        bundles[branch] = w.bundle()
+    replies = await asyncio.gather(*(w.push(bundle, branch) for branch, bundle in bundles.items()))
+    assert [r.status for r in replies] == [200, 200], replies
+    assert sorted(len(wants) for _, wants in seen) == [0, 1]  # one fetched the base, the other found it there
+    assert {w.remote_refs()[f"refs/heads/{b}"] for b in bundles} == {r.body["sha"] for r in replies}
+
+
+async def test_the_caches_are_bounded_in_size(world: Factory, monkeypatch: pytest.MonkeyPatch) -> None:
+    w = await world(PushLimits(max_cache_bytes=1))
+    seen = fetches(w, monkeypatch)
+    for branch in ("agent/a", "agent/b"):
+        git("checkout", "-q", "-B", branch, "main", cwd=w.work)
+        w.commit(f"{branch[-1]}.txt")
+        assert (await w.push(w.bundle(), branch)).status == 200
+        assert cache_dirs(w) == []  # over the bound once the push was done: removed
+    assert [len(wants) for _, wants in seen] == [1, 1]
+
+
+async def test_a_cache_serves_new_pushes_for_a_while_only(world: Factory, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An object deleted upstream must not stay a usable base for ever: past its age, pushes get a new cache."""
+    w = await world(PushLimits(max_cache_age=0))
+    seen = fetches(w, monkeypatch)
+    for branch in ("agent/a", "agent/b"):
+        git("checkout", "-q", "-B", branch, "main", cwd=w.work)
+        w.commit(f"{branch[-1]}.txt")
+        assert (await w.push(w.bundle(), branch)).status == 200
+    assert [len(wants) for _, wants in seen] == [1, 1]
+    assert len(cache_dirs(w)) == 1  # the retired one is gone
+
+
+async def test_a_cache_removed_between_pushes_is_made_again(world: Factory) -> None:
+    w = await world()
+    w.commit("a.txt", branch="agent/a")
+    assert (await w.push(w.bundle(), "agent/a")).status == 200
+    (cache,) = cache_dirs(w)
+    shutil.rmtree(cache)
+    git("checkout", "-q", "-B", "agent/b", "main", cwd=w.work)
+    w.commit("b.txt")
+    assert (await w.push(w.bundle(), "agent/b")).status == 200
+
+
+async def test_a_cache_removed_mid_push_fails_that_push_and_nothing_moves(
+    world: Factory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    w = await world()
+    unbundle = w.pusher._unbundle
+
+    async def removing_the_cache_first(*args: Any) -> None:
+        for cache in cache_dirs(w):
+            shutil.rmtree(cache)
+        await unbundle(*args)
+
+    monkeypatch.setattr(w.pusher, "_unbundle", removing_the_cache_first)
+    w.commit("a.txt", branch="agent/a")
+    bundle = w.bundle()
+    reply = await w.push(bundle, "agent/a")
+    assert reply.status == 422 and reply.body["error"] in ("missing_prerequisites", "invalid_bundle"), reply.body
+    assert set(w.remote_refs()) == {"refs/heads/main"}
+    assert cache_dirs(w) == []
+    monkeypatch.undo()
+    assert (await w.push(bundle, "agent/a")).status == 200  # the next push gets a cache of its own
+
+
+async def test_a_damaged_cache_is_refused_then_replaced(world: Factory) -> None:
+    """The cache claims the base commit but holds garbage under its name: git cannot read it, nothing is pushed,
+    and the next push has a new cache."""
+    w = await world()
+    w.commit("a.txt", branch="agent/a")
+    assert (await w.push(w.bundle(), "agent/a")).status == 200
+    (cache,) = cache_dirs(w)
+    main = git("rev-parse", "main", cwd=w.work)
+    for pack in (cache / "objects" / "pack").glob("*"):
+        pack.unlink()
+    loose = cache / "objects" / main[:2] / main[2:]
+    loose.parent.mkdir(parents=True, exist_ok=True)
+    loose.write_bytes(zlib.compress(b"commit 5\0junk!"))
+    git("checkout", "-q", "-B", "agent/b", "main", cwd=w.work)
+    w.commit("b.txt")
+    bundle = w.bundle()
+    reply = await w.push(bundle, "agent/b")
+    assert (reply.status, reply.body["error"]) == (422, "invalid_bundle"), reply.body
+    assert "hash mismatch" in reply.body["message"]
+    assert "refs/heads/agent/b" not in w.remote_refs()
+    assert not cache.exists()  # found broken: removed
+    assert (await w.push(bundle, "agent/b")).status == 200
+
+
+async def test_a_cache_started_afresh_with_the_broker(world: Factory, tmp_path: Path) -> None:
+    leftover = tmp_path / "push" / "cache" / "leftover"
+    leftover.mkdir(parents=True)
+    await world()
+    assert not leftover.exists()  # nothing of a previous run is trusted
 
 
 # --- input ------------------------------------------------------------------------------------------------------

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import json
 import sqlite3
 import threading
@@ -53,7 +54,10 @@ class FakeGitHub:
     """Just enough of the REST API. `mode` makes POST /pulls misbehave: "create", "hang", "error", "echo" (an error
     repeating the credential sent), "echo-everywhere" (created, or listed, with every credential GitHub has seen in
     every text field). `answers` replaces an endpoint's answer after its credential check: {"create_pull" |
-    "list_pulls" | "installation" | "access_token": (status, JSON value or raw bytes)}."""
+    "list_pulls" | "get_pull" | "check_runs" | "comment" | "installation" | "access_token": (status, JSON value or
+    raw bytes)}. The pull request, check-run and comment endpoints check the installation token's narrowing as
+    GitHub does (404 for a repository it does not cover, 403 without the permission); `check_runs` is what every
+    commit's check runs are."""
 
     def __init__(self, app_public_key: Any) -> None:
         self.app_public_key = app_public_key
@@ -70,6 +74,9 @@ class FakeGitHub:
         self.release = asyncio.Event()
         self.base_url = ""
         self.answers: dict[str, tuple[int, Any]] = {}
+        self.narrowing: dict[str, dict[str, Any]] = {}  # installation token → the access-token request's body
+        self.check_runs: list[dict[str, Any]] = []
+        self.comments: list[tuple[str, int, dict[str, Any]]] = []  # (owner/repo, issue number, comment)
 
     def secrets_seen(self) -> str:
         """Every credential this GitHub has been sent or has issued, glued together."""
@@ -96,6 +103,9 @@ class FakeGitHub:
         app.router.add_post("/app/installations/{id}/access_tokens", self.access_token)
         app.router.add_post("/repos/{owner}/{repo}/pulls", self.create_pull)
         app.router.add_get("/repos/{owner}/{repo}/pulls", self.list_pulls)
+        app.router.add_get("/repos/{owner}/{repo}/pulls/{number}", self.get_pull)
+        app.router.add_get("/repos/{owner}/{repo}/commits/{sha}/check-runs", self.list_check_runs)
+        app.router.add_post("/repos/{owner}/{repo}/issues/{number}/comments", self.create_comment)
         return app
 
     def count(self, method: str, path_part: str) -> int:
@@ -162,6 +172,7 @@ class FakeGitHub:
             return web.json_response({"message": "Not Found"}, status=404)
         token = f"{INSTALLATION_PREFIX}{len(self.tokens_issued):04d}xyz"
         self.tokens_issued.append(token)
+        self.narrowing[token] = call["json"] or {}
         expires = (datetime.now(UTC) + timedelta(hours=1)).strftime("%Y-%m-%dT%H:%M:%SZ")
         expires = expires if self.expires_at == "in an hour" else self.expires_at
         permissions = (call["json"] or {}).get("permissions")
@@ -173,9 +184,80 @@ class FakeGitHub:
         return {
             "number": number, "url": url, "html_url": f"https://github.test/{owner}/{repo}/pull/{number}",
             "state": "open", "draft": fields.get("draft", False), "title": fields.get("title"),
-            "head": {"ref": fields["head"], "label": f"{owner}:{fields['head']}"}, "base": {"ref": fields["base"]},
-            "user": {"login": "airlock-app[bot]"}, "_links": {"self": {"href": url}}, "node_id": "PR_secretish",
+            "head": {"ref": fields["head"], "label": f"{owner}:{fields['head']}", "sha": head_sha(fields["head"])},
+            "base": {"ref": fields["base"]}, "user": {"login": "airlock-app[bot]"}, "_links": {"self": {"href": url}},
+            "node_id": "PR_secretish", "merged": False, "mergeable": None, "mergeable_state": "unknown",
         }  # fmt: skip
+
+    def _narrowed(self, request: web.Request, call: dict[str, Any], permissions: dict[str, str]) -> web.Response | None:
+        """GitHub's refusal when the call's installation token does not cover the repository or lacks one of
+        `permissions` (name → least level; any one of them will do), else None. The static token covers all."""
+        if not self._installation_token_ok(call):
+            return web.json_response({"message": "Bad credentials"}, status=401)
+        token = call["auth"].partition(" ")[2]
+        if token == STATIC_SECRET:
+            return None
+        narrowing = self.narrowing.get(token, {})
+        if request.match_info["repo"] not in narrowing.get("repositories", [request.match_info["repo"]]):
+            self.problems.append(f"{call['path']}: the token does not cover the repository")
+            return web.json_response({"message": "Not Found"}, status=404)
+        held = narrowing.get("permissions", {})
+        if not any(held.get(name) in (level, "write") for name, level in permissions.items()):
+            self.problems.append(f"{call['path']}: the token holds {held}, not one of {permissions}")
+            return web.json_response({"message": "Resource not accessible by integration"}, status=403)
+        return None
+
+    def _find_pull(self, request: web.Request) -> dict[str, Any] | None:
+        here = f"{request.match_info['owner']}/{request.match_info['repo']}"
+        number = request.match_info["number"]
+        return next((p for where, p in self.pulls if where == here and str(p["number"]) == number), None)
+
+    async def get_pull(self, request: web.Request) -> web.StreamResponse:
+        call = await self._record(request)
+        if refusal := self._narrowed(request, call, {"pull_requests": "read"}):
+            return refusal
+        if answer := await self.answer(request, "get_pull"):
+            return answer
+        pull = self._find_pull(request)
+        if pull is None:
+            return web.json_response({"message": "Not Found"}, status=404)
+        pull |= {"mergeable": True, "mergeable_state": "clean"}  # GitHub has computed it by now
+        if self.mode == "echo-everywhere":
+            echoed = self._echoing(pull)
+            echoed["head"]["sha"] = pull["head"]["sha"]
+            return web.json_response(echoed)
+        return web.json_response(pull)
+
+    async def list_check_runs(self, request: web.Request) -> web.StreamResponse:
+        call = await self._record(request)
+        if refusal := self._narrowed(request, call, {"checks": "read"}):
+            return refusal
+        if answer := await self.answer(request, "check_runs"):
+            return answer
+        page = int(call["query"].get("per_page", 30))
+        runs = [run | {"head_sha": request.match_info["sha"], "id": n} for n, run in enumerate(self.check_runs, 1)]
+        if self.mode == "echo-everywhere":
+            runs = [run | {"name": f"{run['name']}{self.secrets_seen()}"} for run in runs]
+        return web.json_response({"total_count": len(runs), "check_runs": runs[:page]})
+
+    async def create_comment(self, request: web.Request) -> web.StreamResponse:
+        call = await self._record(request)
+        if refusal := self._narrowed(request, call, {"issues": "write", "pull_requests": "write"}):
+            return refusal
+        if answer := await self.answer(request, "comment"):
+            return answer
+        pull = self._find_pull(request)
+        if pull is None:
+            return web.json_response({"message": "Not Found"}, status=404)
+        here, number = f"{request.match_info['owner']}/{request.match_info['repo']}", pull["number"]
+        comment_id = 9000 + len(self.comments)
+        comment = {
+            "id": comment_id, "body": call["json"]["body"], "user": {"login": "airlock-app[bot]"},
+            "url": f"{self.base_url}/repos/{here}/issues/comments/{comment_id}",
+            "html_url": f"https://github.test/{here}/pull/{number}#issuecomment-{comment_id}",
+        }  # fmt: skip
+        self.comments.append((here, number, comment))
+        return web.json_response(comment, status=201)
 
     def _echoing(self, pull: dict[str, Any]) -> dict[str, Any]:
         """`pull` with every credential seen glued into each text field the broker passes on (still valid URLs)."""
@@ -234,6 +316,10 @@ class FakeGitHub:
         if self.mode == "echo-everywhere":  # the listed one still matches head and base: the echo is around them
             found = [p | {k: v for k, v in self._echoing(p).items() if k not in ("head", "base")} for p in found]
         return web.json_response(found)
+
+
+def head_sha(branch: str) -> str:
+    return hashlib.sha1(branch.encode()).hexdigest()
 
 
 # --- the harness ------------------------------------------------------------------------------------------------
