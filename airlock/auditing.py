@@ -25,8 +25,10 @@ class GatewayAudit:
         write: Callable[[AuditRecord | RepeatedDecisions], None],
         sandboxes: Iterable[Sandbox],
         notices: DenialNotices | None = None,
+        observe: Callable[[AuditRecord | RepeatedDecisions], None] | None = None,
     ) -> None:
         self.write, self.notices = write, notices
+        self.observe = observe  # the gateway's metrics: each line counted as it is written
         self.live: LivePolicy | None = None  # set once the gateway starts: its policy hash stamps every line
         self._profiles = {sandbox.id: sandbox.profile for sandbox in sandboxes}
 
@@ -41,6 +43,8 @@ class GatewayAudit:
             if self.notices is not None:
                 self.notices.observe(record)
         self.write(record)
+        if self.observe is not None:  # after the write: a line is never lost to its counting
+            self.observe(record)
 
     def policy_loaded(self, policy: Policy, previous_hash: str) -> None:
         record = _policy_record("allow", f"policy reloaded from {policy.source}", ReasonCode.POLICY_LOADED)

@@ -232,8 +232,10 @@ class BrokerRuntime:
         resolver: Resolver,
         emit: Any,
         upstream_ca: str | None,
+        admin_routes: list[web.RouteDef] | None = None,
     ) -> None:
         self.config = config
+        self.admin_routes = admin_routes or []  # the gateway's own on the admin listener (metrics, health)
         self.state_dir = state_dir
         self.live = live  # the broker names sandboxes by the live policy's registry, as the proxy and DNS do
         self.resolver = resolver
@@ -293,7 +295,9 @@ class BrokerRuntime:
             declared=self.declared,
         )
         await self._serve(self.broker.sandbox_app(), listen, config.port, config.max_connections_per_client)
-        await self._serve_admin(self.broker.admin_app())
+        admin = self.broker.admin_app()
+        admin.add_routes(self.admin_routes)
+        await self._serve_admin(admin)
         return self.broker
 
     def problems(self, policy: Policy) -> list[str]:

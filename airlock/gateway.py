@@ -28,6 +28,7 @@ from airlock.dns.upstream import Resolver, ResolverConfig, Server, system_server
 from airlock.errors import AirlockError
 from airlock.interfaces import interface_addresses
 from airlock.live import GatewayAddresses
+from airlock.metrics import GatewayMetrics
 from airlock.mitm import Master, Proxyserver, TlsConfig, core, disable_h2c, next_layer, options
 from airlock.policy import IPAddress, LivePolicy, Policy, PolicyError, Sandbox, SandboxRegistry
 from airlock.proxy.addon import Airlock, build_addon
@@ -265,7 +266,10 @@ class Gateway:
         servers = config.upstream_dns or system_servers()
         if not servers:
             raise GatewayError("no upstream DNS server: pass --upstream-dns or configure /etc/resolv.conf")
+        self.metrics = GatewayMetrics()
+        self.metrics.readiness = self.readiness
         self.resolver = Resolver(ResolverConfig(servers, min_ttl=config.dns_min_ttl))
+        self.resolver.timed = self.metrics.resolved
         self.registry = SandboxRegistry(config.sandboxes)
         self.live: LivePolicy | None = None  # from start(): policy, registry and own addresses, swapped whole
         self._own: GatewayAddresses | None = None
@@ -274,7 +278,7 @@ class Gateway:
         except OSError as e:
             raise GatewayError(f"audit log {config.audit_path}: {e.strerror or e}") from e
         self.notices = DenialNotices(tell) if config.show_denials else None
-        self.auditing = GatewayAudit(self.audit.emit, config.sandboxes, self.notices)
+        self.auditing = GatewayAudit(self.audit.emit, config.sandboxes, self.notices, self.metrics.observe)
         self.emit = self.auditing.emit  # what proxy, DNS and broker write their audit lines with
         # Signing keys, the broker's store and admin socket live here: root's alone. A temporary one goes at stop.
         self._own_state = config.state_dir is None
@@ -307,9 +311,10 @@ class Gateway:
             max_connections_per_sandbox=caps.per_sandbox,
             max_connections=caps.total,
             audit_failure=self._audit_failure,
+            timings=self.metrics,
         )
         self.airlock = build_addon(live, self.resolver, self.emit, settings)
-        self.shared = self.airlock.shared
+        self.shared = shared = self.airlock.shared
         # Only the addons a proxy needs: no script loader, replay, onboarding app (mitm.it), header or body
         # rewriting — less to dispatch on every event, and nothing a request could reach but airlock's hooks.
         essentials = (
@@ -352,6 +357,10 @@ class Gateway:
             except OSError as e:
                 await self.stop()
                 raise GatewayError(f"DNS server could not listen on {config.listen}:{config.dns_port}: {e}") from e
+        self.metrics.watch(
+            lambda: live.current.registry.ids(), shared.tunnels, shared.connections, shared.upstreams, self.audit,
+            self.dns.stats if self.dns is not None else None,
+        )  # fmt: skip
         if config.broker.port:
             # Only now: a gateway without a broker never imports one (aiohttp, the GitHub client, the token code).
             from airlock.broker.store import StoreError
@@ -359,8 +368,9 @@ class Gateway:
             from airlock.brokerd import BrokerRuntime
 
             runtime = BrokerRuntime(
-                config.broker, Path(self._state_dir), live, self.resolver, self.emit, config.upstream_ca
-            )
+                config.broker, Path(self._state_dir), live, self.resolver, self.emit, config.upstream_ca,
+                self.metrics.routes(),
+            )  # fmt: skip
             self._broker_runtime = runtime
             try:
                 self.broker = await runtime.start(config.listen)
@@ -380,6 +390,25 @@ class Gateway:
 
     def _audit_failure(self) -> str | None:
         return self.audit.failure
+
+    def readiness(self) -> dict[str, str | None]:
+        """What /readyz checks, each with what is wrong (None: fine): a policy in force, every listener this
+        gateway was told to open still open, and an audit log that can be written (without one, every request is
+        denied)."""
+        master, config = self._master, self.config
+        proxy_up = master is not None and bool(master.addons.get("proxyserver").listen_addrs())
+        failure = self.audit.failure
+        checks: dict[str, str | None] = {
+            "policy": None if self.live is not None else "no policy in force",
+            "proxy": None if proxy_up else f"the proxy is not listening on {config.listen}:{config.proxy_port}",
+            "audit": None if failure is None else f"the audit log cannot be written: {failure}",
+        }
+        if config.dns_port:
+            dns_up = self.dns is not None and self.dns.listening
+            checks["dns"] = None if dns_up else f"the DNS server is not listening on {config.listen}:{config.dns_port}"
+        if config.broker.port:
+            checks["broker"] = None if self.broker is not None else "the broker is not running"
+        return checks
 
     def reopen_audit(self) -> None:
         """SIGUSR1: the audit file opened anew at its path (after log rotation moved it away)."""

@@ -107,6 +107,10 @@ class AuditLog:
         if stdout:
             self._sinks.append(_Sink("stdout", sys.stdout.fileno()))
         self.failure: str | None = None  # why the log cannot be written now; None while it can
+        # For the gateway's metrics: failed writes and dropped lines since start, and when nothing last waited.
+        self.write_errors = 0
+        self.lines_lost = 0
+        self._current_at = time.monotonic()
 
     def emit(self, record: AuditRecord | RepeatedDecisions) -> None:
         if not self._sinks:
@@ -117,12 +121,35 @@ class AuditLog:
 
     def flush(self) -> None:
         if not self._pending and self.failure is None:
+            self._current_at = time.monotonic()
             return
         data = ("\n".join(self._pending) + "\n").encode() if self._pending else b""
         self._pending.clear()
         for sink in self._sinks:
-            self._lost += sink.write(data)
-        self._report([f"{s.name}: {s.error}" for s in self._sinks if s.error is not None])
+            lost = sink.write(data)
+            self._lost += lost
+            self.lines_lost += lost
+            self.write_errors += sink.error is not None
+        errors = [f"{s.name}: {s.error}" for s in self._sinks if s.error is not None]
+        if not errors:
+            self._current_at = time.monotonic()
+        self._report(errors)
+
+    @property
+    def pending_lines(self) -> int:
+        """Lines waiting for the next flush."""
+        return len(self._pending)
+
+    @property
+    def waiting_bytes(self) -> int:
+        """Bytes of lines a failed write left waiting (the most any destination holds)."""
+        return max((len(sink.waiting) for sink in self._sinks), default=0)
+
+    def lag(self) -> float:
+        """Seconds since the log last held nothing unwritten: the oldest waiting line has waited at most this long."""
+        if not self._pending and not self.waiting_bytes:
+            return 0.0
+        return time.monotonic() - self._current_at
 
     def _report(self, errors: list[str]) -> None:
         """Say it on stderr when the log stops or starts working again, and every REPORT_INTERVAL in between."""

@@ -54,6 +54,10 @@ class DnsServer:
         self._tasks: set[asyncio.Task[None]] = set()
         self._tcp_writers: set[asyncio.StreamWriter] = set()
 
+    @property
+    def listening(self) -> bool:
+        return self._udp is not None and self._tcp is not None and self._tcp.is_serving()
+
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
         family = socket.AF_INET6 if ":" in self.host else socket.AF_INET

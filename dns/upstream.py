@@ -16,6 +16,7 @@ import socket
 import struct
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from dnslib import CLASS, OPCODE, QTYPE, RCODE, DNSRecord
@@ -108,6 +109,7 @@ class Resolver:
         self._negative: dict[tuple[str, int], _Entry] = {}  # NXDOMAIN, NODATA and failures
         self._inflight: dict[tuple[str, int], asyncio.Future[Answer]] = {}
         self.stats: Counter[str] = Counter()  # malformed_replies, mismatched_replies
+        self.timed: Callable[[str, float], None] | None = None  # told each upstream resolution: result, seconds
 
     async def resolve(self, name: str) -> Answer:
         """All A and AAAA addresses of a canonical name (CNAMEs followed)."""
@@ -169,7 +171,7 @@ class Resolver:
         future: asyncio.Future[Answer] = asyncio.get_running_loop().create_future()
         self._inflight[key] = future
         try:
-            answer = await self._resolve_uncached(name, qtype)
+            answer = await self._timed_resolution(name, qtype)
         except ResolveError as e:
             if not isinstance(e, NameNotFound):  # NXDOMAIN was stored with its own TTL
                 self._store(key, e, self.config.failure_ttl)
@@ -187,6 +189,20 @@ class Resolver:
             del self._inflight[key]
             if future.done() and not future.cancelled():
                 future.exception()  # mark retrieved: a lone caller must not leave a warning behind
+
+    async def _timed_resolution(self, name: str, qtype: int) -> Answer:
+        """`_resolve_uncached`, its result (ok, nxdomain, error) and duration told to `timed`."""
+        started, result = time.perf_counter(), "error"
+        try:
+            answer = await self._resolve_uncached(name, qtype)
+            result = "ok"
+            return answer
+        except NameNotFound:
+            result = "nxdomain"
+            raise
+        finally:
+            if self.timed is not None:
+                self.timed(result, time.perf_counter() - started)
 
     async def _resolve_uncached(self, name: str, qtype: int) -> Answer:
         started = time.perf_counter()

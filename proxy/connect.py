@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any
 
 from mitmproxy.proxy.server_hooks import ServerConnectionHookData
@@ -20,6 +21,7 @@ class PinnedConnect:
         self.shared = shared
         self._timers: dict[str, asyncio.TimerHandle] = {}
         self._names: dict[str, tuple[str, int]] = {}
+        self._connecting: dict[str, float] = {}  # server connection id → when its vetted connect began
 
     def _refuse(self, data: ServerConnectionHookData) -> None:
         data.server.error = "airlock: internal error while vetting the upstream"
@@ -50,6 +52,7 @@ class PinnedConnect:
         self.shared.resolved[server.id] = outcome.resolved
         self._names[server.id] = (raw_host, port)
         server.address = (outcome.chosen_ip, port)
+        self._connecting[server.id] = time.perf_counter()
         task = asyncio.current_task()
         if task is not None:
             # mitmproxy's own connect has no timeout; the hook runs in the connecting task, so cancel that.
@@ -65,6 +68,8 @@ class PinnedConnect:
     @fail_closed(nothing_to_deny)
     def server_connected(self, data: ServerConnectionHookData) -> None:
         self._cancel_timer(data.server.id)
+        if (started := self._connecting.pop(data.server.id, None)) is not None:
+            self.shared.settings.timings.connected(time.perf_counter() - started)
         # Connection reuse compares `server.address`: give it back its logical name (the peer keeps the IP),
         # or every keep-alive request opens a new connection under mitmproxy's per-address semaphore.
         # mitmproxy guards `address` on open connections; this write is the one it is guarding against
@@ -83,6 +88,8 @@ class PinnedConnect:
 
     def _forget(self, server_id: str) -> None:
         self._cancel_timer(server_id)
+        if self._connecting.pop(server_id, None) is not None:  # it never connected: refused, or timed out
+            self.shared.settings.timings.connect_failed()
         self._names.pop(server_id, None)
         self.shared.resolved.pop(server_id, None)
         self.shared.release_upstream(server_id)

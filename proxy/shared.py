@@ -3,11 +3,13 @@ connection counts, and the one judgement of an upstream target (`Shared.evaluate
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from mitmproxy import connection
 
@@ -30,6 +32,27 @@ from airlock.policy import (
 _UNKNOWN_SANDBOX = Decision(False, "connection from an address that belongs to no sandbox", ReasonCode.UNKNOWN_SANDBOX)
 
 
+class Timings(Protocol):
+    """Where the proxy tells how long things took (the gateway's metrics)."""
+
+    def decided(self, seconds: float) -> None: ...  # a target judged (Shared.evaluate)
+
+    def connected(self, seconds: float) -> None: ...  # a vetted upstream connection opened
+
+    def connect_failed(self) -> None: ...
+
+
+class NoTimings:
+    def decided(self, seconds: float) -> None:
+        pass
+
+    def connected(self, seconds: float) -> None:
+        pass
+
+    def connect_failed(self) -> None:
+        pass
+
+
 @dataclass
 class GatewaySettings:
     connect_timeout: float = 10.0
@@ -40,6 +63,7 @@ class GatewaySettings:
     max_connections: int = 65536  # client connections of all sandboxes together; upstream ones alike
     # Why the audit log cannot be written, or None: while it cannot, every new request is denied (fail closed).
     audit_failure: Callable[[], str | None] = field(default=lambda: None)
+    timings: Timings = field(default_factory=NoTimings)
 
 
 @dataclass
@@ -69,6 +93,22 @@ class Outcome:
         record.decision = "allow" if self.decision.allow else "deny"
         record.reason, record.code, record.hint = self.decision.reason, self.decision.code, self.decision.hint
         record.decided_by(self.decision.rule)
+
+
+def _timed(
+    evaluate: Callable[[Shared, Sandbox | None, str, int], Awaitable[Outcome]],
+) -> Callable[[Shared, Sandbox | None, str, int], Awaitable[Outcome]]:
+    """Each judgement's duration, told to the settings' timings."""
+
+    @functools.wraps(evaluate)
+    async def timed(self: Shared, sandbox: Sandbox | None, raw_host: str, port: int) -> Outcome:
+        started = time.perf_counter()
+        try:
+            return await evaluate(self, sandbox, raw_host, port)
+        finally:
+            self.settings.timings.decided(time.perf_counter() - started)
+
+    return timed
 
 
 class Shared:
@@ -128,6 +168,7 @@ class Shared:
         if sandbox is not None:
             self.upstreams[sandbox] -= 1
 
+    @_timed
     async def evaluate(self, sandbox: Sandbox | None, raw_host: str, port: int) -> Outcome:
         """The whole judgement of one upstream target: canonicalize, decide, resolve, vet, choose; under one
         snapshot of the live policy, however long the resolution takes."""

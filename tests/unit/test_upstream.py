@@ -729,3 +729,14 @@ def test_system_servers(tmp_path: Path) -> None:
 def test_no_servers_refused() -> None:
     with pytest.raises(ValueError):
         Resolver(ResolverConfig(servers=[]))
+
+
+async def test_each_upstream_resolution_is_timed_with_its_result(resolver: Resolver, zone: Zone) -> None:
+    timed: list[tuple[str, float]] = []
+    resolver.timed = lambda result, seconds: timed.append((result, seconds))
+    await resolver.query("a.test", QTYPE.A)
+    await resolver.query("a.test", QTYPE.A)  # cached: nothing asked, nothing timed
+    with pytest.raises(NameNotFound):
+        await resolver.query("nothing-timed.test", QTYPE.A)
+    assert [result for result, _ in timed] == ["ok", "nxdomain"]
+    assert all(0 < seconds < 1 for _, seconds in timed)
