@@ -11,7 +11,7 @@ import os
 import socket
 import ssl
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -197,8 +197,10 @@ class BrokerRuntime:
         resolver: Resolver,
         emit: Any,
         upstream_ca: str | None,
+        admin_routes: Sequence[web.RouteDef] = (),
     ) -> None:
         self.config = config
+        self.admin_routes = admin_routes  # more of the gateway's own on the admin listener (approvals)
         self.state_dir = state_dir
         self.live = live  # the broker names sandboxes by the live policy's registry, as the proxy and DNS do
         self.resolver = resolver
@@ -243,7 +245,9 @@ class BrokerRuntime:
             authority, store, identify, github, self.emit, settings, pusher, serves=served, call_log=call_log
         )
         await self._serve(self.broker.sandbox_app(), listen, config.port, config.max_connections_per_client)
-        await self._serve_admin(self.broker.admin_app())
+        admin = self.broker.admin_app()
+        admin.add_routes(self.admin_routes)
+        await self._serve_admin(admin)
         return self.broker
 
     async def _serve(self, app: web.Application, host: str, port: int, per_client: int | None = None) -> None:

@@ -26,6 +26,7 @@ from airlock.policy import (
     is_ip,
     vet,
 )
+from airlock.policy.approvals import Asker
 
 _UNKNOWN_SANDBOX = Decision(False, "connection from an address that belongs to no sandbox", ReasonCode.UNKNOWN_SANDBOX)
 
@@ -90,6 +91,7 @@ class Shared:
         self.upstream_of: dict[str, str] = {}  # server connection id → the sandbox whose upstream slot it holds
         self.refusals = AuditThrottle(emit)  # refusals that come in floods: a few lines each, then a summary
         self.resolved: dict[str, list[str]] = {}  # server connection id → addresses the name resolved to
+        self.approvals: Asker | None = None  # where profiles with `on_unlisted: ask` hold what no rule lists
 
     def client(self, client: connection.Client) -> ClientState:
         state = self.clients.get(client.id)
@@ -128,9 +130,12 @@ class Shared:
         if sandbox is not None:
             self.upstreams[sandbox] -= 1
 
-    async def evaluate(self, sandbox: Sandbox | None, raw_host: str, port: int) -> Outcome:
-        """The whole judgement of one upstream target: canonicalize, decide, resolve, vet, choose; under one
-        snapshot of the live policy, however long the resolution takes."""
+    async def evaluate(
+        self, sandbox: Sandbox | None, raw_host: str, port: int, kind: str = "connect", client: str = "-"
+    ) -> Outcome:
+        """The whole judgement of one upstream target: canonicalize, decide (or ask a person), resolve, vet,
+        choose; under one snapshot of the live policy, however long the resolution or the person takes. `kind` and
+        `client` tell the person who asks for what."""
         if sandbox is None:
             return Outcome(_UNKNOWN_SANDBOX, raw_host)
         if (failure := self.settings.audit_failure()) is not None:
@@ -143,6 +148,8 @@ class Shared:
         live = self.live.current
         profile = live.profile(sandbox)
         decision = decide(profile, host, port)
+        if not decision.allow and self.approvals is not None:
+            decision = await self.approvals.decide(live, sandbox, host, port, decision, kind, client)
         if not decision.allow:
             return Outcome(decision, host)
         if is_ip(host):
