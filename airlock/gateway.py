@@ -375,6 +375,12 @@ class Gateway:
             except (OSError, ValueError, StoreError, TokenError) as e:
                 await self.stop()
                 raise GatewayError(f"broker could not start: {e}") from e
+        elif asking := sorted(name for name, p in config.policy.profiles.items() if p.on_unlisted == "ask"):
+            log.warning(
+                "profile %s says on_unlisted: ask, but this gateway has no admin listener to answer on (the broker "
+                "is off): every request it holds is denied at its ask_timeout",
+                ", ".join(asking),
+            )
         self._mark_listeners()
 
     def _mark_listeners(self) -> None:

@@ -125,7 +125,10 @@ class PolicyResolver:
         record.method = qtype
         handler.record, handler.policy = record, live.policy
         try:
-            return await self._judge(live, request, reply, record, sandbox, started)
+            answered = await self._judge(live, request, reply, record, sandbox, started)
+            if "approved" in record.extra:
+                handler.policy = None  # a person's answer, not the policy's: never remembered, "once" is once
+            return answered
         except Exception as e:
             log.exception("DNS query failed: answering SERVFAIL")
             failed = request.reply()
@@ -167,6 +170,8 @@ class PolicyResolver:
                 live, sandbox, name, None, decision, "dns", record.client, self.settings.approval_hold
             )
         record.decided_by(decision.rule)
+        if decision.code is ReasonCode.APPROVED:
+            record.extra["approved"] = decision.reason  # the answer's line says `allowed`, and by whom
         if decision.code is ReasonCode.APPROVAL_PENDING:
             reply.header.rcode, record.hint = RCODE.SERVFAIL, decision.hint
             return self._finish(reply, record, "error", decision.reason, decision.code, started)

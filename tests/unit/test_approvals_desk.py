@@ -14,9 +14,13 @@ from typing import Any
 import aiohttp
 import pytest
 from aiohttp import web
+from dnslib import RCODE, DNSRecord
 
 from airlock.approvals import ApprovalError, Approvals, PolicyWriter, approval_routes
 from airlock.audit import AuditRecord
+from airlock.dns.admission import DnsSettings
+from airlock.dns.server import DnsServer
+from airlock.dns.upstream import Answer
 from airlock.policy import Decision, LivePolicy, Policy, Sandbox, SandboxRegistry, decide, parse_policy
 
 POLICY_TEXT = """\
@@ -165,3 +169,36 @@ async def test_a_policy_file_that_cannot_take_the_rule_keeps_the_request_pending
         assert "on_unlisted: ask  # hold it\n" in path.read_text()
     finally:
         await desk.close()
+
+
+class OneAddress:
+    """The shared resolver's DNS side: every name has one public address, for 300 s."""
+
+    def cached(self, name: str, qtype: int) -> Answer | None:
+        return None
+
+    async def query(self, name: str, qtype: int) -> Answer:
+        return Answer((ipaddress.ip_address("192.0.2.10"),), 300)
+
+
+async def test_a_dns_query_approved_once_is_not_remembered_for_the_next(unused_udp_port: int) -> None:
+    audit: list[AuditRecord] = []
+    live = LivePolicy(POLICY, SandboxRegistry([Sandbox("sbx", "default", ipaddress.ip_network("127.0.0.0/8"))]))
+    settings = DnsSettings(approval_hold=0.3)
+    server = DnsServer(live, OneAddress(), audit.append, settings, "127.0.0.1", unused_udp_port)  # type: ignore[arg-type]
+    desk = server.resolver.approvals = Approvals(audit.append)
+    await server.start()
+    question = DNSRecord.question("new.test")
+    try:
+        first = asyncio.ensure_future(asyncio.to_thread(question.send, "127.0.0.1", unused_udp_port, timeout=3))
+        await desk.approve(await _until_pending(desk), "once", None, "alice")
+        reply = DNSRecord.parse(await first)
+        assert [str(rr.rdata) for rr in reply.rr] == ["192.0.2.10"]
+        again = DNSRecord.parse(await asyncio.to_thread(question.send, "127.0.0.1", unused_udp_port, timeout=3))
+        assert RCODE.get(again.header.rcode) == "SERVFAIL" and len(desk.table.pending()) == 1  # asked anew
+    finally:
+        await server.stop()
+        await desk.close()
+    answered = next(r for r in audit if r.kind == "dns" and r.decision == "allow")
+    assert answered.extra["approved"].startswith("approved by alice (scope once")
+    assert [r.code for r in audit if r.kind == "dns"] == ["allowed", "approval_pending"]
