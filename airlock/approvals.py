@@ -210,8 +210,9 @@ class Approvals:
 
 
 def _new_id() -> str:
-    """Unguessable: whoever can list the pending approvals can answer them, nobody else can name one."""
-    return secrets.token_urlsafe(12)
+    """Unguessable (96 bits): whoever can list the pending approvals can answer them, nobody else can name one. Hex,
+    so that an id never starts with '-' (a command line would read it as an option)."""
+    return secrets.token_hex(12)
 
 
 def describe(entry: Pending, wall_offset: float) -> dict[str, Any]:

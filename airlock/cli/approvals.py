@@ -13,7 +13,7 @@ from typing import Any
 from .common import DEFAULT_STATE_DIR, UsageError, absolute, duration
 from .token import Admin
 
-_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")  # what the gateway's ids are made of: never a path of their own
+_ID = re.compile(r"[0-9a-f]{1,64}")  # what the gateway's ids are made of: never a path of their own
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -78,7 +78,7 @@ def test_a_held_request_waits_for_a_person_and_passes_once_approved(
     held, twin = _curl(topology, "http://evil.test/canary"), _curl(topology, "http://evil.test/canary")
     entry = _wait_pending(gw, "evil.test:80", waiting=2)  # the same host:port asked twice: one pending entry
     assert (entry["sandbox"], entry["kind"], entry["client"]) == ("sbx", "http", topology.sbx_ip)
-    assert len(_pending(gw)) == 1 and len(entry["id"]) >= 16
+    assert len(_pending(gw)) == 1 and re.fullmatch("[0-9a-f]{24}", entry["id"])  # 96 random bits, never an option
     # The hold stalls nothing else: another sandbox request is answered at once.
     started = time.monotonic()
     other = topology.curl(topology.sbx, "-x", PROXY_URL, "http://allowed.test/meanwhile")

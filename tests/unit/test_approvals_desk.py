@@ -18,6 +18,7 @@ from dnslib import RCODE, DNSRecord
 
 from airlock.approvals import ApprovalError, Approvals, PolicyWriter, approval_routes
 from airlock.audit import AuditRecord
+from airlock.cli import main
 from airlock.dns.admission import DnsSettings
 from airlock.dns.server import DnsServer
 from airlock.dns.upstream import Answer
@@ -202,3 +203,11 @@ async def test_a_dns_query_approved_once_is_not_remembered_for_the_next(unused_u
     answered = next(r for r in audit if r.kind == "dns" and r.decision == "allow")
     assert answered.extra["approved"].startswith("approved by alice (scope once")
     assert [r.code for r in audit if r.kind == "dns"] == ["allowed", "approval_pending"]
+
+
+def test_the_cli_takes_only_approval_ids(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    for bad in ("../../v1/tokens", "ab/cd", "x y"):
+        assert main(["approvals", "deny", bad, "--state-dir", str(tmp_path)]) == 2
+        assert capsys.readouterr().err == f"airlock: {bad!r} is not an approval id (see airlock approvals list)\n"
+    assert main(["approvals", "approve", "ab12", "--ttl", "1h", "--state-dir", str(tmp_path)]) == 2
+    assert capsys.readouterr().err == "airlock: --ttl goes with --scope sandbox only\n"
