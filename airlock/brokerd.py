@@ -232,10 +232,10 @@ class BrokerRuntime:
         resolver: Resolver,
         emit: Any,
         upstream_ca: str | None,
-        admin_routes: list[web.RouteDef] | None = None,
+        admin_routes: Sequence[web.RouteDef] = (),
     ) -> None:
         self.config = config
-        self.admin_routes = admin_routes or []  # the gateway's own on the admin listener (metrics, health)
+        self.admin_routes = admin_routes  # the gateway's own on the admin listener (metrics, health, approvals)
         self.state_dir = state_dir
         self.live = live  # the broker names sandboxes by the live policy's registry, as the proxy and DNS do
         self.resolver = resolver

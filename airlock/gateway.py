@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from airlock.approvals import Approvals, PolicyWriter, approval_routes
 from airlock.audit import AuditLog
 from airlock.audit.notices import DenialNotices
 from airlock.auditing import GatewayAudit, tell
@@ -79,6 +80,8 @@ class GatewayConfig:
     dns_rate: float = 100.0  # queries per second per sandbox
     state_dir: str | None = None
     broker: BrokerConfig = field(default_factory=BrokerConfig)
+    policy_path: str | None = None  # the file `--scope policy` approvals write into; None: none may
+    approval_webhook: str | None = None  # where each request held for approval is posted (JSON)
 
 
 def _private_directory(path: Path) -> None:
@@ -292,6 +295,8 @@ class Gateway:
         self.dns: DnsServer | None = None
         self.broker: Broker | None = None
         self._broker_runtime: BrokerRuntime | None = None
+        writer = PolicyWriter(config.policy_path, self.replace_policy) if config.policy_path else None
+        self.approvals = Approvals(self.emit, config.approval_webhook, writer)
 
     async def start(self) -> None:
         config = self.config
@@ -315,6 +320,7 @@ class Gateway:
         )
         self.airlock = build_addon(live, self.resolver, self.emit, settings)
         self.shared = shared = self.airlock.shared
+        self.shared.approvals = self.approvals
         # Only the addons a proxy needs: no script loader, replay, onboarding app (mitm.it), header or body
         # rewriting — less to dispatch on every event, and nothing a request could reach but airlock's hooks.
         essentials = (
@@ -352,6 +358,7 @@ class Gateway:
         if config.dns_port:
             dns_settings = DnsSettings(rate_per_second=config.dns_rate, audit_failure=self._audit_failure)
             self.dns = DnsServer(live, self.resolver, self.emit, dns_settings, config.listen, config.dns_port)
+            self.dns.resolver.approvals = self.approvals
             try:
                 await self.dns.start()
             except OSError as e:
@@ -369,7 +376,7 @@ class Gateway:
 
             runtime = BrokerRuntime(
                 config.broker, Path(self._state_dir), live, self.resolver, self.emit, config.upstream_ca,
-                self.metrics.routes(),
+                admin_routes=[*self.metrics.routes(), *approval_routes(self.approvals)],
             )  # fmt: skip
             self._broker_runtime = runtime
             try:
@@ -377,6 +384,12 @@ class Gateway:
             except (OSError, ValueError, StoreError, TokenError) as e:
                 await self.stop()
                 raise GatewayError(f"broker could not start: {e}") from e
+        elif asking := sorted(name for name, p in config.policy.profiles.items() if p.on_unlisted == "ask"):
+            log.warning(
+                "profile %s says on_unlisted: ask, but this gateway has no admin listener to answer on (the broker "
+                "is off): every request it holds is denied at its ask_timeout",
+                ", ".join(asking),
+            )
         self._mark_listeners()
 
     def _mark_listeners(self) -> None:
@@ -452,6 +465,7 @@ class Gateway:
             await self.dns.stop()
         if self._broker_runtime is not None:
             await self._broker_runtime.stop()
+        await self.approvals.close()
         if self.shared is not None:
             self.shared.refusals.flush()
         if self.notices is not None:

@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass, field, fields
 from typing import Literal, Protocol
 
-type Kind = Literal["http", "connect", "dns", "broker", "policy"]
+type Kind = Literal["http", "connect", "dns", "broker", "policy", "approval"]
 type Verdict = Literal["allow", "deny", "error"]
 # The version of the record's shape (docs/audit-record.schema.json): raised when a field changes meaning or goes.
 SCHEMA_VERSION = 1

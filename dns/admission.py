@@ -32,6 +32,10 @@ class DnsSettings:
     max_tcp_per_sandbox: int = 16  # open TCP connections; more are closed at once (no exhausting the gateway)
     max_inflight_per_sandbox: int = 32  # queries waiting on upstream at once; more get SERVFAIL, nothing is asked
     tcp_timeout: float = 10.0  # to receive each TCP query, and to hand over each reply
+    # How long a query for a name a person is asked about (`on_unlisted: ask`) is held: below the ~5 s after which
+    # stub resolvers give up and retry. Undecided by then: SERVFAIL, the entry stays pending, and the retry (or the
+    # proxy request that comes next) waits on it again.
+    approval_hold: float = 2.0
     # Why the audit log cannot be written, or None: while it cannot, every query is SERVFAIL (fail closed).
     audit_failure: Callable[[], str | None] = field(default=lambda: None)
 

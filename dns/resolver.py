@@ -40,6 +40,7 @@ from airlock.policy import (
     registrable_domain,
     vet,
 )
+from airlock.policy.approvals import Asker
 
 from .admission import NO_SANDBOX, STRANGER, Admission, DnsSettings, Overloaded
 from .upstream import Answer, NameNotFound, ResolveError, Resolver
@@ -107,6 +108,7 @@ class PolicyResolver:
         self.stats: Counter[str] = stats if stats is not None else Counter()
         self.admission = admission or Admission(live, settings, emit, self.stats)  # its in-flight cap
         self._subdomains = SubdomainRate()
+        self.approvals: Asker | None = None  # where profiles with `on_unlisted: ask` hold what no rule lists
 
     async def resolve(self, request: DNSRecord, handler: Handler) -> DNSRecord:
         """The reply to a query the transport admitted, judged whole under one snapshot of the live policy; the
@@ -123,7 +125,10 @@ class PolicyResolver:
         record.method = qtype
         handler.record, handler.policy = record, live.policy
         try:
-            return await self._judge(live, request, reply, record, sandbox, started)
+            answered = await self._judge(live, request, reply, record, sandbox, started)
+            if "approved" in record.extra:
+                handler.policy = None  # a person's answer, not the policy's: never remembered, "once" is once
+            return answered
         except Exception as e:
             log.exception("DNS query failed: answering SERVFAIL")
             failed = request.reply()
@@ -160,7 +165,16 @@ class PolicyResolver:
         record.host = name
         profile = live.profile(sandbox)
         decision = decide_name(profile, name)
+        if not decision.allow and self.approvals is not None:
+            decision = await self.approvals.decide(
+                live, sandbox, name, None, decision, "dns", record.client, self.settings.approval_hold
+            )
         record.decided_by(decision.rule)
+        if decision.code is ReasonCode.APPROVED:
+            record.extra["approved"] = decision.reason  # the answer's line says `allowed`, and by whom
+        if decision.code is ReasonCode.APPROVAL_PENDING:
+            reply.header.rcode, record.hint = RCODE.SERVFAIL, decision.hint
+            return self._finish(reply, record, "error", decision.reason, decision.code, started)
         if not decision.allow:
             record.hint = decision.hint
             return self._refuse(reply, record, decision.reason, decision.code, started)

@@ -46,6 +46,12 @@ class ReasonCode(enum.StrEnum):
     TYPE_NOT_ANSWERED = "type_not_answered"  # an allowed name, asked for a type other than A/AAAA: empty answer
     NAME_NOT_FOUND = "name_not_found"  # an allowed name the upstream says does not exist (NXDOMAIN)
     INFLIGHT_LIMIT = "inflight_limit"  # too many of the sandbox's queries already wait on upstream
+    # Approvals (`on_unlisted: ask`): a person decides what no rule lists (kind `approval`: the decision itself).
+    APPROVED = "approved"  # a person approved it (the reason says who, with which scope)
+    APPROVAL_DENIED = "approval_denied"  # a person denied it
+    APPROVAL_TIMEOUT = "approval_timeout"  # nobody answered within the profile's ask_timeout
+    APPROVAL_LIMIT = "approval_limit"  # too many requests already wait for a person: denied at once
+    APPROVAL_PENDING = "approval_pending"  # DNS: the hold ended undecided (SERVFAIL); the request stays pending
     # The policy itself (kind `policy`): a reload put in force, or refused while the running policy stays.
     POLICY_LOADED = "policy_loaded"
     POLICY_REFUSED = "policy_refused"

@@ -22,12 +22,22 @@ from airlock.errors import AirlockError
 
 from .addresses import EMBEDDING_NETWORKS, Network, covers_metadata
 from .hosts import HostError, canonical_host, is_ip
-from .model import DEFAULT_ALLOW_PORTS, Action, DnsLimits, Policy, Profile, Rule
+from .model import (
+    DEFAULT_ALLOW_PORTS,
+    DEFAULT_ASK_TIMEOUT,
+    MAX_ASK_TIMEOUT,
+    Action,
+    DnsLimits,
+    OnUnlisted,
+    Policy,
+    Profile,
+    Rule,
+)
 from .suffixes import is_public_suffix
 from .tools import ToolsReader
 
 _TOP_KEYS = frozenset({"version", "default_profile", "profiles", "tools", "upstreams"})
-_PROFILE_KEYS = frozenset({"description", "allow", "deny", "dns"})
+_PROFILE_KEYS = frozenset({"description", "allow", "deny", "dns", "on_unlisted", "ask_timeout"})
 _DNS_KEYS = frozenset({"refuse_suspicious", "max_label_length", "max_label_entropy", "max_new_subdomains_per_minute"})
 _RULE_KEYS = frozenset({"host", "cidr", "ports", "tunnel", "ech", "name", "comment"})
 # Ranges a rule may never open: they are the gateway host itself.
@@ -226,7 +236,34 @@ class _Builder(NodeReader):
                 if rule is not None:
                     rules[action].append(rule)
         dns = self.dns_limits(fields["dns"][1]) if "dns" in fields else DnsLimits()
-        return Profile(name, tuple(rules["allow"]), tuple(rules["deny"]), self.where(key_node), dns)
+        on_unlisted = self.on_unlisted(fields["on_unlisted"][1]) if "on_unlisted" in fields else "deny"
+        ask_timeout = DEFAULT_ASK_TIMEOUT
+        if "ask_timeout" in fields:
+            ask_timeout = self.ask_timeout(fields["ask_timeout"][1]) or ask_timeout
+        return Profile(
+            name, tuple(rules["allow"]), tuple(rules["deny"]), self.where(key_node), dns, on_unlisted, ask_timeout
+        )
+
+    def on_unlisted(self, node: yaml.Node) -> OnUnlisted:
+        value = _text(node)
+        if value == "ask":
+            return "ask"
+        if value != "deny":
+            self.error(node, "on_unlisted must be 'deny' or 'ask'")
+        return "deny"
+
+    def ask_timeout(self, node: yaml.Node) -> float | None:
+        """Seconds a held request waits for a person: a plain decimal number, more than 0, at most an hour."""
+        if not (
+            isinstance(node, yaml.ScalarNode) and node.tag in (_INT, _FLOAT) and _DECIMAL[float].fullmatch(node.value)
+        ):
+            self.error(node, "ask_timeout must be a plain decimal number of seconds")
+            return None
+        value = float(node.value)
+        if not (math.isfinite(value) and 0 < value <= MAX_ASK_TIMEOUT):
+            self.error(node, f"ask_timeout must be greater than 0 and at most {MAX_ASK_TIMEOUT:g} seconds")
+            return None
+        return value
 
     def dns_limits(self, node: yaml.Node) -> DnsLimits:
         fields = self.mapping(node, "dns", _DNS_KEYS)

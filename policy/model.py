@@ -20,6 +20,10 @@ DEFAULT_ALLOW_PORTS: frozenset[int] = frozenset({443})
 # traffic may well be another protocol (ssh on 22), which a tunnel carries only under `tunnel: true`.
 WEB_PORTS: frozenset[int] = frozenset({80, 443})
 type Action = Literal["allow", "deny"]
+# What a profile does with a name or public address no rule lists: deny it, or hold it while a person decides.
+type OnUnlisted = Literal["deny", "ask"]
+DEFAULT_ASK_TIMEOUT = 60.0
+MAX_ASK_TIMEOUT = 3600.0
 # A rule's id when it has no name: the prefix holds a ':', which no name may, so the two never collide.
 RULE_HASH_PREFIX = "sha256:"
 RULE_HASH_DIGITS = 12
@@ -147,6 +151,8 @@ class Profile:
     deny: tuple[Rule, ...]
     source: str
     dns: DnsLimits = DnsLimits()
+    on_unlisted: OnUnlisted = "deny"
+    ask_timeout: float = DEFAULT_ASK_TIMEOUT  # seconds a held request waits for a person (`on_unlisted: ask`)
     _allow_hosts: _HostIndex = field(init=False, repr=False, compare=False)
     _deny_hosts: _HostIndex = field(init=False, repr=False, compare=False)
     _allow_cidrs: _CidrIndex = field(init=False, repr=False, compare=False)
@@ -186,7 +192,10 @@ class Policy:
         it and every audit line carries it. The loader computes it as it loads (off the event loop)."""
         digest = hashlib.sha256(json.dumps(["default_profile", self.default_profile]).encode())
         for name, profile in sorted(self.profiles.items()):
-            digest.update(json.dumps(["profile", name, dataclasses.asdict(profile.dns)], sort_keys=True).encode())
+            asks = [profile.on_unlisted, profile.ask_timeout] if profile.on_unlisted != "deny" else []
+            digest.update(
+                json.dumps(["profile", name, dataclasses.asdict(profile.dns), *asks], sort_keys=True).encode()
+            )
             for rule in (*profile.allow, *profile.deny):
                 digest.update(f"\n{rule.canonical()} name={rule.name or ''}".encode())
         return "sha256:" + digest.hexdigest()[:POLICY_HASH_DIGITS]

@@ -53,7 +53,9 @@ class HttpPolicy:
     async def http_connect(self, flow: http.HTTPFlow) -> None:
         state = self.shared.client(flow.client_conn)
         record = self._record(flow, "connect", state)
-        outcome = await self.shared.evaluate(state.sandbox, flow.request.host, flow.request.port)
+        outcome = await self.shared.evaluate(
+            state.sandbox, flow.request.host, flow.request.port, "connect", flow.client_conn.peername[0]
+        )
         outcome.fill(record)
         if not outcome.decision.allow:
             return self._refuse(flow, record, outcome.decision.hint)
@@ -82,7 +84,9 @@ class HttpPolicy:
             record.reason = f"{request.http_version} request without a Host header"
             record.code = ReasonCode.MISSING_HOST_HEADER
             return self._refuse(flow, record, None, 400)
-        outcome = await self.shared.evaluate(state.sandbox, request.host, request.port)
+        outcome = await self.shared.evaluate(
+            state.sandbox, request.host, request.port, "http", flow.client_conn.peername[0]
+        )
         outcome.fill(record)
         if outcome.decision.allow and (mismatch := _host_header_mismatch(flow, outcome.host)):
             record.decision, record.reason, record.code = "deny", mismatch, ReasonCode.HOST_MISMATCH

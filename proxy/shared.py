@@ -28,6 +28,7 @@ from airlock.policy import (
     is_ip,
     vet,
 )
+from airlock.policy.approvals import Asker
 
 _UNKNOWN_SANDBOX = Decision(False, "connection from an address that belongs to no sandbox", ReasonCode.UNKNOWN_SANDBOX)
 
@@ -95,16 +96,14 @@ class Outcome:
         record.decided_by(self.decision.rule)
 
 
-def _timed(
-    evaluate: Callable[[Shared, Sandbox | None, str, int], Awaitable[Outcome]],
-) -> Callable[[Shared, Sandbox | None, str, int], Awaitable[Outcome]]:
+def _timed(evaluate: Callable[..., Awaitable[Outcome]]) -> Callable[..., Awaitable[Outcome]]:
     """Each judgement's duration, told to the settings' timings."""
 
     @functools.wraps(evaluate)
-    async def timed(self: Shared, sandbox: Sandbox | None, raw_host: str, port: int) -> Outcome:
+    async def timed(self: Shared, sandbox: Sandbox | None, raw_host: str, port: int, **asker: str) -> Outcome:
         started = time.perf_counter()
         try:
-            return await evaluate(self, sandbox, raw_host, port)
+            return await evaluate(self, sandbox, raw_host, port, **asker)
         finally:
             self.settings.timings.decided(time.perf_counter() - started)
 
@@ -130,6 +129,7 @@ class Shared:
         self.upstream_of: dict[str, str] = {}  # server connection id → the sandbox whose upstream slot it holds
         self.refusals = AuditThrottle(emit)  # refusals that come in floods: a few lines each, then a summary
         self.resolved: dict[str, list[str]] = {}  # server connection id → addresses the name resolved to
+        self.approvals: Asker | None = None  # where profiles with `on_unlisted: ask` hold what no rule lists
 
     def client(self, client: connection.Client) -> ClientState:
         state = self.clients.get(client.id)
@@ -169,9 +169,12 @@ class Shared:
             self.upstreams[sandbox] -= 1
 
     @_timed
-    async def evaluate(self, sandbox: Sandbox | None, raw_host: str, port: int) -> Outcome:
-        """The whole judgement of one upstream target: canonicalize, decide, resolve, vet, choose; under one
-        snapshot of the live policy, however long the resolution takes."""
+    async def evaluate(
+        self, sandbox: Sandbox | None, raw_host: str, port: int, kind: str = "connect", client: str = "-"
+    ) -> Outcome:
+        """The whole judgement of one upstream target: canonicalize, decide (or ask a person), resolve, vet,
+        choose; under one snapshot of the live policy, however long the resolution or the person takes. `kind` and
+        `client` tell the person who asks for what."""
         if sandbox is None:
             return Outcome(_UNKNOWN_SANDBOX, raw_host)
         if (failure := self.settings.audit_failure()) is not None:
@@ -184,6 +187,8 @@ class Shared:
         live = self.live.current
         profile = live.profile(sandbox)
         decision = decide(profile, host, port)
+        if not decision.allow and self.approvals is not None:
+            decision = await self.approvals.decide(live, sandbox, host, port, decision, kind, client)
         if not decision.allow:
             return Outcome(decision, host)
         if is_ip(host):

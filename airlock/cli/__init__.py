@@ -19,6 +19,7 @@ GROUPS = {
     "policy": ("check or explain a policy", "airlock.cli.policy"),
     "gateway": ("run the gateway in the foreground", "airlock.cli.gateway"),
     "token": ("mint or revoke broker tokens (gateway admin listener)", "airlock.cli.token"),
+    "approvals": ("list, approve or deny requests held for a person (gateway admin listener)", "airlock.cli.approvals"),
     "tools": ("read the record of brokered calls, or replay a sandbox's calls", "airlock.cli.tools"),
     "reap": ("remove expired sandboxes and leftovers of crashed runs", "airlock.cli.reap"),
     "run": ("run a command in a sandbox whose only network is the gateway", "airlock.cli.run"),

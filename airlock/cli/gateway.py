@@ -12,6 +12,7 @@ import socket
 import ssl
 import sys
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from airlock.brokerconfig import BrokerConfig, BrokerConfigError, parse_secret
 from airlock.dns.upstream import parse_server
@@ -84,6 +85,10 @@ def add_gateway_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--token-ttl", type=duration, default=900, metavar="DURATION", help="e.g. 15m")
     parser.add_argument("--token-max-ttl", type=duration, default=3600, metavar="DURATION")
     parser.add_argument("--dns-min-ttl", type=int, default=5, metavar="S", help="shortest time an answer is cached")
+    parser.add_argument(
+        "--approval-webhook", type=webhook_url, metavar="URL",
+        help="post each request held for approval (on_unlisted: ask) to URL as JSON",
+    )  # fmt: skip
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -125,6 +130,8 @@ def gateway_config(args: argparse.Namespace, policy: Policy, listen: str, sandbo
         dns_port=args.dns_port,
         dns_rate=args.dns_rate,
         state_dir=args.state_dir,
+        policy_path=args.policy,
+        approval_webhook=args.approval_webhook,
         broker=BrokerConfig(
             port=args.broker_port,
             admin=args.broker_admin,
@@ -142,6 +149,14 @@ def gateway_config(args: argparse.Namespace, policy: Policy, listen: str, sandbo
             secrets=secrets,
         ),
     )
+
+
+def webhook_url(text: str) -> str:
+    """`--approval-webhook`: an http(s) URL with a host (where the gateway host posts; never the sandbox's side)."""
+    parts = urlsplit(text)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an http:// or https:// URL")
+    return text
 
 
 def audit_destination(text: str) -> str:

@@ -51,7 +51,8 @@ class Admin:
         host, port = self.endpoint
         return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
-    async def call(self, path: str, payload: dict[str, Any]) -> dict[str, Any]:
+    async def call(self, path: str, payload: dict[str, Any] | None) -> dict[str, Any]:
+        """POST `payload` as JSON to `path` (GET when None); the JSON object answered, or UsageError."""
         import aiohttp
 
         connector: aiohttp.BaseConnector
@@ -62,7 +63,7 @@ class Admin:
         try:
             async with (
                 aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=10)) as session,
-                session.post(base + path, json=payload) as reply,
+                session.request("GET" if payload is None else "POST", base + path, json=payload) as reply,
             ):
                 body = await reply.json(content_type=None)
         except (aiohttp.ClientError, OSError, ValueError, TimeoutError) as e:

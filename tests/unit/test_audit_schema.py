@@ -52,10 +52,12 @@ def test_the_schema_has_every_field_of_the_record_and_requires_each() -> None:
 def test_the_schema_enums_are_the_codes() -> None:
     assert SCHEMA["properties"]["kind"]["enum"] == list(typing.get_args(Kind.__value__))
     assert SCHEMA["properties"]["decision"]["enum"] == list(typing.get_args(Verdict.__value__))
-    not_broker, policy = SCHEMA["allOf"]
+    not_broker, policy, approval = SCHEMA["allOf"]
     assert not_broker["then"]["properties"]["code"]["enum"] == [code.value for code in ReasonCode]
     policy_codes = {ReasonCode.POLICY_LOADED, ReasonCode.POLICY_REFUSED}
     assert set(policy["then"]["properties"]["code"]["enum"]) == policy_codes
+    answers = {ReasonCode.APPROVED, ReasonCode.APPROVAL_DENIED, ReasonCode.APPROVAL_TIMEOUT}
+    assert set(approval["then"]["properties"]["code"]["enum"]) == answers
 
 
 def _stamped(*records: AuditRecord) -> list[str]:

@@ -4,6 +4,7 @@ sockets. A new code without a case here, or a code the docs do not list, fails."
 
 from __future__ import annotations
 
+import asyncio
 import ipaddress
 import re
 import struct
@@ -19,6 +20,7 @@ from mitmproxy.proxy import events, layer
 from mitmproxy.proxy.context import Context
 from mitmproxy.test import tflow, tutils
 
+from airlock.approvals import Approvals
 from airlock.audit import AuditRecord
 from airlock.auditing import GatewayAudit
 from airlock.dns.admission import DnsSettings
@@ -27,6 +29,7 @@ from airlock.dns.upstream import Answer, NameNotFound, ResolveError
 from airlock.policy import (
     KnownAddresses,
     LivePolicy,
+    Policy,
     ReasonCode,
     Sandbox,
     SandboxRegistry,
@@ -36,6 +39,7 @@ from airlock.policy import (
     parse_policy,
     vet,
 )
+from airlock.policy.approvals import PendingTable
 from airlock.proxy.addon import build_addon
 from airlock.proxy.shared import GatewaySettings
 
@@ -142,11 +146,11 @@ async def _address_as_name() -> str:
 class Proxy:
     """The addon's hooks over a fake resolver; what they audit is in `audit`."""
 
-    def __init__(self, resolver: FakeResolver | None = None, **settings: int) -> None:
+    def __init__(self, resolver: FakeResolver | None = None, policy: Policy = POLICY, **settings: int) -> None:
         self.audit: list[AuditRecord] = []
         gateway = GatewaySettings(**settings)
         resolver = resolver or FakeResolver()
-        live = LivePolicy(POLICY, SandboxRegistry([SANDBOX]), KnownAddresses(frozenset({OWN})))
+        live = LivePolicy(policy, SandboxRegistry([SANDBOX]), KnownAddresses(frozenset({OWN})))
         airlock = build_addon(live, resolver, self.audit.append, gateway)
         self.shared, self.identity, self.http, self.tunnels = (
             airlock.shared,
@@ -330,6 +334,58 @@ async def _dns_inflight() -> str:
 @produces(ReasonCode.INTERNAL_ERROR)
 async def _dns_bug() -> str:
     return await _dns(DNSRecord.question("bug.names.test"))
+
+
+# --- approvals: a profile that asks a person about what no rule lists ----------------------------------------------
+
+
+def _asking(timeout: float = 60) -> Policy:
+    return parse_policy(f"version: 1\nprofiles:\n  default:\n    on_unlisted: ask\n    ask_timeout: {timeout}\n")
+
+
+type Answering = Callable[[Approvals, str], Awaitable[object]]
+
+
+async def _held(answer: Answering, timeout: float = 60, **table: int) -> str:
+    """The code of a proxy request for an unlisted host, once `answer` has answered its pending approval."""
+    gateway = Proxy(policy=_asking(timeout))
+    approvals = gateway.shared.approvals = Approvals(gateway.audit.append, table=PendingTable(**table))
+    request = asyncio.ensure_future(gateway.shared.evaluate(SANDBOX, "new.test", 443))
+    while not request.done() and not approvals.table.pending():
+        await asyncio.sleep(0)
+    if pending := approvals.table.pending():
+        await answer(approvals, pending[0].id)
+    return (await request).decision.code
+
+
+async def _approve(desk: Approvals, held: str) -> None:
+    await desk.approve(held, "once", None, "tester")
+
+
+async def _deny(desk: Approvals, held: str) -> None:
+    desk.deny(held, "tester")
+
+
+async def _no_answer(desk: Approvals, held: str) -> None:
+    return None
+
+
+produces(ReasonCode.APPROVED)(lambda: _held(_approve))
+produces(ReasonCode.APPROVAL_DENIED)(lambda: _held(_deny))
+produces(ReasonCode.APPROVAL_TIMEOUT)(lambda: _held(_no_answer, timeout=0.01))
+produces(ReasonCode.APPROVAL_LIMIT)(lambda: _held(_no_answer, per_sandbox=0))
+
+
+@produces(ReasonCode.APPROVAL_PENDING)
+async def _dns_held() -> str:
+    audit: list[AuditRecord] = []
+    live = LivePolicy(_asking(), SandboxRegistry([SANDBOX]))
+    resolver = PolicyResolver(live, FakeResolver(), audit.append, DnsSettings(approval_hold=0.01))
+    resolver.approvals = approvals = Approvals(audit.append)
+    await resolver.resolve(DNSRecord.question("new.test"), Handler("127.0.0.1", "udp", SANDBOX))
+    await approvals.close()
+    [record] = audit
+    return record.code
 
 
 # --- the gateway: policy reloads -----------------------------------------------------------------------------------
