@@ -9,7 +9,7 @@ import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from mitmproxy import connection
 
@@ -100,10 +100,10 @@ def _timed(evaluate: Callable[..., Awaitable[Outcome]]) -> Callable[..., Awaitab
     """Each judgement's duration, told to the settings' timings."""
 
     @functools.wraps(evaluate)
-    async def timed(self: Shared, sandbox: Sandbox | None, raw_host: str, port: int, **asker: str) -> Outcome:
+    async def timed(self: Shared, *args: Any, **kwargs: Any) -> Outcome:
         started = time.perf_counter()
         try:
-            return await evaluate(self, sandbox, raw_host, port, **asker)
+            return await evaluate(self, *args, **kwargs)
         finally:
             self.settings.timings.decided(time.perf_counter() - started)
 
