@@ -1,4 +1,5 @@
-"""Running the broker inside the gateway: its state, its GitHub credential, and its two listeners."""
+"""Running the broker inside the gateway: its state, its GitHub credential, and its sandbox-facing listener (its
+admin routes are mounted on the gateway's admin listener, airlock/admin.py)."""
 
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ from airlock.broker.service import Broker, BrokerSettings
 from airlock.broker.shapes import CREDENTIAL
 from airlock.broker.store import SqliteStore
 from airlock.broker.tokens import KeyRing, TokenAuthority
-from airlock.brokerconfig import BrokerConfig, BrokerConfigError, admin_endpoint
+from airlock.brokerconfig import BrokerConfig, BrokerConfigError
 from airlock.dns.upstream import ResolveError, Resolver
 from airlock.policy import HostError, LivePolicy, TokenBuckets, canonical_host, parse_ip_literal
 
@@ -208,7 +209,6 @@ class BrokerRuntime:
         self._runners: list[web.AppRunner] = []
         self._servers: list[asyncio.Server] = []
         self._session: aiohttp.ClientSession | None = None
-        self.admin_address = config.admin or str(state_dir / "admin.sock")
 
     async def start(self, listen: str) -> Broker:
         config = self.config
@@ -243,7 +243,6 @@ class BrokerRuntime:
             authority, store, identify, github, self.emit, settings, pusher, serves=served, call_log=call_log
         )
         await self._serve(self.broker.sandbox_app(), listen, config.port, config.max_connections_per_client)
-        await self._serve_admin(self.broker.admin_app())
         return self.broker
 
     async def _serve(self, app: web.Application, host: str, port: int, per_client: int | None = None) -> None:
@@ -259,22 +258,6 @@ class BrokerRuntime:
         factory = _CappedConnections(runner.server, per_client)
         server = await asyncio.get_running_loop().create_server(factory, host, port, reuse_address=True)
         self._servers.append(server)
-
-    async def _serve_admin(self, app: web.Application) -> None:
-        endpoint = admin_endpoint(self.admin_address)
-        if isinstance(endpoint, tuple):
-            await self._serve(app, *endpoint)
-            return
-        runner = web.AppRunner(app, access_log=None, logger=HTTP_LOG)
-        await runner.setup()
-        self._runners.append(runner)
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(endpoint)
-        old_umask = os.umask(0o177)  # the socket is the admin credential: owner only
-        try:
-            await web.UnixSite(runner, str(endpoint)).start()
-        finally:
-            os.umask(old_umask)
 
     async def stop(self) -> None:
         for server in self._servers:  # listening ends first; the runners then close the connections

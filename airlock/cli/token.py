@@ -1,4 +1,5 @@
-"""`airlock token issue|revoke`: mint or revoke broker tokens through a running gateway's admin listener."""
+"""`airlock token issue|revoke`: mint or revoke broker tokens through a running gateway's admin listener (and the
+listener's client, `Admin`, which `airlock status` and `airlock policy reload` use too)."""
 
 from __future__ import annotations
 
@@ -52,6 +53,16 @@ class Admin:
         return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
     async def call(self, path: str, payload: dict[str, Any]) -> dict[str, Any]:
+        """POST `payload` to `path`: the answer's body, or UsageError with the broker's refusal."""
+        status, body = await self.request("POST", path, payload)
+        if status != 200:
+            raise UsageError(f"broker refused: {body.get('message', status)}")
+        return body
+
+    async def request(
+        self, method: str, path: str, payload: dict[str, Any] | None = None
+    ) -> tuple[int, dict[str, Any]]:
+        """One call of the admin listener: its status and JSON object; UsageError when nothing answers so."""
         import aiohttp
 
         connector: aiohttp.BaseConnector
@@ -61,18 +72,16 @@ class Admin:
             connector, base = aiohttp.TCPConnector(), f"http://{self}"
         try:
             async with (
-                aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=10)) as session,
-                session.post(base + path, json=payload) as reply,
+                aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=30)) as session,
+                session.request(method, base + path, json=payload) as reply,
             ):
                 body = await reply.json(content_type=None)
         except (aiohttp.ClientError, OSError, ValueError, TimeoutError) as e:
             why = str(e) or type(e).__name__
-            raise UsageError(f"cannot reach the broker's admin listener at {self}: {why}") from None
+            raise UsageError(f"cannot reach the gateway's admin listener at {self}: {why}") from None
         if not isinstance(body, dict):
-            raise UsageError(f"{self} is not a broker's admin listener (it answered {reply.status})")
-        if reply.status != 200:
-            raise UsageError(f"broker refused: {body.get('message', reply.status)}")
-        return body
+            raise UsageError(f"{self} is not a gateway's admin listener (it answered {reply.status})")
+        return reply.status, body
 
 
 def cmd_token_issue(args: argparse.Namespace) -> int:

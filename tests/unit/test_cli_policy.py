@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from airlock.cli import main
-from airlock.cli.gateway import reload_policy
 from airlock.policy import Policy, loader
+from airlock.reload import PolicyReloader
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
@@ -144,11 +144,13 @@ class _Gateway:
     [(POLICY, 1), *((o[1], 0) for o in ODD_POLICIES)],
     ids=["valid", *(o[0] for o in ODD_POLICIES)],
 )
-def test_sighup_reload_keeps_running_policy_on_odd_yaml(tmp_path: Path, content: str, loaded: int) -> None:
+async def test_reload_keeps_running_policy_on_odd_yaml(tmp_path: Path, content: str, loaded: int) -> None:
     path = tmp_path / "p.yaml"
     path.write_text(content, encoding="utf-8")
     gateway = _Gateway()
-    reload_policy(gateway, str(path))  # must not raise: it runs inside the event loop's signal handler
+    outcome = await PolicyReloader(gateway, str(path), lambda: "sha256:running").reload()  # never raises
+    assert outcome.ok == bool(loaded)
+    assert outcome.policy_hash == (gateway.policies[0].hash if loaded else "sha256:running")
     assert len(gateway.policies) == loaded
     assert gateway.refused == ([] if loaded else [str(path)])  # a file that does not load is audited as refused
 
