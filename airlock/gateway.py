@@ -292,7 +292,7 @@ class Gateway:
         self.broker: Broker | None = None
         self._broker_runtime: BrokerRuntime | None = None
         # Reloads read the file the first policy came from, off the event loop (airlock/reload.py).
-        self.reloader = PolicyReloader(self, config.policy.source, self._policy_hash)
+        self.reloader = PolicyReloader(self, config.policy.source, self._policy)
         self.started_at = time.time()
         from airlock.admin import AdminApp, gateway_routes  # aiohttp: imported with the gateway, not with the CLI
 
@@ -432,8 +432,8 @@ class Gateway:
         a running sandbox's profile) is audited as refused and the running policy stays."""
         return await self.reloader.reload()
 
-    def _policy_hash(self) -> str | None:
-        return self.live.current.policy.hash if self.live is not None else None
+    def _policy(self) -> Policy | None:
+        return self.live.current.policy if self.live is not None else None
 
     def status(self) -> dict[str, Any]:
         """What `GET /v1/status` answers: the policy in force, the sandboxes, open tunnels and connections, counts."""

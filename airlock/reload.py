@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import os
-from collections.abc import Awaitable, Callable
+import sys
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -19,6 +21,8 @@ log = logging.getLogger("airlock.gateway")
 
 DEBOUNCE = 0.2  # seconds a changed file must stay unchanged before it is read: an editor writes in several steps
 POLL = 0.1
+# While a policy loads in its thread, the event loop waits for the GIL after each system call: at most this long.
+LOADING_SWITCH_INTERVAL = 0.0005
 
 
 class PolicyTarget(Protocol):
@@ -60,18 +64,20 @@ class Reloaded:
 
 class PolicyReloader:
     """Reloads `source` into `target`, one reload at a time (a second waits for the first, then reads the file
-    as it is then). `current_hash` reads the hash in force."""
+    as it is then). `current` reads the policy in force."""
 
-    def __init__(self, target: PolicyTarget, source: str, current_hash: Callable[[], str | None]) -> None:
-        self.target, self.source, self.current_hash = target, source, current_hash
+    def __init__(self, target: PolicyTarget, source: str, current: Callable[[], Policy | None]) -> None:
+        self.target, self.source, self.current = target, source, current
         self._lock = asyncio.Lock()
         self.after: list[Callable[[Policy], None]] = []  # called with each policy put in force
 
     async def reload(self) -> Reloaded:
         async with self._lock:
-            previous = self.current_hash()
+            replaced = [self.current()]
+            previous = replaced[0].hash if replaced[0] is not None else None
             try:
-                policy = await asyncio.to_thread(load_policy, self.source)
+                with _loading():
+                    policy = await asyncio.to_thread(load_policy, self.source)
             except PolicyError as e:
                 self.target.policy_refused(self.source, e.errors)
                 return Reloaded(self.source, previous, previous, e.errors)
@@ -81,7 +87,28 @@ class PolicyReloader:
                 return Reloaded(self.source, previous, previous, e.errors)
             for then in self.after:
                 then(policy)
+            # Freeing 100,000 rules takes a while too: the last reference to the policy replaced goes in a thread.
+            await asyncio.to_thread(replaced.clear)
             return Reloaded(self.source, policy.hash, previous)
+
+
+@contextlib.contextmanager
+def _loading() -> Iterator[None]:
+    """While a policy loads in a thread, the event loop must not wait for it: the interpreter switches threads
+    more often, and the cycle collector does not run — the load makes a million objects, which would start full
+    collections that hold the GIL for a tenth of a second each. Afterwards, what exists then (the new policy
+    among it) is moved out of the collector's sight (gc.freeze): later collections do not walk it again."""
+    interval = sys.getswitchinterval()
+    enabled = gc.isenabled()
+    sys.setswitchinterval(LOADING_SWITCH_INTERVAL)
+    gc.disable()
+    try:
+        yield
+    finally:
+        sys.setswitchinterval(interval)
+        if enabled:
+            gc.freeze()
+            gc.enable()
 
 
 def log_reload(outcome: Reloaded) -> None:

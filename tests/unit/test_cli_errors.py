@@ -13,7 +13,6 @@ import pytest
 
 from airlock import AirlockError, cli
 from airlock.brokerconfig import BrokerConfigError
-from airlock.cli import gateway as gateway_command
 from airlock.cli import policy as policy_command
 from airlock.cli import run as run_command
 from airlock.cli.common import UsageError

@@ -127,6 +127,9 @@ def test_check_loader_bug_is_exit_2(
     assert capsys.readouterr().err.startswith(f"{path}:1: cannot load policy: RuntimeError: boom")
 
 
+RUNNING = loader.parse_policy(POLICY, "running.yaml")
+
+
 class _Gateway:
     def __init__(self) -> None:
         self.policies: list[Policy] = []
@@ -148,9 +151,9 @@ async def test_reload_keeps_running_policy_on_odd_yaml(tmp_path: Path, content: 
     path = tmp_path / "p.yaml"
     path.write_text(content, encoding="utf-8")
     gateway = _Gateway()
-    outcome = await PolicyReloader(gateway, str(path), lambda: "sha256:running").reload()  # never raises
+    outcome = await PolicyReloader(gateway, str(path), lambda: RUNNING).reload()  # never raises
     assert outcome.ok == bool(loaded)
-    assert outcome.policy_hash == (gateway.policies[0].hash if loaded else "sha256:running")
+    assert outcome.policy_hash == (gateway.policies[0].hash if loaded else RUNNING.hash)
     assert len(gateway.policies) == loaded
     assert gateway.refused == ([] if loaded else [str(path)])  # a file that does not load is audited as refused
 
