@@ -32,6 +32,7 @@ from airlock.mitm import Master, Proxyserver, TlsConfig, core, disable_h2c, next
 from airlock.policy import IPAddress, LivePolicy, Policy, PolicyError, Sandbox, SandboxRegistry
 from airlock.proxy.addon import Airlock, build_addon
 from airlock.proxy.shared import GatewaySettings
+from airlock.proxy.tunnels import denied_tunnels
 from airlock.reload import PolicyReloader, Reloaded
 from airlock.sandbox.fence import mark_listeners
 
@@ -78,6 +79,7 @@ class GatewayConfig:
     dns_min_ttl: int = 5
     dns_port: int = 53  # 0: no DNS server for sandboxes
     dns_rate: float = 100.0  # queries per second per sandbox
+    close_denied_on_reload: bool = False  # a reload closes the open tunnels the new policy denies
     state_dir: str | None = None
     admin: str | None = None  # the admin listener: a unix socket path or 127.0.0.1:PORT; default STATE_DIR/admin.sock
     broker: BrokerConfig = field(default_factory=BrokerConfig)
@@ -293,6 +295,8 @@ class Gateway:
         self._broker_runtime: BrokerRuntime | None = None
         # Reloads read the file the first policy came from, off the event loop (airlock/reload.py).
         self.reloader = PolicyReloader(self, config.policy.source, self._policy)
+        if config.close_denied_on_reload:
+            self.reloader.after.append(lambda policy: self.close_denied_tunnels())
         self.started_at = time.time()
         from airlock.admin import AdminApp, gateway_routes  # aiohttp: imported with the gateway, not with the CLI
 
@@ -431,6 +435,16 @@ class Gateway:
         """Load the policy file again, off the event loop, and put it in force; a file that does not load (or lacks
         a running sandbox's profile) is audited as refused and the running policy stays."""
         return await self.reloader.reload()
+
+    def close_denied_tunnels(self) -> int:
+        """Close the open tunnels the policy in force denies; how many."""
+        if self.shared is None or self._master is None:
+            return 0
+        denied = set(denied_tunnels(self.shared))
+        for handler in list(self._master.addons.get("proxyserver").connections.values()):
+            if handler.client.id in denied:
+                handler.close_connection(handler.client)
+        return len(denied)
 
     def _policy(self) -> Policy | None:
         return self.live.current.policy if self.live is not None else None

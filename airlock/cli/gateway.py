@@ -83,6 +83,9 @@ def add_gateway_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--token-ttl", type=duration, default=900, metavar="DURATION", help="e.g. 15m")
     parser.add_argument("--token-max-ttl", type=duration, default=3600, metavar="DURATION")
     parser.add_argument("--dns-min-ttl", type=int, default=5, metavar="S", help="shortest time an answer is cached")
+    parser.add_argument(
+        "--close-denied-on-reload", action="store_true", help="a policy reload closes open tunnels it denies"
+    )
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -119,6 +122,7 @@ def gateway_config(args: argparse.Namespace, policy: Policy, listen: str, sandbo
         dns_min_ttl=args.dns_min_ttl,
         dns_port=args.dns_port,
         dns_rate=args.dns_rate,
+        close_denied_on_reload=args.close_denied_on_reload,
         state_dir=args.state_dir,
         admin=args.admin,
         broker=BrokerConfig(

@@ -5,14 +5,15 @@ taking an edited policy file without a restart. Real gateways, real sandboxes, t
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 import time
 from pathlib import Path
 
 from airlock.policy import load_policy
 
-from gateway_proc import AIRLOCK, E2E_POLICY, PROXY
-from netclient import in_netns, proxy_http
+from gateway_proc import AIRLOCK, E2E_POLICY, PROXY, assert_audit_schema
+from netclient import connect_tunnel, in_netns, proxy_http
 from topology import DNS_SERVER, FakeNet, Topology
 
 NEW_RULE = "    allow:\n      - host: evil.test\n        ports: [80]\n"
@@ -74,16 +75,48 @@ def _launch_run(topology: Topology, tmp_path: Path, policy: Path, script: str, *
     return topology.popen(topology.gw, argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
-def _audited(tmp_path: Path, path: str, launcher: subprocess.Popen, timeout: float = 30) -> dict:
-    """The audit line of the request for `path`, once written."""
+def _audited(tmp_path: Path, path: str, launcher: subprocess.Popen, timeout: float = 30, decision: str = "") -> dict:
+    """The first audit line of a request for `path` (with `decision`, if given), once written."""
     audit, deadline = tmp_path / "audit.jsonl", time.monotonic() + timeout
     while True:
         lines = audit.read_text().splitlines() if audit.exists() else []
         for record in map(json.loads, lines):
-            if record.get("path") == path:
+            if record.get("path") == path and decision in ("", record["decision"]):
                 return record
         assert launcher.poll() is None and time.monotonic() < deadline, launcher.communicate()
         time.sleep(0.05)
+
+
+# The command asks once, then retries a second time every 0.1 s for 10 s: it is never restarted.
+RETRY = (
+    "curl -s -o /dev/null -w 'first %{http_code}\\n' --max-time 5 http://evil.test/first; i=0; "
+    "until curl -s -o /dev/null -w 'then %{http_code}\\n' --max-time 5 -f http://evil.test/again; do "
+    "i=$((i+1)); [ $i -ge 100 ] && exit 3; sleep 0.1; done"
+)
+
+
+def test_a_running_sandbox_gains_a_rule_when_its_policy_file_is_edited(topology: Topology, fakenet: FakeNet, tmp_path):
+    policy = tmp_path / "live.yaml"
+    policy.write_text(E2E_POLICY.read_text())
+    launcher = _launch_run(topology, tmp_path, policy, RETRY)
+    assert _audited(tmp_path, "/first", launcher)["decision"] == "deny"
+    policy.write_text(BAD_POLICY)  # a bad edit first: reported, and the running policy stays
+    time.sleep(1)
+    assert _status("--state-dir", str(tmp_path / "state"))["policy_hash"] == load_policy(E2E_POLICY).hash
+    edited = time.monotonic()
+    policy.write_text(_with_evil(E2E_POLICY.read_text()))
+    _audited(tmp_path, "/again", launcher, timeout=10, decision="allow")
+    assert time.monotonic() - edited < 1.5  # under a second to the swap, plus the command's 0.1 s retries
+    stdout, stderr = launcher.communicate(timeout=60)
+    assert launcher.returncode == 0, stderr
+    assert stdout.splitlines()[0] == "first 403" and stdout.splitlines()[-1] == "then 200"
+    told = [line for line in stderr.splitlines() if "policy" in line and line.startswith("airlock: policy")]
+    assert told == [
+        f"airlock: policy NOT reloaded, the running policy stays: {policy}:5: host '*' would allow every host, "
+        "and is refused: list the hosts, or '*.example.com' for the names under one domain",
+        f"airlock: policy reloaded from {policy} ({load_policy(policy).hash})",
+    ], stderr
+    assert_audit_schema([json.loads(line) for line in (tmp_path / "audit.jsonl").read_text().splitlines()])
 
 
 def test_run_takes_a_reload_through_its_admin_listener(topology: Topology, fakenet: FakeNet, tmp_path: Path):
@@ -124,3 +157,33 @@ def test_no_sandbox_reaches_the_admin_listener(run_in_gw, tmp_path: Path):
     loopback = ("--admin", f"127.0.0.1:{ADMIN_PORT}")
     result = run_in_gw("sh", "-c", f"GW={gateway_ip}; " + "; ".join(tcp), options=loopback)
     assert result.stdout.split() in (["rc=7", "rc=7"], ["rc=7", "rc=28"]), result  # refused, or dropped by the fence
+
+
+def _closed_within(sock: socket.socket, seconds: float) -> bool:
+    sock.settimeout(seconds)
+    try:
+        return sock.recv(1) == b""
+    except ConnectionResetError:
+        return True
+    except TimeoutError:
+        return False
+
+
+def test_close_denied_on_reload_closes_the_open_tunnels_the_new_policy_denies(
+    topology: Topology, fakenet: FakeNet, own_gateway, tmp_path: Path
+):
+    policy = tmp_path / "live.yaml"
+    policy.write_text(E2E_POLICY.read_text())
+    gw = own_gateway(policy, ("--close-denied-on-reload",))
+    denied, _ = in_netns(topology.sbx, connect_tunnel, PROXY, "allowed.test:443")
+    kept, _ = in_netns(topology.sbx, connect_tunnel, PROXY, "other.test:443")
+    assert denied is not None and kept is not None
+    policy.write_text(E2E_POLICY.read_text().replace("    deny:\n", "    deny:\n      - host: allowed.test\n", 1))
+    result = _cli("policy", "reload", "--state-dir", str(gw.workdir / "state"))
+    assert result.returncode == 0, result.stderr
+    assert _closed_within(denied, 3)
+    assert not _closed_within(kept, 0.5)  # a tunnel the new policy still allows stays open
+    kept.close()
+    gw.stop()
+    [closed] = [r for r in gw.audit() if r["kind"] == "connect" and r["host"] == "allowed.test"]
+    assert closed["extra"]["closed"].startswith("closed at a policy reload, which denies it: denied by rule")

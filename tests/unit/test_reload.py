@@ -45,14 +45,24 @@ async def test_the_file_is_read_and_built_in_another_thread(tmp_path: Path, monk
     assert threads and threads[0] is not threading.main_thread()
 
 
-async def test_reloads_run_one_at_a_time_and_the_last_reads_the_file_as_it_is(tmp_path: Path) -> None:
+async def test_the_watcher_reloads_once_a_changed_file_has_settled(tmp_path: Path) -> None:
     path = tmp_path / "p.yaml"
     path.write_text(GOOD)
-    target = _Target()
-    reloader = PolicyReloader(target, str(path), lambda: target.policies[-1] if target.policies else RUNNING)
-    first = asyncio.ensure_future(reloader.reload())
-    await asyncio.sleep(0)
-    path.write_text(GOOD.replace("pypi.org", "new.test"))
-    second = await reloader.reload()
-    assert (await first).ok and second.ok
-    assert second.previous_hash == target.policies[0].hash != second.policy_hash
+    calls: list[str] = []
+
+    async def reload() -> reload_module.Reloaded:
+        calls.append(path.read_text())
+        return reload_module.Reloaded(str(path), "sha256:new", "sha256:old")
+
+    told: list[str] = []
+    watcher = reload_module.PolicyWatcher(str(path), reload, lambda outcome: told.append(outcome.one_line()))
+    watcher.start()
+    await asyncio.sleep(0.3)
+    assert calls == []  # nothing changed
+    for n in range(5):  # an editor's several writes, closer together than the debounce
+        path.write_text(GOOD + f"# {n}\n")
+        await asyncio.sleep(0.05)
+    await asyncio.sleep(reload_module.DEBOUNCE + 3 * reload_module.POLL)
+    await watcher.stop()
+    assert calls == [GOOD + "# 4\n"]
+    assert told == [f"airlock: policy reloaded from {path} (sha256:new)"]
