@@ -23,6 +23,7 @@ import contextlib
 import ipaddress
 import json
 import os
+import select
 import socket
 import statistics
 import subprocess
@@ -53,11 +54,12 @@ def write_policy(path: Path, rules: int) -> None:
     path.write_text("\n".join(lines) + "\n")
 
 
-def client(port: int, seconds: float) -> None:
-    """The client process: a request every INTERVAL for `seconds`, each on a connection of its own (the gateway
-    closes a connection it refused a request on); prints `[[start, latency], ...]`."""
-    samples, end = [], time.monotonic() + seconds
-    while (start := time.monotonic()) < end:
+def client(port: int) -> None:
+    """The client process: a request every INTERVAL until its stdin closes, each on a connection of its own (the
+    gateway closes a connection it refused a request on); prints `[[start, latency], ...]`."""
+    samples = []
+    while not select.select([sys.stdin], [], [], 0)[0]:
+        start = time.monotonic()
         with socket.create_connection(("127.0.0.1", port)) as sock:
             sock.sendall(REQUEST)
             while sock.recv(65536):
@@ -117,9 +119,8 @@ async def run(rules: int, rounds: int, workdir: Path) -> dict[str, dict[str, lis
     await gateway.start()
     loaders = Loaders()
     port = gateway._master.addons.get("proxyserver").listen_addrs()[0][1]  # type: ignore[union-attr]
-    seconds = 2 + rounds * 2 * (rules / 25_000 + 2)
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-P", __file__, "--client", str(port), str(seconds), stdout=subprocess.PIPE
+        sys.executable, "-P", __file__, "--client", str(port), stdin=subprocess.PIPE, stdout=subprocess.PIPE
     )
     windows: list[tuple[str, float, float]] = []
     await asyncio.sleep(1)
@@ -127,7 +128,7 @@ async def run(rules: int, rounds: int, workdir: Path) -> dict[str, dict[str, lis
         for way in ("before", "now"):
             windows.append((way, *await reload_once(gateway, path, way, loaders)))
             await asyncio.sleep(1)
-    out, _ = await proc.communicate()
+    out, _ = await proc.communicate(b"")  # stdin closed: the client stops and reports
     await gateway.stop()
     cpu = load_cpu(path, loaders, rounds)
     samples = json.loads(out)
@@ -187,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--client"]:
-        client(int(sys.argv[2]), float(sys.argv[3]))
+        client(int(sys.argv[2]))
         sys.exit(0)
     threading.current_thread().name = "bench"
     sys.exit(main())
