@@ -5,6 +5,7 @@ denials on stderr where asked; policy reloads and their refusals become audit li
 from __future__ import annotations
 
 import sys
+from collections import Counter
 from collections.abc import Callable, Iterable
 from typing import Literal
 
@@ -31,6 +32,7 @@ class GatewayAudit:
         self.observe = observe  # the gateway's metrics: each line counted as it is written
         self.live: LivePolicy | None = None  # set once the gateway starts: its policy hash stamps every line
         self._profiles = {sandbox.id: sandbox.profile for sandbox in sandboxes}
+        self._decisions: Counter[tuple[str, str]] = Counter()  # (kind, decision) of every line written
 
     def emit(self, record: AuditRecord | RepeatedDecisions) -> None:
         """Stamp and write one line. A tunnel's line is written, and stamped, when it closes: its `policy_hash` is
@@ -42,9 +44,18 @@ class GatewayAudit:
                 record.policy_hash = self.live.current.policy.hash
             if self.notices is not None:
                 self.notices.observe(record)
+            self._decisions[record.kind, record.decision] += 1
         self.write(record)
         if self.observe is not None:  # after the write: a line is never lost to its counting
             self.observe(record)
+
+    def counters(self) -> dict[str, dict[str, int]]:
+        """Audit lines written since start, by kind and then decision (`GET /v1/status`); repeated DNS answers,
+        written as copies of a line already counted, are not counted again."""
+        counts: dict[str, dict[str, int]] = {}
+        for (kind, decision), count in sorted(self._decisions.items()):
+            counts.setdefault(kind, {})[decision] = count
+        return counts
 
     def policy_loaded(self, policy: Policy, previous_hash: str) -> None:
         record = _policy_record("allow", f"policy reloaded from {policy.source}", ReasonCode.POLICY_LOADED)

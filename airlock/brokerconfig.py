@@ -1,7 +1,8 @@
-"""What the gateway's broker is told to be: its ports, its admin listener, where its GitHub credential comes from.
+"""What the gateway's broker is told to be: its port, where its GitHub credential comes from.
 
-Apart from `airlock.brokerd` (which runs the broker, with aiohttp and the GitHub client) so that a gateway without
-a broker imports none of that. The admin address is read here for the listener and its clients alike."""
+Apart from `airlock.brokerd` (which runs the broker, with the GitHub client and the token code) so that a gateway
+without a broker imports none of that. The gateway's admin address is read here for the listener and its clients
+alike."""
 
 from __future__ import annotations
 
@@ -41,7 +42,6 @@ def parse_secret(spec: str) -> SecretSource:
 @dataclass
 class BrokerConfig:
     port: int = 8080  # sandbox-facing, on the gateway's sandbox address; 0: no broker
-    admin: str | None = None  # unix socket path or 127.0.0.1:PORT; default <state>/admin.sock
     call_log: str | None = None  # the directory of the record of brokered calls; default <state>/calls
     github_api: str = "https://api.github.com"
     github_git: str | None = None  # where git reaches the repositories; None: derived from github_api

@@ -1,4 +1,5 @@
-"""Running the broker inside the gateway: its state, its GitHub credential, and its two listeners."""
+"""Running the broker inside the gateway: its state, its GitHub credential, and its sandbox-facing listener (its
+admin routes are mounted on the gateway's admin listener, airlock/admin.py)."""
 
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ from airlock.broker.shapes import CREDENTIAL
 from airlock.broker.store import SqliteStore
 from airlock.broker.tokens import KeyRing, TokenAuthority
 from airlock.broker.tools import TOOLS
-from airlock.brokerconfig import BrokerConfig, BrokerConfigError, admin_endpoint
+from airlock.brokerconfig import BrokerConfig, BrokerConfigError
 from airlock.dns.upstream import ResolveError, Resolver
 from airlock.policy import (
     HostError,
@@ -232,10 +233,8 @@ class BrokerRuntime:
         resolver: Resolver,
         emit: Any,
         upstream_ca: str | None,
-        admin_routes: Sequence[web.RouteDef] = (),
     ) -> None:
         self.config = config
-        self.admin_routes = admin_routes  # the gateway's own on the admin listener (metrics, health, approvals)
         self.state_dir = state_dir
         self.live = live  # the broker names sandboxes by the live policy's registry, as the proxy and DNS do
         self.resolver = resolver
@@ -246,7 +245,6 @@ class BrokerRuntime:
         self._runners: list[web.AppRunner] = []
         self._servers: list[asyncio.Server] = []
         self._session: aiohttp.ClientSession | None = None
-        self.admin_address = config.admin or str(state_dir / "admin.sock")
 
     async def start(self, listen: str) -> Broker:
         config = self.config
@@ -295,9 +293,6 @@ class BrokerRuntime:
             declared=self.declared,
         )
         await self._serve(self.broker.sandbox_app(), listen, config.port, config.max_connections_per_client)
-        admin = self.broker.admin_app()
-        admin.add_routes(self.admin_routes)
-        await self._serve_admin(admin)
         return self.broker
 
     def problems(self, policy: Policy) -> list[str]:
@@ -326,22 +321,6 @@ class BrokerRuntime:
         factory = _CappedConnections(runner.server, per_client)
         server = await asyncio.get_running_loop().create_server(factory, host, port, reuse_address=True)
         self._servers.append(server)
-
-    async def _serve_admin(self, app: web.Application) -> None:
-        endpoint = admin_endpoint(self.admin_address)
-        if isinstance(endpoint, tuple):
-            await self._serve(app, *endpoint)
-            return
-        runner = web.AppRunner(app, access_log=None, logger=HTTP_LOG)
-        await runner.setup()
-        self._runners.append(runner)
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(endpoint)
-        old_umask = os.umask(0o177)  # the socket is the admin credential: owner only
-        try:
-            await web.UnixSite(runner, str(endpoint)).start()
-        finally:
-            os.umask(old_umask)
 
     async def stop(self) -> None:
         for server in self._servers:  # listening ends first; the runners then close the connections

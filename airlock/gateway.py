@@ -1,5 +1,5 @@
-"""The gateway process: the policy, the one resolver, mitmproxy with the airlock addon, the sandbox DNS server
-and the broker, wired together."""
+"""The gateway process: the policy, the one resolver, mitmproxy with the airlock addon, the sandbox DNS server,
+the broker and the admin listener, wired together."""
 
 from __future__ import annotations
 
@@ -34,9 +34,12 @@ from airlock.mitm import Master, Proxyserver, TlsConfig, core, disable_h2c, next
 from airlock.policy import IPAddress, LivePolicy, Policy, PolicyError, Sandbox, SandboxRegistry
 from airlock.proxy.addon import Airlock, build_addon
 from airlock.proxy.shared import GatewaySettings
+from airlock.proxy.tunnels import denied_tunnels
+from airlock.reload import PolicyReloader, Reloaded
 from airlock.sandbox.fence import mark_listeners
 
 if TYPE_CHECKING:
+    from airlock.admin import AdminApp
     from airlock.broker.service import Broker
     from airlock.brokerd import BrokerRuntime
 
@@ -78,7 +81,9 @@ class GatewayConfig:
     dns_min_ttl: int = 5
     dns_port: int = 53  # 0: no DNS server for sandboxes
     dns_rate: float = 100.0  # queries per second per sandbox
+    close_denied_on_reload: bool = False  # a reload closes the open tunnels the new policy denies
     state_dir: str | None = None
+    admin: str | None = None  # the admin listener: a unix socket path or 127.0.0.1:PORT; default STATE_DIR/admin.sock
     broker: BrokerConfig = field(default_factory=BrokerConfig)
     policy_path: str | None = None  # the file `--scope policy` approvals write into; None: none may
     approval_webhook: str | None = None  # where each request held for approval is posted (JSON)
@@ -297,6 +302,17 @@ class Gateway:
         self._broker_runtime: BrokerRuntime | None = None
         writer = PolicyWriter(config.policy_path, self.replace_policy) if config.policy_path else None
         self.approvals = Approvals(self.emit, config.approval_webhook, writer)
+        # Reloads read the file the first policy came from, off the event loop (airlock/reload.py).
+        self.reloader = PolicyReloader(self, config.policy.source, self._policy)
+        if config.close_denied_on_reload:
+            self.reloader.after.append(lambda policy: self.close_denied_tunnels())
+        self.started_at = time.time()
+        from airlock.admin import AdminApp, gateway_routes  # aiohttp: imported with the gateway, not with the CLI
+
+        # Routes are added before start (others: `gateway.admin.add_routes([...])`); the broker's when it starts.
+        self.admin: AdminApp = AdminApp(config.admin or str(Path(self._state_dir) / "admin.sock"))
+        self.admin.add_routes(gateway_routes(self.reload_policy, self.status))
+        self.admin.add_routes([*self.metrics.routes(), *approval_routes(self.approvals)])
 
     async def start(self) -> None:
         config = self.config
@@ -375,8 +391,7 @@ class Gateway:
             from airlock.brokerd import BrokerRuntime
 
             runtime = BrokerRuntime(
-                config.broker, Path(self._state_dir), live, self.resolver, self.emit, config.upstream_ca,
-                admin_routes=[*self.metrics.routes(), *approval_routes(self.approvals)],
+                config.broker, Path(self._state_dir), live, self.resolver, self.emit, config.upstream_ca
             )  # fmt: skip
             self._broker_runtime = runtime
             try:
@@ -384,12 +399,12 @@ class Gateway:
             except (OSError, ValueError, StoreError, TokenError) as e:
                 await self.stop()
                 raise GatewayError(f"broker could not start: {e}") from e
-        elif asking := sorted(name for name, p in config.policy.profiles.items() if p.on_unlisted == "ask"):
-            log.warning(
-                "profile %s says on_unlisted: ask, but this gateway has no admin listener to answer on (the broker "
-                "is off): every request it holds is denied at its ask_timeout",
-                ", ".join(asking),
-            )
+            self.admin.mount(self.broker.admin_app())
+        try:
+            await self.admin.start()
+        except OSError as e:
+            await self.stop()
+            raise GatewayError(f"admin listener could not listen on {self.admin.address}: {e.strerror or e}") from e
         self._mark_listeners()
 
     def _mark_listeners(self) -> None:
@@ -455,6 +470,45 @@ class Gateway:
         """Audit a policy file that did not load (the running policy stays)."""
         self.auditing.policy_refused(source, errors)
 
+    async def reload_policy(self) -> Reloaded:
+        """Load the policy file again, off the event loop, and put it in force; a file that does not load (or lacks
+        a running sandbox's profile) is audited as refused and the running policy stays."""
+        return await self.reloader.reload()
+
+    def close_denied_tunnels(self) -> int:
+        """Close the open tunnels the policy in force denies; how many."""
+        if self.shared is None or self._master is None:
+            return 0
+        denied = set(denied_tunnels(self.shared))
+        for handler in list(self._master.addons.get("proxyserver").connections.values()):
+            if handler.client.id in denied:
+                handler.close_connection(handler.client)
+        return len(denied)
+
+    def _policy(self) -> Policy | None:
+        return self.live.current.policy if self.live is not None else None
+
+    def status(self) -> dict[str, Any]:
+        """What `GET /v1/status` answers: the policy in force, the sandboxes, open tunnels and connections, counts."""
+        policy = self.live.current.policy if self.live is not None else self.config.policy
+        shared = self.shared
+        return {
+            "policy_hash": policy.hash,
+            "policy_source": policy.source,
+            "default_profile": policy.default_profile,
+            "profiles": {
+                name: {"allow_rules": len(p.allow), "deny_rules": len(p.deny)}
+                for name, p in sorted(policy.profiles.items())
+            },
+            "sandboxes": [
+                {"id": s.id, "profile": s.profile, "network": str(s.network)} for s in self.registry.sandboxes
+            ],
+            "open_tunnels": {k: n for k, n in shared.tunnels.items() if n} if shared is not None else {},
+            "open_connections": {k: n for k, n in shared.connections.items() if n} if shared is not None else {},
+            "counters": self.auditing.counters(),
+            "started_at": self.started_at,
+        }
+
     async def stop(self) -> None:
         if self._master is None:
             return
@@ -463,6 +517,7 @@ class Gateway:
             self._flusher.cancel()
         if self.dns is not None:
             await self.dns.stop()
+        await self.admin.stop()
         if self._broker_runtime is not None:
             await self._broker_runtime.stop()
         await self.approvals.close()

@@ -89,6 +89,8 @@ def canonical_host(raw: str) -> str:
     """Canonical text for a host: a compressed IP address, or a lowercase IDNA name without trailing dot."""
     if not isinstance(raw, str) or not raw:
         raise HostError("empty host")
+    if _is_canonical_name(raw):
+        return raw
     ip = parse_ip_literal(raw)
     if ip is not None:
         return str(ip)
@@ -104,6 +106,18 @@ def canonical_host(raw: str) -> str:
             raise HostError(f"{raw!r}: invalid internationalized name ({e})") from None
     _check_name(raw, name)
     return name
+
+
+# A name already in canonical form: lowercase ASCII labels, no punycode, no trailing dot (what most rules and
+# requests name). Its last label is not numeric, so it is no IPv4 spelling; it has no ':', so no IPv6 address.
+_CANONICAL_NAME = re.compile(r"(?:[a-z0-9_](?:[a-z0-9_-]{0,61}[a-z0-9_])?\.)*[a-z0-9_](?:[a-z0-9_-]{0,61}[a-z0-9_])?")
+
+
+def _is_canonical_name(raw: str) -> bool:
+    """Whether `raw` is a name canonical_host would return unchanged, told without its full checks."""
+    if len(raw) > MAX_NAME_LENGTH or "xn--" in raw or not _CANONICAL_NAME.fullmatch(raw):
+        return False
+    return _NUMERIC_PART.fullmatch(raw[raw.rfind(".") + 1 :]) is None
 
 
 def _check_name(raw: str, name: str) -> None:

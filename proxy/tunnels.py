@@ -9,7 +9,7 @@ from mitmproxy.proxy.layers.tls import ClientHello, parse_client_hello
 from mitmproxy.proxy.utils import expect
 
 from airlock.audit import AuditRecord
-from airlock.policy import ReasonCode, is_ip
+from airlock.policy import ReasonCode, decide, is_ip
 
 from .failclosed import fail_closed
 from .shared import ClientState, Shared
@@ -110,3 +110,20 @@ def _sni_mismatch(sni: str | None, expected: str) -> str | None:
     if sni == expected or (sni is None and is_ip(expected)):
         return None
     return f"TLS SNI {sni!r} does not match CONNECT host {expected}"
+
+
+def denied_tunnels(shared: Shared) -> list[str]:
+    """The client connections of open tunnels that the policy in force now denies (after a reload), each tunnel's
+    audit line (written when it closes) saying why it was closed."""
+    snapshot = shared.live.current
+    denied = []
+    for client_id, state in shared.clients.items():
+        record = state.tunnel
+        if record is None or state.sandbox is None or state.denied or record.port is None:
+            continue
+        decision = decide(snapshot.profile(state.sandbox), record.host, record.port)
+        if not decision.allow:
+            state.denied = decision.reason
+            record.extra["closed"] = f"closed at a policy reload, which denies it: {decision.reason}"
+            denied.append(client_id)
+    return denied

@@ -18,6 +18,7 @@ from .common import EXIT_INTERRUPTED, EXIT_USAGE
 GROUPS = {
     "policy": ("check or explain a policy", "airlock.cli.policy"),
     "gateway": ("run the gateway in the foreground", "airlock.cli.gateway"),
+    "status": ("a running gateway's policy, sandboxes and counters (admin listener)", "airlock.cli.status"),
     "token": ("mint or revoke broker tokens (gateway admin listener)", "airlock.cli.token"),
     "approvals": ("list, approve or deny requests held for a person (gateway admin listener)", "airlock.cli.approvals"),
     "tools": ("read the record of brokered calls, or replay a sandbox's calls", "airlock.cli.tools"),

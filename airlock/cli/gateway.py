@@ -17,7 +17,8 @@ from urllib.parse import urlsplit
 from airlock.brokerconfig import BrokerConfig, BrokerConfigError, parse_secret
 from airlock.dns.upstream import parse_server
 from airlock.gateway import Gateway, GatewayConfig
-from airlock.policy import Policy, PolicyError, Sandbox, format_host_port
+from airlock.policy import Policy, Sandbox, format_host_port
+from airlock.reload import log_reload
 
 from .common import (
     DEFAULT_STATE_DIR,
@@ -25,7 +26,6 @@ from .common import (
     UsageError,
     absolute,
     check_limits,
-    default_policy_path,
     duration,
     load_policy_file,
     signal_future,
@@ -61,7 +61,10 @@ def add_gateway_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dns-rate", type=float, default=100.0, metavar="QPS", help="DNS queries/s per sandbox")
     parser.add_argument("--state-dir", type=absolute, metavar="DIR", help="keys, broker state, admin socket")
     parser.add_argument("--broker-port", type=int, default=8080, metavar="PORT", help="0 turns the broker off")
-    parser.add_argument("--broker-admin", metavar="SOCKET|127.0.0.1:PORT", help="default: STATE_DIR/admin.sock")
+    parser.add_argument(
+        "--admin", "--broker-admin", dest="admin", metavar="SOCKET|127.0.0.1:PORT",
+        help="the admin listener (policy reload, status, tokens); default: STATE_DIR/admin.sock",
+    )  # fmt: skip
     parser.add_argument(
         "--call-log", type=absolute, metavar="DIR",
         help=f"where every brokered call is recorded (default: STATE_DIR/calls, else {DEFAULT_STATE_DIR}/calls)",
@@ -89,6 +92,9 @@ def add_gateway_options(parser: argparse.ArgumentParser) -> None:
         "--approval-webhook", type=webhook_url, metavar="URL",
         help="post each request held for approval (on_unlisted: ask) to URL as JSON",
     )  # fmt: skip
+    parser.add_argument(
+        "--close-denied-on-reload", action="store_true", help="a policy reload closes open tunnels it denies"
+    )
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -129,12 +135,13 @@ def gateway_config(args: argparse.Namespace, policy: Policy, listen: str, sandbo
         dns_min_ttl=args.dns_min_ttl,
         dns_port=args.dns_port,
         dns_rate=args.dns_rate,
+        close_denied_on_reload=args.close_denied_on_reload,
         state_dir=args.state_dir,
         policy_path=args.policy,
         approval_webhook=args.approval_webhook,
+        admin=args.admin,
         broker=BrokerConfig(
             port=args.broker_port,
-            admin=args.broker_admin,
             call_log=args.call_log or str(Path(args.state_dir or DEFAULT_STATE_DIR) / "calls"),
             github_api=args.github_api,
             github_app_id=args.github_app_id,
@@ -218,22 +225,24 @@ def cmd_gateway(args: argparse.Namespace) -> int:
     args.state_dir = args.state_dir or DEFAULT_STATE_DIR
     policy = load_policy_file(args.policy)
     config = gateway_config(args, policy, args.listen, sandboxes(args.sandbox or [], args.profile, policy))
-    return asyncio.run(serve(config, args.policy))
+    return asyncio.run(serve(config))
 
 
-async def serve(config: GatewayConfig, policy_path: str | None) -> int:
-    """Run until SIGTERM (exit 0) or SIGINT (130); SIGHUP reloads the policy from `policy_path`, SIGUSR1 reopens
-    the audit file."""
+async def serve(config: GatewayConfig) -> int:
+    """Run until SIGTERM (exit 0) or SIGINT (130); SIGHUP reloads the policy file (off the event loop), SIGUSR1
+    reopens the audit file."""
     gateway = Gateway(config)
     # Handlers first: a signal that arrives while the gateway starts still stops it cleanly.
     stopped = signal_future(signal.SIGTERM, signal.SIGINT)
-    asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, reload_policy, gateway, policy_path)
-    asyncio.get_running_loop().add_signal_handler(signal.SIGUSR1, gateway.reopen_audit)
+    loop = asyncio.get_running_loop()
+    reloads: set[asyncio.Task[None]] = set()
+    loop.add_signal_handler(signal.SIGHUP, reload_policy, gateway, reloads)
+    loop.add_signal_handler(signal.SIGUSR1, gateway.reopen_audit)
     try:
         await gateway.start()
         dns = f", DNS on port {config.dns_port}" if config.dns_port else ""
         where = format_host_port(config.listen, config.proxy_port)
-        print(f"airlock gateway: proxy on {where}{dns}", file=sys.stderr, flush=True)
+        print(f"airlock gateway: proxy on {where}{dns}, admin on {gateway.admin.address}", file=sys.stderr, flush=True)
         signum = await stopped
     finally:
         await gateway.stop()
@@ -243,18 +252,16 @@ async def serve(config: GatewayConfig, policy_path: str | None) -> int:
     return 0
 
 
-def reload_policy(gateway: Gateway, path: str | None) -> None:
-    """SIGHUP: load the policy again; a bad file is reported and the running policy stays."""
-    source = str(path or default_policy_path())
+def reload_policy(gateway: Gateway, running: set[asyncio.Task[None]]) -> None:
+    """SIGHUP: the policy file loaded again off the event loop (a task kept in `running` until it ends); a bad
+    file is reported and the running policy stays."""
+    task = asyncio.get_running_loop().create_task(_reload(gateway))
+    running.add(task)
+    task.add_done_callback(running.discard)
+
+
+async def _reload(gateway: Gateway) -> None:
     try:
-        try:
-            policy = load_policy_file(path)
-        except PolicyError as e:
-            gateway.policy_refused(source, e.errors)
-            raise
-        gateway.replace_policy(policy)  # audits the reload, or its refusal
-        log.info("policy reloaded from %s (%s)", source, policy.hash)
-    except PolicyError as e:
-        log.error("policy NOT reloaded, the running policy stays:\n%s", e)
+        log_reload(await gateway.reload_policy())
     except Exception as e:  # e.g. a SIGHUP before the gateway has started: keep what runs
         log.error("policy NOT reloaded, the running policy stays: %s: %s", type(e).__name__, e)

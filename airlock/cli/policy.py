@@ -1,6 +1,7 @@
 """`airlock policy check FILE` (exit 0 valid, 2 with FILE:LINE errors), `airlock policy explain` (0 allow, 1 deny,
 2 error; `--json`), `airlock policy test POLICY CASES` (0 all match, 1 a mismatch, 2 a bad file) and `airlock policy
-suggest AUDIT` (a policy for what was denied): the policy core asked directly, no gateway."""
+suggest AUDIT` (a policy for what was denied): the policy core asked directly, no gateway — but for `airlock policy
+reload`, which asks a running gateway to load its file again."""
 
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from airlock.policy import (
 
 from .common import EXIT_ALLOW, EXIT_DENY, EXIT_USAGE, UsageError
 from .common import load_policy_file as _load
+from .status import add_admin_options, cmd_policy_reload
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -51,6 +53,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     suggest.add_argument("--merge", metavar="POLICY", help="print POLICY with the rules added (comments kept)")
     suggest.set_defaults(func=cmd_policy_suggest)
+    reload = actions.add_parser("reload", help="make a running gateway load its policy file again (admin listener)")
+    add_admin_options(reload)
+    reload.set_defaults(func=cmd_policy_reload)
 
 
 def cmd_policy_check(args: argparse.Namespace) -> int:

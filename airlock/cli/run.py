@@ -15,9 +15,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from airlock.auditing import tell
 from airlock.broker.grants import Grant, GrantError, parse_grant
 from airlock.gateway import Gateway, GatewayConfig
 from airlock.policy import Policy
+from airlock.reload import PolicyWatcher
 from airlock.sandbox.embedded import gateway_credentials
 from airlock.sandbox.limits import (
     DEFAULT_CPUS,
@@ -205,8 +207,16 @@ def parse_mount(text: str, credentials: list[str]) -> tuple[str, str]:
 
 
 def _stop_signals() -> asyncio.Future[int]:
-    """The first of SIGINT, SIGTERM and SIGHUP to arrive (its number): the run is then stopped and removed."""
+    """The first of SIGINT, SIGTERM and SIGHUP to arrive (its number): the run is then stopped and removed (a
+    hang-up ends the sandbox; the policy reloads when its file changes, or through the admin listener)."""
     return signal_future(signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+def _watch_policy(gateway: Gateway) -> PolicyWatcher:
+    """Reload the policy when its file changes, each outcome told on stderr in one line."""
+    watcher = PolicyWatcher(gateway.config.policy.source, gateway.reload_policy, lambda r: tell(r.one_line()))
+    watcher.start()
+    return watcher
 
 
 def _reopen_audit_on_sigusr1(gateway: Gateway) -> None:
@@ -232,10 +242,12 @@ async def _run_netns(run: RunConfig) -> int:
     )  # fmt: skip
     async with handle:
         _reopen_audit_on_sigusr1(handle.gateway)
+        watcher = _watch_policy(handle.gateway)
         waiter = asyncio.ensure_future(handle.wait())
         if interrupted := await _first(waiter, stopped):
             waiter.cancel()
             await handle.stop()
+        await watcher.stop()
         code = None if interrupted else waiter.result()
         if code is not None and handle.oom_killed():
             print(f"airlock: killed at the {run.resources.memory} memory limit", file=sys.stderr)
@@ -254,11 +266,13 @@ async def _run_docker(run: RunConfig) -> int:
     )  # fmt: skip
     async with handle:
         _reopen_audit_on_sigusr1(handle.gateway)
+        watcher = _watch_policy(handle.gateway)
         output = asyncio.ensure_future(handle.stream(sys.stdout.buffer, sys.stderr.buffer))
         waiter = asyncio.ensure_future(handle.wait())
         if interrupted := await _first(waiter, stopped):
             handle.kill()
         code = await waiter
+        await watcher.stop()
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(output, 10)  # the streams end when the container stops
         if code is not None and not interrupted and handle.oom_killed():

@@ -1,4 +1,5 @@
-"""`airlock token issue|revoke`: mint or revoke broker tokens through a running gateway's admin listener."""
+"""`airlock token issue|revoke`: mint or revoke broker tokens through a running gateway's admin listener (and the
+listener's client, `Admin`, which `airlock status` and `airlock policy reload` use too)."""
 
 from __future__ import annotations
 
@@ -52,7 +53,16 @@ class Admin:
         return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
     async def call(self, path: str, payload: dict[str, Any] | None) -> dict[str, Any]:
-        """POST `payload` as JSON to `path` (GET when None); the JSON object answered, or UsageError."""
+        """POST `payload` as JSON to `path` (GET when None): the answer's body, or UsageError with the refusal."""
+        status, body = await self.request("GET" if payload is None else "POST", path, payload)
+        if status != 200:
+            raise UsageError(f"{_refuser(path)} refused: {body.get('message', status)}")
+        return body
+
+    async def request(
+        self, method: str, path: str, payload: dict[str, Any] | None = None
+    ) -> tuple[int, dict[str, Any]]:
+        """One call of the admin listener: its status and JSON object; UsageError when nothing answers so."""
         import aiohttp
 
         connector: aiohttp.BaseConnector
@@ -62,18 +72,21 @@ class Admin:
             connector, base = aiohttp.TCPConnector(), f"http://{self}"
         try:
             async with (
-                aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=10)) as session,
-                session.request("GET" if payload is None else "POST", base + path, json=payload) as reply,
+                aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=30)) as session,
+                session.request(method, base + path, json=payload) as reply,
             ):
                 body = await reply.json(content_type=None)
         except (aiohttp.ClientError, OSError, ValueError, TimeoutError) as e:
             why = str(e) or type(e).__name__
-            raise UsageError(f"cannot reach the broker's admin listener at {self}: {why}") from None
+            raise UsageError(f"cannot reach the gateway's admin listener at {self}: {why}") from None
         if not isinstance(body, dict):
-            raise UsageError(f"{self} is not a broker's admin listener (it answered {reply.status})")
-        if reply.status != 200:
-            raise UsageError(f"broker refused: {body.get('message', reply.status)}")
-        return body
+            raise UsageError(f"{self} is not a gateway's admin listener (it answered {reply.status})")
+        return reply.status, body
+
+
+def _refuser(path: str) -> str:
+    """Who said no, as the user knows it: the broker for tokens, else the gateway."""
+    return "broker" if path.startswith(("/v1/tokens", "/v1/revocations", "/v1/keys")) else "gateway"
 
 
 def cmd_token_issue(args: argparse.Namespace) -> int:

@@ -13,12 +13,12 @@ import pytest
 
 from airlock import AirlockError, cli
 from airlock.brokerconfig import BrokerConfigError
-from airlock.cli import gateway as gateway_command
 from airlock.cli import policy as policy_command
 from airlock.cli import run as run_command
 from airlock.cli.common import UsageError
 from airlock.gateway import GatewayError
 from airlock.policy import PolicyError
+from airlock.reload import PolicyReloader, log_reload
 from airlock.sandbox.docker import DockerSandboxError
 from airlock.sandbox.fence import FenceError
 from airlock.sandbox.netns import SandboxError
@@ -46,7 +46,7 @@ ODD_INPUTS = [
     ("gateway-ca-not-pem", [*GATEWAY, "--upstream-ca", "/etc/hostname"], "--upstream-ca /etc/hostname: no CA"),
     ("explain-unclosed-bracket", ["policy", "explain", "http://[::1"], "airlock: 'http://[::1': Invalid IPv6 URL"),
     ("token-bad-grant", ["token", "issue", "--sandbox", "s", "--grant", "rm:-rf"], "airlock: --grant:"),
-    ("token-no-listener", ["token", "revoke", "--state-dir", "TMP", "--jti", "x"], "cannot reach the broker's admin"),
+    ("token-no-listener", ["token", "revoke", "--state-dir", "TMP", "--jti", "x"], "cannot reach the gateway's admin"),
     ("token-admin-relative", ["token", "revoke", "--admin", "./admin.sock", "--jti", "x"], "cannot reach"),
     ("token-admin-not-loopback", ["token", "revoke", "--admin", "192.0.2.1:80", "--jti", "x"], "loopback"),
 ]
@@ -162,19 +162,22 @@ def test_version_comes_from_the_package(capsys: pytest.CaptureFixture[str]) -> N
     assert capsys.readouterr().out == f"airlock {version('airlock')}\n"
 
 
-def test_a_successful_reload_is_info_and_a_failed_one_an_error(
+async def test_a_successful_reload_is_info_and_a_failed_one_an_error(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     class Gateway:
         def replace_policy(self, policy: object) -> None:
             pass
 
+        def policy_refused(self, source: str, errors: list[str]) -> None:
+            pass
+
     good, bad = tmp_path / "good.yaml", tmp_path / "bad.yaml"
     good.write_text("version: 1\nprofiles:\n  default:\n    allow:\n      - host: pypi.org\n")
     bad.write_text("version: 1\nprofiles: [\n")
     with caplog.at_level(logging.INFO, logger="airlock"):
-        gateway_command.reload_policy(Gateway(), str(good))  # type: ignore[arg-type]
-        gateway_command.reload_policy(Gateway(), str(bad))  # type: ignore[arg-type]
+        for path in (good, bad):
+            log_reload(await PolicyReloader(Gateway(), str(path), lambda: None).reload())
     assert [(r.levelname, r.getMessage().split(" from ")[0][:20]) for r in caplog.records] == [
         ("INFO", "policy reloaded"),
         ("ERROR", "policy NOT reloaded,"),

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from airlock.cli import main
-from airlock.cli.gateway import reload_policy
 from airlock.policy import Policy, loader
+from airlock.reload import PolicyReloader
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
@@ -127,6 +127,9 @@ def test_check_loader_bug_is_exit_2(
     assert capsys.readouterr().err.startswith(f"{path}:1: cannot load policy: RuntimeError: boom")
 
 
+RUNNING = loader.parse_policy(POLICY, "running.yaml")
+
+
 class _Gateway:
     def __init__(self) -> None:
         self.policies: list[Policy] = []
@@ -144,11 +147,13 @@ class _Gateway:
     [(POLICY, 1), *((o[1], 0) for o in ODD_POLICIES)],
     ids=["valid", *(o[0] for o in ODD_POLICIES)],
 )
-def test_sighup_reload_keeps_running_policy_on_odd_yaml(tmp_path: Path, content: str, loaded: int) -> None:
+async def test_reload_keeps_running_policy_on_odd_yaml(tmp_path: Path, content: str, loaded: int) -> None:
     path = tmp_path / "p.yaml"
     path.write_text(content, encoding="utf-8")
     gateway = _Gateway()
-    reload_policy(gateway, str(path))  # must not raise: it runs inside the event loop's signal handler
+    outcome = await PolicyReloader(gateway, str(path), lambda: RUNNING).reload()  # never raises
+    assert outcome.ok == bool(loaded)
+    assert outcome.policy_hash == (gateway.policies[0].hash if loaded else RUNNING.hash)
     assert len(gateway.policies) == loaded
     assert gateway.refused == ([] if loaded else [str(path)])  # a file that does not load is audited as refused
 
