@@ -16,6 +16,7 @@ import binascii
 import hashlib
 import json
 import logging
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -79,8 +80,13 @@ class CallLog(SqliteFile):
 
     @classmethod
     def in_directory(cls, directory: Path) -> CallLog:
-        directory.mkdir(mode=0o700, parents=True, exist_ok=True)  # inputs of every sandbox: root's alone
-        return cls(directory / FILE_NAME)
+        """The log in `directory`: folder 0700 and file 0600 (inputs of every sandbox: root's alone; SQLite gives
+        its -wal and -shm files the database file's mode)."""
+        directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        path = directory / FILE_NAME
+        os.close(os.open(path, os.O_CREAT | os.O_WRONLY | os.O_NOFOLLOW, 0o600))
+        os.chmod(path, 0o600)  # one made before by an older airlock, or under another umask
+        return cls(path)
 
     def begin(self, sandbox: str, tool: str, jti: str, request_id: str, grants: list[dict[str, Any]],
               input: dict[str, Any] | None) -> int:  # fmt: skip

@@ -153,6 +153,9 @@ def test_call_log_rows_and_filters(tmp_path: Path) -> None:
     log = CallLog.in_directory(tmp_path / "calls")
     try:
         assert (tmp_path / "calls").stat().st_mode & 0o777 == 0o700
+        assert {p.name: p.stat().st_mode & 0o777 for p in (tmp_path / "calls").iterdir()} == {
+            "calls.sqlite3": 0o600, "calls.sqlite3-wal": 0o600, "calls.sqlite3-shm": 0o600,
+        }  # fmt: skip
         first = log.begin("a", "t", "j1", "r1", [], {"x": 1})
         second = log.begin("b", "t", "j2", "r2", [], None)
         log.finish(second, 403, None, "outside_grant", "no", 1.5)
