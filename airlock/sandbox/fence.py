@@ -40,19 +40,28 @@ class FenceError(AirlockError, RuntimeError):
 
 
 @dataclass(frozen=True)
+class Interception:
+    """Where the fence sends what the sandbox dials elsewhere: the gateway's transparent listener (TCP)."""
+
+    tcp_port: int
+
+
+@dataclass(frozen=True)
 class Fence:
     table: str  # nft table name (family inet), unique per sandbox
     interface: str  # the gateway-side interface the sandbox's traffic arrives on
     gateway_ip: str
     tcp_ports: tuple[int, ...]
     udp_ports: tuple[int, ...] = ()
+    intercept: Interception | None = None
 
     def ruleset(self) -> str:
         iface = self.interface
         mark = f"0x{GATEWAY_SOCKET_MARK:x}"
-        accepts = []
-        if self.tcp_ports:
-            to = f'iifname "{iface}" ip daddr {self.gateway_ip} tcp dport {{ {", ".join(map(str, self.tcp_ports))} }}'
+        accepts, chains = interception(iface, self.gateway_ip, self.intercept)
+        tcp_ports = (*self.tcp_ports, *((self.intercept.tcp_port,) if self.intercept else ()))
+        if tcp_ports:
+            to = f'iifname "{iface}" ip daddr {self.gateway_ip} tcp dport {{ {", ".join(map(str, tcp_ports))} }}'
             # `socket mark` matches a full socket only (a listener, an accepted connection); for a half-open one
             # (the handshake's last ACK meets a request socket), a TIME_WAIT or no socket it matches neither way.
             # So: a marked socket is reached; any other full socket is not; of the rest, packets that open no
@@ -86,7 +95,7 @@ table inet {self.table} {{
         type filter hook forward priority -200; policy accept;
         iifname "{iface}" counter drop
         oifname "{iface}" counter drop
-    }}
+    }}{chains}
 }}
 """
 
@@ -106,6 +115,28 @@ table inet {self.table} {{
     def remove(self, netns_cmd: list[str] | None = None) -> None:
         with contextlib.suppress(FenceError):  # absent already
             _nft(["delete", "table", "inet", self.table], None, netns_cmd)
+
+
+def interception(iface: str, gateway_ip: str, intercept: Interception | None) -> tuple[list[str], str]:
+    """The fence's part for transparent mode: (input rules that go first, chains). Packets to any of the
+    gateway host's own addresses are never redirected (`fib daddr type local`): the input chain decides those,
+    as without interception. The transparent listener is reached only through the redirect (`ct status dnat`):
+    dialled directly, it would read its own address as the destination."""
+    if intercept is None:
+        return [], ""
+    arrives = f'iifname "{iface}"'
+    redirects = [
+        f"{arrives} fib daddr type local return",
+        f"{arrives} meta nfproto ipv4 meta l4proto tcp dnat ip to {gateway_ip}:{intercept.tcp_port}",
+    ]
+    direct = f"{arrives} tcp dport {intercept.tcp_port} ct status & dnat == 0 counter reject with tcp reset"
+    redirect_lines = "\n        ".join(redirects)
+    chains = f"""
+    chain intercept {{
+        type nat hook prerouting priority dstnat; policy accept;
+        {redirect_lines}
+    }}"""
+    return [direct], chains
 
 
 def _nft(args: list[str], stdin: str | None, netns_cmd: list[str] | None) -> None:

@@ -28,6 +28,7 @@ from airlock.gateway import Gateway, GatewayConfig
 
 from . import netns
 from .embedded import (
+    fence_interception,
     fence_ports,
     gateway_credentials,
     gateway_environment,
@@ -169,7 +170,7 @@ async def launch(
     if note := unwritable_workdir(pw, named=user is not None):
         report(note)
     tcp_ports, udp_ports = fence_ports(gateway)
-    sandbox = NetnsSandbox(sandbox_id, tcp_ports=tcp_ports, udp_ports=udp_ports)
+    sandbox = NetnsSandbox(sandbox_id, tcp_ports=tcp_ports, udp_ports=udp_ports, intercept=fence_interception(gateway))
     gateway, state = state_directory(gateway)
     own = None
     try:
