@@ -53,7 +53,7 @@ def fence_interception(config: GatewayConfig) -> Interception | None:
     listener (explicit mode only: the sandbox then has no route but to the gateway's address)."""
     if not config.transparent_port:
         return None
-    return Interception(config.transparent_port)
+    return Interception(config.transparent_port, config.dns_port or None)
 
 
 async def start_gateway(

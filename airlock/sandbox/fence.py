@@ -41,9 +41,11 @@ class FenceError(AirlockError, RuntimeError):
 
 @dataclass(frozen=True)
 class Interception:
-    """Where the fence sends what the sandbox dials elsewhere: the gateway's transparent listener (TCP)."""
+    """Where the fence sends what the sandbox dials elsewhere: the gateway's transparent listener (TCP) and its
+    DNS port (None: no DNS, so TCP port 53 is judged like any port)."""
 
     tcp_port: int
+    dns_port: int | None = None
 
 
 @dataclass(frozen=True)
@@ -125,7 +127,13 @@ def interception(iface: str, gateway_ip: str, intercept: Interception | None) ->
     if intercept is None:
         return [], ""
     arrives = f'iifname "{iface}"'
-    redirects = [
+    redirects = []
+    if intercept.dns_port:
+        redirects.append(
+            f"{arrives} meta nfproto ipv4 meta l4proto {{ tcp, udp }} th dport 53 "
+            f"dnat ip to {gateway_ip}:{intercept.dns_port}"
+        )
+    redirects += [
         f"{arrives} fib daddr type local return",
         f"{arrives} meta nfproto ipv4 meta l4proto tcp dnat ip to {gateway_ip}:{intercept.tcp_port}",
     ]

@@ -1,8 +1,8 @@
 """Transparent mode end to end: clients that ignore the proxy variables, in a sandbox whose default route leads to
 the gateway's side of its link, where the fence redirects every TCP connection to the gateway's transparent
-listener. Real clients (curl --noproxy, Node's fetch, Python's http.client, git) against the fake internet, whose
-canaries count every byte; each denial asserts what the sandbox saw and that the forbidden upstream counted
-nothing."""
+listener and every DNS query to the gateway's DNS. Real clients (curl --noproxy, Node's fetch, Python's
+http.client, git, dig) against the fake internet, whose canaries count every byte; each denial asserts what the
+sandbox saw and that the forbidden upstream counted nothing."""
 
 from __future__ import annotations
 
@@ -24,20 +24,21 @@ from topology import GW_IP, FakeNet, Topology
 ALLOWED_IP = "192.0.2.10"
 EVIL_IP = "203.0.113.66"
 INTERNAL_IP = "10.1.2.3"
+NO_RESOLVER = "198.51.100.53"  # nothing listens there: a resolver address hard-coded in the sandbox
 NODE = "/usr/bin/node"
 
 
 @pytest.fixture(scope="module")
 def routed_sbx(topology: Topology) -> Iterator[Topology]:
     """sbx with a default route via the gateway (as `airlock run` gives a transparent sandbox) and a resolv.conf
-    naming the gateway's DNS; both removed after the module."""
+    naming an address where no resolver runs; both removed after the module."""
     etc = Path("/etc/netns") / topology.sbx
     etc.mkdir(parents=True)
     try:
-        (etc / "resolv.conf").write_text(f"nameserver {GW_IP}\noptions timeout:2 attempts:1\n")
+        (etc / "resolv.conf").write_text(f"nameserver {NO_RESOLVER}\noptions timeout:2 attempts:1\n")
         added = topology.run(topology.sbx, ["ip", "route", "add", "default", "via", GW_IP])
         assert added.returncode == 0, added.stderr
-        for destination in (ALLOWED_IP, EVIL_IP, INTERNAL_IP, "8.8.8.8", "1.1.1.1"):
+        for destination in (ALLOWED_IP, EVIL_IP, INTERNAL_IP, NO_RESOLVER, "8.8.8.8", "1.1.1.1"):
             topology.assert_route_inside(topology.sbx, destination)  # it leaves on sbx's own link, to gw
         yield topology
     finally:
@@ -304,14 +305,46 @@ def test_a_connection_without_a_name_counts_as_a_name_only_once_the_gateway_answ
     assert fakenet.connections(*echo) == 0
     assert audit_for(ALLOWED_IP, code="not_allowlisted", gw=gateway)
     # Resolved through the gateway, by a name whose rule does not say `tunnel: true`: still nothing.
-    assert routed_sbx.dns_query(routed_sbx.sbx, "allowed.test", server=GW_IP).values() == [ALLOWED_IP]
+    assert routed_sbx.dns_query(routed_sbx.sbx, "allowed.test", server=NO_RESOLVER).values() == [ALLOWED_IP]
     binary = (ALLOWED_IP, 80)
     assert in_netns(routed_sbx.sbx, tcp_probe, binary, 3, b"\x00\x01binary") == "open:"
     assert fakenet.connections(*binary) == 0
     assert audit_for(ALLOWED_IP, code="not_tls", gw=gateway)
     # Resolved by a name whose rule does: now the connection is that name's, at that name's own address.
-    assert routed_sbx.dns_query(routed_sbx.sbx, "ssh.allowed.test", server=GW_IP).values() == [ALLOWED_IP]
+    assert routed_sbx.dns_query(routed_sbx.sbx, "ssh.allowed.test", server=NO_RESOLVER).values() == [ALLOWED_IP]
     assert in_netns(routed_sbx.sbx, tcp_probe, echo, 3, ssh) == f"open:{ssh.decode()}"
     assert fakenet.connections(*echo) == 1
     record = audit_for("ssh.allowed.test", gw=gateway)
     assert record["decision"] == "allow" and record["extra"]["named_by"] == "dns"
+
+
+# --------------------------------------------------------------------------------------------------- DNS
+
+
+@pytest.mark.parametrize("transport", ["+notcp", "+tcp"])
+def test_dig_at_an_address_where_no_resolver_runs_is_answered_by_the_gateway(
+    routed_sbx: Topology, fakenet: FakeNet, gateway: GatewayProcess, transport: str
+):
+    dig = ("dig", f"@{NO_RESOLVER}", transport, "+tries=1", "+time=3")
+    allowed = sbx(routed_sbx, *dig, "+short", "allowed.test", "A")
+    assert allowed.stdout.split() == [ALLOWED_IP], allowed.stdout + allowed.stderr
+    denied = sbx(routed_sbx, *dig, "evil.test", "A")
+    assert "status: REFUSED" in denied.stdout, denied.stdout
+    assert fakenet.dns_queries("evil.test") == 0  # the policy's answer: nothing was asked upstream
+    deadline = time.monotonic() + 5
+    while not (lines := [r for r in gateway.audit() if r["kind"] == "dns" and r["host"] == "evil.test"]):
+        assert time.monotonic() < deadline, "no DNS audit line for evil.test"
+        time.sleep(0.05)
+    assert lines[-1]["decision"] == "deny" and lines[-1]["client"] == "10.254.0.2"
+
+
+def test_dns_over_tls_to_an_unlisted_host_is_denied_like_any_host(
+    routed_sbx: Topology, fakenet: FakeNet, gateway: GatewayProcess, test_ca: TestCA, audit_for
+):
+    assert in_netns(routed_sbx.sbx, tls_to, (EVIL_IP, 853), "dns.evil.test", test_ca.ca_cert).startswith("closed")
+    dot = sbx(routed_sbx, "dig", "+tls", f"@{NO_RESOLVER}", "+tries=1", "+time=3", "allowed.test")
+    assert "ANSWER SECTION" not in dot.stdout, dot.stdout  # TLS to a bare address no rule opens: closed
+    assert fakenet.total_connections() == 0
+    record = audit_for("dns.evil.test", code="not_allowlisted")
+    assert record["port"] == 853 and record["extra"]["original_dst"] == f"{EVIL_IP}:853"
+    assert audit_for(NO_RESOLVER, code="not_allowlisted")["port"] == 853

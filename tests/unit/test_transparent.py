@@ -82,3 +82,11 @@ def test_interception_redirects_tcp_but_never_to_the_gateways_own_addresses() ->
     assert 'iifname "alht1" tcp dport 3129 ct status & dnat == 0 counter reject with tcp reset' in rules
     assert "tcp dport { 3128, 3129 } socket mark" in rules
     assert "dnat" not in Fence("airlock_n_t1", "alht1", "10.231.0.1", (3128,)).ruleset()
+
+
+def test_dns_to_any_address_goes_to_the_gateways_dns_even_where_tcp_would_not() -> None:
+    rules = Fence("airlock_n_t1", "alht1", "10.231.0.1", (3128, 53), (53,), Interception(3129, 5353)).ruleset()
+    dns = 'iifname "alht1" meta nfproto ipv4 meta l4proto { tcp, udp } th dport 53 dnat ip to 10.231.0.1:5353'
+    assert dns in rules
+    assert rules.index(dns) < rules.index("fib daddr type local return")  # also port 53 of any own address
+    assert "th dport 53" not in Fence("airlock_n_t1", "alht1", "10.231.0.1", (3128,), (), Interception(3129)).ruleset()
