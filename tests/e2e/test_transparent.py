@@ -348,3 +348,31 @@ def test_dns_over_tls_to_an_unlisted_host_is_denied_like_any_host(
     record = audit_for("dns.evil.test", code="not_allowlisted")
     assert record["port"] == 853 and record["extra"]["original_dst"] == f"{EVIL_IP}:853"
     assert audit_for(NO_RESOLVER, code="not_allowlisted")["port"] == 853
+
+
+# --------------------------------------------------------------------------------------------------- other UDP
+
+# The first bytes of a QUIC v1 Initial (long header, version 1), padded as clients pad it to 1200 bytes.
+QUIC_INITIAL = b"\xc3\x00\x00\x00\x01\x08" + bytes(8) + b"\x00\x00\x44\xd0" + bytes(1182)
+
+
+def udp_refusal_ms(address: tuple[str, int]) -> float | str:
+    """Milliseconds from sending a QUIC Initial to `address` until the socket reports the refusal."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        sock.settimeout(2)
+        sock.connect(address)
+        started = time.perf_counter()
+        sock.send(QUIC_INITIAL)
+        try:
+            sock.recv(2048)
+        except ConnectionRefusedError:
+            return (time.perf_counter() - started) * 1000
+        except TimeoutError:
+            return "timeout"
+    return "answered"
+
+
+@pytest.mark.parametrize("address", [(ALLOWED_IP, 443), (EVIL_IP, 443), ("8.8.8.8", 8443)])
+def test_other_udp_is_refused_at_once_so_quic_falls_back(routed_sbx: Topology, address: tuple[str, int]):
+    elapsed = in_netns(routed_sbx.sbx, udp_refusal_ms, address)
+    assert isinstance(elapsed, float) and elapsed < 100, elapsed  # ICMP port-unreachable, not a timeout

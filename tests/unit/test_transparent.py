@@ -90,3 +90,11 @@ def test_dns_to_any_address_goes_to_the_gateways_dns_even_where_tcp_would_not() 
     assert dns in rules
     assert rules.index(dns) < rules.index("fib daddr type local return")  # also port 53 of any own address
     assert "th dport 53" not in Fence("airlock_n_t1", "alht1", "10.231.0.1", (3128,), (), Interception(3129)).ruleset()
+
+
+def test_other_udp_to_elsewhere_is_refused_with_port_unreachable_before_conntrack() -> None:
+    rules = Fence("airlock_n_t1", "alht1", "10.231.0.1", (3128, 53), (53,), Interception(3129, 53)).ruleset()
+    refuse = 'iifname "alht1" meta l4proto udp fib daddr type != local udp dport != 53 counter reject with icmpx'
+    assert refuse in rules and "type filter hook prerouting priority raw" in rules
+    without_dns = Fence("airlock_n_t1", "alht1", "10.231.0.1", (3128,), (), Interception(3129)).ruleset()
+    assert "meta l4proto udp fib daddr type != local counter reject with icmpx type port-unreachable" in without_dns
