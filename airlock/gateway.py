@@ -24,6 +24,7 @@ from airlock.audit.notices import DenialNotices
 from airlock.auditing import GatewayAudit, tell
 from airlock.brokerconfig import BrokerConfig
 from airlock.dns.admission import DnsSettings
+from airlock.dns.answered import AnsweredAddresses
 from airlock.dns.server import DnsServer
 from airlock.dns.upstream import Resolver, ResolverConfig, Server, system_servers
 from airlock.errors import AirlockError
@@ -68,6 +69,8 @@ class GatewayConfig:
     policy: Policy  # the policy to start with; the one in force is `Gateway.live.current.policy`
     listen: str
     proxy_port: int = 3128
+    # Connections the fence redirects (clients that ignore the proxy variables); 0: explicit mode only.
+    transparent_port: int = 3129
     sandboxes: list[Sandbox] = field(default_factory=list)
     upstream_dns: list[Server] = field(default_factory=list)
     upstream_ca: str | None = None
@@ -256,6 +259,12 @@ def _one_retry_per_shortage(loop: asyncio.AbstractEventLoop) -> None:
     loop._accept_connection = accept_connection  # type: ignore[attr-defined]
 
 
+def _all_listening(proxyserver: Proxyserver, modes: int) -> bool:
+    """Has each of the proxy's modes (explicit, transparent) a listening socket?"""
+    servers = list(proxyserver.servers)
+    return len(servers) == modes and all(server.listen_addrs for server in servers)
+
+
 class Gateway:
     def __init__(self, config: GatewayConfig) -> None:
         self.config = config
@@ -318,8 +327,11 @@ class Gateway:
         config = self.config
         caps = self.caps
         _one_retry_per_shortage(asyncio.get_running_loop())
+        modes = [f"regular@{config.proxy_port}"]
+        if config.transparent_port:
+            modes.append(f"transparent@{config.transparent_port}")
         opts = options.Options(
-            mode=[f"regular@{config.proxy_port}"],
+            mode=modes,
             listen_host=config.listen,
             confdir=str(Path(self._state_dir) / "mitmproxy"),
         )
@@ -334,7 +346,8 @@ class Gateway:
             audit_failure=self._audit_failure,
             timings=self.metrics,
         )
-        self.airlock = build_addon(live, self.resolver, self.emit, settings)
+        answered = AnsweredAddresses()  # what the DNS answered each sandbox: names for connections without one
+        self.airlock = build_addon(live, self.resolver, self.emit, settings, answered)
         self.shared = shared = self.airlock.shared
         self.shared.approvals = self.approvals
         # Only the addons a proxy needs: no script loader, replay, onboarding app (mitm.it), header or body
@@ -361,19 +374,20 @@ class Gateway:
         self._flusher = asyncio.create_task(self._flush_audit())
         proxyserver = master.addons.get("proxyserver")
         for _ in range(1000):  # 5 s; looked at often, as the start of every `airlock run` waits for it
-            if proxyserver.listen_addrs() or self._task.done():
+            if _all_listening(proxyserver, len(modes)) or self._task.done():
                 break
             await asyncio.sleep(0.005)
-        if not proxyserver.listen_addrs():
+        if not _all_listening(proxyserver, len(modes)):
             await self.stop()
-            raise GatewayError(f"proxy could not listen on {config.listen}:{config.proxy_port}")
+            ports = " and ".join(spec.rsplit("@", 1)[1] for spec in modes)
+            raise GatewayError(f"proxy could not listen on {config.listen} port {ports}")
         # mitmproxy has installed its handler by now; every listener of the gateway shares this loop.
         loop = asyncio.get_running_loop()
         loop.set_exception_handler(_DescriptorShortage(loop))
         log.info("airlock proxy listening on %s:%d", config.listen, config.proxy_port)
         if config.dns_port:
             dns_settings = DnsSettings(rate_per_second=config.dns_rate, audit_failure=self._audit_failure)
-            self.dns = DnsServer(live, self.resolver, self.emit, dns_settings, config.listen, config.dns_port)
+            self.dns = DnsServer(live, self.resolver, self.emit, dns_settings, config.listen, config.dns_port, answered)
             self.dns.resolver.approvals = self.approvals
             try:
                 await self.dns.start()
@@ -412,7 +426,8 @@ class Gateway:
         these ports; without the privilege to mark them, no airlock fence lets anything reach this gateway."""
         config = self.config
         try:
-            mark_listeners(config.listen, [p for p in (config.proxy_port, config.dns_port, config.broker.port) if p])
+            ports = (config.proxy_port, config.transparent_port, config.dns_port, config.broker.port)
+            mark_listeners(config.listen, [p for p in ports if p])
         except OSError as e:
             log.warning("listening sockets not marked (%s): an airlock fence keeps sandboxes from them", e)
 

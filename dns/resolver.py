@@ -43,6 +43,7 @@ from airlock.policy import (
 from airlock.policy.approvals import Asker
 
 from .admission import NO_SANDBOX, STRANGER, Admission, DnsSettings, Overloaded
+from .answered import AnsweredAddresses
 from .upstream import Answer, NameNotFound, ResolveError, Resolver
 
 log = logging.getLogger("airlock.dns")
@@ -100,6 +101,7 @@ class PolicyResolver:
         settings: DnsSettings,
         admission: Admission | None = None,
         stats: Counter[str] | None = None,
+        answered: AnsweredAddresses | None = None,
     ) -> None:
         self.live = live
         self.resolver = resolver
@@ -109,6 +111,8 @@ class PolicyResolver:
         self.admission = admission or Admission(live, settings, emit, self.stats)  # its in-flight cap
         self._subdomains = SubdomainRate()
         self.approvals: Asker | None = None  # where profiles with `on_unlisted: ask` hold what no rule lists
+        # What this DNS told each sandbox, for the proxy to judge connections that carry no name (shared with it).
+        self.answered = answered if answered is not None else AnsweredAddresses()
 
     async def resolve(self, request: DNSRecord, handler: Handler) -> DNSRecord:
         """The reply to a query the transport admitted, judged whole under one snapshot of the live policy; the
@@ -228,6 +232,7 @@ class PolicyResolver:
         if answer.addresses and not vetted.allowed:
             reply.header.rcode = RCODE.NXDOMAIN
             return self._finish(reply, record, "deny", vetted.reason, vetted.code, started)
+        self.answered.record(record.sandbox, name, vetted.allowed, answer.ttl, time.monotonic())
         for address in vetted.allowed:
             rdata = A(str(address)) if address.version == 4 else AAAA(str(address))
             reply.add_answer(RR(request.q.qname, request.q.qtype, rdata=rdata, ttl=answer.ttl))

@@ -25,6 +25,7 @@ from airlock.audit import AuditRecord, RepeatedDecisions
 from airlock.policy import LivePolicy, Sandbox
 
 from .admission import Admission, DnsSettings
+from .answered import AnsweredAddresses
 from .memory import ReplyMemory
 from .resolver import Handler, PolicyResolver
 from .upstream import Resolver
@@ -42,12 +43,13 @@ class DnsServer:
         settings: DnsSettings,
         host: str,
         port: int = 53,
+        answered: AnsweredAddresses | None = None,
     ) -> None:
         self.live, self.emit, self.settings = live, emit, settings
         self.host, self.port = host, port
         self.stats: Counter[str] = Counter()
         self.admission = Admission(live, settings, emit, self.stats)
-        self.resolver = PolicyResolver(live, resolver, emit, settings, self.admission, self.stats)
+        self.resolver = PolicyResolver(live, resolver, emit, settings, self.admission, self.stats, answered)
         self.memory = ReplyMemory()
         self._udp: socket.socket | None = None
         self._tcp: asyncio.Server | None = None

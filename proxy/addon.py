@@ -4,8 +4,8 @@ Data flows one way: identify sandbox → canonicalize → decide → resolve →
 The early hooks (`http_connect`, `requestheaders`, `next_layer`) give the sandbox a clear answer;
 `server_connect` is the one enforcement point that every upstream connection passes, whatever the mode or layer,
 so it decides again from scratch and pins the vetted address. Each concern is its own module: `identity.py`,
-`httppolicy.py`, `tunnels.py`, `connect.py`, `httpaudit.py`, over the state they share (`shared.py`); every hook
-fails closed (`failclosed.py`).
+`httppolicy.py`, `transparent.py` (with `tunnels.py`), `connect.py`, `httpaudit.py`, over the state they share
+(`shared.py`); every hook fails closed (`failclosed.py`).
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from airlock.audit import AuditRecord
+from airlock.dns.answered import AnsweredAddresses
 from airlock.dns.upstream import Resolver
 from airlock.policy import LivePolicy
 
@@ -21,6 +22,7 @@ from .httpaudit import HttpAudit
 from .httppolicy import HttpPolicy
 from .identity import SandboxIdentity
 from .shared import GatewaySettings, Shared
+from .transparent import TransparentPolicy
 from .tunnels import TunnelPolicy
 
 
@@ -37,13 +39,14 @@ class Airlock:
         self.identity = identity = SandboxIdentity(shared)
         self.http = http = HttpPolicy(shared)
         self.tunnels = tunnels = TunnelPolicy(shared)
+        self.transparent = transparent = TransparentPolicy(shared, tunnels)
         self.pinned = pinned = PinnedConnect(shared)
         self.audit = audit = HttpAudit(shared)
         self.client_connected = identity.client_connected
         self.client_disconnected = identity.client_disconnected
         self.http_connect = http.http_connect
         self.requestheaders = http.requestheaders
-        self.next_layer = tunnels.next_layer
+        self.next_layer = transparent.next_layer
         self.server_connect = pinned.server_connect
         self.server_connected = pinned.server_connected
         self.server_connect_error = pinned.server_connect_error
@@ -53,10 +56,14 @@ class Airlock:
 
     @property
     def concerns(self) -> tuple[object, ...]:
-        return self.identity, self.http, self.tunnels, self.pinned, self.audit
+        return self.identity, self.http, self.transparent, self.pinned, self.audit
 
 
 def build_addon(
-    live: LivePolicy, resolver: Resolver, emit: Callable[[AuditRecord], None], settings: GatewaySettings
+    live: LivePolicy,
+    resolver: Resolver,
+    emit: Callable[[AuditRecord], None],
+    settings: GatewaySettings,
+    answered: AnsweredAddresses | None = None,
 ) -> Airlock:
-    return Airlock(Shared(live, resolver, emit, settings))
+    return Airlock(Shared(live, resolver, emit, settings, answered))

@@ -14,6 +14,7 @@ from airlock.policy import HostError, ReasonCode, canonical_host, format_host_po
 
 from .failclosed import fail_closed
 from .shared import ClientState, Shared
+from .transparent import audit_extra
 
 DECISION_HEADER = "X-Airlock-Decision"
 REQUEST_ID_HEADER = "X-Airlock-Request-Id"
@@ -79,6 +80,13 @@ class HttpPolicy:
             record.reason, record.code = "HTTP request inside a tunnel", ReasonCode.REQUEST_IN_TUNNEL
             return self._refuse(flow, record, None)
         request = flow.request
+        if state.original is not None:  # transparent: the name is the Host header's, the port the one dialled
+            record.extra.update(audit_extra(state.original, "host" if request.host_header is not None else "address"))
+            try:
+                _retarget(request)
+            except HostError as e:
+                record.reason, record.code = f"invalid Host header: {e}", ReasonCode.INVALID_HOST
+                return self._refuse(flow, record, None, 400)
         if request.host_header is None and request.http_version != "HTTP/1.0":
             # mitmproxy forwards an absolute-form request without one: the upstream would pick its default site.
             record.reason = f"{request.http_version} request without a Host header"
@@ -153,12 +161,38 @@ def _authority(host: str, port: int, default_port: int) -> str:
 
 
 def _host_header_mismatch(flow: http.HTTPFlow, host: str) -> str | None:
-    """The Host header must name exactly the target being judged: no domain fronting."""
+    """The Host header must name exactly the target being judged: no domain fronting. So must an absolute-form
+    request target where mitmproxy keeps one (transparent mode; explicit mode has turned it into the target),
+    which a server reads before the Host header (RFC 9112 §3.2.2)."""
     port = flow.request.port
     header = flow.request.host_header
     if header is not None and not _names_target(header, host, port, _default_port(flow)):
         return f"Host header {header!r} does not match the request target {format_host_port(host, port)}"
+    authority = flow.request.authority
+    if authority and not _names_target(authority, host, port, _default_port(flow)):
+        return f"request target {authority!r} does not match the Host header's {format_host_port(host, port)}"
     return None
+
+
+def _retarget(request: http.Request) -> None:
+    """A transparent request goes to the host its Host header names (on the port the sandbox dialled), not to the
+    address it dialled; without a Host header (HTTP/1.0) it stays that address, judged as an IP literal. The
+    request's Host header is left as the sandbox sent it: the mismatch check reads it as in explicit mode."""
+    if request.host_header is not None:
+        request.data.host = _authority_host(request.host_header)
+
+
+def _authority_host(text: str) -> str:
+    """The host part of a Host header (`host`, `host:port`, `[v6]:port`); HostError when there is none."""
+    if text.startswith("["):
+        host, bracket, _ = text.partition("]")
+        if not bracket:
+            raise HostError(f"{text!r} has an unclosed bracket")
+        return host + bracket
+    host = text.rsplit(":", 1)[0] if text.count(":") == 1 else text
+    if not host:
+        raise HostError(f"{text!r} names no host")
+    return host
 
 
 def _names_target(text: str, host: str, port: int, default_port: int) -> bool:

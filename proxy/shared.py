@@ -12,8 +12,10 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from mitmproxy import connection
+from mitmproxy.proxy.mode_specs import TransparentMode
 
 from airlock.audit import AuditRecord, AuditThrottle
+from airlock.dns.answered import AnsweredAddresses
 from airlock.dns.upstream import ResolveError, Resolver
 from airlock.policy import (
     Decision,
@@ -80,6 +82,8 @@ class ClientState:
     vetted: dict[tuple[str, int], Outcome] = field(default_factory=dict)
     started: float = field(default_factory=time.monotonic)
     counted: bool = False  # holds one of the sandbox's connection slots
+    # Transparent mode: the address and port the sandbox dialled (a hint, never a connect target), once judged.
+    original: tuple[str, int] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,10 +119,16 @@ class Shared:
     per-client connection state."""
 
     def __init__(
-        self, live: LivePolicy, resolver: Resolver, emit: Callable[[AuditRecord], None], settings: GatewaySettings
+        self,
+        live: LivePolicy,
+        resolver: Resolver,
+        emit: Callable[[AuditRecord], None],
+        settings: GatewaySettings,
+        answered: AnsweredAddresses | None = None,
     ) -> None:
         self.live = live
         self.resolver = resolver
+        self.answered = answered if answered is not None else AnsweredAddresses()  # what the DNS told each sandbox
         self.emit = emit
         self.settings = settings
         self.clients: dict[str, ClientState] = {}
@@ -208,6 +218,11 @@ class Shared:
             return Outcome(Decision(False, vetted.reason, vetted.code, None, decision.hint), host, resolved)
         chosen = min(vetted.allowed, key=lambda a: a.version)  # IPv4 first: the family most often routed
         return Outcome(decision, host, resolved, str(chosen))
+
+
+def is_transparent(client: connection.Client) -> bool:
+    """Did this connection come through the fence's redirect (the sandbox dialled somewhere else)?"""
+    return isinstance(client.proxy_mode, TransparentMode)
 
 
 def _target(raw_host: str, port: int) -> str:

@@ -16,7 +16,7 @@ from .shared import ClientState, Shared
 from .tlsnames import ECH_EXTENSIONS, TlsNameError, hidden_name, server_name
 
 
-class _MeteredTunnel(layers.TCPLayer):
+class MeteredTunnel(layers.TCPLayer):
     """A passed-through tunnel (no flow, no per-chunk hooks) that counts the bytes it relays for the audit."""
 
     def __init__(self, context: Context, record: AuditRecord) -> None:
@@ -56,12 +56,13 @@ class TunnelPolicy:
             state.tunnel.decision, state.tunnel.reason, state.tunnel.code = "deny", reason, code
 
     @fail_closed(_deny_layer)
-    def next_layer(self, nextlayer: layer.NextLayer) -> None:
+    def inside_tunnel(self, nextlayer: layer.NextLayer) -> None:
+        """The layer for what an allowed tunnel carries (transparent.py's `next_layer` hook asks here)."""
         state = self.shared.clients.get(nextlayer.context.client.id)
         if state is None or state.tunnel is None or not nextlayer.context.server.address:
             return  # not the inside of one of our tunnels (e.g. the connection's first layer)
         data = nextlayer.data_client()
-        if _may_be_tls(data):
+        if may_be_tls(data):
             try:
                 hello = parse_client_hello(data)
             except ValueError:
@@ -76,10 +77,10 @@ class TunnelPolicy:
         elif not (state.tunnel_decision and state.tunnel_decision.tunnel):
             reason = "tunnel carries something other than TLS and no rule allows a raw tunnel"
             self._deny(state, ReasonCode.NOT_TLS, reason)
-        nextlayer.layer = _MeteredTunnel(nextlayer.context, state.tunnel)
+        nextlayer.layer = MeteredTunnel(nextlayer.context, state.tunnel)
 
 
-def _may_be_tls(data: bytes) -> bool:
+def may_be_tls(data: bytes) -> bool:
     """Is this (or may it still become) a TLS handshake record? Any 0x16 0x03 start counts, also record versions
     mitmproxy's own check rejects: servers ignore that byte, so a raw tunnel must not let such a hello by."""
     return data[:2] == b"\x16\x03"[: len(data)]
@@ -89,18 +90,24 @@ def _hello_refusal(hello: ClientHello, host: str, ech_allowed: bool) -> tuple[Re
     """Why a tunnel with this ClientHello must not open, if it must not. ECH hides the name the client really
     connects to behind the outer SNI (fronting), unless the rule says `ech: true`; the (outer) SNI must be one
     valid host name, and it must be the CONNECT host."""
-    extensions = hello.extensions
-    if (hidden := hidden_name(extensions)) is not None and not ech_allowed:
-        return ReasonCode.ECH, (
-            f"TLS ClientHello carries Encrypted Client Hello extension 0x{hidden:04x} ({ECH_EXTENSIONS[hidden]}): "
-            "the name it connects to is hidden (a rule with `ech: true` allows it for its hosts)"
-        )
+    if refusal := ech_refusal(hello, ech_allowed):
+        return refusal
     try:
-        sni = server_name(extensions)
+        sni = server_name(hello.extensions)
     except TlsNameError as e:
         return ReasonCode.INVALID_SNI, f"invalid TLS SNI: {e}"
     mismatch = _sni_mismatch(sni, host)
     return None if mismatch is None else (ReasonCode.SNI_MISMATCH, mismatch)
+
+
+def ech_refusal(hello: ClientHello, ech_allowed: bool) -> tuple[ReasonCode, str] | None:
+    """Why this ClientHello must not pass for hiding the name it connects to (fronting), if it must not."""
+    if (hidden := hidden_name(hello.extensions)) is None or ech_allowed:
+        return None
+    return ReasonCode.ECH, (
+        f"TLS ClientHello carries Encrypted Client Hello extension 0x{hidden:04x} ({ECH_EXTENSIONS[hidden]}): "
+        "the name it connects to is hidden (a rule with `ech: true` allows it for its hosts)"
+    )
 
 
 def _sni_mismatch(sni: str | None, expected: str) -> str | None:

@@ -47,6 +47,7 @@ def absolute(text: str) -> str:
 # 0 as "unlimited") or break it. Option → (lowest, highest, whether the lowest value itself is allowed).
 LIMITS: dict[str, tuple[float, float, bool]] = {
     "proxy_port": (1, 65535, True),
+    "transparent_port": (0, 65535, True),  # 0: explicit mode only
     "dns_port": (0, 65535, True),  # 0: no DNS server
     "broker_port": (0, 65535, True),  # 0: no broker
     "connect_timeout": (0, 300, False),

@@ -40,6 +40,10 @@ def add_gateway_options(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--profile", metavar="P", help="profile for sandboxes that do not name one")
     parser.add_argument("--proxy-port", type=int, default=3128, metavar="PORT")
+    parser.add_argument(
+        "--transparent-port", type=int, default=3129, metavar="PORT",
+        help="where the fence redirects clients that ignore the proxy variables; 0 turns transparent mode off",
+    )  # fmt: skip
     parser.add_argument("--upstream-dns", action="append", metavar="IP[:PORT]", help="repeatable")
     parser.add_argument(
         "--upstream-ca", type=absolute, metavar="FILE", help="CA bundle for upstream TLS the gateway verifies"
@@ -123,6 +127,7 @@ def gateway_config(args: argparse.Namespace, policy: Policy, listen: str, sandbo
         policy=policy,
         listen=listen,
         proxy_port=args.proxy_port,
+        transparent_port=args.transparent_port,
         sandboxes=sandboxes,
         upstream_dns=upstream_dns,
         upstream_ca=args.upstream_ca,
@@ -241,8 +246,12 @@ async def serve(config: GatewayConfig) -> int:
     try:
         await gateway.start()
         dns = f", DNS on port {config.dns_port}" if config.dns_port else ""
+        transparent = f", transparent on port {config.transparent_port}" if config.transparent_port else ""
         where = format_host_port(config.listen, config.proxy_port)
-        print(f"airlock gateway: proxy on {where}{dns}, admin on {gateway.admin.address}", file=sys.stderr, flush=True)
+        print(
+            f"airlock gateway: proxy on {where}{transparent}{dns}, admin on {gateway.admin.address}",
+            file=sys.stderr, flush=True,
+        )  # fmt: skip
         signum = await stopped
     finally:
         await gateway.stop()

@@ -1,5 +1,6 @@
-"""The docker backend: a hardened container on an internal network of its own, whose only reachable address is
-the gateway's address on that network, fenced by nftables like the netns backend.
+"""The docker backend: a hardened container on a network of its own, whose only reachable address is the gateway's
+address on that network, fenced by nftables like the netns backend (in transparent mode, whatever else it dials is
+redirected there or refused by the same fence).
 
 Hardening is not optional: read-only root, `/tmp` and every VOLUME the image declares as size-capped
 noexec/nosuid tmpfs, every capability dropped, no-new-privileges, airlock's seccomp profile, pids/memory
@@ -34,7 +35,7 @@ from airlock.interfaces import parse_ip_addr
 from airlock.policy import SANDBOX_LINK_NETWORKS
 
 from . import SANDBOX_ID
-from .fence import DOCKER_TABLE_PREFIX, Fence
+from .fence import DOCKER_TABLE_PREFIX, Fence, Interception
 from .limits import (
     CPUS,
     DEFAULT_CPUS,
@@ -161,6 +162,7 @@ class DockerSandbox:
     limits: Limits = field(default_factory=Limits)
     mounts: list[tuple[str, str]] = field(default_factory=list)  # (host path, container path), always read-only
     watchdog: Watchdog | None = None  # told of the sandbox once its fence is ours: it removes it if we die
+    intercept: Interception | None = None  # transparent mode: everything else the sandbox dials reaches the gateway
 
     def __post_init__(self) -> None:
         self.sandbox_id = self.sandbox_id or secrets.token_hex(4)
@@ -199,7 +201,7 @@ class DockerSandbox:
         for _ in range(8):
             self.subnet = self._free_subnet()
             table = fence_table(self.sandbox_id or "")
-            fence = Fence(table, self.bridge, self.gateway_ip, self.tcp_ports, self.udp_ports)
+            fence = Fence(table, self.bridge, self.gateway_ip, self.tcp_ports, self.udp_ports, self.intercept)
             fence.install()  # before anything is attached: the bridge is never open and unfenced
             self.fence = fence
             if self.watchdog is not None:
@@ -209,10 +211,9 @@ class DockerSandbox:
                 network = self.client.networks.create(
                     self.name,
                     driver="bridge",
-                    internal=True,  # no route out through docker, and no NAT
                     ipam=IPAMConfig(pool_configs=[pool]),
-                    options={"com.docker.network.bridge.name": self.bridge},  # one container: no neighbours
                     labels=self.labels(),
+                    **self._network_shape(),
                 )
                 self.network_id = network.id
                 return
@@ -224,6 +225,15 @@ class DockerSandbox:
                 fence.remove()
                 self.fence = None
         raise DockerSandboxError(f"no free subnet for {self.name} after 8 tries")
+
+    def _network_shape(self) -> dict[str, Any]:
+        """Explicit mode only: an internal network, with no route out through docker and no NAT. Transparent mode:
+        a default route to the gateway's address (docker gives one only on a network that is not internal), still
+        without NAT (masquerading off), where the fence redirects or refuses everything and forwards nothing."""
+        options = {"com.docker.network.bridge.name": self.bridge}  # one container: no neighbours
+        if self.intercept is None:
+            return {"internal": True, "options": options}
+        return {"internal": False, "options": {**options, "com.docker.network.bridge.enable_ip_masquerade": "false"}}
 
     def _free_subnet(self) -> ipaddress.IPv4Network:
         used: list[ipaddress.IPv4Network | ipaddress.IPv6Network] = []

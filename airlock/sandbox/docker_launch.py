@@ -14,7 +14,15 @@ from airlock.broker.grants import Grant
 from airlock.gateway import Gateway, GatewayConfig
 
 from .docker import TOKEN_PATH, DockerSandbox, Limits
-from .embedded import fence_ports, gateway_environment, mint_token, release, start_gateway, state_directory
+from .embedded import (
+    fence_interception,
+    fence_ports,
+    gateway_environment,
+    mint_token,
+    release,
+    start_gateway,
+    state_directory,
+)
 from .watchdog import Watchdog
 
 IMAGE_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
@@ -90,7 +98,10 @@ async def launch(
     try:
         if watchdog is None:
             own = await asyncio.to_thread(Watchdog.start, limits.timeout, [state.name] if state else [])
-        sandbox = DockerSandbox(client, image, sandbox_id, tcp_ports, udp_ports, limits, mounts or [], watchdog or own)
+        sandbox = DockerSandbox(
+            client, image, sandbox_id, tcp_ports, udp_ports, limits, mounts or [], watchdog or own,
+            fence_interception(gateway),
+        )  # fmt: skip
     except BaseException:
         await release(own, state)
         raise

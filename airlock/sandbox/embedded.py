@@ -15,6 +15,7 @@ from airlock.broker.grants import Grant
 from airlock.gateway import Gateway, GatewayConfig
 from airlock.policy import Sandbox
 
+from .fence import Interception
 from .watchdog import Watchdog
 
 
@@ -57,6 +58,14 @@ def fence_ports(config: GatewayConfig) -> tuple[tuple[int, ...], tuple[int, ...]
     dns = (config.dns_port,) if config.dns_port else ()
     broker = (config.broker.port,) if config.broker.port else ()
     return (config.proxy_port, *dns, *broker), dns
+
+
+def fence_interception(config: GatewayConfig) -> Interception | None:
+    """Where the fence redirects what the sandbox dials elsewhere; None when the gateway has no transparent
+    listener (explicit mode only: the sandbox then has no route but to the gateway's address)."""
+    if not config.transparent_port:
+        return None
+    return Interception(config.transparent_port, config.dns_port or None)
 
 
 async def start_gateway(

@@ -6,6 +6,13 @@ A port alone would not say whose socket answers: once the gateway is gone, any p
 connections inherit the mark) and the fence looks up the socket each packet would be delivered to (nftables
 `socket mark`): only a socket carrying GATEWAY_SOCKET_MARK is reached.
 
+With `Interception` the fence also brings everything else the sandbox sends to the gateway (`interception`): TCP to
+any address and port is redirected to the gateway's transparent listener, DNS (UDP and TCP port 53) to any address
+to the gateway's DNS, so that a resolver address hard-coded in the sandbox gets the policy's answers, and any
+other UDP (QUIC included) is refused at once with ICMP port-unreachable, so that clients fall back to TCP without
+waiting for a timeout. The redirect happens here, on the gateway's side of the link, where nothing in the sandbox
+can change it, and the gateway reads the dialled address with SO_ORIGINAL_DST.
+
 One table per sandbox, loaded and removed atomically with `nft -f`, so that a fence is either whole or absent. Each
 backend names its tables with its own prefix, so neither (nor its reaper) can touch the other's fence.
 """
@@ -40,19 +47,30 @@ class FenceError(AirlockError, RuntimeError):
 
 
 @dataclass(frozen=True)
+class Interception:
+    """Where the fence sends what the sandbox dials elsewhere: the gateway's transparent listener (TCP) and its
+    DNS port (None: no DNS, so port 53 is TCP like any port and UDP is refused like any UDP)."""
+
+    tcp_port: int
+    dns_port: int | None = None
+
+
+@dataclass(frozen=True)
 class Fence:
     table: str  # nft table name (family inet), unique per sandbox
     interface: str  # the gateway-side interface the sandbox's traffic arrives on
     gateway_ip: str
     tcp_ports: tuple[int, ...]
     udp_ports: tuple[int, ...] = ()
+    intercept: Interception | None = None
 
     def ruleset(self) -> str:
         iface = self.interface
         mark = f"0x{GATEWAY_SOCKET_MARK:x}"
-        accepts = []
-        if self.tcp_ports:
-            to = f'iifname "{iface}" ip daddr {self.gateway_ip} tcp dport {{ {", ".join(map(str, self.tcp_ports))} }}'
+        accepts, chains = interception(iface, self.gateway_ip, self.intercept)
+        tcp_ports = (*self.tcp_ports, *((self.intercept.tcp_port,) if self.intercept else ()))
+        if tcp_ports:
+            to = f'iifname "{iface}" ip daddr {self.gateway_ip} tcp dport {{ {", ".join(map(str, tcp_ports))} }}'
             # `socket mark` matches a full socket only (a listener, an accepted connection); for a half-open one
             # (the handshake's last ACK meets a request socket), a TIME_WAIT or no socket it matches neither way.
             # So: a marked socket is reached; any other full socket is not; of the rest, packets that open no
@@ -86,7 +104,7 @@ table inet {self.table} {{
         type filter hook forward priority -200; policy accept;
         iifname "{iface}" counter drop
         oifname "{iface}" counter drop
-    }}
+    }}{chains}
 }}
 """
 
@@ -106,6 +124,40 @@ table inet {self.table} {{
     def remove(self, netns_cmd: list[str] | None = None) -> None:
         with contextlib.suppress(FenceError):  # absent already
             _nft(["delete", "table", "inet", self.table], None, netns_cmd)
+
+
+def interception(iface: str, gateway_ip: str, intercept: Interception | None) -> tuple[list[str], str]:
+    """The fence's part for transparent mode: (input rules that go first, chains). Packets to any of the
+    gateway host's own addresses are never redirected (`fib daddr type local`): the input chain decides those,
+    as without interception. The transparent listener is reached only through the redirect (`ct status dnat`):
+    dialled directly, it would read its own address as the destination."""
+    if intercept is None:
+        return [], ""
+    arrives = f'iifname "{iface}"'
+    redirects, refuse_udp = [], f"{arrives} meta l4proto udp fib daddr type != local"
+    if intercept.dns_port:
+        redirects.append(
+            f"{arrives} meta nfproto ipv4 meta l4proto {{ tcp, udp }} th dport 53 "
+            f"dnat ip to {gateway_ip}:{intercept.dns_port}"
+        )
+        refuse_udp += " udp dport != 53"
+    redirects += [
+        f"{arrives} fib daddr type local return",
+        f"{arrives} meta nfproto ipv4 meta l4proto tcp dnat ip to {gateway_ip}:{intercept.tcp_port}",
+    ]
+    direct = f"{arrives} tcp dport {intercept.tcp_port} ct status & dnat == 0 counter reject with tcp reset"
+    redirect_lines = "\n        ".join(redirects)
+    # Refused before conntrack (priority raw), from the address the sandbox dialled: its client hears at once.
+    chains = f"""
+    chain refuse {{
+        type filter hook prerouting priority raw; policy accept;
+        {refuse_udp} counter reject with icmpx type port-unreachable
+    }}
+    chain intercept {{
+        type nat hook prerouting priority dstnat; policy accept;
+        {redirect_lines}
+    }}"""
+    return [direct], chains
 
 
 def _nft(args: list[str], stdin: str | None, netns_cmd: list[str] | None) -> None:

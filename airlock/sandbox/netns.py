@@ -1,9 +1,11 @@
 """The netns backend: a network namespace whose only link is a veth to the gateway, fenced by nftables.
 
-The sandbox side has one address and one connected /30 route, no default route: the kernel has nowhere to send
-anything but the gateway's address, and the fence lets that address answer only on the gateway's ports. The
-command runs without root and without capabilities (setpriv, no_new_privs), so it cannot change routes, load
-rules, or enter another namespace.
+The sandbox side has one address and one connected /30 route: the fence lets the gateway's address answer only on
+the gateway's ports. With interception (transparent mode) it also has a default route via the gateway's address,
+so that what a client dials elsewhere reaches the gateway's side of the link, where the fence redirects it to the
+gateway (TCP, DNS) or refuses it (other UDP) and forwards nothing; without, it has no default route and the kernel
+has nowhere to send anything but the gateway's address. The command runs without root and without capabilities
+(setpriv, no_new_privs), so it cannot change routes, load rules, or enter another namespace.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from airlock.interfaces import parse_ip_addr
 from airlock.policy import SANDBOX_LINK_NETWORKS
 
 from . import SANDBOX_ID
-from .fence import NETNS_TABLE_PREFIX, Fence
+from .fence import NETNS_TABLE_PREFIX, Fence, Interception
 from .watchdog import Watchdog
 from .workdir import WorkdirGuard
 
@@ -71,6 +73,7 @@ class NetnsSandbox:
     tcp_ports: tuple[int, ...] = (3128,)
     udp_ports: tuple[int, ...] = ()
     watchdog: Watchdog | None = None  # told of the namespace once it is ours: it removes it if we die
+    intercept: Interception | None = None  # transparent mode: everything else the sandbox dials reaches the gateway
 
     def __post_init__(self) -> None:
         self.sandbox_id = self.sandbox_id or secrets.token_hex(4)
@@ -107,7 +110,7 @@ class NetnsSandbox:
         _run(["sysctl", "-qw", f"net.ipv6.conf.{self.host_if}.disable_ipv6=1"], check=False)
         _run([*in_ns, "sysctl", "-qw", "net.ipv6.conf.all.disable_ipv6=1"], check=False)
         # Fence first, then bring the link up: no moment exists when the sandbox's link is open and unfenced.
-        fence = Fence(self.fence_table, self.host_if, self.gateway_ip, self.tcp_ports, self.udp_ports)
+        fence = Fence(self.fence_table, self.host_if, self.gateway_ip, self.tcp_ports, self.udp_ports, self.intercept)
         fence.install()
         self.fence = fence  # only once installed: a table that exists already is another sandbox's
         _run(["ip", "addr", "add", f"{self.gateway_ip}/{prefix}", "dev", self.host_if])
@@ -115,6 +118,8 @@ class NetnsSandbox:
         _run(["ip", "-n", self.netns, "link", "set", "lo", "up"])
         _run(["ip", "-n", self.netns, "addr", "add", f"{self.sandbox_ip}/{prefix}", "dev", self.sandbox_if])
         _run(["ip", "-n", self.netns, "link", "set", self.sandbox_if, "up"])
+        if self.intercept is not None:
+            _run(["ip", "-n", self.netns, "route", "add", "default", "via", self.gateway_ip])
         etc = Path("/etc/netns") / self.netns
         etc.mkdir(parents=True, exist_ok=True)
         # `ip netns exec` bind-mounts these over /etc inside the command's mount namespace.

@@ -28,6 +28,7 @@ from airlock.gateway import Gateway, GatewayConfig
 
 from . import cgroups, netns, seccomp
 from .embedded import (
+    fence_interception,
     fence_ports,
     gateway_credentials,
     gateway_environment,
@@ -183,7 +184,7 @@ async def launch(
     for note in notes:
         report(note)
     tcp_ports, udp_ports = fence_ports(gateway)
-    sandbox = NetnsSandbox(sandbox_id, tcp_ports=tcp_ports, udp_ports=udp_ports)
+    sandbox = NetnsSandbox(sandbox_id, tcp_ports=tcp_ports, udp_ports=udp_ports, intercept=fence_interception(gateway))
     gateway, state = state_directory(gateway)
     own = None
     try:

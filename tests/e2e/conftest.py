@@ -18,7 +18,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 
 from airlock.sandbox.cgroups import host_parents
-from airlock.sandbox.fence import NETNS_TABLE_PREFIX, Fence
+from airlock.sandbox.fence import NETNS_TABLE_PREFIX, Fence, Interception
 
 from dockerenv import DockerDaemon, DockerEnv, docker_problem
 from fakegithub_client import FakeGitHub, make_app_key, new_static_token
@@ -120,8 +120,10 @@ def fakenet_clean(fakenet: FakeNet) -> FakeNet:
 
 @pytest.fixture(scope="session")
 def fence(topology: Topology) -> Iterator[Fence]:
-    """The kernel fence on the sandbox link: only the gateway's proxy, DNS and broker ports answer the sandbox."""
-    wall = Fence(f"{topology.prefix}_fence", topology.gw_sbx_if, GW_IP, (3128, 53, 8080), (53,))
+    """The kernel fence on the sandbox link: only the gateway's proxy, DNS and broker ports answer the sandbox, and
+    what it dials elsewhere is redirected to the gateway's transparent listener and DNS (reached only by tests that
+    give sbx a route beyond its link: tests/e2e/test_transparent.py)."""
+    wall = Fence(f"{topology.prefix}_fence", topology.gw_sbx_if, GW_IP, (3128, 53, 8080), (53,), Interception(3129, 53))
     wall.install(topology.cmd(topology.gw))
     try:
         yield wall

@@ -93,13 +93,29 @@ def test_unlisted_host_is_denied(docker_run, fakenet: FakeNet):
     assert fakenet.total_connections() == 0
 
 
-def test_direct_connections_and_metadata_fail(docker_run, fakenet: FakeNet):
+def test_clients_that_ignore_the_proxy_get_the_same_policy(docker_run, fakenet: FakeNet):
+    script = (
+        "curl -sS --noproxy '*' --max-time 5 http://allowed.test/direct; "
+        "curl -s --noproxy '*' --max-time 5 -o /dev/null -w 'literal %{http_code}\\n' http://192.0.2.10/; "
+        "curl -s --noproxy '*' --max-time 5 -w '\\nmeta %{http_code}\\n' http://169.254.169.254/latest/meta-data/; "
+        'python3 -c "import socket; s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM); s.settimeout(2); '
+        "s.connect(('192.0.2.10', 443)); s.send(b'q'); s.recv(9)\" 2>&1 | tail -1"
+    )
+    result = docker_run("sh", "-c", script)
+    assert f"fakenet {ALLOWED_IP}:80 host=allowed.test path=/direct" in result.stdout, result.stdout + result.stderr
+    assert "literal 403" in result.stdout  # an IP literal no CIDR rule opens
+    assert '"code": "metadata"' in result.stdout and "meta 403" in result.stdout
+    assert "ConnectionRefusedError" in result.stdout  # other UDP (QUIC): refused at once
+    assert fakenet.connections(ALLOWED_IP, 80) == 1 and fakenet.total_connections() == 1
+
+
+def test_explicit_mode_only_leaves_no_direct_way_out(docker_run, fakenet: FakeNet):
     script = (
         "curl -sS --noproxy '*' --max-time 3 http://192.0.2.10/ || echo DIRECT-BLOCKED; "
         "curl -sS --noproxy '*' --max-time 3 http://169.254.169.254/latest/meta-data/ || echo META-BLOCKED; "
         "curl -s -o /dev/null -w '%{http_code}\\n' http://169.254.169.254/latest/meta-data/"
     )
-    result = docker_run("sh", "-c", script)
+    result = docker_run("sh", "-c", script, options=("--transparent-port", "0"))
     assert "DIRECT-BLOCKED" in result.stdout and "META-BLOCKED" in result.stdout
     assert result.stdout.strip().endswith("403")
     assert fakenet.total_connections() == 0
@@ -136,9 +152,14 @@ def test_sandbox_a_cannot_reach_sandbox_b(topology: Topology, docker_run, docker
         networks = found[0].attrs["NetworkSettings"]["Networks"]
         b_ip = next(iter(networks.values()))["IPAddress"]
         b_gateway = next(iter(networks.values()))["Gateway"]
-        result = docker_run("python3", "-c", PROBE, f"{b_ip}:8000", f"{b_gateway}:3128", f"{b_gateway}:53")
+        # (Port 53 of any address, B's gateway's included, is this sandbox's own gateway's DNS.)
+        result = docker_run("python3", "-c", PROBE, f"{b_gateway}:3128", f"{b_gateway}:8080")
         lines = result.stdout.splitlines()
-        assert len(lines) == 3 and all("blocked" in line for line in lines), result.stdout + result.stderr
+        assert len(lines) == 2 and all("blocked" in line for line in lines), result.stdout + result.stderr
+        # B's own address is redirected to A's gateway like any address, which never connects to a sandbox link.
+        fetch = f"curl -s --noproxy '*' --max-time 5 -w ' %{{http_code}}' http://{b_ip}:8000/"
+        reply = docker_run("sh", "-c", fetch).stdout
+        assert reply.endswith(" 403") and '"decision": "deny"' in reply, reply  # internal, and a sandbox link
     finally:
         b.send_signal(signal.SIGTERM)
         b.communicate(timeout=60)
@@ -147,12 +168,14 @@ def test_sandbox_a_cannot_reach_sandbox_b(topology: Topology, docker_run, docker
 def test_dns_comes_only_from_the_gateway(docker_run, fakenet: FakeNet):
     script = (
         "getent hosts allowed.test; getent hosts evil.test || echo EVIL-UNRESOLVED; "
-        "dig +short +time=2 +tries=1 @192.0.2.53 other.test || echo DIRECT-DNS-BLOCKED"
+        "dig +short +time=2 +tries=1 @192.0.2.53 other.test; dig +time=2 +tries=1 @192.0.2.53 evil.test"
     )
     result = docker_run("sh", "-c", script)
     assert result.stdout.split()[0] == ALLOWED_IP, result.stdout + result.stderr
-    assert "EVIL-UNRESOLVED" in result.stdout and "DIRECT-DNS-BLOCKED" in result.stdout
-    assert fakenet.dns_queries("other.test") == 0 and fakenet.dns_queries("evil.test") == 0
+    assert "EVIL-UNRESOLVED" in result.stdout
+    # A resolver address dialled directly is answered by the gateway, with the policy's answers.
+    assert "198.51.100.10" in result.stdout and "status: REFUSED" in result.stdout, result.stdout
+    assert fakenet.dns_queries("evil.test") == 0
 
 
 def test_root_is_read_only_and_tmp_is_not_executable(docker_run):

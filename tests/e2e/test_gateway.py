@@ -44,7 +44,11 @@ def test_fence_stops_forwarding_even_when_the_gateway_host_routes(topology: Topo
     topology.run(topology.sbx, ["ip", "route", "add", "192.0.2.0/24", "via", GW_IP])
     try:
         topology.assert_route_inside(topology.sbx, ALLOWED_IP)
-        assert in_netns(topology.sbx, tcp_probe, (ALLOWED_IP, 80), 2) in ("timeout", "unreachable:113")
+        # Never forwarded: TCP lands at the gateway's transparent listener, which judges it (an IP literal no
+        # rule opens), and nothing else passes.
+        reply = in_netns(topology.sbx, tcp_probe, (ALLOWED_IP, 80), 2, b"GET / HTTP/1.0\r\n\r\n")
+        assert reply.startswith("open:HTTP/1.1 403"), reply
+        assert in_netns(topology.sbx, tcp_probe, (ALLOWED_IP, 22), 2, b"\x00raw") == "open:"  # closed unanswered
         assert fakenet.total_connections() == 0
     finally:
         topology.run(topology.sbx, ["ip", "route", "del", "192.0.2.0/24", "via", GW_IP])

@@ -70,8 +70,21 @@ def test_run_cannot_enter_the_host_network_namespace(run_in_gw, fakenet: FakeNet
     assert fakenet.total_connections() == 0
 
 
-def test_run_has_no_direct_route_out(run_in_gw, fakenet: FakeNet):
-    result = run_in_gw("sh", "-c", "ip route; curl -sS --noproxy '*' --max-time 3 http://192.0.2.10/ || echo BLOCKED")
+def test_run_serves_clients_that_ignore_the_proxy_with_the_same_policy(run_in_gw, fakenet: FakeNet):
+    script = (
+        "ip route; curl -sS --noproxy '*' --max-time 5 http://allowed.test/direct; "
+        "curl -sS --noproxy '*' --max-time 5 -o /dev/null -w 'literal %{http_code}\\n' http://192.0.2.10/"
+    )
+    result = run_in_gw("sh", "-c", script)
+    assert "default via" in result.stdout, result.stdout  # to the gateway's side of the link, and only there
+    assert "fakenet 192.0.2.10:80 host=allowed.test path=/direct" in result.stdout, result.stderr
+    assert "literal 403" in result.stdout  # an IP literal no CIDR rule opens: judged, denied
+    assert fakenet.connections("192.0.2.10", 80) == 1
+
+
+def test_run_in_explicit_mode_only_has_no_direct_route_out(run_in_gw, fakenet: FakeNet):
+    script = "ip route; curl -sS --noproxy '*' --max-time 3 http://192.0.2.10/ || echo BLOCKED"
+    result = run_in_gw("sh", "-c", script, options=("--transparent-port", "0"))
     assert "default" not in result.stdout and "BLOCKED" in result.stdout
     assert fakenet.total_connections() == 0
 

@@ -26,6 +26,7 @@ from airlock.proxy.httpaudit import HttpAudit
 from airlock.proxy.httppolicy import HttpPolicy
 from airlock.proxy.identity import SandboxIdentity
 from airlock.proxy.shared import ClientState, GatewaySettings, Shared
+from airlock.proxy.transparent import TransparentPolicy
 from airlock.proxy.tunnels import TunnelPolicy
 
 POLICY = parse_policy(
@@ -140,7 +141,11 @@ class Gateway:
 
     @property
     def tunnels(self) -> TunnelPolicy:
-        return self.addon(TunnelPolicy)
+        return self.addon(TransparentPolicy).tunnels
+
+    @property
+    def transparent(self) -> TransparentPolicy:
+        return self.addon(TransparentPolicy)
 
     @property
     def pinned(self) -> PinnedConnect:

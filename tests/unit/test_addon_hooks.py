@@ -31,7 +31,7 @@ from mitmproxy.proxy.layers import TCPLayer
 
 from airlock.dns.upstream import Answer
 from airlock.proxy.httppolicy import DECISION_HEADER, REQUEST_ID_HEADER
-from airlock.proxy.tunnels import _MeteredTunnel
+from airlock.proxy.tunnels import MeteredTunnel
 
 
 @pytest.fixture(autouse=True)
@@ -369,7 +369,7 @@ async def _tunnel(gw: Gateway, host: str, port: int, data: bytes) -> tuple[objec
     await gw.http.http_connect(flow)
     assert flow.response is None
     nextlayer = next_layer(flow.client_conn, host, port, data)
-    gw.tunnels.next_layer(nextlayer)
+    gw.tunnels.inside_tunnel(nextlayer)
     return nextlayer.layer, gw.state(flow.client_conn).denied
 
 
@@ -393,7 +393,7 @@ async def test_a_tunnel_carries_only_what_its_rule_allows(
 ) -> None:
     gw = gateway()
     chosen, refusal = await _tunnel(gw, host, port, data)
-    assert isinstance(chosen, _MeteredTunnel)  # passed through untouched: never a TLS layer, never intercepted
+    assert isinstance(chosen, MeteredTunnel)  # passed through untouched: never a TLS layer, never intercepted
     if denied is None:
         assert refusal is None
     else:
@@ -404,7 +404,7 @@ async def test_a_refused_tunnel_opens_no_upstream_and_is_audited_as_denied() -> 
     gw = gateway()
     flow = connect_flow("allowed.test", 443)
     await gw.http.http_connect(flow)
-    gw.tunnels.next_layer(next_layer(flow.client_conn, "allowed.test", 443, client_hello(sni(b"evil.test"))))
+    gw.tunnels.inside_tunnel(next_layer(flow.client_conn, "allowed.test", 443, client_hello(sni(b"evil.test"))))
     data = upstream(flow.client_conn, "allowed.test", 443)
     await gw.pinned.server_connect(data)
     assert data.server.error is not None and data.server.error.startswith("airlock: TLS SNI 'evil.test'")
@@ -420,7 +420,7 @@ async def test_a_connects_host_header_names_nothing_the_sni_is_held_to_the_conne
     flow.request.headers["Host"] = "evil.test"  # the tunnel goes to the CONNECT target whatever Host says
     await gw.http.http_connect(flow)
     assert flow.response is None
-    gw.tunnels.next_layer(next_layer(flow.client_conn, "allowed.test", 443, client_hello(sni(b"evil.test"))))
+    gw.tunnels.inside_tunnel(next_layer(flow.client_conn, "allowed.test", 443, client_hello(sni(b"evil.test"))))
     assert gw.state(flow.client_conn).denied == "TLS SNI 'evil.test' does not match CONNECT host allowed.test"
 
 
@@ -432,7 +432,7 @@ async def test_a_partial_client_hello_waits_for_the_rest() -> None:
 def test_the_first_layer_of_a_connection_is_left_to_mitmproxy() -> None:
     gw = gateway()
     nextlayer = next_layer(client(), "allowed.test", 443, b"CONNECT allowed.test:443 HTTP/1.1\r\n\r\n")
-    gw.tunnels.next_layer(nextlayer)  # no tunnel on this connection yet
+    gw.tunnels.inside_tunnel(nextlayer)  # no tunnel on this connection yet
     assert nextlayer.layer is None and gw.shared.clients == {}
 
 
@@ -475,7 +475,7 @@ async def test_a_fault_while_reading_a_tunnel_refuses_it() -> None:
     await gw.http.http_connect(flow)
     nextlayer = next_layer(flow.client_conn, "allowed.test", 443, b"\x16")
     nextlayer.data_client = lambda: 1 / 0  # type: ignore[method-assign,assignment,return-value]
-    gw.tunnels.next_layer(nextlayer)
+    gw.tunnels.inside_tunnel(nextlayer)
     assert isinstance(nextlayer.layer, TCPLayer) and gw.state(flow.client_conn).denied == "internal error"
 
 

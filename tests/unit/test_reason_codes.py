@@ -179,7 +179,7 @@ class Proxy:
         context.server = connection.Server(address=(tunnel.request.host, tunnel.request.port))
         nextlayer = layer.NextLayer(context)
         nextlayer.events.append(events.DataReceived(context.client, data))
-        self.tunnels.next_layer(nextlayer)
+        self.tunnels.inside_tunnel(nextlayer)
         record = self.shared.client(tunnel.client_conn).tunnel
         assert record is not None
         return record.code
