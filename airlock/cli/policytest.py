@@ -6,6 +6,7 @@ instead of DNS. Exit 0 when every case gets what it expects, 1 with the mismatch
       - {target: "https://pkg.example/", expect: allow, profile: default, resolve: {pkg.example: [198.51.100.10]}}
       - {target: "http://169.254.169.254/", expect: deny}
       - {target: "https://x.example/", expect: {decision: deny, code: not_allowlisted}}
+      - {target: "https://y.example/", expect: report, profile: learning}  # a profile with `mode: report`
 
 A name without a `resolve:` entry is judged as the proxy judges a name that does not resolve (`resolve_failed`).
 """

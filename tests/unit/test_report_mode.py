@@ -22,6 +22,7 @@ from test_decide import POLICY as DECIDE_POLICY
 from test_reason_codes import FakeResolver, client_hello, mitmproxy_options, sni
 
 from airlock.audit import AuditRecord
+from airlock.audit.notices import DenialNotices
 from airlock.cli import main
 from airlock.dns.admission import DnsSettings
 from airlock.dns.resolver import Handler, PolicyResolver
@@ -381,3 +382,24 @@ def test_policy_suggest_keeps_what_a_report_mode_policy_only_reports(
     merged = capsys.readouterr().out
     assert "new.example" in merged
     assert parse_policy(merged).profile().allow_rules_for_host("new.example")
+
+
+def test_airlock_run_tells_a_reported_request_as_what_would_be_denied() -> None:
+    lines: list[str] = []
+    notices = DenialNotices(lines.append, 10.0, 20, lambda: 0.0, lambda delay, callback: None)
+    record = AuditRecord(
+        "connect",
+        "sbx",
+        "10.0.0.2",
+        "new.example",
+        443,
+        "report",
+        "new.example:443 is not in the allowlist",
+        "not_allowlisted",
+    )
+    record.hint = "allow: [{host: new.example, ports: [443]}]"
+    notices.observe(record)
+    assert lines == [
+        "airlock: would deny (report mode, allowed) new.example:443 — new.example:443 is not in the allowlist"
+        " · to allow: allow: [{host: new.example, ports: [443]}]"
+    ]
