@@ -10,7 +10,7 @@ import dataclasses
 import ipaddress
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Literal, NamedTuple
 
 from .addresses import Category, classify, embedded_ipv4, in_sandbox_links
 from .codes import ReasonCode
@@ -29,7 +29,7 @@ class Decision:
     report: bool = False
 
     @property
-    def verdict(self) -> str:
+    def verdict(self) -> Literal["allow", "deny", "report"]:
         """What the audit line's `decision` says: allow, deny, or report (allowed, and would have been denied)."""
         return "report" if self.report else "allow" if self.allow else "deny"
 
