@@ -19,6 +19,8 @@ from .record import AuditRecord
 
 INTERVAL = 10.0
 BURST = 20
+# `report`: a profile in report mode let it through; it is told because the rules alone would have denied it.
+_VERBS = {"deny": "denied", "report": "would deny (report mode, allowed)"}
 
 type Schedule = Callable[[float, Callable[[], None]], Any]
 
@@ -46,7 +48,7 @@ class DenialNotices:
         self._untold = 0  # denials past `burst` in this interval
 
     def observe(self, record: AuditRecord) -> None:
-        if record.decision == "allow" or record.kind == "policy":
+        if record.decision == "allow" or record.kind == "policy":  # `report` is told: it is what would be denied
             return
         now = self.clock()
         target = _target(record)
@@ -64,7 +66,7 @@ class DenialNotices:
         self._lines += 1
         self._told[key] = _Told(now)
         self._later(self.interval, lambda: self._tell_repeats(key))
-        verb = "denied" if record.decision == "deny" else "failed"
+        verb = _VERBS.get(record.decision, "failed")
         hint = f" · to allow: {record.hint}" if record.hint else ""
         self.write(f"airlock: {verb} {target} — {record.reason}{hint}")
 

@@ -14,7 +14,8 @@ from dataclasses import dataclass, field, fields
 from typing import Literal, Protocol
 
 type Kind = Literal["http", "connect", "dns", "broker", "policy", "approval"]
-type Verdict = Literal["allow", "deny", "error"]
+# `report`: allowed by a profile in report mode, which would have denied it (the code and rule say why).
+type Verdict = Literal["allow", "deny", "report", "error"]
 # The version of the record's shape (docs/audit-record.schema.json): raised when a field changes meaning or goes.
 SCHEMA_VERSION = 1
 
@@ -76,6 +77,11 @@ class AuditRecord:
     bytes_out: int | None = None  # from upstream back to the sandbox
     duration_ms: float | None = None
     extra: dict[str, object] = field(default_factory=dict)  # kind-specific details, e.g. DNS exfil signals
+
+    @property
+    def passed(self) -> bool:
+        """Whether the decision let the traffic through: allowed, or reported (allowed in report mode)."""
+        return self.decision in ("allow", "report")
 
     def decided_by(self, rule: RuleRef | None) -> None:
         self.rule, self.rule_source = (rule.id, rule.source) if rule is not None else (None, None)

@@ -6,10 +6,10 @@ and the sandbox see the same addresses). It judges queries the transport (dns/se
 (dns/admission.py), and reads the exfiltration signals of each name it allows.
 
 Choices (README "DNS"): unlisted names get REFUSED, without any upstream query (an honest "not for you": NXDOMAIN
-would claim the name does not exist and be cached as such); only A and AAAA are answered with data, other types of
-an allowed name get an empty answer; CNAME chains are flattened to the final, vetted addresses (the sandbox never
-sees intermediate names), and refused when a deny rule closes a name on the chain; an answer whose every address
-was filtered becomes NXDOMAIN.
+would claim the name does not exist and be cached as such), except in report mode (answered, audited `report`);
+only A and AAAA are answered with data, other types of an allowed name get an empty answer; CNAME chains are
+flattened to the final, vetted addresses (the sandbox never sees intermediate names), and refused when a deny rule
+closes a name on the chain; an answer whose every address was filtered becomes NXDOMAIN.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from dnslib import AAAA, CLASS, QTYPE, RCODE, RR, A, DNSRecord
 
 from airlock.audit import AuditRecord
 from airlock.policy import (
+    Decision,
     DnsLimits,
     HostError,
     LivePolicy,
@@ -186,10 +187,12 @@ class PolicyResolver:
         if flags and profile.dns.refuse:
             reason = "suspicious name: " + "; ".join(flags)
             return self._refuse(reply, record, reason, ReasonCode.SUSPICIOUS_NAME, started)
+        if decision.report:
+            record.hint = decision.hint
         if request.q.qtype not in ANSWERED_TYPES:
             reason = f"{record.method} is not answered with data"
-            return self._finish(reply, record, "allow", reason, ReasonCode.TYPE_NOT_ANSWERED, started)
-        return await self._answer(live, request, reply, record, profile, name, started)
+            return self._allowed(reply, record, decision, reason, ReasonCode.TYPE_NOT_ANSWERED, started)
+        return await self._answer(live, request, reply, record, profile, decision, started)
 
     async def _answer(
         self,
@@ -198,9 +201,10 @@ class PolicyResolver:
         reply: DNSRecord,
         record: AuditRecord,
         profile: Profile,
-        name: str,
+        decision: Decision,
         started: float,
     ) -> DNSRecord:
+        name = record.host
         try:
             answer = self.resolver.cached(name, request.q.qtype)
             if answer is None:
@@ -213,7 +217,7 @@ class PolicyResolver:
         except NameNotFound:
             reply.header.rcode = RCODE.NXDOMAIN
             reason = "name does not exist upstream"
-            return self._finish(reply, record, "allow", reason, ReasonCode.NAME_NOT_FOUND, started)
+            return self._allowed(reply, record, decision, reason, ReasonCode.NAME_NOT_FOUND, started)
         except (ResolveError, TimeoutError) as e:
             reply.header.rcode = RCODE.SERVFAIL
             reason = f"upstream failed: {e or 'timeout'}"
@@ -237,7 +241,7 @@ class PolicyResolver:
             rdata = A(str(address)) if address.version == 4 else AAAA(str(address))
             reply.add_answer(RR(request.q.qname, request.q.qtype, rdata=rdata, ttl=answer.ttl))
         reason = "answered" if not vetted.rejected else vetted.reason
-        return self._finish(reply, record, "allow", reason, ReasonCode.ALLOWED, started)
+        return self._allowed(reply, record, decision, reason, ReasonCode.ALLOWED, started)
 
     async def _ask_upstream(self, sandbox: str, name: str, qtype: int) -> Answer:
         """The shared resolver's answer, holding one of the sandbox's in-flight places while it waits."""
@@ -257,6 +261,17 @@ class PolicyResolver:
         if flags:
             record.extra["suspicious"] = flags
         return flags
+
+    def _allowed(
+        self, reply: DNSRecord, record: AuditRecord, decision: Decision, reason: str, code: ReasonCode, started: float
+    ) -> DNSRecord:
+        """Finish an answered query: `allow` with what happened, or in report mode `report` with the denial it
+        would have been (code and reason) and what happened instead."""
+        if decision.report:
+            return self._finish(
+                reply, record, "report", f"{decision.reason} (report mode: {reason})", decision.code, started
+            )
+        return self._finish(reply, record, "allow", reason, code, started)
 
     def _refuse(
         self, reply: DNSRecord, record: AuditRecord, reason: str, code: ReasonCode, started: float

@@ -3,7 +3,18 @@ the policy file, no asyncio)."""
 
 from .addresses import SANDBOX_LINK_NETWORKS, Category, Classification, classify, embedded_ipv4
 from .codes import ReasonCode
-from .decide import Decision, Judgement, Rejection, Vetted, decide, decide_alias, decide_name, judge, vet
+from .decide import (
+    Decision,
+    Judgement,
+    Rejection,
+    Vetted,
+    decide,
+    decide_alias,
+    decide_name,
+    judge,
+    refused_addresses,
+    vet,
+)
 from .hosts import HostError, IPAddress, canonical_host, format_host_port, is_ip, parse_ip_literal
 from .live import KnownAddresses, LivePolicy, OwnAddresses, Snapshot, missing_profiles
 from .loader import PolicyError, load_policy, parse_policy
@@ -51,6 +62,7 @@ __all__ = [
     "missing_profiles",
     "parse_ip_literal",
     "parse_policy",
+    "refused_addresses",
     "registrable_domain",
     "vet",
 ]

@@ -6,10 +6,11 @@ Pure functions of (profile, input). Two stages, because a name is only as safe a
 
 from __future__ import annotations
 
+import dataclasses
 import ipaddress
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Literal, NamedTuple
 
 from .addresses import Category, classify, embedded_ipv4, in_sandbox_links
 from .codes import ReasonCode
@@ -24,16 +25,23 @@ class Decision:
     code: ReasonCode
     rule: Rule | None = None  # the deciding rule, when one decided
     hint: str | None = None  # on deny: what rule would allow this, if any may
+    # Allowed only because the profile is in report mode: `code`, `reason`, `rule` and `hint` are the denial's.
+    report: bool = False
+
+    @property
+    def verdict(self) -> Literal["allow", "deny", "report"]:
+        """What the audit line's `decision` says: allow, deny, or report (allowed, and would have been denied)."""
+        return "report" if self.report else "allow" if self.allow else "deny"
 
     @property
     def tunnel(self) -> bool:
-        """Whether a CONNECT tunnel that is not TLS may carry this traffic."""
-        return self.allow and self.rule is not None and self.rule.tunnel
+        """Whether a CONNECT tunnel that is not TLS may carry this traffic (an allow rule must say so)."""
+        return self.allow and not self.report and self.rule is not None and self.rule.tunnel
 
     @property
     def ech(self) -> bool:
         """Whether TLS with Encrypted Client Hello may carry this traffic (the inner name is hidden)."""
-        return self.allow and self.rule is not None and self.rule.ech
+        return self.allow and not self.report and self.rule is not None and self.rule.ech
 
 
 class Rejection(NamedTuple):
@@ -71,6 +79,21 @@ class Vetted:
 _NEVER_OPENED = frozenset({"loopback", "this network", "unspecified", "Teredo", "local-use NAT64"})
 
 
+# What report mode lets through: the rules' own gaps for the name or address asked for. Never a hard block
+# (metadata, internal addresses, the gateway's own, sandbox links), which stay denied in every mode.
+POLICY_GAPS = frozenset({ReasonCode.NOT_ALLOWLISTED, ReasonCode.PORT_NOT_ALLOWED, ReasonCode.DENIED_BY_RULE})
+
+
+def _in_mode(profile: Profile, decision: Decision) -> Decision:
+    """A profile in report mode allows a policy gap, marked `report`. A deny rule on addresses (cidr) stays
+    enforced: `vet` enforces it on every address anyway, so reporting it here would only mislead."""
+    if profile.mode != "report" or decision.allow or decision.code not in POLICY_GAPS:
+        return decision
+    if decision.rule is not None and decision.rule.cidr is not None:
+        return decision
+    return dataclasses.replace(decision, allow=True, report=True)
+
+
 def _denied_by(rule: Rule) -> Decision:
     return Decision(
         False, f"denied by rule {rule.describe()}", ReasonCode.DENIED_BY_RULE, rule, f"remove or narrow {rule.source}"
@@ -93,7 +116,12 @@ def _summary(rejected: tuple[Rejection, ...]) -> str:
 
 
 def decide(profile: Profile, host: str, port: int) -> Decision:
-    """Judge a canonical host (name or IP, from `canonical_host`) and port. Default deny; deny rules win."""
+    """Judge a canonical host (name or IP, from `canonical_host`) and port. Default deny; deny rules win; in report
+    mode a policy gap is allowed, marked `report` (its addresses are vetted after, as any allowed target's)."""
+    return _in_mode(profile, _decide(profile, host, port))
+
+
+def _decide(profile: Profile, host: str, port: int) -> Decision:
     if is_ip(host):
         return _decide_address(profile, ipaddress.ip_address(host), port)
     for rule in profile.deny_rules_for_host(host):
@@ -115,7 +143,11 @@ def decide(profile: Profile, host: str, port: int) -> Decision:
 
 def decide_name(profile: Profile, host: str) -> Decision:
     """May the sandbox learn this name's addresses (DNS)? Yes if an allow rule names it for any port and no
-    deny rule closes it on every port."""
+    deny rule closes it on every port. In report mode an unlisted or denied name is answered, marked `report`."""
+    return _in_mode(profile, _decide_name(profile, host))
+
+
+def _decide_name(profile: Profile, host: str) -> Decision:
     if is_ip(host):
         return Decision(False, "an address is not a name to resolve", ReasonCode.NOT_A_NAME)
     for rule in profile.deny_rules_for_host(host):
@@ -205,6 +237,12 @@ def vet(
     return Vetted(tuple(allowed), tuple(rejected))
 
 
+def refused_addresses(decision: Decision, vetted: Vetted) -> Decision:
+    """The denial of an allowed target none of whose addresses passed `vet`. A reported decision's hint (a host
+    rule) is dropped: no host rule opens these addresses."""
+    return Decision(False, vetted.reason, vetted.code, None, None if decision.report else decision.hint)
+
+
 @dataclass(frozen=True, slots=True)
 class Judgement:
     """The whole judgement of one upstream target, as the proxy makes it: the decision, and for an allowed name
@@ -238,5 +276,5 @@ def judge(
         return Judgement(denied)
     vetted = vet(profile, addresses, port, own_addresses)
     if not vetted.allowed:
-        return Judgement(Decision(False, vetted.reason, vetted.code, None, decision.hint), vetted)
+        return Judgement(refused_addresses(decision, vetted), vetted)
     return Judgement(decision, vetted, min(vetted.allowed, key=lambda a: a.version))

@@ -28,6 +28,7 @@ from .model import (
     MAX_ASK_TIMEOUT,
     Action,
     DnsLimits,
+    Mode,
     OnUnlisted,
     Policy,
     Profile,
@@ -37,7 +38,7 @@ from .suffixes import is_public_suffix
 from .tools import ToolsReader
 
 _TOP_KEYS = frozenset({"version", "default_profile", "profiles", "tools", "upstreams"})
-_PROFILE_KEYS = frozenset({"description", "allow", "deny", "dns", "on_unlisted", "ask_timeout"})
+_PROFILE_KEYS = frozenset({"description", "allow", "deny", "dns", "on_unlisted", "ask_timeout", "mode"})
 _DNS_KEYS = frozenset({"refuse_suspicious", "max_label_length", "max_label_entropy", "max_new_subdomains_per_minute"})
 _RULE_KEYS = frozenset({"host", "cidr", "ports", "tunnel", "ech", "name", "comment"})
 # Ranges a rule may never open: they are the gateway host itself.
@@ -261,9 +262,21 @@ class _Builder(NodeReader):
         ask_timeout = DEFAULT_ASK_TIMEOUT
         if "ask_timeout" in fields:
             ask_timeout = self.ask_timeout(fields["ask_timeout"][1]) or ask_timeout
+        mode = self.mode(fields["mode"][1]) if "mode" in fields else "enforce"
+        if mode == "report" and on_unlisted == "ask":
+            # Report mode allows what no rule lists, so nothing would ever be held: the two contradict each other.
+            self.error(fields["mode"][1], f"profile {name!r}: mode: report cannot be combined with on_unlisted: ask")
         return Profile(
-            name, tuple(rules["allow"]), tuple(rules["deny"]), self.where(key_node), dns, on_unlisted, ask_timeout
+            name, tuple(rules["allow"]), tuple(rules["deny"]), self.where(key_node), dns, on_unlisted, ask_timeout, mode
         )
+
+    def mode(self, node: yaml.Node) -> Mode:
+        value = _text(node)
+        if value == "report":
+            return "report"
+        if value != "enforce":
+            self.error(node, "mode must be 'enforce' or 'report'")
+        return "enforce"
 
     def on_unlisted(self, node: yaml.Node) -> OnUnlisted:
         value = _text(node)

@@ -22,6 +22,8 @@ WEB_PORTS: frozenset[int] = frozenset({80, 443})
 type Action = Literal["allow", "deny"]
 # What a profile does with a name or public address no rule lists: deny it, or hold it while a person decides.
 type OnUnlisted = Literal["deny", "ask"]
+# Enforce the rules, or report: allow what the rules alone would deny and audit it as `report` (hard blocks stay).
+type Mode = Literal["enforce", "report"]
 DEFAULT_ASK_TIMEOUT = 60.0
 MAX_ASK_TIMEOUT = 3600.0
 # A rule's id when it has no name: the prefix holds a ':', which no name may, so the two never collide.
@@ -153,6 +155,7 @@ class Profile:
     dns: DnsLimits = DnsLimits()
     on_unlisted: OnUnlisted = "deny"
     ask_timeout: float = DEFAULT_ASK_TIMEOUT  # seconds a held request waits for a person (`on_unlisted: ask`)
+    mode: Mode = "enforce"
     _allow_hosts: _HostIndex = field(init=False, repr=False, compare=False)
     _deny_hosts: _HostIndex = field(init=False, repr=False, compare=False)
     _allow_cidrs: _CidrIndex = field(init=False, repr=False, compare=False)
@@ -193,8 +196,10 @@ class Policy:
         digest = hashlib.sha256(json.dumps(["default_profile", self.default_profile]).encode())
         for name, profile in sorted(self.profiles.items()):
             asks = [profile.on_unlisted, profile.ask_timeout] if profile.on_unlisted != "deny" else []
+            # Only when set, like `asks`: the hashes of policies written before either existed stay as they were.
+            reports = ["mode", profile.mode] if profile.mode != "enforce" else []
             digest.update(
-                json.dumps(["profile", name, dataclasses.asdict(profile.dns), *asks], sort_keys=True).encode()
+                json.dumps(["profile", name, dataclasses.asdict(profile.dns), *asks, *reports], sort_keys=True).encode()
             )
             for rule in (*profile.allow, *profile.deny):
                 digest.update(f"\n{rule.canonical()} name={rule.name or ''}".encode())

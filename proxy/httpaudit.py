@@ -26,7 +26,7 @@ class HttpAudit:
 
     def _finish(self, flow: http.HTTPFlow, error: str | None = None) -> None:
         record: AuditRecord | None = flow.metadata.pop("airlock", None)
-        if record is None or record.decision != "allow":
+        if record is None or not record.passed:
             return
         started = flow.metadata.get("airlock_started", time.monotonic())
         record.duration_ms = round((time.monotonic() - started) * 1000, 1)

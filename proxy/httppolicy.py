@@ -99,7 +99,7 @@ class HttpPolicy:
         if outcome.decision.allow and (mismatch := _host_header_mismatch(flow, outcome.host)):
             record.decision, record.reason, record.code = "deny", mismatch, ReasonCode.HOST_MISMATCH
             record.decided_by(None)
-        if record.decision != "allow":
+        if not record.passed:
             return self._refuse(flow, record, outcome.decision.hint)
         if request.host_header is None:  # HTTP/1.0 may omit it: the upstream gets the name that was judged
             request.host_header = _authority(outcome.host, request.port, _default_port(flow))

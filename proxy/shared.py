@@ -28,6 +28,7 @@ from airlock.policy import (
     decide,
     decide_alias,
     is_ip,
+    refused_addresses,
     vet,
 )
 from airlock.policy.approvals import Asker
@@ -95,7 +96,7 @@ class Outcome:
 
     def fill(self, record: AuditRecord) -> None:
         record.host, record.resolved, record.chosen_ip = self.host, self.resolved, self.chosen_ip
-        record.decision = "allow" if self.decision.allow else "deny"
+        record.decision = self.decision.verdict
         record.reason, record.code, record.hint = self.decision.reason, self.decision.code, self.decision.hint
         record.decided_by(self.decision.rule)
 
@@ -215,7 +216,7 @@ class Shared:
         vetted = vet(profile, addresses, port, live.own.among(addresses))
         resolved = [str(a) for a in addresses]
         if not vetted.allowed:
-            return Outcome(Decision(False, vetted.reason, vetted.code, None, decision.hint), host, resolved)
+            return Outcome(refused_addresses(decision, vetted), host, resolved)
         chosen = min(vetted.allowed, key=lambda a: a.version)  # IPv4 first: the family most often routed
         return Outcome(decision, host, resolved, str(chosen))
 

@@ -171,7 +171,7 @@ def _explanation(profile: str, target: str, judgement: Judgement, judged: bool, 
         "target": target,
         "profile": profile,
         "policy_hash": policy_hash,
-        "decision": "allow" if decision.allow else "deny",
+        "decision": decision.verdict,
         "code": decision.code,
         "reason": decision.reason,
         "rule": decision.rule.id if decision.rule else None,
@@ -198,9 +198,16 @@ def _print_explanation(profile: str, target: str, port: int, judgement: Judgemen
         if decision.hint:
             print(f"to allow: {decision.hint}")
         return
+    if decision.report:
+        print(f"report:   would deny [{decision.code}] — {decision.reason}; allowed: the profile is in report mode")
+        if decision.hint:
+            print(f"to allow: {decision.hint}")
     if port not in WEB_PORTS and not decision.tunnel:
         print("tunnel:   TLS only; a CONNECT tunnel that is not TLS (e.g. ssh) needs `tunnel: true` on the rule")
     if not judged:
-        print("decision: allow (name allowed; its addresses are vetted after DNS — pass --resolve to check them)")
+        print(
+            f"decision: {decision.verdict} (name allowed; its addresses are vetted after DNS —"
+            " pass --resolve to check them)"
+        )
         return
-    print(f"decision: allow — would connect to {judgement.chosen}")
+    print(f"decision: {decision.verdict} — would connect to {judgement.chosen}")

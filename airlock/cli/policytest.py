@@ -6,6 +6,7 @@ instead of DNS. Exit 0 when every case gets what it expects, 1 with the mismatch
       - {target: "https://pkg.example/", expect: allow, profile: default, resolve: {pkg.example: [198.51.100.10]}}
       - {target: "http://169.254.169.254/", expect: deny}
       - {target: "https://x.example/", expect: {decision: deny, code: not_allowlisted}}
+      - {target: "https://y.example/", expect: report, profile: learning}  # a profile with `mode: report`
 
 A name without a `resolve:` entry is judged as the proxy judges a name that does not resolve (`resolve_failed`).
 """
@@ -37,7 +38,7 @@ from .policy import parse_target
 _CASES_KEYS = frozenset({"cases"})
 _CASE_KEYS = frozenset({"target", "expect", "profile", "resolve", "name"})
 _EXPECT_KEYS = frozenset({"decision", "code", "rule"})
-_DECISIONS = frozenset({"allow", "deny"})
+_DECISIONS = frozenset({"allow", "deny", "report"})  # report: allowed by a profile in report mode
 _CODES = frozenset(ReasonCode)
 
 
@@ -84,7 +85,7 @@ def run_case(policy: Policy, case: Case) -> Judgement:
 def matches(expect: Expected, got: Judgement) -> bool:
     decision = got.decision
     return (
-        expect.decision == ("allow" if decision.allow else "deny")
+        expect.decision == decision.verdict
         and expect.code in {None, decision.code}
         and expect.rule in {None, decision.rule.id if decision.rule else None}
     )
@@ -93,7 +94,7 @@ def matches(expect: Expected, got: Judgement) -> bool:
 def _describe(got: Judgement) -> str:
     decision = got.decision
     rule = f" rule {decision.rule.id}" if decision.rule else ""
-    return f"{'allow' if decision.allow else 'deny'} code {decision.code}{rule} — {decision.reason}"
+    return f"{decision.verdict} code {decision.code}{rule} — {decision.reason}"
 
 
 def load_cases(path: str, policy: Policy) -> list[Case]:
@@ -176,7 +177,7 @@ class _CaseReader(NodeReader):
     def decision(self, node: yaml.Node) -> str | None:
         decision = self.scalar(node, "expect")
         if decision is not None and decision not in _DECISIONS:
-            self.error(node, f"expect {decision!r}: give allow or deny")
+            self.error(node, f"expect {decision!r}: give allow, deny or report")
             return None
         return decision
 

@@ -170,7 +170,7 @@ def _still_denied(base: Policy | None, profile: str, target: str, port: int | No
         return True
     host = target.split("/")[0]
     decision = decide(base.profile(profile), host, port or DNS_ONLY_PORT)
-    return not decision.allow and decision.code in SUGGESTIBLE
+    return (not decision.allow or decision.report) and decision.code in SUGGESTIBLE
 
 
 def _rules(profile: str, targets: dict[str, Seen], collapse: int | None) -> list[Suggestion]:

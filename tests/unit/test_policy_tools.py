@@ -126,7 +126,7 @@ def test_policy_test_prints_each_mismatch_side_by_side(
     ("text", "error"),
     [
         ("cases:\n  - {target: 'ftp://x/', expect: allow}\n", ":2: target: 'ftp://x/': only http:// and https://"),
-        ("cases:\n  - {target: 'https://x/', expect: maybe}\n", ":2: expect 'maybe': give allow or deny"),
+        ("cases:\n  - {target: 'https://x/', expect: maybe}\n", ":2: expect 'maybe': give allow, deny or report"),
         ("cases:\n  - {target: 'https://x/', expect: allow, profile: p}\n", ":2: profile 'p' is not in"),
         ("cases:\n  - {expect: {decision: deny, code: zzz}}\n", ":2: case: 'target' is required"),
         ("cases:\n  - {target: 'https://x/', expect: deny, resolve: {x: [a-name]}}\n", ":2: resolve: 'a-name' is not"),
