@@ -152,7 +152,10 @@ def test_gw_does_not_forward(topology: Topology, fakenet: FakeNet) -> None:
     assert topology.run(topology.sbx, route).returncode == 0
     try:
         topology.assert_route_inside(topology.sbx, ALLOWED)
-        assert topology.curl(topology.sbx, f"http://{ALLOWED}/", max_time=2).returncode != 0
+        res = topology.curl(topology.sbx, f"http://{ALLOWED}/", max_time=2)
+        # Nothing routes it on. A gateway of an earlier test still fencing this topology answers itself: its own
+        # refusal (transparent mode), never the upstream's page.
+        assert res.returncode != 0 or "not_allowlisted" in res.stdout, res
     finally:
         topology.run(topology.sbx, ["ip", "route", "del", f"{ALLOWED}/32"])
     assert topology.run(topology.gw, ["sysctl", "-n", "net.ipv4.ip_forward"]).stdout.strip() == "0"
