@@ -283,7 +283,7 @@ async def test_a_reported_tunnel_still_refuses_what_its_bytes_do(data: bytes, co
     context.server = connection.Server(address=("unlisted.example.net", 443))
     nextlayer = layer.NextLayer(context)
     nextlayer.events.append(events.DataReceived(context.client, data))
-    airlock.tunnels.next_layer(nextlayer)
+    airlock.tunnels.inside_tunnel(nextlayer)
     record = airlock.shared.client(flow.client_conn).tunnel
     assert (record.decision, record.code) == ("deny", code)
 
