@@ -5,20 +5,21 @@
 The fence refuses UDP that is not DNS with ICMP port-unreachable, so a QUIC client (HTTP/3) falls back to TCP at
 once instead of after its handshake timeout. Measured from inside the sandbox namespace of the end-to-end topology
 (tests/e2e/topology.py: nothing leaves the test namespaces), with the fence of `airlock run` on the gateway side
-of the link and a default route to it, as `airlock run` sets up:
+of the link, a default route to it, and the refusal inside the sandbox's namespace, as `airlock run` sets up:
 
 - Python: a connected UDP socket sends a 1200-byte QUIC v1 Initial; the time until `recv` raises
-  ECONNREFUSED;
+  ECONNREFUSED (refused as it leaves, the send itself fails first, with EPERM);
 - Node: a connected `dgram` socket sends the same datagram; the time until its `error` event (ECONNREFUSED);
 - curl `--http3`, when this curl has HTTP/3: the whole request to an HTTPS URL until curl gives up on QUIC;
 - for comparison, the same Python probe with an explicit-mode fence (no interception): the datagram is dropped,
   and the client hears nothing until its own timeout (1 s here; QUIC clients wait seconds).
 
 The kernel rate-limits the ICMP errors it sends to each host (`net.ipv4.icmp_ratelimit`, 1000 ms by default, with
-a burst of 6, for the types in `net.ipv4.icmp_ratemask`, port-unreachable among them): back to back, a sandbox gets
-its first refusals at once and then about one per second; the rest of its datagrams go unanswered until the
-client's own timeout. So the Python probe runs twice: paced like a client that tries QUIC now and then (one
-datagram every `--pause` seconds), and back to back (`--runs` datagrams, each waiting up to 1 s for its refusal).
+a burst of 6, for the types in `net.ipv4.icmp_ratemask`, port-unreachable among them): from the gateway side
+alone, back to back, a sandbox would get its first refusals at once and then about one per second. The refusal
+inside the sandbox's namespace, where port-unreachable is not rate-limited, answers each at once. So the Python
+probe runs twice: paced like a client that tries QUIC now and then (one datagram every `--pause` seconds), and back
+to back (`--runs` datagrams, each waiting up to 1 s for its refusal).
 
 Target (issue 13): under 100 ms to the refusal.
 """
@@ -37,7 +38,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tests" / "e2e"))
 sys.path.append(str(REPO / "bench"))
 
-from airlock.sandbox.fence import Fence, Interception  # noqa: E402
+from airlock.sandbox.fence import Fence, Interception, refuse_udp_inside  # noqa: E402
 
 import common  # noqa: E402
 from common import fmt, percentile  # noqa: E402
@@ -58,7 +59,10 @@ for _ in range(runs):
         sock.settimeout(timeout)
         sock.connect((host, port))
         started = time.perf_counter()
-        sock.send(initial)
+        try:
+            sock.send(initial)
+        except PermissionError:  # refused as it left; the socket reports ECONNREFUSED next
+            pass
         try:
             sock.recv(2048)
             times.append("answered")
@@ -84,7 +88,7 @@ function once() {
   const timer = setTimeout(() => next("timeout"), 1000);
   sock.on("error", (e) => next(e.code === "ECONNREFUSED" ? Number(process.hrtime.bigint() - started) / 1e6 : e.code));
   sock.on("message", () => next("answered"));
-  sock.connect(port, host, () => { started = process.hrtime.bigint(); sock.send(initial); });
+  sock.connect(port, host, () => { started = process.hrtime.bigint(); sock.send(initial, () => {}); });
 }
 once();
 """
@@ -160,6 +164,7 @@ def measure_all(topology: Topology, runs: int, paced: int, pause: float) -> list
     rows = []
     transparent = Fence(f"{topology.prefix}_bench", *link, Interception(3129, 53))
     transparent.install(topology.cmd(topology.gw))
+    refuse_udp_inside(f"{topology.prefix}_bench", GW_IP, (53,), Interception(3129, 53), topology.cmd(topology.sbx))
     try:
         paced_probe = [*python, str(paced), str(TIMEOUT_S), str(pause)]
         rows.append(summary(f"Python, one datagram every {pause:g} s", probe(topology, paced_probe)))
@@ -169,10 +174,11 @@ def measure_all(topology: Topology, runs: int, paced: int, pause: float) -> list
         else:
             rows.append("| Node | - | not measured: node is not installed | | | - |")
         rows.append(curl_http3(topology, 10))
-        back_to_back = [*python, str(runs), str(TIMEOUT_S), "0"]  # last: it empties the kernel's ICMP budget
+        back_to_back = [*python, str(runs), str(TIMEOUT_S), "0"]  # last: it would empty a rate-limited ICMP budget
         rows.append(summary("Python, back to back", probe(topology, back_to_back)))
     finally:
         transparent.remove(topology.cmd(topology.gw))
+        transparent.remove(topology.cmd(topology.sbx))  # the refusal inside: a table of the same name
     explicit = Fence(f"{topology.prefix}_bench", *link)
     explicit.install(topology.cmd(topology.gw))
     try:

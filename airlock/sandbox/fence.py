@@ -160,14 +160,66 @@ def interception(iface: str, gateway_ip: str, intercept: Interception | None) ->
     return [direct], chains
 
 
+# Port-unreachable is type 3 of `net.ipv4.icmp_ratemask` (and type 1 of `net.ipv6.icmp.ratemask`): the types the
+# kernel rate-limits, both per destination (`icmp_ratelimit`: a burst of 6, then one a second) and for the whole
+# namespace (`icmp_msgs_per_sec`).
+ICMP_PORT_UNREACHABLE_BIT = 1 << 3
+ICMPV6_RATEMASK_WITHOUT_UNREACHABLE = "0,3-127"  # the default, 0-1,3-127, without type 1
+
+
+def refuse_udp_inside(
+    table: str, gateway_ip: str, udp_ports: tuple[int, ...], intercept: Interception, netns_cmd: list[str]
+) -> None:
+    """Refuse, in the sandbox's own namespace, the UDP the gateway-side fence refuses, so that the refusal reaches
+    the sandbox's socket at once however many datagrams it sends: the gateway side's refusal comes from the
+    gateway's namespace, whose ICMP rate limit (a host-wide setting when that is the host's) lets a burst of about 6
+    through and then one a second. Here the datagram is rejected as it leaves (before conntrack: no state is kept
+    for it), and the sandbox's namespace does not rate-limit port-unreachable; the sandbox, without CAP_NET_ADMIN,
+    can neither remove the rule nor change that sysctl. The gateway-side fence stays the enforcement."""
+    current = _sysctl(netns_cmd, "net.ipv4.icmp_ratemask")
+    _sysctl(netns_cmd, f"net.ipv4.icmp_ratemask={int(current) & ~ICMP_PORT_UNREACHABLE_BIT}")
+    with contextlib.suppress(FenceError):  # no IPv6 in this kernel: nothing to unlimit
+        _sysctl(netns_cmd, f"net.ipv6.icmp.ratemask={ICMPV6_RATEMASK_WITHOUT_UNREACHABLE}")
+    _nft(["-f", "-"], inner_refusal(table, gateway_ip, udp_ports, intercept), netns_cmd)
+
+
+def inner_refusal(table: str, gateway_ip: str, udp_ports: tuple[int, ...], intercept: Interception) -> str:
+    """The sandbox namespace's ruleset: UDP leaving for anywhere but the gateway's own UDP ports and (with the
+    gateway's DNS) port 53 is rejected with port-unreachable. The sender's send() fails (EPERM) and its socket then
+    reports ECONNREFUSED, as the gateway side's refusal would. Its own loopback traffic is untouched."""
+    passes = [f"ip daddr {gateway_ip} udp dport {{ {', '.join(map(str, udp_ports))} }} accept"] if udp_ports else []
+    if intercept.dns_port:
+        passes.append("udp dport 53 accept")
+    pass_lines = "".join(f"\n        {line}" for line in passes)
+    return f"""create table inet {table}
+table inet {table} {{
+    chain refuse {{
+        type filter hook output priority raw; policy accept;
+        oifname "lo" accept
+        meta l4proto != udp accept{pass_lines}
+        counter reject with icmpx type port-unreachable
+    }}
+}}
+"""
+
+
+def _sysctl(netns_cmd: list[str], setting: str) -> str:
+    """Read (`name`) or write (`name=value`) a sysctl of the namespace `netns_cmd` enters."""
+    return _tool(["sysctl", "-n", *(["-w"] if "=" in setting else []), setting], None, netns_cmd)
+
+
 def _nft(args: list[str], stdin: str | None, netns_cmd: list[str] | None) -> None:
-    argv = [*(netns_cmd or []), "nft", *args]
+    _tool(["nft", *args], stdin, netns_cmd)
+
+
+def _tool(argv: list[str], stdin: str | None, netns_cmd: list[str] | None) -> str:
     try:
-        result = subprocess.run(argv, input=stdin, capture_output=True, text=True, timeout=30)
+        result = subprocess.run([*(netns_cmd or []), *argv], input=stdin, capture_output=True, text=True, timeout=30)
     except (OSError, subprocess.SubprocessError) as e:
-        raise FenceError(f"cannot run nft: {e}") from e
+        raise FenceError(f"cannot run {argv[0]}: {e}") from e
     if result.returncode != 0:
-        raise FenceError(f"nft {' '.join(args)} failed: {result.stderr.strip()}")
+        raise FenceError(f"{' '.join(argv)} failed: {result.stderr.strip()}")
+    return result.stdout.strip()
 
 
 def mark_listeners(address: str, ports: Iterable[int]) -> int:

@@ -3,9 +3,10 @@
 The sandbox side has one address and one connected /30 route: the fence lets the gateway's address answer only on
 the gateway's ports. With interception (transparent mode) it also has a default route via the gateway's address,
 so that what a client dials elsewhere reaches the gateway's side of the link, where the fence redirects it to the
-gateway (TCP, DNS) or refuses it (other UDP) and forwards nothing; without, it has no default route and the kernel
-has nowhere to send anything but the gateway's address. The command runs without root and without capabilities
-(setpriv, no_new_privs), so it cannot change routes, load rules, or enter another namespace.
+gateway (TCP, DNS) or refuses it (other UDP) and forwards nothing; other UDP is refused inside the namespace too,
+past the gateway side's ICMP rate limit (`refuse_udp_inside`). Without interception it has no default route and the
+kernel has nowhere to send anything but the gateway's address. The command runs without root and without
+capabilities (setpriv, no_new_privs), so it cannot change routes, load rules, sysctls, or enter another namespace.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from airlock.interfaces import parse_ip_addr
 from airlock.policy import SANDBOX_LINK_NETWORKS
 
 from . import SANDBOX_ID
-from .fence import NETNS_TABLE_PREFIX, Fence, Interception
+from .fence import NETNS_TABLE_PREFIX, Fence, Interception, refuse_udp_inside
 from .watchdog import Watchdog
 from .workdir import WorkdirGuard
 
@@ -119,6 +120,7 @@ class NetnsSandbox:
         _run(["ip", "-n", self.netns, "addr", "add", f"{self.sandbox_ip}/{prefix}", "dev", self.sandbox_if])
         _run(["ip", "-n", self.netns, "link", "set", self.sandbox_if, "up"])
         if self.intercept is not None:
+            refuse_udp_inside(self.fence_table, self.gateway_ip, self.udp_ports, self.intercept, in_ns)
             _run(["ip", "-n", self.netns, "route", "add", "default", "via", self.gateway_ip])
         etc = Path("/etc/netns") / self.netns
         etc.mkdir(parents=True, exist_ok=True)

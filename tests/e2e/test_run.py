@@ -82,6 +82,40 @@ def test_run_serves_clients_that_ignore_the_proxy_with_the_same_policy(run_in_gw
     assert fakenet.connections("192.0.2.10", 80) == 1
 
 
+# Back to back, QUIC to 50 ports, then the sandbox tries to turn the ICMP rate limit of its namespace back on.
+UDP_BURST = """
+import contextlib, socket, time
+refused = 0
+for port in range(20000, 20050):
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        sock.settimeout(0.2)
+        sock.connect(("192.0.2.10", port))
+        started = time.perf_counter()
+        with contextlib.suppress(PermissionError):
+            sock.send(bytes(1200))
+        try:
+            sock.recv(1)
+        except ConnectionRefusedError:
+            refused += (time.perf_counter() - started) < 0.1
+        except TimeoutError:
+            pass
+print("refused", refused)
+for name in ("icmp_ratemask", "icmp_ratelimit"):
+    try:
+        with open(f"/proc/sys/net/ipv4/{name}", "w") as f:
+            f.write("6168")
+        print(name, "changed")
+    except OSError as e:
+        print(name, type(e).__name__)
+"""
+
+
+def test_run_refuses_back_to_back_udp_at_once_and_the_sandbox_cannot_restore_the_icmp_rate_limit(run_in_gw):
+    result = run_in_gw("python3", "-I", "-c", UDP_BURST)
+    assert "refused 50" in result.stdout, result.stdout + result.stderr
+    assert "icmp_ratemask PermissionError" in result.stdout and "icmp_ratelimit PermissionError" in result.stdout
+
+
 def test_run_in_explicit_mode_only_has_no_direct_route_out(run_in_gw, fakenet: FakeNet):
     script = "ip route; curl -sS --noproxy '*' --max-time 3 http://192.0.2.10/ || echo BLOCKED"
     result = run_in_gw("sh", "-c", script, options=("--transparent-port", "0"))

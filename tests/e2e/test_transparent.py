@@ -6,6 +6,7 @@ sandbox saw and that the forbidden upstream counted nothing."""
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import socket
 import ssl
@@ -15,6 +16,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+
+from airlock.sandbox.fence import Interception, refuse_udp_inside
 
 from gateway_proc import GatewayProcess
 from netclient import in_netns, raw_request, tcp_probe
@@ -26,12 +29,13 @@ EVIL_IP = "203.0.113.66"
 INTERNAL_IP = "10.1.2.3"
 NO_RESOLVER = "198.51.100.53"  # nothing listens there: a resolver address hard-coded in the sandbox
 NODE = "/usr/bin/node"
+INNER_TABLE = "airlock_n_e2einner"  # sbx's own refusal of other UDP, as `airlock run` loads it in a sandbox
 
 
 @pytest.fixture(scope="module")
 def routed_sbx(topology: Topology) -> Iterator[Topology]:
-    """sbx with a default route via the gateway (as `airlock run` gives a transparent sandbox) and a resolv.conf
-    naming an address where no resolver runs; both removed after the module."""
+    """sbx with a default route via the gateway and the refusal of other UDP inside it (as `airlock run` gives a
+    transparent sandbox) and a resolv.conf naming an address where no resolver runs; all removed after the module."""
     etc = Path("/etc/netns") / topology.sbx
     etc.mkdir(parents=True)
     try:
@@ -40,8 +44,12 @@ def routed_sbx(topology: Topology) -> Iterator[Topology]:
         assert added.returncode == 0, added.stderr
         for destination in (ALLOWED_IP, EVIL_IP, INTERNAL_IP, NO_RESOLVER, "8.8.8.8", "1.1.1.1"):
             topology.assert_route_inside(topology.sbx, destination)  # it leaves on sbx's own link, to gw
+        ratemask = topology.run(topology.sbx, ["sysctl", "-n", "net.ipv4.icmp_ratemask"]).stdout.strip()
+        refuse_udp_inside(INNER_TABLE, GW_IP, (53,), Interception(3129, 53), topology.cmd(topology.sbx))
         yield topology
     finally:
+        topology.run(topology.sbx, ["nft", "delete", "table", "inet", INNER_TABLE])
+        topology.run(topology.sbx, ["sysctl", "-qw", f"net.ipv4.icmp_ratemask={ratemask}"])
         topology.run(topology.sbx, ["ip", "route", "del", "default"])
         shutil.rmtree(etc, ignore_errors=True)
 
@@ -356,13 +364,15 @@ def test_dns_over_tls_to_an_unlisted_host_is_denied_like_any_host(
 QUIC_INITIAL = b"\xc3\x00\x00\x00\x01\x08" + bytes(8) + b"\x00\x00\x44\xd0" + bytes(1182)
 
 
-def udp_refusal_ms(address: tuple[str, int]) -> float | str:
-    """Milliseconds from sending a QUIC Initial to `address` until the socket reports the refusal."""
+def udp_refusal_ms(address: tuple[str, int], timeout: float = 2) -> float | str:
+    """Milliseconds from sending a QUIC Initial to `address` until the socket reports ECONNREFUSED (send() itself may
+    fail first, with EPERM: the datagram was refused as it left)."""
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
-        sock.settimeout(2)
+        sock.settimeout(timeout)
         sock.connect(address)
         started = time.perf_counter()
-        sock.send(QUIC_INITIAL)
+        with contextlib.suppress(PermissionError):
+            sock.send(QUIC_INITIAL)
         try:
             sock.recv(2048)
         except ConnectionRefusedError:
@@ -376,3 +386,11 @@ def udp_refusal_ms(address: tuple[str, int]) -> float | str:
 def test_other_udp_is_refused_at_once_so_quic_falls_back(routed_sbx: Topology, address: tuple[str, int]):
     elapsed = in_netns(routed_sbx.sbx, udp_refusal_ms, address)
     assert isinstance(elapsed, float) and elapsed < 100, elapsed  # ICMP port-unreachable, not a timeout
+
+
+def test_back_to_back_udp_is_each_refused_at_once_past_the_icmp_rate_limit(routed_sbx: Topology):
+    # Beyond the kernel's ICMP rate limit (a burst of 6, then one a second per destination; 50 at once per
+    # namespace): every attempt of a client that retries QUIC, or of many clients, hears its refusal at once.
+    results = [in_netns(routed_sbx.sbx, udp_refusal_ms, (EVIL_IP, 20000 + i), 0.2) for i in range(60)]
+    late = [(i, r) for i, r in enumerate(results) if not (isinstance(r, float) and r < 100)]
+    assert late == [], f"{len(late)} of 60 not refused within 100 ms: {late[:10]}"
