@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import ipaddress
+import os
+import signal
+import time
 from pathlib import Path
 
 import pytest
@@ -159,12 +162,18 @@ def test_the_launcher_kills_and_removes_the_sandbox_off_the_event_loop(
             return False
         return True
 
+    pidfile = tmp_path / "pid"
+
     def recorder(name: str):
         def record(self: netns.NetnsSandbox, *args: object, **kwargs: object) -> object:
             calls[name] = on_loop()
             if name == "create":
                 self.link = ipaddress.ip_network("10.231.0.0/30")
-            return ["sleep", "1"] if name == "command" else None
+            if name == "kill_all":  # as the real one does: the command ends now, not when it would have
+                while not pidfile.exists() or not pidfile.read_text().strip():  # it has started
+                    time.sleep(0.01)
+                os.kill(int(pidfile.read_text()), signal.SIGKILL)
+            return ["sh", "-c", f"echo $$ > {pidfile}; exec sleep 60"] if name == "command" else None
 
         return record
 

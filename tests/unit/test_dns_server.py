@@ -395,7 +395,12 @@ async def test_tcp_client_that_never_reads_is_dropped(upstream: Upstream) -> Non
         client = NeverReads(gw.port)
         reading = asyncio.create_task(asyncio.to_thread(client.run))
         assert await asyncio.to_thread(client.stalled.wait, 10), "the server stopped taking questions"
-        await asyncio.sleep(1.0)  # the server's reply has waited on the client for longer than tcp_timeout
+        # Within a second the server's reply has waited on the client for longer than tcp_timeout.
+        deadline = asyncio.get_running_loop().time() + 1.0
+        while gw.server.admission.tcp_connections("sbx") or open_fds() != before + 1:
+            if asyncio.get_running_loop().time() > deadline:
+                break
+            await asyncio.sleep(0.01)
         try:
             assert gw.server.admission.tcp_connections("sbx") == 0
             assert open_fds() == before + 1  # only the client's socket: the server's is closed, not lingering

@@ -169,7 +169,9 @@ def _start_servers(zone: BaseResolver) -> tuple[int, list[DNSServer]]:
             udp.server.server_close()
             continue
         for server in (udp, tcp):
-            server.start_thread()
+            # DNSServer.start_thread() but for the poll interval: stop() waits for it (0.5 s by default)
+            server.thread = threading.Thread(target=server.server.serve_forever, args=(0.05,), daemon=True)
+            server.thread.start()
         return port, [udp, tcp]
     raise RuntimeError("no free port for UDP and TCP together")
 
