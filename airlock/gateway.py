@@ -1,9 +1,16 @@
 """The gateway process: the policy, the one resolver, mitmproxy with the airlock addon, the sandbox DNS server,
-the broker and the admin listener, wired together."""
+the broker and the admin listener, wired together.
+
+mitmproxy and the addon are most of a gateway's start-up (proxy layers, QUIC, pyOpenSSL, pyparsing: about 300 ms),
+so they are imported in a thread (`preload_proxy()`) while the rest starts: what a launcher builds meanwhile (the
+sandbox's namespace, link, fence and DNS) waits on subprocesses and the kernel, not on this process. The proxy's
+sockets (explicit and transparent) listen from the start, once the policy is in force: a client that comes before
+mitmproxy serves waits in their backlog, and is served like any other, by the addon."""
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import errno
 import ipaddress
@@ -12,7 +19,9 @@ import os
 import resource
 import shutil
 import socket
+import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,11 +40,7 @@ from airlock.errors import AirlockError
 from airlock.interfaces import interface_addresses
 from airlock.live import GatewayAddresses
 from airlock.metrics import GatewayMetrics
-from airlock.mitm import Master, Proxyserver, TlsConfig, core, disable_h2c, next_layer, options
 from airlock.policy import IPAddress, LivePolicy, Policy, PolicyError, Sandbox, SandboxRegistry
-from airlock.proxy.addon import Airlock, build_addon
-from airlock.proxy.shared import GatewaySettings
-from airlock.proxy.tunnels import denied_tunnels
 from airlock.reload import PolicyReloader, Reloaded
 from airlock.sandbox.fence import mark_listeners
 
@@ -43,6 +48,8 @@ if TYPE_CHECKING:
     from airlock.admin import AdminApp
     from airlock.broker.service import Broker
     from airlock.brokerd import BrokerRuntime
+    from airlock.mitm import Master
+    from airlock.proxy.addon import Airlock
 
 log = logging.getLogger("airlock.gateway")
 
@@ -58,6 +65,12 @@ DEFAULT_CONNECTIONS_PER_SANDBOX = 4096
 MIN_CONNECTIONS = 16
 FD_REPORT_INTERVAL = 10.0
 RESOURCE_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
+PROXY_BACKLOG = 100  # asyncio's default, which mitmproxy listened with
+PROXY_START_TIMEOUT = 30.0  # seconds for mitmproxy to come up once imported
+IMPORT_SWITCH_INTERVAL = 0.0005  # seconds (sys.setswitchinterval) while mitmproxy is imported
+
+_proxy_import: concurrent.futures.Future[None] | None = None
+_proxy_import_lock = threading.Lock()
 
 
 class GatewayError(AirlockError):
@@ -259,12 +272,6 @@ def _one_retry_per_shortage(loop: asyncio.AbstractEventLoop) -> None:
     loop._accept_connection = accept_connection  # type: ignore[attr-defined]
 
 
-def _all_listening(proxyserver: Proxyserver, modes: int) -> bool:
-    """Has each of the proxy's modes (explicit, transparent) a listening socket?"""
-    servers = list(proxyserver.servers)
-    return len(servers) == modes and all(server.listen_addrs for server in servers)
-
-
 class Gateway:
     def __init__(self, config: GatewayConfig) -> None:
         self.config = config
@@ -301,8 +308,12 @@ class Gateway:
         self._own_state = config.state_dir is None
         self._state_dir = config.state_dir or tempfile.mkdtemp(prefix="airlock-gw-")
         _private_directory(Path(self._state_dir))
+        self._started = False
         self._master: Master | None = None
-        self._task: asyncio.Task[None] | None = None
+        self._task: asyncio.Task[None] | None = None  # mitmproxy's master
+        self._proxy: asyncio.Future[None] | None = None  # until the proxy serves
+        self._listeners: dict[str, socket.socket] = {}  # the proxy's, by mitmproxy mode, from start() on
+        self._proxy_servers: list[asyncio.Server] = []  # once mitmproxy serves them
         self._flusher: asyncio.Task[None] | None = None
         self.shared = None
         self.airlock: Airlock | None = None
@@ -323,68 +334,27 @@ class Gateway:
         self.admin.add_routes(gateway_routes(self.reload_policy, self.status))
         self.admin.add_routes([*self.metrics.routes(), *approval_routes(self.approvals)])
 
-    async def start(self) -> None:
+    async def start(self, *, wait_for_proxy: bool = True) -> None:
+        """Put the policy in force, then listen: the proxy's sockets (explicit, transparent), the DNS server, the
+        broker, the admin listener; all but the last marked for the fence. Returns once the proxy serves too — or,
+        without `wait_for_proxy`, while mitmproxy may still be loading (the proxy's clients wait in its backlog
+        meanwhile): then `proxy_started()` says when it serves, or why it cannot. GatewayError for anything that
+        cannot start (the gateway is stopped again)."""
         config = self.config
-        caps = self.caps
+        loading = preload_proxy()
         _one_retry_per_shortage(asyncio.get_running_loop())
-        modes = [f"regular@{config.proxy_port}"]
-        if config.transparent_port:
-            modes.append(f"transparent@{config.transparent_port}")
-        opts = options.Options(
-            mode=modes,
-            listen_host=config.listen,
-            confdir=str(Path(self._state_dir) / "mitmproxy"),
-        )
-        master = Master(opts)
         self._own = GatewayAddresses(own_addresses() | {ipaddress.ip_address(config.listen)})
         live = self.live = self.auditing.live = LivePolicy(config.policy, self.registry, self._own)
-        settings = GatewaySettings(
-            connect_timeout=config.connect_timeout,
-            max_tunnels_per_sandbox=caps.tunnels,
-            max_connections_per_sandbox=caps.per_sandbox,
-            max_connections=caps.total,
-            audit_failure=self._audit_failure,
-            timings=self.metrics,
-        )
-        answered = AnsweredAddresses()  # what the DNS answered each sandbox: names for connections without one
-        self.airlock = build_addon(live, self.resolver, self.emit, settings, answered)
-        self.shared = shared = self.airlock.shared
-        self.shared.approvals = self.approvals
-        # Only the addons a proxy needs: no script loader, replay, onboarding app (mitm.it), header or body
-        # rewriting — less to dispatch on every event, and nothing a request could reach but airlock's hooks.
-        essentials = (
-            core.Core(),
-            Proxyserver(),
-            next_layer.NextLayer(),
-            TlsConfig(),
-            disable_h2c.DisableH2C(),
-        )
-        master.addons.add(*essentials, self.airlock)
-        opts.update(
-            # lazy: never connect upstream before the SNI and Host header have been checked
-            connection_strategy="lazy",
-            tcp_timeout=int(config.idle_timeout),
-            stream_large_bodies="1m",
-            # mitmproxy's default, pinned: ambiguous request framing (CL+TE, ...) is refused, never smuggled through
-            validate_inbound_headers=True,
-            ssl_verify_upstream_trusted_ca=config.upstream_ca,
-        )
-        self._master = master
-        self._task = asyncio.create_task(master.run())
-        self._flusher = asyncio.create_task(self._flush_audit())
-        proxyserver = master.addons.get("proxyserver")
-        for _ in range(1000):  # 5 s; looked at often, as the start of every `airlock run` waits for it
-            if _all_listening(proxyserver, len(modes)) or self._task.done():
-                break
-            await asyncio.sleep(0.005)
-        if not _all_listening(proxyserver, len(modes)):
+        self._started = True
+        try:
+            for mode, port in self._proxy_ports().items():
+                self._listeners[f"{mode}@{port}"] = _listen(config.listen, port)
+        except OSError as e:
             await self.stop()
-            ports = " and ".join(spec.rsplit("@", 1)[1] for spec in modes)
-            raise GatewayError(f"proxy could not listen on {config.listen} port {ports}")
-        # mitmproxy has installed its handler by now; every listener of the gateway shares this loop.
-        loop = asyncio.get_running_loop()
-        loop.set_exception_handler(_DescriptorShortage(loop))
-        log.info("airlock proxy listening on %s:%d", config.listen, config.proxy_port)
+            raise GatewayError(f"proxy could not listen on {config.listen}:{port}: {e.strerror}") from e
+        answered = AnsweredAddresses()  # what the DNS answered each sandbox: names for connections without one
+        self._proxy = asyncio.ensure_future(self._serve_proxy(loading, answered))
+        self._flusher = asyncio.create_task(self._flush_audit())
         if config.dns_port:
             dns_settings = DnsSettings(rate_per_second=config.dns_rate, audit_failure=self._audit_failure)
             self.dns = DnsServer(live, self.resolver, self.emit, dns_settings, config.listen, config.dns_port, answered)
@@ -394,10 +364,7 @@ class Gateway:
             except OSError as e:
                 await self.stop()
                 raise GatewayError(f"DNS server could not listen on {config.listen}:{config.dns_port}: {e}") from e
-        self.metrics.watch(
-            lambda: live.current.registry.ids(), shared.tunnels, shared.connections, shared.upstreams, self.audit,
-            self.dns.stats if self.dns is not None else None,
-        )  # fmt: skip
+        self._watch_metrics()
         if config.broker.port:
             # Only now: a gateway without a broker never imports one (aiohttp, the GitHub client, the token code).
             from airlock.broker.store import StoreError
@@ -420,6 +387,110 @@ class Gateway:
             await self.stop()
             raise GatewayError(f"admin listener could not listen on {self.admin.address}: {e.strerror or e}") from e
         self._mark_listeners()
+        if wait_for_proxy:
+            try:
+                await self.proxy_started()
+            except GatewayError:
+                await self.stop()
+                raise
+
+    async def proxy_started(self) -> None:
+        """Once the proxy serves; GatewayError if it cannot (then the gateway should be stopped)."""
+        if self._proxy is None:
+            raise GatewayError("the gateway has not started: no proxy")
+        await asyncio.shield(self._proxy)
+
+    def _proxy_ports(self) -> dict[str, int]:
+        """The proxy's listeners: mitmproxy's mode → port (explicit proxy; transparent, when configured)."""
+        config = self.config
+        ports = {"regular": config.proxy_port}
+        if config.transparent_port:
+            ports["transparent"] = config.transparent_port
+        return ports
+
+    def _watch_metrics(self) -> None:
+        """What a scrape reads: the proxy's counters once its addon exists (before, it has proxied nothing)."""
+        assert self.live is not None
+        live, shared, none = self.live, self.shared, dict[str, int]()
+        self.metrics.watch(
+            lambda: live.current.registry.ids(),
+            shared.tunnels if shared is not None else none,
+            shared.connections if shared is not None else none,
+            shared.upstreams if shared is not None else none,
+            self.audit,
+            self.dns.stats if self.dns is not None else None,
+        )
+
+    async def _serve_proxy(self, loading: concurrent.futures.Future[None], answered: AnsweredAddresses) -> None:
+        """mitmproxy with the airlock addon, once imported, serving the clients of the proxy's listeners (who have
+        waited in their backlog until now). If it cannot, every listener closes at once: its clients are refused,
+        not kept, and none is served by a proxy half up."""
+        try:
+            try:
+                await asyncio.wrap_future(loading)
+            except Exception as e:
+                raise GatewayError(f"the proxy could not be loaded: {type(e).__name__}: {e}") from e
+            await self._start_proxy(answered)
+        except BaseException as e:
+            for server in self._proxy_servers:
+                server.close()
+            for listener in self._listeners.values():
+                listener.close()
+            if isinstance(e, Exception) and not isinstance(e, GatewayError):
+                raise GatewayError(f"the proxy could not start: {type(e).__name__}: {e}") from e
+            raise
+
+    async def _start_proxy(self, answered: AnsweredAddresses) -> None:
+        from airlock.mitm import Master, ServerInstance, options
+        from airlock.proxy.addon import build_addon
+        from airlock.proxy.shared import GatewaySettings
+
+        config, caps = self.config, self.caps
+        opts = options.Options(
+            mode=list(self._listeners),
+            listen_host=config.listen,
+            confdir=str(Path(self._state_dir) / "mitmproxy"),
+            server=False,  # the sockets are the gateway's own (`_listeners`): mitmproxy handles their connections
+        )
+        self._master = master = Master(opts)
+        settings = GatewaySettings(
+            connect_timeout=config.connect_timeout,
+            max_tunnels_per_sandbox=caps.tunnels,
+            max_connections_per_sandbox=caps.per_sandbox,
+            max_connections=caps.total,
+            audit_failure=self._audit_failure,
+            timings=self.metrics,
+        )
+        assert self.live is not None
+        self.airlock = build_addon(self.live, self.resolver, self.emit, settings, answered)
+        self.shared = shared = self.airlock.shared
+        shared.approvals = self.approvals
+        self._watch_metrics()
+        running = _Running()
+        master.addons.add(*_essential_addons(), self.airlock, running)
+        opts.update(
+            # lazy: never connect upstream before the SNI and Host header have been checked
+            connection_strategy="lazy",
+            tcp_timeout=int(config.idle_timeout),
+            stream_large_bodies="1m",
+            # mitmproxy's default, pinned: ambiguous request framing (CL+TE, ...) is refused, never smuggled through
+            validate_inbound_headers=True,
+            ssl_verify_upstream_trusted_ca=config.upstream_ca,
+        )
+        self._task = asyncio.create_task(master.run())
+        ports = " and ".join(str(port) for port in self._proxy_ports().values())
+        if why := await _until_running(self._task, running.event):
+            raise GatewayError(f"the proxy did not start on {config.listen} port {ports}: {why}")
+        # Every addon has seen `running`: connections are theirs from now on.
+        proxyserver = master.addons.get("proxyserver")
+        for mode, listener in self._listeners.items():
+            instance = ServerInstance.make(mode, proxyserver)  # SO_ORIGINAL_DST is read by the transparent one
+            server = await asyncio.start_server(instance.handle_stream, sock=listener, backlog=PROXY_BACKLOG)
+            self._proxy_servers.append(server)
+        # mitmproxy has installed its handler by now; every listener of the gateway shares this loop.
+        loop = asyncio.get_running_loop()
+        loop.set_exception_handler(_DescriptorShortage(loop))
+        log.info("airlock proxy listening on %s port %s", config.listen, ports)
 
     def _mark_listeners(self) -> None:
         """The fence lets sandboxes reach only sockets with the gateway's mark, never another program that binds
@@ -438,8 +509,8 @@ class Gateway:
         """What /readyz checks, each with what is wrong (None: fine): a policy in force, every listener this
         gateway was told to open still open, and an audit log that can be written (without one, every request is
         denied)."""
-        master, config = self._master, self.config
-        proxy_up = master is not None and bool(master.addons.get("proxyserver").listen_addrs())
+        config, servers = self.config, self._proxy_servers
+        proxy_up = len(servers) == len(self._listeners) > 0 and all(server.is_serving() for server in servers)
         failure = self.audit.failure
         checks: dict[str, str | None] = {
             "policy": None if self.live is not None else "no policy in force",
@@ -494,6 +565,8 @@ class Gateway:
         """Close the open tunnels the policy in force denies; how many."""
         if self.shared is None or self._master is None:
             return 0
+        from airlock.proxy.tunnels import denied_tunnels  # imported with the addon, which made `shared`
+
         denied = set(denied_tunnels(self.shared))
         for handler in list(self._master.addons.get("proxyserver").connections.values()):
             if handler.client.id in denied:
@@ -525,9 +598,15 @@ class Gateway:
         }
 
     async def stop(self) -> None:
-        if self._master is None:
+        """Close every listener and stop; a proxy still loading is not waited for (it will not serve)."""
+        if not self._started:
             return
-        master, self._master = self._master, None
+        self._started = False
+        if self._proxy is not None and not self._proxy.done():
+            self._proxy.cancel()
+        if self._proxy is not None:
+            with contextlib.suppress(asyncio.CancelledError, GatewayError):
+                await self._proxy  # its failure was told by start() or proxy_started(), if anyone asked
         if self._flusher is not None:
             self._flusher.cancel()
         if self.dns is not None:
@@ -540,10 +619,12 @@ class Gateway:
             self.shared.refusals.flush()
         if self.notices is not None:
             self.notices.flush()
-        # Master.shutdown() alone leaves the listening sockets open: close the servers first.
-        with contextlib.suppress(Exception):
-            await master.addons.get("proxyserver").servers.update([])
-        master.shutdown()
+        for server in self._proxy_servers:
+            server.close()  # connections still open end with the master
+        for listener in self._listeners.values():
+            listener.close()  # also when the proxy never served
+        if self._master is not None:
+            self._master.shutdown()
         if self._task is not None:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self._task, 10)
@@ -552,3 +633,74 @@ class Gateway:
             self._own.close()
         if self._own_state:
             shutil.rmtree(self._state_dir, ignore_errors=True)
+
+
+def preload_proxy() -> concurrent.futures.Future[None]:
+    """Import mitmproxy and the airlock addon in a thread, once per process; the future says when they are in.
+
+    A daemon thread: a process that ends before its gateway serves (a sandboxed command that is done at once) is
+    not kept waiting for an import nobody needs any more."""
+    global _proxy_import
+    with _proxy_import_lock:
+        if _proxy_import is None:
+            _proxy_import = concurrent.futures.Future()
+            threading.Thread(
+                target=_import_proxy, args=(_proxy_import,), name="airlock-proxy-import", daemon=True
+            ).start()
+        return _proxy_import
+
+
+def _import_proxy(done: concurrent.futures.Future[None]) -> None:
+    done.set_running_or_notify_cancel()  # running: a waiter that gives up cannot cancel it for everyone else
+    # Meanwhile the other threads mostly wait on subprocesses, and each wakes to find this one holding the GIL: let
+    # them have it within IMPORT_SWITCH_INTERVAL rather than the default 5 ms.
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(min(interval, IMPORT_SWITCH_INTERVAL))
+    try:
+        import airlock.mitm
+        import airlock.proxy.addon  # noqa: F401
+    except BaseException as e:
+        done.set_exception(e)
+    else:
+        done.set_result(None)
+    finally:
+        sys.setswitchinterval(interval)
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    """The proxy's listening socket, as asyncio would make it (SO_REUSEADDR; IPv6 only on an IPv6 address)."""
+    family = socket.AF_INET6 if ipaddress.ip_address(host).version == 6 else socket.AF_INET
+    return socket.create_server((host, port), family=family, backlog=PROXY_BACKLOG)
+
+
+def _essential_addons() -> tuple[object, ...]:
+    """Only the addons a proxy needs: no script loader, replay, onboarding app (mitm.it), header or body rewriting —
+    less to dispatch on every event, and nothing a request could reach but airlock's hooks."""
+    from airlock.mitm import Proxyserver, TlsConfig, core, disable_h2c, next_layer
+
+    return core.Core(), Proxyserver(), next_layer.NextLayer(), TlsConfig(), disable_h2c.DisableH2C()
+
+
+class _Running:
+    """The last addon: its `running` hook comes after every other addon's."""
+
+    def __init__(self) -> None:
+        self.event = asyncio.Event()
+
+    def running(self) -> None:
+        self.event.set()
+
+
+async def _until_running(master: asyncio.Task[None], running: asyncio.Event) -> str | None:
+    """None once the master runs; else why not (it ended, or took longer than PROXY_START_TIMEOUT)."""
+    waiter = asyncio.ensure_future(running.wait())
+    try:
+        await asyncio.wait({master, waiter}, timeout=PROXY_START_TIMEOUT, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        waiter.cancel()
+    if running.is_set():
+        return None
+    if not master.done():
+        return f"not running after {PROXY_START_TIMEOUT:g}s"
+    error = master.exception()
+    return f"{type(error).__name__}: {error}" if error else "it stopped"

@@ -55,6 +55,7 @@ from mitmproxy import options  # noqa: E402 - after the stand-in: mitmproxy.mast
 from mitmproxy.addons import core, disable_h2c, next_layer, tlsconfig  # noqa: E402
 from mitmproxy.addons.proxyserver import Proxyserver  # noqa: E402
 from mitmproxy.master import Master  # noqa: E402
+from mitmproxy.proxy.mode_servers import ServerInstance  # noqa: E402
 
 
 class TlsConfig(tlsconfig.TlsConfig):
@@ -95,4 +96,4 @@ class TlsConfig(tlsconfig.TlsConfig):
             super().request(flow)
 
 
-__all__ = ["Master", "Proxyserver", "TlsConfig", "core", "disable_h2c", "next_layer", "options"]
+__all__ = ["Master", "Proxyserver", "ServerInstance", "TlsConfig", "core", "disable_h2c", "next_layer", "options"]

@@ -1,12 +1,16 @@
 """Start-up: how long `airlock --help` and `airlock run -- true` take, next to the interpreter's own start.
 
-    sudo .venv/bin/python -P bench/startup.py [--runs 15] [--output FILE]
+    sudo .venv/bin/python -P bench/startup.py [--runs 15] [--baseline OTHER/.venv/bin/python] [--output FILE]
 
 Each command runs `--runs` times, interleaved (`python -c pass`, `airlock --help`, the import of what `airlock
 run` loads, `airlock run -- true`, then again), so that drift hits every row alike; the report gives the median
 and the 90th percentile of the wall time, the median CPU time of the command and everything it started (user +
 system, from the reaped children's rusage: less sensitive than wall time to what else the machine runs), and the
-median as a ratio to `python -c pass`.
+median as a ratio to `python -c pass`. With `--baseline`, the same airlock rows are measured, in the same rounds,
+for the airlock of another environment (an older checkout's venv, say): before and after in one run, on one load.
+
+The warm-up writes the .pyc files (PYTHONDONTWRITEBYTECODE is dropped for it), as an installed airlock has them:
+else every run would compile airlock's own modules again.
 
 `airlock run -- true` needs root and builds a sandbox (namespace, veth, nftables fence, embedded gateway,
 watchdog): it runs inside the gateway namespace of the end-to-end topology (tests/e2e/topology.py), never in the
@@ -41,18 +45,23 @@ from common import fmt, percentile  # noqa: E402
 from hostcgroups import with_host_cgroups  # noqa: E402
 from topology import DNS_SERVER, Topology  # noqa: E402
 
-AIRLOCK = str(Path(sys.executable).parent / "airlock")
 TARGETS_MS = {"airlock --help": 60.0, "airlock run -- true": 400.0}
+BASELINE = " (baseline)"
 
 
-def rows() -> dict[str, list[str]]:
+def airlock_rows(python: str, suffix: str = "") -> dict[str, list[str]]:
+    airlock = str(Path(python).parent / "airlock")
     return {
-        "python -c pass": [sys.executable, "-c", "pass"],
-        "airlock --help": [AIRLOCK, "--help"],
-        "import what `airlock run` loads": [sys.executable, "-c", "import airlock.cli.run"],
+        f"airlock --help{suffix}": [airlock, "--help"],
+        f"import what `airlock run` loads{suffix}": [python, "-c", "import airlock.cli.run"],
         # With the host's cgroups in view, as outside the test namespace: the sandbox gets its limits.
-        "airlock run -- true": with_host_cgroups([AIRLOCK, "run", "--upstream-dns", DNS_SERVER, "--", "true"]),
+        f"airlock run -- true{suffix}": with_host_cgroups([airlock, "run", "--upstream-dns", DNS_SERVER, "--", "true"]),
     }
+
+
+def rows(baseline: str | None = None) -> dict[str, list[str]]:
+    found = {"python -c pass": [sys.executable, "-c", "pass"], **airlock_rows(sys.executable)}
+    return found | (airlock_rows(baseline, BASELINE) if baseline else {})
 
 
 def children_cpu() -> float:
@@ -60,24 +69,26 @@ def children_cpu() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def once(topo: Topology, argv: list[str], workdir: Path) -> tuple[float, float]:
+def once(topo: Topology, argv: list[str], workdir: Path, env: dict[str, str] | None = None) -> tuple[float, float]:
     """Wall and CPU seconds of one run of `argv` in the gateway namespace (an error if it fails)."""
     cpu0, t0 = children_cpu(), time.perf_counter()
-    proc = topo.run(topo.gw, argv, timeout=120, cwd=workdir)
+    proc = topo.run(topo.gw, argv, timeout=120, cwd=workdir, env=env)
     wall, cpu = time.perf_counter() - t0, children_cpu() - cpu0
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(argv)} exited {proc.returncode}:\n{proc.stdout}\n{proc.stderr[-3000:]}")
     return wall, cpu
 
 
-def measure(runs: int, workdir: Path) -> dict[str, tuple[list[float], list[float]]]:
-    samples: dict[str, tuple[list[float], list[float]]] = {name: ([], []) for name in rows()}
+def measure(runs: int, workdir: Path, baseline: str | None) -> dict[str, tuple[list[float], list[float]]]:
+    measured = rows(baseline)
+    samples: dict[str, tuple[list[float], list[float]]] = {name: ([], []) for name in measured}
+    writing = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
     with Topology() as topo:
-        for argv in rows().values():  # warm the page cache and the .pyc files: not counted
-            once(topo, argv, workdir)
+        for argv in measured.values():  # warm the page cache and the .pyc files: not counted
+            once(topo, argv, workdir, writing)
         for round_ in range(runs):
             print(f"  round {round_ + 1}/{runs}", file=sys.stderr, flush=True)
-            for name, argv in rows().items():
+            for name, argv in measured.items():
                 wall, cpu = once(topo, argv, workdir)
                 samples[name][0].append(wall)
                 samples[name][1].append(cpu)
@@ -93,7 +104,7 @@ def report(samples: dict[str, tuple[list[float], list[float]]], command: str, in
     ]  # fmt: skip
     for name, (walls, cpus) in samples.items():
         median = statistics.median(walls)
-        target = TARGETS_MS.get(name)
+        target = TARGETS_MS.get(name.removesuffix(BASELINE))
         verdict = "" if target is None else f"< {target:.0f} ms: {'met' if median * 1000 < target else 'NOT met'}"
         p90 = percentile(sorted(walls), 0.9) or 0.0
         row = [name, fmt(median * 1000), fmt(p90 * 1000), fmt(statistics.median(cpus) * 1000)]
@@ -104,7 +115,10 @@ def report(samples: dict[str, tuple[list[float], list[float]]], command: str, in
 def main(argv: list[str] | None = None) -> int:
     parser = common.bench_parser(__doc__)
     parser.add_argument("--runs", type=int, default=15, help="measured runs of each command (default 15)")
+    parser.add_argument("--baseline", metavar="PYTHON", help="also measure the airlock of this environment's python")
     args = common.parse_args(parser, argv)
+    if args.baseline and not (Path(args.baseline).parent / "airlock").is_file():
+        parser.error(f"--baseline {args.baseline}: no airlock beside it")
     if not 3 <= args.runs <= 200:
         parser.error("keep --runs in 3..200")
     if os.geteuid() != 0:
@@ -119,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
         workdir.chmod(0o755)
         (workdir / "cwd").mkdir(mode=0o777)  # the sandbox's user (nobody) may write it: no note on stderr
         (workdir / "cwd").chmod(0o777)
-        samples = measure(args.runs, workdir / "cwd")
+        samples = measure(args.runs, workdir / "cwd", args.baseline)
     common.emit(report(samples, command, info) + limits.report(limits.measure(args.runs)), args.output)
     return 0
 

@@ -6,6 +6,7 @@ on the command line is imported: `airlock --help` loads none of them, each comma
 from __future__ import annotations
 
 import argparse
+import gc
 import importlib
 import sys
 from collections.abc import Iterable, Sequence
@@ -64,8 +65,18 @@ def _group(argv: Sequence[str]) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run one command; its exit code. Every error airlock knows is one line and exit 2, Ctrl-C is exit 130."""
-    argv = sys.argv[1:] if argv is None else argv
+    """Run one command; its exit code. Every error airlock knows is one line and exit 2, Ctrl-C is exit 130.
+    Without `argv` it runs this process's own command line, and the process ends after it."""
+    if argv is not None:
+        return _main(argv)
+    code = _main(sys.argv[1:])
+    # The process ends now: its last garbage collection need not walk every object the imports made (mitmproxy's
+    # alone would take a run's exit about 70 ms). Whatever has to be closed was closed.
+    gc.freeze()
+    return code
+
+
+def _main(argv: list[str]) -> int:
     verbose = "-v" in argv[:1] or "--verbose" in argv[:1]
     try:
         args = build_parser(_group(argv)).parse_args(argv)

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from airlock.auditing import tell
 from airlock.broker.grants import Grant, GrantError, parse_grant
-from airlock.gateway import Gateway, GatewayConfig
+from airlock.gateway import Gateway, GatewayConfig, preload_proxy
 from airlock.policy import Policy
 from airlock.reload import PolicyWatcher
 from airlock.sandbox.embedded import gateway_credentials
@@ -107,6 +107,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return EXIT_USAGE
+    preload_proxy()  # mitmproxy loads while the policy is read and the sandbox is built
     run = run_config(args, command, load_policy_file(args.policy))
     detail = f", image {run.image}" if run.backend == "docker" else f", filesystem isolation {run.isolation}"
     print(f"airlock: backend {run.backend}{detail}", file=sys.stderr)

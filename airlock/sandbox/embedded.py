@@ -69,12 +69,18 @@ def fence_interception(config: GatewayConfig) -> Interception | None:
 
 
 async def start_gateway(
-    config: GatewayConfig, listen: str, sandbox_id: str, sandbox_ip: str, profile: str | None
+    config: GatewayConfig,
+    listen: str,
+    sandbox_id: str,
+    sandbox_ip: str,
+    profile: str | None,
+    wait_for_proxy: bool = True,
 ) -> Gateway:
-    """The sandbox's gateway, listening on `listen` and knowing exactly one client: the sandbox's address."""
+    """The sandbox's gateway, listening on `listen` and knowing exactly one client: the sandbox's address (see
+    `Gateway.start` for `wait_for_proxy`)."""
     identity = Sandbox(sandbox_id, profile or config.policy.default_profile, ipaddress.ip_network(f"{sandbox_ip}/32"))
     gateway = Gateway(dataclasses.replace(config, listen=listen, sandboxes=[identity]))
-    await gateway.start()
+    await gateway.start(wait_for_proxy=wait_for_proxy)
     return gateway
 
 

@@ -41,14 +41,46 @@ class SandboxError(AirlockError, RuntimeError):
     pass
 
 
-def _run(argv: list[str], check: bool = True) -> subprocess.CompletedProcess[str]:
+def _run(argv: list[str], check: bool = True, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
+    return _finish(_start(argv, stdin), check)
+
+
+def _start(argv: list[str], stdin: str | None = None) -> _Started:
+    """`argv` started (and given `stdin`), to be finished with `_finish()`: a few run side by side."""
     try:
-        result = subprocess.run(argv, capture_output=True, text=True, timeout=30)
-    except (OSError, subprocess.SubprocessError) as e:
+        proc = subprocess.Popen(
+            argv, stdin=subprocess.PIPE if stdin is not None else subprocess.DEVNULL, stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+    except OSError as e:
         raise SandboxError(f"{' '.join(argv)}: {e}") from e
-    if check and result.returncode != 0:
-        raise SandboxError(f"{' '.join(argv)}: {result.stderr.strip()}")
-    return result
+    return _Started(argv, proc, stdin)
+
+
+@dataclass
+class _Started:
+    argv: list[str]
+    proc: subprocess.Popen[str]
+    stdin: str | None
+
+
+def _finish(started: _Started, check: bool = True) -> subprocess.CompletedProcess[str]:
+    argv, proc = started.argv, started.proc
+    try:
+        stdout, stderr = proc.communicate(started.stdin, timeout=30)
+    except subprocess.SubprocessError as e:
+        proc.kill()
+        proc.wait()
+        raise SandboxError(f"{' '.join(argv)}: {e}") from e
+    if check and proc.returncode != 0:
+        raise SandboxError(f"{' '.join(argv)}: {stderr.strip()}")
+    return subprocess.CompletedProcess(argv, proc.returncode, stdout, stderr)
+
+
+def _write_sysctl(name: str, value: str) -> None:
+    """A sysctl of this network namespace, as `sysctl -w` sets it; quietly not where the kernel has no such one."""
+    with contextlib.suppress(OSError):
+        Path("/proc/sys", *name.split(".")).write_text(value)
 
 
 def _used_networks() -> list[ipaddress.IPv4Network]:
@@ -98,29 +130,38 @@ class NetnsSandbox:
         return str(self.link.network_address + 2)
 
     def create(self) -> None:
+        """Namespace, link and fence, in that order; each step that does not need the one before runs beside it
+        (a launch waits on these subprocesses)."""
         self.link = pick_link()
         prefix = self.link.prefixlen
-        in_ns = ["ip", "netns", "exec", self.netns]
         _run(["ip", "netns", "add", self.netns])  # fails when the id is taken: then nothing here is ours
         self.owned = True
-        if self.watchdog is not None:  # before anything could run or send in it
-            self.watchdog.guard("netns", self.sandbox_id)
-        _run(["ip", "link", "add", self.host_if, "type", "veth", "peer", "name", self.sandbox_if])
-        _run(["ip", "link", "set", self.sandbox_if, "netns", self.netns])
+        if self.watchdog is not None:  # it may still be starting: the launcher waits for it before the command
+            self.watchdog.guard("netns", self.sandbox_id, wait=False)
+        # The sandbox's end is made in its namespace: it is never an interface of this one.
+        _run(["ip", "link", "add", self.host_if, "type", "veth", "peer", "name", self.sandbox_if, "netns", self.netns])
         # IPv6 off on both ends: the link carries exactly the IPv4 the fence describes.
-        _run(["sysctl", "-qw", f"net.ipv6.conf.{self.host_if}.disable_ipv6=1"], check=False)
-        _run([*in_ns, "sysctl", "-qw", "net.ipv6.conf.all.disable_ipv6=1"], check=False)
+        _write_sysctl(f"net.ipv6.conf.{self.host_if}.disable_ipv6", "1")
+        no_ipv6 = _start(["ip", "netns", "exec", self.netns, "sysctl", "-qw", "net.ipv6.conf.all.disable_ipv6=1"])
         # Fence first, then bring the link up: no moment exists when the sandbox's link is open and unfenced.
         fence = Fence(self.fence_table, self.host_if, self.gateway_ip, self.tcp_ports, self.udp_ports, self.intercept)
-        fence.install()
+        try:
+            fence.install()
+        finally:
+            _finish(no_ipv6, check=False)
         self.fence = fence  # only once installed: a table that exists already is another sandbox's
-        _run(["ip", "addr", "add", f"{self.gateway_ip}/{prefix}", "dev", self.host_if])
-        _run(["ip", "link", "set", self.host_if, "up"])
-        _run(["ip", "-n", self.netns, "link", "set", "lo", "up"])
-        _run(["ip", "-n", self.netns, "addr", "add", f"{self.sandbox_ip}/{prefix}", "dev", self.sandbox_if])
-        _run(["ip", "-n", self.netns, "link", "set", self.sandbox_if, "up"])
+        host_end = f"addr add {self.gateway_ip}/{prefix} dev {self.host_if}\nlink set {self.host_if} up\n"
+        sandbox_end = (
+            f"link set lo up\naddr add {self.sandbox_ip}/{prefix} dev {self.sandbox_if}\n"
+            f"link set {self.sandbox_if} up\n"
+        )
+        both = [_start(["ip", "-batch", "-"], host_end), _start(["ip", "-n", self.netns, "-batch", "-"], sandbox_end)]
+        for started in both:
+            _finish(started)
         if self.intercept is not None:
-            refuse_udp_inside(self.fence_table, self.gateway_ip, self.udp_ports, self.intercept, in_ns)
+            refuse_udp_inside(
+                self.fence_table, self.gateway_ip, self.udp_ports, self.intercept, ["ip", "netns", "exec", self.netns]
+            )
             _run(["ip", "-n", self.netns, "route", "add", "default", "via", self.gateway_ip])
         etc = Path("/etc/netns") / self.netns
         etc.mkdir(parents=True, exist_ok=True)
@@ -153,8 +194,8 @@ class NetnsSandbox:
         if not self.owned:
             return
         self.kill_all()
-        _run(["ip", "link", "del", self.host_if], check=False)
-        _run(["ip", "netns", "del", self.netns], check=False)
+        # -force: the namespace goes even when the link is gone already
+        _run(["ip", "-force", "-batch", "-"], check=False, stdin=f"link del {self.host_if}\nnetns del {self.netns}\n")
         (self.fence or Fence(self.fence_table, self.host_if, "", ())).remove()
         shutil.rmtree(self.run_dir, ignore_errors=True)
         shutil.rmtree(Path("/etc/netns") / self.netns, ignore_errors=True)

@@ -10,6 +10,10 @@ watchdog, the namespace and its fence, the cgroup, the gateway, the environment 
 guard, the command. `close()` goes back: everything in the namespace is killed and namespace, link and fence are
 removed, then the cgroup, then the working directory is checked, then the gateway stops, then the state directory
 goes and the watchdog is released.
+
+The command does not wait for mitmproxy to load (most of a launch's time): the proxy's sockets listen, marked for
+the fence, before the command starts, and the command's connections wait in their backlog until the proxy serves
+them. Should the proxy fail to start, `wait()` kills the sandbox and raises the gateway's error.
 """
 
 from __future__ import annotations
@@ -71,6 +75,7 @@ class NetnsHandle:
         self._teardown: Callable[[], Awaitable[None]] | None = teardown  # once only
         self._deadline = asyncio.get_running_loop().time() + timeout
         self._exited = asyncio.ensure_future(process.wait())
+        self._proxy = asyncio.ensure_future(gateway.proxy_started())
         self._output = (bytearray(), bytearray())
         self._readers = [
             asyncio.ensure_future(_drain(stream, into, output_limit))
@@ -81,10 +86,17 @@ class NetnsHandle:
     async def wait(self, timeout: float | None = None) -> int | None:
         """The command's exit code (128+N when signal N ended it); None when the given timeout or the launch's
         passed first — then every process in the sandbox has been killed."""
-        left = self._deadline - asyncio.get_running_loop().time()
-        left = left if timeout is None else min(left, timeout)
-        done, _ = await asyncio.wait({self._exited}, timeout=max(left, 0))
-        if not done:
+        loop = asyncio.get_running_loop()
+        left = self._deadline - loop.time()
+        until = loop.time() + (left if timeout is None else min(left, timeout))
+        while not self._exited.done() and (left := until - loop.time()) > 0:
+            watched = {self._exited} if self._proxy.done() else {self._exited, self._proxy}
+            await asyncio.wait(watched, timeout=left, return_when=asyncio.FIRST_COMPLETED)
+            if not self._exited.done() and (failure := _failure(self._proxy)):
+                await asyncio.to_thread(self.sandbox.kill_all)  # a sandbox whose proxy will never serve
+                await self._exited
+                raise failure
+        if not self._exited.done():
             await asyncio.to_thread(self.sandbox.kill_all)  # the whole namespace, not only the command's process
             await self._exited
             return None
@@ -120,6 +132,7 @@ class NetnsHandle:
         try:
             await teardown()
         finally:
+            self._proxy.cancel()
             pending = {self._exited, *self._readers}
             await asyncio.wait(pending, timeout=5)  # everything that held the pipes is gone
             for task in pending:
@@ -134,6 +147,11 @@ class NetnsHandle:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
+
+
+def _failure(future: asyncio.Future[None]) -> BaseException | None:
+    """What a finished `future` raised (not its cancellation); None while it runs or when it succeeded."""
+    return future.exception() if future.done() and not future.cancelled() else None
 
 
 async def _drain(stream: asyncio.StreamReader, into: bytearray, limit: int) -> None:
@@ -211,8 +229,10 @@ async def launch(
         assert sandbox.sandbox_id is not None and gateway.state_dir is not None
         cgroup = cgroups.SandboxCgroup(sandbox.sandbox_id, resources, controllers)
         await asyncio.to_thread(cgroup.create)
-        keeper.guard("cgroup", sandbox.sandbox_id, cgroup.watchdog_words())
-        running = await start_gateway(gateway, sandbox.gateway_ip, sandbox.sandbox_id, sandbox.sandbox_ip, profile)
+        keeper.guard("cgroup", sandbox.sandbox_id, cgroup.watchdog_words(), wait=False)
+        running = await start_gateway(
+            gateway, sandbox.gateway_ip, sandbox.sandbox_id, sandbox.sandbox_ip, profile, wait_for_proxy=False
+        )
         environment = host_environment(pw) | (env or {})
         environment |= gateway_environment(running, sandbox.sandbox_id, bool(grants))
         if token := await mint_token(running, sandbox.sandbox_id, grants or [], token_ttl):
@@ -226,6 +246,7 @@ async def launch(
                 raise
             keeper.guard("workdir", sandbox.sandbox_id, str(guard.save()))  # checked even if we die
         fd = await program
+        await asyncio.to_thread(keeper.wait_ready)  # nothing runs in the sandbox before its watchdog does
         argv = sandbox.command(
             command, user, isolate_fs, hidden=hidden, read_only=read_only, guard=guard, seccomp_fd=fd
         )

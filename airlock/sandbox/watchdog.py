@@ -66,10 +66,12 @@ class Watchdog:
             os.close(read_end)
         return cls(proc, write_end)
 
-    def guard(self, backend: str, sandbox_id: str, engine: str = "") -> None:
+    def guard(self, backend: str, sandbox_id: str, engine: str = "", *, wait: bool = True) -> None:
         """Name a sandbox this launcher has claimed (its namespace or fence exists and is ours). Fails closed:
-        WatchdogError when no watchdog would remove it."""
-        self._wait_ready()
+        WatchdogError when no watchdog would remove it. With `wait=False` the name waits in the pipe for a
+        watchdog still starting up: then `wait_ready()` before anything of the sandbox runs."""
+        if wait:
+            self.wait_ready()
         self._send(f"{backend} {sandbox_id} {engine}".rstrip())
 
     def release(self) -> None:
@@ -78,7 +80,8 @@ class Watchdog:
             self._send(RELEASE)
         self._close()
 
-    def _wait_ready(self) -> None:
+    def wait_ready(self) -> None:
+        """Once the watchdog runs (it reads what was sent before); WatchdogError if it did not start."""
         if self._ready:
             return
         stdout = self._proc.stdout
@@ -196,7 +199,7 @@ def main(argv: list[str]) -> int:
     os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nothing reads it after READY
     guarded, why = watch(fd, timeout, grace)
     if why is None:
-        return 0
+        os._exit(0)  # released: nothing to close or flush, and its launcher waits for this exit
     signal.signal(signal.SIGTERM, signal.SIG_IGN)  # removing is not interrupted half-way
     failed = 0
     for words in guarded:

@@ -187,10 +187,13 @@ def test_the_launcher_kills_and_removes_the_sandbox_off_the_event_loop(
         def __init__(self, listen: str) -> None:
             self.config = GatewayConfig(config.policy, listen)
 
+        async def proxy_started(self) -> None:
+            pass
+
         async def stop(self) -> None:
             calls["gateway stopped"] = True
 
-    async def start_gateway(config: GatewayConfig, listen: str, *args: object) -> Stopped:
+    async def start_gateway(config: GatewayConfig, listen: str, *args: object, **kwargs: object) -> Stopped:
         return Stopped(listen)
 
     monkeypatch.setattr(netns_launch, "start_gateway", start_gateway)

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import os
 import pwd
+import signal
 from pathlib import Path
 
 import pytest
@@ -12,7 +14,7 @@ import pytest
 from airlock.cli import build_parser
 from airlock.cli.common import default_policy_path
 from airlock.cli.run import run_config
-from airlock.gateway import GatewayConfig
+from airlock.gateway import GatewayConfig, GatewayError
 from airlock.policy import load_policy, parse_policy
 from airlock.sandbox import netns, netns_launch
 from airlock.sandbox.netns import SandboxError
@@ -96,3 +98,59 @@ def test_without_a_grant_airlock_run_starts_no_broker(grants: tuple[str, ...], p
     args = build_parser(["run"]).parse_args(["run", *grants, "--", "true"])
     run = run_config(args, ["true"], load_policy(default_policy_path()))
     assert run.gateway.broker.port == port
+
+
+def test_a_sandbox_whose_proxy_cannot_start_is_killed_and_the_error_is_raised(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """The command starts while mitmproxy loads; should the proxy then fail, the command must not run on without
+    one: wait() kills the sandbox and raises the gateway's error."""
+    pidfile = tmp_path / "pid"
+    events: list[str] = []
+
+    def create(self: netns.NetnsSandbox) -> None:
+        self.link = ipaddress.ip_network("10.231.0.0/30")
+
+    def kill_all(self: netns.NetnsSandbox) -> None:
+        events.append("killed")
+        os.kill(int(pidfile.read_text()), signal.SIGKILL)
+
+    def command(self: netns.NetnsSandbox, *args: object, **kwargs: object) -> list[str]:
+        return ["sh", "-c", f"echo $$ > {pidfile}; exec sleep 60"]
+
+    class Failing:
+        broker = None
+
+        def __init__(self, listen: str) -> None:
+            self.config = GatewayConfig(parse_policy(POLICY), listen)
+
+        async def proxy_started(self) -> None:
+            while not pidfile.exists() or not pidfile.read_text().strip():  # the command runs
+                await asyncio.sleep(0.01)
+            raise GatewayError("the proxy could not be loaded: ImportError: No module named 'mitmproxy'")
+
+        async def stop(self) -> None:
+            events.append("gateway stopped")
+
+    async def start_gateway(config: GatewayConfig, listen: str, *args: object, **kwargs: object) -> Failing:
+        assert kwargs == {"wait_for_proxy": False}
+        return Failing(listen)
+
+    for name, fake in (("create", create), ("kill_all", kill_all), ("command", command)):
+        monkeypatch.setattr(netns.NetnsSandbox, name, fake)
+    monkeypatch.setattr(netns.NetnsSandbox, "destroy", lambda self: events.append("destroyed"))
+    monkeypatch.setattr(netns_launch, "start_gateway", start_gateway)
+    monkeypatch.setattr(netns_launch, "hidden_paths", lambda *args: [])
+    monkeypatch.setattr(netns_launch, "kept_from_writes", lambda *args: [])
+    monkeypatch.chdir(tmp_path)
+
+    async def run() -> int:
+        handle = await netns_launch.launch(["true"], GatewayConfig(parse_policy(POLICY), "0.0.0.0"), isolation="none")
+        async with handle:
+            with pytest.raises(GatewayError, match="the proxy could not be loaded: ImportError"):
+                await handle.wait()
+            assert handle.process.returncode is not None
+            return handle.process.returncode
+
+    assert asyncio.run(run()) == -signal.SIGKILL
+    assert events == ["killed", "destroyed", "gateway stopped"]

@@ -20,7 +20,16 @@ LAUNCHER = """
 import sys, time
 from airlock.sandbox.watchdog import Watchdog
 watchdog = Watchdog.start(600, [sys.argv[1]])
-watchdog._wait_ready()
+watchdog.wait_ready()
+print(watchdog._proc.pid, flush=True)
+time.sleep(600)
+"""
+
+EARLY_LAUNCHER = """
+import sys, time
+from airlock.sandbox.watchdog import Watchdog
+watchdog = Watchdog.start(600)
+watchdog.guard("netns", sys.argv[1], wait=False)  # it may not run yet: the name waits in the pipe
 print(watchdog._proc.pid, flush=True)
 time.sleep(600)
 """
@@ -70,11 +79,29 @@ def test_when_its_launcher_is_killed_the_watchdog_acts_in_its_own_session(tmp_pa
         launcher.communicate()
 
 
+def test_a_sandbox_named_before_the_watchdog_ran_is_removed_when_the_launcher_dies() -> None:
+    sandbox_id = f"w{os.getpid() % 100000}"  # no such namespace: removing it touches nothing
+    launcher = subprocess.Popen(
+        [sys.executable, "-c", EARLY_LAUNCHER, sandbox_id], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    assert launcher.stdout is not None
+    pid = int(launcher.stdout.readline())
+    try:
+        launcher.send_signal(signal.SIGKILL)  # at once: the watchdog has had no time to say it is ready
+        launcher.wait()
+        assert _gone(pid)
+    finally:
+        if not _gone(pid, 0):
+            os.kill(pid, signal.SIGKILL)
+        _, stderr = launcher.communicate()  # the watchdog held the same stderr until it exited
+    assert f"netns sandbox {sandbox_id} removed: its launcher is gone" in stderr
+
+
 def test_past_the_deadline_the_watchdog_acts_although_its_launcher_still_runs(tmp_path: Path) -> None:
     leftover = tmp_path / "state"
     leftover.mkdir()
     watchdog = Watchdog.start(0.2, [str(leftover)], grace=0.3)
-    watchdog._wait_ready()
+    watchdog.wait_ready()
     deadline = time.monotonic() + 10
     while leftover.exists():
         assert time.monotonic() < deadline, "the deadline was not enforced"

@@ -1,0 +1,134 @@
+"""The gateway's start while mitmproxy loads: nothing of it is imported before a sandbox is built, the proxy's port
+listens once the policy is in force and its early clients are served by the addon, and a proxy that cannot load is
+one GatewayError with its port closed."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import dataclasses
+import ipaddress
+import json
+import socket
+import subprocess
+import sys
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+
+import pytest
+
+from airlock import gateway as gateway_module
+from airlock.cli.common import default_policy_path
+from airlock.gateway import Gateway, GatewayConfig, GatewayError
+from airlock.policy import Sandbox, load_policy
+
+LOCALHOST = "127.0.0.1"
+REQUEST = b"GET http://example.test/ HTTP/1.1\r\nHost: example.test\r\n\r\n"
+
+
+def test_what_airlock_run_imports_before_the_sandbox_exists_holds_no_mitmproxy() -> None:
+    """mitmproxy and the addon load in a thread (preload_proxy) while the sandbox is built, not before."""
+    probe = (
+        "import sys\nimport airlock.cli.run\n"
+        "print(sorted({m.split('.')[0] for m in sys.modules if m.startswith(('mitmproxy', 'airlock.proxy'))}))"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind((LOCALHOST, 0))
+        return probe.getsockname()[1]
+
+
+@pytest.fixture
+def config(tmp_path: Path) -> GatewayConfig:
+    """A gateway on loopback whose one sandbox is 127.0.0.1 (the default policy allows nothing there); no DNS
+    server, no broker."""
+    policy = load_policy(default_policy_path())
+    sandbox = Sandbox("sbx", policy.default_profile, ipaddress.ip_network(f"{LOCALHOST}/32"))
+    config = GatewayConfig(
+        policy, LOCALHOST, proxy_port=_free_port(), sandboxes=[sandbox], upstream_dns=[(LOCALHOST, 53)],
+        dns_port=0, audit_path=str(tmp_path / "audit.jsonl"),
+    )  # fmt: skip
+    return dataclasses.replace(config, broker=dataclasses.replace(config.broker, port=0))
+
+
+@pytest.fixture
+async def held_import(monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[concurrent.futures.Future[None]]:
+    """The import of mitmproxy as a future the test finishes: until then the proxy cannot serve."""
+    gateway_module.preload_proxy().result(60)  # imported for real, so that finishing the future is all it takes
+    loading: concurrent.futures.Future[None] = concurrent.futures.Future()
+    monkeypatch.setattr(gateway_module, "preload_proxy", lambda: loading)
+    yield loading
+    if not loading.done():
+        loading.set_result(None)
+
+
+async def _reply(port: int, before: Callable[[], object]) -> bytes:
+    """Connect and ask; call `before()` (the client waits meanwhile); then what the proxy answers."""
+    reader, writer = await asyncio.open_connection(LOCALHOST, port)
+    try:
+        writer.write(REQUEST)
+        await writer.drain()
+        result = before()
+        if asyncio.iscoroutine(result):
+            await result
+        return await asyncio.wait_for(reader.read(4096), 10)
+    finally:
+        writer.close()
+
+
+async def test_a_client_that_comes_while_mitmproxy_loads_waits_and_is_decided_by_the_addon(
+    config: GatewayConfig, held_import: concurrent.futures.Future[None]
+) -> None:
+    gateway = Gateway(config)
+    await gateway.start(wait_for_proxy=False)
+    try:
+
+        async def then_load() -> None:
+            assert gateway.airlock is None  # nothing has served the client yet
+            held_import.set_result(None)
+            await gateway.proxy_started()
+
+        reply = await _reply(config.proxy_port, then_load)
+    finally:
+        await gateway.stop()
+    assert reply.startswith(b"HTTP/1.1 403 ") and b"X-Airlock-Decision: deny" in reply
+    records = [json.loads(line) for line in Path(config.audit_path or "").read_text().splitlines()]
+    assert [(r["kind"], r["host"], r["decision"]) for r in records] == [("http", "example.test", "deny")]
+
+
+@pytest.mark.parametrize("wait_for_proxy", [True, False])
+async def test_a_proxy_that_cannot_load_is_one_gateway_error_and_its_port_closes(
+    config: GatewayConfig, held_import: concurrent.futures.Future[None], wait_for_proxy: bool
+) -> None:
+    held_import.set_exception(ImportError("No module named 'mitmproxy'"))
+    gateway = Gateway(config)
+    message = "the proxy could not be loaded: ImportError: No module named 'mitmproxy'"
+    try:
+        if wait_for_proxy:
+            with pytest.raises(GatewayError, match=message):
+                await gateway.start()
+        else:
+            await gateway.start(wait_for_proxy=False)
+            with pytest.raises(GatewayError, match=message):
+                await gateway.proxy_started()
+        with pytest.raises(ConnectionRefusedError):  # refused at once, not kept waiting in a backlog
+            await asyncio.open_connection(LOCALHOST, config.proxy_port)
+    finally:
+        await gateway.stop()
+
+
+async def test_a_gateway_stopped_before_its_proxy_served_leaves_its_port_closed(
+    config: GatewayConfig, held_import: concurrent.futures.Future[None]
+) -> None:
+    gateway = Gateway(config)
+    await gateway.start(wait_for_proxy=False)
+    await gateway.stop()
+    held_import.set_result(None)  # the import ends after all: nothing starts serving
+    await asyncio.sleep(0)
+    with pytest.raises(ConnectionRefusedError):
+        await asyncio.open_connection(LOCALHOST, config.proxy_port)
+    assert gateway.airlock is None
