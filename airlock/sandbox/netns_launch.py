@@ -11,9 +11,10 @@ guard, the command. `close()` goes back: everything in the namespace is killed a
 removed, then the cgroup, then the working directory is checked, then the gateway stops, then the state directory
 goes and the watchdog is released.
 
-The command does not wait for mitmproxy to load (most of a launch's time): the proxy's sockets listen, marked for
-the fence, before the command starts, and the command's connections wait in their backlog until the proxy serves
-them. Should the proxy fail to start, `wait()` kills the sandbox and raises the gateway's error.
+The working directory's guard takes its snapshot while the namespace is built (both wait on subprocesses). The
+command does not wait for mitmproxy to load (most of a launch's time): the proxy's sockets listen, marked for the
+fence, before the command starts, and the command's connections wait in their backlog until the proxy serves them.
+Should the proxy fail to start, `wait()` kills the sandbox and raises the gateway's error.
 """
 
 from __future__ import annotations
@@ -225,8 +226,20 @@ async def launch(
         await _teardown(sandbox, cgroup, guard, running, own, state, report)
 
     try:
-        await asyncio.to_thread(sandbox.create)
         assert sandbox.sandbox_id is not None and gateway.state_dir is not None
+        if isolate_fs:
+            guard = WorkdirGuard(Path.cwd(), pw, sandbox.sandbox_id, Path(gateway.state_dir) / "workdir")
+        # The working directory's snapshot (git) is taken while the namespace is built (ip, nft): both mostly wait.
+        created, prepared = await asyncio.gather(
+            asyncio.to_thread(sandbox.create),
+            asyncio.to_thread(guard.prepare) if guard else asyncio.sleep(0),
+            return_exceptions=True,
+        )
+        if isinstance(prepared, WorkdirError):
+            guard = None  # nothing was changed: nothing to check afterwards
+        for outcome in (created, prepared):
+            if isinstance(outcome, BaseException):
+                raise outcome
         cgroup = cgroups.SandboxCgroup(sandbox.sandbox_id, resources, controllers)
         await asyncio.to_thread(cgroup.create)
         keeper.guard("cgroup", sandbox.sandbox_id, cgroup.watchdog_words(), wait=False)
@@ -237,13 +250,7 @@ async def launch(
         environment |= gateway_environment(running, sandbox.sandbox_id, bool(grants))
         if token := await mint_token(running, sandbox.sandbox_id, grants or [], token_ttl):
             environment["AIRLOCK_TOKEN_FILE"] = str(sandbox.place_token(token, pw))
-        if isolate_fs:
-            guard = WorkdirGuard(Path.cwd(), pw, sandbox.sandbox_id, Path(gateway.state_dir) / "workdir")
-            try:
-                await asyncio.to_thread(guard.prepare)
-            except WorkdirError:
-                guard = None  # nothing was changed: nothing to check afterwards
-                raise
+        if guard is not None:
             keeper.guard("workdir", sandbox.sandbox_id, str(guard.save()))  # checked even if we die
         fd = await program
         await asyncio.to_thread(keeper.wait_ready)  # nothing runs in the sandbox before its watchdog does
