@@ -36,23 +36,32 @@ def test_what_airlock_run_imports_before_the_sandbox_exists_holds_no_mitmproxy()
     assert out.strip() == "[]"
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind((LOCALHOST, 0))
-        return probe.getsockname()[1]
-
-
 @pytest.fixture
 def config(tmp_path: Path) -> GatewayConfig:
-    """A gateway on loopback whose one sandbox is 127.0.0.1 (the default policy allows nothing there); no DNS
-    server, no broker."""
+    """A gateway on loopback whose one sandbox is 127.0.0.1 (the default policy allows nothing there), its proxy on
+    a port of the kernel's choosing (`ports`); no DNS server, no broker."""
     policy = load_policy(default_policy_path())
     sandbox = Sandbox("sbx", policy.default_profile, ipaddress.ip_network(f"{LOCALHOST}/32"))
     config = GatewayConfig(
-        policy, LOCALHOST, proxy_port=_free_port(), sandboxes=[sandbox], upstream_dns=[(LOCALHOST, 53)],
+        policy, LOCALHOST, proxy_port=0, sandboxes=[sandbox], upstream_dns=[(LOCALHOST, 53)],
         dns_port=0, audit_path=str(tmp_path / "audit.jsonl"),
     )  # fmt: skip
     return dataclasses.replace(config, broker=dataclasses.replace(config.broker, port=0))
+
+
+@pytest.fixture
+def ports(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The port of each proxy socket the gateway opens, as it opens it."""
+    opened: list[int] = []
+    listen = gateway_module._listen
+
+    def recorded(host: str, port: int) -> socket.socket:
+        listener = listen(host, port)
+        opened.append(listener.getsockname()[1])
+        return listener
+
+    monkeypatch.setattr(gateway_module, "_listen", recorded)
+    return opened
 
 
 @pytest.fixture
@@ -81,7 +90,7 @@ async def _reply(port: int, before: Callable[[], object]) -> bytes:
 
 
 async def test_a_client_that_comes_while_mitmproxy_loads_waits_and_is_decided_by_the_addon(
-    config: GatewayConfig, held_import: concurrent.futures.Future[None]
+    config: GatewayConfig, ports: list[int], held_import: concurrent.futures.Future[None]
 ) -> None:
     gateway = Gateway(config)
     await gateway.start(wait_for_proxy=False)
@@ -92,7 +101,7 @@ async def test_a_client_that_comes_while_mitmproxy_loads_waits_and_is_decided_by
             held_import.set_result(None)
             await gateway.proxy_started()
 
-        reply = await _reply(config.proxy_port, then_load)
+        reply = await _reply(ports[0], then_load)
     finally:
         await gateway.stop()
     assert reply.startswith(b"HTTP/1.1 403 ") and b"X-Airlock-Decision: deny" in reply
@@ -102,7 +111,7 @@ async def test_a_client_that_comes_while_mitmproxy_loads_waits_and_is_decided_by
 
 @pytest.mark.parametrize("wait_for_proxy", [True, False])
 async def test_a_proxy_that_cannot_load_is_one_gateway_error_and_its_port_closes(
-    config: GatewayConfig, held_import: concurrent.futures.Future[None], wait_for_proxy: bool
+    config: GatewayConfig, ports: list[int], held_import: concurrent.futures.Future[None], wait_for_proxy: bool
 ) -> None:
     held_import.set_exception(ImportError("No module named 'mitmproxy'"))
     gateway = Gateway(config)
@@ -116,13 +125,13 @@ async def test_a_proxy_that_cannot_load_is_one_gateway_error_and_its_port_closes
             with pytest.raises(GatewayError, match=message):
                 await gateway.proxy_started()
         with pytest.raises(ConnectionRefusedError):  # refused at once, not kept waiting in a backlog
-            await asyncio.open_connection(LOCALHOST, config.proxy_port)
+            await asyncio.open_connection(LOCALHOST, ports[0])
     finally:
         await gateway.stop()
 
 
 async def test_a_gateway_stopped_before_its_proxy_served_leaves_its_port_closed(
-    config: GatewayConfig, held_import: concurrent.futures.Future[None]
+    config: GatewayConfig, ports: list[int], held_import: concurrent.futures.Future[None]
 ) -> None:
     gateway = Gateway(config)
     await gateway.start(wait_for_proxy=False)
@@ -130,5 +139,5 @@ async def test_a_gateway_stopped_before_its_proxy_served_leaves_its_port_closed(
     held_import.set_result(None)  # the import ends after all: nothing starts serving
     await asyncio.sleep(0)
     with pytest.raises(ConnectionRefusedError):
-        await asyncio.open_connection(LOCALHOST, config.proxy_port)
+        await asyncio.open_connection(LOCALHOST, ports[0])
     assert gateway.airlock is None
