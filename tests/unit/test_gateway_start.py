@@ -12,7 +12,7 @@ import json
 import socket
 import subprocess
 import sys
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
 import pytest
@@ -75,15 +75,13 @@ async def held_import(monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[concurre
         loading.set_result(None)
 
 
-async def _reply(port: int, before: Callable[[], object]) -> bytes:
-    """Connect and ask; call `before()` (the client waits meanwhile); then what the proxy answers."""
+async def _reply(port: int, meanwhile: Callable[[], Awaitable[None]]) -> bytes:
+    """Connect and ask; await `meanwhile()` (the client waits); then what the proxy answers."""
     reader, writer = await asyncio.open_connection(LOCALHOST, port)
     try:
         writer.write(REQUEST)
         await writer.drain()
-        result = before()
-        if asyncio.iscoroutine(result):
-            await result
+        await meanwhile()
         return await asyncio.wait_for(reader.read(4096), 10)
     finally:
         writer.close()
