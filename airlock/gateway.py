@@ -638,16 +638,20 @@ class Gateway:
 def preload_proxy() -> concurrent.futures.Future[None]:
     """Import mitmproxy and the airlock addon in a thread, once per process; the future says when they are in.
 
-    A daemon thread: a process that ends before its gateway serves (a sandboxed command that is done at once) is
-    not kept waiting for an import nobody needs any more."""
+    Not a daemon thread: the interpreter must not finalize while an extension module initializes in another thread
+    (that can crash it, SIGSEGV), so a process that ends sooner waits for the import. `airlock run` ends its process
+    at once instead (`proxy_loading()`): by then its sandbox is gone, and no proxy will be needed."""
     global _proxy_import
     with _proxy_import_lock:
         if _proxy_import is None:
             _proxy_import = concurrent.futures.Future()
-            threading.Thread(
-                target=_import_proxy, args=(_proxy_import,), name="airlock-proxy-import", daemon=True
-            ).start()
+            threading.Thread(target=_import_proxy, args=(_proxy_import,), name="airlock-proxy-import").start()
         return _proxy_import
+
+
+def proxy_loading() -> bool:
+    """Whether preload_proxy()'s import is under way in this process."""
+    return _proxy_import is not None and not _proxy_import.done()
 
 
 def _import_proxy(done: concurrent.futures.Future[None]) -> None:

@@ -8,12 +8,17 @@ from __future__ import annotations
 import argparse
 import gc
 import importlib
+import os
 import sys
 from collections.abc import Iterable, Sequence
 
 from airlock.errors import AirlockError
 
 from .common import EXIT_INTERRUPTED, EXIT_USAGE
+
+TYPE_CHECKING = False  # not typing's: `airlock --help` imports no typing
+if TYPE_CHECKING:
+    from typing import NoReturn
 
 # name → (help, module with add_arguments(parser)), in the order --help lists them
 GROUPS = {
@@ -70,10 +75,27 @@ def main(argv: list[str] | None = None) -> int:
     if argv is not None:
         return _main(argv)
     code = _main(sys.argv[1:])
+    gateway = sys.modules.get("airlock.gateway")  # imported only by the commands that run a gateway
+    if gateway is not None and gateway.proxy_loading():
+        _end_now(code)
     # The process ends now: its last garbage collection need not walk every object the imports made (mitmproxy's
     # alone would take a run's exit about 70 ms). Whatever has to be closed was closed.
     gc.freeze()
     return code
+
+
+def _end_now(code: int) -> NoReturn:
+    """End the process without finalizing the interpreter: a run that ended before its proxy was needed leaves
+    mitmproxy importing in a thread, and finalizing beside that could crash (so it would wait for the import). The
+    run has closed and removed everything: what is left is to flush the output."""
+    import contextlib
+
+    if "logging" in sys.modules:
+        sys.modules["logging"].shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError):  # a closed pipe or stream: nothing left to tell it
+            stream.flush()
+    os._exit(code)
 
 
 def _main(argv: list[str]) -> int:

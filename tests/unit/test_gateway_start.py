@@ -139,3 +139,38 @@ async def test_a_gateway_stopped_before_its_proxy_served_leaves_its_port_closed(
     with pytest.raises(ConnectionRefusedError):
         await asyncio.open_connection(LOCALHOST, ports[0])
     assert gateway.airlock is None
+
+
+# Finalizing the interpreter while mitmproxy's extension modules initialize in the import thread can crash it
+# (SIGSEGV, about one exit in a hundred at the wrong moment): a process waits for the import, or `airlock run`
+# ends at once without finalizing.
+EXIT_WHILE_LOADING = """
+import atexit, sys
+from airlock import gateway
+gateway.preload_proxy()
+atexit.register(lambda: print("import done at exit:", not gateway.proxy_loading(), flush=True))
+"""
+
+CLI_EXIT_WHILE_LOADING = """
+import atexit, sys
+from airlock import cli, gateway
+
+def command(argv):
+    gateway.preload_proxy()
+    print("the command's output", end="")  # unflushed
+    return 3
+
+cli._main = command
+atexit.register(lambda: print("finalized", flush=True))
+sys.exit(cli.main())
+"""
+
+
+def test_a_process_that_ends_while_mitmproxy_imports_waits_for_the_import() -> None:
+    done = subprocess.run([sys.executable, "-c", EXIT_WHILE_LOADING], capture_output=True, text=True, timeout=60)
+    assert (done.returncode, done.stdout, done.stderr) == (0, "import done at exit: True\n", "")
+
+
+def test_airlock_ends_at_once_with_its_exit_code_and_output_while_mitmproxy_imports() -> None:
+    done = subprocess.run([sys.executable, "-c", CLI_EXIT_WHILE_LOADING], capture_output=True, text=True, timeout=60)
+    assert (done.returncode, done.stdout, done.stderr) == (3, "the command's output", "")  # not finalized
