@@ -107,8 +107,8 @@ def cmd_run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return EXIT_USAGE
-    preload_proxy()  # mitmproxy loads while the policy is read and the sandbox is built
     run = run_config(args, command, load_policy_file(args.policy))
+    preload_proxy()  # mitmproxy loads while the sandbox is built
     detail = f", image {run.image}" if run.backend == "docker" else f", filesystem isolation {run.isolation}"
     print(f"airlock: backend {run.backend}{detail}", file=sys.stderr)
     return asyncio.run(_run_docker(run) if run.backend == "docker" else _run_netns(run))

@@ -86,7 +86,8 @@ class NetnsHandle:
 
     async def wait(self, timeout: float | None = None) -> int | None:
         """The command's exit code (128+N when signal N ended it); None when the given timeout or the launch's
-        passed first — then every process in the sandbox has been killed."""
+        passed first — then every process in the sandbox has been killed. The gateway's GatewayError when its proxy
+        could not start while the command ran: the sandbox is killed first."""
         loop = asyncio.get_running_loop()
         left = self._deadline - loop.time()
         until = loop.time() + (left if timeout is None else min(left, timeout))
