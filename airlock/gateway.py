@@ -312,7 +312,7 @@ class Gateway:
         self._master: Master | None = None
         self._task: asyncio.Task[None] | None = None  # mitmproxy's master
         self._proxy: asyncio.Future[None] | None = None  # until the proxy serves
-        self._listeners: dict[str, socket.socket] = {}  # the proxy's, by mitmproxy mode, from start() on
+        self._listeners: dict[str, socket.socket] = {}  # the proxy's, by mitmproxy mode spec, from start() on
         self._proxy_servers: list[asyncio.Server] = []  # once mitmproxy serves them
         self._flusher: asyncio.Task[None] | None = None
         self.shared = None
@@ -411,12 +411,12 @@ class Gateway:
     def _watch_metrics(self) -> None:
         """What a scrape reads: the proxy's counters once its addon exists (before, it has proxied nothing)."""
         assert self.live is not None
-        live, shared, none = self.live, self.shared, dict[str, int]()
+        live, shared, nothing = self.live, self.shared, dict[str, int]()
         self.metrics.watch(
             lambda: live.current.registry.ids(),
-            shared.tunnels if shared is not None else none,
-            shared.connections if shared is not None else none,
-            shared.upstreams if shared is not None else none,
+            shared.tunnels if shared is not None else nothing,
+            shared.connections if shared is not None else nothing,
+            shared.upstreams if shared is not None else nothing,
             self.audit,
             self.dns.stats if self.dns is not None else None,
         )
@@ -483,8 +483,8 @@ class Gateway:
             raise GatewayError(f"the proxy did not start on {config.listen} port {ports}: {why}")
         # Every addon has seen `running`: connections are theirs from now on.
         proxyserver = master.addons.get("proxyserver")
-        for mode, listener in self._listeners.items():
-            instance = ServerInstance.make(mode, proxyserver)  # SO_ORIGINAL_DST is read by the transparent one
+        for spec, listener in self._listeners.items():
+            instance = ServerInstance.make(spec, proxyserver)  # SO_ORIGINAL_DST is read by the transparent one
             server = await asyncio.start_server(instance.handle_stream, sock=listener, backlog=PROXY_BACKLOG)
             self._proxy_servers.append(server)
         # mitmproxy has installed its handler by now; every listener of the gateway shares this loop.

@@ -38,8 +38,8 @@ def test_what_airlock_run_imports_before_the_sandbox_exists_holds_no_mitmproxy()
 
 @pytest.fixture
 def config(tmp_path: Path) -> GatewayConfig:
-    """A gateway on loopback whose one sandbox is 127.0.0.1 (the default policy allows nothing there), its proxy on
-    a port of the kernel's choosing (`ports`); no DNS server, no broker."""
+    """A gateway on loopback whose one sandbox is 127.0.0.1 (the default policy allows nothing there), its explicit
+    and transparent listeners on ports of the kernel's choosing (`ports`); no DNS server, no broker."""
     policy = load_policy(default_policy_path())
     sandbox = Sandbox("sbx", policy.default_profile, ipaddress.ip_network(f"{LOCALHOST}/32"))
     config = GatewayConfig(
@@ -51,12 +51,13 @@ def config(tmp_path: Path) -> GatewayConfig:
 
 @pytest.fixture
 def ports(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """The port of each proxy socket the gateway opens, as it opens it."""
+    """The port of each proxy socket the gateway opens (explicit, then transparent), as it opens it: each on a port
+    of the kernel's choosing."""
     opened: list[int] = []
     listen = gateway_module._listen
 
     def recorded(host: str, port: int) -> socket.socket:
-        listener = listen(host, port)
+        listener = listen(host, 0)
         opened.append(listener.getsockname()[1])
         return listener
 
@@ -69,6 +70,7 @@ async def held_import(monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[concurre
     """The import of mitmproxy as a future the test finishes: until then the proxy cannot serve."""
     gateway_module.preload_proxy().result(60)  # imported for real, so that finishing the future is all it takes
     loading: concurrent.futures.Future[None] = concurrent.futures.Future()
+    loading.set_running_or_notify_cancel()  # as preload_proxy's: a waiter that gives up cannot cancel it
     monkeypatch.setattr(gateway_module, "preload_proxy", lambda: loading)
     yield loading
     if not loading.done():
@@ -122,8 +124,10 @@ async def test_a_proxy_that_cannot_load_is_one_gateway_error_and_its_port_closes
             await gateway.start(wait_for_proxy=False)
             with pytest.raises(GatewayError, match=message):
                 await gateway.proxy_started()
-        with pytest.raises(ConnectionRefusedError):  # refused at once, not kept waiting in a backlog
-            await asyncio.open_connection(LOCALHOST, ports[0])
+        assert len(ports) == 2
+        for port in ports:  # both listeners: refused at once, not kept waiting in a backlog
+            with pytest.raises(ConnectionRefusedError):
+                await asyncio.open_connection(LOCALHOST, port)
     finally:
         await gateway.stop()
 
@@ -136,8 +140,10 @@ async def test_a_gateway_stopped_before_its_proxy_served_leaves_its_port_closed(
     await gateway.stop()
     held_import.set_result(None)  # the import ends after all: nothing starts serving
     await asyncio.sleep(0)
-    with pytest.raises(ConnectionRefusedError):
-        await asyncio.open_connection(LOCALHOST, ports[0])
+    assert len(ports) == 2
+    for port in ports:
+        with pytest.raises(ConnectionRefusedError):
+            await asyncio.open_connection(LOCALHOST, port)
     assert gateway.airlock is None
 
 
@@ -174,3 +180,54 @@ def test_a_process_that_ends_while_mitmproxy_imports_waits_for_the_import() -> N
 def test_airlock_ends_at_once_with_its_exit_code_and_output_while_mitmproxy_imports() -> None:
     done = subprocess.run([sys.executable, "-c", CLI_EXIT_WHILE_LOADING], capture_output=True, text=True, timeout=60)
     assert (done.returncode, done.stdout, done.stderr) == (3, "the command's output", "")  # not finalized
+
+
+async def test_a_redirected_client_that_comes_while_mitmproxy_loads_waits_and_is_decided_by_the_addon(
+    config: GatewayConfig,
+    ports: list[int],
+    held_import: concurrent.futures.Future[None],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The transparent listener is the gateway's too: a client there waits, then mitmproxy's transparent mode
+    serves it (the address it dialled as the fence's redirect would give it) and the addon judges its Host."""
+    from mitmproxy import platform
+
+    monkeypatch.setattr(platform, "original_addr", lambda sock: ("192.0.2.80", 80))
+    gateway = Gateway(config)
+    await gateway.start(wait_for_proxy=False)
+    try:
+
+        async def then_load() -> None:
+            assert gateway.airlock is None
+            held_import.set_result(None)
+            await gateway.proxy_started()
+
+        reply = await _reply(ports[1], then_load)
+    finally:
+        await gateway.stop()
+    assert reply.startswith(b"HTTP/1.1 403 ") and b"X-Airlock-Decision: deny" in reply
+    records = [json.loads(line) for line in Path(config.audit_path or "").read_text().splitlines()]
+    assert [(r["kind"], r["host"], r["decision"], r["extra"]["mode"]) for r in records] == [
+        ("http", "example.test", "deny", "transparent")
+    ]
+
+
+async def test_status_readiness_and_metrics_answer_while_mitmproxy_loads(
+    config: GatewayConfig, ports: list[int], held_import: concurrent.futures.Future[None]
+) -> None:
+    """The admin listener serves from the start: before the addon exists there is nothing proxied to count, and
+    the proxy is not ready until it serves both listeners."""
+    gateway = Gateway(config)
+    await gateway.start(wait_for_proxy=False)
+    try:
+        status = gateway.status()
+        assert (status["open_tunnels"], status["open_connections"]) == ({}, {})
+        assert gateway.readiness()["proxy"] == f"the proxy is not listening on {LOCALHOST}:0"
+        assert b"airlock_" in gateway.metrics.exposition()
+        held_import.set_result(None)
+        await gateway.proxy_started()
+        assert gateway.readiness()["proxy"] is None
+        assert b'airlock_open_tunnels{sandbox="sbx"} 0.0' in gateway.metrics.exposition()
+    finally:
+        await gateway.stop()
+    assert gateway.readiness()["proxy"] is not None
