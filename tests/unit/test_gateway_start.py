@@ -21,6 +21,7 @@ from airlock import gateway as gateway_module
 from airlock.cli.common import default_policy_path
 from airlock.gateway import Gateway, GatewayConfig, GatewayError
 from airlock.policy import Sandbox, load_policy
+from airlock.sandbox.fence import GATEWAY_SOCKET_MARK
 
 LOCALHOST = "127.0.0.1"
 REQUEST = b"GET http://example.test/ HTTP/1.1\r\nHost: example.test\r\n\r\n"
@@ -231,3 +232,31 @@ async def test_status_readiness_and_metrics_answer_while_mitmproxy_loads(
     finally:
         await gateway.stop()
     assert gateway.readiness()["proxy"] is not None
+
+
+def _free_ports(count: int) -> list[int]:
+    """Ports no socket of loopback holds right now (the kernel's picks, let go again)."""
+    held = [socket.create_server((LOCALHOST, 0)) for _ in range(count)]
+    ports = [sock.getsockname()[1] for sock in held]
+    for sock in held:
+        sock.close()
+    return ports
+
+
+async def test_both_proxy_listeners_carry_the_fences_mark_before_mitmproxy_serves(
+    privileged: None, config: GatewayConfig, held_import: concurrent.futures.Future[None]
+) -> None:
+    """The command may connect as soon as start() returns: the fence admits only marked sockets, so both the
+    explicit and the transparent listener are marked by then, while the proxy is still loading."""
+    proxy_port, transparent_port = _free_ports(2)
+    gateway = Gateway(dataclasses.replace(config, proxy_port=proxy_port, transparent_port=transparent_port))
+    await gateway.start(wait_for_proxy=False)
+    try:
+        assert gateway.airlock is None
+        marks = {
+            sock.getsockname()[1]: sock.getsockopt(socket.SOL_SOCKET, socket.SO_MARK)
+            for sock in gateway._listeners.values()
+        }
+        assert marks == {proxy_port: GATEWAY_SOCKET_MARK, transparent_port: GATEWAY_SOCKET_MARK}
+    finally:
+        await gateway.stop()
