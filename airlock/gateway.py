@@ -636,7 +636,8 @@ class Gateway:
 
 
 def preload_proxy() -> concurrent.futures.Future[None]:
-    """Import mitmproxy and the airlock addon in a thread, once per process; the future says when they are in.
+    """Import mitmproxy and the airlock addon (and, before them, the admin listener's aiohttp) in a thread, once per
+    process; the future says when they are in.
 
     Not a daemon thread: the interpreter must not finalize while an extension module initializes in another thread
     (that can crash it, SIGSEGV), so a process that ends sooner waits for the import. `airlock run` ends its process
@@ -661,6 +662,9 @@ def _import_proxy(done: concurrent.futures.Future[None]) -> None:
     interval = sys.getswitchinterval()
     sys.setswitchinterval(min(interval, IMPORT_SWITCH_INTERVAL))
     try:
+        # First what the gateway's constructor needs (aiohttp, for the admin listener): a launcher builds the
+        # sandbox's namespace before it makes the gateway.
+        import airlock.admin
         import airlock.mitm
         import airlock.proxy.addon  # noqa: F401
     except BaseException as e:

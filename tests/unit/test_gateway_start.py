@@ -27,14 +27,16 @@ LOCALHOST = "127.0.0.1"
 REQUEST = b"GET http://example.test/ HTTP/1.1\r\nHost: example.test\r\n\r\n"
 
 
-def test_what_airlock_run_imports_before_the_sandbox_exists_holds_no_mitmproxy() -> None:
-    """mitmproxy and the addon load in a thread (preload_proxy) while the sandbox is built, not before."""
+def test_what_airlock_run_imports_before_the_sandbox_exists_holds_no_mitmproxy_and_no_aiohttp() -> None:
+    """mitmproxy, the addon and the admin listener's aiohttp load in a thread (preload_proxy) while the sandbox is
+    built, not before; the thread has them all once its future is done."""
+    loaded = "sorted({m for m in sys.modules if m.startswith(('mitmproxy', 'airlock.proxy', 'aiohttp'))} & WANTED)"
     probe = (
-        "import sys\nimport airlock.cli.run\n"
-        "print(sorted({m.split('.')[0] for m in sys.modules if m.startswith(('mitmproxy', 'airlock.proxy'))}))"
+        "import sys\nimport airlock.cli.run\nWANTED = {'mitmproxy', 'airlock.proxy.addon', 'aiohttp'}\n"
+        f"print({loaded})\nfrom airlock import gateway\ngateway.preload_proxy().result(60)\nprint({loaded})"
     )
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
-    assert out.strip() == "[]"
+    assert out.splitlines() == ["[]", "['aiohttp', 'airlock.proxy.addon', 'mitmproxy']"]
 
 
 @pytest.fixture
