@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from gateway_proc import AIRLOCK, PROXY, GatewayProcess
-from topology import GW_IP, FakeNet, Topology
+from topology import DNS_SERVER, GW_IP, FakeNet, Topology
 
 EVIL_IP = "203.0.113.66"  # evil.test: listed by no rule of the policy below
 PROXY_URL = f"http://{PROXY[0]}:{PROXY[1]}"
@@ -204,3 +204,38 @@ def test_scope_sandbox_lets_the_target_through_until_the_ttl_and_dns_waits_its_t
     assert _result(late)[0] == "403"
     bad = _approvals(gw, "approve", dns_entry["id"], "--ttl", "1h")
     assert bad.returncode == 2 and "--ttl goes with --scope sandbox only" in bad.stderr
+
+
+def test_a_request_from_an_airlock_run_sandbox_waits_and_passes_once_approved(
+    topology: Topology, fakenet: FakeNet, tmp_path: Path
+):
+    """The same loop through `airlock run`: its own admin listener answers `airlock approvals` (no broker runs)."""
+    state = tmp_path / "state"
+    argv = [
+        AIRLOCK, "run", "--policy", str(_policy(tmp_path)), "--upstream-dns", DNS_SERVER, "--sandbox-id",
+        f"{topology.prefix}ap", "--state-dir", str(state), "--", "sh", "-c",
+        "curl -sS --max-time 40 -o /dev/null -w '%{http_code}' http://evil.test/canary",
+    ]  # fmt: skip
+    launcher = topology.popen(topology.gw, argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        where = ("--state-dir", str(state))
+        deadline = time.monotonic() + 30
+        while True:
+            listed = subprocess.run([AIRLOCK, "approvals", "list", "--json", *where], capture_output=True, text=True)
+            pending = json.loads(listed.stdout) if listed.returncode == 0 else []
+            if any(entry["target"] == "evil.test:80" for entry in pending):
+                break
+            assert launcher.poll() is None and time.monotonic() < deadline, (listed.stderr, launcher.poll())
+            time.sleep(0.2)
+        assert fakenet.connections(EVIL_IP, 80) == 0  # held: nothing reached upstream yet
+        (entry,) = [e for e in pending if e["target"] == "evil.test:80"]
+        approve = [AIRLOCK, "approvals", "approve", entry["id"], *where]
+        approved = subprocess.run(approve, capture_output=True, text=True)
+        assert approved.returncode == 0, approved.stderr
+        stdout, stderr = launcher.communicate(timeout=60)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.communicate()
+    assert (launcher.returncode, stdout) == (0, "200"), stderr
+    assert fakenet.connections(EVIL_IP, 80) == 1
