@@ -21,6 +21,7 @@ import itertools
 import json
 from collections import Counter as Tally
 from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
@@ -297,20 +298,14 @@ class GatewayMetrics:
         ]
 
 
+@dataclass(frozen=True, slots=True)
 class _Sources:
-    __slots__ = ("audit", "connections", "dns_stats", "sandboxes", "tunnels", "upstreams")
-
-    def __init__(
-        self,
-        sandboxes: Callable[[], Iterable[str]],
-        tunnels: Mapping[str, int],
-        connections: Mapping[str, int],
-        upstreams: Mapping[str, int],
-        audit: AuditLog,
-        dns_stats: Mapping[str, int],
-    ) -> None:
-        self.sandboxes, self.tunnels, self.connections, self.upstreams = sandboxes, tunnels, connections, upstreams
-        self.audit, self.dns_stats = audit, dns_stats
+    sandboxes: Callable[[], Iterable[str]]
+    tunnels: Mapping[str, int]
+    connections: Mapping[str, int]
+    upstreams: Mapping[str, int]
+    audit: AuditLog
+    dns_stats: Mapping[str, int]
 
 
 class _StateCollector(Collector):
