@@ -37,6 +37,8 @@ from airlock.dns.answered import AnsweredAddresses
 from airlock.dns.server import DnsServer
 from airlock.dns.upstream import Resolver, ResolverConfig, Server, system_servers
 from airlock.errors import AirlockError
+from airlock.inspection.secrets import read_secret_values
+from airlock.inspection.trust import system_trust_store
 from airlock.interfaces import interface_addresses
 from airlock.live import GatewayAddresses
 from airlock.metrics import GatewayMetrics
@@ -48,6 +50,7 @@ if TYPE_CHECKING:
     from airlock.admin import AdminApp
     from airlock.broker.service import Broker
     from airlock.brokerd import BrokerRuntime
+    from airlock.inspector import Inspector
     from airlock.mitm import Master
     from airlock.proxy.addon import Airlock
 
@@ -320,6 +323,7 @@ class Gateway:
         self.dns: DnsServer | None = None
         self.broker: Broker | None = None
         self._broker_runtime: BrokerRuntime | None = None
+        self.inspector: Inspector | None = None  # once a policy in force inspects (`inspect: true`)
         writer = PolicyWriter(config.policy_path, self.replace_policy) if config.policy_path else None
         self.approvals = Approvals(self.emit, config.approval_webhook, writer)
         # Reloads read the file the first policy came from, off the event loop (airlock/reload.py).
@@ -346,6 +350,11 @@ class Gateway:
         self._own = GatewayAddresses(own_addresses() | {ipaddress.ip_address(config.listen)})
         live = self.live = self.auditing.live = LivePolicy(config.policy, self.registry, self._own)
         self._started = True
+        try:
+            self._follow_inspection(config.policy)
+        except PolicyError as e:
+            await self.stop()
+            raise GatewayError("; ".join(e.errors)) from e
         try:
             for mode, port in self._proxy_ports().items():
                 self._listeners[f"{mode}@{port}"] = _listen(config.listen, port)
@@ -443,7 +452,7 @@ class Gateway:
     async def _start_proxy(self, answered: AnsweredAddresses) -> None:
         from airlock.mitm import Master, ServerInstance, options
         from airlock.proxy.addon import build_addon
-        from airlock.proxy.shared import GatewaySettings
+        from airlock.proxy.shared import Credentials, GatewaySettings
 
         config, caps = self.config, self.caps
         opts = options.Options(
@@ -468,6 +477,9 @@ class Gateway:
         self._watch_metrics()
         running = _Running()
         master.addons.add(*_essential_addons(), self.airlock, running)
+        master.addons.get("tlsconfig").issuer = self.inspector
+        if self.inspector is not None:
+            shared.credentials = Credentials.of(self.inspector.injected(self.live.current.policy))
         opts.update(
             # lazy: never connect upstream before the SNI and Host header have been checked
             connection_strategy="lazy",
@@ -475,7 +487,10 @@ class Gateway:
             stream_large_bodies="1m",
             # mitmproxy's default, pinned: ambiguous request framing (CL+TE, ...) is refused, never smuggled through
             validate_inbound_headers=True,
-            ssl_verify_upstream_trusted_ca=config.upstream_ca,
+            # Inspected hosts only (all else passes through): their upstreams are verified against the system's
+            # store, or --upstream-ca alone; the leaf the sandbox sees is the gateway CA's, never a copy of theirs.
+            ssl_verify_upstream_trusted_ca=config.upstream_ca or system_trust_store(),
+            upstream_cert=False,
         )
         self._task = asyncio.create_task(master.run())
         ports = " and ".join(str(port) for port in self._proxy_ports().values())
@@ -546,11 +561,32 @@ class Gateway:
         try:
             if self._broker_runtime is not None and (problems := self._broker_runtime.problems(policy)):
                 raise PolicyError(problems)  # e.g. a declared tool naming a secret the gateway was not given
+            self._follow_inspection(policy)
             self.live.replace(policy)
         except PolicyError as e:
             self.auditing.policy_refused(policy.source, e.errors, refused_hash=policy.hash)
             raise
         self.auditing.policy_loaded(policy, running)
+
+    def _follow_inspection(self, policy: Policy) -> None:
+        """Ready what the policy's inspected rules need before it is in force: a CA that permits their hosts, the
+        secrets they inject (PolicyError: one the gateway was not given). A policy that inspects nothing needs
+        nothing, and imports nothing of it."""
+        if self.inspector is None:
+            if not policy.inspected_hosts():
+                return
+            from airlock.inspector import Inspector
+
+            self.inspector = Inspector(Path(self._state_dir), read_secret_values(self.config.broker.secrets))
+            if self._master is not None:
+                self._master.addons.get("tlsconfig").issuer = self.inspector
+        if problems := self.inspector.problems(policy):
+            raise PolicyError(problems)
+        self.inspector.apply(policy)
+        if self.shared is not None:
+            from airlock.proxy.shared import Credentials
+
+            self.shared.credentials = Credentials.of(self.inspector.injected(policy))
 
     def policy_refused(self, source: str, errors: list[str]) -> None:
         """Audit a policy file that did not load (the running policy stays)."""
@@ -629,6 +665,8 @@ class Gateway:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self._task, 10)
         self.audit.close()
+        if self.inspector is not None:
+            self.inspector.close()
         if self._own is not None:
             self._own.close()
         if self._own_state:

@@ -9,7 +9,7 @@ a stand-in holds its place in `sys.modules`: the same package path, each submodu
 such request runs the real `__init__` in the stand-in, so every other user of mitmproxy still finds the package
 whole. `mitmproxy.master` imports `mitmproxy.addons.termlog`: it, too, is imported only after the stand-in.
 
-`TlsConfig` below is mitmproxy's, but for when it makes its certificate authority.
+`TlsConfig` below is mitmproxy's, but for the certificate authority it signs with: the gateway's own.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import importlib
 import importlib.util
 import sys
 import types
-from typing import Any
+from typing import Any, Protocol
 
 ADDONS = "mitmproxy.addons"
 
@@ -51,49 +51,61 @@ def _defer_init(name: str) -> None:
 
 _defer_init(ADDONS)
 
-from mitmproxy import options  # noqa: E402 - after the stand-in: mitmproxy.master imports an addon
+from mitmproxy import certs, options  # noqa: E402 - after the stand-in: mitmproxy.master imports an addon
 from mitmproxy.addons import core, disable_h2c, next_layer, tlsconfig  # noqa: E402
 from mitmproxy.addons.proxyserver import Proxyserver  # noqa: E402
 from mitmproxy.master import Master  # noqa: E402
 from mitmproxy.proxy.mode_servers import ServerInstance  # noqa: E402
 
 
-class TlsConfig(tlsconfig.TlsConfig):
-    """mitmproxy's TLS addon, whose certificate authority is made when first needed rather than at start.
+class LeafIssuer(Protocol):
+    """Where inspected connections get their certificates: the gateway's own name-constrained CA."""
 
-    The gateway passes TLS through and never intercepts it, yet mitmproxy makes a CA in its confdir as it starts
-    (an RSA key generated, then parsed back and checked): a quarter of `airlock run`'s start-up, for a key no
-    certificate is ever signed with. Everything that would sign one still gets it, from the same options; and
-    with no CA made, there is no revocation list of it to serve (mitmproxy answers one at a magic path)."""
+    @property
+    def certstore(self) -> certs.CertStore: ...  # mitmproxy's view of that CA (its key, its chain, no DH params)
+
+    def store_entry(self, host: str) -> certs.CertStoreEntry: ...  # a leaf for exactly this host, or raises
+
+
+class TlsConfig(tlsconfig.TlsConfig):
+    """mitmproxy's TLS addon, which signs only with the gateway's own CA, and only for inspected hosts.
+
+    mitmproxy would make (or load) its own unconstrained CA in its confdir as it starts: a quarter of `airlock
+    run`'s start-up, for a key that could sign any name. Here no such CA exists: the gateway passes TLS through
+    except where a rule says `inspect: true`, and there the leaf is the gateway CA's (`issuer`), for the SNI the
+    tunnel was judged by and nothing else; with no issuer, a TLS session to the sandbox cannot start at all.
+    mitmproxy's revocation-list answer at a magic path is never served either."""
 
     _CA_OPTIONS = frozenset({"certs", "confdir", "key_size", "cert_passphrase", "emudhra", "emudhra_old"})
+    issuer: LeafIssuer | None = None  # set by the gateway when its policy inspects
 
     def configure(self, updated: set[str] | str) -> None:
         names = {updated} if isinstance(updated, str) else set(updated)  # running() passes a bare "confdir"
-        if names & self._CA_OPTIONS:
-            self.certstore = None  # type: ignore[assignment]  # made again, from these options, when next needed
         if rest := names - self._CA_OPTIONS:
             super().configure(rest)
 
-    def _with_ca(self) -> None:
-        if self.certstore is None:
-            super().configure(self._CA_OPTIONS)  # only the part that makes (or loads) the CA
+    def _store(self) -> certs.CertStore:
+        if self.issuer is None:
+            raise RuntimeError("no rule inspects: the gateway has no certificate authority")
+        self.certstore = self.issuer.certstore
+        return self.certstore
 
     def tls_start_client(self, tls_start: Any) -> None:
-        self._with_ca()
+        self._store()
         super().tls_start_client(tls_start)
 
     def quic_start_client(self, tls_start: Any) -> None:
-        self._with_ca()
-        super().quic_start_client(tls_start)
+        raise RuntimeError("QUIC is never intercepted")
 
-    def get_cert(self, conn_context: Any) -> Any:
-        self._with_ca()
-        return super().get_cert(conn_context)
+    def get_cert(self, conn_context: Any) -> certs.CertStoreEntry:
+        self._store()
+        assert self.issuer is not None
+        if not conn_context.client.sni:
+            raise RuntimeError("an inspected connection without SNI")
+        return self.issuer.store_entry(conn_context.client.sni)
 
     def request(self, flow: Any) -> None:
-        if self.certstore is not None:
-            super().request(flow)
+        pass
 
 
 __all__ = ["Master", "Proxyserver", "ServerInstance", "TlsConfig", "core", "disable_h2c", "next_layer", "options"]

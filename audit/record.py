@@ -67,7 +67,8 @@ class AuditRecord:
     profile: str | None = None  # the sandbox's profile; the gateway stamps it (and policy_hash) as it emits
     policy_hash: str | None = None  # Policy.hash of the policy in force
     method: str | None = None
-    path: str | None = None
+    path: str | None = None  # never the query; inspected requests: the canonical path, as it was sent upstream
+    status: int | None = None  # the upstream's HTTP status (plain HTTP and inspected requests)
     rule: str | None = None  # the deciding rule's stable id (Rule.id): its name, else a hash of its content
     rule_source: str | None = None  # that rule's file:line, for the person who edits it (shifts with every edit)
     hint: str | None = None  # on a denial: the rule that would allow it, when one may

@@ -4,8 +4,8 @@ Data flows one way: identify sandbox → canonicalize → decide → resolve →
 The early hooks (`http_connect`, `requestheaders`, `next_layer`) give the sandbox a clear answer;
 `server_connect` is the one enforcement point that every upstream connection passes, whatever the mode or layer,
 so it decides again from scratch and pins the vetted address. Each concern is its own module: `identity.py`,
-`httppolicy.py`, `transparent.py` (with `tunnels.py`), `connect.py`, `httpaudit.py`, over the state they share
-(`shared.py`); every hook fails closed (`failclosed.py`).
+`httppolicy.py`, `transparent.py` (with `tunnels.py`), `inspection.py`, `connect.py`, `httpaudit.py`, over the
+state they share (`shared.py`); every hook fails closed (`failclosed.py`).
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from .connect import PinnedConnect
 from .httpaudit import HttpAudit
 from .httppolicy import HttpPolicy
 from .identity import SandboxIdentity
+from .inspection import Inspection
 from .shared import GatewaySettings, Shared
 from .transparent import TransparentPolicy
 from .tunnels import TunnelPolicy
@@ -37,11 +38,12 @@ class Airlock:
     def __init__(self, shared: Shared) -> None:
         self.shared = shared
         self.identity = identity = SandboxIdentity(shared)
-        self.http = http = HttpPolicy(shared)
+        self.audit = audit = HttpAudit(shared)
+        self.inspection = inspection = Inspection(shared, then=audit.response)
+        self.http = http = HttpPolicy(shared, inspection)
         self.tunnels = tunnels = TunnelPolicy(shared)
         self.transparent = transparent = TransparentPolicy(shared, tunnels)
         self.pinned = pinned = PinnedConnect(shared)
-        self.audit = audit = HttpAudit(shared)
         self.client_connected = identity.client_connected
         self.client_disconnected = identity.client_disconnected
         self.http_connect = http.http_connect
@@ -51,12 +53,14 @@ class Airlock:
         self.server_connected = pinned.server_connected
         self.server_connect_error = pinned.server_connect_error
         self.server_disconnected = pinned.server_disconnected
-        self.response = audit.response
+        self.responseheaders = inspection.responseheaders
+        self.response = inspection.response  # scrubbed, then audited
+        self.tls_failed_server = inspection.tls_failed_server
         self.error = audit.error
 
     @property
     def concerns(self) -> tuple[object, ...]:
-        return self.identity, self.http, self.transparent, self.pinned, self.audit
+        return self.identity, self.http, self.transparent, self.pinned, self.inspection, self.audit
 
 
 def build_addon(

@@ -32,7 +32,9 @@ class HttpAudit:
         record.duration_ms = round((time.monotonic() - started) * 1000, 1)
         record.bytes_in = len(flow.request.raw_content or b"")
         if flow.response is not None:
-            record.bytes_out = len(flow.response.raw_content or b"")
+            record.status = flow.response.status_code
+            streamed = flow.metadata.get("airlock_bytes_out")  # counted as the scrubber streamed it
+            record.bytes_out = streamed if streamed is not None else len(flow.response.raw_content or b"")
         peer = flow.server_conn.peername
         record.chosen_ip = peer[0] if peer else None
         # What the connection in use resolved to; a failed connect has been forgotten: keep the early answer.

@@ -10,9 +10,10 @@ from mitmproxy.net.http.http1 import expected_http_body_size
 from mitmproxy.utils import human
 
 from airlock.audit import AuditRecord, Kind
-from airlock.policy import HostError, ReasonCode, canonical_host, format_host_port
+from airlock.policy import Decision, HostError, ReasonCode, canonical_host, format_host_port
 
 from .failclosed import fail_closed
+from .inspection import Inspection, Refusal, inspected_rule
 from .shared import ClientState, Shared
 from .transparent import audit_extra
 
@@ -24,8 +25,8 @@ class HttpPolicy:
     """Early answers to what the sandbox asks for (CONNECT targets, plain-HTTP requests): a denial here is a
     403 the agent can read, and no upstream connection is ever attempted."""
 
-    def __init__(self, shared: Shared) -> None:
-        self.shared = shared
+    def __init__(self, shared: Shared, inspection: Inspection) -> None:
+        self.shared, self.inspection = shared, inspection
 
     def _deny_flow(self, flow: http.HTTPFlow) -> None:
         self.shared.client(flow.client_conn).denied = "internal error"
@@ -54,6 +55,9 @@ class HttpPolicy:
     async def http_connect(self, flow: http.HTTPFlow) -> None:
         state = self.shared.client(flow.client_conn)
         record = self._record(flow, "connect", state)
+        if state.tunnel is not None:  # a CONNECT inside an inspected tunnel: one tunnel per connection
+            record.reason, record.code = "CONNECT inside a tunnel", ReasonCode.REQUEST_IN_TUNNEL
+            return self._refuse(flow, record, None)
         outcome = await self.shared.evaluate(
             state.sandbox, flow.request.host, flow.request.port, "connect", flow.client_conn.peername[0]
         )
@@ -76,9 +80,7 @@ class HttpPolicy:
         state = self.shared.client(flow.client_conn)
         record = self._record(flow, "http", state)
         if state.tunnel is not None:
-            # Requests inside a tunnel exist only if something intercepted it; airlock passes tunnels through.
-            record.reason, record.code = "HTTP request inside a tunnel", ReasonCode.REQUEST_IN_TUNNEL
-            return self._refuse(flow, record, None)
+            return self._in_tunnel(flow, state, record)
         request = flow.request
         if state.original is not None:  # transparent: the name is the Host header's, the port the one dialled
             record.extra.update(audit_extra(state.original, "host" if request.host_header is not None else "address"))
@@ -101,11 +103,37 @@ class HttpPolicy:
             record.decided_by(None)
         if not record.passed:
             return self._refuse(flow, record, outcome.decision.hint)
+        if refusal := self._inspect(flow, record, outcome.decision):
+            return self._refuse(flow, record, refusal.hint, refusal.status)
         if request.host_header is None:  # HTTP/1.0 may omit it: the upstream gets the name that was judged
             request.host_header = _authority(outcome.host, request.port, _default_port(flow))
         state.vetted[(request.host, request.port)] = outcome
         flow.metadata["airlock"] = record
         flow.metadata["airlock_started"] = time.monotonic()
+
+    def _in_tunnel(self, flow: http.HTTPFlow, state: ClientState, record: AuditRecord) -> None:
+        """A request inside a tunnel exists only where the gateway terminates the tunnel's TLS (`inspect: true`):
+        it must name the tunnel's host (no fronting behind the SNI), then is judged by method and path."""
+        if not state.inspected:
+            record.reason, record.code = "HTTP request inside a tunnel", ReasonCode.REQUEST_IN_TUNNEL
+            return self._refuse(flow, record, None)
+        assert state.tunnel is not None
+        if mismatch := _host_header_mismatch(flow, state.tunnel.host):
+            record.host, record.port = state.tunnel.host, state.tunnel.port
+            record.reason, record.code = mismatch, ReasonCode.HOST_MISMATCH
+            return self._refuse(flow, record, None)
+        if refusal := self.inspection.judge_in_tunnel(flow, state, record):
+            return self._refuse(flow, record, refusal.hint, refusal.status)
+        record.chosen_ip, record.resolved = state.tunnel.chosen_ip, state.tunnel.resolved
+        flow.metadata["airlock"] = record
+        flow.metadata["airlock_started"] = time.monotonic()
+
+    def _inspect(self, flow: http.HTTPFlow, record: AuditRecord, decision: Decision) -> Refusal | None:
+        """A plain-HTTP request: judged by method and path where its rule inspects (nothing is injected in clear
+        text); anywhere else it may carry no secret's placeholder."""
+        if (rule := inspected_rule(decision)) is not None:
+            return self.inspection.judge(flow, record, rule, decision.reason, encrypted=False)
+        return self.inspection.check_placeholders(flow, record)
 
 
 def _answer(flow: http.HTTPFlow, response: http.Response) -> None:

@@ -7,7 +7,7 @@ import functools
 import ipaddress
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -17,6 +17,7 @@ from mitmproxy.proxy.mode_specs import TransparentMode
 from airlock.audit import AuditRecord, AuditThrottle
 from airlock.dns.answered import AnsweredAddresses
 from airlock.dns.upstream import ResolveError, Resolver
+from airlock.inspection.scrub import Scrubber
 from airlock.policy import (
     Decision,
     HostError,
@@ -71,6 +72,18 @@ class GatewaySettings:
 
 
 @dataclass
+class Credentials:
+    """What the proxy holds for injection: the secrets' values (by name) and the scrubber of their every form."""
+
+    values: Mapping[str, str] = field(default_factory=dict)
+    scrubber: Scrubber | None = None
+
+    @classmethod
+    def of(cls, values: Mapping[str, str]) -> Credentials:
+        return cls(dict(values), Scrubber(values.values()) if values else None)
+
+
+@dataclass
 class ClientState:
     """What the gateway knows about one sandbox client connection."""
 
@@ -85,6 +98,7 @@ class ClientState:
     counted: bool = False  # holds one of the sandbox's connection slots
     # Transparent mode: the address and port the sandbox dialled (a hint, never a connect target), once judged.
     original: tuple[str, int] | None = None
+    inspected: bool = False  # the tunnel's TLS is terminated here: its rule says `inspect: true`
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,6 +155,7 @@ class Shared:
         self.refusals = AuditThrottle(emit)  # refusals that come in floods: a few lines each, then a summary
         self.resolved: dict[str, list[str]] = {}  # server connection id → addresses the name resolved to
         self.approvals: Asker | None = None  # where profiles with `on_unlisted: ask` hold what no rule lists
+        self.credentials = Credentials()  # the secrets inspected rules inject (the gateway sets them)
 
     def client(self, client: connection.Client) -> ClientState:
         state = self.clients.get(client.id)

@@ -28,6 +28,7 @@ from airlock.audit import AuditRecord
 from airlock.policy import Decision, ReasonCode, Sandbox, format_host_port
 
 from .failclosed import fail_closed
+from .inspection import inspected_rule, intercept
 from .shared import ClientState, Outcome, Shared, is_transparent
 from .tlsnames import TlsNameError, server_name
 from .tunnels import MeteredTunnel, TunnelPolicy, ech_refusal, may_be_tls
@@ -101,6 +102,8 @@ class TransparentPolicy:
         state.vetted[(outcome.host, port)] = outcome
         self.shared.tunnels[state.sandbox.id] += 1
         state.tunnel, state.tunnel_decision, state.started = record, outcome.decision, time.monotonic()
+        if hello is not None and sni is not None and inspected_rule(outcome.decision) is not None:
+            return intercept(nextlayer, state)
         nextlayer.layer = MeteredTunnel(context, record)
 
     def _deny(self, nextlayer: layer.NextLayer, state: ClientState, code: ReasonCode, reason: str) -> None:

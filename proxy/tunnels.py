@@ -12,6 +12,7 @@ from airlock.audit import AuditRecord
 from airlock.policy import ReasonCode, decide, is_ip
 
 from .failclosed import fail_closed
+from .inspection import inner_layer, inspected_rule, intercept
 from .shared import ClientState, Shared
 from .tlsnames import ECH_EXTENSIONS, TlsNameError, hidden_name, server_name
 
@@ -61,6 +62,8 @@ class TunnelPolicy:
         state = self.shared.clients.get(nextlayer.context.client.id)
         if state is None or state.tunnel is None or not nextlayer.context.server.address:
             return  # not the inside of one of our tunnels (e.g. the connection's first layer)
+        if state.inspected:
+            return inner_layer(nextlayer)  # both TLS sessions are up: the requests inside are judged one by one
         data = nextlayer.data_client()
         if may_be_tls(data):
             try:
@@ -74,6 +77,8 @@ class TunnelPolicy:
                 ech_allowed = state.tunnel_decision is not None and state.tunnel_decision.ech
                 if refusal := _hello_refusal(hello, state.tunnel.host, ech_allowed):
                     self._deny(state, *refusal)
+                elif inspected_rule(state.tunnel_decision) is not None:
+                    return intercept(nextlayer, state)
         elif not (state.tunnel_decision and state.tunnel_decision.tunnel):
             reason = "tunnel carries something other than TLS and no rule allows a raw tunnel"
             self._deny(state, ReasonCode.NOT_TLS, reason)

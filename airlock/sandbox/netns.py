@@ -221,6 +221,7 @@ class NetnsSandbox:
         read_only: Sequence[Path] = (),
         guard: WorkdirGuard | None = None,
         seccomp_fd: int | None = None,
+        trust_bundle: Path | None = None,
     ) -> list[str]:
         """The argv that runs `argv` inside the namespace as an unprivileged user without capabilities; with
         `isolate_fs`, bubblewrap also gives it a read-only view of the host without the `hidden` paths, the
@@ -232,7 +233,10 @@ class NetnsSandbox:
             "setpriv", f"--reuid={pw.pw_uid}", f"--regid={pw.pw_gid}", "--clear-groups",
             "--no-new-privs", "--bounding-set=-all", "--inh-caps=-all", "--",
         ]  # fmt: skip
-        isolation = _bubblewrap(hidden, read_only, guard, seccomp_fd) if isolate_fs else _own_processes(seccomp_fd)
+        if isolate_fs:
+            isolation = _bubblewrap(hidden, read_only, guard, seccomp_fd, trust_bundle)
+        else:
+            isolation = _own_processes(seccomp_fd)
         prelude = guard.prelude() if guard and isolate_fs else []
         return ["ip", "netns", "exec", self.netns, *prelude, *isolation, *drop_privileges, *argv]
 
@@ -247,7 +251,11 @@ def _own_processes(seccomp_fd: int | None = None) -> list[str]:
 
 
 def _bubblewrap(
-    hidden: Sequence[Path], read_only: Sequence[Path], guard: WorkdirGuard | None, seccomp_fd: int | None = None
+    hidden: Sequence[Path],
+    read_only: Sequence[Path],
+    guard: WorkdirGuard | None,
+    seccomp_fd: int | None = None,
+    trust_bundle: Path | None = None,
 ) -> list[str]:
     """The whole host read-only (so nothing planted for root to run later), the working directory writable as its
     permissions say but for `read_only` paths and what the `guard` keeps (git's own folders get a private layer,
@@ -259,6 +267,8 @@ def _bubblewrap(
         masks += ["--tmpfs", str(path)] if path.is_dir() else ["--ro-bind", "/dev/null", str(path)]
     for path in _existing(read_only):
         masks += ["--ro-bind", str(path), str(path)]
+    if trust_bundle is not None:  # the system's CAs and the gateway's, where every client looks first
+        masks += ["--ro-bind", str(trust_bundle), SYSTEM_TRUST_BUNDLE]
     if seccomp_fd is not None:  # bubblewrap installs it last, just before the command
         masks += ["--seccomp", str(seccomp_fd)]
     return [
@@ -267,6 +277,8 @@ def _bubblewrap(
         "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--die-with-parent", "--new-session", "--",
     ]  # fmt: skip
 
+
+SYSTEM_TRUST_BUNDLE = "/etc/ssl/certs/ca-certificates.crt"
 
 SYSTEM_FOLDERS = frozenset(
     Path(p)

@@ -44,7 +44,7 @@ from .embedded import (
     state_directory,
 )
 from .limits import DEFAULT_OUTPUT_LIMIT, TIMEOUT, Resources, limit_problem, rlimit_argv
-from .netns import NetnsSandbox, SandboxError
+from .netns import SYSTEM_TRUST_BUNDLE, NetnsSandbox, SandboxError
 from .watchdog import Watchdog
 from .workdir import WorkdirError, WorkdirGuard
 
@@ -249,6 +249,9 @@ async def launch(
         )
         environment = host_environment(pw) | (env or {})
         environment |= gateway_environment(running, sandbox.sandbox_id, bool(grants))
+        bundle = trust_bundle(running, isolate_fs)
+        if running.inspector is not None and running.inspector.bundle is not None:
+            environment |= running.inspector.environment(str(bundle or running.inspector.bundle))
         if token := await mint_token(running, sandbox.sandbox_id, grants or [], token_ttl):
             environment["AIRLOCK_TOKEN_FILE"] = str(sandbox.place_token(token, pw))
         if guard is not None:
@@ -256,8 +259,9 @@ async def launch(
         fd = await program
         await asyncio.to_thread(keeper.wait_ready)  # nothing runs in the sandbox before its watchdog does
         argv = sandbox.command(
-            command, user, isolate_fs, hidden=hidden, read_only=read_only, guard=guard, seccomp_fd=fd
-        )
+            command, user, isolate_fs, hidden=hidden, read_only=read_only, guard=guard, seccomp_fd=fd,
+            trust_bundle=running.inspector.bundle if bundle else None,
+        )  # fmt: skip
         argv = [*cgroup.enter_argv(), *rlimit_argv(resources), *argv]  # in its cgroup before it runs anything
         pipe = asyncio.subprocess.PIPE if capture_output else None
         # Its own session: no controlling terminal, so it cannot push keystrokes into the shell that started it.
@@ -317,6 +321,16 @@ def _finish_workdir(guard: WorkdirGuard, report: Report) -> None:
 
 
 # --- what is checked before anything is created -----------------------------------------------------------------
+
+
+def trust_bundle(gateway: Gateway, isolate_fs: bool) -> Path | None:
+    """Where the sandbox finds the system's CAs plus the gateway's (inspected hosts), when bubblewrap binds the
+    combined bundle over the system's own; None when nothing is inspected or it cannot be bound there (then the
+    variables name the bundle where it is)."""
+    inspector = gateway.inspector
+    if inspector is None or inspector.bundle is None or not isolate_fs or not Path(SYSTEM_TRUST_BUNDLE).is_file():
+        return None
+    return Path(SYSTEM_TRUST_BUNDLE)
 
 
 def choose_isolation(requested: str) -> str:

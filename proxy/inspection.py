@@ -1,0 +1,208 @@
+"""TLS inspection, only where an allow rule says `inspect: true`: the gateway terminates the sandbox's TLS with a
+leaf from its own name-constrained CA, judges each request by method and path, injects the headers the rule names
+from secrets the sandbox never holds, and scrubs those secrets from what comes back.
+
+Every other host stays passthrough, byte for byte (`tunnels.py`). What was judged is what is sent: the request
+goes upstream with its canonical path, and a Host header that names another host is fronting, refused as in
+plain HTTP. The upstream's certificate is verified (mitmproxy's server TLS, against the system store or
+`--upstream-ca`); an invalid one is a denial, never a downgrade to passthrough.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterable, Mapping
+from typing import NamedTuple
+
+from mitmproxy import http, tls
+from mitmproxy.proxy import layer, layers
+from mitmproxy.proxy.layers.http import HTTPMode
+
+from airlock.audit import AuditRecord
+from airlock.inspection.secrets import PLACEHOLDER_PREFIX
+from airlock.policy import Decision, ReasonCode, Rule, decide
+from airlock.policy.decide import judge_request
+
+from .failclosed import fail_closed, nothing_to_deny
+from .shared import ClientState, Shared
+
+# A placeholder the sandbox may hold for an SDK that insists on a key: `airlock-placeholder-<secret name>`.
+_PLACEHOLDER = re.compile(re.escape(PLACEHOLDER_PREFIX).encode() + rb"([A-Za-z_][A-Za-z0-9_]{0,63})")
+
+
+class Refusal(NamedTuple):
+    status: int  # 403, or 400 for a path whose encoding is ambiguous
+    hint: str | None
+
+
+def inspected_rule(decision: Decision | None) -> Rule | None:
+    """The allow rule that makes the gateway inspect this target, if one does (report mode never inspects: it
+    only reports what it would deny)."""
+    if decision is None or not decision.allow or decision.report or decision.rule is None:
+        return None
+    return decision.rule if decision.rule.inspect else None
+
+
+def intercept(nextlayer: layer.NextLayer, state: ClientState) -> None:
+    """Terminate the sandbox's TLS (and open the upstream's, verified) in place of passing the tunnel through."""
+    assert state.tunnel is not None
+    state.inspected = True
+    state.tunnel.extra["inspected"] = True
+    server_tls = layers.ServerTLSLayer(nextlayer.context)
+    server_tls.child_layer = layers.ClientTLSLayer(nextlayer.context)
+    nextlayer.layer = server_tls
+
+
+def inner_layer(nextlayer: layer.NextLayer) -> None:
+    """What an inspected tunnel carries once both TLS sessions are up: HTTP/1 or HTTP/2 (by ALPN), each request
+    judged by `Inspection.request_in_tunnel`."""
+    nextlayer.layer = layers.HttpLayer(nextlayer.context, HTTPMode.transparent)
+
+
+def placeholder_misuse(request: http.Request, allowed: Iterable[str]) -> str | None:
+    """The first secret placeholder this request carries (in its target or a header) that is not one of
+    `allowed` (the secrets injected for its host); None when it carries none out of place. Sent anywhere else, a
+    placeholder is an exfiltration attempt or a mistake: either way it must not leave."""
+    allowed = set(allowed)
+    texts = [request.path.encode(errors="surrogateescape")]
+    texts += [value.encode(errors="surrogateescape") for value in request.headers.values()]
+    for text in texts:
+        for match in _PLACEHOLDER.finditer(text):
+            if (name := match.group(1).decode()) not in allowed:
+                return name
+    return None
+
+
+def inject(request: http.Request, rule: Rule, values: Mapping[str, str]) -> bool:
+    """Set each header the rule injects, from the gateway's secrets, after removing every copy the sandbox sent.
+    True when anything was injected."""
+    for injection in rule.inject:
+        header = getattr(injection, "header", None)
+        if header is None:
+            continue
+        request.headers.pop(header, None)  # every copy, whatever its case
+        request.headers[header] = injection.render(values)
+    return any(getattr(injection, "header", None) for injection in rule.inject)
+
+
+def secrets_of(rule: Rule) -> frozenset[str]:
+    names: set[str] = set()
+    for injection in rule.inject:
+        names |= getattr(injection, "secrets", frozenset())
+    return frozenset(names)
+
+
+def _withhold(self: Inspection, flow: http.HTTPFlow) -> None:
+    """A response that could not be scrubbed is not delivered."""
+    if flow.killable:
+        flow.kill()
+
+
+class Inspection:
+    """Requests inside inspected tunnels, and the scrubbing of every response the gateway reads."""
+
+    def __init__(self, shared: Shared, then: Callable[[http.HTTPFlow], None]) -> None:
+        self.shared = shared
+        self.then = then
+
+    def judge_in_tunnel(self, flow: http.HTTPFlow, state: ClientState, record: AuditRecord) -> Refusal | None:
+        """Judge one request inside an inspected tunnel. The rule is looked up again under the policy in force: a
+        reload that takes inspection away refuses the tunnel's next request."""
+        assert state.tunnel is not None and state.sandbox is not None
+        tunnel = state.tunnel
+        record.host, record.port = tunnel.host, tunnel.port
+        decision = decide(self.shared.live.current.profile(state.sandbox), tunnel.host, tunnel.port or 443)
+        record.decided_by(decision.rule)
+        rule = inspected_rule(decision)
+        if rule is None:
+            if decision.allow:
+                record.reason = f"HTTP request inside a tunnel to {tunnel.host}, which the policy no longer inspects"
+                record.code = ReasonCode.REQUEST_IN_TUNNEL
+            else:
+                record.reason, record.code = decision.reason, decision.code
+            return Refusal(403, decision.hint)
+        return self.judge(flow, record, rule, decision.reason, encrypted=True)
+
+    def judge(
+        self, flow: http.HTTPFlow, record: AuditRecord, rule: Rule, reason: str, encrypted: bool
+    ) -> Refusal | None:
+        """Judge a request to a host whose rule inspects, by method and path, and prepare it: the canonical path,
+        and, over TLS only (a secret never travels in clear text), the injected headers. The refusal, or None."""
+        request = flow.request
+        record.extra["inspected"] = True
+        websocket = "websocket" in request.headers.get("upgrade", "").lower()
+        verdict = judge_request(rule, request.method, request.path, websocket)
+        record.path = verdict.path or record.path
+        if not verdict.allow:
+            record.decision, record.reason, record.code = "deny", verdict.reason, verdict.code
+            return Refusal(400 if verdict.code == ReasonCode.AMBIGUOUS_PATH else 403, verdict.hint)
+        if name := placeholder_misuse(request, secrets_of(rule) if encrypted else ()):
+            record.decision, record.code = "deny", ReasonCode.PLACEHOLDER_MISUSE
+            record.reason = f"the placeholder of secret {name!r} sent to {record.host}, which is not that secret's host"
+            return Refusal(403, None)
+        assert verdict.path is not None
+        query = request.path.partition("?")[2]
+        request.path = verdict.path + ("?" + query if query else "")  # what was judged is what is sent
+        if encrypted and inject(request, rule, self.shared.credentials.values):
+            # An upstream may echo what it was sent: it must come back in a form the scrubber can read.
+            request.headers["accept-encoding"] = "identity"
+        record.decision, record.reason, record.code = "allow", reason, ReasonCode.ALLOWED
+        return None
+
+    def check_placeholders(self, flow: http.HTTPFlow, record: AuditRecord) -> Refusal | None:
+        """A request to a host that is not inspected (nothing is injected there) may carry no placeholder."""
+        if name := placeholder_misuse(flow.request, ()):
+            record.decision, record.code = "deny", ReasonCode.PLACEHOLDER_MISUSE
+            record.reason = f"the placeholder of secret {name!r} sent to {record.host}, which is not that secret's host"
+            record.decided_by(None)
+            return Refusal(403, None)
+        return None
+
+    @fail_closed(_withhold)
+    def response(self, flow: http.HTTPFlow) -> None:
+        """Scrub what was read whole, then write the request's audit line (`then`: HttpAudit.response)."""
+        self.scrub_whole(flow)
+        self.then(flow)
+
+    @fail_closed(nothing_to_deny)
+    def responseheaders(self, flow: http.HTTPFlow) -> None:
+        """Scrub the response's headers, and stream its body through the scrubber (same length, so the framing
+        the upstream chose stays true) unless it is compressed, in which case it is read whole and scrubbed
+        decoded in `response`."""
+        scrubber, response = self.shared.credentials.scrubber, flow.response
+        if scrubber is None or response is None:
+            return
+        response.headers.fields = tuple((name, scrubber.scrub(value)) for name, value in response.headers.fields)
+        if response.headers.get("content-encoding", "identity").lower() not in ("", "identity"):
+            flow.metadata["airlock_scrub_whole"] = True
+            return
+        flow.metadata["airlock_bytes_out"] = 0
+        response.stream = self._counted(flow, scrubber.stream())
+
+    def _counted(self, flow: http.HTTPFlow, scrub: Callable[[bytes], bytes]) -> Callable[[bytes], bytes]:
+        def stream(chunk: bytes) -> bytes:
+            out = scrub(chunk)
+            flow.metadata["airlock_bytes_out"] += len(out)
+            return out
+
+        return stream
+
+    def scrub_whole(self, flow: http.HTTPFlow) -> None:
+        """A compressed response read whole: decoded, scrubbed, delivered decoded."""
+        scrubber, response = self.shared.credentials.scrubber, flow.response
+        if scrubber is None or response is None or not flow.metadata.pop("airlock_scrub_whole", False):
+            return
+        response.decode(strict=False)
+        response.content = scrubber.scrub(response.content or b"")
+
+    @fail_closed(nothing_to_deny)
+    def tls_failed_server(self, data: tls.TlsData) -> None:
+        """The upstream of an inspected tunnel failed TLS (an invalid certificate, most often): the tunnel's line
+        says so, as a denial."""
+        state = self.shared.clients.get(data.context.client.id)
+        if state is None or state.tunnel is None:
+            return
+        error = data.conn.error or "TLS handshake failed"
+        state.tunnel.decision, state.tunnel.code = "deny", ReasonCode.UPSTREAM_CERTIFICATE
+        state.tunnel.reason = f"the upstream's TLS could not be verified: {error}"
+        state.denied = state.tunnel.reason
