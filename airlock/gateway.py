@@ -631,6 +631,19 @@ class Gateway:
             "open_connections": {k: n for k, n in shared.connections.items() if n} if shared is not None else {},
             "counters": self.auditing.counters(),
             "started_at": self.started_at,
+            "inspection": self._inspection_status(policy),
+        }
+
+    def _inspection_status(self, policy: Policy) -> dict[str, Any] | None:
+        """The inspected hosts, and the certificates a sandbox must trust for them (each CA generation's, and the
+        bundle with the system's CAs); None while nothing is inspected."""
+        inspector = self.inspector
+        if inspector is None or not inspector.active:
+            return None
+        return {
+            "hosts": sorted(policy.inspected_hosts()),
+            "ca_certificates": [str(ca.cert_path) for ca in inspector.generations],
+            "trust_bundle": str(inspector.bundle),
         }
 
     async def stop(self) -> None:

@@ -17,7 +17,9 @@ from typing import TYPE_CHECKING, Any
 
 from airlock.auditing import tell
 from airlock.broker.grants import Grant, GrantError, parse_grant
+from airlock.brokerconfig import SecretSource
 from airlock.gateway import Gateway, GatewayConfig, preload_proxy
+from airlock.inspection.secrets import placeholder
 from airlock.policy import Policy
 from airlock.reload import PolicyWatcher
 from airlock.sandbox.embedded import gateway_credentials
@@ -64,6 +66,11 @@ def add_arguments(run: argparse.ArgumentParser) -> None:
         help="netns backend: read-only host, private /tmp and PIDs via bubblewrap (auto: when installed)",
     )  # fmt: skip
     run.add_argument("--env", action="append", metavar="NAME[=VALUE]", help="pass a variable in (repeatable)")
+    run.add_argument(
+        "--placeholder-env", action="append", metavar="VAR=SECRET",
+        help="set VAR to a placeholder of --secret SECRET, for SDKs that insist on a key (the gateway injects the "
+        "real one where a rule says so; sent anywhere else, the placeholder is refused)",
+    )  # fmt: skip
     run.add_argument(
         "--grant", action="append", metavar="TOOL:OWNER/REPO[:base=B|B2,head=PATTERN] | DECLARED_TOOL",
         help="mint a broker token with this grant for the sandbox (repeatable; without, no broker runs)",
@@ -118,7 +125,7 @@ def run_config(args: argparse.Namespace, command: list[str], policy: Policy) -> 
     grants = parse_grants(args.grant or [], policy)
     gateway = gateway_config(args, policy, "0.0.0.0", [])  # listen and sandbox: the launcher's
     gateway = dataclasses.replace(gateway, show_denials=not args.quiet)
-    env = passed_env(args.env or [])
+    env = passed_env(args.env or []) | placeholder_env(args.placeholder_env or [], gateway.broker.secrets)
     if shown := sorted({s.where for s in gateway.broker.secrets if s.kind == "env"} & env.keys()):
         raise UsageError(f"--env {shown[0]}: that variable holds a --secret, which the sandbox must never see")
     if not grants:  # the sandbox holds no token: a broker could only refuse it, so none runs (its port stays shut)
@@ -172,6 +179,21 @@ def passed_env(passed: list[str]) -> dict[str, str]:
             env[name] = value
         elif name in os.environ:
             env[name] = os.environ[name]
+    return env
+
+
+def placeholder_env(specs: list[str], secrets: list[SecretSource]) -> dict[str, str]:
+    """`--placeholder-env VAR=SECRET`: VAR holds `airlock-placeholder-SECRET`, never the secret itself; SECRET must
+    be one of the gateway's --secrets."""
+    given = {source.name for source in secrets}
+    env: dict[str, str] = {}
+    for spec in specs:
+        name, _, secret = spec.partition("=")
+        if not name.isidentifier() or not secret:
+            raise UsageError(f"--placeholder-env {spec!r}: expected VAR=SECRET")
+        if secret not in given:
+            raise UsageError(f"--placeholder-env {spec!r}: no --secret {secret} is given")
+        env[name] = placeholder(secret)
     return env
 
 

@@ -1,0 +1,184 @@
+"""TLS inspection end to end, only where a rule says `inspect: true`: the gateway terminates the sandbox's TLS with
+a leaf of its own name-constrained CA, verifies the upstream against --upstream-ca, judges each request by method
+and path, injects the rule's header from a --secret, and scrubs that secret from whatever comes back. The fake
+internet records every request and header it receives, so each test asserts what the upstream got (the secret,
+exactly once; nothing at all for a denial) and what the sandbox saw (never the secret)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from gateway_proc import PROXY, GatewayProcess
+from testca import TestCA
+from topology import FakeNet, Topology
+
+PROXY_URL = f"http://{PROXY[0]}:{PROXY[1]}"
+SECRET = "sk-airlock-e2e-7f3a9c0d5e1b2468ace0"
+PLACEHOLDER = "airlock-placeholder-model_api"
+POLICY = """\
+version: 1
+profiles:
+  default:
+    allow:
+      - host: allowed.test
+        ports: [80, 443]
+        inspect: true
+        name: model-api
+        http:
+          - {methods: [GET], paths: ["/headers", "/simple/**"]}
+          - {methods: [POST], paths: ["/v1/**"]}
+        inject:
+          - {header: Authorization, value: "Bearer {secret:model_api}"}
+      - host: www.allowed.test
+        ports: [443]
+        inspect: true
+      - host: other.test
+        ports: [443]
+"""
+
+
+@pytest.fixture
+def inspecting(own_gateway: Callable[..., GatewayProcess], tmp_path: Path) -> Iterator[GatewayProcess]:
+    policy = tmp_path / "inspect.yaml"
+    policy.write_text(POLICY)
+    secret = tmp_path / "model_api.secret"
+    secret.write_text(SECRET + "\n")
+    secret.chmod(0o600)
+    yield own_gateway(policy, ("--secret", f"model_api=file:{secret}"))
+
+
+def gateway_ca(gw: GatewayProcess) -> Path:
+    """The gateway CA's certificate (what a sandbox of `airlock run` trusts through its bundle)."""
+    (ca,) = sorted((gw.workdir / "state" / "ca").glob("*/ca.crt"))
+    return ca
+
+
+def curl(topology: Topology, gw: GatewayProcess, *args: str) -> subprocess.CompletedProcess[str]:
+    return topology.curl(topology.sbx, "-x", PROXY_URL, "--cacert", str(gateway_ca(gw)), *args)
+
+
+def upstream_requests(fakenet: FakeNet, path: str | None = None) -> list[dict[str, Any]]:
+    return [r for r in fakenet.http_requests() if path is None or r["target"].split("?")[0] == path]
+
+
+def header_values(request: dict[str, Any], name: str) -> list[str]:
+    return [v for k, v in request["headers"] if k.lower() == name.lower()]
+
+
+def test_the_upstream_gets_the_injected_secret_once_and_the_sandbox_never_sees_it(
+    topology: Topology, fakenet: FakeNet, inspecting: GatewayProcess
+) -> None:
+    # The sandbox sends its own Authorization twice: both go, the gateway's alone arrives.
+    result = curl(
+        topology, inspecting, "-H", "Authorization: Bearer sandbox-own", "-H", "authorization: x",
+        "https://allowed.test/headers",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    (seen,) = upstream_requests(fakenet, "/headers")
+    assert seen["tls"] and seen["sni"] == "allowed.test"
+    assert header_values(seen, "authorization") == [f"Bearer {SECRET}"]
+    # fakenet echoes the headers it got: the secret in that body is scrubbed on the way back.
+    assert SECRET not in result.stdout
+    echoed = dict((k.lower(), v) for k, v in json.loads(result.stdout))
+    assert echoed["authorization"].startswith("Bearer ") and SECRET not in echoed["authorization"]
+    (line,) = inspecting.audit_for(host="allowed.test", kind="http")
+    assert (line["method"], line["path"], line["status"], line["decision"]) == ("GET", "/headers", 200, "allow")
+    assert line["rule"] == "model-api" and line["extra"]["inspected"] is True
+    assert line["bytes_out"] == len(result.stdout.encode())
+    inspecting.stop()
+    assert SECRET not in inspecting.audit_path.read_text()
+    assert SECRET not in inspecting.log()
+
+
+@pytest.mark.parametrize(
+    ("method", "target", "status", "code"),
+    [
+        ("POST", "/headers", 403, "method_not_allowed"),
+        ("GET", "/admin", 403, "path_not_allowed"),
+        ("GET", "/simple/%2e%2e/admin", 400, "ambiguous_path"),
+        ("GET", "/simple/..%2fadmin", 400, "ambiguous_path"),
+        ("GET", "/simple/%252e%252e/admin", 400, "ambiguous_path"),
+        ("GET", "/simple/a;x=/../../admin", 400, "ambiguous_path"),
+        ("GET", "/simple/%00", 400, "ambiguous_path"),
+        ("GET", "/simple/%c0%ae%c0%ae/admin", 400, "ambiguous_path"),
+        ("GET", "/simple/..\\admin", 400, "ambiguous_path"),
+    ],
+)
+def test_method_and_path_rules_refuse_before_anything_reaches_the_upstream(
+    topology: Topology, fakenet: FakeNet, inspecting: GatewayProcess, method: str, target: str, status: int, code: str
+) -> None:
+    result = curl(
+        topology, inspecting, "--path-as-is", "-X", method, "-w", "\n%{http_code}", f"https://allowed.test{target}"
+    )
+    body, _, got = result.stdout.rpartition("\n")
+    assert int(got) == status, result.stdout
+    assert json.loads(body)["code"] == code
+    assert upstream_requests(fakenet) == []
+
+
+def test_the_upstream_gets_the_canonical_path_that_was_judged(
+    topology: Topology, fakenet: FakeNet, inspecting: GatewayProcess
+) -> None:
+    result = curl(topology, inspecting, "--path-as-is", "https://allowed.test/simple//x/./y/../%7Ez?q=1")
+    assert result.returncode == 0, result.stderr
+    (seen,) = upstream_requests(fakenet)
+    assert seen["target"] == "/simple/x/~z?q=1"
+
+
+def test_a_placeholder_sent_to_another_host_is_refused_and_audited(
+    topology: Topology, fakenet: FakeNet, inspecting: GatewayProcess
+) -> None:
+    result = curl(topology, inspecting, "-H", f"X-Api-Key: {PLACEHOLDER}", "-w", "\n%{http_code}",
+                  "https://www.allowed.test/")  # fmt: skip
+    body, _, status = result.stdout.rpartition("\n")
+    assert status == "403" and json.loads(body)["code"] == "placeholder_misuse"
+    assert upstream_requests(fakenet) == []
+    (line,) = inspecting.audit_for(host="www.allowed.test", kind="http")
+    assert line["code"] == "placeholder_misuse" and line["decision"] == "deny"
+
+
+def test_hosts_without_inspect_still_see_the_clients_own_tls(
+    topology: Topology, fakenet: FakeNet, inspecting: GatewayProcess, test_ca: TestCA
+) -> None:
+    # other.test passes through: the client verifies fakenet's own certificate, never the gateway's.
+    passed = topology.curl(topology.sbx, "-x", PROXY_URL, "--cacert", str(test_ca.ca_cert), "https://other.test/")
+    assert passed.returncode == 0, passed.stderr
+    with_gateway_ca = curl(topology, inspecting, "https://other.test/")
+    assert with_gateway_ca.returncode != 0  # the gateway signs nothing for a host it does not inspect
+    # and an inspected host's certificate is the gateway's: fakenet's CA alone does not verify it.
+    inspected = topology.curl(topology.sbx, "-x", PROXY_URL, "--cacert", str(test_ca.ca_cert),
+                              "https://allowed.test/headers")  # fmt: skip
+    assert inspected.returncode != 0
+
+
+def test_the_gateway_ca_is_name_constrained_to_the_inspected_hosts(inspecting: GatewayProcess) -> None:
+    text = subprocess.run(
+        ["openssl", "x509", "-noout", "-text", "-in", str(gateway_ca(inspecting))], capture_output=True, text=True
+    ).stdout
+    assert "X509v3 Name Constraints: critical" in text
+    permitted = text.split("Permitted:")[1].split("X509v3")[0]
+    assert sorted(line.strip() for line in permitted.splitlines() if line.strip().startswith("DNS:")) == [
+        "DNS:allowed.test", "DNS:www.allowed.test",
+    ]  # fmt: skip
+    key = next((inspecting.workdir / "state" / "ca").glob("*/ca.key"))
+    assert key.stat().st_mode & 0o777 == 0o600
+
+
+def test_an_upstream_certificate_that_does_not_verify_is_a_denial(
+    topology: Topology, fakenet: FakeNet, own_gateway: Callable[..., GatewayProcess], tmp_path: Path
+) -> None:
+    policy = tmp_path / "inspect.yaml"
+    policy.write_text(POLICY.replace("        inject:\n          - {header: Authorization, value: \"Bearer {secret:model_api}\"}\n", ""))
+    # No --upstream-ca matching fakenet's CA: the system's store does not know it.
+    gw = own_gateway(policy, ("--upstream-ca", "/etc/ssl/certs/ca-certificates.crt"))
+    result = curl(topology, gw, "-w", "\n%{http_code}", "https://allowed.test/headers")
+    assert not result.stdout.endswith("200")
+    assert upstream_requests(fakenet) == []
+    lines = gw.audit_for(host="allowed.test", kind="connect")
+    assert [line["code"] for line in lines] == ["upstream_certificate"]
