@@ -23,6 +23,7 @@ from .embedded import (
     start_gateway,
     state_directory,
 )
+from .netns import SYSTEM_TRUST_BUNDLE
 from .watchdog import Watchdog
 
 IMAGE_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
@@ -113,6 +114,10 @@ async def launch(
         running = await start_gateway(gateway, sandbox.gateway_ip, sandbox.sandbox_id, sandbox.sandbox_ip, profile)
         environment = {"PATH": IMAGE_PATH, "HOME": "/tmp", **(env or {})}
         environment |= gateway_environment(running, sandbox.sandbox_id, bool(grants))
+        if (inspector := running.inspector) is not None and inspector.bundle is not None:
+            # The system's CAs plus the gateway's (inspected hosts), where the image's clients look first.
+            sandbox.mounts.append((str(inspector.bundle), SYSTEM_TRUST_BUNDLE))
+            environment |= inspector.environment(SYSTEM_TRUST_BUNDLE)
         if token := await mint_token(running, sandbox.sandbox_id, grants or [], token_ttl):
             sandbox.place_token(token)
             environment["AIRLOCK_TOKEN_FILE"] = TOKEN_PATH
