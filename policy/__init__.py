@@ -7,41 +7,62 @@ from .decide import (
     Decision,
     Judgement,
     Rejection,
+    RequestDecision,
     Vetted,
     decide,
     decide_alias,
     decide_name,
     judge,
+    judge_placeholders,
+    judge_request,
     refused_addresses,
+    refused_certificate,
     vet,
 )
 from .hosts import HostError, IPAddress, canonical_host, format_host_port, is_ip, parse_ip_literal
+from .inspection import (
+    PLACEHOLDER_PREFIX,
+    GithubInjection,
+    HttpRule,
+    Injected,
+    Injection,
+    placeholder,
+    placeholders_in,
+)
 from .live import KnownAddresses, LivePolicy, OwnAddresses, Snapshot, missing_profiles
 from .loader import PolicyError, load_policy, parse_policy
 from .model import DEFAULT_ALLOW_PORTS, WEB_PORTS, DnsLimits, Policy, Profile, Rule
+from .paths import PathError, canonical_path, split_target
 from .rates import TokenBuckets
 from .sandboxes import Sandbox, SandboxRegistry
 from .suffixes import is_public_suffix, registrable_domain
 
 __all__ = [
     "DEFAULT_ALLOW_PORTS",
+    "PLACEHOLDER_PREFIX",
     "SANDBOX_LINK_NETWORKS",
     "WEB_PORTS",
     "Category",
     "Classification",
     "Decision",
     "DnsLimits",
+    "GithubInjection",
     "HostError",
+    "HttpRule",
     "IPAddress",
+    "Injected",
+    "Injection",
     "Judgement",
     "KnownAddresses",
     "LivePolicy",
     "OwnAddresses",
+    "PathError",
     "Policy",
     "PolicyError",
     "Profile",
     "ReasonCode",
     "Rejection",
+    "RequestDecision",
     "Rule",
     "Sandbox",
     "SandboxRegistry",
@@ -49,6 +70,7 @@ __all__ = [
     "TokenBuckets",
     "Vetted",
     "canonical_host",
+    "canonical_path",
     "classify",
     "decide",
     "decide_alias",
@@ -58,11 +80,17 @@ __all__ = [
     "is_ip",
     "is_public_suffix",
     "judge",
+    "judge_placeholders",
+    "judge_request",
     "load_policy",
     "missing_profiles",
     "parse_ip_literal",
     "parse_policy",
+    "placeholder",
+    "placeholders_in",
     "refused_addresses",
+    "refused_certificate",
     "registrable_domain",
+    "split_target",
     "vet",
 ]

@@ -39,6 +39,13 @@ class ReasonCode(enum.StrEnum):
     ECH = "ech"  # Encrypted Client Hello hides the real name, and the rule does not say `ech: true`
     NOT_TLS = "not_tls"  # a tunnel carries something else than TLS, and the rule does not say `tunnel: true`
     REQUEST_FAILED = "request_failed"  # allowed, then the exchange failed (upstream refused, timed out, reset)
+    # Inspected hosts (`inspect: true`): what the request inside the terminated TLS asks, and the upstream's TLS.
+    AMBIGUOUS_PATH = "ambiguous_path"  # a path spelled so that servers may read it apart (policy.paths)
+    METHOD_NOT_ALLOWED = "method_not_allowed"  # an `http:` sub-rule names the path, for other methods
+    PATH_NOT_ALLOWED = "path_not_allowed"  # no `http:` sub-rule of the rule names the path
+    WEBSOCKET_NOT_ALLOWED = "websocket_not_allowed"  # a websocket upgrade where no sub-rule says `websocket: true`
+    PLACEHOLDER_MISUSE = "placeholder_misuse"  # a secret's placeholder sent to a host whose rule does not inject it
+    UPSTREAM_CERTIFICATE = "upstream_certificate"  # an inspected upstream's certificate is invalid: never passthrough
     # DNS: what the query itself asks.
     UNSUPPORTED_QUERY = "unsupported_query"  # not a standard query with exactly one question
     UNSUPPORTED_CLASS = "unsupported_class"  # a class other than IN

@@ -1,7 +1,8 @@
 """Decisions: may this sandbox reach host:port, and which resolved addresses may it actually be connected to.
 
 Pure functions of (profile, input). Two stages, because a name is only as safe as the addresses it resolves to:
-`decide` judges the canonical host and port against the rules; `vet` judges every resolved address.
+`decide` judges the canonical host and port against the rules; `vet` judges every resolved address. Where the
+deciding rule says `inspect: true`, `judge_request` judges each request inside the TLS the gateway terminates.
 """
 
 from __future__ import annotations
@@ -15,7 +16,9 @@ from typing import Literal, NamedTuple
 from .addresses import Category, classify, embedded_ipv4, in_sandbox_links
 from .codes import ReasonCode
 from .hosts import IPAddress, format_host_port, is_ip
+from .inspection import HttpRule
 from .model import WEB_PORTS, Profile, Rule
+from .paths import PathError, canonical_path, split_target
 
 
 @dataclass(frozen=True, slots=True)
@@ -278,3 +281,78 @@ def judge(
     if not vetted.allowed:
         return Judgement(refused_addresses(decision, vetted), vetted)
     return Judgement(decision, vetted, min(vetted.allowed, key=lambda a: a.version))
+
+
+def refused_certificate(decision: Decision, host: str, problem: str) -> Decision:
+    """The denial of an allowed, inspected target whose upstream presented a certificate that does not verify:
+    never a fallback to passthrough, which would hand the sandbox an unverified peer."""
+    reason = f"the certificate of {host} does not verify: {problem}"
+    hint = "the upstream must present a certificate the gateway's trust store (or its upstream CA) verifies"
+    return Decision(False, reason, ReasonCode.UPSTREAM_CERTIFICATE, decision.rule, hint)
+
+
+@dataclass(frozen=True, slots=True)
+class RequestDecision:
+    """The judgement of one request inside an inspected rule's TLS: its method, path and websocket upgrade."""
+
+    allow: bool
+    code: ReasonCode
+    reason: str
+    path: str | None = None  # the canonical path (None: refused as ambiguous): what the gateway forwards
+    http_rule: HttpRule | None = None  # the sub-rule that allowed it, when the rule has `http:`
+    hint: str | None = None  # on deny: what to add to the policy
+    query: str | None = None  # the query as sent (not judged), None when the target had no '?'
+
+    @property
+    def target(self) -> str | None:
+        """The request target to forward upstream: the canonical path, and the query as sent."""
+        if self.path is None:
+            return None
+        return self.path if self.query is None else f"{self.path}?{self.query}"
+
+
+def judge_request(rule: Rule, method: str, target: str, websocket: bool) -> RequestDecision:
+    """Judge a request to a host `rule` (an inspected allow rule) decided: the path is canonicalized first, and an
+    ambiguous one is refused whatever the rule says (the canonical form is what is forwarded). Without `http:`
+    every method and path is allowed, but no websocket upgrade; with it, what no sub-rule allows is denied."""
+    try:
+        raw_path, query = split_target(target)
+        path = canonical_path(raw_path)
+    except PathError as e:
+        return RequestDecision(False, e.code, e.reason)
+    if not rule.http:
+        if websocket:
+            sub_rules = f'http: [{{paths: ["/**"]}}, {_sub_rule(method, path, True)}]'
+            hint = f"add {sub_rules} to rule {rule.id} ({rule.source}): without http: no websocket is allowed"
+            reason = f"a websocket upgrade on {path}: rule {rule.id} allows none"
+            return RequestDecision(False, ReasonCode.WEBSOCKET_NOT_ALLOWED, reason, path, None, hint, query)
+        return RequestDecision(True, ReasonCode.ALLOWED, "allowed", path, None, None, query)
+    matching = [sub for sub in rule.http if sub.matches(method, path)]
+    if chosen := next((sub for sub in matching if sub.websocket or not websocket), None):
+        return RequestDecision(True, ReasonCode.ALLOWED, "allowed", path, chosen, None, query)
+    if matching:
+        reason = f"a websocket upgrade on {path}: the sub-rule at {matching[0].source} does not allow one"
+        hint = f"add websocket: true to the http sub-rule at {matching[0].source}"
+        return RequestDecision(False, ReasonCode.WEBSOCKET_NOT_ALLOWED, reason, path, None, hint, query)
+    if on_path := next((sub for sub in rule.http if sub.matches_path(path)), None):
+        reason = f"{method} is not allowed on {path} by rule {rule.id}"
+        hint = f"add {method} to the methods of the http sub-rule at {on_path.source}"
+        return RequestDecision(False, ReasonCode.METHOD_NOT_ALLOWED, reason, path, None, hint, query)
+    reason = f"{method} {path} is not allowed by rule {rule.id}: no http sub-rule names the path"
+    hint = f"add {_sub_rule(method, path, websocket)} to the http: of rule {rule.id} ({rule.source})"
+    return RequestDecision(False, ReasonCode.PATH_NOT_ALLOWED, reason, path, None, hint, query)
+
+
+def _sub_rule(method: str, path: str, websocket: bool) -> str:
+    return f'{{methods: [{method}], paths: ["{path}"]{", websocket: true" if websocket else ""}}}'
+
+
+def judge_placeholders(rule: Rule | None, secrets: Iterable[str]) -> RequestDecision | None:
+    """The refusal of a request that carries the placeholders of `secrets` (policy.inspection.placeholders_in) to
+    a host whose deciding `rule` does not inject them all: an exfiltration attempt, or a mistake. None: it may go."""
+    stray = sorted(set(secrets) - (rule.secret_names if rule is not None else frozenset()))
+    if not stray:
+        return None
+    where = f"rule {rule.id}" if rule is not None else "no rule"
+    reason = f"the request carries the placeholder of secret {', '.join(stray)}, which {where} does not inject"
+    return RequestDecision(False, ReasonCode.PLACEHOLDER_MISUSE, reason)

@@ -22,6 +22,8 @@ from airlock.errors import AirlockError
 
 from .addresses import EMBEDDING_NETWORKS, Network, covers_metadata
 from .hosts import HostError, canonical_host, is_ip
+from .inspection import GithubInjection, HttpRule, Injected
+from .inspection_reader import InspectionReader
 from .model import (
     DEFAULT_ALLOW_PORTS,
     DEFAULT_ASK_TIMEOUT,
@@ -40,7 +42,7 @@ from .tools import ToolsReader
 _TOP_KEYS = frozenset({"version", "default_profile", "profiles", "tools", "upstreams"})
 _PROFILE_KEYS = frozenset({"description", "allow", "deny", "dns", "on_unlisted", "ask_timeout", "mode"})
 _DNS_KEYS = frozenset({"refuse_suspicious", "max_label_length", "max_label_entropy", "max_new_subdomains_per_minute"})
-_RULE_KEYS = frozenset({"host", "cidr", "ports", "tunnel", "ech", "name", "comment"})
+_RULE_KEYS = frozenset({"host", "cidr", "ports", "tunnel", "ech", "name", "comment", "inspect", "http", "inject"})
 # Ranges a rule may never open: they are the gateway host itself.
 _SELF_NETWORKS = tuple(ipaddress.ip_network(n) for n in ("0.0.0.0/8", "127.0.0.0/8", "::/128", "::1/128"))
 # Tunnels and translators that carry traffic to addresses nobody can vet: blocked whole, never opened.
@@ -255,7 +257,7 @@ class _Builder(NodeReader):
                 continue
             for rule_node in rule_list.value:
                 rule = self.rule(action, rule_node)
-                if rule is not None:
+                if rule is not None and self.decides_alone(rule, rule_node, rules[action]):
                     rules[action].append(rule)
         dns = self.dns_limits(fields["dns"][1]) if "dns" in fields else DnsLimits()
         on_unlisted = self.on_unlisted(fields["on_unlisted"][1]) if "on_unlisted" in fields else "deny"
@@ -269,6 +271,19 @@ class _Builder(NodeReader):
         return Profile(
             name, tuple(rules["allow"]), tuple(rules["deny"]), self.where(key_node), dns, on_unlisted, ask_timeout, mode
         )
+
+    def decides_alone(self, rule: Rule, node: yaml.Node, earlier: list[Rule]) -> bool:
+        """An inspected rule is the only rule of its profile for its host pattern and ports: of two, the first in
+        the file would decide, and the other's inspection (its `http:` limits, its injections) would never apply."""
+        for other in earlier:
+            if rule.host is None or other.host != rule.host or not (rule.inspect or other.inspect):
+                continue
+            if shared := sorted((rule.ports or frozenset()) & (other.ports or frozenset())):
+                ports = ",".join(map(str, shared))
+                also = f"{rule.host} port {ports} is also allowed by the rule at {other.source}"
+                self.error(node, f"{also}: an inspected host and port is one rule's alone")
+                return False
+        return True
 
     def mode(self, node: yaml.Node) -> Mode:
         value = _text(node)
@@ -337,9 +352,43 @@ class _Builder(NodeReader):
         name = self.rule_name(fields["name"][1], node) if "name" in fields else None
         if "comment" in fields:
             self.scalar(fields["comment"][1], "comment")
+        inspect, http, inject = self.inspection(action, fields)
         if len(self.errors) != before:
             return None
-        return Rule(action, self.where(node), host=host, cidr=cidr, ports=ports, tunnel=tunnel, ech=ech, name=name)
+        rule = Rule(action, self.where(node), host, cidr, ports, tunnel, ech, name, inspect, http, inject)
+        return rule if self.fits_inspection(rule, fields) else None
+
+    def inspection(
+        self, action: Action, fields: dict[str, tuple[yaml.Node, yaml.Node]]
+    ) -> tuple[bool, tuple[HttpRule, ...], tuple[Injected, ...]]:
+        inspect = self.allow_only(action, fields["inspect"][1], "inspect") if "inspect" in fields else False
+        reader = InspectionReader(self)
+        http = reader.http(fields["http"][1]) if "http" in fields else ()
+        inject = reader.inject(fields["inject"][1]) if "inject" in fields else ()
+        for key in ("http", "inject"):
+            if key in fields and not inspect:
+                why = "the gateway sees the requests only where it terminates their TLS"
+                self.error(fields[key][0], f"{key}: needs inspect: true ({why})")
+        return inspect, http, inject
+
+    def fits_inspection(self, rule: Rule, fields: dict[str, tuple[yaml.Node, yaml.Node]]) -> bool:
+        """Whether an inspected rule's other keys agree with inspection; each disagreement reported."""
+        if not rule.inspect:
+            return True
+        before = len(self.errors)
+        where = fields["inspect"][1]
+        if rule.cidr is not None:
+            self.error(where, "inspect: true needs a host rule: the gateway's certificate names hosts, never addresses")
+        for key, on in (("tunnel", rule.tunnel), ("ech", rule.ech)):
+            if on:
+                self.error(where, f"inspect: true cannot be combined with {key}: true (the gateway terminates the TLS)")
+        if rule.inject and rule.ports is not None and 80 in rule.ports:
+            self.error(fields["inject"][0], "inject: secrets never go over plain HTTP: take port 80 out of ports")
+        if rule.target.startswith("*.") and any(isinstance(i, GithubInjection) for i in rule.inject):
+            self.error(
+                fields["inject"][0], "inject: a github token goes to one exact host, never to a wildcard's names"
+            )
+        return len(self.errors) == before
 
     def rule_name(self, node: yaml.Node, rule: yaml.Node) -> str | None:
         """A rule's stable id: a simple identifier, unique in the file (across profiles)."""

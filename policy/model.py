@@ -13,6 +13,10 @@ from typing import Literal
 
 from .addresses import Network
 from .hosts import IPAddress
+from .inspection import GithubInjection as GithubInjection  # re-exported: the model names every part of a rule
+from .inspection import HttpRule as HttpRule
+from .inspection import Injected, canonical_json
+from .inspection import Injection as Injection
 from .tools import ToolDeclaration
 
 DEFAULT_ALLOW_PORTS: frozenset[int] = frozenset({443})
@@ -42,6 +46,11 @@ class Rule:
     tunnel: bool = False  # a CONNECT tunnel that is not TLS (e.g. ssh on 22) is allowed
     ech: bool = False  # TLS with Encrypted Client Hello is allowed: the host's operator is trusted with the inner name
     name: str | None = None  # the rule's stable id, unique in its file (the loader checks)
+    # The gateway terminates TLS for the rule's hosts (allow host rules only); then, and only then, `http` (empty:
+    # every method and path, no websocket) and `inject` apply to the requests inside.
+    inspect: bool = False
+    http: tuple[HttpRule, ...] = ()
+    inject: tuple[Injected, ...] = ()
     _id: str | None = field(default=None, init=False, repr=False, compare=False)  # `id`, once asked for
 
     @property
@@ -59,7 +68,15 @@ class Rule:
     def canonical(self) -> str:
         """What the rule decides, in one fixed spelling (no name, no line): equal for rules that decide alike."""
         ports = "any" if self.ports is None else ",".join(map(str, sorted(self.ports)))
-        return f"{self.action} {self.target} ports={ports} tunnel={int(self.tunnel)} ech={int(self.ech)}"
+        text = f"{self.action} {self.target} ports={ports} tunnel={int(self.tunnel)} ech={int(self.ech)}"
+        if self.inspect:  # only when set: the ids and hashes of rules written before inspection stay as they were
+            text += f" inspect=1 http={canonical_json(self.http)} inject={canonical_json(self.inject)}"
+        return text
+
+    @property
+    def secret_names(self) -> frozenset[str]:
+        """The --secret names the rule's injections reference."""
+        return frozenset().union(*(injection.secrets for injection in self.inject))
 
     def matches_port(self, port: int | None) -> bool:
         """`port` None asks about a name or address as such (DNS has no port): an allow rule opens it for
@@ -75,7 +92,8 @@ class Rule:
     def describe(self) -> str:
         ports = "any port" if self.ports is None else "port " + ",".join(map(str, sorted(self.ports)))
         label = f" [{self.name}]" if self.name else ""
-        options = (" tunnel" if self.tunnel else "") + (" ech" if self.ech else "")
+        flags = (("tunnel", self.tunnel), ("ech", self.ech), ("inspect", self.inspect))
+        options = "".join(f" {flag}" for flag, on in flags if on)
         return f"{self.action} {self.target} {ports}{options}{label} ({self.source})"
 
 
@@ -204,6 +222,17 @@ class Policy:
             for rule in (*profile.allow, *profile.deny):
                 digest.update(f"\n{rule.canonical()} name={rule.name or ''}".encode())
         return "sha256:" + digest.hexdigest()[:POLICY_HASH_DIGITS]
+
+    def inspected_hosts(self) -> frozenset[str]:
+        """The host patterns (exact or `*.suffix`) of every profile's inspected allow rules: what the gateway's CA
+        may sign for."""
+        return frozenset(
+            rule.host for profile in self.profiles.values() for rule in profile.allow if rule.inspect and rule.host
+        )
+
+    def secret_names(self) -> frozenset[str]:
+        """Every --secret name an injection references, in any profile."""
+        return frozenset().union(*(rule.secret_names for profile in self.profiles.values() for rule in profile.allow))
 
     def profile(self, name: str | None = None) -> Profile:
         try:

@@ -36,7 +36,10 @@ from airlock.policy import (
     decide,
     decide_alias,
     decide_name,
+    judge_placeholders,
+    judge_request,
     parse_policy,
+    refused_certificate,
     vet,
 )
 from airlock.policy.approvals import PendingTable
@@ -138,6 +141,51 @@ async def _alias() -> str:
 @produces(ReasonCode.NOT_A_NAME)
 async def _address_as_name() -> str:
     return decide_name(PROFILE, "192.0.2.1").code
+
+
+# --- the policy core on inspected hosts: the requests inside their TLS ---------------------------------------------
+
+INSPECTED = parse_policy(
+    """
+version: 1
+profiles:
+  default:
+    allow:
+      - host: api.test
+        inspect: true
+        http:
+          - {methods: [GET], paths: ["/v1/**"]}
+        inject:
+          - {header: Authorization, value: "Bearer {secret:api_key}"}
+"""
+).profile()
+
+
+def _request(method: str, target: str, websocket: bool = False) -> Callable[[], Awaitable[str]]:
+    async def case() -> str:
+        rule = decide(INSPECTED, "api.test", 443).rule
+        assert rule is not None and rule.inspect
+        return judge_request(rule, method, target, websocket).code
+
+    return case
+
+
+produces(ReasonCode.AMBIGUOUS_PATH)(_request("GET", "/v1/%2e%2e/admin"))
+produces(ReasonCode.METHOD_NOT_ALLOWED)(_request("POST", "/v1/models"))
+produces(ReasonCode.PATH_NOT_ALLOWED)(_request("GET", "/admin"))
+produces(ReasonCode.WEBSOCKET_NOT_ALLOWED)(_request("GET", "/v1/stream", websocket=True))
+
+
+@produces(ReasonCode.PLACEHOLDER_MISUSE)
+async def _placeholder_elsewhere() -> str:
+    denied = judge_placeholders(decide(PROFILE, "allowed.test", 443).rule, ["api_key"])
+    assert denied is not None
+    return denied.code
+
+
+@produces(ReasonCode.UPSTREAM_CERTIFICATE)
+async def _bad_upstream_certificate() -> str:
+    return refused_certificate(decide(INSPECTED, "api.test", 443), "api.test", "self-signed certificate").code
 
 
 # --- the proxy: its hooks, on mitmproxy's test flows -------------------------------------------------------------
