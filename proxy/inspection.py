@@ -10,8 +10,7 @@ plain HTTP. The upstream's certificate is verified (mitmproxy's server TLS, agai
 
 from __future__ import annotations
 
-import re
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from typing import NamedTuple
 
 from mitmproxy import http, tls
@@ -19,15 +18,12 @@ from mitmproxy.proxy import layer, layers
 from mitmproxy.proxy.layers.http import HTTPMode
 
 from airlock.audit import AuditRecord
-from airlock.inspection.secrets import PLACEHOLDER_PREFIX
 from airlock.policy import Decision, ReasonCode, Rule, decide
-from airlock.policy.decide import judge_request
+from airlock.policy.decide import judge_placeholders, judge_request, refused_certificate
+from airlock.policy.inspection import Injection, placeholders_in
 
 from .failclosed import fail_closed, nothing_to_deny
 from .shared import ClientState, Shared
-
-# A placeholder the sandbox may hold for an SDK that insists on a key: `airlock-placeholder-<secret name>`.
-_PLACEHOLDER = re.compile(re.escape(PLACEHOLDER_PREFIX).encode() + rb"([A-Za-z_][A-Za-z0-9_]{0,63})")
 
 
 class Refusal(NamedTuple):
@@ -59,37 +55,24 @@ def inner_layer(nextlayer: layer.NextLayer) -> None:
     nextlayer.layer = layers.HttpLayer(nextlayer.context, HTTPMode.transparent)
 
 
-def placeholder_misuse(request: http.Request, allowed: Iterable[str]) -> str | None:
-    """The first secret placeholder this request carries (in its target or a header) that is not one of
-    `allowed` (the secrets injected for its host); None when it carries none out of place. Sent anywhere else, a
-    placeholder is an exfiltration attempt or a mistake: either way it must not leave."""
-    allowed = set(allowed)
-    texts = [request.path.encode(errors="surrogateescape")]
-    texts += [value.encode(errors="surrogateescape") for value in request.headers.values()]
-    for text in texts:
-        for match in _PLACEHOLDER.finditer(text):
-            if (name := match.group(1).decode()) not in allowed:
-                return name
-    return None
+def carried_placeholders(request: http.Request) -> frozenset[str]:
+    """The secrets whose placeholder this request carries, in its target or any header."""
+    found = placeholders_in(request.path)
+    for value in request.headers.values():
+        found |= placeholders_in(value)
+    return found
 
 
 def inject(request: http.Request, rule: Rule, values: Mapping[str, str]) -> bool:
     """Set each header the rule injects, from the gateway's secrets, after removing every copy the sandbox sent.
     True when anything was injected."""
+    injected = False
     for injection in rule.inject:
-        header = getattr(injection, "header", None)
-        if header is None:
-            continue
-        request.headers.pop(header, None)  # every copy, whatever its case
-        request.headers[header] = injection.render(values)
-    return any(getattr(injection, "header", None) for injection in rule.inject)
-
-
-def secrets_of(rule: Rule) -> frozenset[str]:
-    names: set[str] = set()
-    for injection in rule.inject:
-        names |= getattr(injection, "secrets", frozenset())
-    return frozenset(names)
+        if isinstance(injection, Injection):
+            request.headers.pop(injection.header, None)  # every copy, whatever its case
+            request.headers[injection.header] = injection.render(values)
+            injected = True
+    return injected
 
 
 def _withhold(self: Inspection, flow: http.HTTPFlow) -> None:
@@ -136,13 +119,11 @@ class Inspection:
         if not verdict.allow:
             record.decision, record.reason, record.code = "deny", verdict.reason, verdict.code
             return Refusal(400 if verdict.code == ReasonCode.AMBIGUOUS_PATH else 403, verdict.hint)
-        if name := placeholder_misuse(request, secrets_of(rule) if encrypted else ()):
-            record.decision, record.code = "deny", ReasonCode.PLACEHOLDER_MISUSE
-            record.reason = f"the placeholder of secret {name!r} sent to {record.host}, which is not that secret's host"
+        if stray := judge_placeholders(rule if encrypted else None, carried_placeholders(request)):
+            record.decision, record.reason, record.code = "deny", stray.reason, stray.code
             return Refusal(403, None)
-        assert verdict.path is not None
-        query = request.path.partition("?")[2]
-        request.path = verdict.path + ("?" + query if query else "")  # what was judged is what is sent
+        assert verdict.target is not None
+        request.path = verdict.target  # what was judged is what is sent
         if encrypted and inject(request, rule, self.shared.credentials.values):
             # An upstream may echo what it was sent: it must come back in a form the scrubber can read.
             request.headers["accept-encoding"] = "identity"
@@ -151,9 +132,8 @@ class Inspection:
 
     def check_placeholders(self, flow: http.HTTPFlow, record: AuditRecord) -> Refusal | None:
         """A request to a host that is not inspected (nothing is injected there) may carry no placeholder."""
-        if name := placeholder_misuse(flow.request, ()):
-            record.decision, record.code = "deny", ReasonCode.PLACEHOLDER_MISUSE
-            record.reason = f"the placeholder of secret {name!r} sent to {record.host}, which is not that secret's host"
+        if stray := judge_placeholders(None, carried_placeholders(flow.request)):
+            record.decision, record.reason, record.code = "deny", stray.reason, stray.code
             record.decided_by(None)
             return Refusal(403, None)
         return None
@@ -202,7 +182,8 @@ class Inspection:
         state = self.shared.clients.get(data.context.client.id)
         if state is None or state.tunnel is None:
             return
-        error = data.conn.error or "TLS handshake failed"
-        state.tunnel.decision, state.tunnel.code = "deny", ReasonCode.UPSTREAM_CERTIFICATE
-        state.tunnel.reason = f"the upstream's TLS could not be verified: {error}"
-        state.denied = state.tunnel.reason
+        refused = refused_certificate(state.tunnel_decision or Decision(False, "", ReasonCode.INTERNAL_ERROR),
+                                      state.tunnel.host, data.conn.error or "TLS handshake failed")  # fmt: skip
+        state.tunnel.decision, state.tunnel.reason, state.tunnel.code = "deny", refused.reason, refused.code
+        state.tunnel.hint = refused.hint
+        state.denied = refused.reason
