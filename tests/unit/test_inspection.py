@@ -106,6 +106,7 @@ ERRORS = [
     ),
     # inject:
     ("inject-not-list", inspected('inject: {header: X-Key, value: "{secret:k}"}\n'), 7, "inject must be a list"),
+    ("inject-empty", inspected("inject: []\n"), 7, "inject must not be empty"),
     ("inject-item-not-mapping", inspected("inject: [Authorization]\n"), 7, "inject must be a mapping"),
     ("inject-no-value", inspected("inject:\n  - header: X-Key\n"), 8, "give header and value"),
     ("inject-literal-secret", inspected('inject:\n  - {header: X-Key, value: "sk-live-123"}\n'), 8, "names no {secret"),
@@ -227,6 +228,10 @@ def test_error(text: str, line: int, fragment: str) -> None:
     assert fragment in errors[0], errors
 
 
+def test_a_tagged_list_is_one_error() -> None:
+    assert errors_of(inspected("http: !odd []\n")) == [f"{F}:7: http must be a list"]
+
+
 def test_a_literal_secret_is_never_echoed_in_the_error() -> None:
     [error] = errors_of(inspected('inject:\n  - {header: Authorization, value: "Bearer sk-live-0123456789"}\n'))
     assert "sk-live" not in error
@@ -283,6 +288,9 @@ def test_a_github_injection_has_read_permissions_only() -> None:
     assert isinstance(github, GithubInjection) and github.source == f"{F}:8"
     assert dict(github.permissions) == {"contents": "read", "metadata": "read"}
     assert loaded.secret_names == frozenset()  # the broker's GitHub credential, no --secret
+    assert hash(loaded) == hash(
+        the_rule(inspected("inject:\n  - github: {permissions: {contents: read, metadata: read}}\n", host="github.com"))
+    )
     with pytest.raises(TypeError):
         github.permissions["contents"] = "write"  # type: ignore[index]
 
