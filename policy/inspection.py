@@ -46,7 +46,7 @@ class HttpRule:
         segments = canonical_path.split("/")[1:]
         return any(_match(pattern, segments) for pattern in self._compiled)
 
-    def canonical(self) -> object:
+    def canonical(self) -> dict[str, object]:
         """What the sub-rule decides, as JSON-ready data (no line)."""
         methods = sorted(self.methods) if self.methods is not None else None
         return {"methods": methods, "paths": list(self.paths), "websocket": self.websocket}
@@ -131,7 +131,7 @@ class Injection:
             for part in self.parts
         )
 
-    def canonical(self) -> object:
+    def canonical(self) -> dict[str, object]:
         return {"header": self.header.lower(), "value": self.template()}
 
     def describe(self) -> str:
@@ -149,7 +149,7 @@ class GithubInjection:
     def secrets(self) -> frozenset[str]:
         return frozenset()  # the broker's GitHub credential, not a --secret
 
-    def canonical(self) -> object:
+    def canonical(self) -> dict[str, object]:
         return {"github": dict(sorted(self.permissions.items()))}
 
     def describe(self) -> str:

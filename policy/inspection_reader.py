@@ -62,16 +62,22 @@ class InspectionReader:
     def __init__(self, builder: Builder) -> None:
         self.b = builder
 
+    def items(self, node: yaml.Node, what: str, instead: str) -> list[yaml.Node]:
+        """A list's items; an empty list is an error (it reads as "nothing", where leaving the key out is meant)."""
+        before = len(self.b.errors)
+        items = self.b.sequence(node, what)
+        if not items and len(self.b.errors) == before:
+            self.b.error(node, f"{what} must not be empty ({instead})")
+        return items
+
     def http(self, node: yaml.Node) -> tuple[HttpRule, ...]:
-        items = self.b.sequence(node, "http")
-        if isinstance(node, yaml.SequenceNode) and not items:
-            self.b.error(node, "http must not be empty (leave it out for every method and path)")
+        items = self.items(node, "http", "leave it out for every method and path")
         return tuple(rule for item in items if (rule := self.http_rule(item)) is not None)
 
     def http_rule(self, node: yaml.Node) -> HttpRule | None:
         fields = self.b.mapping(node, "http sub-rule", _HTTP_KEYS)
-        if not fields and not isinstance(node, yaml.MappingNode):
-            return None
+        if not _is_mapping(node):
+            return None  # reported
         before = len(self.b.errors)
         methods = self.methods(fields["methods"][1]) if "methods" in fields else None
         paths: tuple[str, ...] = ()
@@ -93,9 +99,7 @@ class InspectionReader:
         return HttpRule(methods, paths, websocket, self.b.where(node))
 
     def methods(self, node: yaml.Node) -> frozenset[str] | None:
-        items = self.b.sequence(node, "methods")
-        if isinstance(node, yaml.SequenceNode) and not items:
-            self.b.error(node, "methods must not be empty (leave it out for every method)")
+        items = self.items(node, "methods", "leave it out for every method")
         found = set()
         for item in items:
             method = self.b.scalar(item, "method")
@@ -110,9 +114,7 @@ class InspectionReader:
         return frozenset(found)
 
     def paths(self, node: yaml.Node) -> tuple[str, ...]:
-        items = self.b.sequence(node, "paths")
-        if isinstance(node, yaml.SequenceNode) and not items:
-            self.b.error(node, 'paths must not be empty (["/**"] is every path)')
+        items = self.items(node, "paths", '["/**"] is every path')
         found: list[str] = []
         for item in items:
             pattern = self.b.scalar(item, "path")
@@ -127,7 +129,7 @@ class InspectionReader:
     def inject(self, node: yaml.Node) -> tuple[Injected, ...]:
         found: list[Injected] = []
         headers: dict[str, str] = {}  # lowercase name -> where it is first injected
-        for item in self.b.sequence(node, "inject"):
+        for item in self.items(node, "inject", "leave it out to inject nothing"):
             injection = self.injection(item)
             if injection is None:
                 continue
@@ -141,6 +143,8 @@ class InspectionReader:
 
     def injection(self, node: yaml.Node) -> Injected | None:
         fields = self.b.mapping(node, "inject", _INJECT_KEYS)
+        if not _is_mapping(node):
+            return None  # reported
         if "comment" in fields:
             self.b.scalar(fields["comment"][1], "comment")
         if "github" in fields:
@@ -149,10 +153,8 @@ class InspectionReader:
                 return None
             return self.github(fields["github"][1], node)
         if "header" not in fields or "value" not in fields:
-            if isinstance(node, yaml.MappingNode):
-                self.b.error(
-                    node, 'inject: give header and value, as in {header: Authorization, value: "Bearer {secret:NAME}"}'
-                )
+            example = '{header: Authorization, value: "Bearer {secret:NAME}"}'
+            self.b.error(node, f"inject: give header and value, as in {example}")
             return None
         header = self.header(fields["header"][1])
         parts = self.value(fields["value"][1])
@@ -213,9 +215,10 @@ class InspectionReader:
 
     def github(self, node: yaml.Node, item: yaml.Node) -> GithubInjection | None:
         fields = self.b.mapping(node, "inject: github", _GITHUB_KEYS)
+        if not _is_mapping(node):
+            return None  # reported
         if "permissions" not in fields:
-            if isinstance(node, yaml.MappingNode):
-                self.b.error(node, "inject: github needs permissions, as in {permissions: {contents: read}}")
+            self.b.error(node, "inject: github needs permissions, as in {permissions: {contents: read}}")
             return None
         permissions_node = fields["permissions"][1]
         permissions: dict[str, str] = {}
@@ -234,3 +237,7 @@ class InspectionReader:
         if len(self.b.errors) != before:
             return None
         return GithubInjection(MappingProxyType(permissions), self.b.where(item))
+
+
+def _is_mapping(node: yaml.Node) -> bool:
+    return isinstance(node, yaml.MappingNode) and node.tag == "tag:yaml.org,2002:map"

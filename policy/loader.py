@@ -355,7 +355,9 @@ class _Builder(NodeReader):
         inspect, http, inject = self.inspection(action, fields)
         if len(self.errors) != before:
             return None
-        rule = Rule(action, self.where(node), host, cidr, ports, tunnel, ech, name, inspect, http, inject)
+        rule = Rule(
+            action, self.where(node), host, cidr, ports, tunnel, ech, name, inspect=inspect, http=http, inject=inject
+        )
         return rule if self.fits_inspection(rule, fields) else None
 
     def inspection(

@@ -22,6 +22,10 @@ _HEX = frozenset("0123456789ABCDEFabcdef")
 _DOUBLE_ENCODED = re.compile(r"%25[0-9A-Fa-f]{2}")
 # What an encoded character must not normalize to (NFKC, as some frameworks apply): U+FF0E U+FF0E U+FF0F is "../".
 _NORMALIZES_TO = frozenset("/\\.%;?#\x00")
+# Slashes NFKC leaves alone but Windows' best-fit conversions (IIS, ANSI file APIs) read as "/" or "\".
+_SLASH_LOOKALIKES = frozenset("\u2044\u2215\u2216\u29f5\u29f8\u29f9")
+# What an absolute-form target's authority may hold (RFC 3986): a "\" there starts the path for some parsers.
+_AUTHORITY = re.compile(r"[A-Za-z0-9\-._~%!$&'()*+,;=:@\[\]]*")
 _QUERY_REFUSED = re.compile(r"[^\x21-\x7e]|#")  # controls, space, non-ASCII; a fragment is never sent
 
 
@@ -44,6 +48,8 @@ def split_target(target: str) -> tuple[str, str | None]:
     if target[:1] != "/" and "://" in target and target.split("://", 1)[0].lower() in {"http", "https"}:
         rest = target.split("://", 1)[1]
         start = min((i for i in (rest.find("/"), rest.find("?")) if i != -1), default=len(rest))
+        if not _AUTHORITY.fullmatch(rest[:start]):
+            raise _ambiguous("the target's authority holds a character no host or port may hold")
         target = rest[start:]
         if not target.startswith("/"):
             target = "/" + target  # `http://host` and `http://host?q` ask for the root
@@ -157,8 +163,8 @@ def _check_utf8(encoded: bytes) -> None:
     except UnicodeDecodeError:
         raise _ambiguous("percent-encoded bytes that are not valid UTF-8 (overlong or truncated forms)") from None
     for char in text:
-        if set(unicodedata.normalize("NFKC", char)) & _NORMALIZES_TO:
-            raise _ambiguous(f"an encoded U+{ord(char):04X}, which normalizes to a character paths are built of")
+        if char in _SLASH_LOOKALIKES or set(unicodedata.normalize("NFKC", char)) & _NORMALIZES_TO:
+            raise _ambiguous(f"an encoded U+{ord(char):04X}, which some servers read as '/', '\\', '.' or the like")
 
 
 def _collapse(segments: list[str]) -> list[str]:

@@ -12,15 +12,22 @@ from urllib.parse import urlsplit
 
 from airlock.policy import (
     WEB_PORTS,
+    Decision,
+    GithubInjection,
     HostError,
     Judgement,
+    PathError,
     PolicyError,
+    RequestDecision,
+    Rule,
     canonical_host,
     decide,
     format_host_port,
     is_ip,
     judge,
+    judge_request,
     parse_ip_literal,
+    split_target,
 )
 
 from .common import EXIT_ALLOW, EXIT_DENY, EXIT_USAGE, UsageError
@@ -38,6 +45,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     explain.add_argument("--profile", metavar="P")
     explain.add_argument("--resolve", action="append", metavar="HOST=IP[,IP...]", help="repeatable")
     explain.add_argument("--json", action="store_true", help="print one JSON object (decision, code, rule, hint, ...)")
+    explain.add_argument("--method", default="GET", help="of a URL's request, judged on an inspected host (GET)")
+    explain.add_argument("--websocket", action="store_true", help="the URL's request is a websocket upgrade")
     explain.add_argument("target", help="URL or host:port")
     explain.set_defaults(func=cmd_policy_explain)
     test = actions.add_parser("test", help="run expected decisions: exit 0 all match, 1 a mismatch, 2 a bad file")
@@ -71,6 +80,10 @@ def cmd_policy_check(args: argparse.Namespace) -> int:
         rules = sum(len(p.allow) + len(p.deny) for p in policy.profiles.values())
         counts = f"{len(policy.profiles)} profiles, {rules} rules, default profile {policy.default_profile!r}"
         print(f"{path}: ok ({counts}), policy {policy.hash}")
+        if inspected := policy.inspected_hosts():
+            print(f"  inspected (TLS terminated at the gateway): {', '.join(sorted(inspected))}")
+        if secrets := policy.secret_names():
+            print(f"  secrets the gateway needs (--secret NAME=…): {', '.join(sorted(secrets))}")
     return status
 
 
@@ -157,42 +170,97 @@ def cmd_policy_explain(args: argparse.Namespace) -> int:
     # A name allowed without --resolve: its addresses are not known here, so only the name is judged.
     judged = decision.allow and (is_ip(host) or host in resolved)
     judgement = judge(profile, host, port, resolved.get(host)) if judged else Judgement(decision)
+    request = _judge_request(judgement.decision, args)
+    target = format_host_port(host, port)
     if args.json:
-        print(json.dumps(_explanation(profile.name, format_host_port(host, port), judgement, judged, policy.hash)))
+        print(json.dumps(_explanation(profile.name, target, judgement, judged, policy.hash, request)))
     else:
-        _print_explanation(profile.name, format_host_port(host, port), port, judgement, judged)
-    return EXIT_ALLOW if judgement.decision.allow else EXIT_DENY
+        _print_explanation(profile.name, target, port, judgement, judged, request)
+    return EXIT_ALLOW if judgement.decision.allow and (request is None or request.allow) else EXIT_DENY
 
 
-def _explanation(profile: str, target: str, judgement: Judgement, judged: bool, policy_hash: str) -> dict[str, object]:
-    """`explain --json`: the fields an audit line of this decision would carry, and the addresses' vetting."""
+def _judge_request(decision: Decision, args: argparse.Namespace) -> RequestDecision | None:
+    """A URL's request (its method and path), judged as the gateway judges it inside an inspected host's TLS; None
+    when nothing is judged (not a URL, a denied host, a host passed through)."""
+    if "://" not in args.target or not decision.allow or decision.rule is None or not decision.rule.inspect:
+        return None
+    try:
+        split_target(args.target)
+    except PathError as e:
+        raise UsageError(f"{args.target!r}: {e}") from None
+    return judge_request(decision.rule, args.method, args.target, args.websocket)
+
+
+def _explanation(
+    profile: str, target: str, judgement: Judgement, judged: bool, policy_hash: str, request: RequestDecision | None
+) -> dict[str, object]:
+    """`explain --json`: the fields an audit line of this decision would carry, and the addresses' vetting. A
+    request an inspected host refuses is the decision (its code, reason, hint); `request` tells it whole."""
     decision, vetted = judgement.decision, judgement.vetted
+    refused = request if request is not None and not request.allow else None
     return {
         "target": target,
         "profile": profile,
         "policy_hash": policy_hash,
-        "decision": decision.verdict,
-        "code": decision.code,
-        "reason": decision.reason,
+        "decision": "deny" if refused else decision.verdict,
+        "code": refused.code if refused else decision.code,
+        "reason": refused.reason if refused else decision.reason,
         "rule": decision.rule.id if decision.rule else None,
         "rule_source": decision.rule.source if decision.rule else None,
-        "hint": decision.hint,
+        "hint": refused.hint if refused else decision.hint,
         "addresses_vetted": judged,
         "allowed_addresses": [str(a) for a in vetted.allowed] if vetted else [],
         "blocked_addresses": [
             {"address": str(r.address), "code": r.code, "reason": r.reason} for r in (vetted.rejected if vetted else ())
         ],
         "connect_to": str(judgement.chosen) if judgement.chosen else None,
+        **(_inspection(decision.rule) if decision.rule is not None else {"inspect": False}),
+        "request": _request(request) if request is not None else None,
     }
 
 
-def _print_explanation(profile: str, target: str, port: int, judgement: Judgement, judged: bool) -> None:
+def _inspection(rule: Rule) -> dict[str, object]:
+    """What the deciding rule says about the requests inside its TLS; injections by secret names, never values."""
+    if not rule.inspect:
+        return {"inspect": False}
+    return {
+        "inspect": True,
+        "http": [{**sub.canonical(), "source": sub.source} for sub in rule.http],
+        "inject": [
+            {"github": dict(i.permissions), "source": i.source}
+            if isinstance(i, GithubInjection)
+            else {"header": i.header, "value": i.template(), "secrets": sorted(i.secrets), "source": i.source}
+            for i in rule.inject
+        ],
+    }
+
+
+def _request(request: RequestDecision) -> dict[str, object]:
+    return {
+        "decision": "allow" if request.allow else "deny",
+        "code": request.code,
+        "reason": request.reason,
+        "path": request.path,
+        "http_rule": request.http_rule.source if request.http_rule else None,
+        "hint": request.hint,
+    }
+
+
+def _print_explanation(
+    profile: str, target: str, port: int, judgement: Judgement, judged: bool, request: RequestDecision | None
+) -> None:
     decision, vetted = judgement.decision, judgement.vetted
     print(f"target:   {target} (profile {profile})")
     if decision.rule is not None:
         print(f"rule:     {decision.rule.describe()}")
+        _print_inspection(decision.rule)
     for rejection in vetted.rejected if vetted else ():
         print(f"blocked:  {rejection.address} — {rejection.reason}")
+    if request is not None and not request.allow:
+        decision = Decision(False, request.reason, request.code, decision.rule, request.hint)
+    elif request is not None:
+        by = f" by the sub-rule at {request.http_rule.source}" if request.http_rule else " (the rule has no http:)"
+        print(f"request:  allowed {request.path}{by}")
     if not decision.allow:
         print(f"decision: deny [{decision.code}] — {decision.reason}")
         if decision.hint:
@@ -211,3 +279,14 @@ def _print_explanation(profile: str, target: str, port: int, judgement: Judgemen
         )
         return
     print(f"decision: {decision.verdict} — would connect to {judgement.chosen}")
+
+
+def _print_inspection(rule: Rule) -> None:
+    if not rule.inspect:
+        return
+    within = "these requests only" if rule.http else "every method and path, no websocket"
+    print(f"inspect:  TLS terminated at the gateway; {within}")
+    for sub in rule.http:
+        print(f"http:     {sub.describe()}")
+    for injection in rule.inject:
+        print(f"inject:   {injection.describe()} ({injection.source})")

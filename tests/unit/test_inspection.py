@@ -4,10 +4,14 @@ policies that use none of it."""
 
 from __future__ import annotations
 
+import json
+import re
 import textwrap
+from pathlib import Path
 
 import pytest
 
+from airlock.cli import main
 from airlock.policy import (
     GithubInjection,
     HttpRule,
@@ -102,6 +106,7 @@ ERRORS = [
     ),
     # inject:
     ("inject-not-list", inspected('inject: {header: X-Key, value: "{secret:k}"}\n'), 7, "inject must be a list"),
+    ("inject-empty", inspected("inject: []\n"), 7, "inject must not be empty"),
     ("inject-item-not-mapping", inspected("inject: [Authorization]\n"), 7, "inject must be a mapping"),
     ("inject-no-value", inspected("inject:\n  - header: X-Key\n"), 8, "give header and value"),
     ("inject-literal-secret", inspected('inject:\n  - {header: X-Key, value: "sk-live-123"}\n'), 8, "names no {secret"),
@@ -223,6 +228,10 @@ def test_error(text: str, line: int, fragment: str) -> None:
     assert fragment in errors[0], errors
 
 
+def test_a_tagged_list_is_one_error() -> None:
+    assert errors_of(inspected("http: !odd []\n")) == [f"{F}:7: http must be a list"]
+
+
 def test_a_literal_secret_is_never_echoed_in_the_error() -> None:
     [error] = errors_of(inspected('inject:\n  - {header: Authorization, value: "Bearer sk-live-0123456789"}\n'))
     assert "sk-live" not in error
@@ -279,6 +288,9 @@ def test_a_github_injection_has_read_permissions_only() -> None:
     assert isinstance(github, GithubInjection) and github.source == f"{F}:8"
     assert dict(github.permissions) == {"contents": "read", "metadata": "read"}
     assert loaded.secret_names == frozenset()  # the broker's GitHub credential, no --secret
+    assert hash(loaded) == hash(
+        the_rule(inspected("inject:\n  - github: {permissions: {contents: read, metadata: read}}\n", host="github.com"))
+    )
     with pytest.raises(TypeError):
         github.permissions["contents"] = "write"  # type: ignore[index]
 
@@ -639,3 +651,150 @@ def test_a_placeholder_goes_only_to_the_hosts_of_its_secrets_rule() -> None:
     other = judge_placeholders(model, ["model_api", "other_key"])
     assert other is not None and "secret other_key," in other.reason
     assert judge_placeholders(None, ["model_api"]) is not None
+
+
+# --- the example policy, `policy check` and `policy explain` ------------------------------------------------------
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "configs" / "policy.example.yaml"
+
+
+def test_the_example_policy_s_inspected_rule_loads_when_switched_on() -> None:
+    text = EXAMPLE.read_text(encoding="utf-8")
+    start = text.index("      # - host: api.model.example")
+    end = text.index("      # (end of the inspection example)")
+    policy = parse_policy(text[:start] + re.sub(r"(?m)^      # ", "      ", text[start:end]) + text[end:], F)
+    assert policy.inspected_hosts() == frozenset({"api.model.example"}) and policy.secret_names() == {"model_api"}
+    assert parse_policy(text, F).inspected_hosts() == frozenset()  # commented out: the example runs without --secret
+
+
+EXPLAINED = """\
+version: 1
+profiles:
+  default:
+    allow:
+      - host: pkg.example
+        name: pkg
+        inspect: true
+        http:
+          - {methods: [GET, HEAD], paths: ["/simple/**"]}
+        inject:
+          - {header: Authorization, value: "Bearer {secret:pkg_token}"}
+      - host: open.example
+        inspect: true
+        name: open
+      - host: plain.example
+"""
+
+
+@pytest.fixture
+def explained(tmp_path: Path) -> str:
+    path = tmp_path / "p.yaml"
+    path.write_text(EXPLAINED, encoding="utf-8")
+    return str(path)
+
+
+def _explain(capsys: pytest.CaptureFixture[str], policy: str, *argv: str) -> tuple[int, str]:
+    code = main(["policy", "explain", "--policy", policy, *argv])
+    return code, capsys.readouterr().out
+
+
+# (id, arguments, exit code, fragments of the output)
+EXPLAIN = [
+    (
+        "allowed-path",
+        ["https://pkg.example/simple/pip/"],
+        0,
+        [
+            "rule:     allow pkg.example port 443 inspect [pkg]",
+            "inspect:  TLS terminated at the gateway; these requests only",
+            "http:     GET,HEAD /simple/** (",
+            "inject:   Authorization: Bearer {secret:pkg_token} (",
+            "request:  allowed /simple/pip/ by the sub-rule at ",
+            "decision: allow",
+        ],
+    ),
+    (
+        "path-not-allowed",
+        ["https://pkg.example/admin"],
+        1,
+        [
+            "decision: deny [path_not_allowed] — GET /admin is not allowed by rule pkg",
+            'to allow: add {methods: [GET], paths: ["/admin"]} to the http: of rule pkg (',
+        ],
+    ),
+    (
+        "method-not-allowed",
+        ["--method", "POST", "https://pkg.example/simple/"],
+        1,
+        ["decision: deny [method_not_allowed]", "to allow: add POST to the methods of the http sub-rule at "],
+    ),
+    ("ambiguous", ["https://pkg.example/simple/%2e%2e/admin"], 1, ["decision: deny [ambiguous_path] — the path"]),
+    ("host-port", ["pkg.example:443"], 0, ["inspect:  TLS terminated", "decision: allow"]),
+    ("open", ["https://open.example/x//y"], 0, ["every method and path, no websocket", "request:  allowed /x/y"]),
+    ("websocket", ["--websocket", "https://open.example/ws"], 1, ["decision: deny [websocket_not_allowed]"]),
+    ("passthrough", ["--method", "DELETE", "https://plain.example/x"], 0, ["decision: allow"]),
+]
+
+
+@pytest.mark.parametrize(("argv", "code", "fragments"), [e[1:] for e in EXPLAIN], ids=[e[0] for e in EXPLAIN])
+def test_explain_shows_inspection_and_judges_the_request(
+    explained: str, capsys: pytest.CaptureFixture[str], argv: list[str], code: int, fragments: list[str]
+) -> None:
+    status, out = _explain(capsys, explained, *argv)
+    assert status == code, out
+    for fragment in fragments:
+        assert fragment in out, out
+
+
+def test_explain_of_a_host_passed_through_shows_no_inspection(
+    explained: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _, out = _explain(capsys, explained, "https://plain.example/x")
+    assert "inspect:" not in out and "request:" not in out
+
+
+def test_explain_json_names_secrets_never_values(
+    explained: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("pkg_token", "s3cr3t-value")
+    status, out = _explain(capsys, explained, "--json", "--method", "PUT", "https://pkg.example/simple/x?q=1")
+    result = json.loads(out)
+    assert status == 1 and "s3cr3t" not in out
+    assert (result["decision"], result["code"], result["rule"], result["inspect"]) == (
+        "deny",
+        "method_not_allowed",
+        "pkg",
+        True,
+    )
+    assert result["inject"] == [
+        {
+            "header": "Authorization",
+            "value": "Bearer {secret:pkg_token}",
+            "secrets": ["pkg_token"],
+            "source": f"{explained}:11",
+        }
+    ]
+    assert result["http"] == [
+        {"methods": ["GET", "HEAD"], "paths": ["/simple/**"], "websocket": False, "source": f"{explained}:9"}
+    ]
+    assert result["request"]["path"] == "/simple/x" and result["request"]["code"] == "method_not_allowed"
+    _, out = _explain(capsys, explained, "--json", "https://plain.example/")
+    assert (json.loads(out)["inspect"], json.loads(out)["request"]) == (False, None)
+
+
+def test_explain_refuses_a_url_whose_query_cannot_be_forwarded(
+    explained: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["policy", "explain", "--policy", explained, "https://pkg.example/simple/?a#b"]) == 2
+    assert "query" in capsys.readouterr().err
+
+
+def test_policy_check_lists_inspected_hosts_and_the_secrets_needed(
+    explained: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["policy", "check", explained]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[1:] == [
+        "  inspected (TLS terminated at the gateway): open.example, pkg.example",
+        "  secrets the gateway needs (--secret NAME=…): pkg_token",
+    ]

@@ -68,10 +68,13 @@ AMBIGUOUS = [
     ("surrogate", "/%ED%A0%80", "not valid UTF-8"),
     ("beyond-unicode", "/%F4%90%80%80", "not valid UTF-8"),
     ("invalid-byte", "/%FF", "not valid UTF-8"),
-    ("fullwidth-solidus", "/a%EF%BC%8Fb", "normalizes"),
-    ("fullwidth-dots", "/%EF%BC%8E%EF%BC%8E/", "normalizes"),
-    ("fullwidth-reverse-solidus", "/%EF%BC%BC", "normalizes"),
-    ("one-dot-leader", "/%E2%80%A4%E2%80%A4/", "normalizes"),
+    ("fullwidth-solidus", "/a%EF%BC%8Fb", "read as"),
+    ("fullwidth-dots", "/%EF%BC%8E%EF%BC%8E/", "read as"),
+    ("fullwidth-reverse-solidus", "/%EF%BC%BC", "read as"),
+    ("one-dot-leader", "/%E2%80%A4%E2%80%A4/", "read as"),
+    ("division-slash", "/a%E2%88%95b", "read as"),
+    ("fraction-slash", "/a%E2%81%84b", "read as"),
+    ("set-minus", "/a%E2%88%96b", "read as"),
     ("path-parameter", "/a;jsessionid=1/b", "';'"),
     ("path-parameter-dotdot", "/a/..;/b", "';'"),
     ("raw-non-ascii", "/café", "non-ASCII"),
@@ -145,6 +148,13 @@ def test_a_query_that_would_be_forwarded_broken_is_refused(query: str) -> None:
     with pytest.raises(PathError) as refused:
         split_target(f"/a?{query}")
     assert refused.value.code is ReasonCode.AMBIGUOUS_PATH and "query" in refused.value.reason
+
+
+@pytest.mark.parametrize("target", ["http://host.test\\..\\admin", "http://host test/", "http://h\x00/a"])
+def test_an_absolute_form_authority_with_a_path_character_is_refused(target: str) -> None:
+    with pytest.raises(PathError) as refused:
+        split_target(target)
+    assert "authority" in refused.value.reason
 
 
 def test_canonicalization_is_linear_on_hostile_input() -> None:

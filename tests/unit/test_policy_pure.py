@@ -97,6 +97,9 @@ P.load_policy(sys.argv[1])
 tools = "tools:\\n  - {name: t, description: d, argv: [/bin/true], input: {type: object}}\\n"
 assert P.parse_policy(text + tools).tools[0].name == "t"
 P.TokenBuckets(1.0, 2).take("k", 0.0)
+inspected = "      - {host: api.test, inspect: true, http: [{paths: ['/v1/**']}]}\\n"
+rule = P.parse_policy(text + inspected).profile("default").allow[-1]
+P.judge_request(rule, "GET", "/v1/caf%C3%A9/../x?q", False), P.judge_request(rule, "GET", "/%EF%BC%8F", False)
 print(json.dumps(events))
 """
 
