@@ -39,7 +39,7 @@ from mitmproxy import certs
 
 from airlock.inspection import InspectionError
 from airlock.inspection.files import open_private_directory, replace_file
-from airlock.policy import HostError, canonical_host, is_ip
+from airlock.policy import HostError, canonical_host, is_ip, is_public_suffix
 
 VALIDITY = timedelta(days=7)
 CLOCK_SKEW = timedelta(minutes=5)  # not_before this far back: a sandbox whose clock is a little behind still trusts
@@ -168,8 +168,8 @@ class GatewayCA:
 
 
 def _checked_host(host: str) -> str:
-    """An inspected host as the policy names it: a canonical DNS name, or `*.` and one. IP addresses are refused:
-    no certificate for one may be signed."""
+    """An inspected host as the policy names it: a canonical DNS name, or `*.` and one. IP addresses are refused
+    (no certificate for one may be signed), and so are public suffixes."""
     name = host[2:] if host.startswith("*.") else host
     try:
         canonical = canonical_host(name)
@@ -177,6 +177,10 @@ def _checked_host(host: str) -> str:
         raise InspectionError(f"inspected host {host!r}: {e}") from None
     if canonical != name or is_ip(canonical):
         raise InspectionError(f"inspected host {host!r}: a canonical DNS name or *.name is needed")
+    # The policy loader refuses a wildcard over a public suffix; an exact host's subtree also permits the names below
+    # it, so no subtree may be one: the constraints would then permit names anyone can register.
+    if "." not in name or is_public_suffix(name):
+        raise InspectionError(f"inspected host {host!r}: {name} is a public suffix, which no CA of the gateway covers")
     return host
 
 

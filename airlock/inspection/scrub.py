@@ -18,9 +18,10 @@ they were, so a Content-Length, chunk sizes and offsets inside a binary format r
 re-framing. Every occurrence of every form is masked, overlapping ones included (two secrets sharing characters
 leave no piece of either), and as the mask byte is in none of the forms, the output holds none of them either.
 
-Speed: one regular expression per form, each beginning with a literal (sre then runs its fast literal search, some
-2 GB/s here, where one alternation of all the forms tests every position against every branch, ~50 MB/s):
-`bench/scrub.py` measures it.
+Speed: one regular expression per form (four per secret), each beginning with a literal, so that sre runs its fast
+literal search (~2 GB/s here) where one alternation of every form tests each position against each branch. The cost
+grows with the number of secrets: `bench/scrub.py` measured some 350-550 MB/s for one secret, 100-140 for four, 25-35
+for sixteen (one alternation: ~130, ~110, ~50).
 """
 
 from __future__ import annotations
@@ -64,7 +65,7 @@ class Scrubber:
 
     def scrub(self, data: bytes) -> bytes:
         """`data` (a whole body, a header value) with every form of every secret masked; `data` itself if none."""
-        return self._masked(data, 0)
+        return self._masked(data)
 
     def stream(self) -> Callable[[bytes], bytes]:
         """A callable for mitmproxy's `flow.response.stream`: each chunk in, the scrubbed bytes that can be sent
@@ -73,17 +74,18 @@ class Scrubber:
         an empty DATA frame) sends it early: a secret that straddles that point is then masked only past it."""
         return _Stream(self)
 
-    def _masked(self, data: bytes, start: int) -> bytes:
-        """`data` from `start` on, with every match that reaches past `start` masked (the bytes before `start` are
-        context already sent: a match may begin there)."""
-        spans = [span for form in self._forms for span in _matches(form, data) if span[1] > start]
+    def _masked(self, data: bytes, start: int = 0, stop: int | None = None) -> bytes:
+        """`data[start:stop]` with every match that reaches into it masked (matches are found in all of `data`:
+        the bytes around are context, already sent or still to come)."""
+        stop = len(data) if stop is None else stop
+        spans = [span for form in self._forms for span in _matches(form, data) if span[1] > start and span[0] < stop]
         if not spans:
-            return data[start:]
-        out = bytearray(data)
+            return data[start:stop]
+        out = bytearray(data[start:stop])
         for begin, end in spans:
-            begin = max(begin, start)
+            begin, end = max(begin, start) - start, min(end, stop) - start
             out[begin:end] = self._mask * (end - begin)
-        return bytes(out[start:])
+        return bytes(out)
 
 
 class _Stream:
@@ -100,7 +102,7 @@ class _Stream:
         if end <= start:
             self._held = data[start:]
             return b""
-        out = self._scrubber._masked(data, start)[: end - start]
+        out = self._scrubber._masked(data, start, end)
         self._sent, self._held = data[max(0, end - window) : end], data[end:]
         return out
 

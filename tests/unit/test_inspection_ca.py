@@ -283,6 +283,15 @@ def test_create_refuses_hosts_that_are_not_canonical_dns_names(tmp_path: Path, h
         GatewayCA.create(tmp_path / "state", [host])
 
 
+@pytest.mark.parametrize("host", ["*.com", "com", "github.io", "*.co.uk", "intranet", "*.test"])
+def test_create_refuses_public_suffixes(tmp_path: Path, host: str) -> None:
+    """Their subtree would permit names anyone can register (an exact host's subtree covers the names below it)."""
+    with pytest.raises(
+        InspectionError, match=re.escape(f"inspected host {host!r}: {host.removeprefix('*.')} is a pub")
+    ):
+        GatewayCA.create(tmp_path / "state", ["api.model.test", host])
+
+
 def test_create_refuses_a_validity_that_is_not_positive(tmp_path: Path) -> None:
     with pytest.raises(InspectionError, match="validity must be positive"):
         GatewayCA.create(tmp_path / "state", HOSTS, validity=timedelta(0))
