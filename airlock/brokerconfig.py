@@ -15,7 +15,7 @@ from airlock.errors import AirlockError
 
 LOOPBACK_NAMES = ("127.0.0.1", "::1", "localhost")
 _PORT = re.compile(r"[0-9]{1,5}")
-_SECRET_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}")  # policy.tools.SECRET_NAME, without importing the policy
+SECRET_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}")  # policy.tools.SECRET_NAME, without importing the policy
 
 
 class BrokerConfigError(AirlockError, ValueError):
@@ -34,7 +34,7 @@ class SecretSource:
 def parse_secret(spec: str) -> SecretSource:
     name, _, source = spec.partition("=")
     kind, _, where = source.partition(":")
-    if not _SECRET_NAME.fullmatch(name) or kind not in ("file", "env") or not where:
+    if not SECRET_NAME.fullmatch(name) or kind not in ("file", "env") or not where:
         raise BrokerConfigError(f"--secret {spec!r}: expected NAME=file:PATH or NAME=env:VAR")
     return SecretSource(name, kind, str(Path(where).absolute()) if kind == "file" else where)  # type: ignore[arg-type]
 

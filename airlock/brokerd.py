@@ -31,6 +31,7 @@ from airlock.broker.tokens import KeyRing, TokenAuthority
 from airlock.broker.tools import TOOLS
 from airlock.brokerconfig import BrokerConfig, BrokerConfigError
 from airlock.dns.upstream import ResolveError, Resolver
+from airlock.inspection.secrets import SecretValues
 from airlock.policy import (
     HostError,
     IPAddress,
@@ -96,27 +97,6 @@ def credential(config: BrokerConfig) -> Credential | None:
             raise BrokerConfigError(f"environment variable {config.github_token_env} is empty")
         return _static(token, f"environment variable {config.github_token_env}")
     return None
-
-
-def read_secrets(config: BrokerConfig) -> dict[str, str]:
-    """The `--secret`s, read once at start: each one token (visible ASCII, no spaces: it goes into a header or an
-    environment, and the redactor recognises it as written)."""
-    secrets = {}
-    for source in config.secrets:
-        where = f"--secret {source.name}"
-        if source.name in secrets:
-            raise BrokerConfigError(f"{where} is given twice")
-        if source.kind == "file":
-            try:
-                value = Path(source.where).read_text().strip()
-            except (OSError, ValueError) as e:
-                raise BrokerConfigError(f"{where}: cannot read {source.where}: {e}") from None
-        else:
-            value = os.environ.get(source.where, "").strip()
-        if not CREDENTIAL.test(value):
-            raise BrokerConfigError(f"{where}: {source.kind} {source.where} must hold one token (no spaces)")
-        secrets[source.name] = value
-    return secrets
 
 
 def _static(token: str, where: str) -> StaticCredential:
@@ -249,7 +229,9 @@ class BrokerRuntime:
     async def start(self, listen: str) -> Broker:
         config = self.config
         # Before anything is opened: a missing secret or a tool this broker cannot serve stops the start.
-        runtime = Runtime(read_secrets(config), SharedResolver(self.resolver).ip_addresses, self.vet, self.upstream_ca)
+        runtime = Runtime(
+            SecretValues.read(config.secrets), SharedResolver(self.resolver).ip_addresses, self.vet, self.upstream_ca
+        )
         self.declared = DeclaredTools(lambda: self.live.current.policy, runtime, TOOLS)
         if problems := self.declared.problems(self.live.current.policy):
             raise BrokerConfigError("\n".join(problems))

@@ -1,0 +1,86 @@
+"""What makes a sandbox trust the gateway CA: one bundle file, the system's CA certificates plus the gateway CA (the
+backends bind it at /etc/ssl/certs/ca-certificates.crt in the sandbox), and the variables that point the usual
+clients at that same file.
+
+A gateway host without a system bundle gives a bundle of the gateway CA alone, with a warning: the sandbox then
+trusts less, never more (hosts passed through fail verification in the sandbox, as the gateway's own upstream
+verification would have nothing to check them against either). A system bundle that exists but cannot be read is
+an error: that is a fault to fix, not an absence to work around.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+from pathlib import Path, PurePosixPath
+
+from cryptography import x509
+from cryptography.hazmat.primitives import serialization
+
+from airlock.inspection import InspectionError
+from airlock.inspection.files import open_private_directory, read_regular_file, replace_file
+
+SYSTEM_BUNDLE = Path("/etc/ssl/certs/ca-certificates.crt")
+SANDBOX_BUNDLE = PurePosixPath("/etc/ssl/certs/ca-certificates.crt")  # where the backends bind the bundle
+MAX_SYSTEM_BUNDLE = 16 * 1024 * 1024  # Debian's is ~220 KB
+# OpenSSL and Python's ssl, requests, curl, Node (added to its own store), pip, git, the AWS SDKs and CLI.
+TRUST_ENV_VARS = (
+    "SSL_CERT_FILE",
+    "REQUESTS_CA_BUNDLE",
+    "CURL_CA_BUNDLE",
+    "NODE_EXTRA_CA_CERTS",
+    "PIP_CERT",
+    "GIT_SSL_CAINFO",
+    "AWS_CA_BUNDLE",
+)
+
+log = logging.getLogger("airlock.inspection")
+
+
+def write_trust_bundle(directory: Path, ca_pem: bytes, system_bundle: Path = SYSTEM_BUNDLE) -> Path:
+    """The bundle for sandboxes trusting the CA `ca_pem` (one PEM certificate), written 0644 into `directory`
+    (0700, see `open_private_directory`) under a name of its own per CA; its path."""
+    ca = _one_certificate(ca_pem)
+    system = _system_certificates(system_bundle)
+    separator = b"\n" if system and not system.endswith(b"\n") else b""
+    bundle = system + separator + ca
+    name = f"ca-certificates-{hashlib.sha256(ca).hexdigest()[:16]}.crt"
+    fd = open_private_directory(directory)
+    try:
+        replace_file(fd, name, bundle, 0o644)
+    except OSError as e:
+        raise InspectionError(f"cannot write the trust bundle into {directory}: {e.strerror or e}") from None
+    finally:
+        os.close(fd)
+    return directory / name
+
+
+def trust_env(bundle: str | PurePosixPath = SANDBOX_BUNDLE) -> dict[str, str]:
+    """The sandbox's variables naming `bundle` (its path inside the sandbox) as the CA store."""
+    return dict.fromkeys(TRUST_ENV_VARS, str(bundle))
+
+
+def _one_certificate(pem: bytes) -> bytes:
+    """The certificate in `pem` written anew: whatever else the text holds (a private key beside it, as in
+    mitmproxy's own CA file) never reaches the sandbox."""
+    try:
+        found = x509.load_pem_x509_certificates(pem)
+    except ValueError:
+        found = []
+    if len(found) != 1:
+        raise InspectionError("the gateway CA for the trust bundle must be exactly one PEM certificate")
+    return found[0].public_bytes(serialization.Encoding.PEM)
+
+
+def _system_certificates(path: Path) -> bytes:
+    try:
+        data = read_regular_file(path, MAX_SYSTEM_BUNDLE)
+    except FileNotFoundError:
+        log.warning("no system CA bundle at %s: sandboxes trust the gateway CA alone", path)
+        return b""
+    except OSError as e:
+        raise InspectionError(f"system CA bundle {path}: {e.strerror or e}") from None
+    if len(data) > MAX_SYSTEM_BUNDLE:
+        raise InspectionError(f"system CA bundle {path}: larger than {MAX_SYSTEM_BUNDLE // 2**20} MiB")
+    return data
