@@ -37,7 +37,7 @@ from airlock.dns.answered import AnsweredAddresses
 from airlock.dns.server import DnsServer
 from airlock.dns.upstream import Resolver, ResolverConfig, Server, system_servers
 from airlock.errors import AirlockError
-from airlock.inspection.secrets import read_secret_values
+from airlock.inspection.secrets import SecretValues
 from airlock.inspection.trust import system_trust_store
 from airlock.interfaces import interface_addresses
 from airlock.live import GatewayAddresses
@@ -577,7 +577,7 @@ class Gateway:
                 return
             from airlock.inspector import Inspector
 
-            self.inspector = Inspector(Path(self._state_dir), read_secret_values(self.config.broker.secrets))
+            self.inspector = Inspector(Path(self._state_dir), SecretValues.read(self.config.broker.secrets))
             if self._master is not None:
                 self._master.addons.get("tlsconfig").issuer = self.inspector
         if problems := self.inspector.problems(policy):
@@ -678,8 +678,6 @@ class Gateway:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self._task, 10)
         self.audit.close()
-        if self.inspector is not None:
-            self.inspector.close()
         if self._own is not None:
             self._own.close()
         if self._own_state:

@@ -39,7 +39,7 @@ class Airlock:
         self.shared = shared
         self.identity = identity = SandboxIdentity(shared)
         self.audit = audit = HttpAudit(shared)
-        self.inspection = inspection = Inspection(shared, then=audit.response)
+        self.inspection = inspection = Inspection(shared, then=audit.answered)
         self.http = http = HttpPolicy(shared, inspection)
         self.tunnels = tunnels = TunnelPolicy(shared)
         self.transparent = transparent = TransparentPolicy(shared, tunnels)

@@ -44,7 +44,8 @@ class HttpAudit:
         self.shared.emit(record)
 
     @fail_closed(_withhold)
-    def response(self, flow: http.HTTPFlow) -> None:
+    def answered(self, flow: http.HTTPFlow) -> None:
+        """A response is in (called by `Inspection.response`, the hook, once it has scrubbed it)."""
         self._finish(flow)
 
     @fail_closed(nothing_to_deny)

@@ -147,6 +147,11 @@ class GatewayCA:
         leaf = self.leaf(host)
         return certs.CertStoreEntry(certs.Cert(leaf.cert), leaf.key, None, [certs.Cert(self.cert)])
 
+    def certstore(self) -> certs.CertStore:
+        """mitmproxy's store on this CA, for what its TLS addon reads besides the leaf (no DH parameters: the
+        gateway offers ECDHE only). Anything of mitmproxy's that signed by it would be bound by the constraints."""
+        return certs.CertStore(self._key, certs.Cert(self.cert), None, b"", None)  # type: ignore[arg-type]
+
     def _sign(self, host: str) -> Leaf:
         now = datetime.now(UTC)
         key = ec.generate_private_key(ec.SECP256R1())

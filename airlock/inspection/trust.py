@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+from collections.abc import Sequence
 from pathlib import Path, PurePosixPath
 
 from cryptography import x509
@@ -38,10 +39,12 @@ TRUST_ENV_VARS = (
 log = logging.getLogger("airlock.inspection")
 
 
-def write_trust_bundle(directory: Path, ca_pem: bytes, system_bundle: Path = SYSTEM_BUNDLE) -> Path:
-    """The bundle for sandboxes trusting the CA `ca_pem` (one PEM certificate), written 0644 into `directory`
-    (0700, see `open_private_directory`) under a name of its own per CA; its path."""
-    ca = _one_certificate(ca_pem)
+def write_trust_bundle(directory: Path, ca_pems: Sequence[bytes], system_bundle: Path = SYSTEM_BUNDLE) -> Path:
+    """The bundle for sandboxes trusting the CAs `ca_pems` (each one PEM certificate: the gateway CA's generations),
+    written 0644 into `directory` (0700, see `open_private_directory`) under a name of its own per set; its path."""
+    if not ca_pems:
+        raise InspectionError("a trust bundle needs the gateway CA")
+    ca = b"".join(_one_certificate(pem) for pem in ca_pems)
     system = _system_certificates(system_bundle)
     separator = b"\n" if system and not system.endswith(b"\n") else b""
     bundle = system + separator + ca
@@ -54,6 +57,11 @@ def write_trust_bundle(directory: Path, ca_pem: bytes, system_bundle: Path = SYS
     finally:
         os.close(fd)
     return directory / name
+
+
+def system_trust_store() -> str | None:
+    """What the gateway verifies inspected upstreams against without --upstream-ca: the system's bundle."""
+    return str(SYSTEM_BUNDLE) if SYSTEM_BUNDLE.is_file() else None
 
 
 def trust_env(bundle: str | PurePosixPath = SANDBOX_BUNDLE) -> dict[str, str]:

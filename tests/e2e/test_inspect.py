@@ -55,7 +55,7 @@ def inspecting(own_gateway: Callable[..., GatewayProcess], tmp_path: Path) -> It
 
 def gateway_ca(gw: GatewayProcess) -> Path:
     """The gateway CA's certificate (what a sandbox of `airlock run` trusts through its bundle)."""
-    (ca,) = sorted((gw.workdir / "state" / "ca").glob("*/ca.crt"))
+    (ca,) = sorted((gw.workdir / "state" / "ca").glob("*/gateway-ca-*.pem"))
     return ca
 
 
@@ -166,7 +166,7 @@ def test_the_gateway_ca_is_name_constrained_to_the_inspected_hosts(inspecting: G
     assert sorted(line.strip() for line in permitted.splitlines() if line.strip().startswith("DNS:")) == [
         "DNS:allowed.test", "DNS:www.allowed.test",
     ]  # fmt: skip
-    key = next((inspecting.workdir / "state" / "ca").glob("*/ca.key"))
+    key = next((inspecting.workdir / "state" / "ca").glob("*/gateway-ca-*.key"))
     assert key.stat().st_mode & 0o777 == 0o600
 
 
@@ -174,7 +174,9 @@ def test_an_upstream_certificate_that_does_not_verify_is_a_denial(
     topology: Topology, fakenet: FakeNet, own_gateway: Callable[..., GatewayProcess], tmp_path: Path
 ) -> None:
     policy = tmp_path / "inspect.yaml"
-    policy.write_text(POLICY.replace("        inject:\n          - {header: Authorization, value: \"Bearer {secret:model_api}\"}\n", ""))
+    policy.write_text(
+        POLICY.replace('        inject:\n          - {header: Authorization, value: "Bearer {secret:model_api}"}\n', "")
+    )
     # No --upstream-ca matching fakenet's CA: the system's store does not know it.
     gw = own_gateway(policy, ("--upstream-ca", "/etc/ssl/certs/ca-certificates.crt"))
     result = curl(topology, gw, "-w", "\n%{http_code}", "https://allowed.test/headers")

@@ -201,7 +201,7 @@ async def test_an_allowed_request_is_pinned_and_audited_once_answered() -> None:
     gw.pinned.server_connected(data)
     flow.server_conn = data.server
     flow.response = http.Response.make(200, b"hello")
-    gw.audit.response(flow)
+    gw.audit.answered(flow)
     [record] = gw.records
     assert (record.kind, record.decision, record.method, record.path) == ("http", "allow", "GET", "/path")
     assert (record.host, record.chosen_ip, record.resolved, record.bytes_out) == (

@@ -225,19 +225,41 @@ def test_the_gateway_imports_neither_mitmproxys_unused_addons_nor_the_broker() -
     assert whole_later == "True"  # anyone else asking for mitmproxy's default set still gets it
 
 
-def test_the_gateways_tls_addon_makes_no_certificate_authority_until_one_is_needed(tmp_path: Path) -> None:
-    """TLS is passed through: the CA mitmproxy would intercept with is made only if something asks for a cert."""
+def test_the_gateways_tls_addon_signs_only_with_the_gateway_ca_and_only_for_the_sni(tmp_path: Path) -> None:
+    """mitmproxy makes no CA of its own (it could sign any name): without the gateway's there is no certificate at
+    all, and with it the leaf names exactly the SNI the tunnel was judged by."""
+    import pytest
+    from cryptography import x509
     from mitmproxy.proxy.context import Context
     from mitmproxy.test import taddons, tflow
 
+    from airlock.inspection.ca import GatewayCA
     from airlock.mitm import TlsConfig
 
     tls = TlsConfig()
     with taddons.context(tls) as tctx:
-        tctx.configure(tls, confdir=str(tmp_path))
+        tctx.configure(tls, confdir=str(tmp_path / "confdir"))
         tls.running()
-        assert list(tmp_path.iterdir()) == []
         context = Context(tflow.tclient_conn(), tctx.options)
-        context.server.address = ("example.com", 443)
-        assert tls.get_cert(context).cert.issuer  # asked for: made, from the same options
-        assert (tmp_path / "mitmproxy-ca.pem").exists()
+        context.client.sni = "api.example.com"
+        with pytest.raises(RuntimeError, match="no certificate authority"):
+            tls.get_cert(context)
+        ca = GatewayCA.create(tmp_path / "ca", ["api.example.com"])
+        tls.issuer = Issuer(ca)
+        leaf = tls.get_cert(context).cert.to_cryptography()
+        assert leaf.issuer == ca.cert.subject
+        names = leaf.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+        assert names.get_values_for_type(x509.DNSName) == ["api.example.com"]
+        assert not (tmp_path / "confdir").exists() or list((tmp_path / "confdir").iterdir()) == []
+
+
+class Issuer:
+    def __init__(self, ca: object) -> None:
+        self.ca = ca
+
+    @property
+    def certstore(self) -> object:
+        return self.ca.certstore()  # type: ignore[attr-defined]
+
+    def store_entry(self, host: str) -> object:
+        return self.ca.store_entry(host)  # type: ignore[attr-defined]

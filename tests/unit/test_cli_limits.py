@@ -182,7 +182,7 @@ def test_the_launcher_kills_and_removes_the_sandbox_off_the_event_loop(
     config = GatewayConfig(load_policy(default_policy_path()), "0.0.0.0")
 
     class Stopped:
-        broker = None
+        broker = inspector = None
 
         def __init__(self, listen: str) -> None:
             self.config = GatewayConfig(config.policy, listen)

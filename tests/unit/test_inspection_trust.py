@@ -27,7 +27,7 @@ def loaded(bundle: Path) -> list[x509.Certificate]:
 
 
 def test_the_system_bundle_plus_the_gateway_ca(ca: GatewayCA, tmp_path: Path) -> None:
-    bundle = write_trust_bundle(tmp_path / "trust", ca.cert_pem)
+    bundle = write_trust_bundle(tmp_path / "trust", [ca.cert_pem])
     system = SYSTEM_BUNDLE.read_bytes()
     assert bundle.read_bytes() == system + (b"" if system.endswith(b"\n") else b"\n") + ca.cert_pem
     assert stat.S_IMODE(bundle.stat().st_mode) == 0o644 and bundle.parent == tmp_path / "trust"
@@ -40,14 +40,14 @@ def test_a_system_bundle_without_a_final_newline(ca: GatewayCA, tmp_path: Path) 
     other = GatewayCA.create(tmp_path / "other", [])
     system = tmp_path / "system.crt"
     system.write_bytes(other.cert_pem.rstrip(b"\n"))
-    assert loaded(write_trust_bundle(tmp_path / "trust", ca.cert_pem, system)) == [other.cert, ca.cert]
+    assert loaded(write_trust_bundle(tmp_path / "trust", [ca.cert_pem], system)) == [other.cert, ca.cert]
 
 
 def test_no_system_bundle_means_the_gateway_ca_alone_and_a_warning(
     ca: GatewayCA, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     with caplog.at_level(logging.WARNING, "airlock.inspection"):
-        bundle = write_trust_bundle(tmp_path / "trust", ca.cert_pem, tmp_path / "missing.crt")
+        bundle = write_trust_bundle(tmp_path / "trust", [ca.cert_pem], tmp_path / "missing.crt")
     assert loaded(bundle) == [ca.cert]
     assert [r.getMessage() for r in caplog.records] == [
         f"no system CA bundle at {tmp_path}/missing.crt: sandboxes trust the gateway CA alone"
@@ -56,16 +56,16 @@ def test_no_system_bundle_means_the_gateway_ca_alone_and_a_warning(
 
 def test_a_system_bundle_that_cannot_be_read_is_an_error(ca: GatewayCA, tmp_path: Path) -> None:
     with pytest.raises(InspectionError, match=f"system CA bundle {tmp_path}: not a regular file"):
-        write_trust_bundle(tmp_path / "trust", ca.cert_pem, tmp_path)
+        write_trust_bundle(tmp_path / "trust", [ca.cert_pem], tmp_path)
     os.mkfifo(tmp_path / "fifo")
     with pytest.raises(InspectionError, match="not a regular file"):
-        write_trust_bundle(tmp_path / "trust", ca.cert_pem, tmp_path / "fifo")
+        write_trust_bundle(tmp_path / "trust", [ca.cert_pem], tmp_path / "fifo")
 
 
 def test_only_the_ca_certificate_is_taken_from_what_is_given(ca: GatewayCA, tmp_path: Path) -> None:
     """A CA file that holds its key too (as mitmproxy's own does) gives the bundle its certificate only."""
     with_key = ca.key_path.read_bytes() + ca.cert_pem
-    bundle = write_trust_bundle(tmp_path / "trust", with_key, tmp_path / "missing.crt")
+    bundle = write_trust_bundle(tmp_path / "trust", [with_key], tmp_path / "missing.crt")
     assert b"PRIVATE KEY" not in bundle.read_bytes() and loaded(bundle) == [ca.cert]
 
 
@@ -74,22 +74,22 @@ def test_only_the_ca_certificate_is_taken_from_what_is_given(ca: GatewayCA, tmp_
 )
 def test_anything_but_one_certificate_is_refused(tmp_path: Path, pem: bytes) -> None:
     with pytest.raises(InspectionError, match="exactly one PEM certificate"):
-        write_trust_bundle(tmp_path / "trust", pem)
+        write_trust_bundle(tmp_path / "trust", [pem])
 
 
 def test_two_certificates_are_refused(ca: GatewayCA, tmp_path: Path) -> None:
     with pytest.raises(InspectionError, match="exactly one PEM certificate"):
-        write_trust_bundle(tmp_path / "trust", ca.cert_pem + ca.cert_pem)
+        write_trust_bundle(tmp_path / "trust", [ca.cert_pem + ca.cert_pem])
 
 
 def test_a_bundle_per_ca_replaced_whole(ca: GatewayCA, tmp_path: Path) -> None:
     other = GatewayCA.create(tmp_path / "other", [])
     system = tmp_path / "system.crt"
     system.write_bytes(b"")
-    first = write_trust_bundle(tmp_path / "trust", ca.cert_pem, system)
-    second = write_trust_bundle(tmp_path / "trust", other.cert_pem, system)
+    first = write_trust_bundle(tmp_path / "trust", [ca.cert_pem], system)
+    second = write_trust_bundle(tmp_path / "trust", [other.cert_pem], system)
     assert first != second and loaded(first) == [ca.cert] and loaded(second) == [other.cert]
-    assert write_trust_bundle(tmp_path / "trust", ca.cert_pem, system) == first
+    assert write_trust_bundle(tmp_path / "trust", [ca.cert_pem], system) == first
     assert sorted(p.name for p in (tmp_path / "trust").iterdir()) == sorted([first.name, second.name])
 
 
@@ -97,7 +97,7 @@ def test_a_directory_others_can_write_is_refused(ca: GatewayCA, tmp_path: Path) 
     (tmp_path / "trust").mkdir()
     (tmp_path / "trust").chmod(0o777)
     with pytest.raises(InspectionError, match="others can write into it"):
-        write_trust_bundle(tmp_path / "trust", ca.cert_pem)
+        write_trust_bundle(tmp_path / "trust", [ca.cert_pem])
 
 
 def test_the_variables() -> None:

@@ -119,7 +119,7 @@ def test_a_sandbox_whose_proxy_cannot_start_is_killed_and_the_error_is_raised(
         return ["sh", "-c", f"echo $$ > {pidfile}; exec sleep 60"]
 
     class Failing:
-        broker = None
+        broker = inspector = None
 
         def __init__(self, listen: str) -> None:
             self.config = GatewayConfig(parse_policy(POLICY), listen)

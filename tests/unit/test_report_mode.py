@@ -250,7 +250,7 @@ async def test_a_reported_plain_request_is_delivered_and_audited_as_report() -> 
     await airlock.http.requestheaders(flow)
     assert flow.response is None
     flow.response = tutils.tresp()
-    airlock.audit.response(flow)
+    airlock.audit.answered(flow)
     assert (audit[-1].kind, audit[-1].decision, audit[-1].code) == ("http", "report", ReasonCode.PORT_NOT_ALLOWED)
 
 
