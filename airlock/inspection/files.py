@@ -6,6 +6,7 @@ made relative to that descriptor: swapping the path for a symlink afterwards cha
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import secrets
@@ -53,7 +54,8 @@ def replace_file(directory_fd: int, name: str, data: bytes, mode: int) -> None:
             os.fsync(f.fileno())
         os.rename(temporary, name, src_dir_fd=directory_fd, dst_dir_fd=directory_fd)
     except BaseException:
-        os.unlink(temporary, dir_fd=directory_fd)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(temporary, dir_fd=directory_fd)
         raise
 
 

@@ -1,10 +1,13 @@
 """The secrets the gateway injects, masked out of everything an inspected response brings the sandbox (body and
 header values), in the forms an upstream that echoes a request would write them in:
 
-- as text: raw, and with its characters escaped as URLs (percent-encoding, either hex case; `+` for a space), JSON
-  strings (`\\/`, `\\"`, `\\\\`, `\\u00XX`) and HTML (`&#NN;`, `&#xNN;`, `&amp;` …) escape them — each character
-  that needs escaping in any of its forms, so that a mix (one encoder escaping `/`, another not) is found too.
-  Unreserved characters (letters, digits, `-._~`) are taken as written: no encoder escapes them.
+- as text: raw; as a URL writes it (percent-encoding, either hex case, `+` for a space); as a JSON string (`\\/`,
+  `\\"`, `\\\\`, `\\u00XX`); as HTML text (`&amp;`, `&#NN;`, `&#xNN;` …). Within each, any character an encoder
+  may escape is found escaped or not (one encoder escapes `/`, another keeps it), but the three are not mixed in
+  one occurrence: so each character's options are prefix-free (none begins another), at most one can match at
+  any place, and a match is tried in time linear in its length (a mixed pattern, where a raw `\\` also begins the
+  escape `\\\\`, tried paths exponential in a run of backslashes). Unreserved characters (letters, digits, `-._~`)
+  are taken as written: encoders leave them.
 - in base64, standard and URL-safe alphabets (either, even mixed), at each of the three byte alignments it can
   have inside a longer blob (`user:secret` in a Basic header), with or without padding: the characters wholly
   made of the secret's bits, and the one at each end that holds some of them when it is consistent with the secret.
@@ -18,10 +21,10 @@ they were, so a Content-Length, chunk sizes and offsets inside a binary format r
 re-framing. Every occurrence of every form is masked, overlapping ones included (two secrets sharing characters
 leave no piece of either), and as the mask byte is in none of the forms, the output holds none of them either.
 
-Speed: one regular expression per form (four per secret), each beginning with a literal, so that sre runs its fast
-literal search (~2 GB/s here) where one alternation of every form tests each position against each branch. The cost
-grows with the number of secrets: `bench/scrub.py` measured some 350-550 MB/s for one secret, 100-140 for four, 25-35
-for sixteen (one alternation: ~130, ~110, ~50).
+Speed: one regular expression per form (four per secret: the text schemes joined, three base64 alignments), each
+beginning with a literal, so that sre runs its fast literal search (~2 GB/s here) where one alternation of every
+form tests each position against each branch. The cost grows with the number of secrets: `bench/scrub.py` measures
+it.
 """
 
 from __future__ import annotations
@@ -30,9 +33,19 @@ import base64
 import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from functools import partial
 
 _UNRESERVED = frozenset(b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-._~")
-_JSON_SHORT = {ord("/"): b"\\/", ord('"'): b'\\"', ord("\\"): b"\\\\"}
+_JSON_SHORT = {
+    ord('"'): b'\\"',
+    ord("\\"): b"\\\\",
+    ord("/"): b"\\/",
+    8: b"\\b",
+    9: b"\\t",
+    10: b"\\n",
+    12: b"\\f",
+    13: b"\\r",
+}
 _HTML_NAMED = {ord("&"): b"&amp;", ord("<"): b"&lt;", ord(">"): b"&gt;", ord('"'): b"&quot;", ord("'"): b"&apos;"}
 _MASK_CANDIDATES = b"*!$^|?@"  # none is a base64, hex or escape character: only a raw secret can hold one
 _B64_ALPHABETS = (
@@ -43,13 +56,15 @@ _B64_ALPHABETS = (
 
 @dataclass(frozen=True, slots=True)
 class _Form:
-    """One way a secret is written: its pattern, the longest match it can have, and (base64) the characters that
-    may stand just before and after a match holding part of the secret's bits (empty: none)."""
+    """One way a secret is written: its pattern, the longest match it can have, (base64) the characters that may
+    stand just before and after a match holding part of the secret's bits, and (text) the patterns `pattern` joins:
+    at a match, the longest of theirs is masked."""
 
     pattern: re.Pattern[bytes]
     longest: int
     before: frozenset[int] = frozenset()
     after: frozenset[int] = frozenset()
+    variants: tuple[re.Pattern[bytes], ...] = ()
 
 
 class Scrubber:
@@ -112,6 +127,8 @@ def _matches(form: _Form, data: bytes) -> Iterable[tuple[int, int]]:
     position = 0
     while (match := form.pattern.search(data, position)) is not None:
         begin, end = match.span()
+        if form.variants:
+            end = max(m.end() for variant in form.variants if (m := variant.match(data, begin)) is not None)
         if begin > 0 and data[begin - 1] in form.before:
             begin -= 1
         if end < len(data) and data[end] in form.after:
@@ -121,29 +138,51 @@ def _matches(form: _Form, data: bytes) -> Iterable[tuple[int, int]]:
 
 
 def _forms(secret: bytes) -> list[_Form]:
-    return [_text_form(secret), *filter(None, (_base64_form(secret, offset) for offset in range(3)))]
+    return [_text_form(secret), *filter(None, map(partial(_base64_form, secret), range(3)))]
 
 
 def _text_form(secret: bytes) -> _Form:
-    alternatives = [_escapes(byte) for byte in secret]
+    """The secret as URLs, JSON and HTML write it (and raw, when none of those can be raw): one pattern of the
+    schemes that differ, which sre searches once for the literal they begin with."""
+    schemes = {_scheme_pattern(secret, escapes) for escapes in (_url_escapes, _json_escapes, _html_escapes)}
+    if not any(re.fullmatch(pattern, secret) for pattern, _ in schemes):  # it holds `%`, `\\` or `"`, and `&`
+        schemes.add((re.escape(secret), len(secret)))
+    patterns = sorted(pattern for pattern, _ in schemes)
+    variants = tuple(map(re.compile, patterns)) if len(patterns) > 1 else ()
+    return _Form(re.compile(b"|".join(patterns)), max(longest for _, longest in schemes), variants=variants)
+
+
+def _scheme_pattern(secret: bytes, escapes: Callable[[int], list[bytes]]) -> tuple[bytes, int]:
+    """The pattern of the secret written in one scheme, and its longest match."""
+    options = [[bytes([byte])] if byte in _UNRESERVED else sorted(set(escapes(byte))) for byte in secret]
     pattern = b"".join(
-        re.escape(options[0]) if len(options) == 1 else b"(?:" + b"|".join(map(re.escape, options)) + b")"
-        for options in alternatives
+        re.escape(choices[0]) if len(choices) == 1 else b"(?:" + b"|".join(map(re.escape, choices)) + b")"
+        for choices in options
     )
-    return _Form(re.compile(pattern), sum(max(map(len, options)) for options in alternatives))
+    return pattern, sum(max(map(len, choices)) for choices in options)
 
 
-def _escapes(byte: int) -> list[bytes]:
-    """`byte` as written raw, and as each encoder that escapes it would write it; longest first."""
-    if byte in _UNRESERVED:
+def _url_escapes(byte: int) -> list[bytes]:
+    """Percent-encoded or, as encoders differ on which reserved characters they escape, raw; `%` always escaped."""
+    raw = [] if byte == ord("%") else [b"+", b" "] if byte == ord(" ") else [bytes([byte])]
+    return [*raw, *{b"%%%02X" % byte, b"%%%02x" % byte}]
+
+
+def _json_escapes(byte: int) -> list[bytes]:
+    """Raw (where JSON allows it) or escaped: `\\u00XX` for any ASCII character, the short escapes."""
+    if byte >= 0x80:
+        return [bytes([byte])]  # UTF-8 as is (`\\u` escapes of code points are not looked for)
+    raw = [] if byte < 0x20 or byte in b'"\\' else [bytes([byte])]
+    return [*raw, *{b"\\u%04X" % byte, b"\\u%04x" % byte}, *([_JSON_SHORT[byte]] if byte in _JSON_SHORT else [])]
+
+
+def _html_escapes(byte: int) -> list[bytes]:
+    """Raw (but `&`) or a character reference: decimal, hex in either case, the named ones."""
+    if byte >= 0x80:
         return [bytes([byte])]
-    found = {bytes([byte]), b"%%%02X" % byte, b"%%%02x" % byte}
-    if byte == ord(" "):
-        found.add(b"+")
-    if byte < 0x80:
-        found |= {b"\\u%04X" % byte, b"\\u%04x" % byte, b"&#%d;" % byte, b"&#x%X;" % byte, b"&#x%x;" % byte}
-        found |= {table[byte] for table in (_JSON_SHORT, _HTML_NAMED) if byte in table}
-    return sorted(found, key=lambda option: (-len(option), option))
+    raw = [] if byte == ord("&") else [bytes([byte])]
+    numeric = {b"&#%d;" % byte, b"&#x%X;" % byte, b"&#x%x;" % byte}
+    return [*raw, *numeric, *([_HTML_NAMED[byte]] if byte in _HTML_NAMED else [])]
 
 
 def _base64_form(secret: bytes, offset: int) -> _Form | None:

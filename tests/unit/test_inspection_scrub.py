@@ -7,6 +7,7 @@ import base64
 import html
 import json
 import random
+import time
 import urllib.parse
 from collections.abc import Callable
 
@@ -17,7 +18,7 @@ from airlock.inspection.scrub import Scrubber
 SECRETS = [
     "sk-ant-api03-AbC_dEf-123.x~y",  # unreserved characters only: every text form is the raw one
     "ghp_9Zx/Yw+Vu=Ts",  # base64-ish: / + = escaped differently by each encoder
-    "p@ss&<w0rd>\"'\\%",  # everything JSON and HTML escape, and a percent sign
+    "p@ss&<w0rd>\"'\\%/",  # everything JSON and HTML escape, a percent sign (raw in JSON, PHP's `\/` beside it)
 ]
 rng = random.Random(14)
 
@@ -145,6 +146,11 @@ def test_overlapping_secrets_leave_no_piece_of_either() -> None:
         assert streamed(scrubber, [body[:cut], body[cut:]]) == whole
 
 
+def test_where_two_schemes_match_the_longer_is_masked() -> None:
+    """`ab\\` raw ends one byte before its JSON form does, at the same place: no stray byte of the escape stays."""
+    assert Scrubber(["ab\\"]).scrub(b'{"k": "ab\\\\"}') == b'{"k": "****"}'
+
+
 def test_a_secret_repeated_and_overlapping_itself() -> None:
     assert Scrubber(["abab"]).scrub(b"xabababx") == b"x******x"
     assert Scrubber(["aa"]).scrub(b"aaa") == b"***"
@@ -180,6 +186,23 @@ def test_an_empty_chunk_mid_body_sends_early_and_the_stream_goes_on() -> None:
     stream = scrubber.stream()
     sent = stream(b"head ") + stream(b"") + stream(b"secret-value-1234 tail") + stream(b"")
     assert sent == b"head ***************** tail"
+
+
+@pytest.mark.parametrize("char", ["\\", "%", "&", '"', "/"])
+def test_runs_of_escaped_characters_take_linear_time(char: str) -> None:
+    """Bodies of near-matches for a secret that is a run of one character JSON, URLs or HTML escape: each match is
+    tried in time linear in its length (a pattern where a raw backslash also begins the escape `\\\\` took
+    exponential time on a run of backslashes one short of the secret)."""
+    secret = char * 64
+    scrubber = Scrubber([secret])
+    started = time.perf_counter()
+    short = (char * 63 + "X").encode() * 100  # one short of the raw secret, and of every escaped form
+    assert scrubber.scrub(short) == short
+    for written in (json.dumps(secret)[1:-1], urllib.parse.quote(secret, safe=""), html.escape(secret)):
+        assert scrubber.scrub(written.encode()) == b"*" * len(written)
+        scrubber.scrub((written[:-1] + "X").encode() * 100)
+    assert scrubber.scrub(char.encode() * 10_000) == b"*" * 10_000
+    assert time.perf_counter() - started < 2
 
 
 def test_non_ascii_secrets() -> None:
