@@ -152,7 +152,9 @@ def _body_is_buffered(request: http.Request) -> bool:
     if request.stream:
         return False
     if (request.is_http2 or request.is_http3) and "content-length" not in request.headers:
-        return False  # a stream may carry DATA whatever its headers say
+        # A stream may carry DATA whatever its headers say; a GET or HEAD that does, past stream_large_bodies,
+        # makes mitmproxy end the connection (it cannot stream a request it answered): closed, never forwarded.
+        return request.method in ("GET", "HEAD")
     try:
         size = expected_http_body_size(request)
     except ValueError:

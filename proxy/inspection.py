@@ -127,6 +127,7 @@ class Inspection:
         if encrypted and inject(request, rule, self.shared.credentials.values):
             # An upstream may echo what it was sent: it must come back in a form the scrubber can read.
             request.headers["accept-encoding"] = "identity"
+            flow.metadata["airlock_injected"] = True
         record.decision, record.reason, record.code = "allow", reason, ReasonCode.ALLOWED
         return None
 
@@ -140,21 +141,23 @@ class Inspection:
 
     @fail_closed(_withhold)
     def response(self, flow: http.HTTPFlow) -> None:
-        """Scrub what was read whole, then write the request's audit line (`then`: HttpAudit.response)."""
-        self.scrub_whole(flow)
+        """The response is in (its body scrubbed as it streamed): the request's audit line (`then`)."""
         self.then(flow)
 
-    @fail_closed(nothing_to_deny)
+    @fail_closed(_withhold)
     def responseheaders(self, flow: http.HTTPFlow) -> None:
-        """Scrub the response's headers, and stream its body through the scrubber (same length, so the framing
-        the upstream chose stays true) unless it is compressed, in which case it is read whole and scrubbed
-        decoded in `response`."""
-        scrubber, response = self.shared.credentials.scrubber, flow.response
-        if scrubber is None or response is None:
-            return
+        """Scrub the response's headers, and stream its body through the scrubber (same length, so the framing the
+        upstream chose stays true). A request that carried an injected secret asked for no compression: a
+        compressed answer to it could hide an echo of the secret from the scrubber, so it is not delivered."""
+        scrubber, response, record = self.shared.credentials.scrubber, flow.response, flow.metadata.get("airlock")
+        if scrubber is None or response is None or record is None:
+            return  # nothing to scrub, or the gateway's own answer
         response.headers.fields = tuple((name, scrubber.scrub(value)) for name, value in response.headers.fields)
         if response.headers.get("content-encoding", "identity").lower() not in ("", "identity"):
-            flow.metadata["airlock_scrub_whole"] = True
+            if flow.metadata.get("airlock_injected"):
+                record.decision, record.code = "error", ReasonCode.REQUEST_FAILED
+                record.reason = "the upstream compressed its answer to a request carrying a secret: not delivered"
+                flow.kill()
             return
         flow.metadata["airlock_bytes_out"] = 0
         response.stream = self._counted(flow, scrubber.stream())
@@ -166,14 +169,6 @@ class Inspection:
             return out
 
         return stream
-
-    def scrub_whole(self, flow: http.HTTPFlow) -> None:
-        """A compressed response read whole: decoded, scrubbed, delivered decoded."""
-        scrubber, response = self.shared.credentials.scrubber, flow.response
-        if scrubber is None or response is None or not flow.metadata.pop("airlock_scrub_whole", False):
-            return
-        response.decode(strict=False)
-        response.content = scrubber.scrub(response.content or b"")
 
     @fail_closed(nothing_to_deny)
     def tls_failed_server(self, data: tls.TlsData) -> None:

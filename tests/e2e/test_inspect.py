@@ -27,7 +27,6 @@ profiles:
   default:
     allow:
       - host: allowed.test
-        ports: [80, 443]
         inspect: true
         name: model-api
         http:
@@ -113,11 +112,13 @@ def test_the_upstream_gets_the_injected_secret_once_and_the_sandbox_never_sees_i
 def test_method_and_path_rules_refuse_before_anything_reaches_the_upstream(
     topology: Topology, fakenet: FakeNet, inspecting: GatewayProcess, method: str, target: str, status: int, code: str
 ) -> None:
+    body_args = ("-d", "x") if method == "POST" else ()
     result = curl(
-        topology, inspecting, "--path-as-is", "-X", method, "-w", "\n%{http_code}", f"https://allowed.test{target}"
-    )
+        topology, inspecting, "--path-as-is", "-X", method, *body_args, "-w", "\n%{http_code}",
+        f"https://allowed.test{target}",
+    )  # fmt: skip
     body, _, got = result.stdout.rpartition("\n")
-    assert int(got) == status, result.stdout
+    assert int(got) == status, (result.stdout, result.stderr)
     assert json.loads(body)["code"] == code
     assert upstream_requests(fakenet) == []
 
