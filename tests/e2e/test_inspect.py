@@ -30,7 +30,7 @@ profiles:
         inspect: true
         name: model-api
         http:
-          - {methods: [GET], paths: ["/headers", "/simple/**"]}
+          - {methods: [GET], paths: ["/headers", "/simple/**", "/repo.git/**"]}
           - {methods: [POST], paths: ["/v1/**"]}
         inject:
           - {header: Authorization, value: "Bearer {secret:model_api}"}
@@ -185,3 +185,51 @@ def test_an_upstream_certificate_that_does_not_verify_is_a_denial(
     assert upstream_requests(fakenet) == []
     lines = gw.audit_for(host="allowed.test", kind="connect")
     assert [line["code"] for line in lines] == ["upstream_certificate"]
+
+
+# What each client in an `airlock run` sandbox prints: the upstream's echo of the headers it got, each through the
+# sandbox's own trust store (no --cacert anywhere): curl through the proxy and around it (transparent), Python's
+# urllib, Node's fetch (which ignores the proxy variables), git over HTTPS. Then the environment and the secret file.
+CLIENTS = r"""
+set -u
+echo "curl $(curl -sS --max-time 10 https://allowed.test/headers | head -c 400)"
+echo "direct $(curl -sS --noproxy '*' --max-time 10 https://allowed.test/headers | head -c 400)"
+python3 -c 'import urllib.request; print("urllib", urllib.request.urlopen("https://allowed.test/headers", timeout=10).read()[:400].decode())'
+node -e 'fetch("https://allowed.test/headers").then(r => r.text()).then(t => console.log("node " + t.slice(0, 400)), e => console.log("node failed " + e.cause))'
+GIT_TERMINAL_PROMPT=0 git ls-remote https://allowed.test/repo.git >/dev/null 2>&1; echo "git $?"
+echo "passthrough $(curl -sSkv --max-time 10 -o /dev/null https://other.test/ 2>&1 | grep -i 'issuer:')"
+env | grep -E '^(SSL_CERT_FILE|NODE_EXTRA_CA_CERTS|GIT_SSL_CAINFO|MODEL_API_KEY)=' | sort
+cat "$SECRET_FILE" 2>&1 | head -c 200; echo
+"""
+
+
+def test_run_sandbox_clients_trust_the_gateway_ca_and_never_hold_the_secret(
+    run_in_gw, fakenet: FakeNet, test_ca: TestCA, tmp_path: Path
+) -> None:
+    policy = tmp_path / "inspect.yaml"
+    policy.write_text(POLICY)
+    secret = tmp_path / "model_api.secret"
+    secret.write_text(SECRET + "\n")
+    secret.chmod(0o600)
+    result = run_in_gw(
+        "sh", "-c", CLIENTS,
+        options=(
+            "--policy", str(policy), "--upstream-ca", str(test_ca.ca_cert), "--secret", f"model_api=file:{secret}",
+            "--placeholder-env", "MODEL_API_KEY=model_api", "--env", f"SECRET_FILE={secret}",
+        ),
+        timeout=120,
+    )  # fmt: skip
+    out = result.stdout
+    for client in ("curl", "direct", "urllib", "node"):
+        line = next(line for line in out.splitlines() if line.startswith(client + " "))
+        assert '"Authorization", "Bearer ****' in line, (client, out, result.stderr)
+    assert "git 128" in out or "git 0" in out  # fakenet answers text, not a repository: but TLS and HTTP went through
+    passthrough = next(line for line in out.splitlines() if line.startswith("passthrough "))
+    assert "airlock e2e" in passthrough  # other.test is not inspected: the client sees fakenet's own certificate
+    assert f"SSL_CERT_FILE={'/etc/ssl/certs/ca-certificates.crt'}" in out
+    assert "MODEL_API_KEY=airlock-placeholder-model_api" in out
+    assert SECRET not in out and SECRET not in result.stderr
+    seen = [r for r in fakenet.http_requests() if r["target"] == "/headers"]
+    assert len(seen) == 4 and all(header_values(r, "authorization") == [f"Bearer {SECRET}"] for r in seen)
+    git = [r for r in fakenet.http_requests() if r["target"].startswith("/repo.git/")]
+    assert git and all(header_values(r, "authorization") == [f"Bearer {SECRET}"] for r in git)
