@@ -189,15 +189,18 @@ def test_an_upstream_certificate_that_does_not_verify_is_a_denial(
 
 # What each client in an `airlock run` sandbox prints: the upstream's echo of the headers it got, each through the
 # sandbox's own trust store (no --cacert anywhere): curl through the proxy and around it (transparent), Python's
-# urllib, Node's fetch (which ignores the proxy variables), pip from a private index, git over HTTPS. Then the environment and the secret file.
-CLIENTS = r"""
+# urllib, Node's fetch (which ignores the proxy variables), pip from a private index, git over HTTPS. Then the
+# environment and the secret file.
+URLLIB = 'import urllib.request as u; print("urllib", u.urlopen("https://allowed.test/headers").read()[:400].decode())'
+FETCH = 'fetch("https://allowed.test/headers").then(r => r.text()).then(t => console.log("node " + t.slice(0, 400)))'
+CLIENTS = rf"""
 set -u
 echo "curl $(curl -sS --max-time 10 https://allowed.test/headers | head -c 400)"
 echo "direct $(curl -sS --noproxy '*' --max-time 10 https://allowed.test/headers | head -c 400)"
-python3 -c 'import urllib.request; print("urllib", urllib.request.urlopen("https://allowed.test/headers", timeout=10).read()[:400].decode())'
-node -e 'fetch("https://allowed.test/headers").then(r => r.text()).then(t => console.log("node " + t.slice(0, 400)), e => console.log("node failed " + e.cause))'
-python3 -m venv /tmp/venv >/dev/null 2>&1 && /tmp/venv/bin/pip download --no-deps --no-cache-dir --index-url https://allowed.test/simple/ -d /tmp/wheels airlock-probe \
-    >/dev/null 2>&1; echo "pip $?"
+python3 -c '{URLLIB}'
+node -e '{FETCH}'
+python3 -m venv /tmp/venv >/dev/null 2>&1 && /tmp/venv/bin/pip download --no-deps --no-cache-dir \
+    --index-url https://allowed.test/simple/ -d /tmp/wheels airlock-probe >/dev/null 2>&1; echo "pip $?"
 GIT_TERMINAL_PROMPT=0 git ls-remote https://allowed.test/repo.git >/dev/null 2>&1; echo "git $?"
 echo "passthrough $(curl -sSkv --max-time 10 -o /dev/null https://other.test/ 2>&1 | grep -i 'issuer:')"
 env | grep -E '^(SSL_CERT_FILE|NODE_EXTRA_CA_CERTS|GIT_SSL_CAINFO|MODEL_API_KEY)=' | sort
