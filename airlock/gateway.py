@@ -390,6 +390,8 @@ class Gateway:
                 await self.stop()
                 raise GatewayError(f"broker could not start: {e}") from e
             self.admin.mount(self.broker.admin_app())
+            if self.shared is not None:  # else the proxy, when it starts, finds the broker's git tokens
+                self.shared.git_tokens = self.broker.git_read
         try:
             await self.admin.start()
         except OSError as e:
@@ -478,6 +480,7 @@ class Gateway:
         running = _Running()
         master.addons.add(*_essential_addons(), self.airlock, running)
         master.addons.get("tlsconfig").issuer = self.inspector
+        shared.git_tokens = self.broker.git_read if self.broker is not None else None
         if self.inspector is not None:
             shared.credentials = Credentials.of(self.inspector.injected(self.live.current.policy))
         opts.update(
@@ -586,7 +589,7 @@ class Gateway:
         if self.shared is not None:
             from airlock.proxy.shared import Credentials
 
-            self.shared.credentials = Credentials.of(self.inspector.injected(policy))
+            self.shared.credentials = Credentials.of(self.inspector.injected(policy), self.shared.credentials.minted)
 
     def policy_refused(self, source: str, errors: list[str]) -> None:
         """Audit a policy file that did not load (the running policy stays)."""

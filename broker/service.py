@@ -47,6 +47,7 @@ from .errors import BrokerError, Result
 from .github import GitHubClient
 from .github_tools import GitHubTools
 from .gitpush import Pusher
+from .gitread import GitReadTokens
 from .grants import Grant, GrantError
 from .mcp import McpSurface
 from .redact import Redactor
@@ -115,6 +116,8 @@ class Broker:
         self.tools: dict[str, Tool] = {t.name: t for t in github_tools.tools(self.settings.calls_per_minute)}
         self.mcp = McpSurface(self, self._reply)
         self.declared = declared  # the policy's declared tools, beside the built-in ones
+        # What the proxy injects for git reads of granted repositories (inspected rules with a github source).
+        self.git_read = GitReadTokens(github, self.state, store) if github is not None else None
         for secret in declared.runtime.secrets.values() if declared is not None else ():
             self.redactor.hold(secret)
 
@@ -320,6 +323,8 @@ class Broker:
         """Mint a token and remember its id until it expires (so that a revocation can tell it from a typo)."""
         token, claims = self.mint(sandbox, grants, ttl)
         await self.state(lambda: self.store.record_issued(claims.jti, sandbox, claims.expires_at))
+        if self.git_read is not None:
+            self.git_read.remember(claims)
         return token, claims
 
     async def issue_token(self, request: web.Request) -> web.Response:

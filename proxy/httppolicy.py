@@ -80,7 +80,7 @@ class HttpPolicy:
         state = self.shared.client(flow.client_conn)
         record = self._record(flow, "http", state)
         if state.tunnel is not None:
-            return self._in_tunnel(flow, state, record)
+            return await self._in_tunnel(flow, state, record)
         request = flow.request
         if state.original is not None:  # transparent: the name is the Host header's, the port the one dialled
             record.extra.update(audit_extra(state.original, "host" if request.host_header is not None else "address"))
@@ -111,7 +111,7 @@ class HttpPolicy:
         flow.metadata["airlock"] = record
         flow.metadata["airlock_started"] = time.monotonic()
 
-    def _in_tunnel(self, flow: http.HTTPFlow, state: ClientState, record: AuditRecord) -> None:
+    async def _in_tunnel(self, flow: http.HTTPFlow, state: ClientState, record: AuditRecord) -> None:
         """A request inside a tunnel exists only where the gateway terminates the tunnel's TLS (`inspect: true`):
         it must name the tunnel's host (no fronting behind the SNI), then is judged by method and path."""
         if not state.inspected:
@@ -122,7 +122,7 @@ class HttpPolicy:
             record.host, record.port = state.tunnel.host, state.tunnel.port
             record.reason, record.code = mismatch, ReasonCode.HOST_MISMATCH
             return self._refuse(flow, record, None)
-        if refusal := self.inspection.judge_in_tunnel(flow, state, record):
+        if refusal := await self.inspection.judge_in_tunnel(flow, state, record):
             return self._refuse(flow, record, refusal.hint, refusal.status)
         record.chosen_ip, record.resolved = state.tunnel.chosen_ip, state.tunnel.resolved
         flow.metadata["airlock"] = record

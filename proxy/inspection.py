@@ -10,6 +10,8 @@ plain HTTP. The upstream's certificate is verified (mitmproxy's server TLS, agai
 
 from __future__ import annotations
 
+import base64
+import re
 from collections.abc import Callable, Mapping
 from typing import NamedTuple
 
@@ -20,10 +22,16 @@ from mitmproxy.proxy.layers.http import HTTPMode
 from airlock.audit import AuditRecord
 from airlock.policy import Decision, ReasonCode, Rule, decide
 from airlock.policy.decide import judge_placeholders, judge_request, refused_certificate
-from airlock.policy.inspection import Injection, placeholders_in
+from airlock.policy.inspection import GithubInjection, Injection, placeholders_in
 
 from .failclosed import fail_closed, nothing_to_deny
 from .shared import ClientState, Shared
+
+# git's smart HTTP paths on GitHub: /OWNER/REPO[.git]/info/refs, /OWNER/REPO[.git]/git-upload-pack (or -receive-).
+_GIT_PATH = re.compile(
+    r"/(?P<owner>[A-Za-z0-9][A-Za-z0-9-]{0,38})/(?P<repo>[A-Za-z0-9._-]{1,100}?)(?:\.git)?"
+    r"/(?P<service>info/refs|git-upload-pack|git-receive-pack)"
+)
 
 
 class Refusal(NamedTuple):
@@ -88,7 +96,7 @@ class Inspection:
         self.shared = shared
         self.then = then
 
-    def judge_in_tunnel(self, flow: http.HTTPFlow, state: ClientState, record: AuditRecord) -> Refusal | None:
+    async def judge_in_tunnel(self, flow: http.HTTPFlow, state: ClientState, record: AuditRecord) -> Refusal | None:
         """Judge one request inside an inspected tunnel. The rule is looked up again under the policy in force: a
         reload that takes inspection away refuses the tunnel's next request."""
         assert state.tunnel is not None and state.sandbox is not None
@@ -104,7 +112,38 @@ class Inspection:
             else:
                 record.reason, record.code = decision.reason, decision.code
             return Refusal(403, decision.hint)
-        return self.judge(flow, record, rule, decision.reason, encrypted=True)
+        if refusal := self.judge(flow, record, rule, decision.reason, encrypted=True):
+            return refusal
+        source = next((i for i in rule.inject if isinstance(i, GithubInjection)), None)
+        return await self._git_read(flow, record, source, state.sandbox.id) if source is not None else None
+
+    async def _git_read(
+        self, flow: http.HTTPFlow, record: AuditRecord, source: GithubInjection, sandbox: str
+    ) -> Refusal | None:
+        """git over HTTPS to a GitHub host: a read token for the one repository the request names, when a grant of
+        this sandbox names it (else the request goes without a credential). A push is refused: writes go through
+        the broker's push_branch, never through the proxy."""
+        request = flow.request
+        request.headers.pop("authorization", None)  # the sandbox holds no GitHub credential of its own to send
+        path, _, query = request.path.partition("?")
+        if (git := _GIT_PATH.fullmatch(path)) is None:
+            return None
+        if git["service"] == "git-receive-pack" or "service=git-receive-pack" in query:
+            record.decision, record.code = "deny", ReasonCode.PATH_NOT_ALLOWED
+            record.reason = "git push through the proxy carries no credential: push with the broker's push_branch tool"
+            return Refusal(403, None)
+        repo = f"{git['owner']}/{git['repo']}"
+        tokens = self.shared.git_tokens
+        token = await tokens.token(sandbox, repo, source.permissions) if tokens is not None else None
+        if token is None:
+            record.extra["credential"] = "none: no grant of this sandbox names the repository"
+            return None
+        self.shared.credentials = self.shared.credentials.holding(token)  # scrubbed from what comes back
+        request.headers["authorization"] = "Basic " + base64.b64encode(f"x-access-token:{token}".encode()).decode()
+        request.headers["accept-encoding"] = "identity"
+        flow.metadata["airlock_injected"] = True
+        record.extra["credential"] = f"github read token for {repo}"
+        return None
 
     def judge(
         self, flow: http.HTTPFlow, record: AuditRecord, rule: Rule, reason: str, encrypted: bool

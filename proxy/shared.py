@@ -34,6 +34,7 @@ from airlock.policy import (
 )
 from airlock.policy.approvals import Asker
 
+MINTED_KEPT = 64  # installation tokens the scrubber keeps looking for
 _UNKNOWN_SANDBOX = Decision(False, "connection from an address that belongs to no sandbox", ReasonCode.UNKNOWN_SANDBOX)
 
 
@@ -73,14 +74,29 @@ class GatewaySettings:
 
 @dataclass
 class Credentials:
-    """What the proxy holds for injection: the secrets' values (by name) and the scrubber of their every form."""
+    """What the proxy holds for injection: the secrets' values (by name), the GitHub tokens it minted for git reads
+    (newest last, a bounded few), and the scrubber of their every form."""
 
     values: Mapping[str, str] = field(default_factory=dict)
+    minted: tuple[str, ...] = ()
     scrubber: Scrubber | None = None
 
     @classmethod
-    def of(cls, values: Mapping[str, str]) -> Credentials:
-        return cls(dict(values), Scrubber(values.values()) if values else None)
+    def of(cls, values: Mapping[str, str], minted: tuple[str, ...] = ()) -> Credentials:
+        held = [*values.values(), *minted]
+        return cls(dict(values), minted, Scrubber(held) if held else None)
+
+    def holding(self, token: str) -> Credentials:
+        """These credentials and one more minted token (an installation token lives an hour: the oldest go)."""
+        if token in self.minted:
+            return self
+        return Credentials.of(self.values, (*self.minted, token)[-MINTED_KEPT:])
+
+
+class GitTokens(Protocol):
+    """Where the proxy gets a read token for one repository a sandbox's grants name (the broker's)."""
+
+    async def token(self, sandbox: str, repo: str, permissions: Mapping[str, str]) -> str | None: ...
 
 
 @dataclass
@@ -156,6 +172,7 @@ class Shared:
         self.resolved: dict[str, list[str]] = {}  # server connection id → addresses the name resolved to
         self.approvals: Asker | None = None  # where profiles with `on_unlisted: ask` hold what no rule lists
         self.credentials = Credentials()  # the secrets inspected rules inject (the gateway sets them)
+        self.git_tokens: GitTokens | None = None  # the broker's, when one runs
 
     def client(self, client: connection.Client) -> ClientState:
         state = self.clients.get(client.id)

@@ -10,6 +10,7 @@ from mitmproxy import http
 from mitmproxy.proxy import layers
 from mitmproxy.test import tflow, tutils
 
+from airlock.audit import AuditRecord
 from airlock.policy import parse_policy
 from airlock.proxy.shared import Credentials
 from airlock.proxy.tunnels import MeteredTunnel
@@ -148,6 +149,7 @@ async def test_a_reload_that_stops_inspecting_refuses_the_tunnels_next_request()
 def test_responses_are_scrubbed_in_headers_and_streamed_bodies() -> None:
     gw = inspecting()
     flow = tflow.tflow(resp=tutils.tresp(headers=http.Headers(X_Echo=f"Bearer {SECRET}"), content=b""))
+    flow.metadata["airlock"] = AuditRecord("http", "sbx", "10.99.0.2", "api.allowed.test", 443, "allow", "", "allowed")
     gw.addon_named("Inspection").responseheaders(flow)
     assert SECRET not in flow.response.headers["x-echo"]
     stream = flow.response.stream
