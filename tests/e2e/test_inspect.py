@@ -240,3 +240,50 @@ def test_run_sandbox_clients_trust_the_gateway_ca_and_never_hold_the_secret(
     assert pip and all(header_values(r, "authorization") == [f"Bearer {SECRET}"] for r in pip), out
     git = [r for r in fakenet.http_requests() if r["target"].startswith("/repo.git/")]
     assert git and all(header_values(r, "authorization") == [f"Bearer {SECRET}"] for r in git)
+
+
+GIT_POLICY = """\
+version: 1
+profiles:
+  default:
+    allow:
+      - host: github.test
+        inspect: true
+        name: github-read
+        inject:
+          - github: {permissions: {contents: read}}
+"""
+# In the sandbox: read the granted repository, then one no grant names, then try a push's first request.
+GIT_SCRIPT = r"""
+export GIT_TERMINAL_PROMPT=0
+git ls-remote https://github.test/acme/app.git; echo "granted $?"
+git ls-remote https://github.test/acme/other.git >/dev/null 2>&1; echo "ungranted $?"
+echo "push $(curl -sS -o /dev/null -w '%{http_code}' 'https://github.test/acme/app.git/info/refs?service=git-receive-pack')"
+"""
+
+
+def test_git_in_the_sandbox_reads_a_granted_repository_with_a_token_it_never_holds(
+    run_in_gw, fake_github, broker_args: tuple[str, ...], tmp_path: Path
+) -> None:
+    policy = tmp_path / "git.yaml"
+    policy.write_text(GIT_POLICY)
+    audit = tmp_path / "audit.jsonl"
+    result = run_in_gw(
+        "sh", "-c", GIT_SCRIPT,
+        options=("--policy", str(policy), *broker_args, "--grant", "push_branch:acme/app", "--audit", str(audit)),
+        timeout=120,
+    )  # fmt: skip
+    out = result.stdout
+    assert "granted 0" in out and "refs/heads/main" in out, (out, result.stderr)
+    assert "ungranted 0" not in out  # no grant names acme/other: no credential goes with it, GitHub hides it
+    assert "push 403" in out  # writes go through push_branch, never through the proxy
+    lines = [json.loads(line) for line in audit.read_text().splitlines()]
+    reads = {r["path"]: r["extra"].get("credential") for r in lines if r["kind"] == "http" and r["decision"] == "allow"}
+    assert reads == {
+        "/acme/app.git/info/refs": "github read token for acme/app",
+        "/acme/other.git/info/refs": "none: no grant of this sandbox names the repository",
+    }
+    minted = [t for t in fake_github.tokens() if t.get("repositories") == ["app"]]
+    assert minted, fake_github.tokens()
+    for token in minted:
+        assert token["token"] not in out and token["token"] not in audit.read_text()
