@@ -396,6 +396,11 @@ def resolve_user(user: str | None) -> pwd.struct_passwd:
 NETNS_DIR = Path("/run/netns")  # where `ip netns` keeps the namespaces it names
 
 
+def has_namespace(sandbox_id: str) -> bool:
+    """Whether the netns sandbox of this id still has its namespace (it runs, or a crashed run left it)."""
+    return (NETNS_DIR / f"airlock-{sandbox_id}").exists()
+
+
 def reap_netns(older_than: float, now: float | None = None) -> list[str]:
     """Remove `airlock run` namespaces left by a crashed run: older than `older_than` seconds, no process inside.
     A name whose namespace is mounted only in another mount namespace is a launcher's there: left alone."""
