@@ -17,6 +17,7 @@ import logging
 import math
 import os
 import secrets
+import select
 import shutil
 import subprocess
 import time
@@ -338,25 +339,36 @@ class DockerSandbox:
 
     @contextlib.contextmanager
     def _network_namespace(self) -> Iterator[str | None]:
-        """A path to the running container's network namespace, held open (a pid alone could be reused by
-        another process once the container ends); None when it has ended already."""
+        """A path to the network namespace of the container's first process, held open; None once that process
+        has ended (docker may still say it runs). DockerSandboxError when the pid docker gives is no process of
+        this container here (airlock in another pid namespace than docker's): its namespace is never guessed."""
+        assert self.container_id is not None
         pid = self.state().get("Pid") or 0
-        fd, problem = None, ""
-        if pid:
-            try:
-                fd = os.open(f"/proc/{pid}/ns/net", os.O_RDONLY | os.O_CLOEXEC)
-            except OSError as e:
-                problem = e.strerror or str(e)
         try:
-            if not pid or self.state().get("Pid") != pid:
-                yield None  # it ended (docker says pid 0): nothing of it can send any more
-            elif fd is None:
-                raise DockerSandboxError(f"cannot enter the container's network namespace (pid {pid}): {problem}")
+            process = os.pidfd_open(pid) if pid else None  # pins the pid: it cannot be reused while this is open
+        except ProcessLookupError:
+            process = None
+        if process is None:
+            yield None  # it ended already
+            return
+        netns = None
+        try:
+            with contextlib.suppress(OSError):  # a process that ended meanwhile: told by its pidfd below
+                netns = os.open(f"/proc/{pid}/ns/net", os.O_RDONLY | os.O_CLOEXEC)
+            ours = netns is not None and in_container(pid, self.container_id)
+            if select.select([process], [], [], 0)[0]:  # the pidfd is readable once the process has exited
+                yield None
+            elif not ours:
+                raise DockerSandboxError(
+                    f"pid {pid}, the container's by docker, is not in its cgroup here (is airlock in another pid"
+                    " namespace than docker?): cannot refuse UDP inside the container"
+                )
             else:
-                yield f"/proc/{os.getpid()}/fd/{fd}"
+                yield f"/proc/{os.getpid()}/fd/{netns}"
         finally:
-            if fd is not None:
-                os.close(fd)
+            os.close(process)
+            if netns is not None:
+                os.close(netns)
 
     def _image_volumes(self) -> list[str]:
         try:
@@ -434,6 +446,15 @@ class DockerSandbox:
             self.fence.remove()
         if self.token_dir is not None:
             shutil.rmtree(self.token_dir, ignore_errors=True)
+
+
+def in_container(pid: int, container_id: str) -> bool:
+    """Whether the process is in the container's cgroup (docker names it after the container's full id, with the
+    cgroupfs and systemd drivers alike)."""
+    try:
+        return container_id in Path(f"/proc/{pid}/cgroup").read_text()
+    except OSError:
+        return False
 
 
 def fence_table(sandbox_id: str) -> str:

@@ -110,10 +110,20 @@ def test_clients_that_ignore_the_proxy_get_the_same_policy(docker_run, fakenet: 
     assert fakenet.connections(ALLOWED_IP, 80) == 1 and fakenet.total_connections() == 1
 
 
-# QUIC to 50 ports back to back, as the command's first act; then the sandbox tries to lift the refusal (its table,
-# through netfilter's netlink, and the ICMP rate limit of its namespace), and sends 50 more.
+# Once the refusal inside the container is there (send() fails, EPERM: it is loaded just after docker starts the
+# command), QUIC to 50 ports back to back; then the sandbox tries to lift the refusal (its table, through
+# netfilter's netlink, and the ICMP rate limit of its namespace), and sends 50 more.
 UDP_BURST = """
 import errno, socket, struct, sys, time
+
+def refused_as_it_leaves():
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        sock.connect(("192.0.2.10", 19999))
+        try:
+            sock.send(b"q")
+        except PermissionError:
+            return True
+    return False
 
 def burst():
     refused = 0
@@ -146,6 +156,10 @@ def delete_table(name):
         error = struct.unpack_from("=i", nl.recv(4096), 16)[0]
     print("nft", errno.errorcode[-error] if error else "deleted")
 
+started = time.monotonic()
+while not refused_as_it_leaves() and time.monotonic() - started < 2:
+    time.sleep(0.005)
+print("refused inside", "within 2 s" if time.monotonic() - started < 2 else "never")
 burst()
 print("ratemask", open("/proc/sys/net/ipv4/icmp_ratemask").read().strip())
 delete_table(sys.argv[1])
@@ -168,6 +182,7 @@ def test_back_to_back_udp_is_each_refused_at_once_and_the_sandbox_cannot_undo_it
     result = topology.run(topology.gw, argv, timeout=120, env=_env(docker_env))
     lines = result.stdout.splitlines()
     assert lines == [
+        "refused inside within 2 s",
         "refused 50",
         "ratemask 6160",  # the kernel's 6168 without port-unreachable (type 3)
         "nft EPERM",
