@@ -12,7 +12,10 @@ of the link, a default route to it, and the refusal inside the sandbox's namespa
 - Node: a connected `dgram` socket sends the same datagram; the time until its `error` event (ECONNREFUSED);
 - curl `--http3`, when this curl has HTTP/3: the whole request to an HTTPS URL until curl gives up on QUIC;
 - for comparison, the same Python probe with an explicit-mode fence (no interception): the datagram is dropped,
-  and the client hears nothing until its own timeout (1 s here; QUIC clients wait seconds).
+  and the client hears nothing until its own timeout (1 s here; QUIC clients wait seconds);
+- the docker backend, when dockerd and debootstrap are here: the Python probe back to back as a container's command
+  (scripts/build-test-image's image, a private dockerd in the gateway namespace as tests/e2e/dockerenv.py runs
+  it), with the fence and the refusal inside the container's namespace that `airlock run --backend docker` gives.
 
 The kernel rate-limits the ICMP errors it sends to each host (`net.ipv4.icmp_ratelimit`, 1000 ms by default, with
 a burst of 6, for the types in `net.ipv4.icmp_ratemask`, port-unreachable among them): from the gateway side
@@ -32,17 +35,25 @@ import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tests" / "e2e"))
 sys.path.append(str(REPO / "bench"))
 
+import docker  # noqa: E402
+
+from airlock.sandbox.docker import DockerSandbox  # noqa: E402
 from airlock.sandbox.fence import Fence, Interception, refuse_udp_inside  # noqa: E402
 
 import common  # noqa: E402
 from common import fmt, percentile  # noqa: E402
+from dockerenv import DockerDaemon, docker_problem  # noqa: E402
+from netclient import in_netns  # noqa: E402
 from topology import GW_IP, Topology  # noqa: E402
+
+BUILD_TEST_IMAGE = REPO / "scripts" / "build-test-image"
 
 TARGET_MS = 100.0
 DESTINATION = ("192.0.2.10", 443)  # allowed.test's address in the fake internet
@@ -139,6 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     info = common.machine_info(nft=common.tool_version(["nft", "--version"]), node=common.tool_version(["node", "-v"]))
     with Topology() as topology:
         rows = measure_all(topology, args.runs, args.paced, args.pause)
+        rows.append(measure_docker(topology, args.runs))
     report = [
         "# UDP refusal: time from sending a QUIC Initial until the client hears ECONNREFUSED",
         "",
@@ -187,6 +199,36 @@ def measure_all(topology: Topology, runs: int, paced: int, pause: float) -> list
         explicit.remove(topology.cmd(topology.gw))
     rows.append(summary(f"Python, explicit-mode fence (dropped; client timeout {TIMEOUT_S:g} s)", baseline))
     return rows
+
+
+def measure_docker(topology: Topology, runs: int) -> str:
+    """The Python probe back to back as a docker sandbox's command, in transparent mode."""
+    if problem := docker_problem():
+        return f"| docker, Python, back to back | - | not measured: {problem} | | | - |"
+    build = subprocess.run([str(BUILD_TEST_IMAGE)], capture_output=True, text=True, timeout=900, check=False)
+    if build.returncode != 0:
+        raise RuntimeError(f"scripts/build-test-image failed: {build.stderr.strip()[-2000:]}")
+    with tempfile.TemporaryDirectory(prefix="airlock-udp-") as workdir:
+        daemon = DockerDaemon(topology, Path(workdir) / "docker").start()
+        try:
+            image = daemon.import_image(Path(build.stdout.strip().splitlines()[-1]))
+            samples = _docker_probe(topology, daemon.client(), image, runs)
+        finally:
+            daemon.stop()
+    return summary("docker, Python, back to back", samples)
+
+
+def _docker_probe(topology: Topology, client: docker.DockerClient, image: str, runs: int) -> list[float | str]:
+    host, port = DESTINATION
+    sandbox = DockerSandbox(client, image, f"{topology.prefix}u", (3128, 53), (53,), intercept=Interception(3129, 53))
+    try:
+        in_netns(topology.gw, sandbox.create)  # its network's bridge and fence live in the gateway namespace
+        sandbox.start(["python3", "-c", PYTHON_PROBE, host, str(port), str(runs), str(TIMEOUT_S), "0"], {})
+        if sandbox.wait(300) != 0:
+            raise RuntimeError(f"the docker probe failed: {sandbox.output()[1].decode().strip()}")
+        return json.loads(sandbox.output()[0])
+    finally:
+        in_netns(topology.gw, sandbox.destroy)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""`airlock reap`: remove sandboxes whose lifetime has passed (docker labels) and leftovers of crashed runs."""
+"""`airlock reap`: remove sandboxes whose lifetime has passed (docker labels) and leftovers of crashed runs
+(netns sandboxes' namespaces, links, fences and cgroups)."""
 
 from __future__ import annotations
 
@@ -16,9 +17,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def cmd_reap(args: argparse.Namespace) -> int:
     removed = [f"docker {s}" for s in reap_docker(args.older_than)]
     if args.older_than is not None:
-        from airlock.sandbox.netns import reap_netns
+        from airlock.sandbox.cgroups import reap_groups
+        from airlock.sandbox.netns import has_namespace, reap_netns
 
         removed += [f"netns {s}" for s in reap_netns(args.older_than)]
+        # After the namespaces: the groups of those just removed go in the same run.
+        removed += [f"cgroup {s}" for s in reap_groups(args.older_than, has_namespace)]
     for item in removed:
         print(f"removed {item}")
     return 0

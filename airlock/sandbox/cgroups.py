@@ -286,6 +286,45 @@ def remove_named(words: str, sandbox_id: str) -> None:
         raise CgroupError(f"cannot remove {left[0]}: processes are still in it")
 
 
+def reap_groups(
+    older_than: float, in_use: Callable[[str], bool], now: float | None = None, found: list[Hierarchy] | None = None
+) -> list[str]:
+    """Remove the sandbox groups a crashed run left (its launcher and its watchdog both killed): older than
+    `older_than` seconds, empty, of a sandbox `in_use` does not claim (its namespace is gone). A group that still
+    holds a process is left alone, as `reap_netns` leaves a namespace: something of that sandbox still runs. The
+    ids of the sandboxes whose groups were removed."""
+    now = time.time() if now is None else now
+    removed = set()
+    for group in sandbox_groups(found if found is not None else hierarchies(Path("/proc/self/mountinfo").read_text())):
+        if in_use(group.name):
+            continue
+        try:
+            if group.stat().st_mtime > now - older_than:
+                continue
+            group.rmdir()  # refused (EBUSY) while a process is in it: never killed here
+        except OSError:
+            continue
+        removed.add(group.name)
+    return sorted(removed)
+
+
+def sandbox_groups(found: list[Hierarchy]) -> list[Path]:
+    """Every sandbox group where `parents()` puts them, whoever launched it: in a v2 hierarchy below its top-level
+    `airlock`, in a v1 one below an `airlock` inside any group (the launcher's own)."""
+    groups = []
+    for h in found:
+        if not h.controllers & set(CONTROLLER.values()):
+            continue  # airlock makes no groups there
+        if h.version == 2:
+            airlock_parents = [h.mount / PARENT]
+        else:
+            airlock_parents = [Path(top) / PARENT for top, subdirs, _ in os.walk(h.mount) if PARENT in subdirs]
+        for parent in airlock_parents:
+            with contextlib.suppress(OSError):  # absent, or removed meanwhile
+                groups += [g for g in parent.iterdir() if SANDBOX_ID.fullmatch(g.name) and g.is_dir()]
+    return groups
+
+
 def _enable(group: Path, controllers: list[str]) -> None:
     """Let `group`'s children use these controllers (v2 subtree_control), unless they may already."""
     control = group / "cgroup.subtree_control"

@@ -1,6 +1,6 @@
 """The docker backend: a hardened container on a network of its own, whose only reachable address is the gateway's
 address on that network, fenced by nftables like the netns backend (in transparent mode, whatever else it dials is
-redirected there or refused by the same fence).
+redirected there or refused by the same fence, and other UDP is refused inside the container's namespace too).
 
 Hardening is not optional: read-only root, `/tmp` and every VOLUME the image declares as size-capped
 noexec/nosuid tmpfs, every capability dropped, no-new-privileges, airlock's seccomp profile, pids/memory
@@ -17,9 +17,11 @@ import logging
 import math
 import os
 import secrets
+import select
 import shutil
 import subprocess
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -35,7 +37,7 @@ from airlock.interfaces import parse_ip_addr
 from airlock.policy import SANDBOX_LINK_NETWORKS
 
 from . import SANDBOX_ID
-from .fence import DOCKER_TABLE_PREFIX, Fence, Interception
+from .fence import DOCKER_TABLE_PREFIX, Fence, Interception, load_inner_refusal, unlimited_unreachable
 from .limits import (
     CPUS,
     DEFAULT_CPUS,
@@ -296,6 +298,8 @@ class DockerSandbox:
             dns=[self.gateway_ip],
             binds=binds,
             ipc_mode="private",
+            # Transparent mode: its namespace does not rate-limit the port-unreachable it sends itself (below).
+            sysctls=unlimited_unreachable() if self.intercept is not None else None,
             log_config={"type": "json-file", "config": {"max-size": str(limits.output_limit), "max-file": "1"}},
         )
         networking = api.create_networking_config({self.name: api.create_endpoint_config(ipv4_address=self.sandbox_ip)})
@@ -313,10 +317,58 @@ class DockerSandbox:
             )
             self.container_id = created["Id"]
             api.start(self.container_id)
+            if self.intercept is not None:
+                self._refuse_udp_inside(self.intercept)
         except docker.errors.ImageNotFound:
             raise DockerSandboxError(f"image {self.image!r} not found") from None
         except docker.errors.APIError as e:
             raise DockerSandboxError(f"cannot start the container: {e.explanation or e}") from None
+
+    def _refuse_udp_inside(self, intercept: Interception) -> None:
+        """The netns backend's refusal of other UDP inside the sandbox's own namespace (fence.refuse_udp_inside),
+        past the gateway side's ICMP rate limit: the container's rate limit was lifted at create (`sysctls`), and
+        the table is loaded once docker has started it, the earliest its namespace can be entered (docker starts
+        the command at once, and may be given any image: no entrypoint of ours can hold it). What the command sends
+        in those first ~15 ms meets the gateway side's refusal alone: the first 6 at once, the rest wait for their
+        own timeout. The container's user has no CAP_NET_ADMIN and a read-only /proc/sys: it can undo neither."""
+        assert self.fence is not None
+        with self._network_namespace() as netns:
+            if netns is not None:
+                nsenter = ["nsenter", f"--net={netns}", "--"]
+                load_inner_refusal(self.fence.table, self.gateway_ip, self.udp_ports, intercept, nsenter)
+
+    @contextlib.contextmanager
+    def _network_namespace(self) -> Iterator[str | None]:
+        """A path to the network namespace of the container's first process, held open; None once that process
+        has ended (docker may still say it runs). DockerSandboxError when the pid docker gives is no process of
+        this container here (airlock in another pid namespace than docker's): its namespace is never guessed."""
+        assert self.container_id is not None
+        pid = self.state().get("Pid") or 0
+        try:
+            process = os.pidfd_open(pid) if pid else None  # pins the pid: it cannot be reused while this is open
+        except ProcessLookupError:
+            process = None
+        if process is None:
+            yield None  # it ended already
+            return
+        netns = None
+        try:
+            with contextlib.suppress(OSError):  # a process that ended meanwhile: told by its pidfd below
+                netns = os.open(f"/proc/{pid}/ns/net", os.O_RDONLY | os.O_CLOEXEC)
+            ours = netns is not None and in_container(pid, self.container_id)
+            if select.select([process], [], [], 0)[0]:  # the pidfd is readable once the process has exited
+                yield None
+            elif not ours:
+                raise DockerSandboxError(
+                    f"pid {pid}, the container's by docker, is not in its cgroup here (is airlock in another pid"
+                    " namespace than docker?): cannot refuse UDP inside the container"
+                )
+            else:
+                yield f"/proc/{os.getpid()}/fd/{netns}"
+        finally:
+            os.close(process)
+            if netns is not None:
+                os.close(netns)
 
     def _image_volumes(self) -> list[str]:
         try:
@@ -394,6 +446,15 @@ class DockerSandbox:
             self.fence.remove()
         if self.token_dir is not None:
             shutil.rmtree(self.token_dir, ignore_errors=True)
+
+
+def in_container(pid: int, container_id: str) -> bool:
+    """Whether the process is in the container's cgroup (docker names it after the container's full id, with the
+    cgroupfs and systemd drivers alike)."""
+    try:
+        return container_id in Path(f"/proc/{pid}/cgroup").read_text()
+    except OSError:
+        return False
 
 
 def fence_table(sandbox_id: str) -> str:

@@ -28,6 +28,7 @@ import stat
 import subprocess
 from collections.abc import Iterable
 from dataclasses import dataclass
+from pathlib import Path
 
 from airlock.errors import AirlockError
 
@@ -165,6 +166,9 @@ def interception(iface: str, gateway_ip: str, intercept: Interception | None) ->
 # namespace (`icmp_msgs_per_sec`).
 ICMP_PORT_UNREACHABLE_BIT = 1 << 3
 ICMPV6_RATEMASK_WITHOUT_UNREACHABLE = "0,3-127"  # the default, 0-1,3-127, without type 1
+# What every new network namespace starts with (types 3, 4, 11, 12): a docker container's, before it exists.
+KERNEL_ICMP_RATEMASK = 0x1818
+IPV6_RATEMASK = Path("/proc/sys/net/ipv6/icmp/ratemask")  # absent in a kernel without IPv6 (or too old for it)
 
 
 def refuse_udp_inside(
@@ -176,10 +180,26 @@ def refuse_udp_inside(
     through and then one a second. Here the datagram is rejected as it leaves (before conntrack: no state is kept
     for it), and the sandbox's namespace does not rate-limit port-unreachable; the sandbox, without CAP_NET_ADMIN,
     can neither remove the rule nor change that sysctl. The gateway-side fence stays the enforcement."""
-    current = _sysctl(netns_cmd, "net.ipv4.icmp_ratemask")
-    _sysctl(netns_cmd, f"net.ipv4.icmp_ratemask={int(current) & ~ICMP_PORT_UNREACHABLE_BIT}")
-    with contextlib.suppress(FenceError):  # no IPv6 in this kernel: nothing to unlimit
-        _sysctl(netns_cmd, f"net.ipv6.icmp.ratemask={ICMPV6_RATEMASK_WITHOUT_UNREACHABLE}")
+    current = int(_sysctl(netns_cmd, "net.ipv4.icmp_ratemask"))
+    for name, value in unlimited_unreachable(current).items():
+        _sysctl(netns_cmd, f"{name}={value}")
+    load_inner_refusal(table, gateway_ip, udp_ports, intercept, netns_cmd)
+
+
+def unlimited_unreachable(ipv4_ratemask: int = KERNEL_ICMP_RATEMASK) -> dict[str, str]:
+    """The ICMP rate-limit sysctls of a sandbox's namespace whose mask is `ipv4_ratemask`, with port-unreachable
+    taken out of them (IPv6's where the kernel has it)."""
+    settings = {"net.ipv4.icmp_ratemask": str(ipv4_ratemask & ~ICMP_PORT_UNREACHABLE_BIT)}
+    if IPV6_RATEMASK.exists():
+        settings["net.ipv6.icmp.ratemask"] = ICMPV6_RATEMASK_WITHOUT_UNREACHABLE
+    return settings
+
+
+def load_inner_refusal(
+    table: str, gateway_ip: str, udp_ports: tuple[int, ...], intercept: Interception, netns_cmd: list[str]
+) -> None:
+    """`inner_refusal()` loaded in the namespace `netns_cmd` enters (whose rate limit `unlimited_unreachable()`
+    has lifted)."""
     _nft(["-f", "-"], inner_refusal(table, gateway_ip, udp_ports, intercept), netns_cmd)
 
 

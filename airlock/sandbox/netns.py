@@ -405,14 +405,28 @@ def resolve_user(user: str | None) -> pwd.struct_passwd:
     return pw
 
 
+NETNS_DIR = Path("/run/netns")  # where `ip netns` keeps the namespaces it names
+
+
+def has_namespace(sandbox_id: str) -> bool:
+    """Whether the netns sandbox of this id still has its namespace (it runs, or a crashed run left it)."""
+    return (NETNS_DIR / f"airlock-{sandbox_id}").exists()
+
+
 def reap_netns(older_than: float, now: float | None = None) -> list[str]:
-    """Remove `airlock run` namespaces left by a crashed run: older than `older_than` seconds, no process inside."""
+    """Remove `airlock run` namespaces left by a crashed run: older than `older_than` seconds, no process inside.
+    A name whose namespace is mounted only in another mount namespace is a launcher's there: left alone."""
     now = time.time() if now is None else now
     removed = []
-    for path in sorted(Path("/run/netns").glob("airlock-*")):
+    elsewhere: set[str] | None = None
+    for path in sorted(NETNS_DIR.glob("airlock-*")):
         sandbox_id = path.name.removeprefix("airlock-")
         if not SANDBOX_ID.fullmatch(sandbox_id) or path.stat().st_mtime > now - older_than:
             continue
+        if not os.path.ismount(path):  # no namespace here (`ip netns pids` then lists nothing)...
+            elsewhere = _mounted_elsewhere() if elsewhere is None else elsewhere
+            if path.name in elsewhere:
+                continue  # ...but one in another mount namespace, whose processes this one cannot list
         if _run(["ip", "netns", "pids", path.name], check=False).stdout.strip():
             continue  # something still runs in it: not a leftover
         leftover = NetnsSandbox(sandbox_id)
@@ -420,3 +434,30 @@ def reap_netns(older_than: float, now: float | None = None) -> list[str]:
         leftover.destroy()
         removed.append(sandbox_id)
     return removed
+
+
+def _mounted_elsewhere() -> set[str]:
+    """The names in NETNS_DIR on which another mount namespace of this host has a network namespace mounted: `ip
+    netns add` run in a private mount namespace (a launcher under `ip netns exec`, say) mounts it there alone."""
+    seen = {os.stat("/proc/self/ns/mnt").st_ino}
+    names: set[str] = set()
+    for proc in Path("/proc").iterdir():
+        try:
+            if not proc.name.isdigit() or (mnt := (proc / "ns" / "mnt").stat().st_ino) in seen:
+                continue
+            seen.add(mnt)
+            names |= netns_mounts((proc / "mountinfo").read_text())
+        except OSError:
+            continue  # it ended meanwhile
+    return names
+
+
+def netns_mounts(mountinfo: str) -> set[str]:
+    """The names in NETNS_DIR with a network namespace mounted on them, in a /proc/PID/mountinfo text."""
+    names = set()
+    for line in mountinfo.splitlines():
+        fields = line.split()
+        with contextlib.suppress(ValueError, IndexError):  # not a mount line
+            if fields[fields.index("-") + 1] == "nsfs" and (point := Path(fields[4])).parent == NETNS_DIR:
+                names.add(point.name)
+    return names

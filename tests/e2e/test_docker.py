@@ -105,8 +105,91 @@ def test_clients_that_ignore_the_proxy_get_the_same_policy(docker_run, fakenet: 
     assert f"fakenet {ALLOWED_IP}:80 host=allowed.test path=/direct" in result.stdout, result.stdout + result.stderr
     assert "literal 403" in result.stdout  # an IP literal no CIDR rule opens
     assert '"code": "metadata"' in result.stdout and "meta 403" in result.stdout
-    assert "ConnectionRefusedError" in result.stdout  # other UDP (QUIC): refused at once
+    # Other UDP (QUIC): refused at once, as it leaves the container (send() fails, as in the netns backend).
+    assert "PermissionError: [Errno 1] Operation not permitted" in result.stdout
     assert fakenet.connections(ALLOWED_IP, 80) == 1 and fakenet.total_connections() == 1
+
+
+# Once the refusal inside the container is there (send() fails, EPERM: it is loaded just after docker starts the
+# command), QUIC to 50 ports back to back; then the sandbox tries to lift the refusal (its table, through
+# netfilter's netlink, and the ICMP rate limit of its namespace), and sends 50 more.
+UDP_BURST = """
+import errno, socket, struct, sys, time
+
+def refused_as_it_leaves():
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        sock.connect(("192.0.2.10", 19999))
+        try:
+            sock.send(b"q")
+        except PermissionError:
+            return True
+    return False
+
+def burst():
+    refused = 0
+    for port in range(20000, 20050):
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+            sock.settimeout(0.2)
+            sock.connect(("192.0.2.10", port))
+            started = time.perf_counter()
+            try:
+                sock.send(bytes(1200))
+            except PermissionError:  # refused as it left; the socket reports ECONNREFUSED next
+                pass
+            try:
+                sock.recv(1)
+            except ConnectionRefusedError:
+                refused += (time.perf_counter() - started) < 0.1
+            except TimeoutError:
+                pass
+    print("refused", refused)
+
+def delete_table(name):
+    def message(kind, flags, seq, body):
+        return struct.pack("=IHHII", 16 + len(body), kind, flags, seq, 0) + body
+    batch = struct.pack("=BBH", 0, 0, socket.htons(10))  # NFNL_SUBSYS_NFTABLES
+    table = name.encode() + bytes(4 - len(name) % 4)  # NUL-terminated, padded
+    attribute = struct.pack("=HH", 4 + len(name) + 1, 1) + table  # NFTA_TABLE_NAME
+    delete = message(10 << 8 | 2, 5, 2, struct.pack("=BBH", 1, 0, 0) + attribute)  # NFT_MSG_DELTABLE inet, ack
+    with socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, 12) as nl:  # NETLINK_NETFILTER
+        nl.send(message(0x10, 1, 1, batch) + delete + message(0x11, 1, 3, batch))
+        error = struct.unpack_from("=i", nl.recv(4096), 16)[0]
+    print("nft", errno.errorcode[-error] if error else "deleted")
+
+started = time.monotonic()
+while not refused_as_it_leaves() and time.monotonic() - started < 2:
+    time.sleep(0.005)
+print("refused inside", "within 2 s" if time.monotonic() - started < 2 else "never")
+burst()
+print("ratemask", open("/proc/sys/net/ipv4/icmp_ratemask").read().strip())
+delete_table(sys.argv[1])
+for name in ("icmp_ratemask", "icmp_ratelimit"):
+    try:
+        with open(f"/proc/sys/net/ipv4/{name}", "w") as f:
+            f.write("6168")
+        print(name, "changed")
+    except OSError as e:
+        print(name, errno.errorcode[e.errno])
+burst()
+"""
+
+
+def test_back_to_back_udp_is_each_refused_at_once_and_the_sandbox_cannot_undo_it(topology, docker_run, docker_env):
+    # Past the gateway side's ICMP rate limit (a burst of 6, then one a second): the container's own namespace
+    # refuses it, and does not rate-limit the port-unreachable it sends itself.
+    argv = docker_run.argv("python3", "-I", "-c", UDP_BURST, "TABLE")
+    argv[-1] = fence_table(argv[argv.index("--sandbox-id") + 1])
+    result = topology.run(topology.gw, argv, timeout=120, env=_env(docker_env))
+    lines = result.stdout.splitlines()
+    assert lines == [
+        "refused inside within 2 s",
+        "refused 50",
+        "ratemask 6160",  # the kernel's 6168 without port-unreachable (type 3)
+        "nft EPERM",
+        "icmp_ratemask EROFS",
+        "icmp_ratelimit EROFS",
+        "refused 50",
+    ], result.stdout + result.stderr
 
 
 def test_explicit_mode_only_leaves_no_direct_way_out(docker_run, fakenet: FakeNet):

@@ -387,6 +387,77 @@ def _what_is_left(topology: Topology, sandbox_id: str, marker: str) -> list[str]
     return [what for what, there in found.items() if there]
 
 
+# `airlock reap` takes every empty sandbox namespace older than this on the host: runs of others still starting (a
+# namespace without a process yet) are younger.
+REAP_AGE = 10
+
+
+def test_reap_removes_what_a_killed_launcher_and_watchdog_left_cgroup_included_and_nothing_of_a_live_sandbox(
+    topology: Topology, fakenet: FakeNet
+):
+    # SIGKILL for both: nothing removes the sandbox; its command dies with its launcher (bubblewrap), so what is
+    # left is empty (namespace, fence, cgroup) for `airlock reap` to find, beside a live sandbox it must not touch.
+    dead, live = f"{topology.prefix}rd", f"{topology.prefix}rl"
+    marker = f"airlock-reaped-{dead}"
+    sleeper = ("python3", "-c", "import time; time.sleep(600)", marker)
+    launchers = [_start_run(topology, dead, *sleeper), _start_run(topology, live, "sleep", "60")]
+    try:
+        deadline = time.monotonic() + 30
+        while not all(_cgroup_processes(sandbox_id) for sandbox_id in (dead, live)):
+            assert time.monotonic() < deadline and all(p.poll() is None for p in launchers), "no sandbox started"
+            time.sleep(0.1)
+        for pid in [*_watchdogs_of(launchers[0].pid), launchers[0].pid]:  # the watchdog first: it would act
+            os.kill(pid, signal.SIGKILL)
+        launchers[0].wait()
+        while _pids_with(marker) or _cgroup_processes(dead):
+            assert time.monotonic() < deadline, "the command outlived its launcher"
+            time.sleep(0.1)
+        # (Here the namespace's mount lived in the launcher's mount namespace, `ip netns exec`'s: with it went the
+        # namespace and its link; its name, fence and cgroup stay, as on a host.)
+        assert {"namespace", "fence", "cgroup"} <= set(_what_is_left(topology, dead, marker))
+        time.sleep(max(0.0, REAP_AGE + 1 - (time.time() - os.stat(f"/run/netns/airlock-{dead}").st_mtime)))
+        reap = with_host_cgroups([AIRLOCK, "reap", "--older-than", f"{REAP_AGE}s"])
+        result = topology.run(topology.gw, reap, timeout=60)
+        assert f"removed netns {dead}" in result.stdout and f"removed cgroup {dead}" in result.stdout, result
+        assert _what_is_left(topology, dead, marker) == []
+        assert live not in result.stdout and _cgroup_processes(live)  # its groups hold its command, untouched
+        assert f"airlock-{live}" in _netns_list() and launchers[1].poll() is None
+    finally:
+        for launcher in launchers:
+            if launcher.poll() is None:
+                launcher.send_signal(signal.SIGINT)
+                launcher.wait(20)
+        if _what_is_left(topology, dead, marker):  # only after a failure: the sandbox this test left
+            for pid in _pids_with(marker):
+                os.kill(pid, signal.SIGKILL)
+            leftover = NetnsSandbox(dead)
+            leftover.owned = True
+            in_netns(topology.gw, leftover.destroy)
+            for parent, _ in host_parents().values():
+                with contextlib.suppress(OSError):
+                    (parent / dead).rmdir()
+
+
+def _cgroup_processes(sandbox_id: str) -> list[str]:
+    """The pids in the sandbox's groups (as `airlock run` in this test's own groups makes them)."""
+    found = []
+    for parent, _ in host_parents().values():
+        with contextlib.suppress(OSError):
+            found += (parent / sandbox_id / "cgroup.procs").read_text().split()
+    return found
+
+
+def _watchdogs_of(launcher: int) -> list[int]:
+    children = []
+    for entry in Path("/proc").iterdir():
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            if entry.name.isdigit() and int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == launcher:
+                children.append(int(entry.name))
+    found = [pid for pid in children if "airlock.sandbox.watchdog" in _cmdline(Path(f"/proc/{pid}"))]
+    assert len(found) == 1, children
+    return found
+
+
 def test_a_user_who_cannot_write_the_working_directory_hears_it_before_the_start(run_in_gw, topology: Topology):
     # Root without sudo runs the command as nobody: in a folder only root may write, it is told how to fix it,
     # and the run goes on (a command that only reads is fine).

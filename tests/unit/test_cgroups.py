@@ -5,6 +5,7 @@ for the cgroup mounts), the refusal of a limit asked for that nothing can enforc
 from __future__ import annotations
 
 import argparse
+import os
 from pathlib import Path
 
 import pytest
@@ -189,3 +190,37 @@ def test_the_command_line_marks_the_limits_it_names_as_required() -> None:
     assert netns_resources(given) == Resources(memory="64m", nofile=100, required=frozenset({"memory", "nofile"}))
     assert netns_resources(argparse.Namespace(**dict.fromkeys(names))) == Resources()
     assert rlimit_argv(Resources()) == ["prlimit", "--nofile=4096:4096", "--nproc=8192:8192", "--"]
+
+
+def test_reap_removes_old_empty_groups_of_gone_sandboxes_wherever_a_launcher_put_them(tmp_path: Path) -> None:
+    mountinfo = "".join(
+        f"3{i} 31 0:3{i} / {tmp_path / name} rw - {kind} {kind} rw{options}\n"
+        for i, (name, kind, options) in enumerate(
+            [("memory", "cgroup", ",memory"), ("pids", "cgroup", ",pids"), ("systemd", "cgroup", ",name=systemd"),
+             ("unified", "cgroup2", "")]
+        )
+    )  # fmt: skip
+    (tmp_path / "unified").mkdir()
+    (tmp_path / "unified" / "cgroup.controllers").write_text("memory\n")
+    groups = {
+        "gone": ["memory/jobs/j1/airlock/gone", "pids/airlock/gone", "unified/airlock/gone"],  # launchers' own
+        "stays": [
+            "pids/airlock/busy/inside",  # not empty: rmdir fails, as with processes in it
+            "pids/airlock/live",  # its namespace is there
+            "pids/airlock/young",
+            "memory/jobs/airlockish/gone",  # not below an `airlock` parent
+            "memory/airlock/Not_An_Id",
+            "systemd/airlock/gone",  # a hierarchy airlock makes no groups in
+        ],
+    }
+    for path in groups["gone"] + groups["stays"]:
+        (tmp_path / path).mkdir(parents=True)
+    now = 1_000_000.0
+    for group in tmp_path.rglob("*"):
+        os.utime(group, (now - 100, now - 100))
+    os.utime(tmp_path / "pids/airlock/young", (now - 5, now - 5))
+    found = hierarchies(mountinfo)
+    removed = cgroups.reap_groups(60, lambda sandbox_id: sandbox_id == "live", now, found)
+    assert removed == ["gone"]
+    assert [p for p in groups["gone"] if (tmp_path / p).exists()] == []
+    assert [p for p in groups["stays"] if not (tmp_path / p).exists()] == []

@@ -154,3 +154,15 @@ def test_a_sandbox_whose_proxy_cannot_start_is_killed_and_the_error_is_raised(
 
     assert asyncio.run(run()) == -signal.SIGKILL
     assert events == ["killed", "destroyed", "gateway stopped"]
+
+
+def test_the_reaper_knows_a_namespace_mounted_only_in_another_mount_namespace() -> None:
+    # What a launcher in a private mount namespace (`ip netns exec`'s) shows in its mountinfo: its sandbox's
+    # namespace, mounted there alone, next to the folder itself and a namespace docker keeps elsewhere.
+    mountinfo = (
+        "41 30 0:25 / /run/netns rw,nosuid shared:12 - tmpfs tmpfs rw\n"
+        "52 41 0:4 net:[4026532801] /run/netns/airlock-ab12 rw master:14 - nsfs nsfs rw\n"
+        "53 41 0:4 net:[4026532802] /run/docker/netns/1c2d3e rw - nsfs nsfs rw\n"
+        "54 30 0:4 net:[4026532803] /run/netns/airlock-ab12/x rw - nsfs nsfs rw\n"
+    )
+    assert netns.netns_mounts(mountinfo) == {"airlock-ab12"}
