@@ -192,6 +192,56 @@ def test_back_to_back_udp_is_each_refused_at_once_and_the_sandbox_cannot_undo_it
     ], result.stdout + result.stderr
 
 
+INSPECTED_POLICY = """\
+version: 1
+profiles:
+  default:
+    allow:
+      - host: allowed.test
+        inspect: true
+        inject:
+          - {header: Authorization, value: "Bearer {secret:model_api}"}
+      - host: other.test
+"""
+DOCKER_SECRET = "sk-airlock-docker-5d1c0b9a8e7f6a5b4c3d"
+# Each client through the container's own trust store (no --cacert): curl both ways, Python's urllib, git.
+TRUST_SCRIPT = r"""
+echo "curl $(curl -sS --max-time 10 https://allowed.test/headers)"
+echo "direct $(curl -sS --noproxy '*' --max-time 10 https://allowed.test/headers)"
+python3 -c 'import urllib.request as u; print("urllib", u.urlopen("https://allowed.test/headers").read().decode())'
+GIT_TERMINAL_PROMPT=0 git ls-remote https://allowed.test/repo.git >/dev/null 2>&1; echo "git $?"
+echo "passthrough $(curl -sSkv --max-time 10 -o /dev/null https://other.test/ 2>&1 | grep -i 'issuer:')"
+env | grep -E '^(SSL_CERT_FILE|REQUESTS_CA_BUNDLE|GIT_SSL_CAINFO)=' | sort
+"""
+
+
+def test_inspected_hosts_work_through_the_containers_trust_store_and_it_never_holds_the_secret(
+    docker_run, fakenet: FakeNet, test_ca, tmp_path: Path
+):
+    policy = tmp_path / "inspect.yaml"
+    policy.write_text(INSPECTED_POLICY)
+    secret = tmp_path / "model_api.secret"
+    secret.write_text(DOCKER_SECRET + "\n")
+    secret.chmod(0o600)
+    options = ("--policy", str(policy), "--upstream-ca", str(test_ca.ca_cert), "--secret", f"model_api=file:{secret}")
+    result = docker_run("sh", "-c", TRUST_SCRIPT, options=options)
+    out = result.stdout
+    for client in ("curl", "direct", "urllib"):
+        line = next(line for line in out.splitlines() if line.startswith(client + " "))
+        assert '"Authorization", "Bearer ****' in line, (client, out, result.stderr)
+    assert "git 0" in out or "git 128" in out
+    assert "airlock e2e" in next(line for line in out.splitlines() if line.startswith("passthrough "))
+    assert "SSL_CERT_FILE=/etc/ssl/certs/ca-certificates.crt" in out
+    assert DOCKER_SECRET not in out and DOCKER_SECRET not in result.stderr
+    seen = [
+        r for r in fakenet.http_requests() if r["target"] in ("/headers", "/repo.git/info/refs?service=git-upload-pack")
+    ]
+    assert len(seen) == 4, seen
+    assert all(
+        [v for k, v in r["headers"] if k.lower() == "authorization"] == [f"Bearer {DOCKER_SECRET}"] for r in seen
+    )
+
+
 def test_explicit_mode_only_leaves_no_direct_way_out(docker_run, fakenet: FakeNet):
     script = (
         "curl -sS --noproxy '*' --max-time 3 http://192.0.2.10/ || echo DIRECT-BLOCKED; "
