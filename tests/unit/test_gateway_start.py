@@ -20,7 +20,7 @@ import pytest
 from airlock import gateway as gateway_module
 from airlock.cli.common import default_policy_path
 from airlock.gateway import Gateway, GatewayConfig, GatewayError
-from airlock.policy import Sandbox, load_policy
+from airlock.policy import PolicyError, Sandbox, load_policy, parse_policy
 from airlock.sandbox.fence import GATEWAY_SOCKET_MARK
 
 LOCALHOST = "127.0.0.1"
@@ -260,5 +260,42 @@ async def test_both_proxy_listeners_carry_the_fences_mark_before_mitmproxy_serve
             for sock in gateway._listeners.values()
         }
         assert marks == {proxy_port: GATEWAY_SOCKET_MARK, transparent_port: GATEWAY_SOCKET_MARK}
+    finally:
+        await gateway.stop()
+
+
+INJECTING = """\
+version: 1
+profiles:
+  default:
+    allow:
+      - host: api.example
+        inspect: true
+        inject:
+          - {header: Authorization, value: "Bearer {secret:model_api}"}
+"""
+
+
+async def test_a_gateway_not_given_a_secret_its_policy_injects_does_not_start(config: GatewayConfig) -> None:
+    injecting = dataclasses.replace(config, policy=parse_policy(INJECTING))
+    gateway = Gateway(injecting)
+    try:
+        with pytest.raises(GatewayError, match=r"injects secret 'model_api', which the gateway was not given"):
+            await gateway.start()
+    finally:
+        await gateway.stop()
+
+
+async def test_a_reload_that_injects_a_secret_the_gateway_lacks_is_refused_and_the_running_policy_stays(
+    config: GatewayConfig, tmp_path: Path
+) -> None:
+    gateway = Gateway(config)
+    await gateway.start()
+    try:
+        running = gateway.live.current.policy.hash if gateway.live else None
+        with pytest.raises(PolicyError, match="model_api"):
+            gateway.replace_policy(parse_policy(INJECTING))
+        assert gateway.live is not None and gateway.live.current.policy.hash == running
+        assert gateway.inspector is not None and gateway.inspector.generations == []  # nothing made for it
     finally:
         await gateway.stop()
