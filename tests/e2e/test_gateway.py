@@ -24,7 +24,7 @@ from topology import GW_IP, SBX_IP, FakeNet, Topology
 
 ALLOWED_IP = "192.0.2.10"
 AUDIT_FIELDS = {
-    "schema", "ts", "request_id", "sandbox", "client", "kind", "method", "host", "port", "path", "resolved",
+    "schema", "ts", "request_id", "sandbox", "client", "kind", "method", "host", "port", "path", "status", "resolved",
     "chosen_ip", "decision", "reason", "code", "profile", "policy_hash", "rule", "rule_source", "hint", "bytes_in",
     "bytes_out", "duration_ms", "extra",
 }  # fmt: skip
@@ -254,6 +254,7 @@ def test_every_decision_writes_one_audit_line(topology: Topology, fakenet: FakeN
     http_ok = by_kind[("http", "allow")]
     assert http_ok["host"] == "allowed.test" and http_ok["path"] == "/a" and http_ok["chosen_ip"] == ALLOWED_IP
     assert http_ok["bytes_out"] == len(allowed.body) and http_ok["rule_source"].endswith("e2e.yaml:6")
+    assert http_ok["status"] == 200 and by_kind[("http", "deny")]["status"] is None  # the upstream's, when one answered
     assert "secret" not in str(records)  # query strings may carry tokens: never logged
     http_denied = by_kind[("http", "deny")]
     assert http_denied["request_id"] == denied.json()["request_id"] and http_denied["resolved"] == []
