@@ -8,6 +8,7 @@ so sockets it opens live there, while the test itself stays in the host namespac
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import http.client
 import json
@@ -371,3 +372,124 @@ while True:
     time.sleep(0.05)
 """
 GATEWAY_PORTS = {"tcp": (3128, 53, 8080), "udp": (53,)}
+
+
+def tls_tunnel(
+    proxy: tuple[str, int], target: str, ca_file: str, alpn: tuple[str, ...] = ("http/1.1",), timeout: float = 10
+) -> tuple[ssl.SSLSocket | None, Reply]:
+    """CONNECT to host:port and TLS inside it (SNI the host), verified against ca_file alone: the open TLS socket,
+    or None and the proxy's reply (a TLS failure in its `error`)."""
+    sock, reply = connect_tunnel(proxy, target, timeout)
+    if sock is None:
+        return None, reply
+    context = ssl.create_default_context(cafile=ca_file)
+    context.set_alpn_protocols(list(alpn))
+    try:
+        return context.wrap_socket(sock, server_hostname=target.rsplit(":", 1)[0]), reply
+    except (OSError, ssl.SSLError) as e:
+        sock.close()
+        return None, Reply(0, {}, error=f"{type(e).__name__}: {e}", extra={"connect_status": reply.status})
+
+
+def exchange(sock: socket.socket, data: bytes, timeout: float = 5) -> bytes:
+    """Send bytes as they are and read until the peer closes (or goes quiet for `timeout`)."""
+    sock.settimeout(timeout)
+    with contextlib.suppress(OSError):
+        sock.sendall(data)
+    received = b""
+    with contextlib.suppress(OSError):
+        while chunk := sock.recv(65536):
+            received += chunk
+    return received
+
+
+def http_replies(data: bytes) -> list[tuple[int, bytes]]:
+    """The (status, body) of each HTTP/1.1 response in `data` (Content-Length framed), in order."""
+    replies = []
+    while data.startswith(b"HTTP/1."):
+        head, _, rest = data.partition(b"\r\n\r\n")
+        fields = dict(line.split(b": ", 1) for line in head.split(b"\r\n")[1:] if b": " in line)
+        length = int(next((v for k, v in fields.items() if k.lower() == b"content-length"), b"0"))
+        replies.append((int(head.split(b" ", 2)[1]), rest[:length]))
+        data = rest[length:]
+    return replies
+
+
+@dataclass
+class WebsocketResult:
+    status: int  # of the upgrade's answer (0: no answer)
+    messages: list[bytes] = field(default_factory=list)  # what the server sent, in order
+    head: bytes = b""
+    body: bytes = b""  # of an answer that is not an upgrade
+
+
+def websocket_session(
+    sock: socket.socket, host: str, path: str, send: list[bytes], timeout: float = 5
+) -> WebsocketResult:
+    """A websocket client written out by hand: the upgrade request, then one masked text frame per `send`, each
+    answered (the server's first message comes unasked), then a close."""
+    sock.settimeout(timeout)
+    key = base64.b64encode(os.urandom(16)).decode()
+    sock.sendall(
+        f"GET {path} HTTP/1.1\r\nHost: {host}\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+        f"Sec-WebSocket-Key: {key}\r\nSec-WebSocket-Version: 13\r\n\r\n".encode()
+    )
+    buffer = _Buffered(sock)
+    head = buffer.until(b"\r\n\r\n")
+    if not head.startswith(b"HTTP/1.1 "):
+        return WebsocketResult(0, head=head + buffer.rest())
+    result = WebsocketResult(int(head.split(b" ", 2)[1]), head=head)
+    if result.status != 101:
+        result.body = buffer.rest()
+        return result
+    result.messages.append(_read_frame(buffer))
+    for payload in send:
+        sock.sendall(_masked_frame(0x1, payload))
+        result.messages.append(_read_frame(buffer))
+    sock.sendall(_masked_frame(0x8, b"\x03\xe8"))
+    return result
+
+
+class _Buffered:
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock, self.data = sock, b""
+
+    def take(self, n: int) -> bytes:
+        while len(self.data) < n:
+            if not (chunk := self.sock.recv(65536)):
+                raise ConnectionError("closed mid-frame")
+            self.data += chunk
+        out, self.data = self.data[:n], self.data[n:]
+        return out
+
+    def until(self, separator: bytes) -> bytes:
+        with contextlib.suppress(OSError, ConnectionError):
+            while separator not in self.data:
+                if not (chunk := self.sock.recv(65536)):
+                    break
+                self.data += chunk
+        head, _, self.data = self.data.partition(separator)
+        return head
+
+    def rest(self) -> bytes:
+        with contextlib.suppress(OSError):
+            while chunk := self.sock.recv(65536):
+                self.data += chunk
+        return self.data
+
+
+def _read_frame(buffer: _Buffered) -> bytes:
+    """One whole unfragmented frame from the server (unmasked)."""
+    head = buffer.take(2)
+    length = head[1] & 0x7F
+    if length >= 126:
+        length = int.from_bytes(buffer.take(2 if length == 126 else 8))
+    return buffer.take(length)
+
+
+def _masked_frame(opcode: int, payload: bytes) -> bytes:
+    """One final frame as a client sends it: masked (RFC 6455 §5.3)."""
+    mask = os.urandom(4)
+    length = len(payload)
+    size = bytes([0x80 | length]) if length < 126 else bytes([0x80 | 126]) + length.to_bytes(2)
+    return bytes([0x80 | opcode]) + size + mask + bytes(b ^ mask[i % 4] for i, b in enumerate(payload))
