@@ -493,3 +493,41 @@ def _masked_frame(opcode: int, payload: bytes) -> bytes:
     length = len(payload)
     size = bytes([0x80 | length]) if length < 126 else bytes([0x80 | 126]) + length.to_bytes(2)
     return bytes([0x80 | opcode]) + size + mask + bytes(b ^ mask[i % 4] for i, b in enumerate(payload))
+
+
+def h2_request(sock: ssl.SSLSocket, headers: list[tuple[str, str]], timeout: float = 5) -> Reply:
+    """One HTTP/2 request with exactly these header fields (pseudo-headers first; nothing checked or normalized on
+    the way out): the answer's status and body, or an `error` naming the reset or the connection's end."""
+    import h2.config
+    import h2.connection
+    import h2.events
+
+    config = h2.config.H2Configuration(client_side=True, validate_outbound_headers=False,
+                                       normalize_outbound_headers=False, validate_inbound_headers=False)  # fmt: skip
+    conn = h2.connection.H2Connection(config)
+    conn.initiate_connection()
+    conn.send_headers(1, headers, end_stream=True)
+    sock.settimeout(timeout)
+    sock.sendall(conn.data_to_send())
+    status, body = 0, b""
+    while True:
+        try:
+            data = sock.recv(65536)
+        except OSError as e:
+            return Reply(status, {}, body, error=f"{type(e).__name__}: {e}")
+        if not data:
+            return Reply(status, {}, body, error="connection closed")
+        for event in conn.receive_data(data):
+            if isinstance(event, h2.events.ResponseReceived):
+                status = int(dict(event.headers)[b":status"])
+            elif isinstance(event, h2.events.DataReceived):
+                body += event.data
+                conn.acknowledge_received_data(event.flow_controlled_length, event.stream_id)
+            elif isinstance(event, h2.events.StreamEnded):
+                return Reply(status, {}, body)
+            elif isinstance(event, h2.events.StreamReset):
+                return Reply(status, {}, body, error=f"stream reset ({event.error_code!r})")
+            elif isinstance(event, h2.events.ConnectionTerminated):
+                return Reply(status, {}, body, error=f"connection terminated ({event.error_code!r})")
+        with contextlib.suppress(OSError):
+            sock.sendall(conn.data_to_send())

@@ -13,10 +13,10 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from test_inspect import SECRET, curl, gateway_ca, header_values, upstream_requests
 
 from gateway_proc import PROXY, GatewayProcess
-from netclient import exchange, http_replies, in_netns, tls_tunnel, websocket_session
-from test_inspect import SECRET, curl, gateway_ca, header_values, upstream_requests
+from netclient import exchange, h2_request, http_replies, in_netns, tls_tunnel, websocket_session
 from testca import TestCA
 from topology import FakeNet, Topology
 
@@ -127,8 +127,8 @@ def test_a_websocket_upgrade_where_no_sub_rule_allows_one_is_refused_before_the_
     ("host", "request_head"),
     [
         # No Upgrade header at all, but a server that upgrades anyway (fakenet's /ws is that lenient).
-        ("www.allowed.test", b"GET /ws HTTP/1.1\r\nHost: www.allowed.test\r\nSec-WebSocket-Key: AAAAAAAAAAAAAAAAAAAAAA==\r\n"
-                             b"Sec-WebSocket-Version: 13\r\n\r\n"),
+        ("www.allowed.test", b"GET /ws HTTP/1.1\r\nHost: www.allowed.test\r\n"
+                             b"Sec-WebSocket-Key: AAAAAAAAAAAAAAAAAAAAAA==\r\nSec-WebSocket-Version: 13\r\n\r\n"),
         # An upgrade to something that is not a websocket: after a 101 the tunnel would carry raw bytes.
         ("www.allowed.test", b"GET /raw-upgrade HTTP/1.1\r\nHost: www.allowed.test\r\nUpgrade: tcp\r\n"
                              b"Connection: Upgrade\r\n\r\n"),
@@ -142,3 +142,175 @@ def test_an_upgrade_the_request_was_not_judged_for_is_never_delivered(
     assert fakenet.ws_messages() == []
     (line,) = attacked.audit_for(host=host, kind="http")
     assert line["decision"] == "deny" and line["code"] == "websocket_not_allowed", line
+
+
+# --------------------------------------------------------------------------------------------------- HTTP/2 and 1.1
+
+HTTP_VERSIONS = [("--http2", "2"), ("--http1.1", "1.1")]
+
+
+@pytest.mark.parametrize(("flag", "version"), HTTP_VERSIONS)
+def test_injection_scrubbing_and_denial_over_either_http_version(
+    topology: Topology, fakenet: FakeNet, attacked: GatewayProcess, flag: str, version: str
+) -> None:
+    # The sandbox speaks `version` to the gateway; fakenet speaks HTTP/1.1 only: the gateway translates.
+    out = "\n%{http_version} %{http_code}"
+    echoed = curl(topology, attacked, flag, "-w", out, "https://allowed.test/headers")
+    reflected = curl(topology, attacked, flag, "-D", "-", "-o", "/dev/null", "-w", out, "https://allowed.test/reflect")
+    denied = curl(topology, attacked, flag, "-w", out, "https://allowed.test/admin")
+    fronted = curl(topology, attacked, flag, "-H", "Host: other.test", "-w", out, "https://allowed.test/headers")
+    for result, status in ((echoed, 200), (reflected, 200), (denied, 403), (fronted, 403)):
+        assert result.stdout.endswith(f"\n{version} {status}"), (result.stdout, result.stderr)
+        assert SECRET not in result.stdout
+    assert "x-reflected-authorization: bearer ****" in reflected.stdout.lower()
+    assert json.loads(denied.stdout.rpartition("\n")[0])["code"] == "path_not_allowed"
+    assert json.loads(fronted.stdout.rpartition("\n")[0])["code"] == "host_mismatch"
+    seen = upstream_requests(fakenet)
+    assert [r["target"] for r in seen] == ["/headers", "/reflect"]
+    assert all(header_values(r, "authorization") == [f"Bearer {SECRET}"] for r in seen)
+    attacked.stop()  # every line written
+    lines = [line for line in attacked.audit() if line["kind"] == "http"]
+    summary = [(line["path"], line["status"], line["decision"], line["code"]) for line in lines]
+    assert summary == [
+        ("/headers", 200, "allow", "allowed"), ("/reflect", 200, "allow", "allowed"),
+        ("/admin", None, "deny", "path_not_allowed"), ("/headers", None, "deny", "host_mismatch"),
+    ], summary  # fmt: skip
+    assert SECRET not in attacked.audit_path.read_text() and SECRET not in attacked.log()
+
+
+@pytest.mark.parametrize(("flag", "version"), HTTP_VERSIONS)
+def test_a_compressed_answer_to_a_request_that_carried_the_secret_is_withheld_and_audited(
+    topology: Topology, fakenet: FakeNet, attacked: GatewayProcess, flag: str, version: str
+) -> None:
+    result = curl(topology, attacked, flag, "--compressed", "https://allowed.test/gzip")
+    assert result.returncode != 0 and SECRET not in result.stdout
+    (seen,) = upstream_requests(fakenet, "/gzip")
+    assert header_values(seen, "accept-encoding") == ["identity"]  # asked for none: fakenet compresses anyway
+    (line,) = attacked.audit_for(host="allowed.test", kind="http")
+    assert (line["path"], line["status"], line["decision"]) == ("/gzip", 200, "error")
+    assert "compressed" in line["reason"]
+
+
+# --------------------------------------------------------------------------------------------------- other hosts
+
+GET_HEADERS = b"GET /headers HTTP/1.1\r\nHost: allowed.test\r\n\r\n"
+
+
+@pytest.mark.parametrize(
+    "request_head",
+    [
+        b"GET /headers HTTP/1.1\r\nHost: other.test\r\n\r\n",  # a passthrough host
+        b"GET /headers HTTP/1.1\r\nHost: evil.test\r\n\r\n",  # a host no rule allows
+        b"GET /headers HTTP/1.1\r\nHost: allowed.test:8443\r\n\r\n",  # another port
+        b"GET https://other.test/headers HTTP/1.1\r\nHost: allowed.test\r\n\r\n",  # absolute form: read first
+        b"GET http://evil.test/headers HTTP/1.1\r\nHost: allowed.test\r\n\r\n",
+        b"GET /headers HTTP/1.1\r\nHost: allowed.test\r\nHost: evil.test\r\n\r\n",  # two Host headers
+    ],
+)
+def test_a_request_inside_the_tunnel_naming_another_host_is_fronting(
+    topology: Topology, fakenet: FakeNet, attacked: GatewayProcess, request_head: bytes
+) -> None:
+    got = in_tunnel(topology, attacked, "allowed.test", request_head)
+    status, _ = http_replies(got)[0]
+    assert status in (400, 403), got
+    assert upstream_requests(fakenet) == []
+
+
+def test_a_second_request_on_the_keep_alive_connection_to_another_host_is_refused(
+    topology: Topology, fakenet: FakeNet, attacked: GatewayProcess
+) -> None:
+    got = in_tunnel(
+        topology, attacked, "allowed.test", GET_HEADERS + b"GET /headers HTTP/1.1\r\nHost: other.test\r\n\r\n"
+    )
+    (first, second) = http_replies(got)
+    assert first[0] == 200 and SECRET.encode() not in first[1]
+    assert second[0] == 403 and json.loads(second[1])["code"] == "host_mismatch"
+    (seen,) = upstream_requests(fakenet)
+    assert seen["host"] == "allowed.test"
+
+
+def test_an_http2_authority_or_host_naming_another_host_is_refused(
+    topology: Topology, fakenet: FakeNet, attacked: GatewayProcess
+) -> None:
+    def run(headers: list[tuple[str, str]]):
+        tls, reply = tls_tunnel(PROXY, "allowed.test:443", str(gateway_ca(attacked)), alpn=("h2",))
+        assert tls is not None and tls.selected_alpn_protocol() == "h2", reply
+        with tls:
+            return h2_request(tls, headers)
+
+    base = [(":method", "GET"), (":scheme", "https"), (":path", "/headers")]
+    allowed = in_netns(topology.sbx, run, [*base, (":authority", "allowed.test")])
+    assert allowed.status == 200 and allowed.error is None, allowed
+    attacks = [
+        [*base, (":authority", "other.test")],
+        [*base, (":authority", "allowed.test"), ("host", "other.test")],  # the Host an HTTP/1.1 upstream reads
+        [*base, ("host", "other.test")],
+    ]
+    for headers in attacks:
+        reply = in_netns(topology.sbx, run, headers)
+        assert reply.status in (400, 403) or reply.error is not None, (headers, reply)
+        assert reply.status != 200
+    assert [r["host"] for r in upstream_requests(fakenet)] == ["allowed.test"]
+
+
+def test_connect_inside_an_inspected_tunnel_opens_nothing(
+    topology: Topology, fakenet: FakeNet, attacked: GatewayProcess
+) -> None:
+    got = in_tunnel(
+        topology, attacked, "allowed.test", b"CONNECT other.test:443 HTTP/1.1\r\nHost: other.test:443\r\n\r\n"
+    )
+    assert http_replies(got)[0][0] in (400, 403), got
+    assert fakenet.total_connections() == 0
+
+
+@pytest.mark.parametrize(
+    "smuggled",
+    [
+        b"POST /v1/x HTTP/1.1\r\nHost: allowed.test\r\nContent-Length: 4\r\nTransfer-Encoding: chunked\r\n\r\n"
+        b"0\r\n\r\nGET /admin HTTP/1.1\r\nHost: allowed.test\r\n\r\n",
+        b"POST /v1/x HTTP/1.1\r\nHost: allowed.test\r\nContent-Length: 0\r\nContent-Length: 44\r\n\r\n"
+        b"GET /admin HTTP/1.1\r\nHost: allowed.test\r\n\r\n",
+        b"POST /v1/x HTTP/1.1\r\nHost: allowed.test\r\nTransfer-Encoding: chunked\r\n"
+        b"Transfer-Encoding: identity\r\n\r\n"
+        b"0\r\n\r\nGET /admin HTTP/1.1\r\nHost: allowed.test\r\n\r\n",
+        b"POST /v1/x HTTP/1.1\r\nHost: allowed.test\r\nTransfer-Encoding: xchunked\r\n\r\n"
+        b"0\r\n\r\nGET /admin HTTP/1.1\r\nHost: allowed.test\r\n\r\n",
+    ],
+)
+def test_request_smuggling_shapes_to_an_inspected_host_are_refused_before_the_upstream(
+    topology: Topology, fakenet: FakeNet, attacked: GatewayProcess, smuggled: bytes
+) -> None:
+    got = in_tunnel(topology, attacked, "allowed.test", smuggled)
+    assert http_replies(got)[0][0] == 400, got
+    assert upstream_requests(fakenet) == []
+
+
+def test_an_inspected_host_by_ip_literal_or_a_denied_name_beside_an_inspected_wildcard_gets_no_tunnel(
+    topology: Topology, fakenet: FakeNet, attacked: GatewayProcess
+) -> None:
+    ca = str(gateway_ca(attacked))
+    by_ip = in_netns(topology.sbx, tls_tunnel, PROXY, "192.0.2.10:443", ca)
+    assert by_ip[0] is None and by_ip[1].status == 403, by_ip
+    denied = in_netns(topology.sbx, tls_tunnel, PROXY, "deny.wild.allowed.test:443", ca)
+    assert denied[0] is None and denied[1].status == 403, denied
+    (line,) = attacked.audit_for(host="deny.wild.allowed.test", kind="connect")
+    assert line["code"] == "denied_by_rule" and line["rule"] == "denied"
+    # Inside a tunnel the wildcard allows, a Host naming the denied name is fronting like any other.
+    got = in_tunnel(
+        topology, attacked, "a.wild.allowed.test", b"GET / HTTP/1.1\r\nHost: deny.wild.allowed.test\r\n\r\n"
+    )
+    assert refusal(got) == (403, "host_mismatch")
+    assert fakenet.total_connections() == 0
+
+
+def test_a_client_that_pins_the_upstreams_own_ca_fails_closed(
+    topology: Topology, fakenet: FakeNet, attacked: GatewayProcess, test_ca: TestCA
+) -> None:
+    # The client trusts only the CA that really signed fakenet's certificate: the gateway's leaf fails it, and no
+    # fallback hands it the upstream's own TLS.
+    tls, reply = in_netns(topology.sbx, tls_tunnel, PROXY, "allowed.test:443", str(test_ca.ca_cert))
+    assert tls is None and "CERTIFICATE_VERIFY_FAILED" in (reply.error or ""), reply
+    pinned = topology.curl(topology.sbx, "-x", f"http://{PROXY[0]}:{PROXY[1]}", "--cacert", str(test_ca.ca_cert),
+                           "https://allowed.test/headers")  # fmt: skip
+    assert pinned.returncode == 60, pinned.stderr  # curl: the peer's certificate cannot be authenticated
+    assert fakenet.total_connections() == 0
