@@ -63,9 +63,10 @@ def inner_layer(nextlayer: layer.NextLayer) -> None:
     nextlayer.layer = layers.HttpLayer(nextlayer.context, HTTPMode.transparent)
 
 
-def carried_placeholders(request: http.Request) -> frozenset[str]:
-    """The secrets whose placeholder this request carries, in its target or any header."""
-    found = placeholders_in(request.path)
+def carried_placeholders(request: http.Request, forwarded: str = "") -> frozenset[str]:
+    """The secrets whose placeholder this request carries, in its target as sent or as it will be `forwarded`
+    (canonical: an escaped `-` decoded), or in any header."""
+    found = placeholders_in(request.path) | placeholders_in(forwarded)
     for value in request.headers.values():
         found |= placeholders_in(value)
     return found
@@ -179,10 +180,10 @@ class Inspection:
         if not verdict.allow:
             record.decision, record.reason, record.code = "deny", verdict.reason, verdict.code
             return Refusal(400 if verdict.code == ReasonCode.AMBIGUOUS_PATH else 403, verdict.hint)
-        if stray := judge_placeholders(rule if encrypted else None, carried_placeholders(request)):
+        assert verdict.target is not None
+        if stray := judge_placeholders(rule if encrypted else None, carried_placeholders(request, verdict.target)):
             record.decision, record.reason, record.code = "deny", stray.reason, stray.code
             return Refusal(403, None)
-        assert verdict.target is not None
         request.path = verdict.target  # what was judged is what is sent
         flow.metadata["airlock_websocket"] = websocket  # the only upgrade its answer may make (`responseheaders`)
         if encrypted and inject(request, rule, self.shared.credentials.values):

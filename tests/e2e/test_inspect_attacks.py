@@ -314,3 +314,32 @@ def test_a_client_that_pins_the_upstreams_own_ca_fails_closed(
                            "https://allowed.test/headers")  # fmt: skip
     assert pinned.returncode == 60, pinned.stderr  # curl: the peer's certificate cannot be authenticated
     assert fakenet.total_connections() == 0
+
+
+# --------------------------------------------------------------------------------------------------- placeholders
+
+
+# In scope: the placeholder as the sandbox holds it, in what is forwarded — the target (path as canonicalized, so an
+# escaped `-` counts; the query as sent) and every header value, whatever the header name's case. Out of scope: a
+# placeholder encoded, split or transformed (it holds no secret: refusing it is a signal, not the containment,
+# which is that the real value never enters the sandbox).
+@pytest.mark.parametrize(
+    ("target", "header"),
+    [
+        ("/airlock-placeholder-model_api", None),
+        ("/airlock%2Dplaceholder%2dmodel_api", None),  # what the upstream gets once the path is canonical
+        ("/x?key=airlock-placeholder-model_api", None),
+        ("/x", "x-API-kEY: airlock-placeholder-model_api"),
+        ("/x", "Cookie: a=1; k=airlock-placeholder-model_api"),
+    ],
+)
+def test_a_placeholder_to_a_host_that_does_not_inject_it_is_refused(
+    topology: Topology, fakenet: FakeNet, attacked: GatewayProcess, target: str, header: str | None
+) -> None:
+    headers = ("-H", header) if header else ()
+    result = curl(
+        topology, attacked, "--path-as-is", *headers, "-w", "\n%{http_code}", f"https://a.wild.allowed.test{target}"
+    )
+    body, _, status = result.stdout.rpartition("\n")
+    assert status == "403" and json.loads(body)["code"] == "placeholder_misuse", result.stdout
+    assert upstream_requests(fakenet) == []
