@@ -9,11 +9,14 @@ header, and what the server sends over the websocket is scrubbed of the secret l
 from __future__ import annotations
 
 import json
+import socket
+import ssl
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 from test_inspect import SECRET, curl, gateway_ca, header_values, upstream_requests
+from test_transparent import routed_sbx  # noqa: F401 - a fixture: sbx routed through the fence
 
 from gateway_proc import PROXY, GatewayProcess
 from netclient import exchange, h2_request, http_replies, in_netns, tls_tunnel, websocket_session
@@ -343,3 +346,30 @@ def test_a_placeholder_to_a_host_that_does_not_inject_it_is_refused(
     body, _, status = result.stdout.rpartition("\n")
     assert status == "403" and json.loads(body)["code"] == "placeholder_misuse", result.stdout
     assert upstream_requests(fakenet) == []
+
+
+# --------------------------------------------------------------------------------------------------- transparent
+
+
+@pytest.mark.usefixtures("routed_sbx")
+def test_transparent_sni_of_an_inspected_host_with_the_host_header_of_another_is_refused(
+    topology: Topology, fakenet: FakeNet, attacked: GatewayProcess
+) -> None:
+    """A client that ignores the proxy dials allowed.test's address itself: the fence hands the connection to the
+    transparent listener, which inspects it by its SNI; each request inside must still name that host."""
+
+    def direct(host_header: str) -> bytes:
+        context = ssl.create_default_context(cafile=str(gateway_ca(attacked)))
+        with (
+            socket.create_connection(("192.0.2.10", 443), timeout=10) as sock,
+            context.wrap_socket(sock, server_hostname="allowed.test") as tls,
+        ):
+            return exchange(tls, f"GET /headers HTTP/1.1\r\nHost: {host_header}\r\n\r\n".encode())
+
+    for fronted in ("other.test", "evil.test", "deny.wild.allowed.test"):
+        assert refusal(in_netns(topology.sbx, direct, fronted)) == (403, "host_mismatch")
+    assert upstream_requests(fakenet) == []
+    ((status, body),) = http_replies(in_netns(topology.sbx, direct, "allowed.test"))
+    assert status == 200 and SECRET.encode() not in body
+    (seen,) = upstream_requests(fakenet)
+    assert header_values(seen, "authorization") == [f"Bearer {SECRET}"]
