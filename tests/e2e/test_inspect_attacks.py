@@ -18,7 +18,7 @@ import pytest
 from test_inspect import SECRET, curl, gateway_ca, header_values, upstream_requests
 from test_transparent import routed_sbx  # noqa: F401 - a fixture: sbx routed through the fence
 
-from gateway_proc import PROXY, GatewayProcess
+from gateway_proc import AIRLOCK, PROXY, GatewayProcess
 from netclient import exchange, h2_request, http_replies, in_netns, tls_tunnel, websocket_session
 from testca import TestCA
 from topology import FakeNet, Topology
@@ -373,3 +373,28 @@ def test_transparent_sni_of_an_inspected_host_with_the_host_header_of_another_is
     assert status == 200 and SECRET.encode() not in body
     (seen,) = upstream_requests(fakenet)
     assert header_values(seen, "authorization") == [f"Bearer {SECRET}"]
+
+
+# --------------------------------------------------------------------------------------------------- nowhere
+
+
+def test_the_secret_is_in_no_answer_audit_line_log_or_explanation(
+    topology: Topology, fakenet: FakeNet, attacked: GatewayProcess
+) -> None:
+    answers = [
+        curl(topology, attacked, "-i", *args, f"https://{target}")
+        for target, args in [
+            ("allowed.test/headers", ()), ("allowed.test/reflect", ("--http2",)), ("allowed.test/admin", ()),
+            ("allowed.test/simple/%2e%2e/x", ("--path-as-is",)), ("allowed.test/gzip", ()),
+            ("allowed.test/headers", ("-H", "Host: evil.test")), ("a.wild.allowed.test/", ()),  # a 502: no cert
+            ("allowed.test/x?airlock-placeholder-model_api", ()), ("allowed.test/v1/x", ("-d", SECRET[:8])),
+        ]
+    ]  # fmt: skip
+    assert len(upstream_requests(fakenet)) >= 3  # what was allowed did get the secret
+    explained = topology.run(topology.gw, [AIRLOCK, "policy", "explain", "--policy", str(attacked.policy), "--json",
+                                           "https://allowed.test/headers"])  # fmt: skip
+    assert explained.returncode == 0 and "{secret:model_api}" in explained.stdout, explained.stderr
+    attacked.stop()
+    for text in [*(a.stdout + a.stderr for a in answers), explained.stdout + explained.stderr,
+                 attacked.audit_path.read_text(), attacked.log()]:  # fmt: skip
+        assert SECRET not in text
