@@ -4,8 +4,9 @@ from secrets the sandbox never holds, and scrubs those secrets from what comes b
 
 Every other host stays passthrough, byte for byte (`tunnels.py`). What was judged is what is sent: the request
 goes upstream with its canonical path, and a Host header that names another host is fronting, refused as in
-plain HTTP. The upstream's certificate is verified (mitmproxy's server TLS, against the system store or
-`--upstream-ca`); an invalid one is a denial, never a downgrade to passthrough.
+plain HTTP. A 101 is delivered only as the websocket a sub-rule allowed the request to ask for: after any other
+upgrade the tunnel would carry bytes no rule judges. The upstream's certificate is verified (mitmproxy's server
+TLS, against the system store or `--upstream-ca`); an invalid one is a denial, never a downgrade to passthrough.
 """
 
 from __future__ import annotations
@@ -241,7 +242,7 @@ class Inspection:
     @fail_closed(_withhold_message)
     def websocket_message(self, flow: http.HTTPFlow) -> None:
         """What the server sends over a websocket is a response like any: scrubbed whole (mitmproxy hands over each
-        message once all its frames are in). None is kept: a long-lived websocket must not grow the gateway."""
+        message once all its frames are in). Only the newest is kept: a long websocket must not grow the gateway."""
         assert flow.websocket is not None
         message = flow.websocket.messages[-1]
         del flow.websocket.messages[:-1]
