@@ -55,6 +55,7 @@ class Airlock:
         self.server_disconnected = pinned.server_disconnected
         self.responseheaders = inspection.responseheaders
         self.response = inspection.response  # scrubbed, then audited
+        self.websocket_message = inspection.websocket_message
         self.tls_failed_server = inspection.tls_failed_server
         self.error = audit.error
 

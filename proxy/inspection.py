@@ -4,8 +4,9 @@ from secrets the sandbox never holds, and scrubs those secrets from what comes b
 
 Every other host stays passthrough, byte for byte (`tunnels.py`). What was judged is what is sent: the request
 goes upstream with its canonical path, and a Host header that names another host is fronting, refused as in
-plain HTTP. The upstream's certificate is verified (mitmproxy's server TLS, against the system store or
-`--upstream-ca`); an invalid one is a denial, never a downgrade to passthrough.
+plain HTTP. A 101 is delivered only as the websocket a sub-rule allowed the request to ask for: after any other
+upgrade the tunnel would carry bytes no rule judges. The upstream's certificate is verified (mitmproxy's server
+TLS, against the system store or `--upstream-ca`); an invalid one is a denial, never a downgrade to passthrough.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from mitmproxy import http, tls
 from mitmproxy.proxy import layer, layers
 from mitmproxy.proxy.layers.http import HTTPMode
 
-from airlock.audit import AuditRecord
+from airlock.audit import AuditRecord, Verdict
 from airlock.policy import Decision, ReasonCode, Rule, decide
 from airlock.policy.decide import judge_placeholders, judge_request, refused_certificate
 from airlock.policy.inspection import GithubInjection, Injection, placeholders_in
@@ -63,9 +64,10 @@ def inner_layer(nextlayer: layer.NextLayer) -> None:
     nextlayer.layer = layers.HttpLayer(nextlayer.context, HTTPMode.transparent)
 
 
-def carried_placeholders(request: http.Request) -> frozenset[str]:
-    """The secrets whose placeholder this request carries, in its target or any header."""
-    found = placeholders_in(request.path)
+def carried_placeholders(request: http.Request, forwarded: str = "") -> frozenset[str]:
+    """The secrets whose placeholder this request carries, in its target as sent or as it will be `forwarded`
+    (canonical: an escaped `-` decoded), or in any header."""
+    found = placeholders_in(request.path) | placeholders_in(forwarded)
     for value in request.headers.values():
         found |= placeholders_in(value)
     return found
@@ -87,6 +89,27 @@ def _withhold(self: Inspection, flow: http.HTTPFlow) -> None:
     """A response that could not be scrubbed is not delivered."""
     if flow.killable:
         flow.kill()
+
+
+def _withhold_message(self: Inspection, flow: http.HTTPFlow) -> None:
+    """A websocket message that could not be scrubbed is not delivered, nor is anything after it."""
+    if flow.websocket is not None and flow.websocket.messages:
+        flow.websocket.messages[-1].drop()
+    _withhold(self, flow)
+
+
+def _unjudged_upgrade(flow: http.HTTPFlow, response: http.Response) -> str | None:
+    """Why this answer to an inspected request must not switch protocols, if it switches: only a websocket, and
+    only where the request was judged as a websocket upgrade its rule allows. Anything else after a 101 (or a
+    websocket the request did not ask for) would pass the tunnel on unjudged."""
+    if response.status_code != 101:
+        return None
+    protocol = response.headers.get("upgrade", "")
+    if not flow.metadata.get("airlock_websocket"):
+        return f"the upstream switched to {protocol!r} for a request that no sub-rule allowed to upgrade: not delivered"
+    if protocol.lower() != "websocket":
+        return f"the upstream switched to {protocol!r}, not to the websocket the request asked for: not delivered"
+    return None
 
 
 class Inspection:
@@ -158,11 +181,12 @@ class Inspection:
         if not verdict.allow:
             record.decision, record.reason, record.code = "deny", verdict.reason, verdict.code
             return Refusal(400 if verdict.code == ReasonCode.AMBIGUOUS_PATH else 403, verdict.hint)
-        if stray := judge_placeholders(rule if encrypted else None, carried_placeholders(request)):
+        assert verdict.target is not None
+        if stray := judge_placeholders(rule if encrypted else None, carried_placeholders(request, verdict.target)):
             record.decision, record.reason, record.code = "deny", stray.reason, stray.code
             return Refusal(403, None)
-        assert verdict.target is not None
         request.path = verdict.target  # what was judged is what is sent
+        flow.metadata["airlock_websocket"] = websocket  # the only upgrade its answer may make (`responseheaders`)
         if encrypted and inject(request, rule, self.shared.credentials.values):
             # An upstream may echo what it was sent: it must come back in a form the scrubber can read.
             request.headers["accept-encoding"] = "identity"
@@ -189,17 +213,41 @@ class Inspection:
         upstream chose stays true). A request that carried an injected secret asked for no compression: a
         compressed answer to it could hide an echo of the secret from the scrubber, so it is not delivered."""
         scrubber, response, record = self.shared.credentials.scrubber, flow.response, flow.metadata.get("airlock")
-        if scrubber is None or response is None or record is None:
-            return  # nothing to scrub, or the gateway's own answer
+        if response is None or record is None:
+            return  # the gateway's own answer
+        if record.extra.get("inspected") and (upgrade := _unjudged_upgrade(flow, response)):
+            return self._withhold_answer(flow, record, "deny", ReasonCode.WEBSOCKET_NOT_ALLOWED, upgrade)
+        if scrubber is None:
+            return  # nothing to scrub
         response.headers.fields = tuple((name, scrubber.scrub(value)) for name, value in response.headers.fields)
         if response.headers.get("content-encoding", "identity").lower() not in ("", "identity"):
             if flow.metadata.get("airlock_injected"):
-                record.decision, record.code = "error", ReasonCode.REQUEST_FAILED
-                record.reason = "the upstream compressed its answer to a request carrying a secret: not delivered"
-                flow.kill()
+                reason = "the upstream compressed its answer to a request carrying a secret: not delivered"
+                self._withhold_answer(flow, record, "error", ReasonCode.REQUEST_FAILED, reason)
             return
         flow.metadata["airlock_bytes_out"] = 0
         response.stream = self._counted(flow, scrubber.stream())
+
+    def _withhold_answer(
+        self, flow: http.HTTPFlow, record: AuditRecord, decision: Verdict, code: ReasonCode, reason: str
+    ) -> None:
+        """Kill a response that must not reach the sandbox, its audit line written here: the error hook that follows
+        writes lines only for what passed."""
+        del flow.metadata["airlock"]
+        record.decision, record.code, record.reason = decision, code, reason
+        record.status = flow.response.status_code if flow.response is not None else None
+        self.shared.emit(record)
+        flow.kill()
+
+    @fail_closed(_withhold_message)
+    def websocket_message(self, flow: http.HTTPFlow) -> None:
+        """What the server sends over a websocket is a response like any: scrubbed whole (mitmproxy hands over each
+        message once all its frames are in). Only the newest is kept: a long websocket must not grow the gateway."""
+        assert flow.websocket is not None
+        message = flow.websocket.messages[-1]
+        del flow.websocket.messages[:-1]
+        if not message.from_client and (scrubber := self.shared.credentials.scrubber) is not None:
+            message.content = scrubber.scrub(message.content)
 
     def _counted(self, flow: http.HTTPFlow, scrub: Callable[[bytes], bytes]) -> Callable[[bytes], bytes]:
         def stream(chunk: bytes) -> bytes:

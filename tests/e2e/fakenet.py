@@ -15,7 +15,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import base64
 import contextlib
+import gzip
+import hashlib
 import json
 import resource
 import ssl
@@ -41,6 +44,7 @@ DNS_ADDR = "192.0.2.53"
 IDLE_TIMEOUT = 60.0
 MAX_LOG = 10_000  # per list; counters stay exact, only the detailed logs are capped
 CHUNK = 64 * 1024
+WS_GUID = b"258EAFA5-E914-47DA-95CA-C5AB0DC85B11"  # RFC 6455 §1.3
 
 REBIND_NAME = "rebind.allowed.test"
 REBIND_PUBLIC, REBIND_INTERNAL = "192.0.2.10", "10.1.2.3"
@@ -135,6 +139,7 @@ class Stats:
                 "sni": list(self.logs.get("sni", [])),
                 "tls": list(self.logs.get("tls", [])),
                 "http": list(self.logs.get("http", [])),
+                "ws": list(self.logs.get("ws", [])),
                 "dropped": dict(self.dropped),
             }
 
@@ -358,6 +363,16 @@ async def respond(conn: Conn, req: Request) -> None:
             await conn.send(block[: min(size, CHUNK)])
             size -= CHUNK
         return
+    if url.path == "/reflect":  # the request's headers, reflected into the response's own
+        reflected = "".join(f"X-Reflected-{name}: {value}\r\n" for name, value in req.headers)
+        head = response_head("200 OK", 3, req.keep_alive).replace(b"\r\n\r\n", f"\r\n{reflected}\r\n".encode())
+        await conn.send(head + (b"ok\n" if send_body else b""))
+        return
+    if url.path == "/gzip":  # the headers echoed, compressed whatever the request accepts
+        body = gzip.compress(json.dumps(req.headers).encode())
+        head = response_head("200 OK", len(body), req.keep_alive, "application/json")
+        await conn.send(head.replace(b"\r\n\r\n", b"\r\nContent-Encoding: gzip\r\n\r\n") + body)
+        return
     if url.path == "/headers":
         body = json.dumps(req.headers).encode()
         content_type = "application/json"
@@ -404,9 +419,60 @@ async def http(conn: Conn) -> None:
                 "body_bytes": body_bytes,
             },
         )
+        if urlsplit(req.target).path in UPGRADES:
+            return await UPGRADES[urlsplit(req.target).path](conn, req)
         await respond(conn, req)
         if not req.keep_alive:
             return
+
+
+async def websocket(conn: Conn, req: Request) -> None:
+    """A websocket (RFC 6455) on any request to /ws, upgrade header or not (a lenient server): its first message is
+    the handshake's headers as JSON, then it echoes each text or binary frame it gets (recorded as "ws")."""
+    accept = base64.b64encode(hashlib.sha1((req.header("sec-websocket-key") or "").encode() + WS_GUID).digest())
+    await conn.send(
+        b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+        b"Sec-WebSocket-Accept: " + accept + b"\r\n\r\n"
+    )
+    await conn.send(ws_frame(0x1, json.dumps(req.headers).encode()))
+    while True:
+        head = await conn.readexactly(2)
+        opcode, length = head[0] & 0x0F, head[1] & 0x7F
+        if length >= 126:
+            length = int.from_bytes(await conn.readexactly(2 if length == 126 else 8))
+        mask = await conn.readexactly(4) if head[1] & 0x80 else bytes(4)
+        payload = bytes(b ^ mask[i % 4] for i, b in enumerate(await conn.readexactly(length)))
+        if opcode == 0x8:
+            await conn.send(ws_frame(0x8, payload[:2]))
+            return
+        if opcode == 0x9:
+            await conn.send(ws_frame(0xA, payload))
+            continue
+        conn.stats.record("ws", {"dst": conn.dst, "opcode": opcode, "payload": payload.decode("latin-1")})
+        await conn.send(ws_frame(opcode, payload))
+
+
+def ws_frame(opcode: int, payload: bytes) -> bytes:
+    """One final, unmasked frame (what a server sends)."""
+    length = len(payload)
+    size = (
+        bytes([length])
+        if length < 126
+        else bytes([126]) + length.to_bytes(2)
+        if length < 65536
+        else bytes([127]) + length.to_bytes(8)
+    )
+    return bytes([0x80 | opcode]) + size + payload
+
+
+async def raw_upgrade(conn: Conn, req: Request) -> None:
+    """/raw-upgrade switches to whatever protocol the request names (or "raw"), then echoes bytes: a tunnel."""
+    protocol = (req.header("upgrade") or "raw").encode()
+    await conn.send(b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: " + protocol + b"\r\nConnection: Upgrade\r\n\r\n")
+    await echo(conn)
+
+
+UPGRADES = {"/ws": websocket, "/raw-upgrade": raw_upgrade}
 
 
 def make_tls_context(cert: Path, key: Path, stats: Stats) -> ssl.SSLContext:

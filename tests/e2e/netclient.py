@@ -8,6 +8,7 @@ so sockets it opens live there, while the test itself stays in the host namespac
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import http.client
 import json
@@ -371,3 +372,162 @@ while True:
     time.sleep(0.05)
 """
 GATEWAY_PORTS = {"tcp": (3128, 53, 8080), "udp": (53,)}
+
+
+def tls_tunnel(
+    proxy: tuple[str, int], target: str, ca_file: str, alpn: tuple[str, ...] = ("http/1.1",), timeout: float = 10
+) -> tuple[ssl.SSLSocket | None, Reply]:
+    """CONNECT to host:port and TLS inside it (SNI the host), verified against ca_file alone: the open TLS socket,
+    or None and the proxy's reply (a TLS failure in its `error`)."""
+    sock, reply = connect_tunnel(proxy, target, timeout)
+    if sock is None:
+        return None, reply
+    context = ssl.create_default_context(cafile=ca_file)
+    context.set_alpn_protocols(list(alpn))
+    try:
+        return context.wrap_socket(sock, server_hostname=target.rsplit(":", 1)[0]), reply
+    except (OSError, ssl.SSLError) as e:
+        sock.close()
+        return None, Reply(0, {}, error=f"{type(e).__name__}: {e}", extra={"connect_status": reply.status})
+
+
+def exchange(sock: socket.socket, data: bytes, timeout: float = 5) -> bytes:
+    """Send bytes as they are and read until the peer closes (or goes quiet for `timeout`)."""
+    sock.settimeout(timeout)
+    with contextlib.suppress(OSError):
+        sock.sendall(data)
+    received = b""
+    with contextlib.suppress(OSError):
+        while chunk := sock.recv(65536):
+            received += chunk
+    return received
+
+
+def http_replies(data: bytes) -> list[tuple[int, bytes]]:
+    """The (status, body) of each HTTP/1.1 response in `data` (Content-Length framed), in order."""
+    replies = []
+    while data.startswith(b"HTTP/1."):
+        head, _, rest = data.partition(b"\r\n\r\n")
+        fields = dict(line.split(b": ", 1) for line in head.split(b"\r\n")[1:] if b": " in line)
+        length = int(next((v for k, v in fields.items() if k.lower() == b"content-length"), b"0"))
+        replies.append((int(head.split(b" ", 2)[1]), rest[:length]))
+        data = rest[length:]
+    return replies
+
+
+@dataclass
+class WebsocketResult:
+    status: int  # of the upgrade's answer (0: no answer)
+    messages: list[bytes] = field(default_factory=list)  # what the server sent, in order
+    head: bytes = b""
+    body: bytes = b""  # of an answer that is not an upgrade
+
+
+def websocket_session(
+    sock: socket.socket, host: str, path: str, send: list[bytes], timeout: float = 5
+) -> WebsocketResult:
+    """A websocket client written out by hand: the upgrade request, then one masked text frame per `send`, each
+    answered (the server's first message comes unasked), then a close."""
+    sock.settimeout(timeout)
+    key = base64.b64encode(os.urandom(16)).decode()
+    sock.sendall(
+        f"GET {path} HTTP/1.1\r\nHost: {host}\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+        f"Sec-WebSocket-Key: {key}\r\nSec-WebSocket-Version: 13\r\n\r\n".encode()
+    )
+    buffer = _Buffered(sock)
+    head = buffer.until(b"\r\n\r\n")
+    if not head.startswith(b"HTTP/1.1 "):
+        return WebsocketResult(0, head=head + buffer.rest())
+    result = WebsocketResult(int(head.split(b" ", 2)[1]), head=head)
+    if result.status != 101:
+        result.body = buffer.rest()
+        return result
+    result.messages.append(_read_frame(buffer))
+    for payload in send:
+        sock.sendall(_masked_frame(0x1, payload))
+        result.messages.append(_read_frame(buffer))
+    sock.sendall(_masked_frame(0x8, b"\x03\xe8"))
+    return result
+
+
+class _Buffered:
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock, self.data = sock, b""
+
+    def take(self, n: int) -> bytes:
+        while len(self.data) < n:
+            if not (chunk := self.sock.recv(65536)):
+                raise ConnectionError("closed mid-frame")
+            self.data += chunk
+        out, self.data = self.data[:n], self.data[n:]
+        return out
+
+    def until(self, separator: bytes) -> bytes:
+        with contextlib.suppress(OSError, ConnectionError):
+            while separator not in self.data:
+                if not (chunk := self.sock.recv(65536)):
+                    break
+                self.data += chunk
+        head, _, self.data = self.data.partition(separator)
+        return head
+
+    def rest(self) -> bytes:
+        with contextlib.suppress(OSError):
+            while chunk := self.sock.recv(65536):
+                self.data += chunk
+        return self.data
+
+
+def _read_frame(buffer: _Buffered) -> bytes:
+    """One whole unfragmented frame from the server (unmasked)."""
+    head = buffer.take(2)
+    length = head[1] & 0x7F
+    if length >= 126:
+        length = int.from_bytes(buffer.take(2 if length == 126 else 8))
+    return buffer.take(length)
+
+
+def _masked_frame(opcode: int, payload: bytes) -> bytes:
+    """One final frame as a client sends it: masked (RFC 6455 §5.3)."""
+    mask = os.urandom(4)
+    length = len(payload)
+    size = bytes([0x80 | length]) if length < 126 else bytes([0x80 | 126]) + length.to_bytes(2)
+    return bytes([0x80 | opcode]) + size + mask + bytes(b ^ mask[i % 4] for i, b in enumerate(payload))
+
+
+def h2_request(sock: ssl.SSLSocket, headers: list[tuple[str, str]], timeout: float = 5) -> Reply:
+    """One HTTP/2 request with exactly these header fields (pseudo-headers first; nothing checked or normalized on
+    the way out): the answer's status and body, or an `error` naming the reset or the connection's end."""
+    import h2.config
+    import h2.connection
+    import h2.events
+
+    config = h2.config.H2Configuration(client_side=True, validate_outbound_headers=False,
+                                       normalize_outbound_headers=False, validate_inbound_headers=False)  # fmt: skip
+    conn = h2.connection.H2Connection(config)
+    conn.initiate_connection()
+    conn.send_headers(1, headers, end_stream=True)
+    sock.settimeout(timeout)
+    sock.sendall(conn.data_to_send())
+    status, body = 0, b""
+    while True:
+        try:
+            data = sock.recv(65536)
+        except OSError as e:
+            return Reply(status, {}, body, error=f"{type(e).__name__}: {e}")
+        if not data:
+            return Reply(status, {}, body, error="connection closed")
+        for event in conn.receive_data(data):
+            if isinstance(event, h2.events.ResponseReceived):
+                status = int(dict(event.headers)[b":status"])
+            elif isinstance(event, h2.events.DataReceived):
+                body += event.data
+                conn.acknowledge_received_data(event.flow_controlled_length, event.stream_id)
+            elif isinstance(event, h2.events.StreamEnded):
+                return Reply(status, {}, body)
+            elif isinstance(event, h2.events.StreamReset):
+                return Reply(status, {}, body, error=f"stream reset ({event.error_code!r})")
+            elif isinstance(event, h2.events.ConnectionTerminated):
+                return Reply(status, {}, body, error=f"connection terminated ({event.error_code!r})")
+        with contextlib.suppress(OSError):
+            sock.sendall(conn.data_to_send())

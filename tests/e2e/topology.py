@@ -362,6 +362,10 @@ class FakeNet(ControlledFake):
     def snis(self) -> list[str | None]:
         return self.stats()["sni"]
 
+    def ws_messages(self) -> list[dict[str, Any]]:
+        """Websocket messages /ws received (and echoed): dst, opcode, payload."""
+        return self.stats()["ws"]
+
     def http_requests(self, dst: str | None = None) -> list[dict[str, Any]]:
         """Requests seen (optionally only those sent to "ip:port"): line, host, headers, client, tls, sni, ..."""
         return [r for r in self.stats()["http"] if dst is None or r["dst"] == dst]

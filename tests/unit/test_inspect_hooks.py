@@ -3,12 +3,15 @@ request inside is judged, what is injected and what is scrubbed (mitmproxy's own
 
 from __future__ import annotations
 
+import base64
 import json
 
 from addon_env import ZONE, Gateway, answer, client_hello, connect_flow, gateway, mitmproxy_options, next_layer, sni
 from mitmproxy import http
 from mitmproxy.proxy import layers
 from mitmproxy.test import tflow, tutils
+from mitmproxy.websocket import WebSocketMessage
+from wsproto.frame_protocol import Opcode
 
 from airlock.audit import AuditRecord
 from airlock.policy import parse_policy
@@ -158,3 +161,75 @@ def test_responses_are_scrubbed_in_headers_and_streamed_bodies() -> None:
     out = stream(b"token=" + SECRET[:half].encode()) + stream(SECRET[half:].encode() + b";") + stream(b"")
     assert SECRET.encode() not in out and out.startswith(b"token=") and out.endswith(b";")
     assert len(out) == len(b"token=" + SECRET.encode() + b";")  # same length: the framing stays true
+
+
+async def judged(gw: Gateway, path: str, *headers: tuple[bytes, bytes]) -> http.HTTPFlow:
+    """A request to api.allowed.test judged (and allowed) inside its tunnel, with an upstream's 200 to come."""
+    connect, _ = await tunnel(gw, "api.allowed.test")
+    flow = inner_request(connect, "GET", path, *headers)
+    with mitmproxy_options():
+        await gw.http.requestheaders(flow)
+    assert flow.response is None, flow.response
+    flow.response = tutils.tresp(content=b"")
+    return flow
+
+
+async def test_a_chunked_body_cut_at_any_offset_reaches_the_sandbox_masked_and_as_long() -> None:
+    gw = inspecting()
+    body = (
+        b'{"echo": "Authorization: Bearer '
+        + SECRET.encode()
+        + b'", "b64": "'
+        + base64.b64encode(SECRET.encode())
+        + b'"}'
+    )
+    for cut in range(len(body) + 1):
+        flow = await judged(gw, "/v1/x")
+        gw.addon_named("Inspection").responseheaders(flow)
+        stream = flow.response.stream
+        out = stream(body[:cut]) + stream(body[cut:]) + stream(b"")
+        assert SECRET.encode() not in out and base64.b64encode(SECRET.encode()) not in out, cut
+        assert len(out) == len(body) and flow.metadata["airlock_bytes_out"] == len(body)
+
+
+async def test_a_101_is_delivered_only_as_the_websocket_the_rule_allowed() -> None:
+    gw = inspecting()
+    upgrade = ((b"Upgrade", b"websocket"), (b"Connection", b"Upgrade"))
+    # The rule's sub-rule has no `websocket: true`: the request is refused before it leaves.
+    connect, _ = await tunnel(gw, "api.allowed.test")
+    asked = inner_request(connect, "GET", "/v1/ws", *upgrade)
+    with mitmproxy_options():
+        await gw.http.requestheaders(asked)
+    assert json.loads(asked.response.content)["code"] == "websocket_not_allowed"
+    # A request that did not ask for an upgrade, answered with one anyway (websocket or raw): killed, audited.
+    for protocol in (b"websocket", b"tcp"):
+        flow = await judged(gw, "/v1/x")
+        flow.response = tutils.tresp(status_code=101, headers=http.Headers(Upgrade=protocol), content=b"")
+        gw.addon_named("Inspection").responseheaders(flow)
+        assert flow.error is not None and "airlock" not in flow.metadata
+        line = gw.records[-1]
+        assert (line.decision, line.code, line.status) == ("deny", "websocket_not_allowed", 101)
+
+
+async def test_a_compressed_answer_to_an_injected_request_is_killed_and_audited() -> None:
+    gw = inspecting()
+    flow = await judged(gw, "/v1/x")
+    flow.response.headers["content-encoding"] = "gzip"
+    gw.addon_named("Inspection").responseheaders(flow)
+    assert flow.error is not None
+    line = gw.records[-1]
+    assert (line.decision, line.code, line.path) == ("error", "request_failed", "/v1/x") and "compressed" in line.reason
+
+
+def test_what_the_server_sends_over_a_websocket_is_scrubbed_and_not_kept() -> None:
+    gw = inspecting()
+    flow = tflow.twebsocketflow(messages=False)
+    hook = gw.addon_named("Inspection").websocket_message
+    sent = []
+    for from_client, content in ((False, f"echo: Bearer {SECRET}".encode()), (True, f"mine {SECRET}".encode())):
+        flow.websocket.messages.append(WebSocketMessage(Opcode.TEXT, from_client, content))
+        hook(flow)
+        assert len(flow.websocket.messages) == 1  # a long-lived websocket grows nothing in the gateway
+        sent.append(flow.websocket.messages[-1].content)
+    # The client's own message goes as it is: the sandbox never held the secret to send.
+    assert sent == [b"echo: Bearer " + b"*" * len(SECRET), f"mine {SECRET}".encode()]
