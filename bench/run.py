@@ -1,12 +1,16 @@
 """airlock benchmarks: one command, one run, one markdown report.
 
-    sudo .venv/bin/python bench/run.py [--duration 6] [--rounds 2] [--connections 8] [--bulk-mb 200] [--output F]
+    sudo .venv/bin/python bench/run.py [--duration 6] [--rounds 2] [--connections 8] [--bulk-mb 200]
+        [--tls-requests 500] [--tls-fresh 100] [--output F]
 
 1. Small plain-HTTP requests (wrk, same script and concurrency for every column): direct from the gateway
    namespace to the fake upstream, through a bare `mitmdump` (no addon), and through `airlock gateway`.
 2. CONNECT + TLS bulk download (curl, certificate verified against the test CA): direct, through a bare
    `mitmdump --ignore-hosts '.*'` (TLS passthrough), and through airlock.
 3. `airlock.policy.decide` in-process, µs per call at 100 / 1,000 / 10,000 rules.
+4. Inspected HTTPS (curl, one connection, keep-alive; then a new connection per request): through airlock with
+   rules that say `inspect: true` (alone, with an injected header, with `http:` sub-rules too) vs a bare `mitmdump`
+   intercepting with its own CA, and vs passthrough; the large download of 2. through an inspected rule too.
 
 All traffic stays inside the network namespaces of tests/e2e/topology.py (sandbox ─ gateway ─ fake internet, no
 link to the host's network); every process is started here and stopped by PID, the namespaces are deleted at the
@@ -22,7 +26,7 @@ import statistics
 import sys
 import time
 import timeit
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -37,9 +41,35 @@ from common import HOST, UPSTREAM_IP, Mitmdump, cpu_seconds, fmt, ratio  # noqa:
 from gateway_proc import GatewayProcess  # noqa: E402
 from topology import GW_IP, FakeNet, Topology  # noqa: E402
 
-AIRLOCK_PORT = 3128
-BARE_HTTP_PORT = 3129
-BARE_PASS_PORT = 3130
+AIRLOCK_PORT = 3128  # and the gateway's transparent listener on 3129: the bare ones stay clear of both
+BARE_HTTP_PORT = 3140
+BARE_PASS_PORT = 3141
+BARE_INTERCEPT_PORT = 3142
+INSPECTING_PORTS = 3150  # the first of the inspecting gateways' proxy ports, one per rule of INSPECTED
+SECRET = "sk-bench-5b8e1f0c9a7d3e2f4a6b8c0d"  # what the injecting rules send upstream; never in a response
+# The rules of the inspecting gateways, one gateway each (a held secret turns scrubbing on for every inspected
+# response, so the rule without `inject:` runs where the gateway holds none). The http sub-rules are a package
+# index's, plus the paths the bench asks for.
+INSPECTED = {
+    "airlock inspected": "",
+    "airlock inspected + inject": """
+        inject:
+          - {header: Authorization, value: "Bearer {secret:bench_api}"}""",
+    "airlock inspected + inject + http rules": """
+        http:
+          - {methods: [GET, HEAD], paths: ["/simple/**", "/packages/**", "/", "/big"]}
+          - {methods: [POST], paths: ["/v1/**"]}
+        inject:
+          - {header: Authorization, value: "Bearer {secret:bench_api}"}""",
+}
+INSPECT_POLICY = """version: 1
+profiles:
+  default:
+    allow:
+      - host: allowed.test
+        ports: [443]
+        inspect: true{rule}
+"""
 
 # wrk: the request line is `GET <PATH> HTTP/1.1` with `Host: allowed.test`; against a proxy PATH is the absolute
 # URL, so wrk talks to the proxy as if it were the server. Only status 200 counts as a success.
@@ -188,15 +218,147 @@ class BulkResult:
         return statistics.fmean(self.mbps)
 
 
-def curl_bulk(topo: Topology, ns: str, ca: Path, size: int, proxy: str | None) -> float:
-    route = ["-x", proxy] if proxy else ["--resolve", f"{HOST}:443:{UPSTREAM_IP}"]
+@dataclass(frozen=True)
+class TlsRoute:
+    """How curl reaches https://allowed.test/ for one column: from `ns`, through `proxy` (None: straight to the
+    upstream), trusting `ca` alone (so a column whose certificate is not the one it claims fails); `pid` is the
+    proxy's, for its CPU."""
+
+    name: str
+    ns: str
+    proxy: str | None
+    ca: Path
+    pid: int | None
+
+    def args(self) -> list[str]:
+        route = ["-x", self.proxy] if self.proxy else ["--resolve", f"{HOST}:443:{UPSTREAM_IP}"]
+        return ["--cacert", str(self.ca), *route]
+
+
+def curl_bulk(topo: Topology, route: TlsRoute, size: int) -> float:
     url = f"https://{HOST}/big?n={size}"
     write_out = "%{http_code} %{size_download} %{time_total}"
-    proc = topo.curl(ns, "-o", "/dev/null", "--cacert", str(ca), *route, "-w", write_out, url, max_time=120)
+    proc = topo.curl(route.ns, "-o", "/dev/null", *route.args(), "-w", write_out, url, max_time=120)
     parts = proc.stdout.split()
     if proc.returncode != 0 or len(parts) != 3 or parts[0] != "200" or int(parts[1]) != size:
-        raise RuntimeError(f"bulk download failed in {ns} via {proxy or 'direct'}: {proc.stdout} {proc.stderr}")
+        raise RuntimeError(f"bulk download failed via {route.name}: {proc.stdout} {proc.stderr}")
     return size / float(parts[2]) / 1e6
+
+
+# ------------------------------------------------------------------------------------------------ 4. inspected HTTPS
+
+
+@dataclass
+class TlsResult:
+    name: str
+    rounds: list[list[float]] = field(default_factory=list)  # each round: every timed request's latency, ms
+    requests: int = 0  # all requests sent, the untimed first of a kept-alive connection too
+    cpu_s: float | None = 0.0  # the proxy's CPU over all rounds (None for direct)
+    upstream_conns: int = 0  # the most the fake upstream accepted in a round
+
+    @property
+    def latencies(self) -> list[float]:
+        return sorted(ms for r in self.rounds for ms in r)
+
+    @staticmethod
+    def rate(latencies: list[float]) -> float:
+        """Requests per second of one connection, one request after the other."""
+        return len(latencies) / sum(latencies) * 1000 if latencies else 0.0
+
+    @property
+    def rps(self) -> float:
+        return self.rate(self.latencies)
+
+    @property
+    def p50_ms(self) -> float | None:
+        return common.percentile(self.latencies, 0.50)
+
+    @property
+    def p99_ms(self) -> float | None:
+        return common.percentile(self.latencies, 0.99)
+
+    @property
+    def cpu_us_per_req(self) -> float | None:
+        return None if self.cpu_s is None or not self.requests else self.cpu_s / self.requests * 1e6
+
+
+def curl_requests(topo: Topology, route: TlsRoute, n: int, fresh: bool) -> list[float]:
+    """`n` GETs of https://allowed.test/ by one curl, one after the other: ms each (curl's time_total). Over one
+    kept-alive connection (the first request, which opens it, is left out), or with `fresh` a new connection for
+    each (`Connection: close`: curl's connect, CONNECT and TLS handshake are in the time). HTTP/1.1 end to end, as
+    fakenet speaks no other: a client speaking HTTP/2 to mitmproxy gets an upstream connection per request there."""
+    write_out = "%{http_code} %{num_connects} %{time_total}\\n"
+    close = ["-H", "Connection: close"] if fresh else []
+    argv = ["curl", "-sS", "--http1.1", "--max-time", "10", "-o", "/dev/null", *route.args(), *close, "-w", write_out,
+            f"https://{HOST}/?i=[1-{n}]"]  # fmt: skip
+    proc = topo.run(route.ns, argv, timeout=60 + n)
+    rows = [line.split() for line in proc.stdout.splitlines()]
+    connects = [int(row[1]) for row in rows if len(row) == 3]
+    expected = [1] * n if fresh else [1] + [0] * (n - 1)
+    if proc.returncode != 0 or len(rows) != n or any(row[0] != "200" for row in rows) or connects != expected:
+        bad = next((" ".join(r) for r, c in zip(rows, expected, strict=False) if r[0] != "200" or int(r[1]) != c), "")
+        raise RuntimeError(f"https requests via {route.name} failed ({proc.returncode}, {len(rows)}/{n} "
+                           f"answered, first bad: {bad!r}): {proc.stderr.strip()[:300]}")  # fmt: skip
+    return [float(row[2]) * 1000 for row in rows[0 if fresh else 1 :]]
+
+
+def tls_rounds(
+    topo: Topology, net: FakeNet, routes: list[TlsRoute], n: int, rounds: int, fresh: bool
+) -> list[TlsResult]:
+    """`rounds` interleaved rounds of `n` requests per route (so drift hits every column alike)."""
+    results = [TlsResult(route.name, cpu_s=None if route.pid is None else 0.0) for route in routes]
+    for i in range(rounds):
+        for route, result in zip(routes, results, strict=True):
+            how = "new connection each" if fresh else "keep-alive"
+            print(f"  https {how}: {route.name} round {i + 1} ...", file=sys.stderr, flush=True)
+            net.reset()
+            cpu0 = cpu_seconds(route.pid) if route.pid else 0.0
+            result.rounds.append(curl_requests(topo, route, n, fresh))
+            result.requests += n
+            if route.pid and result.cpu_s is not None:
+                result.cpu_s += cpu_seconds(route.pid) - cpu0
+            result.upstream_conns = max(result.upstream_conns, net.connections(UPSTREAM_IP, 443))
+    return results
+
+
+def start_inspecting(topo: Topology, workdir: Path, upstream_ca: Path, procs: list[Any]) -> list[TlsRoute]:
+    """One `airlock gateway` per rule of INSPECTED, each on its own port (no DNS, broker or transparent port of its
+    own: the main gateway has those), verifying the upstream against the test CA; the routes to them."""
+    secret = workdir / "bench_api.secret"
+    secret.write_text(SECRET + "\n")
+    secret.chmod(0o600)
+    routes = []
+    for i, (name, rule) in enumerate(INSPECTED.items()):
+        port = INSPECTING_PORTS + i
+        gwdir = workdir / f"gateway-inspect-{i + 1}"
+        gwdir.mkdir()
+        policy = gwdir / "policy.yaml"
+        policy.write_text(INSPECT_POLICY.format(rule=rule))
+        extra = ["--proxy-port", str(port), "--dns-port", "0", "--broker-port", "0", "--transparent-port", "0",
+                 "--upstream-ca", str(upstream_ca)]  # fmt: skip
+        if "{secret:bench_api}" in rule:
+            extra += ["--secret", f"bench_api=file:{secret}"]
+        gateway = GatewayProcess(topo, gwdir, policy, tuple(extra))
+        procs.append(gateway)
+        assert gateway.start().proc is not None
+        (ca,) = (gwdir / "state" / "ca").glob("*/gateway-ca-*.pem")  # what an `airlock run` sandbox trusts
+        routes.append(TlsRoute(name, topo.sbx, f"http://{GW_IP}:{port}", ca, gateway.proc.pid))
+    return routes
+
+
+def check_tls(topo: Topology, net: FakeNet, route: TlsRoute) -> None:
+    """One request first: 200 from the fake upstream, which got the injected secret exactly when the column's rule
+    injects it; and the column with http rules refuses a path they do not name."""
+    net.reset()
+    check_http(topo, route.ns, [*route.args(), f"https://{HOST}/"])
+    (seen,) = net.http_requests()
+    sent = [v for k, v in seen["headers"] if k.lower() == "authorization"]
+    if sent != ([f"Bearer {SECRET}"] if "inject" in route.name else []):
+        raise RuntimeError(f"{route.name}: the upstream got Authorization {sent!r}")
+    if "http rules" in route.name:
+        refused = topo.curl(route.ns, *route.args(), "-o", "/dev/null", "-w", "%{http_code}", f"https://{HOST}/admin")
+        if refused.stdout != "403":
+            raise RuntimeError(f"{route.name}: GET /admin answered {refused.stdout!r}, not 403")
 
 
 # ------------------------------------------------------------------------------------------------ 3. decide
@@ -289,13 +451,13 @@ def report(
     info: dict[str, str],
     command: str,
     args: argparse.Namespace,
-    http: list[HttpResult],
-    bulk: list[BulkResult],
+    results: NetworkResults,
     decide_data: tuple[dict[int, float], dict[int, dict[str, float]], list[str]],
     elapsed: float,
 ) -> str:
     out: list[str] = []
     w = out.append
+    http, bulk = results.http, results.bulk
     w("## airlock benchmarks\n")
     w(f"`{command}` — {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {elapsed:.0f} s total\n")
     w(
@@ -344,10 +506,12 @@ def report(
             runs = ", ".join(f"{x:.0f}" for x in b.mbps)
             vs_direct = ratio(b.mean, base.mean if base else None)
             w(f"| {b.name} | {fmt(b.mean)} | {runs} | {fmt(b.cpu_ms_per_mb, 2)} | {vs_direct} |")
-        air_b = next((b for b in bulk if b.name.startswith("air")), None)
-        bare_b = next((b for b in bulk if b.name.startswith("bare")), None)
-        if air_b and bare_b:
-            w(f"\nairlock / bare passthrough: {ratio(air_b.mean, bare_b.mean)}")
+        by_name = {b.name: b for b in bulk}
+        w("")
+        for a, b in [("airlock passthrough", "bare mitmproxy passthrough"),
+                     *((name, "bare mitmproxy intercepting") for name in INSPECTED)]:  # fmt: skip
+            if a in by_name and b in by_name:
+                w(f"- {a} / {b}: {ratio(by_name[a].mean, by_name[b].mean)} MB/s")
         w("")
     parse_ms, per_call, labels = decide_data
     if per_call:
@@ -361,15 +525,77 @@ def report(
         w("")
         w(
             "Rules: ~50% exact hosts, ~25% `*.` wildcards, ~23% CIDRs (/24, /28, /32), ~2% deny. "
-            "Hosts are already canonical (as the proxy passes them)."
+            "Hosts are already canonical (as the proxy passes them).\n"
         )
+    if results.kept:
+        w(inspect_report(args, results.kept, results.fresh))
     return "\n".join(out) + "\n"
+
+
+def inspect_report(args: argparse.Namespace, kept: list[TlsResult], fresh: list[TlsResult]) -> str:
+    out: list[str] = []
+    w = out.append
+    w(
+        f"### 4. Inspected HTTPS (`GET https://{HOST}/`, curl, certificate verified; {args.rounds} interleaved rounds "
+        f"per column; latency: every request of the rounds)\n"
+    )
+    w(f"One connection kept alive, {args.tls_requests} requests one after the other per round (the first, which "
+      "opens the connection, not timed):\n")  # fmt: skip
+    w("| | req/s | per round | p50 ms | p99 ms | proxy CPU µs/req | upstream conns |")
+    w("|---|---:|---|---:|---:|---:|---:|")
+    for r in kept:
+        per_round = ", ".join(f"{r.rate(x):,.0f}" for x in r.rounds)
+        w(f"| {r.name} | {fmt(r.rps)} | {per_round} | {fmt(r.p50_ms, 2)} | {fmt(r.p99_ms, 2)} | "
+          f"{fmt(r.cpu_us_per_req)} | {r.upstream_conns} |")  # fmt: skip
+    k = {r.name: r for r in kept}
+    pairs = [*((name, "bare mitmproxy intercepting") for name in INSPECTED),
+             ("airlock passthrough", "bare mitmproxy passthrough"),
+             ("bare mitmproxy intercepting", "bare mitmproxy passthrough")]  # fmt: skip
+    w("")
+    w("| ratio (keep-alive) | req/s | p50 latency | p99 latency | proxy CPU/req |")
+    w("|---|---:|---:|---:|---:|")
+    for a, b in pairs:
+        if a in k and b in k:
+            ka, kb = k[a], k[b]
+            target = " (target ≥ 0.90x)" if b == "bare mitmproxy intercepting" else ""
+            w(f"| {a} / {b} | {ratio(ka.rps, kb.rps)}{target} | {ratio(ka.p50_ms, kb.p50_ms)} | "
+              f"{ratio(ka.p99_ms, kb.p99_ms)} | {ratio(ka.cpu_us_per_req, kb.cpu_us_per_req)} |")  # fmt: skip
+    w("")
+    w(f"A new connection for each request (`Connection: close`), {args.tls_fresh} per round: curl's connect, "
+      "CONNECT, TLS handshake and request:\n")  # fmt: skip
+    w("| | p50 ms | p99 ms | proxy CPU µs/req |")
+    w("|---|---:|---:|---:|")
+    for r in fresh:
+        w(f"| {r.name} | {fmt(r.p50_ms, 2)} | {fmt(r.p99_ms, 2)} | {fmt(r.cpu_us_per_req)} |")
+    f = {r.name: r for r in fresh}
+    w("")
+    w("Extra latency of one inspected request over one passed through, ms (p50, p99 of each column):\n")
+    w("| | keep-alive p50 | keep-alive p99 | new connection p50 | new connection p99 |")
+    w("|---|---:|---:|---:|---:|")
+    for a, b in [*((name, "airlock passthrough") for name in INSPECTED),
+                 ("bare mitmproxy intercepting", "bare mitmproxy passthrough")]:  # fmt: skip
+        if a in k and b in k and a in f and b in f:
+            cells = [extra_ms(x[a].p50_ms, x[b].p50_ms) + " | " + extra_ms(x[a].p99_ms, x[b].p99_ms) for x in (k, f)]
+            w(f"| {a} minus {b} | " + " | ".join(cells) + " |")
+    return "\n".join(out) + "\n"
+
+
+def extra_ms(a: float | None, b: float | None) -> str:
+    return "-" if a is None or b is None else f"{a - b:+.2f}"
 
 
 # ------------------------------------------------------------------------------------------------ main
 
 
-def network_benchmarks(args: argparse.Namespace, workdir: Path) -> tuple[list[HttpResult], list[BulkResult]]:
+@dataclass
+class NetworkResults:
+    http: list[HttpResult] = field(default_factory=list)
+    bulk: list[BulkResult] = field(default_factory=list)
+    kept: list[TlsResult] = field(default_factory=list)  # 4. inspected HTTPS, one kept-alive connection
+    fresh: list[TlsResult] = field(default_factory=list)  # 4. a new connection per request
+
+
+def network_benchmarks(args: argparse.Namespace, workdir: Path) -> NetworkResults:
     with common.fake_internet(workdir) as (topo, net, ca, procs):
         # Safety: every address we send to must leave on a device of this topology.
         topo.assert_route_inside(topo.gw, UPSTREAM_IP)
@@ -382,49 +608,83 @@ def network_benchmarks(args: argparse.Namespace, workdir: Path) -> tuple[list[Ht
         procs.append(bare_http)
         bare_pass = Mitmdump(topo, workdir, BARE_PASS_PORT, ("--ignore-hosts", ".*")).start()
         procs.append(bare_pass)
+        results = NetworkResults()
 
-        http: list[HttpResult] = []
         if not args.skip_http:
-            check_http(topo, topo.gw, ["-H", f"Host: {HOST}", f"http://{UPSTREAM_IP}/"])
-            check_http(topo, topo.sbx, ["-x", f"http://{GW_IP}:{BARE_HTTP_PORT}", f"http://{HOST}/"])
-            check_http(topo, topo.sbx, ["-x", f"http://{GW_IP}:{AIRLOCK_PORT}", f"http://{HOST}/"])
-            columns = [
-                ("direct (gw → upstream)", topo.gw, f"http://{UPSTREAM_IP}:80/", "/", None),
-                ("bare mitmproxy", topo.sbx, f"http://{GW_IP}:{BARE_HTTP_PORT}/", f"http://{HOST}/", bare_http.pid),
-                ("airlock", topo.sbx, f"http://{GW_IP}:{AIRLOCK_PORT}/", f"http://{HOST}/", gateway.proc.pid),
-            ]
-            luas = {}
-            for name, ns, url, path, _ in columns:
-                luas[name] = workdir / f"wrk-{name.split()[0]}.lua"
-                luas[name].write_text(WRK_LUA.format(path=path, host=HOST))
-                run_wrk(topo, ns, luas[name], url, 1, args.connections)  # warm-up: connections, DNS cache, imports
-            results = {name: HttpResult(name, []) for name, *_ in columns}
-            for i in range(args.rounds):  # interleaved, so drift hits every column alike
-                for name, ns, url, _, pid in columns:
-                    print(f"  http: {name} round {i + 1} ...", file=sys.stderr, flush=True)
-                    results[name].rounds.append(http_round(topo, net, ns, luas[name], url, pid, args))
-            http = list(results.values())
+            results.http = http_benchmark(args, topo, net, workdir, gateway.proc.pid, bare_http.pid)
 
-        bulk: list[BulkResult] = []
+        direct = TlsRoute("direct (gw → upstream)", topo.gw, None, ca.ca_cert, None)
+        passthrough = [
+            TlsRoute("bare mitmproxy passthrough", topo.sbx, f"http://{GW_IP}:{BARE_PASS_PORT}", ca.ca_cert,
+                     bare_pass.pid),
+            TlsRoute("airlock passthrough", topo.sbx, f"http://{GW_IP}:{AIRLOCK_PORT}", ca.ca_cert, gateway.proc.pid),
+        ]  # fmt: skip
+        intercepting: list[TlsRoute] = []
+        if not (args.skip_bulk and args.skip_inspect):
+            # The same options as the gateway's (lazy, streaming past 1 MB, no upstream certificate sniffing, the
+            # upstream verified against the test CA), no addon; the client trusts mitmproxy's own CA.
+            bare_intercept = Mitmdump(topo, workdir, BARE_INTERCEPT_PORT, (
+                "--set", "stream_large_bodies=1m", "--set", "upstream_cert=false",
+                "--set", f"ssl_verify_upstream_trusted_ca={ca.ca_cert}",
+            ))  # fmt: skip
+            procs.append(bare_intercept.start())
+            mitm_ca = workdir / "mitmproxy" / "mitmproxy-ca-cert.pem"
+            intercepting = [
+                TlsRoute("bare mitmproxy intercepting", topo.sbx, f"http://{GW_IP}:{BARE_INTERCEPT_PORT}", mitm_ca,
+                         bare_intercept.pid),
+                *start_inspecting(topo, workdir, ca.ca_cert, procs),
+            ]  # fmt: skip
+
         if not args.skip_bulk:
-            size = args.bulk_mb * 10**6
-            columns_b = [
-                ("direct (gw → upstream)", topo.gw, None, None),
-                ("bare mitmproxy passthrough", topo.sbx, f"http://{GW_IP}:{BARE_PASS_PORT}", bare_pass.pid),
-                ("airlock", topo.sbx, f"http://{GW_IP}:{AIRLOCK_PORT}", gateway.proc.pid),
-            ]
-            runs: dict[str, list[float]] = {c[0]: [] for c in columns_b}
-            cpu: dict[str, float] = {c[0]: 0.0 for c in columns_b}
-            for i in range(args.bulk_runs):  # interleaved, so drift hits every column alike
-                for name, ns, proxy, pid in columns_b:
-                    print(f"  tls bulk: {name} run {i + 1} ...", file=sys.stderr, flush=True)
-                    cpu0 = cpu_seconds(pid) if pid else 0.0
-                    runs[name].append(curl_bulk(topo, ns, ca.ca_cert, size, proxy))
-                    cpu[name] += cpu_seconds(pid) - cpu0 if pid else 0.0
-            total_mb = args.bulk_mb * args.bulk_runs
-            for name, _, _, pid in columns_b:
-                bulk.append(BulkResult(name, runs[name], cpu[name] * 1000 / total_mb if pid else None))
-        return http, bulk
+            routes = [direct, passthrough[0], passthrough[1], *intercepting]
+            results.bulk = bulk_benchmark(args, topo, routes)
+
+        if not args.skip_inspect:
+            routes = [direct, passthrough[0], intercepting[0], passthrough[1], *intercepting[1:]]
+            for route in routes:
+                check_tls(topo, net, route)
+                curl_requests(topo, route, 20, fresh=False)  # warm-up: leaf certificates, DNS cache, imports
+            results.kept = tls_rounds(topo, net, routes, args.tls_requests, args.rounds, fresh=False)
+            results.fresh = tls_rounds(topo, net, routes, args.tls_fresh, args.rounds, fresh=True)
+        return results
+
+
+def http_benchmark(
+    args: argparse.Namespace, topo: Topology, net: FakeNet, workdir: Path, airlock_pid: int, bare_pid: int
+) -> list[HttpResult]:
+    check_http(topo, topo.gw, ["-H", f"Host: {HOST}", f"http://{UPSTREAM_IP}/"])
+    check_http(topo, topo.sbx, ["-x", f"http://{GW_IP}:{BARE_HTTP_PORT}", f"http://{HOST}/"])
+    check_http(topo, topo.sbx, ["-x", f"http://{GW_IP}:{AIRLOCK_PORT}", f"http://{HOST}/"])
+    columns = [
+        ("direct (gw → upstream)", topo.gw, f"http://{UPSTREAM_IP}:80/", "/", None),
+        ("bare mitmproxy", topo.sbx, f"http://{GW_IP}:{BARE_HTTP_PORT}/", f"http://{HOST}/", bare_pid),
+        ("airlock", topo.sbx, f"http://{GW_IP}:{AIRLOCK_PORT}/", f"http://{HOST}/", airlock_pid),
+    ]
+    luas = {}
+    for name, ns, url, path, _ in columns:
+        luas[name] = workdir / f"wrk-{name.split()[0]}.lua"
+        luas[name].write_text(WRK_LUA.format(path=path, host=HOST))
+        run_wrk(topo, ns, luas[name], url, 1, args.connections)  # warm-up: connections, DNS cache, imports
+    results = {name: HttpResult(name, []) for name, *_ in columns}
+    for i in range(args.rounds):  # interleaved, so drift hits every column alike
+        for name, ns, url, _, pid in columns:
+            print(f"  http: {name} round {i + 1} ...", file=sys.stderr, flush=True)
+            results[name].rounds.append(http_round(topo, net, ns, luas[name], url, pid, args))
+    return list(results.values())
+
+
+def bulk_benchmark(args: argparse.Namespace, topo: Topology, routes: list[TlsRoute]) -> list[BulkResult]:
+    size = args.bulk_mb * 10**6
+    runs: dict[str, list[float]] = {route.name: [] for route in routes}
+    cpu: dict[str, float] = {route.name: 0.0 for route in routes}
+    for i in range(args.bulk_runs):  # interleaved, so drift hits every column alike
+        for route in routes:
+            print(f"  tls bulk: {route.name} run {i + 1} ...", file=sys.stderr, flush=True)
+            cpu0 = cpu_seconds(route.pid) if route.pid else 0.0
+            runs[route.name].append(curl_bulk(topo, route, size))
+            cpu[route.name] += cpu_seconds(route.pid) - cpu0 if route.pid else 0.0
+    total_mb = args.bulk_mb * args.bulk_runs
+    return [BulkResult(r.name, runs[r.name], cpu[r.name] * 1000 / total_mb if r.pid else None) for r in routes]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -435,8 +695,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--bulk-mb", type=int, default=200, help="MB per TLS download (default 200)")
     parser.add_argument("--bulk-runs", type=int, default=3, help="TLS downloads per column (default 3)")
     parser.add_argument("--rules", default="100,1000,10000", help="rule counts for decide (default 100,1000,10000)")
+    parser.add_argument("--tls-requests", type=int, default=500,
+                        help="HTTPS requests per round over one kept-alive connection (default 500)")  # fmt: skip
+    parser.add_argument("--tls-fresh", type=int, default=100,
+                        help="HTTPS requests per round, a new connection each (default 100)")  # fmt: skip
     parser.add_argument("--skip-http", action="store_true")
     parser.add_argument("--skip-bulk", action="store_true")
+    parser.add_argument("--skip-inspect", action="store_true")
     parser.add_argument("--skip-decide", action="store_true")
     args = common.parse_args(parser, argv)
     if not (1 <= args.duration <= 60 and 1 <= args.rounds <= 10 and 1 <= args.connections <= 256):
@@ -445,9 +710,11 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("keep --bulk-runs in 1..10")
     if not 1 <= args.bulk_mb <= 2000:
         parser.error("keep --bulk-mb in 1..2000")
-    network = not (args.skip_http and args.skip_bulk)
+    if not (2 <= args.tls_requests <= 100_000 and 1 <= args.tls_fresh <= 10_000):
+        parser.error("keep --tls-requests in 2..100000, --tls-fresh in 1..10000")
+    network = not (args.skip_http and args.skip_bulk and args.skip_inspect)
     if network and os.geteuid() != 0:
-        parser.error("needs root for network namespaces (or pass --skip-http --skip-bulk)")
+        parser.error("needs root for network namespaces (or pass --skip-http --skip-bulk --skip-inspect)")
     for tool in ("wrk", "curl", "unshare", "ss") if network else ():
         if shutil.which(tool) is None:
             parser.error(f"{tool} not found (apt-get install -y wrk curl util-linux iproute2)")
@@ -460,11 +727,10 @@ def main(argv: list[str] | None = None) -> int:
     if not args.skip_decide:
         print("  decide ...", file=sys.stderr, flush=True)
         decide_data = bench_decide([int(x) for x in args.rules.split(",")])
-    http: list[HttpResult] = []
-    bulk: list[BulkResult] = []
+    results = NetworkResults()
     if network:
         with common.scratch_dir("airlock-bench-") as workdir:
-            http, bulk = network_benchmarks(args, workdir)
+            results = network_benchmarks(args, workdir)
     elapsed = time.monotonic() - started
     # Everything this run started has been reaped by now, so what the machine did beyond that was someone else.
     others = other_cpu.seconds() / (elapsed * (os.cpu_count() or 1))
@@ -472,7 +738,7 @@ def main(argv: list[str] | None = None) -> int:
     if others > 0.05:
         info["others"] += " (**over 5%: numbers are disturbed, run again on an idle machine**)"
         print(f"warning: {info['others']}", file=sys.stderr)
-    text = report(info, command, args, http, bulk, decide_data, elapsed)
+    text = report(info, command, args, results, decide_data, elapsed)
     common.emit(text, args.output)
     return 0
 
