@@ -728,9 +728,14 @@ def _import_proxy(done: concurrent.futures.Future[None]) -> None:
 
 
 def _listen(host: str, port: int) -> socket.socket:
-    """The proxy's listening socket, as asyncio would make it (SO_REUSEADDR; IPv6 only on an IPv6 address)."""
+    """The proxy's listening socket, as asyncio would make it (SO_REUSEADDR; IPv6 only on an IPv6 address; Nagle
+    off). create_server's sockets say proto 0, so asyncio leaves Nagle on for what they accept, and a response
+    mitmproxy writes as head then body would wait for the client's delayed ACK (40 ms); Linux passes the option on
+    to every accepted socket."""
     family = socket.AF_INET6 if ipaddress.ip_address(host).version == 6 else socket.AF_INET
-    return socket.create_server((host, port), family=family, backlog=PROXY_BACKLOG)
+    sock = socket.create_server((host, port), family=family, backlog=PROXY_BACKLOG)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return sock
 
 
 def _essential_addons() -> tuple[object, ...]:

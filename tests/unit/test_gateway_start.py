@@ -299,3 +299,12 @@ async def test_a_reload_that_injects_a_secret_the_gateway_lacks_is_refused_and_t
         assert gateway.inspector is not None and gateway.inspector.generations == []  # nothing made for it
     finally:
         await gateway.stop()
+
+
+def test_the_proxys_accepted_connections_have_nagle_off() -> None:
+    """A response written as head then body must not wait 40 ms for the client's delayed ACK (bench/run.py)."""
+    listener = gateway_module._listen(LOCALHOST, 0)
+    with listener, socket.create_connection(listener.getsockname()[:2]):
+        accepted, _ = listener.accept()
+        with accepted:
+            assert accepted.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) != 0
