@@ -32,8 +32,9 @@ from airlock.sandbox.limits import (
 )
 from airlock.sandbox.netns_launch import ISOLATIONS, choose_isolation
 
-from .common import EXIT_TIMEOUT, EXIT_USAGE, UsageError, check_limits, load_policy_file, signal_future
+from .common import EXIT_TIMEOUT, EXIT_USAGE, UsageError, load_policy_file, signal_future
 from .gateway import add_gateway_options, gateway_config
+from .limits import check_limits
 
 if TYPE_CHECKING:
     import docker
