@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from airlock.auditing import tell
 from airlock.broker.grants import Grant, GrantError, parse_grant
-from airlock.gateway import Gateway, GatewayConfig, preload_proxy
+from airlock.gateway import Gateway, GatewayConfig
 from airlock.policy import Policy
 from airlock.reload import PolicyWatcher
 from airlock.sandbox.embedded import gateway_credentials
@@ -109,7 +109,6 @@ def cmd_run(args: argparse.Namespace) -> int:
         )
         return EXIT_USAGE
     run = run_config(args, command, load_policy_file(args.policy))
-    preload_proxy()  # mitmproxy loads while the sandbox is built
     detail = f", image {run.image}" if run.backend == "docker" else f", filesystem isolation {run.isolation}"
     print(f"airlock: backend {run.backend}{detail}", file=sys.stderr)
     return asyncio.run(_run_docker(run) if run.backend == "docker" else _run_netns(run))
