@@ -6,7 +6,10 @@ import asyncio
 import ipaddress
 import os
 import pwd
+import secrets
 import signal
+import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -154,3 +157,21 @@ def test_a_sandbox_whose_proxy_cannot_start_is_killed_and_the_error_is_raised(
 
     assert asyncio.run(run()) == -signal.SIGKILL
     assert events == ["killed", "destroyed", "gateway stopped"]
+
+
+def test_the_processes_of_a_namespace_are_those_ip_netns_pids_lists(privileged: None) -> None:
+    """kill_all's reader: what runs in the namespace, and nothing of it once the namespace is gone."""
+    name = f"alpids{secrets.token_hex(3)}"
+    subprocess.run(["ip", "netns", "add", name], check=True)
+    inside = subprocess.Popen(["ip", "netns", "exec", name, "sleep", "60"])
+    try:
+        deadline = time.monotonic() + 10
+        while not (listed := subprocess.run(["ip", "netns", "pids", name], capture_output=True, text=True).stdout):
+            assert time.monotonic() < deadline, "sleep never ran in the namespace"
+            time.sleep(0.01)
+        assert netns.pids_in(name) == [int(pid) for pid in listed.split()] == [inside.pid]
+    finally:
+        inside.kill()
+        inside.wait()
+        subprocess.run(["ip", "netns", "del", name], check=False)
+    assert netns.pids_in(name) == []
