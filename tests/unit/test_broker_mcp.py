@@ -26,11 +26,12 @@ from test_broker_service import (  # the REST tests' broker, fake GitHub and tok
     Harness,
     Reply,
     app_key,
+    credentials,
     identify_as,
     make,
 )
 
-__all__ = ["app_key", "make"]  # fixtures, used by name
+__all__ = ["app_key", "credentials", "make"]  # fixtures, used by name
 
 PUSH_GRANT = {"tool": "push_branch", "repo": "acme/app", "head": "agent/*"}
 JSON = {"Content-Type": "application/json", "Accept": "application/json, text/event-stream"}
