@@ -31,6 +31,8 @@ from test_broker_service import (  # the REST tests' broker, fake GitHub and tok
     make,
 )
 
+pytestmark = pytest.mark.tmpfs  # its stores (SQLite) on tmpfs: no fsync waits on a shared disk
+
 __all__ = ["app_key", "credentials", "make"]  # fixtures, used by name
 
 PUSH_GRANT = {"tool": "push_branch", "repo": "acme/app", "head": "agent/*"}

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import pytest
 from aiohttp.test_utils import TestServer
 
 from airlock.broker.calllog import CallLog
@@ -29,6 +30,8 @@ from test_broker_service import (  # noqa: F401 - app_key, credentials and make 
     credentials,
     make,
 )
+
+pytestmark = pytest.mark.tmpfs  # its stores (SQLite) on tmpfs: no fsync waits on a shared disk
 
 AIRLOCK = str(Path(sys.executable).parent / "airlock")
 PUSH_GRANT = {"tool": "push_branch", "repo": "acme/app", "base": ["main"], "head": "agent/*"}
