@@ -47,6 +47,7 @@ class AdminApp:
         self._routes: list[Routes] = []
         self._mounted: list[web.Application] = []
         self._sockets: list[socket.socket] = []  # from listen() until the runner owns them
+        self._bound = False  # the socket file is ours to remove: listen() made it
         self._runner: web.AppRunner | None = None
 
     def add_routes(self, routes: Routes) -> None:
@@ -76,7 +77,7 @@ class AdminApp:
             raise
         finally:
             os.umask(old_umask)
-        self._sockets = [listener]
+        self._sockets, self._bound = [listener], True
 
     async def serve(self) -> None:
         """Serve every route added and app mounted on the sockets `listen()` bound."""
@@ -95,14 +96,16 @@ class AdminApp:
         self._sockets = []  # the runner closes them now
 
     async def stop(self) -> None:
-        """Close the listener, served or not, and remove its socket file."""
+        """Close the listener, served or not, and remove the socket file it made (none other: a gateway that failed
+        before it listened leaves alone whatever is at its path)."""
         runner, self._runner = self._runner, None
         if runner is not None:
             await runner.cleanup()
         for listener in self._sockets:
             listener.close()
         self._sockets = []
-        if isinstance(self.endpoint, Path):
+        if self._bound and isinstance(self.endpoint, Path):
+            self._bound = False
             with contextlib.suppress(OSError):
                 self.endpoint.unlink()
 

@@ -343,6 +343,20 @@ async def test_an_admin_listener_that_cannot_load_is_one_gateway_error_and_every
         await gateway.stop()
 
 
+async def test_a_gateway_that_fails_before_its_admin_listener_listens_leaves_the_socket_at_its_path(
+    config: GatewayConfig, tmp_path: Path
+) -> None:
+    """Another gateway's admin socket, say (same state directory): only a socket this gateway made is removed."""
+    admin = tmp_path / "admin.sock"
+    with socket.socket(socket.AF_UNIX) as other, socket.create_server((LOCALHOST, 0)) as taken:
+        other.bind(str(admin))
+        gateway = Gateway(dataclasses.replace(config, admin=str(admin), proxy_port=taken.getsockname()[1]))
+        with pytest.raises(GatewayError, match="proxy could not listen"):
+            await gateway.start(wait_for_proxy=False)
+        await gateway.stop()
+        assert admin.is_socket()
+
+
 def _free_ports(count: int) -> list[int]:
     """Ports no socket of loopback holds right now (the kernel's picks, let go again)."""
     held = [socket.create_server((LOCALHOST, 0)) for _ in range(count)]
