@@ -2,10 +2,11 @@
 the broker and the admin listener, wired together.
 
 mitmproxy and the addon are most of a gateway's start-up (proxy layers, QUIC, pyOpenSSL, pyparsing: about 300 ms),
-so they are imported in a thread (`preload_proxy()`) while the rest starts: what a launcher builds meanwhile (the
-sandbox's namespace, link, fence and DNS) waits on subprocesses and the kernel, not on this process. The proxy's
-sockets (explicit and transparent) listen from the start, once the policy is in force: a client that comes before
-mitmproxy serves waits in their backlog, and is served like any other, by the addon."""
+and aiohttp (the admin listener) a quarter of a second more, so they are imported in a thread (`preload_proxy()`)
+while the rest starts: what a launcher builds meanwhile (the sandbox's namespace, link, fence and DNS) waits on
+subprocesses and the kernel, not on this process. The proxy's sockets (explicit and transparent) and the admin
+listener's listen from the start, once the policy is in force: a client that comes before they are served waits in
+their backlog, and is served like any other (the proxy's by the addon) once aiohttp, then mitmproxy, are in."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import errno
+import importlib
 import ipaddress
 import logging
 import os
@@ -27,6 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from airlock.admin import AdminApp, gateway_routes
 from airlock.approvals import Approvals, PolicyWriter, approval_routes
 from airlock.audit import AuditLog
 from airlock.audit.notices import DenialNotices
@@ -47,7 +50,6 @@ from airlock.reload import PolicyReloader, Reloaded
 from airlock.sandbox.fence import mark_listeners
 
 if TYPE_CHECKING:
-    from airlock.admin import AdminApp
     from airlock.broker.service import Broker
     from airlock.brokerd import BrokerRuntime
     from airlock.inspector import Inspector
@@ -72,8 +74,8 @@ PROXY_BACKLOG = 100  # asyncio's default, which mitmproxy listened with
 PROXY_START_TIMEOUT = 30.0  # seconds for mitmproxy to come up once imported
 IMPORT_SWITCH_INTERVAL = 0.0005  # seconds (sys.setswitchinterval) while mitmproxy is imported
 
-_proxy_import: concurrent.futures.Future[None] | None = None
-_proxy_import_lock = threading.Lock()
+_preload: _Preload | None = None
+_preload_lock = threading.Lock()
 
 
 class GatewayError(AirlockError):
@@ -314,7 +316,7 @@ class Gateway:
         self._started = False
         self._master: Master | None = None
         self._task: asyncio.Task[None] | None = None  # mitmproxy's master
-        self._proxy: asyncio.Future[None] | None = None  # until the proxy serves
+        self._proxy: asyncio.Future[None] | None = None  # until the admin listener, then the proxy, serve
         self._listeners: dict[str, socket.socket] = {}  # the proxy's, by mitmproxy mode spec, from start() on
         self._proxy_servers: list[asyncio.Server] = []  # once mitmproxy serves them
         self._flusher: asyncio.Task[None] | None = None
@@ -331,21 +333,21 @@ class Gateway:
         if config.close_denied_on_reload:
             self.reloader.after.append(lambda policy: self.close_denied_tunnels())
         self.started_at = time.time()
-        from airlock.admin import AdminApp, gateway_routes  # aiohttp: imported with the gateway, not with the CLI
-
-        # Routes are added before start (others: `gateway.admin.add_routes([...])`); the broker's when it starts.
-        self.admin: AdminApp = AdminApp(config.admin or str(Path(self._state_dir) / "admin.sock"))
-        self.admin.add_routes(gateway_routes(self.reload_policy, self.status))
-        self.admin.add_routes([*self.metrics.routes(), *approval_routes(self.approvals)])
+        # Routes are made once aiohttp is in (others: `gateway.admin.add_routes(...)`); the broker's when it starts.
+        self.admin = AdminApp(config.admin or str(Path(self._state_dir) / "admin.sock"))
+        self.admin.add_routes(lambda: gateway_routes(self.reload_policy, self.status))
+        self.admin.add_routes(self.metrics.routes)
+        self.admin.add_routes(lambda: approval_routes(self.approvals))
 
     async def start(self, *, wait_for_proxy: bool = True) -> None:
         """Put the policy in force, then listen: the proxy's sockets (explicit, transparent), the DNS server, the
-        broker, the admin listener; all but the last marked for the fence. Returns once the proxy serves too — or,
-        without `wait_for_proxy`, while mitmproxy may still be loading (the proxy's clients wait in its backlog
-        meanwhile): then `proxy_started()` says when it serves, or why it cannot. GatewayError for anything that
-        cannot start (the gateway is stopped again)."""
+        broker, the admin listener; all but the last marked for the fence. Returns once the admin listener and the
+        proxy serve too — or, without `wait_for_proxy`, while aiohttp and mitmproxy may still be loading (their
+        clients wait in the backlog meanwhile): then `proxy_started()` says when both serve, or why they cannot.
+        GatewayError for anything that cannot start (the gateway is stopped again)."""
         config = self.config
         loading = preload_proxy()
+        admin_loading = preload_admin()
         _one_retry_per_shortage(asyncio.get_running_loop())
         self._own = GatewayAddresses(own_addresses() | {ipaddress.ip_address(config.listen)})
         live = self.live = self.auditing.live = LivePolicy(config.policy, self.registry, self._own)
@@ -362,7 +364,6 @@ class Gateway:
             await self.stop()
             raise GatewayError(f"proxy could not listen on {config.listen}:{port}: {e.strerror}") from e
         answered = AnsweredAddresses()  # what the DNS answered each sandbox: names for connections without one
-        self._proxy = asyncio.ensure_future(self._serve_proxy(loading, answered))
         self._flusher = asyncio.create_task(self._flush_audit())
         if config.dns_port:
             dns_settings = DnsSettings(rate_per_second=config.dns_rate, audit_failure=self._audit_failure)
@@ -393,10 +394,12 @@ class Gateway:
             if self.shared is not None:  # else the proxy, when it starts, finds the broker's git tokens
                 self.shared.git_tokens = self.broker.git_read
         try:
-            await self.admin.start()
+            self.admin.listen()
         except OSError as e:
             await self.stop()
             raise GatewayError(f"admin listener could not listen on {self.admin.address}: {e.strerror or e}") from e
+        # Every route is added and every app mounted by now: the admin listener can be served as it is.
+        self._proxy = asyncio.ensure_future(self._serve_loaded(admin_loading, loading, answered))
         self._mark_listeners()
         if wait_for_proxy:
             try:
@@ -406,7 +409,8 @@ class Gateway:
                 raise
 
     async def proxy_started(self) -> None:
-        """Once the proxy serves; GatewayError if it cannot (then the gateway should be stopped)."""
+        """Once the admin listener and the proxy serve; GatewayError if they cannot (then the gateway should be
+        stopped)."""
         if self._proxy is None:
             raise GatewayError("the gateway has not started: no proxy")
         await asyncio.shield(self._proxy)
@@ -432,17 +436,25 @@ class Gateway:
             self.dns.stats if self.dns is not None else None,
         )
 
-    async def _serve_proxy(self, loading: concurrent.futures.Future[None], answered: AnsweredAddresses) -> None:
-        """mitmproxy with the airlock addon, once imported, serving the clients of the proxy's listeners (who have
-        waited in their backlog until now). If it cannot, every listener closes at once: its clients are refused,
-        not kept, and none is served by a proxy half up."""
+    async def _serve_loaded(
+        self,
+        admin_loading: concurrent.futures.Future[None],
+        loading: concurrent.futures.Future[None],
+        answered: AnsweredAddresses,
+    ) -> None:
+        """The admin listener once aiohttp is imported, then mitmproxy with the airlock addon once that is, each
+        serving the clients that have waited in their backlog until now. If either cannot, every listener of
+        theirs closes at once: clients are refused, not kept, and none is served by a gateway half up."""
         try:
+            await _loaded(admin_loading, "the admin listener")
             try:
-                await asyncio.wrap_future(loading)
+                await self.admin.serve()
             except Exception as e:
-                raise GatewayError(f"the proxy could not be loaded: {type(e).__name__}: {e}") from e
+                raise GatewayError(f"the admin listener could not start: {type(e).__name__}: {e}") from e
+            await _loaded(loading, "the proxy")
             await self._start_proxy(answered)
         except BaseException as e:
+            await self.admin.stop()
             for server in self._proxy_servers:
                 server.close()
             for listener in self._listeners.values():
@@ -687,44 +699,74 @@ class Gateway:
             shutil.rmtree(self._state_dir, ignore_errors=True)
 
 
+@dataclass(frozen=True)
+class _Preload:
+    """The imports of preload_proxy()'s thread, in their order: aiohttp, then mitmproxy and the addon."""
+
+    admin: concurrent.futures.Future[None] = field(default_factory=concurrent.futures.Future)
+    proxy: concurrent.futures.Future[None] = field(default_factory=concurrent.futures.Future)
+
+
 def preload_proxy() -> concurrent.futures.Future[None]:
-    """Import mitmproxy and the airlock addon (and, before them, the admin listener's aiohttp) in a thread, once per
-    process; the future says when they are in.
+    """Import the admin listener's aiohttp, then mitmproxy and the airlock addon, in a thread, once per process;
+    the future says when all of them are in (`preload_admin()`'s, when aiohttp is).
 
     Not a daemon thread: the interpreter must not finalize while an extension module initializes in another thread
     (that can crash it, SIGSEGV), so a process that ends sooner waits for the import. `airlock run` ends its process
     at once instead (`proxy_loading()`): by then its sandbox is gone, and no proxy will be needed."""
-    global _proxy_import
-    with _proxy_import_lock:
-        if _proxy_import is None:
-            _proxy_import = concurrent.futures.Future()
-            threading.Thread(target=_import_proxy, args=(_proxy_import,), name="airlock-proxy-import").start()
-        return _proxy_import
+    return _preloading().proxy
+
+
+def preload_admin() -> concurrent.futures.Future[None]:
+    """The first part of preload_proxy()'s import (started if it was not): aiohttp, for the admin listener."""
+    return _preloading().admin
+
+
+def _preloading() -> _Preload:
+    global _preload
+    with _preload_lock:
+        if _preload is None:
+            _preload = _Preload()
+            threading.Thread(target=_import_late, args=(_preload,), name="airlock-proxy-import").start()
+        return _preload
 
 
 def proxy_loading() -> bool:
     """Whether preload_proxy()'s import is under way in this process."""
-    return _proxy_import is not None and not _proxy_import.done()
+    return _preload is not None and not _preload.proxy.done()
 
 
-def _import_proxy(done: concurrent.futures.Future[None]) -> None:
-    done.set_running_or_notify_cancel()  # running: a waiter that gives up cannot cancel it for everyone else
+def _import_late(preload: _Preload) -> None:
+    for done in (preload.admin, preload.proxy):
+        done.set_running_or_notify_cancel()  # running: a waiter that gives up cannot cancel it for everyone else
     # Meanwhile the other threads mostly wait on subprocesses, and each wakes to find this one holding the GIL: let
     # them have it within IMPORT_SWITCH_INTERVAL rather than the default 5 ms.
     interval = sys.getswitchinterval()
     sys.setswitchinterval(min(interval, IMPORT_SWITCH_INTERVAL))
     try:
-        # First what the gateway's constructor needs (aiohttp, for the admin listener): a launcher builds the
-        # sandbox's namespace before it makes the gateway.
-        import airlock.admin
-        import airlock.mitm
-        import airlock.proxy.addon  # noqa: F401
+        # aiohttp first: the admin listener is served before the proxy (`Gateway._serve_loaded`).
+        _import(preload.admin, "aiohttp.web")
+        _import(preload.proxy, "airlock.mitm", "airlock.proxy.addon")
+    finally:
+        sys.setswitchinterval(interval)
+
+
+def _import(done: concurrent.futures.Future[None], *modules: str) -> None:
+    try:
+        for module in modules:
+            importlib.import_module(module)
     except BaseException as e:
         done.set_exception(e)
     else:
         done.set_result(None)
-    finally:
-        sys.setswitchinterval(interval)
+
+
+async def _loaded(loading: concurrent.futures.Future[None], what: str) -> None:
+    """Once preload_proxy()'s `loading` is done; GatewayError naming `what` if its import failed."""
+    try:
+        await asyncio.wrap_future(loading)
+    except Exception as e:
+        raise GatewayError(f"{what} could not be loaded: {type(e).__name__}: {e}") from e
 
 
 def _listen(host: str, port: int) -> socket.socket:

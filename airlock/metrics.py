@@ -12,6 +12,9 @@ here. Cardinality is bounded: each label takes its values from a closed set (kin
 rcodes, broker tools and statuses, directions) or from what the operator configured (profiles, sandbox ids), and
 each label keeps at most LABEL_BOUNDS distinct values, beyond which a value is counted as "other". No host name,
 address, path or request id is ever a label.
+
+prometheus-client itself (about 30 ms to import, with http.server and wsgiref) is imported at the first scrape:
+counting needs none of it, and a sandbox's start should not wait for it.
 """
 
 from __future__ import annotations
@@ -24,16 +27,13 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
-from prometheus_client.registry import Collector
-from prometheus_client.utils import floatToGoString
-
 from airlock.audit import AuditRecord, RepeatedDecisions
 from airlock.policy import ReasonCode
 
 if TYPE_CHECKING:
     from aiohttp import web
+    from prometheus_client import CollectorRegistry
+    from prometheus_client.core import Metric
 
     from airlock.audit import AuditLog
 
@@ -98,13 +98,15 @@ class _Durations:
         self.sum += seconds
 
     def cumulative(self) -> list[tuple[str, float]]:
+        from prometheus_client.utils import floatToGoString
+
         bounds = [*map(floatToGoString, self.buckets), "+Inf"]
         return list(zip(bounds, itertools.accumulate(self.counts), strict=True))
 
 
-class _Family[Child: (_Count, _Durations)](Collector):
+class _Family[Child: (_Count, _Durations)]:
     """A labelled counter or histogram family, its labels bounded, its children found by their raw label values
-    (one dict lookup), served as a prometheus-client metric family."""
+    (one dict lookup), served as a prometheus-client metric family (a collector: it has `collect`)."""
 
     def __init__(
         self, name: str, doc: str, labels: tuple[str, ...], bounds: Mapping[str, _Bounded], new: Callable[[], Child]
@@ -126,6 +128,8 @@ class _Family[Child: (_Count, _Durations)](Collector):
         return child
 
     def collect(self) -> Iterator[Metric]:
+        from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
+
         children = list(self._bounded.items())
         if self._new is _Count:
             counters = CounterMetricFamily(self.name, self.doc, labels=self.labels)
@@ -143,20 +147,20 @@ class GatewayMetrics:
     """The gateway's registry, the observers that fill it, and the aiohttp handlers that serve it."""
 
     def __init__(self) -> None:
-        self.registry = CollectorRegistry()
         self._bounds = {name: _Bounded(limit) for name, limit in LABEL_BOUNDS.items()}
         self.readiness: Checks = lambda: {"gateway": "not started"}
         self._state = _StateCollector(self._bounds["sandbox"])
-        self.registry.register(self._state)
+        self._collectors: list[_StateCollector | _Family[Any]] = [self._state]  # the registry's, in this order
+        self._registry: CollectorRegistry | None = None  # made at the first scrape
 
         def counter(name: str, doc: str, *labels: str) -> _Family[_Count]:
             family = _Family(name, doc, labels, self._bounds, _Count)
-            self.registry.register(family)
+            self._collectors.append(family)
             return family
 
         def histogram(name: str, doc: str, buckets: tuple[float, ...], *labels: str) -> _Family[_Durations]:
             family = _Family(name, doc, labels, self._bounds, lambda: _Durations(buckets))
-            self.registry.register(family)
+            self._collectors.append(family)
             return family
 
         self._decisions = counter(
@@ -265,12 +269,26 @@ class GatewayMetrics:
 
     def exposition(self) -> bytes:
         """The registry in Prometheus's text format."""
-        return generate_latest(self.registry)
+        from prometheus_client import generate_latest
+
+        return generate_latest(self._registered())
+
+    def _registered(self) -> CollectorRegistry:
+        """The gateway's own registry of everything above (made once, at the first scrape)."""
+        if self._registry is None:
+            from prometheus_client import CollectorRegistry
+
+            registry = CollectorRegistry()
+            for collector in self._collectors:
+                registry.register(collector)
+            self._registry = registry
+        return self._registry
 
     # --- aiohttp handlers ---------------------------------------------------------------------------------------
 
     async def metrics(self, request: web.Request) -> web.Response:
         from aiohttp import web
+        from prometheus_client import CONTENT_TYPE_LATEST
 
         return web.Response(body=self.exposition(), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
@@ -308,14 +326,17 @@ class _Sources:
     dns_stats: Mapping[str, int]
 
 
-class _StateCollector(Collector):
-    """Gauges and counters read from the gateway's own state when scraped: nothing on the hot path."""
+class _StateCollector:
+    """Gauges and counters read from the gateway's own state when scraped: nothing on the hot path (a
+    prometheus-client collector: it has `collect`)."""
 
     def __init__(self, sandbox: _Bounded) -> None:
         self.sources: _Sources | None = None
         self._sandbox = sandbox
 
     def collect(self) -> Iterator[Metric]:
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
         sources = self.sources
         if sources is None:
             return
@@ -343,6 +364,8 @@ class _StateCollector(Collector):
 
 
 def _audit_metrics(audit: AuditLog) -> Iterator[Metric]:
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
     yield GaugeMetricFamily("airlock_audit_writable", "1 while the audit log can be written", audit.failure is None)
     yield GaugeMetricFamily("airlock_audit_pending_lines", "Audit lines before the next write", audit.pending_lines)
     yield GaugeMetricFamily(

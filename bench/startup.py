@@ -18,6 +18,10 @@ host's network, with `--upstream-dns` pointing into the (empty) fake internet â€
 scratch working directory that is no git repository. The interpreter rows run in that namespace too, so every row
 pays `ip netns exec` alike. The namespaces are deleted at the end, also on Ctrl-C or SIGTERM.
 
+`ip netns exec` hides the host's cgroups, so the run row first mounts them again in its private mount namespace
+(tests/e2e/hostcgroups.py), which a run on the host never does; the row "the host's cgroups mounted, then `true`"
+measures that alone, and the run's verdict is on its median less that one's (shown beside it).
+
 Targets (issue 10): `airlock run -- true` under 400 ms, `airlock --help` under 60 ms, on the 2-CPU machine. Then
 what the sandbox's limits (cgroup, rlimits, seccomp filter) add, step by step (bench/limits.py; issue 13: < 20 ms).
 """
@@ -46,6 +50,8 @@ from hostcgroups import with_host_cgroups  # noqa: E402
 from topology import DNS_SERVER, Topology  # noqa: E402
 
 TARGETS_MS = {"airlock --help": 60.0, "airlock run -- true": 400.0}
+RUN = "airlock run -- true"
+HARNESS = "the host's cgroups mounted, then `true` (in the run row, not airlock's)"
 BASELINE = " (baseline)"
 
 
@@ -55,13 +61,13 @@ def airlock_rows(python: str, suffix: str = "") -> dict[str, list[str]]:
         f"airlock --help{suffix}": [airlock, "--help"],
         f"import what `airlock run` loads{suffix}": [python, "-c", "import airlock.cli.run"],
         # With the host's cgroups in view, as outside the test namespace: the sandbox gets its limits.
-        f"airlock run -- true{suffix}": with_host_cgroups([airlock, "run", "--upstream-dns", DNS_SERVER, "--", "true"]),
+        f"{RUN}{suffix}": with_host_cgroups([airlock, "run", "--upstream-dns", DNS_SERVER, "--", "true"]),
     }
 
 
 def rows(baseline: str | None = None) -> dict[str, list[str]]:
-    found = {"python -c pass": [sys.executable, "-c", "pass"], **airlock_rows(sys.executable)}
-    return found | (airlock_rows(baseline, BASELINE) if baseline else {})
+    found = {"python -c pass": [sys.executable, "-c", "pass"], HARNESS: with_host_cgroups(["true"])}
+    return found | airlock_rows(sys.executable) | (airlock_rows(baseline, BASELINE) if baseline else {})
 
 
 def children_cpu() -> float:
@@ -97,6 +103,7 @@ def measure(runs: int, workdir: Path, baseline: str | None) -> dict[str, tuple[l
 
 def report(samples: dict[str, tuple[list[float], list[float]]], command: str, info: dict[str, str]) -> str:
     base = statistics.median(samples["python -c pass"][0])
+    harness = statistics.median(samples[HARNESS][0])
     lines = [
         "# airlock start-up", "", f"`{command}`", "", common.machine_line(info), "",
         "| command (in a network namespace, `ip netns exec` included) | median ms | p90 ms | CPU ms | ratio to `python -c pass` | target |",  # noqa: E501
@@ -104,12 +111,21 @@ def report(samples: dict[str, tuple[list[float], list[float]]], command: str, in
     ]  # fmt: skip
     for name, (walls, cpus) in samples.items():
         median = statistics.median(walls)
-        target = TARGETS_MS.get(name.removesuffix(BASELINE))
-        verdict = "" if target is None else f"< {target:.0f} ms: {'met' if median * 1000 < target else 'NOT met'}"
+        verdict = _verdict(name.removesuffix(BASELINE), median, harness)
         p90 = percentile(sorted(walls), 0.9) or 0.0
         row = [name, fmt(median * 1000), fmt(p90 * 1000), fmt(statistics.median(cpus) * 1000)]
         lines.append(f"| {' | '.join(row)} | {median / base:.2f}x | {verdict} |")
     return "\n".join(lines) + "\n"
+
+
+def _verdict(name: str, median: float, harness: float) -> str:
+    """The target column: the run's is judged without the cgroup mounts of the test namespace (see the doc)."""
+    target = TARGETS_MS.get(name)
+    if target is None:
+        return ""
+    judged = median - harness if name == RUN else median
+    verdict = f"< {target:.0f} ms: {'met' if judged * 1000 < target else 'NOT met'}"
+    return f"{verdict} ({fmt(judged * 1000)} ms without the mounts)" if name == RUN else verdict
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -20,17 +20,19 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from airlock.audit import AuditRecord
 
-from .calls import Call
 from .errors import BrokerError
 from .redact import Redactor
 from .state import State
 from .store import SqliteFile
-from .tokens import Claims
-from .tools import ToolSpec
+
+if TYPE_CHECKING:  # named in annotations only: `airlock tools log` reads the log without jwt or jsonschema
+    from .calls import Call
+    from .tokens import Claims
+    from .tools import ToolSpec
 
 log = logging.getLogger("airlock.broker")
 

@@ -7,14 +7,16 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from airlock.audit import AuditRecord
 
 from .errors import BrokerError, Result
-from .grants import Grant
-from .tokens import Claims
-from .tools import ToolSpec
+
+if TYPE_CHECKING:  # named in annotations only: the call log's readers need no jwt or jsonschema
+    from .grants import Grant
+    from .tokens import Claims
+    from .tools import ToolSpec
 
 
 @dataclass(frozen=True)

@@ -25,11 +25,11 @@ from .common import (
     EXIT_INTERRUPTED,
     UsageError,
     absolute,
-    check_limits,
     duration,
     load_policy_file,
     signal_future,
 )
+from .limits import check_limits
 
 log = logging.getLogger("airlock")
 

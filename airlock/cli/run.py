@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 from airlock.auditing import tell
 from airlock.broker.grants import Grant, GrantError, parse_grant
 from airlock.brokerconfig import SecretSource
-from airlock.gateway import Gateway, GatewayConfig, preload_proxy
+from airlock.gateway import Gateway, GatewayConfig
 from airlock.inspection.secrets import placeholder
 from airlock.policy import Policy
 from airlock.reload import PolicyWatcher
@@ -34,8 +34,9 @@ from airlock.sandbox.limits import (
 )
 from airlock.sandbox.netns_launch import ISOLATIONS, choose_isolation
 
-from .common import EXIT_TIMEOUT, EXIT_USAGE, UsageError, check_limits, load_policy_file, signal_future
+from .common import EXIT_TIMEOUT, EXIT_USAGE, UsageError, load_policy_file, signal_future
 from .gateway import add_gateway_options, gateway_config
+from .limits import check_limits
 
 if TYPE_CHECKING:
     import docker
@@ -115,7 +116,6 @@ def cmd_run(args: argparse.Namespace) -> int:
         )
         return EXIT_USAGE
     run = run_config(args, command, load_policy_file(args.policy))
-    preload_proxy()  # mitmproxy loads while the sandbox is built
     detail = f", image {run.image}" if run.backend == "docker" else f", filesystem isolation {run.isolation}"
     print(f"airlock: backend {run.backend}{detail}", file=sys.stderr)
     return asyncio.run(_run_docker(run) if run.backend == "docker" else _run_netns(run))

@@ -11,7 +11,7 @@ from typing import BinaryIO
 import docker
 
 from airlock.broker.grants import Grant
-from airlock.gateway import Gateway, GatewayConfig
+from airlock.gateway import Gateway, GatewayConfig, preload_proxy
 
 from .docker import TOKEN_PATH, DockerSandbox, Limits
 from .embedded import (
@@ -108,6 +108,7 @@ async def launch(
         raise
     running: Gateway | None = None
     try:
+        preload_proxy()  # aiohttp and mitmproxy import in a thread while docker makes the network and container
         # Docker API calls block: off the event loop, so other sandboxes' gateways on it keep answering.
         await asyncio.to_thread(sandbox.create)
         assert sandbox.sandbox_id is not None

@@ -11,6 +11,7 @@ capabilities (setpriv, no_new_privs), so it cannot change routes, load rules, sy
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import ipaddress
 import os
@@ -26,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from airlock.errors import AirlockError
-from airlock.interfaces import parse_ip_addr
+from airlock.interfaces import interface_addresses
 from airlock.policy import SANDBOX_LINK_NETWORKS
 
 from . import SANDBOX_ID
@@ -84,7 +85,10 @@ def _write_sysctl(name: str, value: str) -> None:
 
 
 def _used_networks() -> list[ipaddress.IPv4Network]:
-    return [address.network for address in parse_ip_addr(_run(["ip", "-j", "-4", "addr", "show"]).stdout)]
+    try:
+        return [address.network for address in interface_addresses() if isinstance(address, ipaddress.IPv4Interface)]
+    except OSError as e:
+        raise SandboxError(f"this namespace's addresses cannot be listed: {e}") from e
 
 
 def pick_link() -> ipaddress.IPv4Network:
@@ -133,11 +137,32 @@ class NetnsSandbox:
         """Namespace, link and fence, in that order; each step that does not need the one before runs beside it
         (a launch waits on these subprocesses)."""
         self.link = pick_link()
-        prefix = self.link.prefixlen
         _run(["ip", "netns", "add", self.netns])  # fails when the id is taken: then nothing here is ours
         self.owned = True
         if self.watchdog is not None:  # it may still be starting: the launcher waits for it before the command
             self.watchdog.guard("netns", self.sandbox_id, wait=False)
+        with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="airlock-netns") as beside:
+            # The refusal inside needs the namespace alone: loaded (four `ip netns exec`) while the link is made.
+            inside = beside.submit(self._refuse_udp_inside) if self.intercept is not None else None
+            self._link_and_fence()
+            if inside is not None:
+                inside.result()
+                _run(["ip", "-n", self.netns, "route", "add", "default", "via", self.gateway_ip])
+        etc = Path("/etc/netns") / self.netns
+        etc.mkdir(parents=True, exist_ok=True)
+        # `ip netns exec` bind-mounts these over /etc inside the command's mount namespace.
+        (etc / "resolv.conf").write_text(f"nameserver {self.gateway_ip}\noptions timeout:2 attempts:1\n")
+        (etc / "hosts").write_text("127.0.0.1 localhost\n::1 localhost\n")
+
+    def _refuse_udp_inside(self) -> None:
+        assert self.intercept is not None
+        netns_cmd = ["ip", "netns", "exec", self.netns]
+        refuse_udp_inside(self.fence_table, self.gateway_ip, self.udp_ports, self.intercept, netns_cmd)
+
+    def _link_and_fence(self) -> None:
+        """The veth pair, its ends' addresses and the gateway side's fence, loaded before the link is up."""
+        assert self.link is not None
+        prefix = self.link.prefixlen
         # The sandbox's end is made in its namespace: it is never an interface of this one.
         _run(["ip", "link", "add", self.host_if, "type", "veth", "peer", "name", self.sandbox_if, "netns", self.netns])
         # IPv6 off on both ends: the link carries exactly the IPv4 the fence describes.
@@ -158,16 +183,6 @@ class NetnsSandbox:
         both = [_start(["ip", "-batch", "-"], host_end), _start(["ip", "-n", self.netns, "-batch", "-"], sandbox_end)]
         for started in both:
             _finish(started)
-        if self.intercept is not None:
-            refuse_udp_inside(
-                self.fence_table, self.gateway_ip, self.udp_ports, self.intercept, ["ip", "netns", "exec", self.netns]
-            )
-            _run(["ip", "-n", self.netns, "route", "add", "default", "via", self.gateway_ip])
-        etc = Path("/etc/netns") / self.netns
-        etc.mkdir(parents=True, exist_ok=True)
-        # `ip netns exec` bind-mounts these over /etc inside the command's mount namespace.
-        (etc / "resolv.conf").write_text(f"nameserver {self.gateway_ip}\noptions timeout:2 attempts:1\n")
-        (etc / "hosts").write_text("127.0.0.1 localhost\n::1 localhost\n")
 
     @property
     def run_dir(self) -> Path:
@@ -204,12 +219,12 @@ class NetnsSandbox:
     def kill_all(self) -> None:
         """SIGKILL every process in the namespace, also ones the command left running in the background."""
         for _ in range(10):
-            pids = _run(["ip", "netns", "pids", self.netns], check=False).stdout.split()
+            pids = pids_in(self.netns)
             if not pids:
                 return
             for pid in pids:
-                with contextlib.suppress(ProcessLookupError, ValueError):
-                    os.kill(int(pid), signal.SIGKILL)
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
             time.sleep(0.05)
 
     def command(
@@ -239,6 +254,26 @@ class NetnsSandbox:
             isolation = _own_processes(seccomp_fd)
         prelude = guard.prelude() if guard and isolate_fs else []
         return ["ip", "netns", "exec", self.netns, *prelude, *isolation, *drop_privileges, *argv]
+
+
+def pids_in(netns: str) -> list[int]:
+    """The processes in the named namespace, found as `ip netns pids` finds them (whose /proc/PID/ns/net is the
+    namespace's file) without starting it: a teardown waits on this."""
+    try:
+        namespace = os.stat(Path("/run/netns") / netns)
+    except FileNotFoundError:
+        return []
+    found = []
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            net = os.stat(f"/proc/{entry.name}/ns/net")
+        except OSError:  # ended meanwhile
+            continue
+        if (net.st_dev, net.st_ino) == (namespace.st_dev, namespace.st_ino):
+            found.append(int(entry.name))
+    return found
 
 
 def _own_processes(seccomp_fd: int | None = None) -> list[str]:

@@ -29,7 +29,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from airlock.broker.grants import Grant
-from airlock.gateway import Gateway, GatewayConfig
+from airlock.gateway import Gateway, GatewayConfig, preload_proxy
 
 from . import cgroups, netns, seccomp
 from .embedded import (
@@ -230,6 +230,9 @@ async def launch(
         assert sandbox.sandbox_id is not None and gateway.state_dir is not None
         if isolate_fs:
             guard = WorkdirGuard(Path.cwd(), pw, sandbox.sandbox_id, Path(gateway.state_dir) / "workdir")
+        # aiohttp and mitmproxy import in a thread from now on: while the namespace is built (ip, nft) this thread
+        # mostly waits, whereas the checks above would have shared the interpreter's lock with the import.
+        preload_proxy()
         # The working directory's snapshot (git) is taken while the namespace is built (ip, nft): both mostly wait.
         created, prepared = await asyncio.gather(
             asyncio.to_thread(sandbox.create),

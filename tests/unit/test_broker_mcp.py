@@ -26,11 +26,14 @@ from test_broker_service import (  # the REST tests' broker, fake GitHub and tok
     Harness,
     Reply,
     app_key,
+    credentials,
     identify_as,
     make,
 )
 
-__all__ = ["app_key", "make"]  # fixtures, used by name
+pytestmark = pytest.mark.tmpfs  # its stores (SQLite) on tmpfs: no fsync waits on a shared disk
+
+__all__ = ["app_key", "credentials", "make"]  # fixtures, used by name
 
 PUSH_GRANT = {"tool": "push_branch", "repo": "acme/app", "head": "agent/*"}
 JSON = {"Content-Type": "application/json", "Accept": "application/json, text/event-stream"}

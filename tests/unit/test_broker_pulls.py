@@ -15,8 +15,10 @@ import pytest
 import test_broker_service as service
 from test_broker_service import FIELDS, GRANT, LOOPBACK, SANDBOX, Factory, Harness, Reply, head_sha
 
-# The broker-in-front-of-a-fake-GitHub fixture, and the App key it needs.
-make, app_key = service.make, service.app_key
+pytestmark = pytest.mark.tmpfs  # its stores (SQLite) on tmpfs: no fsync waits on a shared disk
+
+# The broker-in-front-of-a-fake-GitHub fixture, and the App key and credentials it needs.
+make, app_key, credentials = service.make, service.app_key, service.credentials
 
 OTHER = "sbx-2"
 GET = "/v1/tools/get_pull_request"

@@ -36,6 +36,8 @@ from airlock.broker.service import Broker
 from airlock.broker.store import SqliteStore
 from airlock.broker.tokens import KeyRing, TokenAuthority
 
+pytestmark = pytest.mark.tmpfs  # its stores (SQLite) on tmpfs: no fsync waits on a shared disk
+
 LOOPBACK = "127.0.0.1"
 SANDBOX = "sbx-1"
 PUSH = "/v1/tools/push_branch"

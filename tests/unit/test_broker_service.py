@@ -21,6 +21,7 @@ from typing import Any
 
 import aiohttp
 import jwt
+import jwt.algorithms
 import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
@@ -30,11 +31,13 @@ from cryptography.hazmat.primitives.asymmetric import rsa
 from airlock.audit import AuditRecord
 from airlock.broker.bodies import MAX_REQUEST_BYTES
 from airlock.broker.calllog import CallLog
-from airlock.broker.github import AppCredential, GitHubClient, StaticCredential
+from airlock.broker.github import AppCredential, Credential, GitHubClient, StaticCredential
 from airlock.broker.service import Broker, BrokerSettings
 from airlock.broker.store import SqliteStore, StoreError
 from airlock.broker.tokens import KeyRing, TokenAuthority
 from airlock.broker.tools import MAX_BODY, MAX_TITLE
+
+pytestmark = pytest.mark.tmpfs  # its stores (SQLite) on tmpfs: no fsync waits on a shared disk
 
 LOOPBACK = "127.0.0.1"
 SANDBOX = "sbx-1"
@@ -450,12 +453,28 @@ def app_key() -> rsa.RSAPrivateKey:
     return rsa.generate_private_key(public_exponent=65537, key_size=2048)
 
 
+@pytest.fixture(scope="module")
+def credentials(app_key: rsa.RSAPrivateKey) -> dict[str, Credential]:
+    """The broker's GitHub credential of each kind, shared by the module's tests: immutable, and an App
+    credential parses its key once (some 50 ms), not once per test."""
+    pem = app_key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    ).decode()
+    return {
+        "static": StaticCredential(STATIC_SECRET),
+        "app": AppCredential(APP_ID, pem, INSTALLATION_ID),
+        "app-lookup": AppCredential(APP_ID, pem, None),
+    }
+
+
 def identify_as(sandbox: str | None) -> Callable[[str], str | None]:
     return lambda client: sandbox if client == LOOPBACK else None
 
 
 @pytest.fixture
-async def make(tmp_path: Path, app_key: rsa.RSAPrivateKey) -> AsyncIterator[Factory]:
+async def make(
+    tmp_path: Path, app_key: rsa.RSAPrivateKey, credentials: dict[str, Credential]
+) -> AsyncIterator[Factory]:
     """Builds a running broker (sandbox + admin apps on 127.0.0.1) in front of a fake GitHub on 127.0.0.1."""
     async with contextlib.AsyncExitStack() as stack:
         fake = FakeGitHub(app_key.public_key())
@@ -468,7 +487,7 @@ async def make(tmp_path: Path, app_key: rsa.RSAPrivateKey) -> AsyncIterator[Fact
         stack.push_async_callback(session.close)
 
         async def factory(
-            credential: str | None = "static",
+            credential: str | Credential | None = "static",  # a kind of `credentials`, or one of the test's
             identify: Callable[[str], str | None] | None = None,
             settings: BrokerSettings | None = None,
             timeout: float = 5.0,
@@ -477,17 +496,10 @@ async def make(tmp_path: Path, app_key: rsa.RSAPrivateKey) -> AsyncIterator[Fact
             busy_timeout: float = 5.0,
             serves: list[str] | None = None,
         ) -> Harness:
-            pem = app_key.private_bytes(
-                serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
-            ).decode()
-            credentials = {
-                "static": StaticCredential(STATIC_SECRET),
-                "app": AppCredential(APP_ID, pem, INSTALLATION_ID),
-                "app-lookup": AppCredential(APP_ID, pem, None),
-            }
             github = None
             if credential is not None:
-                github = GitHubClient(api or fake.base_url, credentials[credential], session, timeout=timeout)
+                chosen = credentials[credential] if isinstance(credential, str) else credential
+                github = GitHubClient(api or fake.base_url, chosen, session, timeout=timeout)
             identify = identify or identify_as(SANDBOX)
             inner = SqliteStore(state / "broker.sqlite3", busy_timeout)
             stack.callback(inner.close)
@@ -623,6 +635,28 @@ async def test_installation_token_is_per_repository(make: Factory) -> None:
     assert (await h.pr(token, {"repo": "acme/other"})).status == 201
     narrowings = [c["json"]["repositories"] for c in h.github.calls if c["path"].endswith("/access_tokens")]
     assert narrowings == [["app"], ["other"]]
+
+
+async def test_the_app_key_is_parsed_once_however_many_app_jwts_are_made(
+    make: Factory, credentials: dict[str, Credential], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Parsing a 2048-bit RSA key takes some 50 ms on the event loop: each App JWT after the first reuses it."""
+    parsed: list[bytes] = []
+    load = jwt.algorithms.load_pem_private_key
+
+    def counted(data: bytes, *args: Any, **kwargs: Any) -> Any:
+        parsed.append(data)
+        return load(data, *args, **kwargs)
+
+    monkeypatch.setattr(jwt.algorithms, "load_pem_private_key", counted)
+    shared = credentials["app"]
+    assert isinstance(shared, AppCredential)
+    h = await make(credential=AppCredential(APP_ID, shared.private_key, INSTALLATION_ID))  # its key not parsed yet
+    token = await h.token(grants=[GRANT, GRANT | {"repo": "acme/other"}])
+    assert (await h.pr(token)).status == 201
+    assert (await h.pr(token, {"repo": "acme/other"})).status == 201
+    assert len(h.github.app_jwts) == 2 and len(parsed) == 1
+    h.assert_github_happy()
 
 
 SPELLINGS = ["acme/app", "ACME/app", "Acme/App", "acme/APP", "ACME/APP"]
@@ -1418,7 +1452,11 @@ async def test_a_locked_store_never_stalls_the_event_loop(make: Factory) -> None
     with write_locked(h.state / "broker.sqlite3"):
         watch = LoopWatch()
         call = asyncio.create_task(h.pr(token, key="op-1"))
-        await asyncio.sleep(1.5)
+        while h.github.pull_posts == 0 and not call.done():
+            await asyncio.sleep(0.01)
+        # A store call that held the loop while it waited for the lock (up to its busy timeout, 5 s) would show as a
+        # gap of seconds in the watch.
+        await asyncio.sleep(0.3)
         assert not call.done()  # it waits for the lock...
         assert h.github.pull_posts == 1  # ...to record the pull request it made
     reply = await call

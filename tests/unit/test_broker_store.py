@@ -13,6 +13,8 @@ import pytest
 
 from airlock.broker.store import SqliteStore, StoreError
 
+pytestmark = pytest.mark.tmpfs  # its stores (SQLite) on tmpfs: no fsync waits on a shared disk
+
 
 @pytest.fixture
 def db_path(tmp_path: Path) -> Path:

@@ -20,6 +20,8 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from airlock.broker.grants import Grant
 from airlock.broker.tokens import ALGORITHM, AUDIENCE, ISSUER, LEEWAY, KeyRing, TokenAuthority, TokenError
 
+pytestmark = pytest.mark.tmpfs  # its stores (SQLite) on tmpfs: no fsync waits on a shared disk
+
 MAX_TTL = 3600
 GRANT = Grant("create_pull_request", "acme/app", ("main",), "agent/*")
 DROP = object()  # a claim left out of the payload

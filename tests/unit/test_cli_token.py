@@ -20,6 +20,8 @@ from airlock.broker.tokens import KeyRing, TokenAuthority
 from airlock.brokerconfig import BrokerConfigError, admin_endpoint
 from airlock.cli import main
 
+pytestmark = pytest.mark.tmpfs  # its stores (SQLite) on tmpfs: no fsync waits on a shared disk
+
 GRANT = "create_pull_request:acme/app"
 ISO_UTC = r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ"
 

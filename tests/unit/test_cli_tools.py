@@ -12,12 +12,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import pytest
 from aiohttp.test_utils import TestServer
 
 from airlock.broker.calllog import CallLog
 
 # The broker harness and its fake GitHub, shared with the broker's own tests.
-from test_broker_service import (  # noqa: F401 - app_key and make are fixtures
+from test_broker_service import (  # noqa: F401 - app_key, credentials and make are fixtures
     FIELDS,
     LOOPBACK,
     SANDBOX,
@@ -26,8 +27,11 @@ from test_broker_service import (  # noqa: F401 - app_key and make are fixtures
     FakeGitHub,
     Harness,
     app_key,
+    credentials,
     make,
 )
+
+pytestmark = pytest.mark.tmpfs  # its stores (SQLite) on tmpfs: no fsync waits on a shared disk
 
 AIRLOCK = str(Path(sys.executable).parent / "airlock")
 PUSH_GRANT = {"tool": "push_branch", "repo": "acme/app", "base": ["main"], "head": "agent/*"}
@@ -147,6 +151,24 @@ def test_a_call_log_that_is_not_there_is_one_line(tmp_path: Path) -> None:
         assert (done.returncode, done.stdout) == (2, "")
         assert done.stderr == f"airlock: no call log in {tmp_path}\n"
         assert not list(tmp_path.iterdir())  # nothing created by looking
+
+
+READ_THE_LOG = """
+import sys
+from airlock.cli import main
+main(["tools", "log", "--call-log", sys.argv[1]])
+print(sorted({m.split(".")[0] for m in sys.modules} & {"aiohttp", "cryptography", "jsonschema", "jwt"}))
+"""
+
+
+def test_reading_the_call_log_imports_no_broker_machinery(tmp_path: Path) -> None:
+    """`airlock tools log` reads a SQLite file: the token code (jwt, cryptography), the tools' schemas (jsonschema)
+    and aiohttp are a running broker's, and a third of a second to import."""
+    import subprocess
+
+    CallLog.in_directory(tmp_path / "calls").close()
+    done = subprocess.run([sys.executable, "-c", READ_THE_LOG, str(tmp_path / "calls")], capture_output=True, text=True)
+    assert (done.returncode, done.stdout, done.stderr) == (0, "[]\n", "")
 
 
 def test_call_log_rows_and_filters(tmp_path: Path) -> None:

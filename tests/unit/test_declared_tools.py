@@ -35,6 +35,8 @@ from airlock.policy import IPAddress, Policy, Profile, Rule, parse_policy, vet
 sys.path.insert(0, str(Path(__file__).parents[1] / "e2e"))
 from testca import TestCA, make_test_ca  # the e2e tests' throwaway CA, for a real TLS upstream
 
+pytestmark = pytest.mark.tmpfs  # its stores (SQLite) on tmpfs: no fsync waits on a shared disk
+
 LOOPBACK = "127.0.0.1"
 SANDBOX = "sbx-1"
 UPSTREAM_HOST = "allowed.test"  # a name the test CA's leaf certificate covers; "resolved" to 127.0.0.1
@@ -275,7 +277,7 @@ async def test_https_secret_echoed_by_the_upstream_is_redacted_everywhere(
 
 
 async def test_https_timeout_is_tool_timeout(make: Factory) -> None:
-    h = await make()
+    h = await make(HTTPS_TOOLS.replace("\n    timeout: 2\n", "\n    timeout: 0.5\n"))  # all the test waits for
     h.upstream.mode = "slow"
     status, body = await h.call("lookup_ticket", {"ticket_id": "T-1"})
     assert (status, body["error"]) == (504, "tool_timeout")
@@ -394,14 +396,16 @@ def test_problems_name_the_missing_secret_and_a_built_in_name() -> None:
 # --- argv -------------------------------------------------------------------------------------------------------
 
 
-def argv_tool(name: str, argv: list[str], extra: str = "", properties: str = "{value: {type: string}}") -> str:
+def argv_tool(
+    name: str, argv: list[str], extra: str = "", properties: str = "{value: {type: string}}", timeout: float = 3
+) -> str:
     required = "[value]" if "value" in properties else "[]"
     return f"""
   - name: {name}
     description: {name}
     input: {{type: object, properties: {properties}, required: {required}}}
     argv: {json.dumps(argv)}
-    timeout: 3
+    timeout: {timeout:g}
     max_output: 1000
 {textwrap.indent(textwrap.dedent(extra), "    ")}"""
 
@@ -415,7 +419,8 @@ ARGV_TOOLS = "tools:" + "".join([
     argv_tool("fails", ["/bin/sh", "-c", "echo oops $TOKEN >&2; exit 3"], "env: {TOKEN: {secret: TICKETS_TOKEN}}",
               "{}"),
     argv_tool("endless", ["/usr/bin/yes"], "", "{}"),
-    argv_tool("sleeper", ["/bin/sh", "-c", 'setsid sleep "$1" & sleep "$1"; wait', "sh", "{value}"]),
+    # Its processes run within some 40 ms: a second is time enough to see them, and all the test waits for.
+    argv_tool("sleeper", ["/bin/sh", "-c", 'setsid sleep "$1" & sleep "$1"; wait', "sh", "{value}"], timeout=1),
     argv_tool("connect", ["/usr/bin/curl", "-sS", "--max-time", "2", "-o", "/dev/null", "{value}"]),
     argv_tool("connect_net", ["/usr/bin/curl", "-sS", "--max-time", "2", "-o", "/dev/null", "{value}"],
               "network: true"),

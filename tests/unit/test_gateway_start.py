@@ -10,9 +10,10 @@ import dataclasses
 import ipaddress
 import json
 import socket
+import stat
 import subprocess
 import sys
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -234,6 +235,126 @@ async def test_status_readiness_and_metrics_answer_while_mitmproxy_loads(
     finally:
         await gateway.stop()
     assert gateway.readiness()["proxy"] is not None
+
+
+START_WITHOUT_THE_IMPORTS = """
+import asyncio, concurrent.futures, dataclasses, ipaddress, sys
+from airlock import gateway
+from airlock.cli.common import default_policy_path
+from airlock.policy import Sandbox, load_policy
+
+held = concurrent.futures.Future()  # the thread's imports, never done: nothing of them is loaded
+held.set_running_or_notify_cancel()
+gateway.preload_proxy = gateway.preload_admin = lambda: held
+policy = load_policy(default_policy_path())
+config = gateway.GatewayConfig(
+    policy, "127.0.0.1", proxy_port=0, transparent_port=0, dns_port=0, upstream_dns=[("127.0.0.1", 53)],
+    sandboxes=[Sandbox("sbx", policy.default_profile, ipaddress.ip_network("127.0.0.1/32"))],
+    audit_path=sys.argv[1] + "/audit.jsonl", state_dir=sys.argv[1] + "/state",
+)
+config = dataclasses.replace(config, broker=dataclasses.replace(config.broker, port=0))
+
+async def main():
+    running = gateway.Gateway(config)
+    await running.start(wait_for_proxy=False)
+    print(sorted({m.split(".")[0] for m in sys.modules} & {"aiohttp", "mitmproxy", "prometheus_client"}))
+    await running.stop()
+
+asyncio.run(main())
+"""
+
+
+def test_a_gateway_starts_for_its_sandbox_before_aiohttp_mitmproxy_or_prometheus_client_are_imported(
+    tmp_path: Path,
+) -> None:
+    """A launcher's command starts once `start(wait_for_proxy=False)` returns: nothing it waits on may need the
+    thread's imports (aiohttp for the admin listener, mitmproxy for the proxy), nor the scrape's prometheus-client."""
+    done = subprocess.run(
+        [sys.executable, "-c", START_WITHOUT_THE_IMPORTS, str(tmp_path)], capture_output=True, text=True, timeout=60
+    )
+    assert (done.returncode, done.stdout) == (0, "[]\n"), done.stderr
+
+
+@pytest.fixture
+def held_admin(monkeypatch: pytest.MonkeyPatch) -> Iterator[concurrent.futures.Future[None]]:
+    """The import of aiohttp as a future the test finishes: until then the admin listener cannot serve."""
+    gateway_module.preload_proxy().result(60)  # imported for real, so that finishing the future is all it takes
+    loading: concurrent.futures.Future[None] = concurrent.futures.Future()
+    loading.set_running_or_notify_cancel()
+    monkeypatch.setattr(gateway_module, "preload_admin", lambda: loading)
+    yield loading
+    if not loading.done():
+        loading.set_result(None)
+
+
+STATUS = b"GET /v1/status HTTP/1.1\r\nHost: admin\r\nConnection: close\r\n\r\n"
+
+
+async def test_the_admin_listener_listens_from_the_start_and_serves_its_early_clients_once_aiohttp_is_in(
+    config: GatewayConfig, ports: list[int], held_admin: concurrent.futures.Future[None], tmp_path: Path
+) -> None:
+    admin = tmp_path / "admin.sock"
+    gateway = Gateway(dataclasses.replace(config, admin=str(admin)))
+    await gateway.start(wait_for_proxy=False)
+    try:
+        assert admin.is_socket() and stat.S_IMODE(admin.stat().st_mode) == 0o600  # the admin credential
+        reader, writer = await asyncio.open_unix_connection(str(admin))
+        writer.write(STATUS)
+        await writer.drain()
+        with pytest.raises(TimeoutError):  # accepted by the kernel, waiting in the backlog: no answer yet
+            await asyncio.wait_for(reader.read(1), 0.2)
+        held_admin.set_result(None)
+        await gateway.proxy_started()
+        reply = await asyncio.wait_for(reader.read(), 10)
+        writer.close()
+    finally:
+        await gateway.stop()
+    head, _, body = reply.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200 ")
+    assert json.loads(body)["policy_hash"] == config.policy.hash
+    assert not admin.exists()
+
+
+@pytest.mark.parametrize("wait_for_proxy", [True, False])
+async def test_an_admin_listener_that_cannot_load_is_one_gateway_error_and_every_listener_closes(
+    config: GatewayConfig,
+    ports: list[int],
+    held_admin: concurrent.futures.Future[None],
+    tmp_path: Path,
+    wait_for_proxy: bool,
+) -> None:
+    held_admin.set_exception(ImportError("No module named 'aiohttp'"))
+    admin = tmp_path / "admin.sock"
+    gateway = Gateway(dataclasses.replace(config, admin=str(admin)))
+    message = "the admin listener could not be loaded: ImportError: No module named 'aiohttp'"
+    try:
+        if wait_for_proxy:
+            with pytest.raises(GatewayError, match=message):
+                await gateway.start()
+        else:
+            await gateway.start(wait_for_proxy=False)
+            with pytest.raises(GatewayError, match=message):
+                await gateway.proxy_started()
+        assert not admin.exists()
+        for port in ports:  # a gateway half up serves no one: the proxy's listeners are closed too
+            with pytest.raises(ConnectionRefusedError):
+                await asyncio.open_connection(LOCALHOST, port)
+    finally:
+        await gateway.stop()
+
+
+async def test_a_gateway_that_fails_before_its_admin_listener_listens_leaves_the_socket_at_its_path(
+    config: GatewayConfig, tmp_path: Path
+) -> None:
+    """Another gateway's admin socket, say (same state directory): only a socket this gateway made is removed."""
+    admin = tmp_path / "admin.sock"
+    with socket.socket(socket.AF_UNIX) as other, socket.create_server((LOCALHOST, 0)) as taken:
+        other.bind(str(admin))
+        gateway = Gateway(dataclasses.replace(config, admin=str(admin), proxy_port=taken.getsockname()[1]))
+        with pytest.raises(GatewayError, match="proxy could not listen"):
+            await gateway.start(wait_for_proxy=False)
+        await gateway.stop()
+        assert admin.is_socket()
 
 
 def _free_ports(count: int) -> list[int]:

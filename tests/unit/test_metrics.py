@@ -4,6 +4,8 @@ exposition, read back with prometheus-client's own text parser; the label bounds
 from __future__ import annotations
 
 import ipaddress
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -137,6 +139,23 @@ def test_a_label_past_its_bound_counts_as_other() -> None:
     profiles = {dict(labels)["profile"] for name, labels in found if name == "airlock_decisions_total"}
     assert len(profiles) == bound + 1 and OTHER in profiles
     assert value(found, "airlock_decisions_total", kind="http", decision="allow", profile=OTHER, code="allowed") == 5
+
+
+COUNT_THEN_SCRAPE = """
+import sys
+from airlock.metrics import GatewayMetrics
+metrics = GatewayMetrics()
+metrics.decided(0.001)
+metrics.resolved("ok", 0.01)
+print("prometheus_client" in sys.modules)
+print(b"airlock_decide_duration_seconds_count" in metrics.exposition(), "prometheus_client" in sys.modules)
+"""
+
+
+def test_counting_imports_no_prometheus_client_the_first_scrape_does() -> None:
+    """prometheus-client is a scrape's business: a gateway that starts (and counts) does not wait for its import."""
+    out = subprocess.run([sys.executable, "-c", COUNT_THEN_SCRAPE], capture_output=True, text=True, check=True).stdout
+    assert out.splitlines() == ["False", "True True"]
 
 
 def test_the_registry_is_the_gateways_own_without_created_series() -> None:

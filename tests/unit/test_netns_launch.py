@@ -6,7 +6,10 @@ import asyncio
 import ipaddress
 import os
 import pwd
+import secrets
 import signal
+import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -166,3 +169,21 @@ def test_the_reaper_knows_a_namespace_mounted_only_in_another_mount_namespace() 
         "54 30 0:4 net:[4026532803] /run/netns/airlock-ab12/x rw - nsfs nsfs rw\n"
     )
     assert netns.netns_mounts(mountinfo) == {"airlock-ab12"}
+
+
+def test_the_processes_of_a_namespace_are_those_ip_netns_pids_lists(privileged: None) -> None:
+    """kill_all's reader: what runs in the namespace, and nothing of it once the namespace is gone."""
+    name = f"alpids{secrets.token_hex(3)}"
+    subprocess.run(["ip", "netns", "add", name], check=True)
+    inside = subprocess.Popen(["ip", "netns", "exec", name, "sleep", "60"])
+    try:
+        deadline = time.monotonic() + 10
+        while not (listed := subprocess.run(["ip", "netns", "pids", name], capture_output=True, text=True).stdout):
+            assert time.monotonic() < deadline, "sleep never ran in the namespace"
+            time.sleep(0.01)
+        assert netns.pids_in(name) == [int(pid) for pid in listed.split()] == [inside.pid]
+    finally:
+        inside.kill()
+        inside.wait()
+        subprocess.run(["ip", "netns", "del", name], check=False)
+    assert netns.pids_in(name) == []
