@@ -118,7 +118,7 @@ async def run(rules: int, rounds: int, workdir: Path) -> dict[str, dict[str, lis
     gateway = Gateway(config)
     await gateway.start()
     loaders = Loaders()
-    port = gateway._master.addons.get("proxyserver").listen_addrs()[0][1]  # type: ignore[union-attr]
+    port = gateway._listeners["regular@0"].getsockname()[1]  # the gateway opens the proxy's socket itself
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-P", __file__, "--client", str(port), stdin=subprocess.PIPE, stdout=subprocess.PIPE
     )
