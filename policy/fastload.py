@@ -25,8 +25,6 @@ from .hosts import HostError, _is_canonical_name, canonical_host, is_ip
 from .model import DEFAULT_ALLOW_PORTS, Action, Policy, Profile, Rule
 from .suffixes import is_public_suffix
 
-# Printable ASCII and newlines only: no tab (YAML's indentation rules for it), no CR or Unicode line breaks, no BOM.
-_PRINTABLE = re.compile(r"[\n\x20-\x7e]*")
 # `key: value  # comment`, optionally a sequence item (`- key: …`). The value stops before ` #`; a value that
 # really held one fails its own check below, which admits no `#`. Keys stay short: libyaml takes no implicit key
 # of more than 1,024 characters.
@@ -54,12 +52,26 @@ class _Unusual(Exception):
 
 def read_common(text: str, filename: str) -> Policy | None:
     """The policy in `text` when it has the common shape and is valid, else None (for the full loader)."""
-    if not _PRINTABLE.fullmatch(text):
+    # ASCII only (no BOM, no Unicode line break), and each line printable (below: no tab, CR or control character).
+    # Tested line by line, not in one pass over the text: a reload's thread then never holds the GIL for long.
+    if not text.isascii():
         return None
+    reader = None
     try:
-        return _Reader(text, filename).policy()
+        reader = _Reader(text, filename)
+        return reader.policy()
     except _Unusual:
         return None
+    finally:
+        if reader is not None:
+            release(reader.lines)
+
+
+def release[T](items: list[T]) -> None:
+    """Empties a long list a slice at a time: freeing 100,000 items in one go holds the GIL for some 20 ms, which
+    a reload's thread must not (the event loop waits for it)."""
+    while items:
+        del items[-1000:]
 
 
 def _plain(value: str | None) -> str:
@@ -72,11 +84,12 @@ class _Reader:
     def __init__(self, text: str, filename: str) -> None:
         self.filename = filename
         # (line number, column, content) of every line but blank and comment lines (YAML ignores those here).
-        self.lines = [
-            (number, len(line) - len(content), content)
-            for number, line in enumerate(text.split("\n"), 1)
-            if (content := line.lstrip(" ")) and content[0] != "#"
-        ]
+        self.lines: list[tuple[int, int, str]] = []
+        for number, line in enumerate(text.split("\n"), 1):
+            if not line.isprintable():
+                raise _Unusual
+            if (content := line.lstrip(" ")) and content[0] != "#":
+                self.lines.append((number, len(line) - len(content), content))
         self.at = 0
         self.rule_names: set[str] = set()
         self.port_sets: dict[str, frozenset[int]] = {}  # one frozenset per spelling: 100,000 rules share a few
