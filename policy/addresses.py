@@ -153,3 +153,29 @@ def embedded_ipv4(address: IPAddress) -> ipaddress.IPv4Address | None:
 def covers_metadata(network: Network) -> bool:
     """True when a network overlaps any metadata range: such a network may never be opened by a rule."""
     return any(network.version == m.version and network.overlaps(m) for m in METADATA_NETWORKS)
+
+
+# Ranges a rule may never open: they are the gateway host itself.
+_SELF_NETWORKS = tuple(ipaddress.ip_network(n) for n in ("0.0.0.0/8", "127.0.0.0/8", "::/128", "::1/128"))
+# Tunnels and translators that carry traffic to addresses nobody can vet: blocked whole, never opened.
+_TUNNEL_NETWORKS = tuple(
+    (ipaddress.IPv6Network(n), label) for n, label in (("2001::/32", "Teredo"), ("64:ff9b:1::/48", "local-use NAT64"))
+)
+
+
+def never_opened(network: Network) -> str | None:
+    """Why no allow rule may name this network, or None when it may."""
+    if covers_metadata(network):
+        return "covers cloud metadata / link-local addresses, which never open"
+    if any(network.version == s.version and network.overlaps(s) for s in _SELF_NETWORKS):
+        return "covers the gateway's own loopback/unspecified addresses"
+    if network.version == 4:
+        return None
+    for embedding in EMBEDDING_NETWORKS:
+        if network.overlaps(embedding):
+            # Addresses there are judged by the IPv4 they carry, so only an IPv4 rule can open them.
+            return f"covers {embedding}, IPv6 forms of IPv4 addresses: write the IPv4 network instead"
+    for tunnel, label in _TUNNEL_NETWORKS:
+        if network.overlaps(tunnel):
+            return f"covers {tunnel} ({label}), which never opens"
+    return None

@@ -20,7 +20,8 @@ import yaml
 
 from airlock.errors import AirlockError
 
-from .addresses import EMBEDDING_NETWORKS, Network, covers_metadata
+from . import fastload
+from .addresses import Network, never_opened
 from .hosts import HostError, canonical_host, is_ip
 from .inspection import GithubInjection, HttpRule, Injected
 from .inspection_reader import InspectionReader
@@ -43,12 +44,6 @@ _TOP_KEYS = frozenset({"version", "default_profile", "profiles", "tools", "upstr
 _PROFILE_KEYS = frozenset({"description", "allow", "deny", "dns", "on_unlisted", "ask_timeout", "mode"})
 _DNS_KEYS = frozenset({"refuse_suspicious", "max_label_length", "max_label_entropy", "max_new_subdomains_per_minute"})
 _RULE_KEYS = frozenset({"host", "cidr", "ports", "tunnel", "ech", "name", "comment", "inspect", "http", "inject"})
-# Ranges a rule may never open: they are the gateway host itself.
-_SELF_NETWORKS = tuple(ipaddress.ip_network(n) for n in ("0.0.0.0/8", "127.0.0.0/8", "::/128", "::1/128"))
-# Tunnels and translators that carry traffic to addresses nobody can vet: blocked whole, never opened.
-_TUNNEL_NETWORKS = tuple(
-    (ipaddress.IPv6Network(n), label) for n, label in (("2001::/32", "Teredo"), ("64:ff9b:1::/48", "local-use NAT64"))
-)
 
 _YAML = "tag:yaml.org,2002:"
 _NULL, _BOOL, _INT, _FLOAT, _SEQ, _MAP = (_YAML + t for t in ("null", "bool", "int", "float", "seq", "map"))
@@ -133,11 +128,13 @@ def compose(text: str, filename: str) -> yaml.Node | None:
 
 
 def _parse(text: str, filename: str) -> Policy:
-    root = compose(text, filename)
-    builder = _Builder(filename)
-    policy = builder.policy(root)
-    if builder.errors or policy is None:
-        raise PolicyError(builder.messages() or [f"{filename}:1: empty policy"])
+    policy = fastload.read_common(text, filename)  # a large generated policy, read without YAML's node tree
+    if policy is None:
+        root = compose(text, filename)
+        builder = _Builder(filename)
+        policy = builder.policy(root)
+        if builder.errors or policy is None:
+            raise PolicyError(builder.messages() or [f"{filename}:1: empty policy"])
     policy.hash  # noqa: B018 -- computed with the load, so that no audit line pays for it on the event loop
     return policy
 
@@ -255,9 +252,10 @@ class _Builder(NodeReader):
             if not _is_list(rule_list):
                 self.error(rule_list, f"profile {name!r}: {action} must be a list of rules")
                 continue
+            by_host: dict[str, list[Rule]] = {}  # the rules kept so far, by host pattern: what decides_alone asks
             for rule_node in rule_list.value:
                 rule = self.rule(action, rule_node)
-                if rule is not None and self.decides_alone(rule, rule_node, rules[action]):
+                if rule is not None and self.decides_alone(rule, rule_node, by_host):
                     rules[action].append(rule)
         dns = self.dns_limits(fields["dns"][1]) if "dns" in fields else DnsLimits()
         on_unlisted = self.on_unlisted(fields["on_unlisted"][1]) if "on_unlisted" in fields else "deny"
@@ -272,17 +270,23 @@ class _Builder(NodeReader):
             name, tuple(rules["allow"]), tuple(rules["deny"]), self.where(key_node), dns, on_unlisted, ask_timeout, mode
         )
 
-    def decides_alone(self, rule: Rule, node: yaml.Node, earlier: list[Rule]) -> bool:
+    def decides_alone(self, rule: Rule, node: yaml.Node, by_host: dict[str, list[Rule]]) -> bool:
         """An inspected rule is the only rule of its profile for its host pattern and ports: of two, the first in
-        the file would decide, and the other's inspection (its `http:` limits, its injections) would never apply."""
+        the file would decide, and the other's inspection (its `http:` limits, its injections) would never apply.
+        `by_host` holds the rules kept before it, by host; the rule joins it when it is kept (looking up its own
+        host only, not every earlier rule: a policy of 100,000 rules took minutes)."""
+        if rule.host is None:
+            return True
+        earlier = by_host.setdefault(rule.host, [])
         for other in earlier:
-            if rule.host is None or other.host != rule.host or not (rule.inspect or other.inspect):
+            if not (rule.inspect or other.inspect):
                 continue
             if shared := sorted((rule.ports or frozenset()) & (other.ports or frozenset())):
                 ports = ",".join(map(str, shared))
                 also = f"{rule.host} port {ports} is also allowed by the rule at {other.source}"
                 self.error(node, f"{also}: an inspected host and port is one rule's alone")
                 return False
+        earlier.append(rule)
         return True
 
     def mode(self, node: yaml.Node) -> Mode:
@@ -452,7 +456,7 @@ class _Builder(NodeReader):
         except ValueError as e:
             self.error(node, f"cidr {raw!r}: {e}")
             return None
-        problem = _never_opened(network) if action == "allow" else None
+        problem = never_opened(network) if action == "allow" else None
         if problem is not None:
             self.error(node, f"cidr {raw!r} {problem}")
             return None
@@ -509,24 +513,6 @@ def _misplaced_in_host(raw: str) -> str | None:
     if name_and_port := _NAME_AND_PORT.fullmatch(raw):
         name, port_text = name_and_port.groups()
         return f"has a port: ports go in 'ports:', as in {{host: {name}, ports: [{port_text}]}}"
-    return None
-
-
-def _never_opened(network: Network) -> str | None:
-    """Why no allow rule may name this network, or None when it may."""
-    if covers_metadata(network):
-        return "covers cloud metadata / link-local addresses, which never open"
-    if any(network.version == s.version and network.overlaps(s) for s in _SELF_NETWORKS):
-        return "covers the gateway's own loopback/unspecified addresses"
-    if network.version == 4:
-        return None
-    for embedding in EMBEDDING_NETWORKS:
-        if network.overlaps(embedding):
-            # Addresses there are judged by the IPv4 they carry, so only an IPv4 rule can open them.
-            return f"covers {embedding}, IPv6 forms of IPv4 addresses: write the IPv4 network instead"
-    for tunnel, label in _TUNNEL_NETWORKS:
-        if network.overlaps(tunnel):
-            return f"covers {tunnel} ({label}), which never opens"
     return None
 
 

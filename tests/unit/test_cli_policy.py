@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from airlock.cli import main
-from airlock.policy import Policy, loader
+from airlock.policy import Policy, fastload, loader
 from airlock.reload import PolicyReloader
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
@@ -121,6 +121,7 @@ def test_check_loader_bug_is_exit_2(
         raise RuntimeError("boom")
 
     monkeypatch.setattr(loader, "canonical_host", broken)
+    monkeypatch.setattr(fastload, "read_common", lambda text, filename: None)  # the full loader's host check
     path = tmp_path / "p.yaml"
     path.write_text(POLICY, encoding="utf-8")
     assert main(["policy", "check", str(path)]) == 2

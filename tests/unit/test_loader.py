@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from airlock.policy import DnsLimits, PolicyError, canonical_host, decide, load_policy, loader, parse_policy
+from airlock.policy import DnsLimits, PolicyError, canonical_host, decide, fastload, load_policy, loader, parse_policy
 
 F = "p.yaml"
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
@@ -657,6 +657,10 @@ def test_unexpected_exception_becomes_policy_error(monkeypatch: pytest.MonkeyPat
         raise RuntimeError("boom")
 
     monkeypatch.setattr(loader, "canonical_host", broken)
+    monkeypatch.setattr(fastload, "read_common", lambda text, filename: None)  # the full loader's host check
+    assert errors_of(rule("- host: a.example.com\n")) == [f"{F}:1: cannot load policy: RuntimeError: boom"]
+    monkeypatch.undo()
+    monkeypatch.setattr(fastload, "_is_canonical_name", broken)  # the fast path's
     assert errors_of(rule("- host: a.example.com\n")) == [f"{F}:1: cannot load policy: RuntimeError: boom"]
 
 
