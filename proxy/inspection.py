@@ -41,8 +41,8 @@ class Refusal(NamedTuple):
 
 
 def inspected_rule(decision: Decision | None) -> Rule | None:
-    """The allow rule that makes the gateway inspect this target, if one does (report mode never inspects: it
-    only reports what it would deny)."""
+    """The allow rule that makes the gateway inspect this target, if one does (what only report mode lets through
+    is never inspected: no rule of it allowed the target)."""
     if decision is None or not decision.allow or decision.report or decision.rule is None:
         return None
     return decision.rule if decision.rule.inspect else None
@@ -60,7 +60,7 @@ def intercept(nextlayer: layer.NextLayer, state: ClientState) -> None:
 
 def inner_layer(nextlayer: layer.NextLayer) -> None:
     """What an inspected tunnel carries once both TLS sessions are up: HTTP/1 or HTTP/2 (by ALPN), each request
-    judged by `Inspection.request_in_tunnel`."""
+    judged by `Inspection.judge_in_tunnel`."""
     nextlayer.layer = layers.HttpLayer(nextlayer.context, HTTPMode.transparent)
 
 
