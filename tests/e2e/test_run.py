@@ -409,6 +409,7 @@ def test_reap_removes_what_a_killed_launcher_and_watchdog_left_cgroup_included_a
         for pid in [*_watchdogs_of(launchers[0].pid), launchers[0].pid]:  # the watchdog first: it would act
             os.kill(pid, signal.SIGKILL)
         launchers[0].wait()
+        deadline = time.monotonic() + 30  # its own: under load the starts above may have taken most of the first
         while _pids_with(marker) or _cgroup_processes(dead):
             assert time.monotonic() < deadline, "the command outlived its launcher"
             time.sleep(0.1)
