@@ -63,6 +63,7 @@ SUBNET_POOL = SANDBOX_LINK_NETWORKS[1]
 LABEL = "airlock.sandbox"
 EXPIRES_LABEL = "airlock.expires"
 TOKEN_PATH = "/run/airlock/token"
+EXITING_GRACE = 1.0  # seconds: how long a process out of the container's cgroup may take to be seen as exited
 TOKEN_ROOT = Path("/run")  # each sandbox's token lives in TOKEN_ROOT/airlock-d-<id>/ (netns uses airlock-<id>)
 # Never mounted, nor anything inside them or containing them: every service socket (/run), the engines' sockets
 # and state (a way to start containers outside the fence), other sandboxes' tokens (/run/airlock-*), the kernel.
@@ -356,7 +357,12 @@ class DockerSandbox:
             with contextlib.suppress(OSError):  # a process that ended meanwhile: told by its pidfd below
                 netns = os.open(f"/proc/{pid}/ns/net", os.O_RDONLY | os.O_CLOEXEC)
             ours = netns is not None and in_container(pid, self.container_id)
-            if select.select([process], [], [], 0)[0]:  # the pidfd is readable once the process has exited
+            ended = select.select([process], [], [], 0)[0]  # the pidfd is readable once the process has exited
+            if not ours and not ended:
+                # An exiting process leaves its cgroup before its pidfd says it has exited: a short command can be
+                # caught in between. One that is really elsewhere is still running after this grace.
+                ended = select.select([process], [], [], EXITING_GRACE)[0]
+            if ended:
                 yield None
             elif not ours:
                 raise DockerSandboxError(

@@ -470,6 +470,7 @@ def test_image_volumes_are_capped_memory_and_leave_nothing_on_disk(docker_run, d
         "cp /bin/true /data/t && /data/t; echo data-exec-rc=$?"
     )
     result = docker_run("sh", "-c", script, options=("--image", volume_image))
+    assert result.stdout, (result.returncode, result.stderr)
     mount = result.stdout.splitlines()[0].split()
     assert mount[:3] == ["tmpfs", "/data", "tmpfs"], result.stdout + result.stderr
     assert {"rw", "noexec", "nosuid", "nodev", "size=65536k"} <= set(mount[3].split(","))  # as /tmp

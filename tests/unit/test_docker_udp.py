@@ -6,6 +6,7 @@ process here. With real containers: tests/e2e/test_docker.py."""
 from __future__ import annotations
 
 import os
+import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -99,4 +100,16 @@ def test_a_pid_that_is_not_the_containers_here_fails_the_start(loaded: list[tupl
         DockerSandboxError, match=rf"pid {os.getpid()}, the container's by docker, is not in its cgroup"
     ):
         sandbox.start(["true"], {})
+    assert loaded == []
+
+
+def test_a_container_caught_exiting_out_of_its_cgroup_is_taken_as_ended(loaded: list[tuple[Any, ...]]) -> None:
+    # An exiting process leaves its cgroup before its pidfd says it has exited: a short command caught in that
+    # moment is not "another process here" (which would fail the start), but one that has ended.
+    child = subprocess.Popen(["sleep", "0.2"])
+    try:
+        sandbox, _ = _sandbox(TRANSPARENT, [child.pid])  # not in the container's cgroup, and it ends shortly
+        sandbox.start(["true"], {})
+    finally:
+        child.wait()
     assert loaded == []
