@@ -11,6 +11,7 @@ reaches the hosts inspected at its start; a host a later reload added needs a sa
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Mapping
 from pathlib import Path, PurePosixPath
@@ -57,8 +58,10 @@ class Inspector:
     def active(self) -> bool:
         return bool(self.generations)
 
-    @property
+    @functools.cached_property
     def certstore(self) -> certs.CertStore:
+        """What mitmproxy's TLS addon reads besides the leaf, at every inspected handshake: made once, on the first
+        generation (asked for only once one exists)."""
         return self.generations[0].certstore()
 
     def store_entry(self, host: str) -> certs.CertStoreEntry:

@@ -19,7 +19,7 @@ from airlock.auditing import tell
 from airlock.broker.grants import Grant, GrantError, parse_grant
 from airlock.brokerconfig import SecretSource
 from airlock.gateway import Gateway, GatewayConfig
-from airlock.inspection.secrets import placeholder
+from airlock.inspection.secrets import parse_placeholder_env
 from airlock.policy import Policy
 from airlock.reload import PolicyWatcher
 from airlock.sandbox.embedded import gateway_credentials
@@ -188,12 +188,10 @@ def placeholder_env(specs: list[str], secrets: list[SecretSource]) -> dict[str, 
     given = {source.name for source in secrets}
     env: dict[str, str] = {}
     for spec in specs:
-        name, _, secret = spec.partition("=")
-        if not name.isidentifier() or not secret:
-            raise UsageError(f"--placeholder-env {spec!r}: expected VAR=SECRET")
-        if secret not in given:
-            raise UsageError(f"--placeholder-env {spec!r}: no --secret {secret} is given")
-        env[name] = placeholder(secret)
+        parsed = parse_placeholder_env(spec)
+        if parsed.secret not in given:
+            raise UsageError(f"--placeholder-env {spec!r}: no --secret {parsed.secret} is given")
+        env[parsed.variable] = parsed.value
     return env
 
 

@@ -19,9 +19,9 @@ from pathlib import Path
 from airlock.brokerconfig import SECRET_NAME, SecretSource
 from airlock.inspection import InspectionError
 from airlock.inspection.files import read_regular_file
+from airlock.policy.inspection import placeholder
 
 MAX_SECRET = 4096  # bytes; also broker.shapes.MAX_CREDENTIAL, what the broker accepts as a credential
-PLACEHOLDER_PREFIX = "airlock-placeholder-"
 _TOKEN = re.compile(rb"[!-~]{1,%d}" % MAX_SECRET)
 _VARIABLE = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,127}")
 
@@ -75,11 +75,6 @@ def _value(source: SecretSource, environ: Mapping[str, str]) -> str:
             "(no spaces, control characters or further line breaks)"
         )
     return token.decode("ascii")
-
-
-def placeholder(name: str) -> str:
-    """What the sandbox holds in place of secret `name` (for SDKs that insist on a key): no secret itself."""
-    return PLACEHOLDER_PREFIX + name
 
 
 @dataclass(frozen=True, slots=True)

@@ -42,14 +42,24 @@ profiles:
 """
 
 
-@pytest.fixture
-def inspecting(own_gateway: Callable[..., GatewayProcess], tmp_path: Path) -> Iterator[GatewayProcess]:
-    policy = tmp_path / "inspect.yaml"
-    policy.write_text(POLICY)
-    secret = tmp_path / "model_api.secret"
+def policy_and_secret(tmp_path: Path, policy_text: str) -> tuple[Path, Path]:
+    """The policy file, and the secret `model_api` as a file only root may read (a newline at its end, as editors
+    leave one)."""
+    policy, secret = tmp_path / "inspect.yaml", tmp_path / "model_api.secret"
+    policy.write_text(policy_text)
     secret.write_text(SECRET + "\n")
     secret.chmod(0o600)
-    yield own_gateway(policy, ("--secret", f"model_api=file:{secret}"))
+    return policy, secret
+
+
+def gateway_with_secret(own_gateway: Callable[..., GatewayProcess], tmp_path: Path, policy_text: str) -> GatewayProcess:
+    policy, secret = policy_and_secret(tmp_path, policy_text)
+    return own_gateway(policy, ("--secret", f"model_api=file:{secret}"))
+
+
+@pytest.fixture
+def inspecting(own_gateway: Callable[..., GatewayProcess], tmp_path: Path) -> Iterator[GatewayProcess]:
+    yield gateway_with_secret(own_gateway, tmp_path, POLICY)
 
 
 def gateway_ca(gw: GatewayProcess) -> Path:
@@ -211,11 +221,7 @@ cat "$SECRET_FILE" 2>&1 | head -c 200; echo
 def test_run_sandbox_clients_trust_the_gateway_ca_and_never_hold_the_secret(
     run_in_gw, fakenet: FakeNet, test_ca: TestCA, tmp_path: Path
 ) -> None:
-    policy = tmp_path / "inspect.yaml"
-    policy.write_text(POLICY)
-    secret = tmp_path / "model_api.secret"
-    secret.write_text(SECRET + "\n")
-    secret.chmod(0o600)
+    policy, secret = policy_and_secret(tmp_path, POLICY)
     result = run_in_gw(
         "sh", "-c", CLIENTS,
         options=(

@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from test_inspect import SECRET, curl, gateway_ca, header_values, upstream_requests
+from test_inspect import SECRET, curl, gateway_ca, gateway_with_secret, header_values, upstream_requests
 from test_transparent import routed_sbx  # noqa: F401 - a fixture: sbx routed through the fence
 
 from gateway_proc import AIRLOCK, PROXY, GatewayProcess
@@ -58,12 +58,7 @@ profiles:
 
 @pytest.fixture
 def attacked(own_gateway: Callable[..., GatewayProcess], tmp_path: Path) -> Iterator[GatewayProcess]:
-    policy = tmp_path / "attacks.yaml"
-    policy.write_text(POLICY)
-    secret = tmp_path / "model_api.secret"
-    secret.write_text(SECRET + "\n")
-    secret.chmod(0o600)
-    yield own_gateway(policy, ("--secret", f"model_api=file:{secret}"))
+    yield gateway_with_secret(own_gateway, tmp_path, POLICY)
 
 
 def in_tunnel(topology: Topology, gw: GatewayProcess, host: str, data: bytes) -> bytes:
