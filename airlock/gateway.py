@@ -357,6 +357,9 @@ class Gateway:
         except PolicyError as e:
             await self.stop()
             raise GatewayError("; ".join(e.errors)) from e
+        except AirlockError as e:  # a --secret that cannot be read, a CA that cannot be written
+            await self.stop()
+            raise GatewayError(str(e)) from e
         try:
             for mode, port in self._proxy_ports().items():
                 self._listeners[f"{mode}@{port}"] = _listen(config.listen, port)

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from airlock import gateway as gateway_module
+from airlock.brokerconfig import SecretSource
 from airlock.cli.common import default_policy_path
 from airlock.gateway import Gateway, GatewayConfig, GatewayError
 from airlock.policy import PolicyError, Sandbox, load_policy, parse_policy
@@ -429,3 +430,12 @@ def test_the_proxys_accepted_connections_have_nagle_off() -> None:
         accepted, _ = listener.accept()
         with accepted:
             assert accepted.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) != 0
+
+
+async def test_a_secret_that_cannot_be_read_is_one_gateway_error(config: GatewayConfig, tmp_path: Path) -> None:
+    missing = SecretSource("model_api", "file", str(tmp_path / "no-such-file"))
+    broker = dataclasses.replace(config.broker, secrets=[missing])
+    gateway = Gateway(dataclasses.replace(config, policy=parse_policy(INJECTING), broker=broker))
+    with pytest.raises(GatewayError, match="--secret model_api"):
+        await gateway.start()
+    await gateway.stop()  # stopped already: nothing left to do
