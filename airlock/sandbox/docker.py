@@ -455,12 +455,18 @@ class DockerSandbox:
 
 
 def in_container(pid: int, container_id: str) -> bool:
-    """Whether the process is in the container's cgroup (docker names it after the container's full id, with the
-    cgroupfs and systemd drivers alike)."""
+    """Whether the process is in the container's cgroup: docker names it after the container's full id, a path
+    component of its own (`…/docker/ID` with the cgroupfs driver, `…/docker-ID.scope` with systemd's). A whole
+    component, never a substring: the id of whatever container airlock itself runs in is in the same file."""
     try:
-        return container_id in Path(f"/proc/{pid}/cgroup").read_text()
+        return cgroups_name_container(Path(f"/proc/{pid}/cgroup").read_text(), container_id)
     except OSError:
         return False
+
+
+def cgroups_name_container(proc_cgroup: str, container_id: str) -> bool:
+    own_names = {container_id, f"docker-{container_id}.scope"}
+    return any(own_names.intersection(line.split(":", 2)[-1].split("/")) for line in proc_cgroup.splitlines())
 
 
 def fence_table(sandbox_id: str) -> str:

@@ -20,13 +20,14 @@ from airlock.sandbox.docker import DockerSandbox, DockerSandboxError
 from airlock.sandbox.fence import Fence, Interception, unlimited_unreachable
 
 TRANSPARENT = Interception(3129, 53)
+CONTAINER_ID = "c1" * 32  # docker's full ids are 64 hex digits
 
 
 def _sandbox(intercept: Interception | None, pids: list[int]) -> tuple[DockerSandbox, MagicMock]:
     """A sandbox on a fake engine, its fence taken as installed; inspecting the container gives these pids."""
     client = MagicMock()
     client.api.inspect_image.return_value = {"Config": {}}
-    client.api.create_container.return_value = {"Id": "c1"}
+    client.api.create_container.return_value = {"Id": CONTAINER_ID}
     client.api.inspect_container.side_effect = [{"State": {"Pid": pid}} for pid in pids]
     sandbox = DockerSandbox(client, "image", "u1", (3128, 53), (53,), intercept=intercept)
     sandbox.subnet = docker_backend.ipaddress.ip_network("10.232.7.0/24")
@@ -50,7 +51,7 @@ def loaded(monkeypatch: pytest.MonkeyPatch) -> list[tuple[Any, ...]]:
 @pytest.fixture
 def ours(monkeypatch: pytest.MonkeyPatch) -> None:
     """This process stands in for the container's first process: in its cgroup."""
-    monkeypatch.setattr(docker_backend, "in_container", lambda pid, container_id: container_id == "c1")
+    monkeypatch.setattr(docker_backend, "in_container", lambda pid, container_id: container_id == CONTAINER_ID)
 
 
 @pytest.fixture
@@ -113,3 +114,18 @@ def test_a_container_caught_exiting_out_of_its_cgroup_is_taken_as_ended(loaded: 
     finally:
         child.wait()
     assert loaded == []
+
+
+@pytest.mark.parametrize(
+    ("proc_cgroup", "named"),
+    [
+        (f"0::/system.slice/docker-{CONTAINER_ID}.scope\n", True),  # systemd driver, cgroup v2
+        (f"12:pids:/docker/{CONTAINER_ID}\n4:memory:/docker/{CONTAINER_ID}\n", True),  # cgroupfs driver, v1
+        (f"4:memory:/docker/outer/docker/{CONTAINER_ID}\n", True),  # docker in docker
+        (f"4:memory:/process_api/0f{CONTAINER_ID}8e\n0::/\n", False),  # the id only inside another one
+        (f"4:memory:/docker/{CONTAINER_ID}0\n0::/docker-{CONTAINER_ID[:-1]}.scope\n", False),  # near misses
+        ("", False),
+    ],
+)
+def test_only_a_whole_cgroup_path_component_names_the_container(proc_cgroup: str, named: bool) -> None:
+    assert docker_backend.cgroups_name_container(proc_cgroup, CONTAINER_ID) is named
