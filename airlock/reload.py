@@ -73,24 +73,34 @@ class PolicyReloader:
         self.after: list[Callable[[Policy], None]] = []  # called with each policy put in force
 
     async def reload(self) -> Reloaded:
+        # Loading, swapping and freeing alike: the event loop gets the GIL back quickly all along.
         async with self._lock:
-            replaced = [self.current()]  # its only reference here: _release drops it
-            previous = replaced[0].hash if replaced[0] is not None else None
-            try:
-                with _loading():
-                    policy = await asyncio.to_thread(load_policy, self.source)
-            except PolicyError as e:
-                self.target.policy_refused(self.source, e.errors)
-                return Reloaded(self.source, previous, previous, e.errors)
-            try:
-                self.target.replace_policy(policy)  # audits the reload, or its refusal
-            except PolicyError as e:
-                return Reloaded(self.source, previous, previous, e.errors)
+            with _loading():
+                return await self._reload()
+
+    async def _reload(self) -> Reloaded:
+        replaced = [self.current()]  # its only reference here: _release drops it
+        previous = replaced[0].hash if replaced[0] is not None else None
+        try:
+            policy = await asyncio.to_thread(load_policy, self.source)
+        except PolicyError as e:
+            self.target.policy_refused(self.source, e.errors)
+            return Reloaded(self.source, previous, previous, e.errors)
+        errors: list[str] = []
+        try:
+            self.target.replace_policy(policy)  # audits the reload, or its refusal
+        except PolicyError as e:
+            errors = e.errors
+        if errors:  # the policy that was loaded, and refused, is dropped like a replaced one
+            replaced = [policy]
+        else:
             for then in self.after:
                 then(policy)
-            # Freeing 100,000 rules takes a while too: in a thread, a slice at a time.
-            await asyncio.to_thread(_release, replaced)
-            return Reloaded(self.source, policy.hash, previous)
+        new_hash = policy.hash
+        del policy
+        # Freeing 100,000 rules takes a while too: in a thread, a slice at a time.
+        await asyncio.to_thread(_release, replaced)
+        return Reloaded(self.source, previous if errors else new_hash, previous, errors)
 
 
 def _release(box: list[Policy | None]) -> None:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import ipaddress
 import re
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from types import MappingProxyType
 
 from .addresses import Network, never_opened
@@ -44,6 +44,10 @@ _TOP_KEYS = frozenset({"version", "default_profile", "profiles"})
 _RULE_KEYS = frozenset({"host", "cidr", "ports", "name", "tunnel", "ech"})
 _SWITCHES = MappingProxyType({"true": True, "false": False})
 _ACTIONS: Mapping[str, Action] = MappingProxyType({"allow": "allow", "deny": "deny"})
+
+
+_END = (0, -1, "")  # after the last line
+_SPLIT_CHARS = 65536
 
 
 class _Unusual(Exception):
@@ -74,6 +78,34 @@ def release[T](items: list[T]) -> None:
         del items[-1000:]
 
 
+def _lines(text: str) -> Iterator[str]:
+    """text.split("\n"), some thousand lines at a time: splitting 100,000 lines in one call holds the GIL for
+    milliseconds, and a reload reads in a thread beside the event loop. A final empty line may be missing: a blank
+    line, which the reader skips anyway."""
+    start = 0
+    while start < len(text):
+        end = text.find("\n", start + _SPLIT_CHARS)
+        if end == -1:
+            end = len(text)
+        yield from text[start:end].split("\n")
+        start = end + 1
+
+
+def _split(content: str) -> tuple[int, str, str | None] | None:
+    """(length of the `- ` before the key, 0 if none; the key; its value) of a `key: value` line; None if the line
+    is no such thing."""
+    # A rule's usual line (one of its keys, a single `- `, no comment) told by string methods: the regex costs
+    # more than the rest of a rule's reading. Both read such a line alike; any other goes to the regex.
+    dash = 2 if content.startswith("- ") else 0
+    key, colon, value = content[dash:].partition(":") if dash else content.partition(":")
+    if colon and key in _RULE_KEYS and "#" not in value and (not value or value[0] == " "):
+        return dash, key, value.strip(" ") or None
+    line = _LINE.fullmatch(content)
+    if line is None:
+        return None
+    return 0 if line["dash"] is None else len(line["dash"]), line["key"], line["value"]
+
+
 def _plain(value: str | None) -> str:
     if value is None or not _PLAIN.fullmatch(value) or value in _NULLS:
         raise _Unusual
@@ -83,35 +115,36 @@ def _plain(value: str | None) -> str:
 class _Reader:
     def __init__(self, text: str, filename: str) -> None:
         self.filename = filename
-        # (line number, column, content) of every line but blank and comment lines (YAML ignores those here).
+        # (line number, column, content) of every line but blank and comment lines (YAML ignores those here),
+        # then one at column -1 that ends them all: the loops below need no test of the list's length.
         self.lines: list[tuple[int, int, str]] = []
-        for number, line in enumerate(text.split("\n"), 1):
+        for number, line in enumerate(_lines(text), 1):
             if not line.isprintable():
                 raise _Unusual
             if (content := line.lstrip(" ")) and content[0] != "#":
                 self.lines.append((number, len(line) - len(content), content))
+        self.lines.append(_END)
         self.at = 0
         self.rule_names: set[str] = set()
         self.port_sets: dict[str, frozenset[int]] = {}  # one frozenset per spelling: 100,000 rules share a few
 
     def column(self) -> int:
         """The column of the next line; -1 at the end."""
-        return self.lines[self.at][1] if self.at < len(self.lines) else -1
+        return self.lines[self.at][1]
 
     def key(self) -> tuple[int, str, str | None, int | None]:
         """The next line as (line number, key, value, column of the mapping a `- ` item starts)."""
         number, column, content = self.lines[self.at]
-        line = _LINE.fullmatch(content)
-        if line is None:
+        if (line := _split(content)) is None:
             raise _Unusual
         self.at += 1
-        dash = line["dash"]
-        return number, line["key"], line["value"], None if dash is None else column + len(dash)
+        dash, key, value = line
+        return number, key, value, column + dash if dash else None
 
     def policy(self) -> Policy:
         seen: set[str] = set()
         default, profiles = "default", None
-        while self.at < len(self.lines):
+        while self.column() != -1:
             if self.column() != 0:
                 raise _Unusual
             _, key, value, item = self.key()
@@ -163,7 +196,7 @@ class _Reader:
         column, lines, rules = self.column(), self.lines, []
         if column < parent:
             raise _Unusual
-        while self.at < len(lines) and lines[self.at][1] == column and lines[self.at][2][0] == "-":
+        while lines[self.at][1] == column and lines[self.at][2][0] == "-":
             rules.append(self.rule(action))
         if not rules or self.column() > parent:  # `allow:` with nothing under it is null: the loader reports it
             raise _Unusual
@@ -173,20 +206,20 @@ class _Reader:
         """One `- key: value` item and the `key: value` lines under it (the loop of a large policy: kept tight)."""
         lines, at = self.lines, self.at
         number, item, content = lines[at]
-        line = _LINE.fullmatch(content)
-        if line is None or line["dash"] is None:
+        line = _split(content)
+        if line is None or not line[0]:
             raise _Unusual
-        column = item + len(line["dash"])
-        fields = {line["key"]: line["value"]}
+        column = item + line[0]
+        fields = {line[1]: line[2]}
         at += 1
-        while at < len(lines) and lines[at][1] == column:
-            line = _LINE.fullmatch(lines[at][2])
-            if line is None or line["dash"] is not None or line["key"] in fields:
+        while lines[at][1] == column:
+            line = _split(lines[at][2])
+            if line is None or line[0] or line[1] in fields:
                 raise _Unusual
-            fields[line["key"]] = line["value"]
+            fields[line[1]] = line[2]
             at += 1
         self.at = at
-        if (at < len(lines) and lines[at][1] > column) or not fields.keys() <= _RULE_KEYS:
+        if lines[at][1] > column or not fields.keys() <= _RULE_KEYS:
             raise _Unusual
         host, cidr = fields.get("host"), fields.get("cidr")
         if (host is None) == (cidr is None):

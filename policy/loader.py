@@ -135,7 +135,9 @@ def _parse(text: str, filename: str) -> Policy:
         policy = builder.policy(root)
         if builder.errors or policy is None:
             raise PolicyError(builder.messages() or [f"{filename}:1: empty policy"])
-    policy.hash  # noqa: B018 -- computed with the load, so that no audit line pays for it on the event loop
+    # Computed with the load, so that no audit line or reload's swap pays for them on the event loop.
+    policy.hash  # noqa: B018
+    policy.inspected_rules  # noqa: B018
     return policy
 
 

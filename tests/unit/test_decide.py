@@ -578,3 +578,26 @@ def test_decide_alias(profile: Profile, cnames: tuple[str, ...], port: int | Non
     else:
         assert decision is not None and not decision.allow and decision.rule is not None
         assert decision.rule.source == f"{F}:{denied_by}" and "CNAME chain passes through" in decision.reason
+
+
+def test_the_rules_of_one_host_or_network_come_in_file_order_however_many_there_are() -> None:
+    # The indexes keep a key's first rule apart from the rest: every one of them, in file order, is still found.
+    net = ipaddress.ip_network("192.0.2.0/24")
+    allow = [Rule("allow", f"p:{i}", host=f"h{i % 7}.example", ports=frozenset({i + 1})) for i in range(70)]
+    allow += [Rule("allow", f"w:{i}", host="*.example", ports=frozenset({i + 1})) for i in range(3)]
+    allow += [Rule("allow", f"c:{i}", cidr=net, ports=frozenset({i + 1})) for i in range(3)]
+    profile = Profile("p", tuple(allow), (), "p:0")
+    for k in range(7):
+        assert [r.source for r in profile.allow_rules_for_host(f"h{k}.example")] == [
+            *(f"p:{i}" for i in range(k, 70, 7)),
+            "w:0",
+            "w:1",
+            "w:2",
+        ]
+    assert [r.source for r in profile.allow_rules_for_address(ipaddress.ip_address("192.0.2.9"))] == [
+        "c:0",
+        "c:1",
+        "c:2",
+    ]
+    assert [r.source for r in profile.allow_rules_for_host("example")] == []  # a wildcard covers only names below
+    assert profile.deny_rules_for_host("h1.example") == [] and not profile.deny_rules_for_address(net[1])

@@ -128,6 +128,9 @@ UNUSUAL = {
     "unknown-top-key": HEAD + "      - host: a.example\nextra: 1\n",
     "unknown-rule-key": HEAD + "      - host: a.example\n        port: [443]\n",
     "label-too-long": HEAD + f"      - host: {'a' * 64}.example\n",
+    "item-without-colon": HEAD + "      - host\n",
+    "key-without-colon": HEAD + "      - host: a.example\n        tunnel\n",
+    "key-without-space": HEAD + "      - host:a.example\n",
 }
 
 
@@ -176,7 +179,10 @@ def generated(rules: int, seed: int = 12) -> str:
     return "\n".join(lines) + "\n"
 
 
-def test_a_large_generated_policy_reads_alike(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("chunk", [1, 100, 65536])
+def test_a_large_generated_policy_reads_alike(chunk: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The reader splits its text some thousand lines at a time: lines cut at any chunk's end read alike.
+    monkeypatch.setattr(fastload, "_SPLIT_CHARS", chunk)
     text = generated(3000)
     fast = fastload.read_common(text, "p.yaml")
     assert fast is not None and len(fast.profile("ci").allow) == 3000

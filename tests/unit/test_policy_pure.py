@@ -31,7 +31,8 @@ import airlock.policy
 POLICY_DIR = Path(airlock.policy.__file__).parent
 IMMUTABLE = (
     int, float, complex, str, bytes, bool, type(None), frozenset, range, re.Pattern, enum.Enum,
-    types.ModuleType, type, types.FunctionType, types.BuiltinFunctionType, functools._lru_cache_wrapper,
+    types.ModuleType, type, types.FunctionType, types.BuiltinFunctionType, types.MethodWrapperType,
+    functools._lru_cache_wrapper,
     types.MappingProxyType, typing.TypeAliasType, typing.TypeVar, ipaddress.IPv4Network, ipaddress.IPv6Network,
     ipaddress.IPv4Address, ipaddress.IPv6Address, type(annotations),
 )  # fmt: skip

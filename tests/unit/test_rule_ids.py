@@ -3,12 +3,15 @@ of its content, never of its layout."""
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import re
 
 import pytest
 
 from airlock.cli import main
 from airlock.policy import PolicyError, parse_policy
+from airlock.policy.model import Rule
 
 POLICY = """\
 version: 1
@@ -76,3 +79,17 @@ def test_policy_check_prints_the_hash(tmp_path, capsys: pytest.CaptureFixture[st
     path.write_text(POLICY, encoding="utf-8")
     assert main(["policy", "check", str(path)]) == 0
     assert capsys.readouterr().out.rstrip().endswith(f"policy {parse_policy(POLICY).hash}")
+
+
+def test_a_rules_hand_written_init_takes_every_field_the_dataclass_declares() -> None:
+    # Rule's __init__ is written by hand (for speed): it must take exactly the fields, with their defaults.
+    declared = [(f.name, f.default) for f in dataclasses.fields(Rule) if f.init]
+    taken = [(p.name, p.default) for p in list(inspect.signature(Rule.__init__).parameters.values())[1:]]
+    assert taken == [(name, inspect.Parameter.empty if d is dataclasses.MISSING else d) for name, d in declared]
+    values = {"action": "allow", "source": "p:1", "host": "a.example", "ports": frozenset({443}), "tunnel": True,
+              "ech": True, "name": "n", "inspect": True, "http": ("h",), "inject": ("i",)}  # fmt: skip
+    rule = Rule(**values)  # type: ignore[arg-type]
+    assert {f.name: getattr(rule, f.name) for f in dataclasses.fields(Rule)} == {**values, "cidr": None, "_id": None}
+    assert dataclasses.replace(rule, host="b.example") == Rule(**{**values, "host": "b.example"})  # type: ignore[arg-type]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        rule.host = "c.example"  # type: ignore[misc]
