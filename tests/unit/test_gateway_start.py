@@ -258,18 +258,20 @@ config = dataclasses.replace(config, broker=dataclasses.replace(config.broker, p
 async def main():
     running = gateway.Gateway(config)
     await running.start(wait_for_proxy=False)
-    print(sorted({m.split(".")[0] for m in sys.modules} & {"aiohttp", "mitmproxy", "prometheus_client"}))
+    late = {"aiohttp", "cryptography", "mitmproxy", "prometheus_client"}
+    print(sorted({m.split(".")[0] for m in sys.modules} & late))
     await running.stop()
 
 asyncio.run(main())
 """
 
 
-def test_a_gateway_starts_for_its_sandbox_before_aiohttp_mitmproxy_or_prometheus_client_are_imported(
+def test_a_gateway_starts_for_its_sandbox_before_aiohttp_mitmproxy_prometheus_client_or_cryptography_are_imported(
     tmp_path: Path,
 ) -> None:
     """A launcher's command starts once `start(wait_for_proxy=False)` returns: nothing it waits on may need the
-    thread's imports (aiohttp for the admin listener, mitmproxy for the proxy), nor the scrape's prometheus-client."""
+    thread's imports (aiohttp for the admin listener, mitmproxy for the proxy), nor the scrape's prometheus-client,
+    nor (nothing inspected, no broker) cryptography."""
     done = subprocess.run(
         [sys.executable, "-c", START_WITHOUT_THE_IMPORTS, str(tmp_path)], capture_output=True, text=True, timeout=60
     )
