@@ -2,7 +2,7 @@
 the broker and the admin listener, wired together.
 
 mitmproxy and the addon are most of a gateway's start-up (proxy layers, QUIC, pyOpenSSL, pyparsing: about 300 ms),
-and aiohttp (the admin listener) a quarter of a second more, so they are imported in a thread (`preload_proxy()`)
+and aiohttp (the admin listener) a quarter of a second more, so they are imported in a thread (`airlock.preload`)
 while the rest starts: what a launcher builds meanwhile (the sandbox's namespace, link, fence and DNS) waits on
 subprocesses and the kernel, not on this process. The proxy's sockets (explicit and transparent) and the admin
 listener's listen from the start, once the policy is in force: a client that comes before they are served waits in
@@ -15,18 +15,15 @@ import concurrent.futures
 import contextlib
 import errno
 import gc
-import importlib
 import ipaddress
 import logging
 import os
 import resource
 import shutil
 import socket
-import sys
 import tempfile
-import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -35,18 +32,19 @@ from airlock.approvals import Approvals, PolicyWriter, approval_routes
 from airlock.audit import AuditLog
 from airlock.audit.notices import DenialNotices
 from airlock.auditing import GatewayAudit, tell
-from airlock.brokerconfig import BrokerConfig
 from airlock.dns.admission import DnsSettings
 from airlock.dns.answered import AnsweredAddresses
 from airlock.dns.server import DnsServer
-from airlock.dns.upstream import Resolver, ResolverConfig, Server, system_servers
+from airlock.dns.upstream import Resolver, ResolverConfig, system_servers
 from airlock.errors import AirlockError
+from airlock.gatewayconfig import GatewayConfig
 from airlock.inspection.secrets import SecretValues
 from airlock.inspection.trust import system_trust_store
 from airlock.interfaces import interface_addresses
 from airlock.live import GatewayAddresses
 from airlock.metrics import GatewayMetrics
 from airlock.policy import IPAddress, LivePolicy, Policy, PolicyError, Sandbox, SandboxRegistry
+from airlock.preload import preload_admin, preload_proxy
 from airlock.reload import PolicyReloader, Reloaded
 from airlock.sandbox.fence import mark_listeners
 
@@ -73,42 +71,10 @@ FD_REPORT_INTERVAL = 10.0
 RESOURCE_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
 PROXY_BACKLOG = 100  # asyncio's default, which mitmproxy listened with
 PROXY_START_TIMEOUT = 30.0  # seconds for mitmproxy to come up once imported
-IMPORT_SWITCH_INTERVAL = 0.0005  # seconds (sys.setswitchinterval) while mitmproxy is imported
-
-_preload: _Preload | None = None
-_preload_lock = threading.Lock()
 
 
 class GatewayError(AirlockError):
     pass
-
-
-@dataclass
-class GatewayConfig:
-    policy: Policy  # the policy to start with; the one in force is `Gateway.live.current.policy`
-    listen: str
-    proxy_port: int = 3128
-    # Connections the fence redirects (clients that ignore the proxy variables); 0: explicit mode only.
-    transparent_port: int = 3129
-    sandboxes: list[Sandbox] = field(default_factory=list)
-    upstream_dns: list[Server] = field(default_factory=list)
-    upstream_ca: str | None = None
-    audit_path: str | None = None
-    audit_stdout: bool = False
-    show_denials: bool = False  # each denial as one line on stderr, as it happens (`airlock run`; rate-limited)
-    connect_timeout: float = 10.0
-    idle_timeout: float = 300.0
-    max_tunnels_per_sandbox: int | None = None  # None: derived from the open-file limit, like the next two
-    max_connections_per_sandbox: int | None = None
-    dns_min_ttl: int = 5
-    dns_port: int = 53  # 0: no DNS server for sandboxes
-    dns_rate: float = 100.0  # queries per second per sandbox
-    close_denied_on_reload: bool = False  # a reload closes the open tunnels the new policy denies
-    state_dir: str | None = None
-    admin: str | None = None  # the admin listener: a unix socket path or 127.0.0.1:PORT; default STATE_DIR/admin.sock
-    broker: BrokerConfig = field(default_factory=BrokerConfig)
-    policy_path: str | None = None  # the file `--scope policy` approvals write into; None: none may
-    approval_webhook: str | None = None  # where each request held for approval is posted (JSON)
 
 
 def _private_directory(path: Path) -> None:
@@ -704,68 +670,6 @@ class Gateway:
             self._own.close()
         if self._own_state:
             shutil.rmtree(self._state_dir, ignore_errors=True)
-
-
-@dataclass(frozen=True)
-class _Preload:
-    """The imports of preload_proxy()'s thread, in their order: aiohttp, then mitmproxy and the addon."""
-
-    admin: concurrent.futures.Future[None] = field(default_factory=concurrent.futures.Future)
-    proxy: concurrent.futures.Future[None] = field(default_factory=concurrent.futures.Future)
-
-
-def preload_proxy() -> concurrent.futures.Future[None]:
-    """Import the admin listener's aiohttp, then mitmproxy and the airlock addon, in a thread, once per process;
-    the future says when all of them are in (`preload_admin()`'s, when aiohttp is).
-
-    Not a daemon thread: the interpreter must not finalize while an extension module initializes in another thread
-    (that can crash it, SIGSEGV), so a process that ends sooner waits for the import. `airlock run` ends its process
-    at once instead (`proxy_loading()`): by then its sandbox is gone, and no proxy will be needed."""
-    return _preloading().proxy
-
-
-def preload_admin() -> concurrent.futures.Future[None]:
-    """The first part of preload_proxy()'s import (started if it was not): aiohttp, for the admin listener."""
-    return _preloading().admin
-
-
-def _preloading() -> _Preload:
-    global _preload
-    with _preload_lock:
-        if _preload is None:
-            _preload = _Preload()
-            threading.Thread(target=_import_late, args=(_preload,), name="airlock-proxy-import").start()
-        return _preload
-
-
-def proxy_loading() -> bool:
-    """Whether preload_proxy()'s import is under way in this process."""
-    return _preload is not None and not _preload.proxy.done()
-
-
-def _import_late(preload: _Preload) -> None:
-    for done in (preload.admin, preload.proxy):
-        done.set_running_or_notify_cancel()  # running: a waiter that gives up cannot cancel it for everyone else
-    # Meanwhile the other threads mostly wait on subprocesses, and each wakes to find this one holding the GIL: let
-    # them have it within IMPORT_SWITCH_INTERVAL rather than the default 5 ms.
-    interval = sys.getswitchinterval()
-    sys.setswitchinterval(min(interval, IMPORT_SWITCH_INTERVAL))
-    try:
-        # aiohttp first: the admin listener is served before the proxy (`Gateway._serve_loaded`).
-        _import(preload.admin, "aiohttp.web")
-        _import(preload.proxy, "airlock.mitm", "airlock.proxy.addon")
-    finally:
-        sys.setswitchinterval(interval)
-
-
-def _import(done: concurrent.futures.Future[None], *modules: str) -> None:
-    try:
-        for module in modules:
-            importlib.import_module(module)
-    except BaseException as e:
-        done.set_exception(e)
-    else:
-        done.set_result(None)
 
 
 async def _loaded(loading: concurrent.futures.Future[None], what: str) -> None:

@@ -46,6 +46,7 @@ import docker  # noqa: E402
 
 from airlock.sandbox.docker import DockerSandbox  # noqa: E402
 from airlock.sandbox.fence import Fence, Interception, refuse_udp_inside  # noqa: E402
+from airlock.sandbox.netns import NETNS_DIR  # noqa: E402
 
 import common  # noqa: E402
 from common import fmt, percentile  # noqa: E402
@@ -176,7 +177,7 @@ def measure_all(topology: Topology, runs: int, paced: int, pause: float) -> list
     rows = []
     transparent = Fence(f"{topology.prefix}_bench", *link, Interception(3129, 53))
     transparent.install(topology.cmd(topology.gw))
-    refuse_udp_inside(f"{topology.prefix}_bench", GW_IP, (53,), Interception(3129, 53), topology.cmd(topology.sbx))
+    refuse_udp_inside(f"{topology.prefix}_bench", GW_IP, (53,), Interception(3129, 53), NETNS_DIR / topology.sbx)
     try:
         paced_probe = [*python, str(paced), str(TIMEOUT_S), str(pause)]
         rows.append(summary(f"Python, one datagram every {pause:g} s", probe(topology, paced_probe)))

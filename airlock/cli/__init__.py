@@ -75,8 +75,8 @@ def main(argv: list[str] | None = None) -> int:
     if argv is not None:
         return _main(argv)
     code = _main(sys.argv[1:])
-    gateway = sys.modules.get("airlock.gateway")  # imported only by the commands that run a gateway
-    if gateway is not None and gateway.proxy_loading():
+    preload = sys.modules.get("airlock.preload")  # imported only by the commands that run a gateway
+    if preload is not None and preload.proxy_loading():
         _end_now(code)
     # The process ends now: its last garbage collection need not walk every object the imports made (mitmproxy's
     # alone would take a run's exit about 70 ms). Whatever has to be closed was closed.

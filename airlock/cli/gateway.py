@@ -12,11 +12,12 @@ import socket
 import ssl
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
 from airlock.brokerconfig import BrokerConfig, BrokerConfigError, parse_secret
 from airlock.dns.upstream import parse_server
-from airlock.gateway import Gateway, GatewayConfig
+from airlock.gatewayconfig import GatewayConfig
 from airlock.policy import Policy, Sandbox, format_host_port
 from airlock.reload import log_reload
 
@@ -30,6 +31,9 @@ from .common import (
     signal_future,
 )
 from .limits import check_limits
+
+if TYPE_CHECKING:  # `airlock run` builds a config before its sandbox exists; the gateway is imported meanwhile
+    from airlock.gateway import Gateway
 
 log = logging.getLogger("airlock")
 
@@ -236,6 +240,8 @@ def cmd_gateway(args: argparse.Namespace) -> int:
 async def serve(config: GatewayConfig) -> int:
     """Run until SIGTERM (exit 0) or SIGINT (130); SIGHUP reloads the policy file (off the event loop), SIGUSR1
     reopens the audit file."""
+    from airlock.gateway import Gateway
+
     gateway = Gateway(config)
     # Handlers first: a signal that arrives while the gateway starts still stops it cleanly.
     stopped = signal_future(signal.SIGTERM, signal.SIGINT)

@@ -15,10 +15,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from airlock.auditing import tell
 from airlock.broker.grants import Grant, GrantError, parse_grant
 from airlock.brokerconfig import SecretSource
-from airlock.gateway import Gateway, GatewayConfig
+from airlock.gatewayconfig import GatewayConfig
 from airlock.inspection.secrets import parse_placeholder_env
 from airlock.policy import Policy
 from airlock.reload import PolicyWatcher
@@ -41,6 +40,7 @@ from .limits import check_limits
 if TYPE_CHECKING:
     import docker
 
+    from airlock.gateway import Gateway
     from airlock.sandbox.docker import Limits
 
 DOCKER_ONLY = ("mount",)
@@ -235,6 +235,8 @@ def _stop_signals() -> asyncio.Future[int]:
 
 def _watch_policy(gateway: Gateway) -> PolicyWatcher:
     """Reload the policy when its file changes, each outcome told on stderr in one line."""
+    from airlock.auditing import tell  # with the gateway, not before the sandbox exists
+
     watcher = PolicyWatcher(gateway.config.policy.source, gateway.reload_policy, lambda r: tell(r.one_line()))
     watcher.start()
     return watcher

@@ -16,9 +16,6 @@ import os
 from collections.abc import Sequence
 from pathlib import Path, PurePosixPath
 
-from cryptography import x509
-from cryptography.hazmat.primitives import serialization
-
 from airlock.inspection import InspectionError
 from airlock.inspection.files import open_private_directory, read_regular_file, replace_file
 
@@ -72,6 +69,11 @@ def trust_env(bundle: str | PurePosixPath = SANDBOX_BUNDLE) -> dict[str, str]:
 def _one_certificate(pem: bytes) -> bytes:
     """The certificate in `pem` written anew: whatever else the text holds (a private key beside it, as in
     mitmproxy's own CA file) never reaches the sandbox."""
+    # Imported here, not with the module: the gateway imports this one at start-up, cryptography's x509 costs
+    # about 40 ms there, and only inspection (which writes a bundle) needs it.
+    from cryptography import x509
+    from cryptography.hazmat.primitives import serialization
+
     try:
         found = x509.load_pem_x509_certificates(pem)
     except ValueError:

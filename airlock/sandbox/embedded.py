@@ -10,13 +10,17 @@ import dataclasses
 import ipaddress
 import os
 import tempfile
+from typing import TYPE_CHECKING
 
 from airlock.broker.grants import Grant
-from airlock.gateway import Gateway, GatewayConfig
+from airlock.gatewayconfig import GatewayConfig
 from airlock.policy import Sandbox
 
 from .fence import Interception
 from .watchdog import Watchdog
+
+if TYPE_CHECKING:
+    from airlock.gateway import Gateway
 
 
 def state_directory(config: GatewayConfig) -> tuple[GatewayConfig, tempfile.TemporaryDirectory[str] | None]:
@@ -78,6 +82,8 @@ async def start_gateway(
 ) -> Gateway:
     """The sandbox's gateway, listening on `listen` and knowing exactly one client: the sandbox's address (see
     `Gateway.start` for `wait_for_proxy`)."""
+    from airlock.gateway import Gateway  # only now: `preload_proxy()` imports it while the sandbox is built
+
     identity = Sandbox(sandbox_id, profile or config.policy.default_profile, ipaddress.ip_network(f"{sandbox_ip}/32"))
     gateway = Gateway(dataclasses.replace(config, listen=listen, sandboxes=[identity]))
     await gateway.start(wait_for_proxy=wait_for_proxy)

@@ -4,7 +4,7 @@ The sandbox side has one address and one connected /30 route: the fence lets the
 the gateway's ports. With interception (transparent mode) it also has a default route via the gateway's address,
 so that what a client dials elsewhere reaches the gateway's side of the link, where the fence redirects it to the
 gateway (TCP, DNS) or refuses it (other UDP) and forwards nothing; other UDP is refused inside the namespace too,
-past the gateway side's ICMP rate limit (`refuse_udp_inside`). Without interception it has no default route and the
+past the gateway side's ICMP rate limit (`refuse_udp_here`). Without interception it has no default route and the
 kernel has nowhere to send anything but the gateway's address. The command runs without root and without
 capabilities (setpriv, no_new_privs), so it cannot change routes, load rules, sysctls, or enter another namespace.
 """
@@ -31,7 +31,15 @@ from airlock.interfaces import interface_addresses
 from airlock.policy import SANDBOX_LINK_NETWORKS
 
 from . import SANDBOX_ID
-from .fence import NETNS_TABLE_PREFIX, Fence, Interception, refuse_udp_inside
+from .fence import (
+    NETNS_TABLE_PREFIX,
+    Fence,
+    FenceError,
+    Interception,
+    in_network_namespace,
+    refuse_udp_here,
+    write_sysctl,
+)
 from .watchdog import Watchdog
 from .workdir import WorkdirGuard
 
@@ -79,9 +87,10 @@ def _finish(started: _Started, check: bool = True) -> subprocess.CompletedProces
 
 
 def _write_sysctl(name: str, value: str) -> None:
-    """A sysctl of this network namespace, as `sysctl -w` sets it; quietly not where the kernel has no such one."""
-    with contextlib.suppress(OSError):
-        Path("/proc/sys", *name.split(".")).write_text(value)
+    """A sysctl of this thread's network namespace, as `sysctl -w` sets it; quietly not where the kernel has no
+    such one."""
+    with contextlib.suppress(FenceError):
+        write_sysctl(name, value)
 
 
 def _used_networks() -> list[ipaddress.IPv4Network]:
@@ -141,48 +150,49 @@ class NetnsSandbox:
         self.owned = True
         if self.watchdog is not None:  # it may still be starting: the launcher waits for it before the command
             self.watchdog.guard("netns", self.sandbox_id, wait=False)
-        with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="airlock-netns") as beside:
-            # The refusal inside needs the namespace alone: loaded (four `ip netns exec`) while the link is made.
-            inside = beside.submit(self._refuse_udp_inside) if self.intercept is not None else None
-            self._link_and_fence()
-            if inside is not None:
-                inside.result()
-                _run(["ip", "-n", self.netns, "route", "add", "default", "via", self.gateway_ip])
+        self._link_and_fence()
         etc = Path("/etc/netns") / self.netns
         etc.mkdir(parents=True, exist_ok=True)
         # `ip netns exec` bind-mounts these over /etc inside the command's mount namespace.
         (etc / "resolv.conf").write_text(f"nameserver {self.gateway_ip}\noptions timeout:2 attempts:1\n")
         (etc / "hosts").write_text("127.0.0.1 localhost\n::1 localhost\n")
 
-    def _refuse_udp_inside(self) -> None:
-        assert self.intercept is not None
-        netns_cmd = ["ip", "netns", "exec", self.netns]
-        refuse_udp_inside(self.fence_table, self.gateway_ip, self.udp_ports, self.intercept, netns_cmd)
-
     def _link_and_fence(self) -> None:
-        """The veth pair, its ends' addresses and the gateway side's fence, loaded before the link is up."""
+        """The veth pair, the namespace's own settings, the gateway side's fence, then the link's addresses (and
+        the route through the gateway), up."""
         assert self.link is not None
         prefix = self.link.prefixlen
         # The sandbox's end is made in its namespace: it is never an interface of this one.
         _run(["ip", "link", "add", self.host_if, "type", "veth", "peer", "name", self.sandbox_if, "netns", self.netns])
         # IPv6 off on both ends: the link carries exactly the IPv4 the fence describes.
         _write_sysctl(f"net.ipv6.conf.{self.host_if}.disable_ipv6", "1")
-        no_ipv6 = _start(["ip", "netns", "exec", self.netns, "sysctl", "-qw", "net.ipv6.conf.all.disable_ipv6=1"])
+        inside = in_network_namespace(NETNS_DIR / self.netns, self._configure_inside)  # beside the fence
         # Fence first, then bring the link up: no moment exists when the sandbox's link is open and unfenced.
         fence = Fence(self.fence_table, self.host_if, self.gateway_ip, self.tcp_ports, self.udp_ports, self.intercept)
         try:
             fence.install()
-        finally:
-            _finish(no_ipv6, check=False)
+        except BaseException:
+            concurrent.futures.wait([inside])  # nothing of this launch runs on once it has failed
+            raise
         self.fence = fence  # only once installed: a table that exists already is another sandbox's
+        inside.result()
         host_end = f"addr add {self.gateway_ip}/{prefix} dev {self.host_if}\nlink set {self.host_if} up\n"
         sandbox_end = (
             f"link set lo up\naddr add {self.sandbox_ip}/{prefix} dev {self.sandbox_if}\n"
             f"link set {self.sandbox_if} up\n"
         )
+        if self.intercept is not None:  # only now that the refusal inside is loaded
+            sandbox_end += f"route add default via {self.gateway_ip}\n"
         both = [_start(["ip", "-batch", "-"], host_end), _start(["ip", "-n", self.netns, "-batch", "-"], sandbox_end)]
         for started in both:
             _finish(started)
+
+    def _configure_inside(self) -> None:
+        """In the namespace (`in_network_namespace`): IPv6 off on its interfaces (the link's end is there already),
+        and in transparent mode the refusal of other UDP (`refuse_udp_here`)."""
+        _write_sysctl("net.ipv6.conf.all.disable_ipv6", "1")
+        if self.intercept is not None:
+            refuse_udp_here(self.fence_table, self.gateway_ip, self.udp_ports, self.intercept)
 
     @property
     def run_dir(self) -> Path:

@@ -27,9 +27,11 @@ import sys
 import tempfile
 from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from airlock.broker.grants import Grant
-from airlock.gateway import Gateway, GatewayConfig, preload_proxy
+from airlock.gatewayconfig import GatewayConfig
+from airlock.preload import preload_proxy
 
 from . import cgroups, netns, seccomp
 from .embedded import (
@@ -47,6 +49,9 @@ from .limits import DEFAULT_OUTPUT_LIMIT, TIMEOUT, Resources, limit_problem, rli
 from .netns import SYSTEM_TRUST_BUNDLE, NetnsSandbox, SandboxError
 from .watchdog import Watchdog
 from .workdir import WorkdirError, WorkdirGuard
+
+if TYPE_CHECKING:  # imported in a thread while the sandbox is built (`preload_proxy`)
+    from airlock.gateway import Gateway
 
 ISOLATIONS = ("auto", "bwrap", "none")
 STOP_GRACE = 5.0  # seconds between SIGTERM and SIGKILL when the command is asked to stop

@@ -3,6 +3,8 @@ another sandbox that happens to share its id, nor by another backend's teardown 
 
 from __future__ import annotations
 
+import os
+import re
 import secrets
 import subprocess
 from collections.abc import Callable, Iterator
@@ -12,7 +14,16 @@ from unittest.mock import MagicMock
 import pytest
 
 from airlock.sandbox.docker import DockerSandbox, fence_table, remove_sandbox
-from airlock.sandbox.fence import DOCKER_TABLE_PREFIX, NETNS_TABLE_PREFIX, Fence, FenceError
+from airlock.sandbox.fence import (
+    DOCKER_TABLE_PREFIX,
+    NETNS_TABLE_PREFIX,
+    Fence,
+    FenceError,
+    in_network_namespace,
+    read_sysctl,
+    write_sysctl,
+)
+from airlock.sandbox.netns import NETNS_DIR
 
 from netclient import in_netns
 
@@ -90,3 +101,38 @@ def test_a_docker_sandbox_whose_id_is_taken_leaves_the_other_ones_fence(ns: Name
     client.networks.create.assert_not_called()
     client.api.remove_network.assert_not_called()
     client.api.remove_container.assert_not_called()
+
+
+def _namespace_of_this_thread() -> int:
+    return os.stat("/proc/thread-self/ns/net").st_ino
+
+
+def test_work_in_a_network_namespace_is_done_there_and_its_sysctls_are_that_namespaces(ns: Namespace) -> None:
+    before = read_sysctl("net.ipv4.icmp_ratemask")
+
+    def inside() -> tuple[int, str]:
+        write_sysctl("net.ipv4.icmp_ratemask", "6144")
+        links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True, check=True).stdout
+        return _namespace_of_this_thread(), links
+
+    namespace, links = in_network_namespace(NETNS_DIR / ns.name, inside).result(10)
+    assert namespace == os.stat(NETNS_DIR / ns.name).st_ino != _namespace_of_this_thread()
+    assert [line.split()[1] for line in links.splitlines()] == ["lo:"]  # what it starts runs there too
+    seen = subprocess.run([*ns.cmd, "sysctl", "-n", "net.ipv4.icmp_ratemask"], capture_output=True, text=True)
+    assert seen.stdout.strip() == "6144"
+    assert read_sysctl("net.ipv4.icmp_ratemask") == before  # this namespace's is untouched
+
+
+def test_a_network_namespace_that_cannot_be_entered_is_one_fence_error_and_nothing_is_done(tmp_path) -> None:
+    done: list[str] = []
+    not_a_namespace = tmp_path / "file"
+    not_a_namespace.write_text("")
+    for path, problem in ((tmp_path / "absent", "No such file or directory"), (not_a_namespace, "Invalid argument")):
+        with pytest.raises(FenceError, match=f"^{re.escape(f'cannot enter the network namespace {path}: {problem}')}$"):
+            in_network_namespace(path, lambda: done.append("worked")).result(10)
+    assert done == []
+
+
+def test_work_that_fails_in_a_network_namespace_raises_its_error_to_the_caller(ns: Namespace) -> None:
+    with pytest.raises(FenceError, match=r"^cannot set net\.ipv4\.no_such_setting=1: No such file or directory$"):
+        in_network_namespace(NETNS_DIR / ns.name, lambda: write_sysctl("net.ipv4.no_such_setting", "1")).result(10)

@@ -116,6 +116,15 @@ def test_run_refuses_back_to_back_udp_at_once_and_the_sandbox_cannot_restore_the
     assert "icmp_ratemask PermissionError" in result.stdout and "icmp_ratelimit PermissionError" in result.stdout
 
 
+@pytest.mark.parametrize("options", [(), ("--transparent-port", "0")], ids=["transparent", "explicit"])
+def test_run_links_the_sandbox_by_ipv4_alone(run_in_gw, options: tuple[str, ...]):
+    """IPv6 off on every interface of the sandbox's namespace (its link's end included): no address, no route the
+    fence does not describe."""
+    script = "cat /proc/net/if_inet6; cat /proc/sys/net/ipv6/conf/*/disable_ipv6 | sort -u"
+    result = run_in_gw("sh", "-c", script, options=options)
+    assert (result.returncode, result.stdout) == (0, "1\n"), result.stderr
+
+
 def test_run_in_explicit_mode_only_has_no_direct_route_out(run_in_gw, fakenet: FakeNet):
     script = "ip route; curl -sS --noproxy '*' --max-time 3 http://192.0.2.10/ || echo BLOCKED"
     result = run_in_gw("sh", "-c", script, options=("--transparent-port", "0"))

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from airlock.sandbox.fence import Interception, refuse_udp_inside
+from airlock.sandbox.netns import NETNS_DIR
 
 from gateway_proc import GatewayProcess
 from netclient import in_netns, raw_request, tcp_probe
@@ -45,7 +46,7 @@ def routed_sbx(topology: Topology) -> Iterator[Topology]:
         for destination in (ALLOWED_IP, EVIL_IP, INTERNAL_IP, NO_RESOLVER, "8.8.8.8", "1.1.1.1"):
             topology.assert_route_inside(topology.sbx, destination)  # it leaves on sbx's own link, to gw
         ratemask = topology.run(topology.sbx, ["sysctl", "-n", "net.ipv4.icmp_ratemask"]).stdout.strip()
-        refuse_udp_inside(INNER_TABLE, GW_IP, (53,), Interception(3129, 53), topology.cmd(topology.sbx))
+        refuse_udp_inside(INNER_TABLE, GW_IP, (53,), Interception(3129, 53), NETNS_DIR / topology.sbx)
         yield topology
     finally:
         topology.run(topology.sbx, ["nft", "delete", "table", "inet", INNER_TABLE])

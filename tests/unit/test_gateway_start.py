@@ -42,6 +42,18 @@ def test_what_airlock_run_imports_before_the_sandbox_exists_holds_no_mitmproxy_a
     assert out.splitlines() == ["[]", "['aiohttp', 'airlock.proxy.addon', 'mitmproxy']"]
 
 
+def test_what_airlock_run_imports_before_the_sandbox_exists_holds_none_of_the_gateways_machinery() -> None:
+    """The gateway (its DNS server, audit, admin listener) is imported by preload_proxy's thread while the namespace
+    is built, before aiohttp and mitmproxy: the command line needs its settings alone (`airlock.gatewayconfig`)."""
+    loaded = "sorted({'airlock.gateway', 'airlock.dns.server', 'airlock.audit'} & sys.modules.keys())"
+    probe = (
+        f"import sys\nimport airlock.cli.run\nprint({loaded})\nfrom airlock import preload\n"
+        f"preload.preload_admin().result(60)\nprint({loaded})\npreload.preload_proxy().result(60)"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
+    assert out.splitlines() == ["[]", "['airlock.audit', 'airlock.dns.server', 'airlock.gateway']"]
+
+
 @pytest.fixture
 def config(tmp_path: Path) -> GatewayConfig:
     """A gateway on loopback whose one sandbox is 127.0.0.1 (the default policy allows nothing there), its explicit
@@ -158,17 +170,17 @@ async def test_a_gateway_stopped_before_its_proxy_served_leaves_its_port_closed(
 # ends at once without finalizing.
 EXIT_WHILE_LOADING = """
 import atexit, sys
-from airlock import gateway
-gateway.preload_proxy()
-atexit.register(lambda: print("import done at exit:", not gateway.proxy_loading(), flush=True))
+from airlock import preload
+preload.preload_proxy()
+atexit.register(lambda: print("import done at exit:", not preload.proxy_loading(), flush=True))
 """
 
 CLI_EXIT_WHILE_LOADING = """
 import atexit, sys
-from airlock import cli, gateway
+from airlock import cli, preload
 
 def command(argv):
-    gateway.preload_proxy()
+    preload.preload_proxy()
     print("the command's output", end="")  # unflushed
     return 3
 
@@ -259,18 +271,20 @@ config = dataclasses.replace(config, broker=dataclasses.replace(config.broker, p
 async def main():
     running = gateway.Gateway(config)
     await running.start(wait_for_proxy=False)
-    print(sorted({m.split(".")[0] for m in sys.modules} & {"aiohttp", "mitmproxy", "prometheus_client"}))
+    late = {"aiohttp", "cryptography", "mitmproxy", "prometheus_client"}
+    print(sorted({m.split(".")[0] for m in sys.modules} & late))
     await running.stop()
 
 asyncio.run(main())
 """
 
 
-def test_a_gateway_starts_for_its_sandbox_before_aiohttp_mitmproxy_or_prometheus_client_are_imported(
+def test_a_gateway_starts_for_its_sandbox_before_aiohttp_mitmproxy_prometheus_client_or_cryptography_are_imported(
     tmp_path: Path,
 ) -> None:
     """A launcher's command starts once `start(wait_for_proxy=False)` returns: nothing it waits on may need the
-    thread's imports (aiohttp for the admin listener, mitmproxy for the proxy), nor the scrape's prometheus-client."""
+    thread's imports (aiohttp for the admin listener, mitmproxy for the proxy), nor the scrape's prometheus-client,
+    nor (nothing inspected, no broker) cryptography."""
     done = subprocess.run(
         [sys.executable, "-c", START_WITHOUT_THE_IMPORTS, str(tmp_path)], capture_output=True, text=True, timeout=60
     )
