@@ -11,7 +11,7 @@ aiohttp application's routes at their own paths, each behind that application's 
 is mounted this way).
 
 aiohttp takes about a quarter of a second to import, most of a sandbox's start if it waited for it: the gateway
-imports it in a thread while the sandbox is built (`airlock.gateway.preload_proxy`). So the listener is bound at
+imports it in a thread while the sandbox is built (`airlock.preload.preload_admin`). So the listener is bound at
 once (`listen()`: a bad address or a taken port is an error at start, and a client that comes early waits in the
 backlog), and served once aiohttp is in (`serve()`)."""
 

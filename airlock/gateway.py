@@ -490,8 +490,10 @@ class Gateway:
         # mitmproxy has installed its handler by now; every listener of the gateway shares this loop.
         loop = asyncio.get_running_loop()
         loop.set_exception_handler(_DescriptorShortage(loop))
-        # What exists now (the policy, mitmproxy's modules) lives as long as the gateway: out of the cycle
-        # collector's sight, or each full collection would walk a policy of 100,000 rules on the event loop.
+        # What exists now (mitmproxy's modules, the policy) is mostly what the gateway keeps: out of the cycle
+        # collector's sight, or each full collection would walk a policy of 100,000 rules on the event loop. A
+        # reload's policy is frozen too (airlock/reload.py); a replaced one, which holds no reference cycles, is
+        # freed by reference counting all the same.
         gc.freeze()
         log.info("airlock proxy listening on %s port %s", config.listen, ports)
 
@@ -549,6 +551,8 @@ class Gateway:
         try:
             if self._broker_runtime is not None and (problems := self._broker_runtime.problems(policy)):
                 raise PolicyError(problems)  # e.g. a declared tool naming a secret the gateway was not given
+            if problems := self.live.refusals(policy):  # before the inspection follows it: nothing of it then
+                raise PolicyError(problems)
             self._follow_inspection(policy)
             self.live.replace(policy)
         except PolicyError as e:

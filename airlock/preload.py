@@ -11,11 +11,10 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import importlib
-import sys
 import threading
 from dataclasses import dataclass, field
 
-IMPORT_SWITCH_INTERVAL = 0.0005  # seconds (sys.setswitchinterval) while mitmproxy is imported
+from airlock.switching import prompt_switching
 
 _preload: _Preload | None = None
 _preload_lock = threading.Lock()
@@ -63,10 +62,8 @@ def _import_late(preload: _Preload) -> None:
     for done in (preload.admin, preload.proxy):
         done.set_running_or_notify_cancel()  # running: a waiter that gives up cannot cancel it for everyone else
     # Meanwhile the other threads mostly wait on subprocesses, and each wakes to find this one holding the GIL: let
-    # them have it within IMPORT_SWITCH_INTERVAL rather than the default 5 ms.
-    interval = sys.getswitchinterval()
-    sys.setswitchinterval(min(interval, IMPORT_SWITCH_INTERVAL))
-    try:
+    # them have it at once rather than after the default 5 ms.
+    with prompt_switching():
         # The gateway's own modules first: the launcher needs them next, once the namespace exists. It imports them
         # itself then (waiting for this import if it is still under way), and so hears of any failure.
         with contextlib.suppress(Exception):
@@ -74,8 +71,6 @@ def _import_late(preload: _Preload) -> None:
         # aiohttp next: the admin listener is served before the proxy (`Gateway._serve_loaded`).
         _import(preload.admin, "aiohttp.web")
         _import(preload.proxy, "airlock.mitm", "airlock.proxy.addon")
-    finally:
-        sys.setswitchinterval(interval)
 
 
 def _import(done: concurrent.futures.Future[None], *modules: str) -> None:

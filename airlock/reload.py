@@ -10,20 +10,18 @@ import contextlib
 import gc
 import logging
 import os
-import sys
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from airlock.policy import Policy, PolicyError, load_policy
 from airlock.policy.fastload import release
+from airlock.switching import prompt_switching
 
 log = logging.getLogger("airlock.gateway")
 
 DEBOUNCE = 0.2  # seconds a changed file must stay unchanged before it is read: an editor writes in several steps
 POLL = 0.1
-# While a policy loads in its thread, the event loop waits for the GIL after each system call: at most this long.
-LOADING_SWITCH_INTERVAL = 0.0005
 
 
 class PolicyTarget(Protocol):
@@ -86,12 +84,12 @@ class PolicyReloader:
         except PolicyError as e:
             self.target.policy_refused(self.source, e.errors)
             return Reloaded(self.source, previous, previous, e.errors)
-        errors: list[str] = []
+        refusal: PolicyError | None = None
         try:
             self.target.replace_policy(policy)  # audits the reload, or its refusal
         except PolicyError as e:
-            errors = e.errors
-        if errors:  # the policy that was loaded, and refused, is dropped like a replaced one
+            refusal = PolicyError(e.errors)  # not `e`: its traceback would keep the refused policy alive
+        if refusal is not None:  # the policy that was loaded, and refused, is dropped like a replaced one
             replaced = [policy]
         else:
             for then in self.after:
@@ -100,7 +98,9 @@ class PolicyReloader:
         del policy
         # Freeing 100,000 rules takes a while too: in a thread, a slice at a time.
         await asyncio.to_thread(_release, replaced)
-        return Reloaded(self.source, previous if errors else new_hash, previous, errors)
+        if refusal is not None:
+            return Reloaded(self.source, previous, previous, refusal.errors or [f"{self.source}: policy refused"])
+        return Reloaded(self.source, new_hash, previous)
 
 
 def _release(box: list[Policy | None]) -> None:
@@ -118,15 +118,15 @@ def _loading() -> Iterator[None]:
     """While a policy loads in a thread, the event loop must not wait for it: the interpreter switches threads
     more often, and the cycle collector does not run — the load makes a million objects, which would start full
     collections that hold the GIL for a tenth of a second each. Afterwards, what exists then (the new policy
-    among it) is moved out of the collector's sight (gc.freeze): later collections do not walk it again."""
-    interval = sys.getswitchinterval()
+    among it) is moved out of the collector's sight (gc.freeze): later collections do not walk it again. (The
+    price: a reference cycle that was garbage by then, made in the second or two of the reload, is never
+    collected; the policy itself holds no cycles and is freed when replaced, frozen or not.)"""
     enabled = gc.isenabled()
-    sys.setswitchinterval(LOADING_SWITCH_INTERVAL)
     gc.disable()
     try:
-        yield
+        with prompt_switching():
+            yield
     finally:
-        sys.setswitchinterval(interval)
         if enabled:
             gc.freeze()
             gc.enable()

@@ -221,9 +221,11 @@ class _Reader:
         self.at = at
         if lines[at][1] > column or not fields.keys() <= _RULE_KEYS:
             raise _Unusual
+        if ("host" in fields) == ("cidr" in fields):
+            raise _Unusual  # neither, or both (one of them null too: the full loader reports it)
         host, cidr = fields.get("host"), fields.get("cidr")
-        if (host is None) == (cidr is None):
-            raise _Unusual  # neither, or both; or one of them null
+        if host is None and cidr is None:
+            raise _Unusual  # the one given is null
         ports = self.ports(action, fields["ports"]) if "ports" in fields else None
         if ports is None and action == "allow":
             ports = DEFAULT_ALLOW_PORTS

@@ -81,9 +81,14 @@ class LivePolicy:
     def __init__(self, policy: Policy, registry: SandboxRegistry, own: OwnAddresses | None = None) -> None:
         self.current = Snapshot(policy, registry, own if own is not None else KnownAddresses())
 
+    def refusals(self, policy: Policy) -> list[str]:
+        """Why `policy` cannot be put in force: a profile a sandbox uses that it lacks would fail that sandbox's
+        every request and query."""
+        return missing_profiles(policy, self.current.registry.sandboxes)
+
     def replace(self, policy: Policy) -> None:
-        """Put `policy` in force for every decision from now on. One that lacks a profile a sandbox uses would fail
-        that sandbox's every request and query: PolicyError, and the policy in force stays."""
-        if errors := missing_profiles(policy, self.current.registry.sandboxes):
+        """Put `policy` in force for every decision from now on; PolicyError (`refusals`), and the policy in force
+        stays."""
+        if errors := self.refusals(policy):
             raise PolicyError(errors)
         self.current = dataclasses.replace(self.current, policy=policy)

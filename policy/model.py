@@ -149,18 +149,29 @@ class _Keyed:
 
     def __init__(self) -> None:
         self._first: list[dict[object, Rule]] = [{} for _ in range(self._TABLES)]
-        self._more: dict[object, list[Rule]] = {}  # the second and later rules of a key
+        self._more: list[dict[object, list[Rule]]] = [{} for _ in range(self._TABLES)]  # a key's later rules
         self._empty = True
+
+    @classmethod
+    def _table(cls, key: object) -> int:
+        # Fibonacci hashing: the product's high bits depend on every bit of the hash, and a network's address (an
+        # int: its own hash) has its low bits all zero.
+        return (hash(key) * 0x9E3779B97F4A7C15 >> 40) % cls._TABLES
 
     def add(self, key: object, rule: Rule) -> None:
         self._empty = False
-        if self._first[hash(key) % self._TABLES].setdefault(key, rule) is not rule:
-            self._more.setdefault(key, []).append(rule)
+        table = self._table(key)
+        first = self._first[table]
+        if key in first:
+            self._more[table].setdefault(key, []).append(rule)
+        else:
+            first[key] = rule
 
     def get(self, key: object) -> Iterator[Rule]:
-        if (first := self._first[hash(key) % self._TABLES].get(key)) is not None:
+        table = self._table(key)
+        if (first := self._first[table].get(key)) is not None:
             yield first
-            yield from self._more.get(key, ())
+            yield from self._more[table].get(key, ())
 
     def __bool__(self) -> bool:
         return not self._empty
@@ -303,7 +314,7 @@ class Policy:
         return frozenset(rule.host for rule in self.inspected_rules if rule.host)
 
     def secret_names(self) -> frozenset[str]:
-        """Every --secret name an injection references, in any profile."""
+        """Every --secret name an injection references, in any profile (only inspected rules inject)."""
         return frozenset().union(*(rule.secret_names for rule in self.inspected_rules))
 
     def profile(self, name: str | None = None) -> Profile:

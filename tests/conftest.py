@@ -24,7 +24,7 @@ import pytest
 sys.dont_write_bytecode = False
 
 E2E_DIR = Path(__file__).parent / "e2e"
-UNIT_DIR = Path(__file__).parent / "unit"
+UNIT_DIR = (Path(__file__).parent / "unit").resolve()  # the arguments are resolved too (a symlinked checkout)
 REQUIRE_ENV = "AIRLOCK_REQUIRE_PRIVILEGED"
 
 
@@ -75,14 +75,18 @@ def privileged() -> None:
 def pytest_cmdline_main(config: pytest.Config) -> None:
     """`pytest tests/unit` (or anything in it) runs on a worker process per CPU, two at most (pytest-xdist): half
     the time on these machines. Anything else runs as asked, one test at a time: the e2e tests build namespaces and
-    fences, and time what they measure. `-n 0` (or `-p no:xdist`) runs the unit tests in this process too."""
+    fences, and time what they measure. `-n 0` (or `-p no:xdist`) runs the unit tests in this process too, and so
+    do `--pdb`, `--trace` and `-s` (a debugger, or output, wants this process)."""
     option = config.option
-    if hasattr(config, "workerinput") or getattr(option, "numprocesses", 0) is not None or option.usepdb:
+    if hasattr(config, "workerinput") or getattr(option, "numprocesses", 0) is not None:
+        return
+    cpus = min(2, len(os.sched_getaffinity(0)))
+    if option.usepdb or getattr(option, "trace", False) or option.capture == "no" or cpus < 2:
         return
     here = config.invocation_params.dir
     paths = [(here / arg.split("::")[0]).resolve() for arg in config.args]
     if paths and all(path == UNIT_DIR or UNIT_DIR in path.parents for path in paths):
-        option.numprocesses = min(2, len(os.sched_getaffinity(0)))
+        option.numprocesses = cpus
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

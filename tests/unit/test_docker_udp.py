@@ -94,8 +94,12 @@ def test_a_container_that_ended_gets_nothing_loaded_anywhere(
     assert loaded == []
 
 
-def test_a_pid_that_is_not_the_containers_here_fails_the_start(loaded: list[tuple[Any, ...]]) -> None:
-    # As when airlock runs in another pid namespace than docker: the pid names some other process here.
+def test_a_pid_that_is_not_the_containers_here_fails_the_start(
+    loaded: list[tuple[Any, ...]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # As when airlock runs in another pid namespace than docker: the pid names some other process here (this one,
+    # which does not exit: the grace it gets to be seen exiting need not be the full second).
+    monkeypatch.setattr(docker_backend, "EXITING_GRACE", 0.05)
     sandbox, _ = _sandbox(TRANSPARENT, [os.getpid()])
     with pytest.raises(
         DockerSandboxError, match=rf"pid {os.getpid()}, the container's by docker, is not in its cgroup"

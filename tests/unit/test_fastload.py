@@ -110,6 +110,10 @@ UNUSUAL = {
     "duplicate-name": HEAD + "      - host: a.example\n        name: x\n      - host: b.example\n        name: x\n",
     "host-and-cidr": HEAD + "      - host: a.example\n        cidr: 10.0.0.0/8\n",
     "neither": HEAD + "      - ports: [443]\n",
+    "null-cidr-beside-host": HEAD + "      - host: b.example\n        cidr:\n",
+    "null-host-beside-cidr": "version: 1\nprofiles:\n  default:\n    deny:\n      - cidr: 10.0.0.0/8\n"
+    "        host:  # x\n",
+    "null-host-alone": HEAD + "      - host:\n        ports: [443]\n",
     "octal-port": HEAD + "      - host: a.example\n        ports: [0443]\n",
     "port-zero": HEAD + "      - host: a.example\n        ports: [0]\n",
     "port-too-high": HEAD + "      - host: a.example\n        ports: [65536]\n",

@@ -438,6 +438,27 @@ async def test_a_reload_that_injects_a_secret_the_gateway_lacks_is_refused_and_t
         await gateway.stop()
 
 
+async def test_a_reload_refused_for_a_missing_profile_leaves_the_inspection_as_it_was(
+    config: GatewayConfig, tmp_path: Path
+) -> None:
+    # Refused because a running sandbox's profile is gone: neither a CA generation nor its secrets may follow it.
+    (tmp_path / "key").write_text("sk-test\n")
+    broker = dataclasses.replace(config.broker, secrets=[SecretSource("model_api", "file", str(tmp_path / "key"))])
+    gateway = Gateway(dataclasses.replace(config, broker=broker))
+    await gateway.start()
+    try:
+        credentials = gateway.shared.credentials if gateway.shared else None
+        elsewhere = parse_policy(
+            INJECTING.replace("  default:", "  other:").replace("version: 1", "version: 1\ndefault_profile: other")
+        )
+        with pytest.raises(PolicyError, match="profile 'default'"):
+            gateway.replace_policy(elsewhere)
+        assert gateway.shared is not None and gateway.shared.credentials is credentials
+        assert gateway.inspector is None or gateway.inspector.generations == []
+    finally:
+        await gateway.stop()
+
+
 def test_the_proxys_accepted_connections_have_nagle_off() -> None:
     """A response written as head then body must not wait 40 ms for the client's delayed ACK (bench/run.py)."""
     listener = gateway_module._listen(LOCALHOST, 0)

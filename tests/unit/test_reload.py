@@ -13,6 +13,7 @@ import pytest
 from airlock import reload as reload_module
 from airlock.policy import Policy, PolicyError, load_policy, parse_policy
 from airlock.reload import PolicyReloader
+from airlock.switching import PROMPT_SWITCH_INTERVAL
 
 GOOD = "version: 1\nprofiles:\n  default:\n    allow:\n      - host: pypi.org\n"
 RUNNING = parse_policy(GOOD.replace("pypi.org", "running.test"), "running.yaml")
@@ -74,7 +75,7 @@ async def test_the_policy_that_goes_is_freed_in_a_thread_with_the_loop_served_fi
     monkeypatch.setattr(reload_module, "_release", release)
     outcome = await PolicyReloader(target(), str(path), lambda: RUNNING).reload()
     gone = ["running.test"] if outcome.ok else ["pypi.org"]
-    assert freed == [(gone, False, pytest.approx(reload_module.LOADING_SWITCH_INTERVAL), False)]
+    assert freed == [(gone, False, pytest.approx(PROMPT_SWITCH_INTERVAL), False)]
     assert outcome.policy_hash == (parse_policy(GOOD, "p.yaml").hash if outcome.ok else RUNNING.hash)
     assert outcome.ok is (target is _Target) and gc.isenabled() and sys.getswitchinterval() != freed[0][2]
 

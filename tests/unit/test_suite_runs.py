@@ -23,8 +23,8 @@ def _pytest(*args: str) -> str:
 
 
 def test_the_unit_tests_run_on_a_worker_per_cpu_two_at_most_unless_told_otherwise() -> None:
-    workers = min(2, len(os.sched_getaffinity(0)))
-    assert f"created: {workers}/{workers} worker" in _pytest("tests/unit/test_suffixes.py")
+    workers = min(2, len(os.sched_getaffinity(0)))  # one CPU: no workers at all
+    assert (f"created: {workers}/{workers} workers" in _pytest("tests/unit/test_suffixes.py")) is (workers == 2)
     assert "created:" not in _pytest("-n", "0", "tests/unit/test_suffixes.py")
     assert "created:" not in _pytest("-p", "no:xdist", "tests/unit/test_suffixes.py")
 
@@ -35,7 +35,7 @@ def _workers(*args: str, **options: object) -> object:
     assert spec is not None and spec.loader is not None
     conftest = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(conftest)
-    option = SimpleNamespace(**({"numprocesses": None, "usepdb": False} | options))
+    option = SimpleNamespace(**({"numprocesses": None, "usepdb": False, "trace": False, "capture": "fd"} | options))
     config = SimpleNamespace(option=option, args=list(args), invocation_params=SimpleNamespace(dir=REPO))
     conftest.pytest_cmdline_main(config)
     return option.numprocesses
@@ -43,7 +43,8 @@ def _workers(*args: str, **options: object) -> object:
 
 def test_only_a_selection_of_unit_tests_alone_is_spread_over_workers() -> None:
     workers = min(2, len(os.sched_getaffinity(0)))
-    assert _workers("tests/unit") == _workers("tests/unit/test_paths.py::test_x") == workers
+    assert _workers("tests/unit") == _workers("tests/unit/test_paths.py::test_x") == (workers if workers == 2 else None)
     assert _workers("tests") is _workers("tests/e2e/test_run.py") is None  # the whole suite, or e2e tests: serial
     assert _workers("tests/unit/test_paths.py", "tests/e2e/test_run.py") is None
     assert _workers("tests/unit", numprocesses=0) == 0 and _workers("tests/unit", usepdb=True) is None
+    assert _workers("tests/unit", trace=True) is _workers("tests/unit", capture="no") is None
