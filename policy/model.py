@@ -186,7 +186,8 @@ class _CidrIndex:
         for rule in rules:
             assert rule.cidr is not None
             key = (rule.cidr.version, rule.cidr.prefixlen)
-            table = self._by_length.get(key) or self._by_length.setdefault(key, _Keyed())
+            if (table := self._by_length.get(key)) is None:
+                table = self._by_length[key] = _Keyed()
             table.add(int(rule.cidr.network_address), rule)
 
     def lookup(self, address: IPAddress) -> Iterator[Rule]:
