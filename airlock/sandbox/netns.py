@@ -19,6 +19,7 @@ import pwd
 import secrets
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -251,7 +252,8 @@ class NetnsSandbox:
         """The argv that runs `argv` inside the namespace as an unprivileged user without capabilities; with
         `isolate_fs`, bubblewrap also gives it a read-only view of the host without the `hidden` paths, the
         working directory writable but for `read_only` paths in it and what the `guard` protects, its own /tmp
-        and PID namespace. The BPF program at `seccomp_fd` (inherited) becomes its seccomp filter."""
+        and /dev/shm (the folders on the way to what is bound there as the host's) and PID namespace. The BPF
+        program at `seccomp_fd` (inherited) becomes its seccomp filter."""
         pw = resolve_user(user)
         drop_privileges = [
             # No supplementary groups: `docker`, `lxd`, `disk` and the like would each be a way out.
@@ -304,23 +306,73 @@ def _bubblewrap(
 ) -> list[str]:
     """The whole host read-only (so nothing planted for root to run later), the working directory writable as its
     permissions say but for `read_only` paths and what the `guard` keeps (git's own folders get a private layer,
-    files that run later are read-only), the `hidden` paths empty, a private /tmp, and the command's own PID, IPC
-    and UTS namespaces."""
+    files that run later are read-only), the `hidden` paths empty, a private /tmp and /dev/shm, and the command's
+    own PID, IPC and UTS namespaces."""
     cwd = os.getcwd()
-    masks = guard.bubblewrap_binds() if guard else []
+    around, inside = (guard.enclosing_binds(), guard.bubblewrap_binds()) if guard else ([], [])
+    mounts = [(bind, False) for bind in [*around, ["--bind", cwd, cwd], *inside]]
     for path in hidden:  # after the working directory's bind: a credential inside it is covered too
-        masks += ["--tmpfs", str(path)] if path.is_dir() else ["--ro-bind", "/dev/null", str(path)]
-    for path in _existing(read_only):
-        masks += ["--ro-bind", str(path), str(path)]
+        mounts.append((["--tmpfs", str(path)] if path.is_dir() else ["--ro-bind", "/dev/null", str(path)], True))
+    mounts += [(["--ro-bind", str(path), str(path)], False) for path in _existing(read_only)]
     if trust_bundle is not None:  # the system's CAs and the gateway's, where every client looks first
-        masks += ["--ro-bind", str(trust_bundle), SYSTEM_TRUST_BUNDLE]
+        mounts.append((["--ro-bind", str(trust_bundle), SYSTEM_TRUST_BUNDLE], False))
+    placed, made = _below_private_mounts(mounts)
     if seccomp_fd is not None:  # bubblewrap installs it last, just before the command
-        masks += ["--seccomp", str(seccomp_fd)]
+        placed += ["--seccomp", str(seccomp_fd)]
     return [
         "bwrap", "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", "--perms", "1777", "--tmpfs", "/tmp",
-        "--bind", cwd, cwd, *masks, "--chdir", cwd,
+        "--perms", "1777", "--tmpfs", "/dev/shm", *placed, "--chdir", cwd,
         "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--die-with-parent", "--new-session", "--",
+        *_give_owners(made),
     ]  # fmt: skip
+
+
+# Where bubblewrap gives the command file systems of its own (innermost first), empty but for what is bound in.
+PRIVATE_MOUNTS = (Path("/tmp"), Path("/dev/shm"), Path("/dev"))
+# Run as root after bubblewrap, before the command: `$0` is chown, then owner and folder pairs up to `--`.
+_GIVE_OWNERS = 'while [ "$1" != -- ]; do "$0" -h -- "$1" "$2" || exit 125; shift 2; done; shift; exec "$@"'
+
+
+def _private_mount(path: Path) -> Path | None:
+    """The private mount (`PRIVATE_MOUNTS`) that `path` lies below, if any."""
+    return next((mount for mount in PRIVATE_MOUNTS if mount in path.parents), None)
+
+
+def _below_private_mounts(mounts: Iterable[tuple[list[str], bool]]) -> tuple[list[str], dict[Path, os.stat_result]]:
+    """bubblewrap's words for `mounts` (each its words, destination last, and whether it hides a host path). Below
+    a private mount bubblewrap would make the folders on the way to a destination root's with mode 0700, which
+    the command's user cannot enter: they are made first as the host's are, with their modes (and given their
+    owners by `_give_owners`). A hiding mount there is left out where nothing of the host's shows. Also returned:
+    the folders made, with the host's stat of each."""
+    words: list[str] = []
+    made: dict[Path, os.stat_result] = {}
+    shown: list[Path] = []  # what is bound from the host below a private mount
+    for mount, hides in mounts:
+        destination = Path(mount[-1])
+        private = _private_mount(destination)
+        if private is not None and not any(s == destination or s in destination.parents for s in shown):
+            if hides:
+                continue
+            for folder in reversed(destination.parents):
+                if private in folder.parents and folder not in made:
+                    made[folder] = folder.stat()
+                    words += ["--dir", str(folder), "--chmod", f"{stat.S_IMODE(made[folder].st_mode):o}", str(folder)]
+            shown.append(destination)
+        for folder in [f for f in made if f == destination or destination in f.parents]:
+            del made[folder]  # bound over: the host's own folder now, not one made here
+        words += mount
+    return words, made
+
+
+def _give_owners(made: dict[Path, os.stat_result]) -> list[str]:
+    """The argv, run as root once bubblewrap has made the `made` folders, that gives each the host's owner and
+    group (bubblewrap cannot; chown keeps a folder's mode) before the command starts; nothing when root owns all."""
+    pairs = [
+        [f"{st.st_uid}:{st.st_gid}", str(folder)] for folder, st in made.items() if (st.st_uid, st.st_gid) != (0, 0)
+    ]
+    if not pairs:
+        return []
+    return ["sh", "-c", _GIVE_OWNERS, shutil.which("chown") or "/usr/bin/chown", *(w for p in pairs for w in p), "--"]
 
 
 SYSTEM_TRUST_BUNDLE = "/etc/ssl/certs/ca-certificates.crt"
@@ -330,6 +382,7 @@ SYSTEM_FOLDERS = frozenset(
     for p in (
         "/", "/bin", "/boot", "/dev", "/etc", "/home", "/lib", "/lib32", "/lib64", "/media", "/mnt", "/opt", "/proc",
         "/root", "/run", "/sbin", "/srv", "/sys", "/tmp", "/usr", "/var", "/var/tmp", "/var/lib", "/usr/local",
+        "/dev/shm",
     )
 )  # fmt: skip
 

@@ -103,13 +103,16 @@ class WorkdirGuard:
     quarantine: Path = QUARANTINE_ROOT
     overlays: list[Overlay] = field(default_factory=list)
     protected: dict[Path, Identity | None] = field(default_factory=dict)  # None: absent, must stay absent
+    work_tree: Path | None = None  # the top of the repository's work tree, when it lies above `root`
     report: list[str] = field(default_factory=list)
 
     # --- before the run ---------------------------------------------------------------------------------------
 
     def prepare(self) -> None:
         self.root = self.root.resolve()
-        git_dirs = repository_dirs(self.root)
+        top, git_dirs = discover_repository(self.root) or (None, [])
+        if top is not None and top in self.root.parents:
+            self.work_tree = top
         for git_dir in git_dirs:
             if git_dir == self.root or git_dir in self.root.parents:
                 raise WorkdirError(f"the working directory {self.root} is inside the git directory {git_dir}")
@@ -138,14 +141,17 @@ class WorkdirGuard:
             argv += [str(o.real), str(o.lower), str(o.upper), str(o.work)]
         return [*argv, "--"]
 
-    def bubblewrap_binds(self) -> list[str]:
-        """After the working directory's own bind: the overlays writable, every protected entry read-only."""
-        binds: list[str] = []
-        for o in self.overlays:
-            binds += ["--bind", str(o.real), str(o.real)]
-        for path, identity in self.protected.items():
-            if identity is not None:
-                binds += ["--ro-bind", str(path), str(path)]
+    def enclosing_binds(self) -> list[list[str]]:
+        """Before the working directory's own bind: the work tree above it read-only, as the rest of the host. Below
+        the sandbox's private /tmp nothing else shows it, and git would find no repository (it stops where the
+        folders' device changes) or one whose files are all gone."""
+        return [["--ro-bind", str(self.work_tree), str(self.work_tree)]] if self.work_tree else []
+
+    def bubblewrap_binds(self) -> list[list[str]]:
+        """After the working directory's own bind: the overlays writable, every protected entry read-only (one
+        bubblewrap mount each)."""
+        binds = [["--bind", str(o.real), str(o.real)] for o in self.overlays]
+        binds += [["--ro-bind", str(p), str(p)] for p, identity in self.protected.items() if identity is not None]
         return binds
 
     def save(self) -> Path:
@@ -258,6 +264,13 @@ def _through_symlink(root: Path, path: Path) -> Path | None:
 def repository_dirs(start: Path) -> list[Path]:
     """The git directory (and common directory of a linked worktree) that git would use in `start`, as git's
     discovery finds it: the nearest `.git` (folder, symlink or `gitdir:` file) or bare repository upwards."""
+    found = discover_repository(start)
+    return found[1] if found else []
+
+
+def discover_repository(start: Path) -> tuple[Path, list[Path]] | None:
+    """Where git's discovery from `start` stops — the top of a work tree, or a bare repository — and the
+    `repository_dirs` it uses there; None outside any repository."""
     for folder in (start, *start.parents):
         dotgit = folder / ".git"
         git_dir: Path | None = None
@@ -272,8 +285,8 @@ def repository_dirs(start: Path) -> list[Path]:
             with contextlib.suppress(OSError):
                 common = (git_dir / (git_dir / "commondir").read_text().strip()).resolve()
                 dirs.append(common)
-            return dirs
-    return []
+            return folder, dirs
+    return None
 
 
 def _gitdir_file(dotgit: Path) -> Path | None:

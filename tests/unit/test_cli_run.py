@@ -136,7 +136,10 @@ def test_host_services_are_hidden_where_they_exist(monkeypatch: pytest.MonkeyPat
     assert netns.host_service_paths() == [tmp_path / "user", tmp_path / "docker.sock"]
 
 
-def test_the_command_runs_without_supplementary_groups_and_with_masks(tmp_path: Path) -> None:
+def test_the_command_runs_without_supplementary_groups_and_with_masks(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.chdir(tmp_path)  # the masks inside the working directory, as the credentials a project holds
     (tmp_path / "dir").mkdir()
     (tmp_path / "file").write_text("secret")
     argv = netns.NetnsSandbox("t1").command(["id"], "nobody", True, [tmp_path / "dir", tmp_path / "file"])
@@ -144,6 +147,28 @@ def test_the_command_runs_without_supplementary_groups_and_with_masks(tmp_path: 
     joined = " ".join(argv)
     assert f"--tmpfs {tmp_path / 'dir'}" in joined and f"--ro-bind /dev/null {tmp_path / 'file'}" in joined
     assert joined.index(f"--bind {os.getcwd()}") < joined.index(f"--tmpfs {tmp_path / 'dir'}")  # masks win
+
+
+def test_below_a_private_mount_the_folders_on_the_way_are_the_hosts(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setattr(netns, "PRIVATE_MOUNTS", (tmp_path,))
+    nobody = pwd.getpwnam("nobody")
+    outer, inner = tmp_path / "a", tmp_path / "a" / "b"
+    (inner / "work" / ".ssh").mkdir(parents=True)
+    (tmp_path / "elsewhere" / ".ssh").mkdir(parents=True)
+    os.chown(outer, nobody.pw_uid, nobody.pw_gid)
+    outer.chmod(0o2750)
+    inner.chmod(0o711)
+    monkeypatch.chdir(inner / "work")
+    argv = netns._bubblewrap([inner / "work" / ".ssh", tmp_path / "elsewhere" / ".ssh"], [], None)
+    joined = " ".join(argv)
+    # Each folder as on the host, before the working directory's bind (bubblewrap would make them root's 0700).
+    assert f"--dir {outer} --chmod 2750 {outer} --dir {inner} --chmod 711 {inner} --bind {inner / 'work'}" in joined
+    # Its owner given after bubblewrap, before the command; root's stays root's.
+    assert argv[-3:] == [f"{nobody.pw_uid}:{nobody.pw_gid}", str(outer), "--"]
+    # A credential inside the working directory is hidden; one elsewhere below the private mount never shows.
+    assert f"--tmpfs {inner / 'work' / '.ssh'}" in joined and "elsewhere" not in joined
 
 
 @pytest.mark.parametrize(
