@@ -310,6 +310,9 @@ def _bubblewrap(
     own PID, IPC and UTS namespaces."""
     cwd = os.getcwd()
     around, inside = (guard.enclosing_binds(), guard.bubblewrap_binds()) if guard else ([], [])
+    # Only below a private mount: elsewhere `/` shows the work tree already, and a private mount itself (or `/`)
+    # bound again would show the host's own.
+    around = [bind for bind in around if _private_mount(Path(bind[-1]))]
     mounts = [(bind, False) for bind in [*around, ["--bind", cwd, cwd], *inside]]
     for path in hidden:  # after the working directory's bind: a credential inside it is covered too
         mounts.append((["--tmpfs", str(path)] if path.is_dir() else ["--ro-bind", "/dev/null", str(path)], True))

@@ -142,9 +142,9 @@ class WorkdirGuard:
         return [*argv, "--"]
 
     def enclosing_binds(self) -> list[list[str]]:
-        """Before the working directory's own bind: the work tree above it read-only, as the rest of the host. Below
-        the sandbox's private /tmp nothing else shows it, and git would find no repository (it stops where the
-        folders' device changes) or one whose files are all gone."""
+        """Before the working directory's own bind: the work tree above it read-only, as the rest of the host.
+        Below the sandbox's private /tmp nothing else shows it, and git would find no repository (it stops where
+        the folders' device changes) or one whose files are all gone."""
         return [["--ro-bind", str(self.work_tree), str(self.work_tree)]] if self.work_tree else []
 
     def bubblewrap_binds(self) -> list[list[str]]:

@@ -17,6 +17,7 @@ from airlock.cli.run import parse_mount, passed_env
 from airlock.sandbox import netns
 from airlock.sandbox.netns import SandboxError, accessible_by, credential_paths
 from airlock.sandbox.netns_launch import choose_isolation, hidden_paths, host_environment, kept_from_writes
+from airlock.sandbox.workdir import WorkdirGuard
 
 
 def test_run_without_root_says_what_is_needed(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
@@ -169,6 +170,22 @@ def test_below_a_private_mount_the_folders_on_the_way_are_the_hosts(
     assert argv[-3:] == [f"{nobody.pw_uid}:{nobody.pw_gid}", str(outer), "--"]
     # A credential inside the working directory is hidden; one elsewhere below the private mount never shows.
     assert f"--tmpfs {inner / 'work' / '.ssh'}" in joined and "elsewhere" not in joined
+
+
+@pytest.mark.parametrize(("work_tree", "bound"), [("private/repo", True), ("private", False), ("plain", False)])
+def test_the_work_tree_above_the_working_directory_shows_below_a_private_mount_only(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, work_tree: str, bound: bool
+) -> None:
+    monkeypatch.setattr(netns, "PRIVATE_MOUNTS", (tmp_path / "private",))
+    cwd = tmp_path / work_tree / "sub"
+    cwd.mkdir(parents=True)
+    monkeypatch.chdir(cwd)
+    guard = WorkdirGuard(cwd, pwd.getpwnam("nobody"), "t1", tmp_path / "scratch", work_tree=tmp_path / work_tree)
+    joined = " ".join(netns._bubblewrap([], [], guard))
+    top = tmp_path / work_tree
+    # A private mount bound again would show the host's own (its sockets), `/` the host's /tmp and /dev.
+    assert (f"--ro-bind {top} " in joined) is bound
+    assert (f"--ro-bind {top} {top} --bind {cwd}" in joined) is bound  # before the working directory
 
 
 @pytest.mark.parametrize(
