@@ -14,7 +14,7 @@ from collections.abc import Iterable, Sequence
 
 from airlock.errors import AirlockError
 
-from .common import EXIT_INTERRUPTED, EXIT_USAGE
+from .common import EXIT_INTERRUPTED, EXIT_USAGE, run_as_root
 
 TYPE_CHECKING = False  # not typing's: `airlock --help` imports no typing
 if TYPE_CHECKING:
@@ -54,6 +54,7 @@ def build_parser(groups: Iterable[str] = GROUPS) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="airlock", description=__doc__.split("\n\n")[0])
     parser.add_argument("-v", "--verbose", action="store_true")
     parser.add_argument("--version", action=_Version)
+    parser.set_defaults(needs_root=None)  # a command that needs root sets a NeedsRoot
     commands = parser.add_subparsers(dest="command", required=True)
     load = set(groups)
     for name, (summary, module) in GROUPS.items():
@@ -109,6 +110,8 @@ def _main(argv: list[str]) -> int:
             level=logging.INFO if verbose else logging.WARNING,
             format="%(asctime)s %(name)s %(levelname)s %(message)s",
         )
+        if args.needs_root is not None and os.geteuid() != 0:
+            run_as_root(args.command, argv, args.needs_root, args)
         return args.func(args)
     except KeyboardInterrupt:
         print("airlock: interrupted", file=sys.stderr)

@@ -5,6 +5,8 @@ Light on purpose (no policy, gateway or sandbox code): `airlock --help` imports 
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 from pathlib import Path
 
 from airlock.errors import AirlockError
@@ -12,6 +14,8 @@ from airlock.errors import AirlockError
 TYPE_CHECKING = False  # not typing's: importing typing is a tenth of `airlock --help`
 if TYPE_CHECKING:
     import asyncio
+    from collections.abc import Callable
+    from typing import NoReturn
 
     from airlock.policy import Policy
 
@@ -19,10 +23,35 @@ EXIT_ALLOW, EXIT_DENY, EXIT_USAGE = 0, 1, 2
 EXIT_TIMEOUT = 124
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a command ended by Ctrl-C
 DEFAULT_STATE_DIR = "/var/lib/airlock"
+DOCKER_ENVIRONMENT = ["DOCKER_HOST", "DOCKER_TLS_VERIFY", "DOCKER_CERT_PATH"]  # what docker.from_env() reads
 
 
 class UsageError(AirlockError):
     pass
+
+
+class NeedsRoot:
+    """A command that needs root (its parser's `needs_root` default): `why`, and the names of the environment
+    variables it reads from the host's environment (`environment(args)`), which sudo would drop."""
+
+    def __init__(self, why: str, environment: Callable[[argparse.Namespace], list[str]]) -> None:
+        self.why, self.environment = why, environment
+
+
+def run_as_root(command: str, argv: list[str], needs: NeedsRoot, args: argparse.Namespace) -> NoReturn:
+    """Run this command line again as root through sudo, with this interpreter (so this airlock): its caller is
+    sudo's SUDO_USER then, as whom a sandbox runs. The variables the command reads from the environment go along
+    (sudo keeps TERM and LANG, and drops the rest). Without sudo, a UsageError saying that root is needed."""
+    import shutil
+
+    sudo = shutil.which("sudo")
+    if sudo is None:
+        raise UsageError(f"{command} needs root ({needs.why}), and there is no sudo here: run it as root")
+    kept = sorted({name for name in needs.environment(args) if name in os.environ})
+    print(f"airlock: {command} needs root ({needs.why}): running it with sudo", file=sys.stderr, flush=True)
+    preserve = [f"--preserve-env={','.join(kept)}"] if kept else []
+    # -I: root imports nothing from the working directory or PYTHON* variables.
+    os.execv(sudo, [sudo, *preserve, "--", sys.executable, "-I", "-m", "airlock", *argv])
 
 
 def duration(text: str) -> int:

@@ -6,12 +6,13 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .common import duration
+from .common import DOCKER_ENVIRONMENT, NeedsRoot, duration
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--older-than", type=duration, metavar="DURATION", help="also anything older than this")
-    parser.set_defaults(func=cmd_reap)
+    needs = NeedsRoot("it removes namespaces, nftables fences and cgroups", lambda args: DOCKER_ENVIRONMENT)
+    parser.set_defaults(func=cmd_reap, needs_root=needs)
 
 
 def cmd_reap(args: argparse.Namespace) -> int:

@@ -33,7 +33,7 @@ from airlock.sandbox.limits import (
 )
 from airlock.sandbox.netns_launch import ISOLATIONS, choose_isolation
 
-from .common import EXIT_TIMEOUT, EXIT_USAGE, UsageError, load_policy_file, signal_future
+from .common import DOCKER_ENVIRONMENT, EXIT_TIMEOUT, NeedsRoot, UsageError, load_policy_file, signal_future
 from .gateway import add_gateway_options, gateway_config
 from .limits import check_limits
 
@@ -79,7 +79,17 @@ def add_arguments(run: argparse.ArgumentParser) -> None:
     run.add_argument("--sandbox-id", metavar="ID", help="name of the sandbox (default: random); [a-z0-9], 1-12 chars")
     run.add_argument("--quiet", action="store_true", help="do not tell each denial on stderr as it happens")
     run.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- CMD...")
-    run.set_defaults(func=cmd_run)
+    needs = NeedsRoot("it makes a network namespace and its nftables fence; the command runs as you", environment)
+    run.set_defaults(func=cmd_run, needs_root=needs)
+
+
+def environment(args: argparse.Namespace) -> list[str]:
+    """The variables of the host's environment a run reads: `--env NAME`, `--secret NAME=env:VAR`,
+    `--github-token-env` and docker's."""
+    names = [item for item in args.env or [] if "=" not in item]
+    sources = [spec.partition("=")[2] for spec in args.secret or []]
+    names += [source.removeprefix("env:") for source in sources if source.startswith("env:")]
+    return names + ([args.github_token_env] if args.github_token_env else []) + DOCKER_ENVIRONMENT
 
 
 @dataclass
@@ -108,13 +118,6 @@ def cmd_run(args: argparse.Namespace) -> int:
     command = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
     if not command:
         raise UsageError("nothing to run: airlock run [options] -- CMD...")
-    if os.geteuid() != 0:
-        print(
-            "airlock run: needs root to create a network namespace and its nftables fence; "
-            "run it with sudo (the command itself runs as you, without privileges)",
-            file=sys.stderr,
-        )
-        return EXIT_USAGE
     run = run_config(args, command, load_policy_file(args.policy))
     detail = f", image {run.image}" if run.backend == "docker" else f", filesystem isolation {run.isolation}"
     print(f"airlock: backend {run.backend}{detail}", file=sys.stderr)

@@ -11,7 +11,6 @@ from pathlib import Path
 import pytest
 
 from airlock import cli
-from airlock.cli import run as run_command
 from airlock.cli.common import UsageError
 from airlock.cli.run import parse_mount, passed_env
 from airlock.sandbox import netns
@@ -20,11 +19,43 @@ from airlock.sandbox.netns_launch import choose_isolation, hidden_paths, host_en
 from airlock.sandbox.workdir import WorkdirGuard
 
 
-def test_run_without_root_says_what_is_needed(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
-    monkeypatch.setattr(run_command.os, "geteuid", lambda: 1000)
+def test_run_without_root_nor_sudo_says_what_is_needed(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture, tmp_path: Path
+) -> None:
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    monkeypatch.setenv("PATH", str(tmp_path))  # no sudo on it
     assert cli.main(["run", "--", "true"]) == 2
     err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and "needs root" in err and "sudo" in err
+    assert len(err.splitlines()) == 1 and "needs root" in err and "no sudo here: run it as root" in err
+
+
+def test_run_without_root_runs_itself_again_through_sudo(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture, tmp_path: Path
+) -> None:
+    sudo = tmp_path / "sudo"
+    sudo.write_text("#!/bin/sh\n")
+    sudo.chmod(0o755)
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    monkeypatch.setenv("PATH", str(tmp_path))
+    for name, value in {"PASSED": "1", "MODEL_KEY": "k", "DOCKER_HOST": "unix:///d.sock", "OTHER": "x"}.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.delenv("DOCKER_TLS_VERIFY", raising=False)
+    monkeypatch.delenv("DOCKER_CERT_PATH", raising=False)
+    started: list[list[str]] = []
+
+    def execv(path: str, argv: list[str]) -> None:  # this process would be sudo's from here on
+        started.append([path, *argv])
+        raise SystemExit(0)
+
+    monkeypatch.setattr(os, "execv", execv)
+    argv = ["run", "--env", "PASSED", "--env", "SET=1", "--secret", "model=env:MODEL_KEY", "--", "id"]
+    with pytest.raises(SystemExit):
+        cli.main(argv)
+    # The same interpreter and command line as root; what the run reads from the environment goes along.
+    preserve = "--preserve-env=DOCKER_HOST,MODEL_KEY,PASSED"
+    assert started == [[str(sudo), str(sudo), preserve, "--", sys.executable, "-I", "-m", "airlock", *argv]]
+    err = capsys.readouterr().err
+    assert err.startswith("airlock: run needs root (") and err.endswith("): running it with sudo\n")
 
 
 def test_run_without_a_command_is_a_usage_error(capsys: pytest.CaptureFixture) -> None:
