@@ -7,9 +7,11 @@ and records every call, so each test can also say how many times GitHub was reac
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import hashlib
 import json
+import os
 import sqlite3
 import threading
 import time
@@ -72,6 +74,7 @@ class FakeGitHub:
         self.pulls: list[tuple[str, dict[str, Any]]] = []  # (owner/repo, pull)
         self.mode = "create"
         self.token_mode = "issue"  # or "echo": the access-token call fails, echoing the App JWT
+        self.token_shape = "classic"  # or "jwt": installation tokens of some 520 characters, as GitHub's since 2026
         self.pull_delay = 0.0
         self.expires_at: Any = "in an hour"  # or what the access-token answer says instead
         self.release = asyncio.Event()
@@ -174,6 +177,8 @@ class FakeGitHub:
         if request.match_info["id"] != str(INSTALLATION_ID):
             return web.json_response({"message": "Not Found"}, status=404)
         token = f"{INSTALLATION_PREFIX}{len(self.tokens_issued):04d}xyz"
+        if self.token_shape == "jwt":  # the prefix, then a JWT's header, claims and RS256 signature
+            token += "." + ".".join(base64.urlsafe_b64encode(os.urandom(n)).decode().rstrip("=") for n in (27, 90, 256))
         self.tokens_issued.append(token)
         self.narrowing[token] = call["json"] or {}
         expires = (datetime.now(UTC) + timedelta(hours=1)).strftime("%Y-%m-%dT%H:%M:%SZ")
@@ -1499,9 +1504,10 @@ async def test_store_calls_never_run_on_the_event_loop_thread(make: Factory, mon
 # --- credentials never leave ------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("credential", ["static", "app"])
-async def test_credential_echoed_by_upstream_is_redacted(make: Factory, credential: str) -> None:
+@pytest.mark.parametrize(("credential", "shape"), [("static", None), ("app", "classic"), ("app", "jwt")])
+async def test_credential_echoed_by_upstream_is_redacted(make: Factory, credential: str, shape: str | None) -> None:
     h = await make(credential=credential)
+    h.github.token_shape = shape or "classic"
     token = await h.token()
     assert (await h.pr(token, {"head": "agent/warm-up"})).status == 201  # App mode: caches the installation token
     h.github.mode = "echo"
@@ -1509,6 +1515,7 @@ async def test_credential_echoed_by_upstream_is_redacted(make: Factory, credenti
     assert reply.status == 502, reply.body
     assert "[redacted]" in reply.body["message"]
     assert "[redacted]" in h.audit[-1].reason
+    assert shape is None or {len(t) > 500 for t in h.github.tokens_issued} == {shape == "jwt"}
     h.assert_no_secrets()
 
 
