@@ -58,6 +58,12 @@ class BrokerConfig:
     secrets: list[SecretSource] = field(default_factory=list)  # what declared tools may name (policy tools:)
 
 
+def broker_url(listen: str, port: int) -> str:
+    """Where the sandboxes reach the broker ($AIRLOCK_BROKER_URL): also its resource, the audience of its tokens."""
+    host = f"[{listen}]" if ":" in listen else listen
+    return f"http://{host}:{port}"
+
+
 def admin_endpoint(address: str) -> Path | tuple[str, int]:
     """The admin listener named by `address`: `HOST:PORT` (loopback only: the listener mints tokens for whoever
     reaches it) as (host, port), anything else a unix socket path, made absolute against the working directory —

@@ -29,7 +29,7 @@ from airlock.broker.shapes import CREDENTIAL
 from airlock.broker.store import SqliteStore
 from airlock.broker.tokens import KeyRing, TokenAuthority
 from airlock.broker.tools import TOOLS
-from airlock.brokerconfig import BrokerConfig, BrokerConfigError
+from airlock.brokerconfig import BrokerConfig, BrokerConfigError, broker_url
 from airlock.dns.upstream import ResolveError, Resolver
 from airlock.inspection.secrets import SecretValues
 from airlock.policy import (
@@ -260,7 +260,7 @@ class BrokerRuntime:
             return sandbox.id if sandbox else None
 
         settings = BrokerSettings(calls_per_minute=config.calls_per_minute)
-        authority = TokenAuthority(keys, config.token_ttl)
+        authority = TokenAuthority(keys, config.token_ttl, broker_url(listen, config.port))
         served = lambda: self.live.current.registry.ids()  # noqa: E731 - read at each call: a reload may add some
         self.broker = Broker(
             authority,

@@ -25,7 +25,7 @@ from .bodies import MAX_REQUEST_BYTES
 from .calls import Call, Tool
 from .declared_argv import ArgvExecutor
 from .declared_https import HttpsExecutor
-from .errors import BrokerError, Result
+from .errors import BrokerError, Result, rate_limited
 from .tools import ToolSpec
 
 TIMEOUT_CODE = "tool_timeout"
@@ -99,8 +99,10 @@ class DeclaredTools:
 
         async def run(call: Call) -> Result:
             call.record.extra["declared"] = declared.source
-            if not buckets.take(call.claims.jti, time.monotonic()):
-                raise BrokerError(429, "rate_limited", f"more than {declared.rate} {declared.name} calls a minute")
+            now = time.monotonic()
+            if not buckets.take(call.claims.jti, now):
+                wait = buckets.wait(call.claims.jti, now)
+                raise rate_limited(f"this token's {declared.name} calls", declared.rate, buckets.burst, wait)
             try:
                 async with asyncio.timeout(declared.timeout):
                     return await executor.run(call)

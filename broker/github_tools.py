@@ -21,10 +21,10 @@ from typing import Any
 
 from .bodies import MAX_REQUEST_BYTES, THREADED_BODY
 from .calls import Call, KeyedLocks, Tool
-from .errors import BrokerError, Result
+from .errors import BrokerError, Result, outside_grant
 from .github import CHECK_RUNS_PAGE, Checks, GitHubClient, PullRequest, PullStatus, UpstreamError
 from .gitpush import Pusher, PushError, PushLimits
-from .grants import Grant, GrantError, valid_branch, valid_repo, validated
+from .grants import Grant, GrantError, covering, valid_branch, valid_repo, validated
 from .redact import Redactor
 from .state import State
 from .tools import MAX_BODY, MAX_TITLE, TOOLS
@@ -137,7 +137,7 @@ class GitHubTools:
             raise BrokerError(422, "invalid_request", f"repository must be owner/name, got {repo!r}")
         grant = next((g for g in call.claims.grants if g.tool == tool and g.repo.lower() == repo.lower()), None)
         if grant is None:
-            raise BrokerError(403, "outside_grant", f"repository {repo} is outside this token's {tool} grants")
+            raise outside_grant(f"repository {repo} is outside this token's {tool} grants", tool)
         if self.github is None:
             raise BrokerError(503, "not_configured", "the broker has no GitHub credential configured")
         creator = await self.state(lambda: self.state.store.pull_request_creator(grant.repo, number))
@@ -221,11 +221,12 @@ def _pull_request_fields(body: dict[str, Any]) -> dict[str, Any]:
 
 
 def _covering_grant(grants: tuple[Grant, ...], repo: str, base: str, head: str) -> Grant:
-    """The first grant that covers the call, else 403 with why the first one does not."""
-    refusals = [g.permits("create_pull_request", repo, base, head) for g in grants]
-    if None in refusals:
-        return grants[refusals.index(None)]
-    raise BrokerError(403, "outside_grant", (refusals[0] if refusals else None) or "no grant")
+    """The first grant that covers the call, else 403 with why the closest one does not."""
+    tool = "create_pull_request"
+    grant, why = covering(grants, tool, repo, lambda g: g.permits(tool, repo, base, head))
+    if grant is None:
+        raise outside_grant(why, tool)
+    return grant
 
 
 def _push_grant(grants: tuple[Grant, ...], repo: str, branch: str) -> Grant:
@@ -236,13 +237,13 @@ def _push_grant(grants: tuple[Grant, ...], repo: str, branch: str) -> Grant:
     if not valid_branch(branch):
         raise BrokerError(422, "invalid_request", "branch must be a branch name")
     pushes = [g for g in grants if g.tool == "push_branch"]
-    refusals = [g.permits_push(repo, branch) for g in pushes]
-    if None not in refusals:
-        raise BrokerError(403, "outside_grant", (refusals[0] if refusals else None) or "no grant for push_branch")
+    grant, why = covering(pushes, "push_branch", repo, lambda g: g.permits_push(repo, branch))
+    if grant is None:
+        raise outside_grant(why, "push_branch")
     on_repo = [g for g in pushes if g.repo.lower() == repo.lower()]
     if pattern := next((p for g in on_repo if (p := g.protects(branch))), None):
         raise BrokerError(403, "protected_branch", f"branch {branch!r} is protected ({pattern!r})")
-    return pushes[refusals.index(None)]
+    return grant
 
 
 async def _decoded_bundle(text: str) -> tuple[bytes, str]:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import fnmatch
 import re
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -107,6 +108,23 @@ class Grant:
             what = "branch" if tool == "push_branch" else "head branch"
             return f"{what} {head!r} does not match {self.head!r}"
         return None
+
+
+def covering(
+    grants: Sequence[Grant], tool: str, repo: str, refusal: Callable[[Grant], str | None]
+) -> tuple[Grant | None, str]:
+    """The first grant `refusal` finds nothing against, or None and why not: the refusal of the grant closest to
+    the call (of its tool before one of another tool, on its repository before one elsewhere; the first of equals),
+    so a token's other grants never hide the reason that matters."""
+    refused: list[tuple[int, str]] = []
+    for grant in grants:
+        if (reason := refusal(grant)) is None:
+            return grant, ""
+        closeness = 0 if grant.tool != tool else 1 if grant.repo.lower() != repo.lower() else 2
+        refused.append((closeness, reason))
+    if not refused:
+        return None, f"no grant for {tool}"
+    return None, max(refused, key=lambda r: r[0])[1]  # max keeps the first of equals
 
 
 def _patterns(value: Any, name: str) -> tuple[str, ...]:

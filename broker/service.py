@@ -10,11 +10,13 @@
 
 Every answer, error or not, is JSON; errors are `{error, message}` (and `path` for invalid input) with a stable
 code and honest statuses: 400 a body beyond the parser's limits (nesting) or an input its schema refuses, 401
-token invalid/expired/revoked, 403 outside the grant, a protected branch or wrong sandbox, 404 an unknown tool,
-409 a push that is not a fast-forward, 413 too large, 422 validation (also of a bundle), 429 rate limit (per
-token; and per source address for failed authentications, checked before any token is looked at), 502/504
-upstream (also an answer of the wrong shape), 503 broker state unavailable or too busy, 504 a tool out of time,
-500 `internal_error` for a bug (one log line, no traceback to anyone).
+token missing/invalid/expired/revoked/for another audience and 403 outside the grant (with their Bearer challenges,
+broker.errors), 403 a protected branch or wrong sandbox, 404 an unknown tool, 409 a push that is not a
+fast-forward, 413 too large, 422 validation (also of a bundle), 429 rate limit (per token: tool calls, and all
+requests more generously; per source address for failed authentications, checked before any token is looked at),
+502/504 upstream (also an answer of the wrong shape), 503 broker state unavailable or too busy, 504 a tool out of
+time, 500 `internal_error` for a bug (one log line, no traceback to anyone). `/mcp` answers the same refusals as
+JSON-RPC errors (broker.mcp).
 
 Whatever leaves the broker (bodies, headers, idempotency records, audit lines, the call store, log lines) goes
 through one redactor that knows every credential the GitHub client has held.
@@ -43,7 +45,7 @@ from .bodies import MAX_REQUEST_BYTES, json_object
 from .calllog import CallLog, CallRecorder
 from .calls import Call, KeyedLocks, Tool
 from .declared import DeclaredTools
-from .errors import BrokerError, Result
+from .errors import BrokerError, Result, outside_grant, rate_limited, unauthorized
 from .github import GitHubClient
 from .github_tools import GitHubTools
 from .gitpush import Pusher
@@ -72,15 +74,23 @@ type InputReader = Callable[[int], Awaitable[dict[str, Any]]]  # the call's inpu
 
 @dataclass
 class BrokerSettings:
-    calls_per_minute: int = 30  # per token
+    # Tool calls per token (REST `POST /v1/tools/<name>`, MCP `tools/call`): what reaches GitHub or a declared tool.
+    calls_per_minute: int = 30
     burst: int = 10
+    # Every request per token, tool calls and protocol messages alike (listings, MCP's discovery, handshake,
+    # notifications, the 405 of a GET): generous, for clients that say a lot before their first call, but a bound
+    # on what a sandbox can make the broker parse and audit.
+    requests_per_minute: int = 600
+    request_burst: int = 60
     # Per source address. Refusing a token is cheap but not free (a signature check, an audit line): past this,
     # a source gets 429 without anything being verified until its budget refills.
     failed_auths_per_second: float = 2.0
     failed_auth_burst: int = 20
 
     def __post_init__(self) -> None:
-        if min(self.calls_per_minute, self.burst, self.failed_auths_per_second, self.failed_auth_burst) <= 0:
+        limits = (self.calls_per_minute, self.burst, self.requests_per_minute, self.request_burst,
+                  self.failed_auths_per_second, self.failed_auth_burst)  # fmt: skip
+        if min(limits) <= 0:
             raise ValueError("broker rate limits must be positive")
 
 
@@ -105,7 +115,8 @@ class Broker:
         self.github = github
         self.emit = emit
         self.settings = settings or BrokerSettings()
-        self._limiter = TokenBuckets(self.settings.calls_per_minute / 60, self.settings.burst)
+        self._calls = TokenBuckets(self.settings.calls_per_minute / 60, self.settings.burst)
+        self._requests = TokenBuckets(self.settings.requests_per_minute / 60, self.settings.request_burst)
         self._failures = TokenBuckets(self.settings.failed_auths_per_second, self.settings.failed_auth_burst)
         self.locks = KeyedLocks()
         self.redactor = github.redactor if github is not None else Redactor()
@@ -147,7 +158,8 @@ class Broker:
             if tool is None:
                 raise BrokerError(404, "unknown_tool", f"no such tool; known: {', '.join(tools)}")
             if not any(g.tool == tool.name for g in claims.grants):
-                raise BrokerError(403, "outside_grant", f"this token has no grant for {tool.name}")
+                raise outside_grant(f"this token has no grant for {tool.name}", tool.name)
+            self._spend(self._calls, claims, "this token's tool calls", self.settings.calls_per_minute)
             async with tool.slot():
                 body = await read_input(tool.max_request_bytes)
                 if problem := tool.spec.problem(body):
@@ -198,8 +210,7 @@ class Broker:
         record.method, record.path = _call_name(request, self.all_tools()), request.path
         try:
             claims = await self._authenticate_limited(request, record)
-            if not self._limiter.take(claims.jti, time.monotonic()):
-                raise BrokerError(429, "rate_limited", f"more than {self.settings.calls_per_minute} calls a minute")
+            self._spend(self._requests, claims, "this token's requests", self.settings.requests_per_minute)
             request[CLAIMS], request[RECORD] = claims, record
             response: web.StreamResponse = await handler(request)
             if (refused := request.get(REFUSED)) is not None:
@@ -220,6 +231,11 @@ class Broker:
         finally:
             record.duration_ms = round((time.monotonic() - started) * 1000, 3)
             self.emit(self.redactor.record(record))
+
+    def _spend(self, buckets: TokenBuckets, claims: Claims, what: str, per_minute: int) -> None:
+        now = time.monotonic()
+        if not buckets.take(claims.jti, now):
+            raise rate_limited(what, per_minute, buckets.burst, buckets.wait(claims.jti, now))
 
     async def list_tools(self, request: web.Request) -> web.Response:
         return self._reply({"tools": self.granted_tools(request[CLAIMS])})
@@ -266,11 +282,11 @@ class Broker:
         header = request.headers.get("Authorization", "")
         scheme, _, token = header.partition(" ")
         if scheme.lower() != "bearer" or not token.strip():
-            raise BrokerError(401, "missing_token", "send the sandbox token as 'Authorization: Bearer <token>'")
+            raise unauthorized("missing_token", "send the sandbox token as 'Authorization: Bearer <token>'")
         try:
             claims = self.authority.verify(token.strip())
         except TokenError as e:
-            raise BrokerError(401, "invalid_token", str(e)) from None
+            raise unauthorized("invalid_token", str(e)) from None
         record.extra["jti"] = claims.jti
         if record.sandbox == UNKNOWN_SANDBOX:
             # Checked on its own: a token minted for a sandbox named "-" must not match an unknown source.
@@ -279,7 +295,7 @@ class Broker:
             # A token is usable only from the network of the sandbox it was minted for.
             raise BrokerError(403, "wrong_sandbox", "this token belongs to another sandbox")
         if await self.state(lambda: self.store.is_revoked(claims.jti, claims.sandbox, claims.issued_at)):
-            raise BrokerError(401, "revoked_token", "token has been revoked")
+            raise unauthorized("revoked_token", "token has been revoked")
         return claims
 
     @web.middleware
@@ -287,6 +303,8 @@ class Broker:
         try:
             return await handler(request)
         except BrokerError as e:
+            if request.path == "/mcp":  # refused before the message was read (the token, the rate, the method)
+                return self.mcp.refusal(e)
             return self._reply(e.body(), e.status, e.headers)
         except web.HTTPException as e:
             return self._reply({"error": "http_error", "message": e.reason}, e.status)
@@ -373,7 +391,7 @@ class Broker:
 
 
 def _refusal(record: AuditRecord, e: BrokerError, status: int) -> None:
-    record.decision = "error" if e.status >= 500 else "deny"
+    record.decision = "allow" if e.quiet else "error" if e.status >= 500 else "deny"
     record.reason, record.code, record.extra["status"] = e.message, e.code, status
 
 

@@ -1,4 +1,8 @@
-"""Sandbox tokens: short-lived Ed25519 JWTs, scoped by grants and bound to one sandbox.
+"""Sandbox tokens: short-lived Ed25519 JWTs, scoped by grants, bound to one sandbox and to one broker.
+
+The audience (`aud`) is the broker's resource: its URL as the sandboxes reach it ($AIRLOCK_BROKER_URL, the canonical
+server URI of RFC 8707 and MCP's authorization). A token names exactly that audience: one for another resource, or
+for several (which another service could then replay here), is refused.
 
 Keys live in the broker's state directory, one PEM per `kid`. Rotation adds a key and retires the old one;
 a retired key still verifies until every token it could have signed has expired (its retirement + max TTL).
@@ -23,7 +27,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey,
 from .grants import Grant, GrantError
 
 ISSUER = "airlock"
-AUDIENCE = "airlock-broker"
+AUDIENCE = "airlock-broker"  # the audience of a broker not told its URL (one that serves no sandbox, tests)
 ALGORITHM = "EdDSA"
 LEEWAY = 5  # seconds of clock skew tolerated on exp/nbf/iat
 VERIFIED_CACHE_SIZE = 10_000
@@ -114,9 +118,10 @@ class KeyRing:
 
 
 class TokenAuthority:
-    def __init__(self, keys: KeyRing, default_ttl: int = 900) -> None:
+    def __init__(self, keys: KeyRing, default_ttl: int = 900, audience: str = AUDIENCE) -> None:
         self.keys = keys
         self.default_ttl = default_ttl
+        self.audience = audience
         # Tokens already verified, by their exact text: a signature check costs ~0.3 ms here, and a token is
         # presented many times. Only successes are kept, each until its exp or until its key stops verifying.
         self._verified: dict[str, tuple[Claims, str]] = {}
@@ -132,14 +137,15 @@ class TokenAuthority:
         now = int(time.time())
         claims = Claims(sandbox, uuid.uuid4().hex, now, now + ttl, tuple(grants))
         payload = {
-            "iss": ISSUER, "aud": AUDIENCE, "sub": sandbox, "iat": now, "nbf": now, "exp": now + ttl,
+            "iss": ISSUER, "aud": self.audience, "sub": sandbox, "iat": now, "nbf": now, "exp": now + ttl,
             "jti": claims.jti, "grants": [g.to_claim() for g in grants],
         }  # fmt: skip
         token = jwt.encode(payload, key.private, algorithm=ALGORITHM, headers={"kid": key.kid})
         return token, claims
 
     def verify(self, token: str) -> Claims:
-        """Signature, algorithm, kid, iss, aud, exp/nbf/iat; the caller checks sandbox binding and revocation."""
+        """Signature, algorithm, kid, iss, aud (exactly this broker), exp/nbf/iat; the caller checks sandbox binding
+        and revocation."""
         known = self._verified.get(token)
         if known is not None:
             claims, kid = known
@@ -167,7 +173,7 @@ class TokenAuthority:
                 token,
                 public,
                 algorithms=[ALGORITHM],
-                audience=AUDIENCE,
+                audience=self.audience,
                 issuer=ISSUER,
                 leeway=LEEWAY,
                 options={"require": ["exp", "iat", "nbf", "sub", "jti", "aud", "iss"]},
@@ -176,8 +182,12 @@ class TokenAuthority:
             raise TokenError("token has expired") from None
         except jwt.ImmatureSignatureError:
             raise TokenError("token is not valid yet") from None
+        except jwt.InvalidAudienceError:
+            raise TokenError(f"token is for another audience (this broker is {self.audience})") from None
         except jwt.PyJWTError:
             raise TokenError("token signature or claims are invalid") from None
+        if payload["aud"] not in (self.audience, [self.audience]):  # pyjwt takes a list that holds ours among others
+            raise TokenError(f"token is for another audience (this broker is {self.audience})")
         # pyjwt accepts "123" and 1.5 for the times; we mint whole seconds, so anything else is not ours.
         if any(type(payload[c]) is not int for c in ("exp", "iat", "nbf")):
             raise TokenError("token signature or claims are invalid")

@@ -13,6 +13,7 @@ import tempfile
 from typing import TYPE_CHECKING
 
 from airlock.broker.grants import Grant
+from airlock.brokerconfig import broker_url
 from airlock.gatewayconfig import GatewayConfig
 from airlock.policy import Sandbox
 
@@ -107,6 +108,6 @@ def gateway_environment(gateway: Gateway, sandbox_id: str, with_broker: bool) ->
     # The broker lives on the gateway's own address: talk to it directly (the fence allows its port).
     env["NO_PROXY"] = env["no_proxy"] = f"localhost,127.0.0.1,::1,{config.listen}"
     if with_broker and config.broker.port:
-        env["AIRLOCK_BROKER_URL"] = f"http://{config.listen}:{config.broker.port}"
+        env["AIRLOCK_BROKER_URL"] = broker_url(config.listen, config.broker.port)
     env["AIRLOCK_SANDBOX"] = sandbox_id
     return env

@@ -112,6 +112,14 @@ def _fresh_fake_github(request: pytest.FixtureRequest) -> None:
         request.getfixturevalue("fake_github").reset()
 
 
+@pytest.fixture(params=["classic", "jwt"])
+def token_shape(request: pytest.FixtureRequest, fake_github: FakeGitHub, _fresh_fake_github: None) -> str:
+    """The fake GitHub issuing installation tokens of each shape: classic (40 characters) and JWT (some 520, as
+    GitHub issues them since 2026-04-27). Nothing may assume either length."""
+    fake_github.set(token_shape=request.param)
+    return str(request.param)
+
+
 @pytest.fixture
 def fakenet_clean(fakenet: FakeNet) -> FakeNet:
     """fakenet with zeroed counters (the autouse fixture already resets; this name makes it explicit)."""

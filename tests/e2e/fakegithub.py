@@ -10,7 +10,8 @@ What it models, as GitHub does it (status codes, error bodies {"message", "docum
   ahead, exp in the future and at most 10 minutes after both iat and now. Endpoints: GET /app,
   GET /app/installations/{id}, POST /app/installations/{id}/access_tokens (narrowed by repositories,
   repository_ids and permissions; 422 beyond what the installation has), GET /repos/{owner}/{repo}/installation.
-- Installation tokens (ghs_…, one hour) and an optional static token (a classic PAT: every repo, every
+- Installation tokens (ghs_…, one hour; `token_shape` "classic": 40 characters, or "jwt": some 520, a JWT after
+  the prefix, as GitHub issues them since 2026-04-27) and an optional static token (a classic PAT: every repo, every
   permission), as `token X`, `Bearer X` or Basic auth. A repo the token does not cover is 404 (GitHub hides it), a
   missing permission 403 "Resource not accessible by integration". GET /installation/repositories,
   DELETE /installation/token (revoke).
@@ -89,6 +90,7 @@ DEFAULTS: dict[str, Any] = {
     "fail_status": None,  # create-PR calls answer this status (5xx: server error; 403/429: rate limited)
     "token_fail_status": None,  # the same for installation-token requests
     "token_ttl": 3600,  # lifetime of installation tokens issued from now on, in seconds
+    "token_shape": "classic",  # of installation tokens issued from now on: "classic" (ghs_ + 36) or "jwt" (~520)
     "check_runs": [],  # every commit's check runs: [{"name", "status", "conclusion"}]
 }
 MAX_CALLS = 10_000
@@ -628,8 +630,8 @@ async def create_access_token(request: web.Request) -> web.Response:
         permissions = {"metadata": "read", **requested}  # metadata read comes with every installation token
     else:
         permissions = dict(INSTALLATION_PERMISSIONS)
-    value = "ghs_" + "".join(secrets.choice(TOKEN_ALPHABET) for _ in range(36))
     expires = time.time() + float(state.settings["token_ttl"])
+    value = new_installation_token(state.settings["token_shape"], state.installation_id, expires)
     state.tokens[value] = Token(
         value, "installation", permissions, selected, expires, installation_id=state.installation_id
     )
@@ -642,6 +644,20 @@ async def create_access_token(request: web.Request) -> web.Response:
     if selected is not None:
         answer["repositories"] = [repo_object(state.owner, name) for name in selected]
     return json_response(answer, 201)
+
+
+def new_installation_token(shape: str, installation_id: int, expires: float) -> str:
+    """`ghs_` and 36 alphanumerics (classic), or `ghs_` and a JWT signed RS256 (its claims and a 256-byte signature
+    make some 520 characters of base64url and dots)."""
+    if shape == "classic":
+        return "ghs_" + "".join(secrets.choice(TOKEN_ALPHABET) for _ in range(36))
+    now = int(time.time())
+    claims = {"iss": APP_SLUG, "sub": f"installation:{installation_id}", "jti": secrets.token_hex(8), "iat": now,
+              "exp": int(expires)}  # fmt: skip
+    parts = ({"alg": "RS256", "typ": "JWT"}, claims)
+    encoded = [base64.urlsafe_b64encode(json.dumps(p, separators=(",", ":")).encode()) for p in parts]
+    encoded.append(base64.urlsafe_b64encode(secrets.token_bytes(256)))
+    return "ghs_" + ".".join(part.rstrip(b"=").decode() for part in encoded)
 
 
 async def get_repo_installation(request: web.Request) -> web.Response:

@@ -32,6 +32,7 @@ from netclient import Reply, in_netns, proxy_http
 from topology import DNS_SERVER, GW_IP, Topology
 
 BROKER = (GW_IP, 8080)
+BROKER_URL = f"http://{GW_IP}:8080"  # the audience of the gateway's tokens
 PR_PATH = "/v1/tools/create_pull_request"
 GRANT = "create_pull_request:acme/app:base=main|release,head=agent/*"
 PR = {"repo": "acme/app", "head": "agent/feature-1", "base": "main", "title": "Add the feature"}
@@ -111,7 +112,7 @@ def forge(gw: GatewayProcess, **overrides: Any) -> str:
     assert key is not None
     now = int(time.time())
     claims = {
-        "iss": "airlock", "aud": "airlock-broker", "sub": "sbx", "iat": now, "nbf": now, "exp": now + 600,
+        "iss": "airlock", "aud": BROKER_URL, "sub": "sbx", "iat": now, "nbf": now, "exp": now + 600,
         "jti": uuid.uuid4().hex,
         "grants": [{"tool": "create_pull_request", "repo": "acme/app", "base": ["main"], "head": "agent/*"}],
     }  # fmt: skip
@@ -178,9 +179,14 @@ def test_expired_and_not_yet_valid_tokens_are_401(topology: Topology, gateway, f
     expired = forge(gateway, iat=now - 700, nbf=now - 700, exp=now - 60)
     future = forge(gateway, iat=now, nbf=now + 600, exp=now + 900)
     too_long = forge(gateway, exp=now + 86400)
-    for token in (expired, future, too_long):
-        status, body, _ = sandbox_call(topology, token)
-        assert (status, body["error"]) == (401, "invalid_token"), body
+    reasons = ("token has expired", "token is not valid yet", "token lifetime exceeds the broker's maximum")
+    for token, reason in zip((expired, future, too_long), reasons, strict=True):
+        status, body, headers = sandbox_call(topology, token)
+        assert (status, body) == (401, {"error": "invalid_token", "message": reason}), body
+        assert (
+            headers["WWW-Authenticate"]
+            == f'Bearer realm="airlock-broker", error="invalid_token", error_description="{reason}"'
+        )
     assert fake_github.calls() == []
 
 

@@ -78,7 +78,7 @@ def assert_error(reply: Reply, status: int, message: str) -> dict[str, Any]:
 # ------------------------------------------------------------------------------------------- the happy path
 
 
-def test_app_flow_creates_pull_request(gh: Any, fake_github: FakeGitHub) -> None:
+def test_app_flow_creates_pull_request(gh: Any, fake_github: FakeGitHub, token_shape: str) -> None:
     app_jwt = fake_github.app_jwt()
     installation = gh("GET", "/repos/acme/app/installation", app_jwt, scheme="Bearer")
     assert installation.status == 200, installation.body
@@ -89,7 +89,11 @@ def test_app_flow_creates_pull_request(gh: Any, fake_github: FakeGitHub) -> None
     assert minted.status == 201, minted.body
     grant = minted.json()
     token = grant["token"]
-    assert token.startswith("ghs_") and len(token) == 40
+    assert token.startswith("ghs_")
+    if token_shape == "classic":
+        assert len(token) == 40
+    else:  # a JWT after the prefix: header, claims, a 256-byte RS256 signature
+        assert 500 < len(token) < 560 and len(token.split(".")[2]) == 342
     assert grant["permissions"] == {"metadata": "read", "pull_requests": "write"}
     assert grant["repository_selection"] == "selected"
     assert [r["full_name"] for r in grant["repositories"]] == ["acme/app"]

@@ -269,7 +269,7 @@ echo "push $(curl -sS -o /dev/null -w '%{http_code}' 'https://github.test/acme/a
 
 
 def test_git_in_the_sandbox_reads_a_granted_repository_with_a_token_it_never_holds(
-    run_in_gw, fake_github, broker_args: tuple[str, ...], tmp_path: Path
+    run_in_gw, fake_github, broker_args: tuple[str, ...], tmp_path: Path, token_shape: str
 ) -> None:
     policy = tmp_path / "git.yaml"
     policy.write_text(GIT_POLICY)
@@ -290,6 +290,6 @@ def test_git_in_the_sandbox_reads_a_granted_repository_with_a_token_it_never_hol
         "/acme/other.git/info/refs": "none: no grant of this sandbox names the repository",
     }
     minted = [t for t in fake_github.tokens() if t.get("repositories") == ["app"]]
-    assert minted, fake_github.tokens()
+    assert minted and {len(t["token"]) > 500 for t in minted} == {token_shape == "jwt"}, fake_github.tokens()
     for token in minted:
         assert token["token"] not in out and token["token"] not in audit.read_text()

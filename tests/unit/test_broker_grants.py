@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from airlock.broker.grants import Grant, GrantError, parse_grant, valid_branch
+from airlock.broker.grants import Grant, GrantError, covering, parse_grant, valid_branch
 
 PR = "create_pull_request"
 
@@ -281,3 +281,35 @@ def test_push_grants_protect_their_base_and_protected_patterns() -> None:
         pr.permits(PR, "acme/app", "main", "agent/keep-1") == "head branch 'agent/keep-1' is protected ('agent/keep-*')"
     )
     assert PUSH_GRANT.permits(PR, "acme/app", "main", "agent/x") == "grant is for push_branch, not create_pull_request"
+
+
+# --- covering: the reason of the grant closest to the call ------------------------------------------------------
+
+ELSEWHERE_PUSH = Grant(PUSH, "acme/other", ("main",), "agent/*")
+MAIN_PR = Grant(PR, "acme/app", ("main",), "agent/*")
+OTHER_PR = Grant(PR, "acme/other", ("main",), "agent/*")
+
+
+@pytest.mark.parametrize(
+    ("grants", "base", "reason"),
+    [([PUSH_GRANT, MAIN_PR], "release", "base branch 'release' is not one of ['main']"),
+     ([OTHER_PR, PUSH_GRANT, MAIN_PR], "release", "base branch 'release' is not one of ['main']"),
+     ([PUSH_GRANT, OTHER_PR], "main", "repository acme/app is outside the grant (acme/other)"),
+     ([PUSH_GRANT], "main", "grant is for push_branch, not create_pull_request"),
+     ([], "main", "no grant for create_pull_request")],
+    ids=["another-tools-grant-first", "another-repos-grant-first", "only-another-repo", "only-another-tool", "none"],
+)  # fmt: skip
+def test_a_refusal_names_the_grant_closest_to_the_call(grants: list[Grant], base: str, reason: str) -> None:
+    """Of several grants none covers, the one of the call's tool on its repository says why: not the first given."""
+    check = lambda g: g.permits(PR, "acme/app", base, "agent/x")  # noqa: E731
+    assert covering(grants, PR, "acme/app", check) == (None, reason)
+
+
+def test_covering_gives_the_first_grant_that_covers_the_call() -> None:
+    release = Grant(PR, "acme/app", ("release",), "agent/*")
+    grants = [PUSH_GRANT, MAIN_PR, release, Grant(PR, "acme/app", ("release",), "agent/x*")]
+    assert covering(grants, PR, "acme/app", lambda g: g.permits(PR, "acme/app", "release", "agent/x")) == (release, "")
+    pushes = [ELSEWHERE_PUSH, PUSH_GRANT]
+    assert covering(pushes, PUSH, "acme/app", lambda g: g.permits_push("acme/app", "feature/x")) == (
+        None, "branch 'feature/x' does not match 'agent/*'",
+    )  # fmt: skip

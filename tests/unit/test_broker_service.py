@@ -7,9 +7,11 @@ and records every call, so each test can also say how many times GitHub was reac
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import hashlib
 import json
+import os
 import sqlite3
 import threading
 import time
@@ -72,6 +74,7 @@ class FakeGitHub:
         self.pulls: list[tuple[str, dict[str, Any]]] = []  # (owner/repo, pull)
         self.mode = "create"
         self.token_mode = "issue"  # or "echo": the access-token call fails, echoing the App JWT
+        self.token_shape = "classic"  # or "jwt": installation tokens of some 520 characters, as GitHub's since 2026
         self.pull_delay = 0.0
         self.expires_at: Any = "in an hour"  # or what the access-token answer says instead
         self.release = asyncio.Event()
@@ -174,6 +177,8 @@ class FakeGitHub:
         if request.match_info["id"] != str(INSTALLATION_ID):
             return web.json_response({"message": "Not Found"}, status=404)
         token = f"{INSTALLATION_PREFIX}{len(self.tokens_issued):04d}xyz"
+        if self.token_shape == "jwt":  # the prefix, then a JWT's header, claims and RS256 signature
+            token += "." + ".".join(base64.urlsafe_b64encode(os.urandom(n)).decode().rstrip("=") for n in (27, 90, 256))
         self.tokens_issued.append(token)
         self.narrowing[token] = call["json"] or {}
         expires = (datetime.now(UTC) + timedelta(hours=1)).strftime("%Y-%m-%dT%H:%M:%SZ")
@@ -925,6 +930,8 @@ AUTH_CASES = [
     pytest.param("Bearer {token}x", "invalid_token", id="tampered"),
     pytest.param("Bearer {expired}", "invalid_token", id="expired"),
     pytest.param("Bearer {future}", "invalid_token", id="not-yet-valid"),
+    pytest.param("Bearer {elsewhere}", "invalid_token", id="another-audience"),
+    pytest.param("Bearer {revoked}", "revoked_token", id="revoked"),
 ]
 
 
@@ -932,14 +939,23 @@ AUTH_CASES = [
 async def test_bad_tokens_are_401(make: Factory, auth: str | None, code: str) -> None:
     h = await make()
     now = int(time.time())
+    revoked = await h.token()
+    await h.admin_post("/v1/revocations", {"jti": jwt.decode(revoked, options={"verify_signature": False})["jti"]})
     values = {
         "token": await h.token(),
         "expired": h.forge(iat=now - 600, nbf=now - 600, exp=now - 60),
         "future": h.forge(nbf=now + 120),
+        "elsewhere": h.forge(aud="https://api.github.com"),
+        "revoked": revoked,
     }
     reply = await h.pr(None, auth=None if auth is None else auth.format(**values))
     assert reply.status == 401, reply.body
     assert reply.body["error"] == code
+    # RFC 6750 §3: a request without a token is challenged without an error code, a bad token with invalid_token.
+    challenge = 'Bearer realm="airlock-broker"'
+    if code != "missing_token":
+        challenge += f', error="invalid_token", error_description="{reply.body["message"]}"'
+    assert reply.headers["WWW-Authenticate"] == challenge
     assert h.github.calls == []
     assert (h.audit[-1].decision, h.audit[-1].code, h.audit[-1].extra["status"]) == ("deny", code, 401)
 
@@ -1023,6 +1039,19 @@ async def test_outside_grant_is_403(make: Factory, fields: dict[str, Any]) -> No
     assert reply.body["error"] == "outside_grant"
     assert h.github.calls == []
     assert (h.audit[-1].decision, h.audit[-1].code) == ("deny", "outside_grant") and h.audit[-1].reason
+
+
+async def test_a_refusal_is_the_reason_of_the_grant_that_names_the_tool(make: Factory) -> None:
+    """`--grant push_branch:… --grant create_pull_request:acme/app:base=main`, a pull request to release: the pull
+    request grant's mismatch, not that the push grant is for another tool."""
+    h = await make()
+    push = {"tool": "push_branch", "repo": "acme/app", "head": "agent/*"}
+    token = await h.token(grants=[push, GRANT | {"base": ["main"]}])
+    reply = await h.pr(token, {"base": "release"})
+    assert (reply.status, reply.body) == (
+        403, {"error": "outside_grant", "message": "base branch 'release' is not one of ['main']"},
+    )  # fmt: skip
+    assert h.audit[-1].reason == "base branch 'release' is not one of ['main']"
 
 
 WITHIN_GRANT = [
@@ -1265,7 +1294,9 @@ async def test_rate_limit_per_token(make: Factory) -> None:
     statuses = [(await h.pr(token, {"head": f"agent/r{n}"})).status for n in range(3)]
     assert statuses == [201, 201, 429]
     reply = await h.pr(token, {"head": "agent/r9"})
-    assert reply.status == 429 and reply.body["error"] == "rate_limited"
+    assert reply.status == 429 and reply.body["error"] == "rate_limited" and reply.headers["Retry-After"] == "60"
+    limit = "this token's tool calls are limited to 1 a minute, at most 2 at once; retry in 60 s"
+    assert reply.body["message"] == limit
     assert (await h.pr(other, {"head": "agent/other"})).status == 201  # another token has its own bucket
     assert h.github.pull_posts == 3
 
@@ -1499,9 +1530,10 @@ async def test_store_calls_never_run_on_the_event_loop_thread(make: Factory, mon
 # --- credentials never leave ------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("credential", ["static", "app"])
-async def test_credential_echoed_by_upstream_is_redacted(make: Factory, credential: str) -> None:
+@pytest.mark.parametrize(("credential", "shape"), [("static", None), ("app", "classic"), ("app", "jwt")])
+async def test_credential_echoed_by_upstream_is_redacted(make: Factory, credential: str, shape: str | None) -> None:
     h = await make(credential=credential)
+    h.github.token_shape = shape or "classic"
     token = await h.token()
     assert (await h.pr(token, {"head": "agent/warm-up"})).status == 201  # App mode: caches the installation token
     h.github.mode = "echo"
@@ -1509,6 +1541,7 @@ async def test_credential_echoed_by_upstream_is_redacted(make: Factory, credenti
     assert reply.status == 502, reply.body
     assert "[redacted]" in reply.body["message"]
     assert "[redacted]" in h.audit[-1].reason
+    assert shape is None or {len(t) > 500 for t in h.github.tokens_issued} == {shape == "jwt"}
     h.assert_no_secrets()
 
 
@@ -1665,11 +1698,17 @@ async def test_unknown_routes_and_methods_are_json(make: Factory) -> None:
 async def test_every_sandbox_path_needs_the_token_from_its_own_network(make: Factory, method: str, path: str) -> None:
     h = await make()
     async with h.sandbox.request(method, path, json={}) as response:
-        assert (response.status, (await response.json())["error"]) == (401, "missing_token")
+        assert (response.status, error_code(await response.json())) == (401, "missing_token")
+        assert response.headers["WWW-Authenticate"] == 'Bearer realm="airlock-broker"'
     other = await make(identify=identify_as("sbx-2"), state=h.state)  # the same keys; this address is sbx-2's
     token = await h.token()  # minted for sbx-1
     async with other.sandbox.request(method, path, json={}, headers={"Authorization": f"Bearer {token}"}) as response:
-        assert (response.status, (await response.json())["error"]) == (403, "wrong_sandbox")
+        assert (response.status, error_code(await response.json())) == (403, "wrong_sandbox")
+
+
+def error_code(body: dict[str, Any]) -> str:
+    """The broker's code in a REST error, or in an MCP JSON-RPC one (/mcp answers JSON-RPC)."""
+    return body["error"]["data"]["error"] if body.get("jsonrpc") else body["error"]
 
 
 # --- admin ------------------------------------------------------------------------------------------------------

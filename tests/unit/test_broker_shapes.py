@@ -106,14 +106,18 @@ def test_conforming_names_the_first_bad_field_never_its_value(value: Any, proble
 # --- the redactor -------------------------------------------------------------------------------------------------
 
 TOKEN = "ghs_" + "A1b2C3d4" * 4 + "zz"
+# An installation token as GitHub issues them since 2026-04-27: `ghs_` and a JWT of some 520 characters.
+INSTALLATION_JWT = "ghs_" + ".".join(secrets.token_urlsafe(n) for n in (27, 90, 256))
 
 
-def test_redacts_a_credential_wherever_it_is_glued() -> None:
+@pytest.mark.parametrize("token", [TOKEN, INSTALLATION_JWT], ids=["classic", "jwt"])
+def test_redacts_a_credential_wherever_it_is_glued(token: str) -> None:
     redactor = Redactor()
-    redactor.hold(TOKEN)
-    for text in (TOKEN, f"x{TOKEN}y", f"token {TOKEN}", f"https://x.test/?t={TOKEN}#{TOKEN}"):
-        assert TOKEN not in redactor.text(text) and MARK in redactor.text(text)
-    assert redactor.text(f"x{TOKEN}y") == f"x{MARK}y"
+    redactor.hold(token)
+    for text in (token, f"x{token}y", f"token {token}", f"https://x.test/?t={token}#{token}"):
+        assert token not in redactor.text(text) and MARK in redactor.text(text)
+    assert redactor.text(f"x{token}y") == f"x{MARK}y"
+    assert redactor.text(f"{token[:-1]} and {token[1:]}") == f"{token[:-1]} and {token[1:]}"  # not the token
     assert redactor.text("nothing here") == "nothing here"
 
 
@@ -155,10 +159,11 @@ def test_values_and_records_are_redacted_in_every_string() -> None:
     assert record.extra["status"] == 502
 
 
-def test_clip_drops_the_word_it_cuts() -> None:
-    text = f"GitHub said: Bad credentials {TOKEN} for you"
-    cut_inside = text.index(TOKEN) + 10
-    assert TOKEN[:10] not in clip(text, cut_inside) and clip(text, cut_inside).startswith(
-        "GitHub said: Bad credentials"
-    )
+@pytest.mark.parametrize("token", [TOKEN, INSTALLATION_JWT], ids=["classic", "jwt"])
+def test_clip_drops_the_word_it_cuts(token: str) -> None:
+    text = f"GitHub said: Bad credentials {token} for you"
+    for cut_inside in (text.index(token) + 10, text.index(token) + len(token) - 1):
+        assert token[:10] not in clip(text, cut_inside) and clip(text, cut_inside).startswith(
+            "GitHub said: Bad credentials"
+        )
     assert clip("short", 100) == "short"

@@ -199,8 +199,10 @@ def test_malformed_tokens_refused(authority: TokenAuthority, token: str) -> None
 # --- claims -----------------------------------------------------------------------------------------------------
 
 CLAIM_CASES = [
-    pytest.param({"aud": "someone-else"}, "invalid", id="wrong-aud"),
-    pytest.param({"aud": [AUDIENCE, "x"]}, None, id="aud-list-containing-ours"),
+    pytest.param({"aud": "someone-else"}, "another audience", id="wrong-aud"),
+    pytest.param({"aud": [AUDIENCE]}, None, id="aud-list-of-ours"),
+    # A token another service accepts too could have been replayed from it.
+    pytest.param({"aud": [AUDIENCE, "x"]}, "another audience", id="aud-list-containing-ours"),
     pytest.param({"iss": "evil"}, "invalid", id="wrong-iss"),
     pytest.param({"exp": DROP}, "invalid", id="missing-exp"),
     pytest.param({"iat": DROP}, "invalid", id="missing-iat"),

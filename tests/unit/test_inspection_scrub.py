@@ -21,6 +21,11 @@ SECRETS = [
     "p@ss&<w0rd>\"'\\%/",  # everything JSON and HTML escape, a percent sign (raw in JSON, PHP's `\/` beside it)
 ]
 rng = random.Random(14)
+# A GitHub installation token as issued since 2026-04-27: `ghs_` and a JWT, some 520 characters (classic: 40).
+INSTALLATION_JWT = "ghs_" + ".".join(
+    base64.urlsafe_b64encode(rng.randbytes(n)).decode().rstrip("=") for n in (27, 90, 256)
+)
+LONG_TOO = [*SECRETS, INSTALLATION_JWT]
 
 
 def _lower_hex(quoted: str) -> str:
@@ -62,7 +67,7 @@ TEXT_FORMS: dict[str, Callable[[str], str]] = {
 
 
 @pytest.mark.parametrize("form", TEXT_FORMS)
-@pytest.mark.parametrize("secret", SECRETS)
+@pytest.mark.parametrize("secret", LONG_TOO)
 def test_text_forms_are_masked_exactly(secret: str, form: str) -> None:
     written = TEXT_FORMS[form](secret).encode()
     body = b'{"echo": "' + written + b'", "n": 1}'
@@ -77,7 +82,7 @@ def secret_characters(prefix: int, length: int) -> range:
 @pytest.mark.parametrize("padded", [True, False])
 @pytest.mark.parametrize("alphabet", [base64.b64encode, base64.urlsafe_b64encode])
 @pytest.mark.parametrize(("prefix", "suffix"), [(p, s) for p in range(4) for s in range(3)])
-@pytest.mark.parametrize("secret", SECRETS)
+@pytest.mark.parametrize("secret", LONG_TOO)
 def test_base64_forms_at_every_alignment(
     secret: str, prefix: int, suffix: int, alphabet: Callable[[bytes], bytes], padded: bool
 ) -> None:
@@ -115,6 +120,16 @@ def test_a_stream_cut_anywhere_masks_as_the_whole_body(secret: str) -> None:
     for _ in range(20):
         cuts = sorted(rng.sample(range(len(body)), 6))
         assert streamed(scrubber, [body[a:b] for a, b in zip([0, *cuts], [*cuts, len(body)], strict=True)]) == whole
+
+
+def test_a_long_token_streamed_in_small_chunks_is_masked_as_the_whole_body() -> None:
+    """A 520-character token: the stream holds back enough to see any of its forms whole, wherever a chunk ends."""
+    scrubber = Scrubber([INSTALLATION_JWT])
+    body = body_with_every_form(INSTALLATION_JWT)
+    whole = scrubber.scrub(body)
+    assert INSTALLATION_JWT.encode() not in whole and whole.count(b"*") > 14 * len(INSTALLATION_JWT)
+    for size in (1, 7, 100, 519, 520, 521, 4096):
+        assert streamed(scrubber, [body[i : i + size] for i in range(0, len(body), size)]) == whole, size
 
 
 @pytest.mark.parametrize("length", range(1, 65))
