@@ -251,6 +251,12 @@ class Gateway:
             ipaddress.ip_address(config.listen)
         except ValueError:
             raise GatewayError(f"listen address {config.listen!r}: give an IP address (127.0.0.1, ::1, ...)") from None
+        # Read once, before any sandbox runs, for the broker and the inspection alike: a file is never read again
+        # (a sandbox that replaced it, or a folder on its way, changes nothing).
+        try:
+            self.secrets = SecretValues.read(config.broker.secrets)
+        except AirlockError as e:
+            raise GatewayError(str(e)) from e
         before, open_files, hard = raise_open_file_limit()
         self.caps = connection_caps(
             open_files,
@@ -324,7 +330,7 @@ class Gateway:
         except PolicyError as e:
             await self.stop()
             raise GatewayError("; ".join(e.errors)) from e
-        except AirlockError as e:  # a --secret that cannot be read, a CA that cannot be written
+        except AirlockError as e:  # a CA that cannot be written
             await self.stop()
             raise GatewayError(str(e)) from e
         try:
@@ -352,7 +358,7 @@ class Gateway:
             from airlock.brokerd import BrokerRuntime
 
             runtime = BrokerRuntime(
-                config.broker, Path(self._state_dir), live, self.resolver, self.emit, config.upstream_ca
+                config.broker, Path(self._state_dir), live, self.resolver, self.emit, config.upstream_ca, self.secrets
             )  # fmt: skip
             self._broker_runtime = runtime
             try:
@@ -569,7 +575,7 @@ class Gateway:
                 return
             from airlock.inspector import Inspector
 
-            self.inspector = Inspector(Path(self._state_dir), SecretValues.read(self.config.broker.secrets))
+            self.inspector = Inspector(Path(self._state_dir), self.secrets)
             if self._master is not None:
                 self._master.addons.get("tlsconfig").issuer = self.inspector
         if problems := self.inspector.problems(policy):
