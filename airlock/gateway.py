@@ -47,6 +47,7 @@ from airlock.policy import IPAddress, LivePolicy, Policy, PolicyError, Sandbox, 
 from airlock.preload import preload_admin, preload_proxy
 from airlock.reload import PolicyReloader, Reloaded
 from airlock.sandbox.fence import mark_listeners
+from airlock.sandbox.reach import policy_files
 
 if TYPE_CHECKING:
     from airlock.broker.service import Broker
@@ -554,7 +555,10 @@ class Gateway:
         if self.live is None:
             raise GatewayError("the gateway has not started: no policy to replace")
         running = self.live.current.policy.hash
+        reach = self.config.sandbox_reach
         try:
+            if reach is not None and (problems := reach.problems(policy_files(policy))):
+                raise PolicyError(problems)  # a file it names could be the sandbox's (airlock/sandbox/reach.py)
             if self._broker_runtime is not None and (problems := self._broker_runtime.problems(policy)):
                 raise PolicyError(problems)  # e.g. a declared tool naming a secret the gateway was not given
             if problems := self.live.refusals(policy):  # before the inspection follows it: nothing of it then
