@@ -15,19 +15,19 @@ from pathlib import Path
 
 import pytest
 
-from gateway_proc import E2E_POLICY
+from gateway_proc import AIRLOCK, E2E_POLICY
+from hostcgroups import with_host_cgroups
 from testca import TestCA
-from topology import FakeNet, Topology
+from topology import DNS_SERVER, FakeNet, Topology
 
 EVIL = ("203.0.113.66", 80)  # evil.test: in no policy of these tests
 ALLOW_EVIL = "version: 1\\nprofiles:\\n  default:\\n    allow:\\n      - host: evil.test\\n        ports: [80]\\n"
-# What the sandbox's user may write: its working directory, as in a project of its own.
-NOBODY = pwd.getpwnam("nobody")
+NOBODY = pwd.getpwnam("nobody")  # the sandbox's user: the tests run as root without sudo
 
 
 @pytest.fixture
 def project(topology: Topology) -> Iterator[Path]:
-    """A working directory the sandbox's user (nobody: the tests run as root without sudo) owns."""
+    """A working directory the sandbox's user owns, as a project of its own."""
     folder = Path(tempfile.mkdtemp(prefix=f"{topology.prefix}-inputs-", dir="/var/tmp"))
     os.chown(folder, NOBODY.pw_uid, NOBODY.pw_gid)
     try:
@@ -109,11 +109,12 @@ def test_every_input_the_gateway_uses_while_the_sandbox_runs_is_refused_where_th
     ), result.stderr
 
 
-def test_a_state_directory_outside_the_sandboxs_reach_is_used(run_in_gw, project: Path, tmp_path: Path):
-    state = tmp_path / "state"
-    result = run_in_gw("sh", "-c", "echo RAN", cwd=project, options=("--state-dir", str(state)))
+def test_inputs_outside_the_sandboxs_reach_are_used(run_in_gw, project: Path, tmp_path: Path):
+    state, audit = tmp_path / "state", tmp_path / "audit.jsonl"
+    options = ("--state-dir", str(state), "--audit", str(audit))
+    result = run_in_gw("sh", "-c", "curl -s -o /dev/null http://evil.test/; echo RAN", cwd=project, options=options)
     assert result.returncode == 0 and result.stdout == "RAN\n", result.stderr
-    assert (state / "admin.sock").exists() or state.is_dir()
+    assert state.is_dir() and '"host":"evil.test"' in audit.read_text()
 
 
 INSPECTED = """\
@@ -140,10 +141,6 @@ SWAP_SECRET = (
 def test_a_secret_is_read_once_at_start_never_again_from_a_folder_the_sandbox_replaced(
     topology: Topology, fakenet: FakeNet, test_ca: TestCA, project: Path, tmp_path: Path
 ):
-    from gateway_proc import AIRLOCK
-    from hostcgroups import with_host_cgroups
-    from topology import DNS_SERVER
-
     secret = _users_folder(project / "keys") / "model_api"
     secret.write_text(SECRET + "\n")
     secret.chmod(0o600)  # root's: the sandbox reads nothing of it (and it is hidden there anyway)
@@ -177,10 +174,6 @@ WAIT = "touch started; i=0; while [ ! -e finish ] && [ $i -lt 100 ]; do sleep 0.
 def test_a_reload_naming_a_file_the_sandbox_could_swap_is_refused_and_the_running_policy_stays(
     topology: Topology, project: Path, tmp_path: Path
 ):
-    from gateway_proc import AIRLOCK
-    from hostcgroups import with_host_cgroups
-    from topology import DNS_SERVER
-
     tool = _users_folder(project / "tools") / "lookup"
     policy = tmp_path / "policy.yaml"
     policy.write_text(E2E_POLICY.read_text())

@@ -16,7 +16,7 @@ from airlock.cli.common import UsageError
 from airlock.cli.run import parse_mount, passed_env
 from airlock.gatewayconfig import GatewayConfig
 from airlock.policy import load_policy
-from airlock.sandbox import netns
+from airlock.sandbox import netns, netns_launch
 from airlock.sandbox.netns import SandboxError, accessible_by, credential_paths
 from airlock.sandbox.netns_launch import (
     choose_isolation,
@@ -197,6 +197,32 @@ def test_a_gateway_input_the_command_could_change_is_refused(privileged: None, t
     os.chown(policy, user.pw_uid, user.pw_gid)
     with pytest.raises(SandboxError, match=r"--policy .*/policy\.yaml: agent, who runs the sandboxed command, may "):
         refuse_inputs_in_reach(sandbox_reach(False, user, []), config)
+
+
+def test_the_packaged_policy_of_a_checkout_run_from_itself_is_not_refused(
+    privileged: None, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """`sudo .venv/bin/airlock run -- CMD` in a checkout its user owns: the default policy lies in configs/, which
+    is bound read-only with airlock's own code (a mount point: it cannot be renamed); a file beside it is refused."""
+    user = _user(tmp_path)
+    checkout = Path(user.pw_dir) / "airlock"
+    for folder in (checkout, checkout / "configs", checkout / ".venv", checkout / "notes"):
+        folder.mkdir()
+        os.chown(folder, user.pw_uid, user.pw_gid)
+    (checkout / "configs" / "default.yaml").write_text("version: 1\nprofiles:\n  default: {}\n")
+    (checkout / "notes" / "policy.yaml").write_text("version: 1\nprofiles:\n  default: {}\n")
+    monkeypatch.chdir(checkout)
+    monkeypatch.setattr(netns_launch, "airlock_code", lambda: [checkout / ".venv", checkout / "configs"])
+    reach = sandbox_reach(True, user, kept_from_writes(True, user))
+    packaged = GatewayConfig(
+        load_policy(checkout / "configs" / "default.yaml"), "0.0.0.0", state_dir=str(tmp_path / "state")
+    )
+    refuse_inputs_in_reach(reach, packaged)
+    beside = GatewayConfig(
+        load_policy(checkout / "notes" / "policy.yaml"), "0.0.0.0", state_dir=str(tmp_path / "state")
+    )
+    with pytest.raises(SandboxError, match=f"the default policy {checkout}/notes/policy.yaml: the sandbox may write "):
+        refuse_inputs_in_reach(reach, beside)
 
 
 def test_without_bubblewrap_auto_refuses_instead_of_falling_back(monkeypatch: pytest.MonkeyPatch) -> None:
