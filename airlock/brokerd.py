@@ -12,7 +12,7 @@ import os
 import socket
 import ssl
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +31,6 @@ from airlock.broker.tokens import KeyRing, TokenAuthority
 from airlock.broker.tools import TOOLS
 from airlock.brokerconfig import BrokerConfig, BrokerConfigError, broker_url
 from airlock.dns.upstream import ResolveError, Resolver
-from airlock.inspection.secrets import SecretValues
 from airlock.policy import (
     HostError,
     IPAddress,
@@ -213,8 +212,10 @@ class BrokerRuntime:
         resolver: Resolver,
         emit: Any,
         upstream_ca: str | None,
+        secrets: Mapping[str, str],
     ) -> None:
         self.config = config
+        self.secrets = secrets  # the --secret values, read once by the gateway
         self.state_dir = state_dir
         self.live = live  # the broker names sandboxes by the live policy's registry, as the proxy and DNS do
         self.resolver = resolver
@@ -228,10 +229,8 @@ class BrokerRuntime:
 
     async def start(self, listen: str) -> Broker:
         config = self.config
-        # Before anything is opened: a missing secret or a tool this broker cannot serve stops the start.
-        runtime = Runtime(
-            SecretValues.read(config.secrets), SharedResolver(self.resolver).ip_addresses, self.vet, self.upstream_ca
-        )
+        # Before anything is opened: a tool this broker cannot serve (a secret it was not given) stops the start.
+        runtime = Runtime(self.secrets, SharedResolver(self.resolver).ip_addresses, self.vet, self.upstream_ca)
         self.declared = DeclaredTools(lambda: self.live.current.policy, runtime, TOOLS)
         if problems := self.declared.problems(self.live.current.policy):
             raise BrokerConfigError("\n".join(problems))

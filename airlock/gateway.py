@@ -47,6 +47,7 @@ from airlock.policy import IPAddress, LivePolicy, Policy, PolicyError, Sandbox, 
 from airlock.preload import preload_admin, preload_proxy
 from airlock.reload import PolicyReloader, Reloaded
 from airlock.sandbox.fence import mark_listeners
+from airlock.sandbox.reach import policy_files
 
 if TYPE_CHECKING:
     from airlock.broker.service import Broker
@@ -251,6 +252,12 @@ class Gateway:
             ipaddress.ip_address(config.listen)
         except ValueError:
             raise GatewayError(f"listen address {config.listen!r}: give an IP address (127.0.0.1, ::1, ...)") from None
+        # Read once, before any sandbox runs, for the broker and the inspection alike: a file is never read again
+        # (a sandbox that replaced it, or a folder on its way, changes nothing).
+        try:
+            self.secrets = SecretValues.read(config.broker.secrets)
+        except AirlockError as e:
+            raise GatewayError(str(e)) from e
         before, open_files, hard = raise_open_file_limit()
         self.caps = connection_caps(
             open_files,
@@ -324,7 +331,7 @@ class Gateway:
         except PolicyError as e:
             await self.stop()
             raise GatewayError("; ".join(e.errors)) from e
-        except AirlockError as e:  # a --secret that cannot be read, a CA that cannot be written
+        except AirlockError as e:  # a CA that cannot be written
             await self.stop()
             raise GatewayError(str(e)) from e
         try:
@@ -352,7 +359,7 @@ class Gateway:
             from airlock.brokerd import BrokerRuntime
 
             runtime = BrokerRuntime(
-                config.broker, Path(self._state_dir), live, self.resolver, self.emit, config.upstream_ca
+                config.broker, Path(self._state_dir), live, self.resolver, self.emit, config.upstream_ca, self.secrets
             )  # fmt: skip
             self._broker_runtime = runtime
             try:
@@ -548,7 +555,10 @@ class Gateway:
         if self.live is None:
             raise GatewayError("the gateway has not started: no policy to replace")
         running = self.live.current.policy.hash
+        reach = self.config.sandbox_reach
         try:
+            if reach is not None and (problems := reach.problems(policy_files(policy))):
+                raise PolicyError(problems)  # a file it names could be the sandbox's (airlock/sandbox/reach.py)
             if self._broker_runtime is not None and (problems := self._broker_runtime.problems(policy)):
                 raise PolicyError(problems)  # e.g. a declared tool naming a secret the gateway was not given
             if problems := self.live.refusals(policy):  # before the inspection follows it: nothing of it then
@@ -569,7 +579,7 @@ class Gateway:
                 return
             from airlock.inspector import Inspector
 
-            self.inspector = Inspector(Path(self._state_dir), SecretValues.read(self.config.broker.secrets))
+            self.inspector = Inspector(Path(self._state_dir), self.secrets)
             if self._master is not None:
                 self._master.addons.get("tlsconfig").issuer = self.inspector
         if problems := self.inspector.problems(policy):

@@ -5,10 +5,14 @@ before a sandbox exists imports none of the gateway's machinery (DNS server, aud
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from airlock.brokerconfig import BrokerConfig
 from airlock.dns.upstream import Server
 from airlock.policy import Policy, Sandbox
+
+if TYPE_CHECKING:
+    from airlock.sandbox.reach import Reach
 
 
 @dataclass
@@ -37,3 +41,7 @@ class GatewayConfig:
     broker: BrokerConfig = field(default_factory=BrokerConfig)
     policy_path: str | None = None  # the file `--scope policy` approvals write into; None: none may
     approval_webhook: str | None = None  # where each request held for approval is posted (JSON)
+    # What the sandbox may change on the host (`airlock run`'s netns backend): a policy put in force later must
+    # name no file there. None: nothing to judge (docker's sandboxes write no host path; `airlock gateway`'s are
+    # its operator's).
+    sandbox_reach: Reach | None = None

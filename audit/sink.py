@@ -8,6 +8,10 @@ gateway denies every new decision until a write succeeds again: nothing is allow
 lines that could not be written wait (up to MAX_WAITING_BYTES) and go out first once writing works again. A file
 that was removed or renamed away (log rotation) is noticed at the next write, and a new one is created at the path:
 the lines that follow are never written into a file nobody can find.
+
+The log's folder is held by a descriptor from the start, and a new file is only ever made in that folder, while it
+is still the one at its path: a folder renamed away and replaced (by another folder, or a symlink to one) is never
+followed — the lines go on into the file already open, and stderr says so once.
 """
 
 from __future__ import annotations
@@ -27,17 +31,50 @@ REPORT_INTERVAL = 10.0  # while the log cannot be written, stderr is told again 
 log = logging.getLogger("airlock.audit")
 
 
-class _Sink:
-    """One destination: its file descriptor and the bytes it has not taken yet."""
+class _Folder:
+    """The folder of a log file, held by a descriptor, and the identity (device, inode) it had at its path."""
 
-    def __init__(self, name: str, fd: int, path: str | None = None) -> None:
-        self.name, self.fd, self.path = name, fd, path
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.fd = os.open(path, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+        st = os.fstat(self.fd)
+        self.identity = st.st_dev, st.st_ino
+
+    def in_place(self) -> bool:
+        """Whether the path still leads to this folder (not renamed away, nor replaced, nor a symlink on the way
+        turned elsewhere)."""
+        try:
+            st = os.stat(self.path)
+        except OSError:
+            return False
+        return (st.st_dev, st.st_ino) == self.identity
+
+    def open_log(self, name: str) -> int:
+        # O_NOFOLLOW: a symlink planted where the log goes must not make the gateway append to another file.
+        flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
+        return os.open(name, flags, 0o640, dir_fd=self.fd)
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+
+class _Sink:
+    """One destination: its file descriptor and the bytes it has not taken yet; a file's with its folder, held."""
+
+    def __init__(self, name: str, fd: int, folder: _Folder | None = None) -> None:
+        self.name, self.fd, self.folder = name, fd, folder
         self.waiting = bytearray()
         self.error: str | None = None
+        self.stranded = False  # the folder is no longer at its path: the lines go on into the open file
 
     @classmethod
     def open(cls, path: str) -> _Sink:
-        return cls(path, _open_log(path), path)
+        folder = _Folder(os.path.dirname(path) or ".")
+        try:
+            return cls(path, folder.open_log(os.path.basename(path)), folder)
+        except BaseException:
+            folder.close()
+            raise
 
     def write(self, data: bytes) -> int:
         """Queue `data` (dropped when too much already waits: the count of lines lost) and write out what waits."""
@@ -47,8 +84,8 @@ class _Sink:
         else:
             self.waiting += data
         try:
-            if self.path is not None:
-                self._follow_path()
+            if self.folder is not None:
+                self._follow_path(self.folder)
             while self.waiting:
                 written = os.write(self.fd, self.waiting)
                 del self.waiting[:written]
@@ -58,39 +95,52 @@ class _Sink:
             self.error = None
         return lost
 
-    def _follow_path(self) -> None:
+    def _follow_path(self, folder: _Folder) -> None:
         """Reopen the path when the open file is no longer there (removed, or renamed away by log rotation)."""
-        assert self.path is not None
         current = os.fstat(self.fd)
         try:
-            named = os.stat(self.path, follow_symlinks=False)
+            named = os.stat(os.path.basename(self.name), dir_fd=folder.fd, follow_symlinks=False)
             if (named.st_dev, named.st_ino) == (current.st_dev, current.st_ino):
                 return
         except FileNotFoundError:
             pass
-        fd = _open_log(self.path)
+        if self._stranded(folder):
+            return
+        fd = folder.open_log(os.path.basename(self.name))
         os.close(self.fd)
         self.fd = fd
-        log.warning("audit log %s was removed or replaced: writing on in a new file at that path", self.path)
+        log.warning("audit log %s was removed or replaced: writing on in a new file at that path", self.name)
+
+    def _stranded(self, folder: _Folder) -> bool:
+        """Whether the folder was moved from its path (said once): then no file is made anew, in it or elsewhere."""
+        if folder.in_place():
+            self.stranded = False
+            return False
+        if not self.stranded:
+            log.error(
+                "audit log folder %s was moved or replaced: writing on to the file already open, never into a "
+                "folder put in its place", folder.path,
+            )  # fmt: skip
+        self.stranded = True
+        return True
 
     def reopen(self) -> None:
         """A new file descriptor for the path (the old one is closed); on failure the old one stays in use."""
-        assert self.path is not None
+        assert self.folder is not None
+        if self._stranded(self.folder):
+            return
         try:
-            fd = _open_log(self.path)
+            fd = self.folder.open_log(os.path.basename(self.name))
         except OSError as e:
-            log.error("audit log %s not reopened (%s): writing on to the file already open", self.path, e.strerror)
+            log.error("audit log %s not reopened (%s): writing on to the file already open", self.name, e.strerror)
             return
         os.close(self.fd)
         self.fd = fd
 
     def close(self) -> None:
         os.close(self.fd)
-
-
-def _open_log(path: str) -> int:
-    # O_NOFOLLOW: a symlink planted where the log goes must not make the gateway append to another file.
-    return os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o640)
+        if self.folder is not None:
+            self.folder.close()
 
 
 class AuditLog:

@@ -41,6 +41,7 @@ from .fence import (
     refuse_udp_here,
     write_sysctl,
 )
+from .reach import permissions
 from .watchdog import Watchdog
 from .workdir import WorkdirGuard
 
@@ -401,23 +402,10 @@ def workdir_problem(cwd: Path, user: pwd.struct_passwd) -> str | None:
     return None
 
 
-def writable_in_sandbox(path: Path, user: pwd.struct_passwd, isolate_fs: bool) -> bool:
-    """Could the command change `path` (or put something in its place)? With bubblewrap only the working
-    directory is writable; without it, the file's and its folder's mode bits decide."""
-    path = path.resolve()
-    if isolate_fs:
-        return Path.cwd().resolve() in (path, *path.parents)
-    for entry in (path, path.parent):
-        with contextlib.suppress(OSError):
-            if _permissions(entry.stat(), user) & 0o2:
-                return True
-    return False
-
-
 def may_write(folder: Path, user: pwd.struct_passwd) -> bool:
     """May `user` create files in `folder`, by its mode bits (write and search)?"""
     try:
-        return _permissions(folder.stat(), user) & 0o3 == 0o3
+        return permissions(folder.stat(), user) & 0o3 == 0o3
     except OSError:
         return False
 
@@ -473,16 +461,7 @@ def accessible_by(path: Path, user: pwd.struct_passwd) -> list[Path]:
     """Files and sockets at or under `path` the user may read or write by their mode bits, as its uid or one of
     its groups (the directories along the way are not considered: this errs towards "accessible")."""
     entries = [path] if not path.is_dir() else [p for p in path.rglob("*") if p.is_file() or p.is_socket()]
-    return [entry for entry in entries if _permissions(entry.lstat(), user) & 0o6]
-
-
-def _permissions(st: os.stat_result, user: pwd.struct_passwd) -> int:
-    """The rwx bits (0-7) of a file's mode that apply to `user`: as its owner, a member of its group, or other."""
-    if st.st_uid == user.pw_uid:
-        return (st.st_mode >> 6) & 0o7
-    if st.st_gid in os.getgrouplist(user.pw_name, user.pw_gid):
-        return (st.st_mode >> 3) & 0o7
-    return st.st_mode & 0o7
+    return [entry for entry in entries if permissions(entry.lstat(), user) & 0o6]
 
 
 def bubblewrap_available() -> bool:

@@ -4,8 +4,10 @@ netns backend. Its docker twin is `airlock.sandbox.docker_launch.launch()`.
 
 Checked before anything exists: the command's user (never root), and what it must not read or change. bubblewrap
 hides the gateway's credentials, the usual ones of the user's home and the host services that would act outside
-the sandbox's network, and binds the gateway's inputs and airlock's own code read-only; with isolation "none"
-nothing can be hidden, so `launch()` refuses while any of them is in the user's reach. Then, in this order: the
+the sandbox's network, and binds airlock's own code read-only; with isolation "none" nothing can be hidden, so
+`launch()` refuses while any of them is in the user's reach. Whatever the gateway reads or writes by path while the
+command runs (`gateway_inputs`) is refused where the command could change it or a folder on its way
+(`airlock.sandbox.reach`), and so is a policy put in force later that names such a file. Then, in this order: the
 watchdog, the namespace and its fence, the cgroup, the gateway, the environment and token, the working directory's
 guard, the command. `close()` goes back: everything in the namespace is killed and namespace, link and fence are
 removed, then the cgroup, then the working directory is checked, then the gateway stops, then the state directory
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import os
 import pwd
 import sys
@@ -30,6 +33,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from airlock.broker.grants import Grant
+from airlock.brokerconfig import admin_endpoint
 from airlock.gatewayconfig import GatewayConfig
 from airlock.preload import preload_proxy
 
@@ -47,6 +51,7 @@ from .embedded import (
 )
 from .limits import DEFAULT_OUTPUT_LIMIT, TIMEOUT, Resources, limit_problem, rlimit_argv
 from .netns import SYSTEM_TRUST_BUNDLE, NetnsSandbox, SandboxError
+from .reach import Reach, policy_files
 from .watchdog import Watchdog
 from .workdir import WorkdirError, WorkdirGuard
 
@@ -200,7 +205,8 @@ async def launch(
     pw = netns.resolve_user(user)  # everything that can be refused is, before anything is created
     prepare_call_log(gateway)
     hidden = hidden_paths(isolate_fs, pw, gateway_credentials(gateway))
-    read_only = kept_from_writes(isolate_fs, pw, gateway_inputs(gateway))
+    read_only = kept_from_writes(isolate_fs, pw)
+    reach = sandbox_reach(isolate_fs, pw, [*hidden, *read_only])
     resources = resources or Resources()
     controllers = cgroups.host_parents()
     notes = cgroups.check(resources, controllers)
@@ -213,6 +219,8 @@ async def launch(
     gateway, state = state_directory(gateway)
     own = None
     try:
+        refuse_inputs_in_reach(reach, gateway)  # the state directory too, also a temporary one
+        gateway = dataclasses.replace(gateway, sandbox_reach=reach)  # and what a reload brings
         if watchdog is None:
             own = await asyncio.to_thread(Watchdog.start, timeout, [state.name] if state else [])
     except BaseException:
@@ -354,11 +362,37 @@ def choose_isolation(requested: str) -> str:
     return "bwrap" if requested == "auto" else requested
 
 
-def gateway_inputs(config: GatewayConfig) -> list[Path]:
-    """What the gateway reads or appends to, which the command must not change: the policy file (if it came from
-    one), the upstream CA bundle and the audit log."""
-    policy = [Path(config.policy.source)] if Path(config.policy.source).is_file() else []
-    return policy + [Path(p) for p in (config.upstream_ca, config.audit_path) if p]
+def gateway_inputs(config: GatewayConfig) -> list[tuple[str, str]]:
+    """What the gateway reads or writes by path while the command runs, each with the option that named it: the
+    policy file and the files it names (`policy_files`), the audit log (made anew after a rotation), the upstream CA
+    bundle, the system's (read for each new gateway CA), the state directory, the call log and the admin socket; and
+    airlock's own code, which the gateway goes on importing (and root runs next time). Secrets, the GitHub key
+    and the token file are read once, before the command starts."""
+    named = policy_files(config.policy, "--policy" if config.policy_path else "the default policy")
+    files = {"--upstream-ca": config.upstream_ca, "--audit": config.audit_path, "--state-dir": config.state_dir}
+    if config.broker.port:
+        files["--call-log"] = config.broker.call_log
+    if config.admin and isinstance(socket := admin_endpoint(config.admin), Path):
+        files["--admin"] = str(socket)
+    if Path(SYSTEM_TRUST_BUNDLE).exists():
+        files["the system's CA bundle"] = SYSTEM_TRUST_BUNDLE
+    named += [(option, path) for option, path in files.items() if path]
+    return named + [("airlock's own code", str(path)) for path in airlock_code()]
+
+
+def sandbox_reach(isolate_fs: bool, user: pwd.struct_passwd, mounted: list[Path]) -> Reach:
+    """What the command may change on the host: with bubblewrap its working directory, but for the folders
+    bubblewrap hides or binds read-only there (`mounted`); without bubblewrap whatever its user may."""
+    if not isolate_fs:
+        return Reach(user, None)
+    return Reach(user, (Path.cwd().resolve(),), frozenset(p for p in mounted if p.is_dir()))
+
+
+def refuse_inputs_in_reach(reach: Reach, config: GatewayConfig) -> None:
+    """SandboxError when the command could change one of the gateway's inputs, or put another file in its place
+    through a folder on its way: bubblewrap can bind a file read-only, not the folders around it."""
+    if problems := reach.problems(gateway_inputs(config)):
+        raise SandboxError(problems[0])
 
 
 def hidden_paths(isolate_fs: bool, user: pwd.struct_passwd, credentials: list[str]) -> list[Path]:
@@ -382,30 +416,30 @@ def hidden_paths(isolate_fs: bool, user: pwd.struct_passwd, credentials: list[st
     return []
 
 
-def kept_from_writes(isolate_fs: bool, user: pwd.struct_passwd, inputs: list[Path]) -> list[Path]:
-    """What the command must not change although it may be in reach: the gateway's `inputs` and airlock's own
-    code, which root runs next time. bubblewrap binds these read-only (returned); without it, refuse to start. A
-    working directory whose files run outside the sandbox is refused either way."""
-    if isolate_fs and (problem := netns.workdir_problem(Path.cwd(), user)):
+def kept_from_writes(isolate_fs: bool, user: pwd.struct_passwd) -> list[Path]:
+    """What bubblewrap binds read-only although it lies in the writable working directory: airlock's own code and
+    environment, which root runs next time (without bubblewrap, `refuse_inputs_in_reach` refuses them in the
+    user's reach). A working directory whose files run outside the sandbox is refused."""
+    if not isolate_fs:
+        return []
+    cwd = Path.cwd().resolve()
+    if problem := netns.workdir_problem(cwd, user):
         raise SandboxError(f"the working directory {Path.cwd()} would be writable in the sandbox, but {problem}")
-    exposed = [p for p in [*inputs, *airlock_code()] if netns.writable_in_sandbox(p, user, isolate_fs)]
-    if exposed and not isolate_fs:
-        raise SandboxError(
-            f"{exposed[0]} could be changed by {user.pw_name}, who runs the sandboxed command, and --isolation none "
-            "cannot protect it: make it (and its folder) root's, or use bubblewrap"
-        )
-    return exposed
+    return [path for path in airlock_code() if cwd in (path.resolve(), *path.resolve().parents)]
 
 
 def airlock_code() -> list[Path]:
-    """Where this airlock and its Python environment live (an editable install's source folders included)."""
+    """Where this airlock and its Python environment live (an editable install's source folders included, and the
+    packaged policies)."""
     import airlock
+    import airlock.audit
     import airlock.broker
+    import airlock.configs
     import airlock.dns
     import airlock.policy
     import airlock.proxy
 
-    packages = (airlock, airlock.broker, airlock.dns, airlock.policy, airlock.proxy)
+    packages = (airlock, airlock.audit, airlock.broker, airlock.configs, airlock.dns, airlock.policy, airlock.proxy)
     return [Path(sys.prefix)] + [Path(module.__file__).parent for module in packages if module.__file__]
 
 

@@ -279,18 +279,19 @@ def test_run_hides_the_users_session_services(run_in_gw, topology: Topology):
             session.rmdir()
 
 
-def test_a_policy_in_the_working_directory_is_read_only_for_the_command(run_in_gw, topology: Topology):
+def test_a_policy_in_the_working_directory_is_refused(run_in_gw, topology: Topology):
+    """Bound read-only, the file would still be the sandbox's once an editor saved it by renaming a new file over it
+    (the bind stays with the old file) — and the folder around it is the sandbox's anyway: refused before anything
+    runs (tests/e2e/test_run_inputs.py has the attacks)."""
     project = Path(tempfile.mkdtemp(prefix=f"{topology.prefix}-pol-", dir="/var/tmp"))
     try:
         project.chmod(0o777)
         policy = project / "policy.yaml"
         policy.write_text(E2E_POLICY.read_text())
-        policy.chmod(0o666)  # anyone may write it, by its permissions
-        script = "echo '      - host: evil.test' >> policy.yaml && echo WIDENED; echo x > notes.txt && echo NOTES"
         # This run's policy is the one in its working directory (the last --policy wins over run_in_gw's).
-        result = run_in_gw("sh", "-c", script, cwd=project, options=("--policy", str(policy)))
-        assert "NOTES" in result.stdout, result.stderr  # the rest of the folder is the command's to write
-        assert "WIDENED" not in result.stdout and policy.read_text() == E2E_POLICY.read_text()
+        result = run_in_gw("sh", "-c", "echo RAN", cwd=project, options=("--policy", str(policy)))
+        assert result.returncode == 2 and "RAN" not in result.stdout, result
+        assert f"airlock: --policy {policy}: the sandbox may write {project}, a folder on its way" in result.stderr
     finally:
         shutil.rmtree(project)
 

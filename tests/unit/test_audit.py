@@ -58,13 +58,13 @@ def test_lines_wait_for_the_log_up_to_a_bound(monkeypatch: pytest.MonkeyPatch, c
 def test_writing_again_is_said_and_clears_the_failure(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     log = AuditLog(tmp_path / "audit.jsonl")
     sink = log._sinks[0]
-    good, sink.path = sink.fd, None  # a stream that fails, then works again
+    good, folder, sink.folder = sink.fd, sink.folder, None  # a stream that fails, then works again
     with open("/dev/full", "wb") as full:
         sink.fd = full.fileno()
         log.emit(record("/while-full"))
         log.flush()
         assert log.failure == f"{tmp_path / 'audit.jsonl'}: No space left on device"
-        sink.fd = good
+        sink.fd, sink.folder = good, folder
     log.flush()
     assert log.failure is None and paths(tmp_path / "audit.jsonl") == ["/while-full"]
     assert "audit log written again" in caplog.records[-1].getMessage()
@@ -122,5 +122,49 @@ def test_a_reopen_that_fails_keeps_the_open_file(tmp_path: Path, caplog: pytest.
     (directory / "audit.jsonl").unlink()
     directory.rmdir()  # nowhere to create the file again
     log.reopen()
-    assert "not reopened" in caplog.records[-1].getMessage()
+    assert "writing on to the file already open" in caplog.records[-1].getMessage()
     log.close()
+
+
+@pytest.mark.parametrize("replacement", ["folder", "symlink"])
+def test_a_folder_swapped_on_the_way_is_never_followed(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, replacement: str
+) -> None:
+    """The log's folder renamed away and another put at its path (a folder, or a symlink to one the gateway's user
+    may write): the lines go on into the file already open, nothing is made in the folder put in its place —
+    neither at the next write nor at SIGUSR1 — and stderr says so once."""
+    logs, chosen = tmp_path / "logs", tmp_path / "chosen"
+    logs.mkdir()
+    chosen.mkdir()
+    log = AuditLog(logs / "audit.jsonl")
+    log.emit(record("/before"))
+    log.flush()
+    logs.rename(tmp_path / "logs.old")
+    if replacement == "folder":
+        logs.mkdir()
+    else:
+        logs.symlink_to(chosen)
+    for path in ("/after", "/later"):
+        log.emit(record(path))
+        log.flush()
+    log.reopen()
+    log.emit(record("/reopened"))
+    log.close()
+    assert paths(tmp_path / "logs.old" / "audit.jsonl") == ["/before", "/after", "/later", "/reopened"]
+    assert list(chosen.iterdir()) == [] and not (logs / "audit.jsonl").exists()
+    said = [r.getMessage() for r in caplog.records if "was moved or replaced" in r.getMessage()]
+    assert said == [
+        f"audit log folder {logs} was moved or replaced: writing on to the file already open, never into a folder "
+        "put in its place"
+    ]
+
+
+def test_a_log_rotated_in_its_folder_is_made_anew_in_that_folder(tmp_path: Path) -> None:
+    """Rotation within the held folder, reached through a symlink that stays as it was: created again there."""
+    (tmp_path / "real").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "real")
+    log = AuditLog(tmp_path / "link" / "audit.jsonl")
+    (tmp_path / "real" / "audit.jsonl").rename(tmp_path / "real" / "audit.jsonl.1")
+    log.emit(record("/after"))
+    log.close()
+    assert paths(tmp_path / "real" / "audit.jsonl") == ["/after"]

@@ -13,9 +13,18 @@ import pytest
 from airlock import cli
 from airlock.cli.common import UsageError
 from airlock.cli.run import parse_mount, passed_env
-from airlock.sandbox import netns
+from airlock.gatewayconfig import GatewayConfig
+from airlock.policy import load_policy
+from airlock.sandbox import netns, netns_launch
 from airlock.sandbox.netns import SandboxError, accessible_by, credential_paths
-from airlock.sandbox.netns_launch import choose_isolation, hidden_paths, host_environment, kept_from_writes
+from airlock.sandbox.netns_launch import (
+    choose_isolation,
+    hidden_paths,
+    host_environment,
+    kept_from_writes,
+    refuse_inputs_in_reach,
+    sandbox_reach,
+)
 from airlock.sandbox.workdir import WorkdirGuard
 
 
@@ -239,45 +248,54 @@ def test_working_directories_the_command_may_not_write(tmp_path: Path, cwd: str,
     assert (found is None) if problem is None else (found is not None and problem in found)
 
 
-def test_gateway_inputs_and_airlocks_code_in_reach_are_kept_read_only(
+def test_airlocks_own_code_in_the_working_directory_is_kept_read_only(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     user = _user(tmp_path)
     project = Path(user.pw_dir) / "project"
     project.mkdir()
     monkeypatch.chdir(project)
-    inside = project / "policy.yaml"
-    inside.write_text("version: 1\n")
-    outside = tmp_path / "policy.yaml"
-    outside.write_text("version: 1\n")
-    assert kept_from_writes(True, user, [inside]) == [inside]
-    assert kept_from_writes(True, user, [outside]) == []
     # airlock's own code and environment, when the working directory holds them (an editable install).
     monkeypatch.setattr(sys, "prefix", str(project / ".venv"))
-    assert kept_from_writes(True, user, []) == [project / ".venv"]
+    assert kept_from_writes(True, user) == [project / ".venv"]
+    assert kept_from_writes(False, user) == []  # nothing can be bound: its inputs are judged instead
 
 
-def test_without_bubblewrap_a_gateway_input_the_user_may_change_is_refused(privileged: None, tmp_path: Path) -> None:
+def test_a_gateway_input_the_command_could_change_is_refused(privileged: None, tmp_path: Path) -> None:
     user = _user(tmp_path)
     policy = tmp_path / "policy.yaml"
-    policy.write_text("version: 1\n")
+    policy.write_text("version: 1\nprofiles:\n  default: {}\n")
+    config = GatewayConfig(load_policy(policy), "0.0.0.0", policy_path=str(policy))
+    refuse_inputs_in_reach(sandbox_reach(False, user, []), config)  # root's file in root's folders
     os.chown(policy, user.pw_uid, user.pw_gid)
-    with pytest.raises(SandboxError, match=r"policy\.yaml could be changed by agent"):
-        kept_from_writes(False, user, [policy])
+    with pytest.raises(SandboxError, match=r"--policy .*/policy\.yaml: agent, who runs the sandboxed command, may "):
+        refuse_inputs_in_reach(sandbox_reach(False, user, []), config)
 
 
-def test_without_bubblewrap_the_mode_bits_decide_who_may_change_an_input(privileged: None, tmp_path: Path) -> None:
+def test_the_packaged_policy_of_a_checkout_run_from_itself_is_not_refused(
+    privileged: None, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """`sudo .venv/bin/airlock run -- CMD` in a checkout its user owns: the default policy lies in configs/, which
+    is bound read-only with airlock's own code (a mount point: it cannot be renamed); a file beside it is refused."""
     user = _user(tmp_path)
-    folder = tmp_path / "etc"
-    folder.mkdir()
-    policy = folder / "policy.yaml"
-    policy.write_text("version: 1\n")
-    assert not netns.writable_in_sandbox(policy, user, False)  # root's file in root's folder
-    os.chown(folder, user.pw_uid, 0)
-    assert netns.writable_in_sandbox(policy, user, False)  # the folder is the user's: the file can be replaced
-    os.chown(folder, 0, 0)
-    os.chown(policy, user.pw_uid, 0)
-    assert netns.writable_in_sandbox(policy, user, False)
+    checkout = Path(user.pw_dir) / "airlock"
+    for folder in (checkout, checkout / "configs", checkout / ".venv", checkout / "notes"):
+        folder.mkdir()
+        os.chown(folder, user.pw_uid, user.pw_gid)
+    (checkout / "configs" / "default.yaml").write_text("version: 1\nprofiles:\n  default: {}\n")
+    (checkout / "notes" / "policy.yaml").write_text("version: 1\nprofiles:\n  default: {}\n")
+    monkeypatch.chdir(checkout)
+    monkeypatch.setattr(netns_launch, "airlock_code", lambda: [checkout / ".venv", checkout / "configs"])
+    reach = sandbox_reach(True, user, kept_from_writes(True, user))
+    packaged = GatewayConfig(
+        load_policy(checkout / "configs" / "default.yaml"), "0.0.0.0", state_dir=str(tmp_path / "state")
+    )
+    refuse_inputs_in_reach(reach, packaged)
+    beside = GatewayConfig(
+        load_policy(checkout / "notes" / "policy.yaml"), "0.0.0.0", state_dir=str(tmp_path / "state")
+    )
+    with pytest.raises(SandboxError, match=f"the default policy {checkout}/notes/policy.yaml: the sandbox may write "):
+        refuse_inputs_in_reach(reach, beside)
 
 
 def test_without_bubblewrap_auto_refuses_instead_of_falling_back(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from airlock.brokerconfig import BrokerConfig, SecretSource, parse_secret
-from airlock.brokerd import BrokerRuntime
+from airlock.gateway import Gateway, GatewayConfig, GatewayError
 from airlock.inspection import InspectionError
 from airlock.inspection.secrets import (
     MAX_SECRET,
@@ -19,8 +19,10 @@ from airlock.inspection.secrets import (
     parse_placeholder_env,
     placeholder,
 )
+from airlock.policy import parse_policy
 
 TOKEN = "sk-test_0123456789abcdef/+=.~"
+POLICY = "version: 1\nprofiles:\n  default:\n    allow:\n      - host: example.com\n"
 
 
 def from_file(tmp_path: Path, content: bytes, name: str = "api") -> SecretValues:
@@ -101,13 +103,21 @@ def test_the_values_are_a_mapping_whose_repr_shows_no_value() -> None:
     assert repr(values) == "SecretValues(['a', 'b'])"
 
 
-async def test_the_broker_reads_its_secrets_with_the_same_reader(tmp_path: Path) -> None:
-    """Two trailing line breaks, which the broker used to strip silently, stop its start like any bad value."""
-    (tmp_path / "t").write_text(TOKEN + "\n\n")
-    config = BrokerConfig(secrets=[parse_secret(f"T=file:{tmp_path}/t")])
-    runtime = BrokerRuntime(config, tmp_path, None, None, None, None)  # type: ignore[arg-type]
-    with pytest.raises(InspectionError, match=r"--secret T: file .* must hold one token"):
-        await runtime.start("127.0.0.1")
+def test_the_gateway_reads_its_secrets_once_with_the_same_reader_before_anything_starts(tmp_path: Path) -> None:
+    """Two trailing line breaks, which the broker used to strip silently, stop the gateway like any bad value; a
+    good file is read when the gateway is made, for broker and inspection alike, and never again."""
+    secret = tmp_path / "t"
+    secret.write_text(TOKEN + "\n\n")
+    config = GatewayConfig(
+        parse_policy(POLICY), "127.0.0.1", state_dir=str(tmp_path / "state"),
+        broker=BrokerConfig(secrets=[parse_secret(f"T=file:{secret}")]),
+    )  # fmt: skip
+    with pytest.raises(GatewayError, match=r"--secret T: file .* must hold one token"):
+        Gateway(config)
+    secret.write_text(TOKEN + "\n")
+    gateway = Gateway(config)
+    secret.write_text("replaced-later\n")
+    assert dict(gateway.secrets) == {"T": TOKEN}
 
 
 def test_placeholders() -> None:

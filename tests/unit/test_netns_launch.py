@@ -14,14 +14,16 @@ from pathlib import Path
 
 import pytest
 
+import airlock.configs
+from airlock.brokerconfig import BrokerConfig
 from airlock.cli import build_parser
 from airlock.cli.common import default_policy_path
 from airlock.cli.run import run_config
 from airlock.gateway import GatewayConfig, GatewayError
 from airlock.policy import load_policy, parse_policy
 from airlock.sandbox import netns, netns_launch
-from airlock.sandbox.netns import SandboxError
-from airlock.sandbox.netns_launch import gateway_inputs, unwritable_workdir
+from airlock.sandbox.netns import SYSTEM_TRUST_BUNDLE, SandboxError
+from airlock.sandbox.netns_launch import airlock_code, gateway_inputs, unwritable_workdir
 
 POLICY = "version: 1\nprofiles:\n  default:\n    allow:\n      - host: pypi.org\n"
 
@@ -90,9 +92,21 @@ def test_the_note_comes_before_anything_is_created(
 def test_the_gateways_inputs_come_from_its_config(tmp_path: Path) -> None:
     path = tmp_path / "policy.yaml"
     path.write_text(POLICY)
-    config = GatewayConfig(load_policy(path), "0.0.0.0", upstream_ca="/ca.pem", audit_path=str(tmp_path / "a.log"))
-    assert gateway_inputs(config) == [path, Path("/ca.pem"), tmp_path / "a.log"]
-    assert gateway_inputs(GatewayConfig(parse_policy(POLICY), "0.0.0.0")) == []  # not read from a file
+    config = GatewayConfig(
+        load_policy(path), "0.0.0.0", upstream_ca="/ca.pem", audit_path=str(tmp_path / "a.log"), state_dir="/st",
+        admin=str(tmp_path / "admin.sock"), policy_path=str(path), broker=BrokerConfig(port=8080, call_log="/calls"),
+    )  # fmt: skip
+    code = [("airlock's own code", str(p)) for p in airlock_code()]
+    system = [("the system's CA bundle", SYSTEM_TRUST_BUNDLE)] if Path(SYSTEM_TRUST_BUNDLE).exists() else []
+    assert gateway_inputs(config) == [
+        ("--policy", str(path)), ("--upstream-ca", "/ca.pem"), ("--audit", str(tmp_path / "a.log")),
+        ("--state-dir", "/st"), ("--call-log", "/calls"), ("--admin", str(tmp_path / "admin.sock")),
+        *system, *code,
+    ]  # fmt: skip
+    assert str(Path(str(airlock.configs.__file__)).parent) in [p for _, p in code]  # the packaged policies
+    # Not read from a file; no broker, so no call log; the admin listener on loopback.
+    bare = GatewayConfig(parse_policy(POLICY), "0.0.0.0", admin="127.0.0.1:9999", broker=BrokerConfig(port=0))
+    assert gateway_inputs(bare) == [*system, *code]
 
 
 @pytest.mark.parametrize(("grants", "port"), [((), 0), (("--grant", "create_pull_request:acme/app"), 8080)])
