@@ -5,6 +5,7 @@ Light on purpose (no policy, gateway or sandbox code): `airlock --help` imports 
 from __future__ import annotations
 
 import argparse
+import os
 from pathlib import Path
 
 from airlock.errors import AirlockError
@@ -23,6 +24,15 @@ DEFAULT_STATE_DIR = "/var/lib/airlock"
 
 class UsageError(AirlockError):
     pass
+
+
+def os_problem(error: OSError) -> str:
+    """An error of the system as what to do about it: the file and the system's word for it — and, when a user who
+    is not root is refused, that it needs root (airlock's state, audit log, call log and admin socket are root's)."""
+    where = f"{error.filename}: " if error.filename else ""
+    if isinstance(error, PermissionError) and os.geteuid() != 0:
+        return f"{where}permission denied: this needs root (run it with sudo)"
+    return f"{where}{error.strerror or error or type(error).__name__}"
 
 
 def duration(text: str) -> int:

@@ -13,6 +13,7 @@ import pytest
 
 from airlock import AirlockError, cli
 from airlock.brokerconfig import BrokerConfigError
+from airlock.cli import common
 from airlock.cli import policy as policy_command
 from airlock.cli import run as run_command
 from airlock.cli.common import UsageError
@@ -151,6 +152,68 @@ def test_ctrl_c_and_the_unforeseen_are_one_line_too(
     monkeypatch.setattr(policy_command, "_load", fails)
     assert cli.main(["policy", "check", "p.yaml"]) == code
     assert capsys.readouterr().err == says
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        ([], "airlock: the following arguments are required: command (see airlock --help)"),
+        (["bogus"], "airlock: argument command: invalid choice: 'bogus' (choose from "),
+        (["run", "--cpus", "x", "--", "true"], "airlock: argument --cpus: invalid float value: 'x' (see airlock run"),
+        (["token", "issue", "--sandbox"], "airlock: argument --sandbox: expected one argument (see airlock token"),
+        (["approvals", "approve"], "airlock: the following arguments are required: ID (see airlock approvals approve"),
+    ],
+    ids=["no-command", "unknown-command", "bad-float", "missing-value", "missing-positional"],
+)
+def test_a_usage_error_is_one_line_that_points_at_help(
+    capsys: pytest.CaptureFixture[str], argv: list[str], says: str
+) -> None:
+    with pytest.raises(SystemExit) as info:
+        cli.main(argv)
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and err.startswith(says) and err.endswith(" --help)\n"), err
+
+
+@pytest.fixture
+def not_root(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(common.os, "geteuid", lambda: 1000)
+
+
+def _refused(path: object, *args: object, **kwargs: object) -> object:
+    """What the system answers a user who is not root for a file of root's (root itself is never refused)."""
+    raise PermissionError(13, "Permission denied", str(path))
+
+
+def test_tools_log_as_a_user_says_it_needs_root(
+    not_root: None, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(Path, "is_file", _refused)  # /var/lib/airlock/calls is root's, 0700
+    assert cli.main(["tools", "log"]) == 2
+    assert capsys.readouterr().err == (
+        "airlock: /var/lib/airlock/calls/calls.sqlite3: permission denied: this needs root (run it with sudo)\n"
+    )
+
+
+def test_policy_suggest_on_the_root_owned_audit_log_says_to_use_sudo(
+    not_root: None, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    audit = tmp_path / "audit.jsonl"
+    audit.touch(0o640)
+    monkeypatch.setattr(policy_command, "open", _refused, raising=False)
+    assert cli.main(["policy", "suggest", str(audit)]) == 2
+    assert capsys.readouterr().err == f"airlock: {audit}: permission denied: this needs root (run it with sudo)\n"
+
+
+def test_any_other_error_of_the_system_is_one_line_naming_the_file(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    def fails(path: str | None) -> object:
+        raise IsADirectoryError(21, "Is a directory", "/etc")
+
+    monkeypatch.setattr(policy_command, "_load", fails)
+    assert cli.main(["policy", "check", "p.yaml"]) == 2
+    assert capsys.readouterr().err == "airlock: /etc: Is a directory\n"
 
 
 def test_version_comes_from_the_package(capsys: pytest.CaptureFixture[str]) -> None:
