@@ -363,6 +363,11 @@ def judge_placeholders(rule: Rule | None, secrets: Iterable[str]) -> RequestDeci
     stray = sorted(set(secrets) - (rule.secret_names if rule is not None else frozenset()))
     if not stray:
         return None
-    where = f"rule {rule.id}" if rule is not None else "no rule"
-    reason = f"the request carries the placeholder of secret {', '.join(stray)}, which {where} does not inject"
+    carried = f"the request carries the placeholder of secret {', '.join(stray)}"
+    if rule is None:  # a host that is not inspected, or a request in clear text: nothing is injected there
+        reason = (
+            f"{carried}, and nothing injects it here: only a TLS request to a host whose rule injects it may carry it"
+        )
+    else:
+        reason = f"{carried}, which rule {rule.id} does not inject"
     return RequestDecision(False, ReasonCode.PLACEHOLDER_MISUSE, reason)

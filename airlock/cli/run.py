@@ -310,11 +310,33 @@ def _docker_client() -> docker.DockerClient:
         client = docker.from_env()
         client.ping()
     except docker.errors.DockerException as e:
-        raise UsageError(
-            f"no docker engine answers ({e}): install and start one (apt-get install docker.io; systemctl start "
-            "docker), or point DOCKER_HOST at one — or use --backend netns"
-        ) from None
+        raise UsageError(no_docker_engine(e)) from None
     return client
+
+
+def no_docker_engine(error: BaseException) -> str:
+    """Where airlock looked for a docker engine, the system's word for why none answered there, and what to do —
+    sudo's first: it passes no DOCKER_HOST on, so an engine the user's shell names is not the one asked."""
+    engine = os.environ.get("DOCKER_HOST")
+    why = next((e.strerror for e in _causes(error) if isinstance(e, OSError) and e.strerror), None)
+    told = f"no docker engine answers at {engine or 'unix:///var/run/docker.sock'} ({why or 'no answer'})"
+    start = "install and start one (apt-get install docker.io; systemctl start docker)"
+    if engine is None and os.environ.get("SUDO_USER"):
+        return (
+            f"{told}: sudo does not pass DOCKER_HOST on — if yours names the engine, keep it with "
+            f"sudo --preserve-env=DOCKER_HOST airlock run ...; else {start}, or use --backend netns"
+        )
+    return f"{told}: {start}, or point DOCKER_HOST at one — or use --backend netns"
+
+
+def _causes(error: BaseException) -> list[BaseException]:
+    """The error and those it was raised from or during, the first one first."""
+    chain: list[BaseException] = []
+    cause: BaseException | None = error
+    while cause is not None and cause not in chain:
+        chain.append(cause)
+        cause = cause.__cause__ or cause.__context__
+    return chain
 
 
 def _outcome(code: int | None, signum: int | None, timeout: float) -> int:

@@ -355,10 +355,22 @@ def workdir_problem(cwd: Path, user: pwd.struct_passwd) -> str | None:
     cwd = cwd.resolve()
     home = Path(user.pw_dir).resolve()
     if cwd in SYSTEM_FOLDERS:
-        return "it is / or one of the host's system folders"
+        return f"it is / or one of the host's system folders: {_own_folder(cwd, home)}"
     if cwd == home or cwd in home.parents:
-        return f"it is {user.pw_name}'s home folder, whose dotfiles run outside the sandbox"
+        return f"it is {user.pw_name}'s home folder, whose dotfiles run outside the sandbox: {_own_folder(cwd, home)}"
     return None
+
+
+def _own_folder(cwd: Path, home: Path) -> str:
+    """How to run from a folder the sandbox may have: one of its own, next to where the user is (in /tmp or
+    /var/tmp), else in the home folder (when the user has one), else in /var/tmp."""
+    if cwd in (Path("/tmp"), Path("/var/tmp")):
+        folder = cwd / "work"
+    elif home.is_dir() and home not in SYSTEM_FOLDERS:
+        folder = home / "work"
+    else:
+        folder = Path("/var/tmp/work")
+    return f"run it from a folder of its own (mkdir -p {folder} && cd {folder})"
 
 
 def writable_in_sandbox(path: Path, user: pwd.struct_passwd, isolate_fs: bool) -> bool:

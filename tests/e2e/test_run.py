@@ -228,6 +228,7 @@ def test_files_in_the_working_directory_that_run_later_are_read_only(run_in_gw, 
 def test_run_refuses_a_system_folder_as_the_working_directory(run_in_gw):
     result = run_in_gw("true", cwd="/var/tmp")
     assert result.returncode == 2 and "system folders" in result.stderr, result.stderr
+    assert "run it from a folder of its own (mkdir -p /var/tmp/work && cd /var/tmp/work)" in result.stderr
 
 
 def test_run_hides_the_gateways_credentials_even_from_their_owner(run_in_gw, broker_args, topology: Topology):

@@ -93,19 +93,42 @@ def test_odd_run_input_is_refused_before_anything_is_built(
     assert says.replace("TMP", str(tmp_path)) in err, err
 
 
-def test_without_a_docker_engine_the_error_says_how_to_get_one(
-    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+@pytest.mark.parametrize(
+    ("env", "says"),
+    [
+        (
+            {"DOCKER_HOST": "unix:///nonexistent/docker.sock"},
+            "airlock: no docker engine answers at unix:///nonexistent/docker.sock (No such file or directory): "
+            "install and start one (apt-get install docker.io; systemctl start docker), or point DOCKER_HOST at one "
+            "— or use --backend netns",
+        ),
+        (
+            {"DOCKER_HOST": "tcp://127.0.0.1:9"},
+            "airlock: no docker engine answers at tcp://127.0.0.1:9 (Connection refused): install and start one",
+        ),
+        (
+            {"SUDO_USER": "dev"},  # sudo passed no DOCKER_HOST on: the default socket, where none listens
+            "airlock: no docker engine answers at unix:///var/run/docker.sock (No such file or directory): sudo does "
+            "not pass DOCKER_HOST on — if yours names the engine, keep it with sudo --preserve-env=DOCKER_HOST "
+            "airlock run ...; else install and start one",
+        ),
+    ],
+    ids=["socket-missing", "refused", "sudo-dropped-it"],
+)
+def test_without_a_docker_engine_the_error_says_why_and_how_to_get_one(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], env: dict[str, str], says: str
 ) -> None:
-    def no_engine(**kwargs: object) -> docker.DockerClient:
-        raise docker.errors.DockerException("Error while fetching server API version: no such file")
-
+    if "DOCKER_HOST" not in env:  # the default socket, as on a host where none listens (whatever this one has)
+        monkeypatch.setattr(docker, "from_env", lambda **kw: docker.DockerClient("unix:///nonexistent/docker.sock"))
+    monkeypatch.delenv("DOCKER_HOST", raising=False)
+    monkeypatch.delenv("SUDO_USER", raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
     monkeypatch.setattr(run_command.os, "geteuid", lambda: 0)
-    monkeypatch.setattr(docker, "from_env", no_engine)
     assert cli.main(["run", "--image", "debian", "--upstream-dns", "127.0.0.1", "--", "true"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert err[0] == "airlock: backend docker, image debian"
-    assert err[1].startswith("airlock: no docker engine answers (Error while fetching") and len(err) == 2
-    assert "apt-get install docker.io" in err[1] and "DOCKER_HOST" in err[1] and "--backend netns" in err[1]
+    assert err[0] == "airlock: backend docker, image debian" and len(err) == 2, err
+    assert err[1].startswith(says) and "Error while fetching" not in err[1] and "(2, " not in err[1], err[1]
 
 
 @pytest.mark.parametrize(
