@@ -124,7 +124,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 def run_config(args: argparse.Namespace, command: list[str], policy: Policy) -> RunConfig:
     grants = parse_grants(args.grant or [], policy)
     gateway = gateway_config(args, policy, "0.0.0.0", [])  # listen and sandbox: the launcher's
-    gateway = dataclasses.replace(gateway, show_denials=not args.quiet)
+    gateway = dataclasses.replace(gateway, show_denials=not args.quiet, tell_reloads=True)
     env = passed_env(args.env or []) | placeholder_env(args.placeholder_env or [], gateway.broker.secrets)
     if shown := sorted({s.where for s in gateway.broker.secrets if s.kind == "env"} & env.keys()):
         raise UsageError(f"--env {shown[0]}: that variable holds a --secret, which the sandbox must never see")
@@ -235,11 +235,16 @@ def _stop_signals() -> asyncio.Future[int]:
 
 def _watch_policy(gateway: Gateway) -> PolicyWatcher:
     """Reload the policy when its file changes, each outcome told on stderr in one line."""
-    from airlock.auditing import tell  # with the gateway, not before the sandbox exists
-
-    watcher = PolicyWatcher(gateway.config.policy.source, gateway.reload_policy, lambda r: tell(r.one_line()))
+    watcher = PolicyWatcher(gateway.config.policy.source, gateway.reload_policy, gateway.tell_reload)
     watcher.start()
     return watcher
+
+
+def _entered(gateway: Gateway, sandbox_id: str | None) -> contextlib.AbstractContextManager[None]:
+    """The run among the gateways `airlock status` (and `token`, `approvals`) find without --admin."""
+    from airlock.runs import registered
+
+    return registered(gateway.admin.address, gateway.config.policy.source, f"airlock run, sandbox {sandbox_id}")
 
 
 def _reopen_audit_on_sigusr1(gateway: Gateway) -> None:
@@ -267,7 +272,9 @@ async def _run_netns(run: RunConfig) -> int:
         _reopen_audit_on_sigusr1(handle.gateway)
         watcher = _watch_policy(handle.gateway)
         waiter = asyncio.ensure_future(handle.wait())
-        if interrupted := await _first(waiter, stopped):
+        with _entered(handle.gateway, handle.sandbox.sandbox_id):
+            interrupted = await _first(waiter, stopped)
+        if interrupted:
             waiter.cancel()
             await handle.stop()
         await watcher.stop()
@@ -292,7 +299,9 @@ async def _run_docker(run: RunConfig) -> int:
         watcher = _watch_policy(handle.gateway)
         output = asyncio.ensure_future(handle.stream(sys.stdout.buffer, sys.stderr.buffer))
         waiter = asyncio.ensure_future(handle.wait())
-        if interrupted := await _first(waiter, stopped):
+        with _entered(handle.gateway, handle.sandbox.sandbox_id):
+            interrupted = await _first(waiter, stopped)
+        if interrupted:
             handle.kill()
         code = await waiter
         await watcher.stop()
