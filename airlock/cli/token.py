@@ -97,13 +97,13 @@ class Admin:
                     "it with --admin or --state-dir"
                 ) from None
             raise UsageError(f"cannot reach the gateway's admin listener at {self}: {why}") from None
-        if reply.status == 404 and _refuser(path) == "broker":
-            raise UsageError(f"the gateway at {self} runs no broker (airlock run starts one only with --grant)")
         try:
             body = json.loads(text)
         except ValueError:
             body = None
         if not isinstance(body, dict):
+            if reply.status == 404 and _refuser(path) == "broker":  # aiohttp's own 404: no broker routes are there
+                raise UsageError(f"the gateway at {self} runs no broker (airlock run starts one only with --grant)")
             raise UsageError(f"{self} is not a gateway's admin listener (it answered {reply.status})")
         return reply.status, body
 
