@@ -14,6 +14,7 @@ import logging
 import os
 import pwd
 import secrets
+import shlex
 import socket
 import struct
 import tempfile
@@ -24,6 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from airlock.audit import AuditRecord
+from airlock.auditing import tell
 from airlock.errors import AirlockError
 from airlock.policy import Decision, Policy, PolicyError, Sandbox, Snapshot, is_ip, load_policy
 from airlock.policy.approvals import (
@@ -42,6 +44,7 @@ from airlock.policy.approvals import (
     still_pending,
     timed_out,
 )
+from airlock.runs import airlock_command
 
 if TYPE_CHECKING:
     from aiohttp import web
@@ -85,8 +88,10 @@ class Approvals:
         webhook: str | None = None,
         writer: PolicyWriter | None = None,
         table: PendingTable | None = None,
+        admin: str | None = None,
     ) -> None:
         self.emit, self.writer = emit, writer
+        self.admin = admin  # the admin listener a person answers through: the command each request tells names it
         self.table = table or PendingTable()
         self.grants = Grants()
         self.webhook = Webhook(webhook) if webhook else None
@@ -128,13 +133,20 @@ class Approvals:
         loop = asyncio.get_running_loop()
         future = self._futures[entry.id] = loop.create_future()
         self._timers[entry.id] = loop.call_at(entry.deadline, self._expire, entry.id, timeout)
-        log.warning(
-            "approval %s: sandbox %s asks for %s (%s) — airlock approvals approve %s (or deny); %g s to answer",
-            entry.id, entry.target.sandbox, entry.target, entry.kind, entry.id, timeout,
-        )  # fmt: skip
+        tell(self.announcement(entry, timeout))
         if self.webhook is not None:
             self.webhook.post(describe(entry, time.time() - loop.time()))
         return future
+
+    def announcement(self, entry: Pending, timeout: float) -> str:
+        """The line that asks a person, with the command that answers as it is to be typed (this airlock, through
+        sudo when run so, and the admin listener of this gateway: a paste that reaches another would fail)."""
+        where = f" --admin {shlex.quote(self.admin)}" if self.admin else ""
+        target = entry.target
+        return (
+            f"airlock: sandbox {target.sandbox} asks for {target} ({entry.kind}), held {timeout:g} s for an answer: "
+            f"{airlock_command()} approvals approve {entry.id}{where} (or deny)"
+        )
 
     def _expire(self, approval_id: str, timeout: float) -> None:
         entry = self.table.pop(approval_id)
@@ -292,13 +304,16 @@ class PolicyWriter:
         path = Path(self.path)
         text = render([Suggestion(profile, target, ports, comment)], merge=path)
         real = path.resolve()  # a symlinked policy file stays a symlink: its target is rewritten
+        before = real.stat()
         fd, temporary = tempfile.mkstemp(prefix=f".{real.name}.", dir=real.parent)
         try:
             with os.fdopen(fd, "w", encoding="utf-8") as out:
                 out.write(text)
                 out.flush()
                 os.fsync(out.fileno())
-            os.chmod(temporary, real.stat().st_mode & 0o7777)
+                # The file stays its owner's, as it was: owner and group first (a chown clears set-id bits), mode.
+                os.fchown(out.fileno(), before.st_uid, before.st_gid)
+                os.fchmod(out.fileno(), before.st_mode & 0o7777)
             os.replace(temporary, real)  # readers (a file watch, a SIGHUP) see the old file or the new, whole
         except BaseException:
             Path(temporary).unlink(missing_ok=True)

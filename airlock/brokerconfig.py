@@ -64,6 +64,14 @@ def broker_url(listen: str, port: int) -> str:
     return f"http://{host}:{port}"
 
 
+def admin_address(endpoint: Path | tuple[str, int]) -> str:
+    """An admin listener as --admin names it (absolute, whatever the working directory)."""
+    if isinstance(endpoint, Path):
+        return str(endpoint)
+    host, port = endpoint
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
 def admin_endpoint(address: str) -> Path | tuple[str, int]:
     """The admin listener named by `address`: `HOST:PORT` (loopback only: the listener mints tokens for whoever
     reaches it) as (host, port), anything else a unix socket path, made absolute against the working directory —

@@ -32,6 +32,7 @@ from airlock.approvals import Approvals, PolicyWriter, approval_routes
 from airlock.audit import AuditLog
 from airlock.audit.notices import DenialNotices
 from airlock.auditing import GatewayAudit, tell
+from airlock.brokerconfig import admin_address
 from airlock.dns.admission import DnsSettings
 from airlock.dns.answered import AnsweredAddresses
 from airlock.dns.server import DnsServer
@@ -45,7 +46,7 @@ from airlock.live import GatewayAddresses
 from airlock.metrics import GatewayMetrics
 from airlock.policy import IPAddress, LivePolicy, Policy, PolicyError, Sandbox, SandboxRegistry
 from airlock.preload import preload_admin, preload_proxy
-from airlock.reload import PolicyReloader, Reloaded
+from airlock.reload import PolicyReloader, Reloaded, log_reload
 from airlock.sandbox.fence import mark_listeners
 from airlock.sandbox.reach import policy_files
 
@@ -300,15 +301,17 @@ class Gateway:
         self.broker: Broker | None = None
         self._broker_runtime: BrokerRuntime | None = None
         self.inspector: Inspector | None = None  # once a policy in force inspects (`inspect: true`)
-        writer = PolicyWriter(config.policy_path, self.replace_policy) if config.policy_path else None
-        self.approvals = Approvals(self.emit, config.approval_webhook, writer)
+        # The admin listener: routes are made once aiohttp is in (others: `gateway.admin.add_routes(...)`).
+        self.admin = AdminApp(config.admin or str(Path(self._state_dir) / "admin.sock"))
+        self._approved: str | None = None  # the hash of the policy an approval wrote, until its file is read again
+        writer = PolicyWriter(config.policy_path, self._put_approved) if config.policy_path else None
+        self.approvals = Approvals(self.emit, config.approval_webhook, writer, admin=admin_address(self.admin.endpoint))
         # Reloads read the file the first policy came from, off the event loop (airlock/reload.py).
         self.reloader = PolicyReloader(self, config.policy.source, self._policy)
         if config.close_denied_on_reload:
             self.reloader.after.append(lambda policy: self.close_denied_tunnels())
         self.started_at = time.time()
-        # Routes are made once aiohttp is in (others: `gateway.admin.add_routes(...)`); the broker's when it starts.
-        self.admin = AdminApp(config.admin or str(Path(self._state_dir) / "admin.sock"))
+        # The broker's routes are added when it starts.
         self.admin.add_routes(lambda: gateway_routes(self.reload_policy, self.status))
         self.admin.add_routes(self.metrics.routes)
         self.admin.add_routes(lambda: approval_routes(self.approvals))
@@ -593,6 +596,24 @@ class Gateway:
     def policy_refused(self, source: str, errors: list[str]) -> None:
         """Audit a policy file that did not load (the running policy stays)."""
         self.auditing.policy_refused(source, errors)
+
+    def _put_approved(self, policy: Policy) -> None:
+        """A policy an approval wrote (`--scope policy`) put in force, and told as a reload of its file is."""
+        previous = self._policy()
+        self.replace_policy(policy)
+        self.tell_reload(Reloaded(policy.source, policy.hash, previous.hash if previous is not None else None))
+        self._approved = policy.hash
+
+    def tell_reload(self, outcome: Reloaded) -> None:
+        """A reload as the gateway tells them: one line on stderr (`airlock run`), else in its log — once only for
+        the file an approval wrote (a file watch that reads it again finds the policy in force)."""
+        approved, self._approved = self._approved, None
+        if outcome.ok and outcome.policy_hash == outcome.previous_hash == approved:
+            return
+        if self.config.tell_reloads:
+            tell(outcome.one_line())
+        else:
+            log_reload(outcome)
 
     async def reload_policy(self) -> Reloaded:
         """Load the policy file again, off the event loop, and put it in force; a file that does not load (or lacks

@@ -28,6 +28,7 @@ class GatewayConfig:
     audit_path: str | None = None
     audit_stdout: bool = False
     show_denials: bool = False  # each denial as one line on stderr, as it happens (`airlock run`; rate-limited)
+    tell_reloads: bool = False  # an approval's reload as one line on stderr, as `airlock run` tells edits; else logged
     connect_timeout: float = 10.0
     idle_timeout: float = 300.0
     max_tunnels_per_sandbox: int | None = None  # None: derived from the open-file limit, like the next two

@@ -21,6 +21,9 @@ INTERVAL = 10.0
 BURST = 20
 # `report`: a profile in report mode let it through; it is told because the rules alone would have denied it.
 _VERBS = {"deny": "denied", "report": "would deny (report mode, allowed)"}
+# Audited, never told: a DNS query for a single-label name (a program asking for its machine's own name, which the
+# sandbox's /etc/hosts answers, then trying DNS as well) is no denial the user could act on.
+_UNTOLD = frozenset({("dns", "single_label")})
 
 type Schedule = Callable[[float, Callable[[], None]], Any]
 
@@ -49,6 +52,8 @@ class DenialNotices:
 
     def observe(self, record: AuditRecord) -> None:
         if record.decision == "allow" or record.kind == "policy":  # `report` is told: it is what would be denied
+            return
+        if (record.kind, record.code) in _UNTOLD:
             return
         now = self.clock()
         target = _target(record)

@@ -7,6 +7,7 @@ and the sandbox see the same addresses). It judges queries the transport (dns/se
 
 Choices (README "DNS"): unlisted names get REFUSED, without any upstream query (an honest "not for you": NXDOMAIN
 would claim the name does not exist and be cached as such), except in report mode (answered, audited `report`);
+a single-label name (a machine's own name, which /etc/hosts answers) gets NXDOMAIN: for a sandbox it exists nowhere;
 only A and AAAA are answered with data, other types of an allowed name get an empty answer; CNAME chains are
 flattened to the final, vetted addresses (the sandbox never sees intermediate names), and refused when a deny rule
 closes a name on the chain; an answer whose every address was filtered becomes NXDOMAIN.
@@ -180,6 +181,9 @@ class PolicyResolver:
         if decision.code is ReasonCode.APPROVAL_PENDING:
             reply.header.rcode, record.hint = RCODE.SERVFAIL, decision.hint
             return self._finish(reply, record, "error", decision.reason, decision.code, started)
+        if decision.code is ReasonCode.SINGLE_LABEL:  # no such name for the sandbox: a resolver stops at once
+            reply.header.rcode = RCODE.NXDOMAIN
+            return self._finish(reply, record, "deny", decision.reason, decision.code, started)
         if not decision.allow:
             record.hint = decision.hint
             return self._refuse(reply, record, decision.reason, decision.code, started)

@@ -19,7 +19,7 @@ from .decide import (
     refused_certificate,
     vet,
 )
-from .hosts import HostError, IPAddress, canonical_host, format_host_port, is_ip, parse_ip_literal
+from .hosts import HostError, IPAddress, canonical_host, format_host_port, is_ip, is_single_label, parse_ip_literal
 from .inspection import (
     PLACEHOLDER_PREFIX,
     GithubInjection,
@@ -79,6 +79,7 @@ __all__ = [
     "format_host_port",
     "is_ip",
     "is_public_suffix",
+    "is_single_label",
     "judge",
     "judge_placeholders",
     "judge_request",

@@ -23,6 +23,7 @@ class ReasonCode(enum.StrEnum):
     NO_ADDRESS = "no_address"  # the name resolved to no address at all
     NO_ADDRESS_LEFT = "no_address_left"  # every address was refused, for different reasons
     NOT_A_NAME = "not_a_name"  # DNS was asked for an IP address as if it were a name
+    SINGLE_LABEL = "single_label"  # a name of one label (`vm`): never resolved by the gateway, never allowed
     # Before any rule is consulted.
     UNKNOWN_SANDBOX = "unknown_sandbox"  # from an address no sandbox network covers
     INVALID_HOST = "invalid_host"  # not a host the gateway is willing to judge

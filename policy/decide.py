@@ -15,7 +15,7 @@ from typing import Literal, NamedTuple
 
 from .addresses import Category, classify, embedded_ipv4, in_sandbox_links
 from .codes import ReasonCode
-from .hosts import IPAddress, format_host_port, is_ip
+from .hosts import IPAddress, format_host_port, is_ip, is_single_label
 from .inspection import HttpRule
 from .model import WEB_PORTS, Profile, Rule
 from .paths import PathError, canonical_path, split_target
@@ -127,6 +127,8 @@ def decide(profile: Profile, host: str, port: int) -> Decision:
 def _decide(profile: Profile, host: str, port: int) -> Decision:
     if is_ip(host):
         return _decide_address(profile, ipaddress.ip_address(host), port)
+    if is_single_label(host):
+        return _single_label(host)
     for rule in profile.deny_rules_for_host(host):
         if rule.matches_port(port):
             return _denied_by(rule)
@@ -153,6 +155,8 @@ def decide_name(profile: Profile, host: str) -> Decision:
 def _decide_name(profile: Profile, host: str) -> Decision:
     if is_ip(host):
         return Decision(False, "an address is not a name to resolve", ReasonCode.NOT_A_NAME)
+    if is_single_label(host):
+        return _single_label(host)
     for rule in profile.deny_rules_for_host(host):
         if rule.matches_port(None):
             return _denied_by(rule)
@@ -161,6 +165,12 @@ def _decide_name(profile: Profile, host: str) -> Decision:
         return Decision(True, "allowed", ReasonCode.ALLOWED, allow_rules[0])
     hint = f"allow: [{{host: {host}}}]"
     return Decision(False, f"{host} is not in the allowlist", ReasonCode.NOT_ALLOWLISTED, None, hint)
+
+
+def _single_label(host: str) -> Decision:
+    """No rule may name a single-label host (the loader refuses one), so no hint: none would ever allow it."""
+    reason = f"{host} is a single-label name, which the gateway never resolves (a sandbox has its own in /etc/hosts)"
+    return Decision(False, reason, ReasonCode.SINGLE_LABEL)
 
 
 def _decide_address(profile: Profile, address: IPAddress, port: int) -> Decision:
@@ -353,6 +363,11 @@ def judge_placeholders(rule: Rule | None, secrets: Iterable[str]) -> RequestDeci
     stray = sorted(set(secrets) - (rule.secret_names if rule is not None else frozenset()))
     if not stray:
         return None
-    where = f"rule {rule.id}" if rule is not None else "no rule"
-    reason = f"the request carries the placeholder of secret {', '.join(stray)}, which {where} does not inject"
+    carried = f"the request carries the placeholder of secret {', '.join(stray)}"
+    if rule is None:  # a host that is not inspected, or a request in clear text: nothing is injected there
+        reason = (
+            f"{carried}, and nothing injects it here: only a TLS request to a host whose rule injects it may carry it"
+        )
+    else:
+        reason = f"{carried}, which rule {rule.id} does not inject"
     return RequestDecision(False, ReasonCode.PLACEHOLDER_MISUSE, reason)

@@ -246,7 +246,7 @@ class _Reader:
             raise _Unusual
 
     def host(self, value: str) -> str:
-        if _is_canonical_name(value) and value != "null":
+        if _is_canonical_name(value) and "." in value:
             return value  # what most rules hold: canonical_host would return it unchanged, and it is no address
         if not _HOST.fullmatch(value) or value in _NULLS:
             raise _Unusual
@@ -259,7 +259,7 @@ class _Reader:
             host = canonical_host(name)
         except HostError:
             raise _Unusual from None
-        if is_ip(host) or (wildcard and ("." not in host or is_public_suffix(host))):
+        if is_ip(host) or "." not in host or (wildcard and is_public_suffix(host)):
             raise _Unusual
         return "*." + host if wildcard else host
 

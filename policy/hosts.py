@@ -151,5 +151,12 @@ def is_ip(host: str) -> bool:
     return ":" in host or host.replace(".", "").isdigit()
 
 
+def is_single_label(host: str) -> bool:
+    """True for a canonical name of one label (`vm`, `localhost`): a machine's own name, which its /etc/hosts
+    answers, or a short name a local search list completes — never a name the gateway resolves (it asks upstream
+    for names as they are, with no search list)."""
+    return "." not in host and not is_ip(host)
+
+
 def format_host_port(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"

@@ -22,7 +22,7 @@ from airlock.errors import AirlockError
 
 from . import fastload
 from .addresses import Network, never_opened
-from .hosts import HostError, canonical_host, is_ip
+from .hosts import HostError, canonical_host, is_ip, is_single_label
 from .inspection import GithubInjection, HttpRule, Injected
 from .inspection_reader import InspectionReader
 from .model import (
@@ -437,6 +437,13 @@ class _Builder(NodeReader):
             return None
         if is_ip(host):
             self.error(node, f"host {raw!r} is an IP address: use 'cidr: {host}/{32 if '.' in host else 128}'")
+            return None
+        if not wildcard and is_single_label(host):
+            self.error(
+                node,
+                f"host {raw!r} is a single-label name, which the gateway never resolves: name the host "
+                "in full (a sandbox finds its own host name in its /etc/hosts)",
+            )
             return None
         if wildcard:
             if "." not in host or is_public_suffix(host):

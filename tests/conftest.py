@@ -13,6 +13,7 @@ import secrets
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -87,6 +88,16 @@ def pytest_cmdline_main(config: pytest.Config) -> None:
     paths = [(here / arg.split("::")[0]).resolve() for arg in config.args]
     if paths and all(path == UNIT_DIR or UNIT_DIR in path.parents for path in paths):
         option.numprocesses = cpus
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # Every gateway the tests start (airlock gateway, airlock run) enters itself among the running ones: in a
+    # folder of this run's, never the host's /run/airlock/runs (a worker inherits the controller's).
+    from airlock.runs import RUNS_ENV
+
+    if RUNS_ENV not in os.environ:
+        os.environ[RUNS_ENV] = tempfile.mkdtemp(prefix="airlock-test-runs-")
+        config.add_cleanup(lambda: shutil.rmtree(os.environ.pop(RUNS_ENV), ignore_errors=True))
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -14,7 +14,7 @@ from collections.abc import Iterable, Sequence
 
 from airlock.errors import AirlockError
 
-from .common import EXIT_INTERRUPTED, EXIT_USAGE, run_as_root
+from .common import EXIT_INTERRUPTED, EXIT_USAGE, os_problem, run_as_root
 
 TYPE_CHECKING = False  # not typing's: `airlock --help` imports no typing
 if TYPE_CHECKING:
@@ -31,6 +31,14 @@ GROUPS = {
     "reap": ("remove expired sandboxes and leftovers of crashed runs", "airlock.cli.reap"),
     "run": ("run a command in a sandbox whose only network is the gateway", "airlock.cli.run"),
 }
+
+
+class _Parser(argparse.ArgumentParser):
+    """A usage error is one `airlock: ...` line and where the usage is, not the usage itself (its subcommands'
+    parsers are of this class too: argparse makes them of their parent's)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_USAGE, f"airlock: {message} (see {self.prog} --help)\n")
 
 
 class _Version(argparse.Action):
@@ -51,7 +59,7 @@ class _Version(argparse.Action):
 
 def build_parser(groups: Iterable[str] = GROUPS) -> argparse.ArgumentParser:
     """The parser, with the arguments of `groups` (every group by default; the others are listed, not loaded)."""
-    parser = argparse.ArgumentParser(prog="airlock", description=__doc__.split("\n\n")[0])
+    parser = _Parser(prog="airlock", description=__doc__.split("\n\n")[0])
     parser.add_argument("-v", "--verbose", action="store_true")
     parser.add_argument("--version", action=_Version)
     parser.set_defaults(needs_root=None)  # a command that needs root sets a NeedsRoot
@@ -118,6 +126,13 @@ def _main(argv: list[str]) -> int:
         return EXIT_INTERRUPTED
     except AirlockError as e:
         print(_message(e), file=sys.stderr)
+        return EXIT_USAGE
+    except OSError as e:  # a file or socket refused (most often: root's, and not run as root)
+        if verbose:
+            import traceback
+
+            traceback.print_exc()
+        print(f"airlock: {os_problem(e)}", file=sys.stderr)
         return EXIT_USAGE
     except Exception as e:  # a bug, or an error not foreseen: still one line (-v adds the traceback)
         if verbose:

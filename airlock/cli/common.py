@@ -54,6 +54,15 @@ def run_as_root(command: str, argv: list[str], needs: NeedsRoot, args: argparse.
     os.execv(sudo, [sudo, *preserve, "--", sys.executable, "-I", "-m", "airlock", *argv])
 
 
+def os_problem(error: OSError) -> str:
+    """An error of the system as what to do about it: the file and the system's word for it — and, when a user who
+    is not root is refused, that it needs root (airlock's state, audit log, call log and admin socket are root's)."""
+    where = f"{error.filename}: " if error.filename else ""
+    if isinstance(error, PermissionError) and os.geteuid() != 0:
+        return f"{where}permission denied: this needs root (run it with sudo)"
+    return f"{where}{error.strerror or error or type(error).__name__}"
+
+
 def duration(text: str) -> int:
     """`90`, `90s`, `10m`, `1h` → seconds."""
     units = {"s": 1, "m": 60, "h": 3600}

@@ -20,6 +20,7 @@ from airlock.dns.upstream import parse_server
 from airlock.gatewayconfig import GatewayConfig
 from airlock.policy import Policy, Sandbox, format_host_port
 from airlock.reload import log_reload
+from airlock.runs import registered
 
 from .common import (
     DEFAULT_STATE_DIR,
@@ -258,7 +259,8 @@ async def serve(config: GatewayConfig) -> int:
             f"airlock gateway: proxy on {where}{transparent}{dns}, admin on {gateway.admin.address}",
             file=sys.stderr, flush=True,
         )  # fmt: skip
-        signum = await stopped
+        with registered(gateway.admin.address, config.policy.source, "airlock gateway"):
+            signum = await stopped
     finally:
         await gateway.stop()
     if signum == signal.SIGINT:

@@ -30,7 +30,7 @@ from airlock.policy import (
     split_target,
 )
 
-from .common import EXIT_ALLOW, EXIT_DENY, EXIT_USAGE, UsageError
+from .common import EXIT_ALLOW, EXIT_DENY, EXIT_USAGE, UsageError, os_problem
 from .common import load_policy_file as _load
 from .status import add_admin_options, cmd_policy_reload
 
@@ -105,7 +105,9 @@ def cmd_policy_suggest(args: argparse.Namespace) -> int:
     try:
         with open(args.audit, encoding="utf-8") as audit:
             suggestions = suggest(audit, base, args.profile, since, args.collapse)
-    except (OSError, UnicodeDecodeError) as e:
+    except OSError as e:  # the audit log is root's (0640): read it with sudo
+        raise UsageError(os_problem(e)) from None
+    except UnicodeDecodeError as e:
         raise UsageError(f"{args.audit}: {e}") from None
     print(render(suggestions, Path(args.merge) if args.merge else None, args.audit), end="")
     return 0

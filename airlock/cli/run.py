@@ -127,7 +127,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 def run_config(args: argparse.Namespace, command: list[str], policy: Policy) -> RunConfig:
     grants = parse_grants(args.grant or [], policy)
     gateway = gateway_config(args, policy, "0.0.0.0", [])  # listen and sandbox: the launcher's
-    gateway = dataclasses.replace(gateway, show_denials=not args.quiet)
+    gateway = dataclasses.replace(gateway, show_denials=not args.quiet, tell_reloads=True)
     env = passed_env(args.env or []) | placeholder_env(args.placeholder_env or [], gateway.broker.secrets)
     if shown := sorted({s.where for s in gateway.broker.secrets if s.kind == "env"} & env.keys()):
         raise UsageError(f"--env {shown[0]}: that variable holds a --secret, which the sandbox must never see")
@@ -238,11 +238,16 @@ def _stop_signals() -> asyncio.Future[int]:
 
 def _watch_policy(gateway: Gateway) -> PolicyWatcher:
     """Reload the policy when its file changes, each outcome told on stderr in one line."""
-    from airlock.auditing import tell  # with the gateway, not before the sandbox exists
-
-    watcher = PolicyWatcher(gateway.config.policy.source, gateway.reload_policy, lambda r: tell(r.one_line()))
+    watcher = PolicyWatcher(gateway.config.policy.source, gateway.reload_policy, gateway.tell_reload)
     watcher.start()
     return watcher
+
+
+def _entered(gateway: Gateway, sandbox_id: str | None) -> contextlib.AbstractContextManager[None]:
+    """The run among the gateways `airlock status` (and `token`, `approvals`) find without --admin."""
+    from airlock.runs import registered
+
+    return registered(gateway.admin.address, gateway.config.policy.source, f"airlock run, sandbox {sandbox_id}")
 
 
 def _reopen_audit_on_sigusr1(gateway: Gateway) -> None:
@@ -270,7 +275,9 @@ async def _run_netns(run: RunConfig) -> int:
         _reopen_audit_on_sigusr1(handle.gateway)
         watcher = _watch_policy(handle.gateway)
         waiter = asyncio.ensure_future(handle.wait())
-        if interrupted := await _first(waiter, stopped):
+        with _entered(handle.gateway, handle.sandbox.sandbox_id):
+            interrupted = await _first(waiter, stopped)
+        if interrupted:
             waiter.cancel()
             await handle.stop()
         await watcher.stop()
@@ -295,7 +302,9 @@ async def _run_docker(run: RunConfig) -> int:
         watcher = _watch_policy(handle.gateway)
         output = asyncio.ensure_future(handle.stream(sys.stdout.buffer, sys.stderr.buffer))
         waiter = asyncio.ensure_future(handle.wait())
-        if interrupted := await _first(waiter, stopped):
+        with _entered(handle.gateway, handle.sandbox.sandbox_id):
+            interrupted = await _first(waiter, stopped)
+        if interrupted:
             handle.kill()
         code = await waiter
         await watcher.stop()
@@ -313,11 +322,33 @@ def _docker_client() -> docker.DockerClient:
         client = docker.from_env()
         client.ping()
     except docker.errors.DockerException as e:
-        raise UsageError(
-            f"no docker engine answers ({e}): install and start one (apt-get install docker.io; systemctl start "
-            "docker), or point DOCKER_HOST at one — or use --backend netns"
-        ) from None
+        raise UsageError(no_docker_engine(e)) from None
     return client
+
+
+def no_docker_engine(error: BaseException) -> str:
+    """Where airlock looked for a docker engine, the system's word for why none answered there, and what to do —
+    sudo's first: it passes no DOCKER_HOST on, so an engine the user's shell names is not the one asked."""
+    engine = os.environ.get("DOCKER_HOST")
+    why = next((e.strerror for e in _causes(error) if isinstance(e, OSError) and e.strerror), None)
+    told = f"no docker engine answers at {engine or 'unix:///var/run/docker.sock'} ({why or 'no answer'})"
+    start = "install and start one (apt-get install docker.io; systemctl start docker)"
+    if engine is None and os.environ.get("SUDO_USER"):
+        return (
+            f"{told}: sudo does not pass DOCKER_HOST on — if yours names the engine, keep it with "
+            f"sudo --preserve-env=DOCKER_HOST airlock run ...; else {start}, or use --backend netns"
+        )
+    return f"{told}: {start}, or point DOCKER_HOST at one — or use --backend netns"
+
+
+def _causes(error: BaseException) -> list[BaseException]:
+    """The error and those it was raised from or during, the first one first."""
+    chain: list[BaseException] = []
+    cause: BaseException | None = error
+    while cause is not None and cause not in chain:
+        chain.append(cause)
+        cause = cause.__cause__ or cause.__context__
+    return chain
 
 
 def _outcome(code: int | None, signum: int | None, timeout: float) -> int:

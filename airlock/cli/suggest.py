@@ -4,8 +4,9 @@ the rules added, its comments and layout kept (a ruamel.yaml round trip).
 
 Only what an allow rule may open is suggested: a name or public address no rule allowed (`not_allowlisted`) or
 allowed on other ports (`port_not_allowed`). Hard blocks (metadata, internal and the gateway's own addresses,
-sandbox links) and what a deny rule closes never are. Rules name exact hosts and ports; a wildcard is offered only
-with `--collapse N`, for N or more sibling names under one parent, and never over a public suffix.
+sandbox links), single-label names (`vm`) and what a deny rule closes never are. Rules name exact hosts and ports;
+a wildcard is offered only with `--collapse N`, for N or more sibling names under one parent, and never over a
+public suffix.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from airlock.policy import (
     embedded_ipv4,
     is_ip,
     is_public_suffix,
+    is_single_label,
     parse_policy,
 )
 
@@ -157,6 +159,8 @@ def _target(record: dict[str, Any]) -> tuple[str | None, int | None]:
         host = canonical_host(str(record.get("host", "")))
     except HostError:
         return None, None
+    if is_single_label(host):
+        return None, None  # no rule may name one (the loader refuses it)
     if not is_ip(host):
         return host, port
     address = ipaddress.ip_address(host)

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
+import shlex
 import sys
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -12,9 +14,10 @@ from pathlib import Path
 from typing import Any
 
 from airlock.broker.grants import GrantError, parse_grant
-from airlock.brokerconfig import admin_endpoint
+from airlock.brokerconfig import admin_address, admin_endpoint
+from airlock.runs import running, runs_dir
 
-from .common import DEFAULT_STATE_DIR, EXIT_USAGE, UsageError, absolute, duration
+from .common import DEFAULT_STATE_DIR, EXIT_USAGE, UsageError, absolute, duration, os_problem
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -41,16 +44,24 @@ class Admin:
     """The gateway's admin listener: a unix socket (default STATE_DIR/admin.sock) or a loopback HOST:PORT."""
 
     endpoint: Path | tuple[str, int]
+    unfound: str = ""  # why this is only the default: said when nothing answers there
 
     @classmethod
     def of(cls, args: argparse.Namespace) -> Admin:
-        return cls(admin_endpoint(args.admin or str(Path(args.state_dir or DEFAULT_STATE_DIR) / "admin.sock")))
+        """The listener --admin or --state-dir names, else the one gateway running here (airlock.runs), else the
+        default state directory's; UsageError listing them when several run."""
+        if args.admin or args.state_dir:
+            return cls(admin_endpoint(args.admin or str(Path(args.state_dir) / "admin.sock")))
+        gateways = running()
+        if len(gateways) > 1:
+            listed = "; ".join(f"--admin {shlex.quote(g.admin)} for {g.describe()}" for g in gateways)
+            raise UsageError(f"{len(gateways)} gateways run here, say which: {listed}")
+        if gateways:
+            return cls(admin_endpoint(gateways[0].admin))
+        return cls(Path(DEFAULT_STATE_DIR) / "admin.sock", f"none is entered in {runs_dir()}")
 
     def __str__(self) -> str:
-        if isinstance(self.endpoint, Path):
-            return str(self.endpoint)
-        host, port = self.endpoint
-        return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        return admin_address(self.endpoint)
 
     async def call(self, path: str, payload: dict[str, Any] | None) -> dict[str, Any]:
         """POST `payload` as JSON to `path` (GET when None): the answer's body, or UsageError with the refusal."""
@@ -75,11 +86,24 @@ class Admin:
                 aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=30)) as session,
                 session.request(method, base + path, json=payload) as reply,
             ):
-                body = await reply.json(content_type=None)
+                text = await reply.text()
         except (aiohttp.ClientError, OSError, ValueError, TimeoutError) as e:
-            why = str(e) or type(e).__name__
+            cause = getattr(e, "os_error", e)  # aiohttp's connector error wraps the system's
+            why = os_problem(cause).removeprefix(f"{cause.filename}: ") if isinstance(cause, OSError) else str(e)
+            why = why or type(e).__name__
+            if self.unfound:
+                raise UsageError(
+                    f"no gateway runs here: {self.unfound}, and none answers at {self} ({why}): start one, or name "
+                    "it with --admin or --state-dir"
+                ) from None
             raise UsageError(f"cannot reach the gateway's admin listener at {self}: {why}") from None
+        try:
+            body = json.loads(text)
+        except ValueError:
+            body = None
         if not isinstance(body, dict):
+            if reply.status == 404 and _refuser(path) == "broker":  # aiohttp's own 404: no broker routes are there
+                raise UsageError(f"the gateway at {self} runs no broker (airlock run starts one only with --grant)")
             raise UsageError(f"{self} is not a gateway's admin listener (it answered {reply.status})")
         return reply.status, body
 

@@ -117,6 +117,10 @@ def check(resources: Resources, available: dict[str, tuple[Path, int]]) -> list[
     here to enforce it; the notes to tell the user of default limits the host cannot enforce."""
     if problems := resources.problems():
         raise CgroupError("; ".join(problems))
+    if resources.cpus > (host := len(os.sched_getaffinity(0))):  # a quota above the host's would limit nothing
+        raise CgroupError(
+            f"--cpus {resources.cpus:g}: this host has {host} CPU{'s' * (host != 1)}: give {host} or fewer"
+        )
     missing = [name for name in LIMITED if CONTROLLER[name] not in available]
     if refused := [name for name in missing if name in resources.required]:
         flags = ", ".join(FLAG[n] for n in refused)

@@ -16,6 +16,7 @@ from airlock.broker.grants import Grant
 from airlock.brokerconfig import broker_url
 from airlock.gatewayconfig import GatewayConfig
 from airlock.policy import Sandbox
+from airlock.runs import runs_dir
 
 from .fence import Interception
 from .watchdog import Watchdog
@@ -44,11 +45,12 @@ async def release(watchdog: Watchdog | None, state: tempfile.TemporaryDirectory[
 def gateway_credentials(config: GatewayConfig) -> list[str]:
     """What the gateway holds that the sandbox must never read: the GitHub key or token file, the files of its
     `--secret`s, a state directory it was given (signing keys, broker store, admin socket; a temporary one is 0700
-    root), and the call log (every sandbox's inputs: see `prepare_call_log`)."""
+    root), the call log (every sandbox's inputs: see `prepare_call_log`), and where the running gateways' admin
+    sockets are listed (airlock.runs)."""
     broker = config.broker
     secrets = [s.where for s in broker.secrets if s.kind == "file"]
-    named = (broker.github_app_key, broker.github_token_file, *secrets, config.state_dir, broker.call_log)
-    return [p for p in named if p]
+    named = (broker.github_app_key, broker.github_token_file, *secrets, config.state_dir, broker.call_log, runs_dir())
+    return [str(p) for p in named if p]
 
 
 def prepare_call_log(config: GatewayConfig) -> None:

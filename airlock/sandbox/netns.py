@@ -19,6 +19,7 @@ import pwd
 import secrets
 import shutil
 import signal
+import socket
 import stat
 import subprocess
 import sys
@@ -29,7 +30,7 @@ from pathlib import Path
 
 from airlock.errors import AirlockError
 from airlock.interfaces import interface_addresses
-from airlock.policy import SANDBOX_LINK_NETWORKS
+from airlock.policy import SANDBOX_LINK_NETWORKS, HostError, canonical_host, is_ip
 
 from . import SANDBOX_ID
 from .fence import (
@@ -102,6 +103,21 @@ def _used_networks() -> list[ipaddress.IPv4Network]:
         raise SandboxError(f"this namespace's addresses cannot be listed: {e}") from e
 
 
+def hosts_file(hostname: str) -> str:
+    """The sandbox's /etc/hosts: localhost, and the host name it keeps (bubblewrap's UTS namespace starts with the
+    host's), on 127.0.1.1 as Debian puts it — so that what asks for its own name (git for its ident, sudo, many a
+    server) is answered in the sandbox and never asks the gateway's DNS. A name no resolver could read is left out."""
+    lines = ["127.0.0.1 localhost", "::1 localhost"]
+    try:
+        name = canonical_host(hostname)
+    except HostError:
+        name = "localhost"
+    if name != "localhost" and not is_ip(name):
+        short = name.partition(".")[0]
+        lines.insert(1, f"127.0.1.1 {name}" + (f" {short}" if short != name else ""))
+    return "\n".join(lines) + "\n"
+
+
 def pick_link() -> ipaddress.IPv4Network:
     """A /30 for the gateway-sandbox link that no interface of this namespace uses yet."""
     used = _used_networks()
@@ -157,7 +173,7 @@ class NetnsSandbox:
         etc.mkdir(parents=True, exist_ok=True)
         # `ip netns exec` bind-mounts these over /etc inside the command's mount namespace.
         (etc / "resolv.conf").write_text(f"nameserver {self.gateway_ip}\noptions timeout:2 attempts:1\n")
-        (etc / "hosts").write_text("127.0.0.1 localhost\n::1 localhost\n")
+        (etc / "hosts").write_text(hosts_file(socket.gethostname()))
 
     def _link_and_fence(self) -> None:
         """The veth pair, the namespace's own settings, the gateway side's fence, then the link's addresses (and
@@ -396,10 +412,22 @@ def workdir_problem(cwd: Path, user: pwd.struct_passwd) -> str | None:
     cwd = cwd.resolve()
     home = Path(user.pw_dir).resolve()
     if cwd in SYSTEM_FOLDERS:
-        return "it is / or one of the host's system folders"
+        return f"it is / or one of the host's system folders: {_own_folder(cwd, home)}"
     if cwd == home or cwd in home.parents:
-        return f"it is {user.pw_name}'s home folder, whose dotfiles run outside the sandbox"
+        return f"it is {user.pw_name}'s home folder, whose dotfiles run outside the sandbox: {_own_folder(cwd, home)}"
     return None
+
+
+def _own_folder(cwd: Path, home: Path) -> str:
+    """How to run from a folder the sandbox may have: one of its own, next to where the user is (in /tmp or
+    /var/tmp), else in the home folder (when the user has one), else in /var/tmp."""
+    if cwd in (Path("/tmp"), Path("/var/tmp")):
+        folder = cwd / "work"
+    elif home.is_dir() and home not in SYSTEM_FOLDERS:
+        folder = home / "work"
+    else:
+        folder = Path("/var/tmp/work")
+    return f"run it from a folder of its own (mkdir -p {folder} && cd {folder})"
 
 
 def may_write(folder: Path, user: pwd.struct_passwd) -> bool:

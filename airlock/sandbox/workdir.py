@@ -226,6 +226,7 @@ class WorkdirGuard:
             repo = Path(clean) / "repo.git"
             _git(["init", "--quiet", "--bare", str(repo)])
             _copy_objects(overlay.upper / "objects", repo / "objects")
+            written = _present(repo, set(changed.values()))  # before the alternates: what the sandbox wrote itself
             (repo / "objects" / "info" / "alternates").write_text(f"{overlay.real / 'objects'}\n")
             refspecs = []
             for name, object_id in changed.items():
@@ -245,7 +246,14 @@ class WorkdirGuard:
                 *refspecs,
             ]  # fmt: skip
             _git(fetch, user=self.user)
-        listed = ", ".join(f"{ref} ({object_id[:12]})" for ref, object_id in exported)
+        if not written & {object_id for _, object_id in exported}:  # e.g. `git checkout -b`: a branch, no commit
+            listed = ", ".join(f"{ref} ({object_id[:12]})" for ref, object_id in exported)
+            self.report.append(f"the sandbox made no commit; its branches are in {overlay.real}: {listed}")
+            return
+        listed = ", ".join(
+            f"{ref} ({object_id[:12]}{'' if object_id in written else ', a commit the repository had'})"
+            for ref, object_id in exported
+        )
         self.report.append(f"the sandbox's commits are in {overlay.real}: {listed}")
 
 
@@ -416,6 +424,12 @@ def _regular_files(folder: Path) -> Iterator[Path]:
         dirnames[:] = [d for d in dirnames if not (Path(dirpath) / d).is_symlink()]
 
 
+def _present(repo: Path, object_ids: set[str]) -> set[str]:
+    """Those of `object_ids` that `repo` holds."""
+    checked = _git(["--git-dir", str(repo), "cat-file", "--batch-check"], stdin="".join(f"{o}\n" for o in object_ids))
+    return {line.split()[0] for line in checked.stdout.splitlines() if not line.endswith(" missing")}
+
+
 def _copy_objects(source: Path, target: Path) -> None:
     """The loose objects and packs the sandbox wrote, as regular files only (no symlink, no alternates file of
     its own: git would follow that to other repositories on the host)."""
@@ -454,13 +468,14 @@ def _as_user(user: pwd.struct_passwd | None) -> dict:
 
 
 def _git(
-    args: list[str], user: pwd.struct_passwd | None = None, check: bool = True
+    args: list[str], user: pwd.struct_passwd | None = None, check: bool = True, stdin: str | None = None
 ) -> subprocess.CompletedProcess[str]:
     """git as `user` (default root) reading no configuration but what `args` give."""
     try:
         result = subprocess.run(
-            ["git", *args], env=_CLEAN_GIT_ENV, capture_output=True, text=True, timeout=120, **_as_user(user)
-        )
+            ["git", *args], env=_CLEAN_GIT_ENV, input=stdin, capture_output=True, text=True, timeout=120,
+            **_as_user(user),
+        )  # fmt: skip
     except (OSError, subprocess.SubprocessError) as e:
         raise WorkdirError(f"git: {e}") from e
     if check and result.returncode != 0:

@@ -5,11 +5,15 @@ counting what reached it."""
 from __future__ import annotations
 
 import json
+import os
+import pwd
 import re
+import shlex
 import subprocess
+import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from gateway_proc import AIRLOCK, PROXY, GatewayProcess
 from topology import DNS_SERVER, GW_IP, FakeNet, Topology
@@ -239,3 +243,60 @@ def test_a_request_from_an_airlock_run_sandbox_waits_and_passes_once_approved(
             launcher.communicate()
     assert (launcher.returncode, stdout) == (0, "200"), stderr
     assert fakenet.connections(EVIL_IP, 80) == 1
+
+
+def _read_lines(stream: IO[str]) -> list[str]:
+    """The lines `stream` gives, as they come (a thread reads it to its end)."""
+    lines: list[str] = []
+    threading.Thread(target=lambda: lines.extend(line.rstrip("\n") for line in stream), daemon=True).start()
+    return lines
+
+
+def _wait_line(lines: list[str], start: str, launcher: subprocess.Popen[str], timeout: float = 30) -> str:
+    deadline = time.monotonic() + timeout
+    while not (found := [line for line in lines if line.startswith(start)]):
+        assert launcher.poll() is None and time.monotonic() < deadline, lines
+        time.sleep(0.1)
+    return found[0]
+
+
+def test_a_run_asks_in_one_line_whose_command_pasted_as_it_is_approves_into_the_policy_file(
+    topology: Topology, fakenet: FakeNet, tmp_path: Path
+):
+    """Without --state-dir the line names the run's own admin listener; `--scope policy` keeps the file's owner,
+    group and mode, and the run tells the reload as it tells one after an edit, once (the command's last second
+    gives the file's watch time to read the file again)."""
+    policy = _policy(tmp_path)
+    owner = pwd.getpwnam("nobody")
+    os.chown(policy, owner.pw_uid, owner.pw_gid)
+    policy.chmod(0o664)
+    argv = [
+        AIRLOCK, "run", "--policy", str(policy), "--upstream-dns", DNS_SERVER, "--sandbox-id", f"{topology.prefix}as",
+        "--", "sh", "-c", "curl -sS --max-time 40 -o /dev/null -w '%{http_code}' http://evil.test/canary; sleep 1",
+    ]  # fmt: skip
+    env = {name: value for name, value in os.environ.items() if name != "SUDO_USER"}  # as root, not through sudo
+    launcher = topology.popen(topology.gw, argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    lines = _read_lines(launcher.stderr)
+    try:
+        asked = _wait_line(lines, "airlock: sandbox ", launcher)
+        asks = rf"airlock: sandbox {topology.prefix}as asks for evil\.test:80 \(http\), "
+        shape = asks + r"held 30 s for an answer: (.+) \(or deny\)"
+        command = re.fullmatch(shape, asked)
+        assert command is not None, asked
+        pasted = shlex.split(command.group(1))
+        assert pasted[0] in (AIRLOCK, "airlock") and pasted[1:4] == ["approvals", "approve", pasted[3]], pasted
+        assert re.fullmatch(r"--admin /tmp/airlock-run-\w+/admin\.sock", " ".join(pasted[4:])), pasted
+        answered = subprocess.run([*pasted, "--scope", "policy"], capture_output=True, text=True, timeout=30, env=env)
+        assert answered.returncode == 0, answered.stderr
+        assert "policy: added {host: evil.test, ports: [80]}, reloaded" in answered.stdout
+        assert launcher.wait(timeout=60) == 0, lines
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait()
+    assert launcher.stdout.read() == "200"
+    st = policy.stat()
+    assert (st.st_uid, st.st_gid, st.st_mode & 0o7777) == (owner.pw_uid, owner.pw_gid, 0o664)
+    reloads = [line for line in lines if line.startswith("airlock: policy reloaded from ")]
+    assert len(reloads) == 1 and reloads[0].startswith(f"airlock: policy reloaded from {policy} (sha256:"), lines
+    assert not [line for line in lines if re.match(r"\d{4}-\d\d-\d\d ", line)], lines  # no logging line

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 import os
 import signal
 import stat
@@ -309,6 +310,19 @@ def test_dns_comes_only_from_the_gateway(docker_run, fakenet: FakeNet):
     # A resolver address dialled directly is answered by the gateway, with the policy's answers.
     assert "198.51.100.10" in result.stdout and "status: REFUSED" in result.stdout, result.stdout
     assert fakenet.dns_queries("evil.test") == 0
+
+
+def test_the_container_resolves_its_own_host_name_without_the_gateway(docker_run, tmp_path: Path):
+    """docker writes the container's /etc/hosts with its host name (the container id) on its address: what asks for
+    its own name never reaches the gateway's DNS, and `airlock run` tells no denial of it."""
+    audit = tmp_path / "audit.jsonl"
+    script = 'getent ahosts "$(hostname)" | head -1; getent hosts printer || echo no-printer'
+    result = docker_run("sh", "-c", script, options=("--audit", str(audit)))
+    address = result.stdout.split()[0]
+    assert address.startswith("10.232.") and result.stdout.split()[-1] == "no-printer", result.stdout + result.stderr
+    assert "airlock: denied" not in result.stderr, result.stderr
+    asked = {json.loads(line)["host"] for line in audit.read_text().splitlines() if '"kind":"dns"' in line}
+    assert asked == {"printer"}, asked
 
 
 def test_root_is_read_only_and_tmp_is_not_executable(docker_run):

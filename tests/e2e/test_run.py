@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import json
 import os
 import pwd
 import shutil
@@ -228,6 +229,7 @@ def test_files_in_the_working_directory_that_run_later_are_read_only(run_in_gw, 
 def test_run_refuses_a_system_folder_as_the_working_directory(run_in_gw):
     result = run_in_gw("true", cwd="/var/tmp")
     assert result.returncode == 2 and "system folders" in result.stderr, result.stderr
+    assert "run it from a folder of its own (mkdir -p /var/tmp/work && cd /var/tmp/work)" in result.stderr
 
 
 def test_run_hides_the_gateways_credentials_even_from_their_owner(run_in_gw, broker_args, topology: Topology):
@@ -536,3 +538,45 @@ def test_the_python_api_launches_a_netns_sandbox_as_a_handle(topology: Topology,
     assert result.stdout.strip() == f"3|fakenet {ALLOWED_IP}:80 host=allowed.test path=/api|to-stderr", result.stderr
     assert f"airlock-{sandbox_id}" not in _netns_list()
     assert f"{NETNS_TABLE_PREFIX}{sandbox_id}" not in topology.run(topology.gw, ["nft", "list", "tables"]).stdout
+
+
+def test_status_token_and_approvals_find_a_run_started_without_a_state_dir(topology: Topology, tmp_path: Path):
+    """Its admin socket is in a temporary folder nobody is told of: the admin commands find it among the running
+    gateways — one running, that one; two, each named; none, where they looked."""
+    env = {**os.environ, "AIRLOCK_RUNS_DIR": str(tmp_path / "runs")}
+
+    def admin(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([AIRLOCK, *args], capture_output=True, text=True, timeout=30, env=env)
+
+    first, second = f"{topology.prefix}st1", f"{topology.prefix}st2"
+    runs = [topology.popen(topology.gw, _run_argv(first, "sleep", "60"), stderr=subprocess.PIPE, env=env)]
+    try:
+        deadline = time.monotonic() + 20
+        while f"sandbox   {first} " not in (status := admin("status")).stdout:
+            assert runs[0].poll() is None and time.monotonic() < deadline, status
+            time.sleep(0.2)
+        assert f"from {E2E_POLICY}" in status.stdout.splitlines()[0], status.stdout
+        [entry] = [json.loads(path.read_text()) for path in (tmp_path / "runs").glob("*.json")]
+        assert entry["admin"].startswith("/tmp/airlock-run-") and entry["admin"].endswith("/admin.sock")
+        assert admin("approvals", "list").stdout == "no request waits for approval\n"
+        revoked = admin("token", "revoke", "--sandbox", first)  # no broker runs: the run was given no --grant
+        assert revoked.stderr == (
+            f"airlock: the gateway at {entry['admin']} runs no broker (airlock run starts one only with --grant)\n"
+        )
+        runs.append(topology.popen(topology.gw, _run_argv(second, "sleep", "60"), env=env))
+        while (both := admin("status")).returncode == 0:
+            assert time.monotonic() < deadline, both
+            time.sleep(0.2)
+        told = both.stderr.strip()
+        assert told.startswith("airlock: 2 gateways run here, say which: --admin /tmp/airlock-run-"), told
+        assert f"--admin {entry['admin']} for airlock run, sandbox {first}, pid {runs[0].pid}, since " in told, told
+        assert f"airlock run, sandbox {second}, pid {runs[1].pid}" in told, told
+        assert f"sandbox   {first} " in admin("status", "--admin", entry["admin"]).stdout
+    finally:
+        for proc in runs:
+            proc.send_signal(signal.SIGINT)
+            proc.wait(timeout=30)
+    gone = admin("status")
+    assert gone.returncode == 2 and gone.stderr.startswith(
+        f"airlock: no gateway runs here: none is entered in {tmp_path / 'runs'}, and none answers at "
+    ), gone.stderr

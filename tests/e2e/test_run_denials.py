@@ -79,3 +79,24 @@ def test_run_reopens_its_audit_file_on_sigusr1(topology: Topology, fakenet: Fake
     assert launcher.returncode == 0, stderr
     assert [json.loads(line)["path"] for line in rotated.read_text().splitlines()] == ["/one"]
     assert [json.loads(line)["path"] for line in audit.read_text().splitlines()] == ["/two"]
+
+
+def test_the_sandbox_resolves_its_own_host_name_and_git_asks_the_gateway_nothing(run_in_gw, tmp_path: Path):
+    """git looks up the machine's name for its ident (`git checkout -b`, `commit`), as getaddrinfo does: the
+    sandbox's /etc/hosts answers it. A single-label name it lacks is NXDOMAIN from the gateway, audited and never
+    told as a denial to allow."""
+    audit = tmp_path / "audit.jsonl"
+    script = (
+        'getent ahosts "$(hostname)" | sort -u | head -1; cd /tmp && git init -q repo && cd repo && '
+        "git checkout -q -b topic && git -c user.name=a -c user.email=a@example.test commit -q --allow-empty -m one && "
+        "echo committed; "
+        "getent hosts printer || echo no-printer"
+    )
+    result = run_in_gw("sh", "-c", script, options=("--audit", str(audit)))
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["127.0.1.1", "DGRAM", "committed", "no-printer"], result.stdout
+    assert "airlock: denied" not in result.stderr and "to allow" not in result.stderr, result.stderr
+    dns = [json.loads(line) for line in audit.read_text().splitlines() if '"kind":"dns"' in line]
+    assert {r["host"] for r in dns} == {"printer"}, dns  # the own name never reached the gateway
+    assert {(r["decision"], r["code"], r["extra"]["rcode"]) for r in dns} == {("deny", "single_label", "NXDOMAIN")}
+    assert all(r.get("hint") is None for r in dns)

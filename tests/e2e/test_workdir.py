@@ -281,6 +281,16 @@ def test_the_sandboxs_commits_reach_the_user_and_nothing_else_does(run_in_gw, re
     assert not marker.exists()
 
 
+def test_a_branch_made_without_a_commit_is_not_told_as_commits(run_in_gw, repo: Path, marker: Path):
+    result = sandbox(run_in_gw, repo, "git checkout -qb topic")
+    head = host_git(repo, "rev-parse", "main").stdout.strip()
+    told = [line for line in result.stderr.splitlines() if "refs/airlock/" in line]
+    assert told == [
+        f"airlock: the sandbox made no commit; its branches are in {repo / '.git'}: "
+        f"refs/airlock/{_sandbox_id(result)}/heads/topic ({head[:12]})"
+    ], result.stderr
+
+
 def test_tools_that_run_files_of_the_folder_cannot_gain_new_ones(run_in_gw, repo: Path, marker: Path):
     (repo / ".vscode").mkdir()
     chown_tree(repo)

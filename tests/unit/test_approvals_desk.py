@@ -8,6 +8,7 @@ import asyncio
 import ipaddress
 import os
 import pwd
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -170,6 +171,45 @@ async def test_a_policy_file_that_cannot_take_the_rule_keeps_the_request_pending
         assert "on_unlisted: ask  # hold it\n" in path.read_text()
     finally:
         await desk.close()
+
+
+async def test_the_rule_written_into_the_policy_file_keeps_its_owner_group_and_mode(tmp_path: Path) -> None:
+    path = tmp_path / "p.yaml"
+    path.write_text(POLICY_TEXT)
+    os.chown(path, 65534, 65534)
+    path.chmod(0o2660)  # setgid too: a chown after the chmod would clear it
+    reloaded: list[Policy] = []
+    desk = Approvals(lambda record: None, writer=PolicyWriter(str(path), reloaded.append))
+    try:
+        held = _ask(desk)
+        await desk.approve(await _until_pending(desk), "policy", None, "alice")
+        assert (await held).allow and reloaded
+    finally:
+        await desk.close()
+    st = path.stat()
+    assert (st.st_uid, st.st_gid, st.st_mode & 0o7777) == (65534, 65534, 0o2660)
+
+
+@pytest.mark.parametrize(("sudo", "starts"), [(None, "airlock"), ("dev", "sudo airlock")])
+async def test_a_held_request_is_told_in_one_line_with_the_command_that_answers_it(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, sudo: str | None, starts: str
+) -> None:
+    monkeypatch.setenv("PATH", str(Path(sys.executable).parent))  # where PATH finds this airlock: its name is enough
+    monkeypatch.delenv("SUDO_USER", raising=False)
+    if sudo:
+        monkeypatch.setenv("SUDO_USER", sudo)
+    desk = Approvals(lambda record: None, admin="/tmp/airlock-run-x y/admin.sock")
+    try:
+        held = _ask(desk)
+        approval = await _until_pending(desk)
+        desk.deny(approval, "alice")
+        await held
+    finally:
+        await desk.close()
+    assert capsys.readouterr().err == (
+        "airlock: sandbox sbx asks for new.test:443 (connect), held 60 s for an answer: "
+        f"{starts} approvals approve {approval} --admin '/tmp/airlock-run-x y/admin.sock' (or deny)\n"
+    )
 
 
 class OneAddress:

@@ -173,6 +173,15 @@ def test_a_limit_asked_for_without_a_controller_is_refused_a_default_one_reporte
         check(Resources(memory="lots"), only_cpu)
 
 
+def test_more_cpus_than_the_host_has_are_refused_with_the_hosts_count(tmp_path: Path) -> None:
+    host = len(os.sched_getaffinity(0))
+    every = {c: (tmp_path / "airlock", 2) for c in ("cpu", "memory", "pids")}
+    with pytest.raises(CgroupError) as refused:
+        check(Resources(cpus=host + 1, required=frozenset({"cpus"})), every)
+    assert str(refused.value) == f"--cpus {host + 1}: this host has {host} CPU{'s' * (host != 1)}: give {host} or fewer"
+    assert check(Resources(cpus=host, required=frozenset({"cpus"})), every) == []
+
+
 def test_the_watchdog_removes_only_sandbox_groups_of_the_id_it_was_told(tmp_path: Path) -> None:
     group = tmp_path / "pids" / "airlock" / "s5"
     group.mkdir(parents=True)

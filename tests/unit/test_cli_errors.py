@@ -13,6 +13,7 @@ import pytest
 
 from airlock import AirlockError, cli
 from airlock.brokerconfig import BrokerConfigError
+from airlock.cli import common
 from airlock.cli import policy as policy_command
 from airlock.cli import run as run_command
 from airlock.cli.common import UsageError
@@ -92,19 +93,42 @@ def test_odd_run_input_is_refused_before_anything_is_built(
     assert says.replace("TMP", str(tmp_path)) in err, err
 
 
-def test_without_a_docker_engine_the_error_says_how_to_get_one(
-    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+@pytest.mark.parametrize(
+    ("env", "says"),
+    [
+        (
+            {"DOCKER_HOST": "unix:///nonexistent/docker.sock"},
+            "airlock: no docker engine answers at unix:///nonexistent/docker.sock (No such file or directory): "
+            "install and start one (apt-get install docker.io; systemctl start docker), or point DOCKER_HOST at one "
+            "— or use --backend netns",
+        ),
+        (
+            {"DOCKER_HOST": "tcp://127.0.0.1:9"},
+            "airlock: no docker engine answers at tcp://127.0.0.1:9 (Connection refused): install and start one",
+        ),
+        (
+            {"SUDO_USER": "dev"},  # sudo passed no DOCKER_HOST on: the default socket, where none listens
+            "airlock: no docker engine answers at unix:///var/run/docker.sock (No such file or directory): sudo does "
+            "not pass DOCKER_HOST on — if yours names the engine, keep it with sudo --preserve-env=DOCKER_HOST "
+            "airlock run ...; else install and start one",
+        ),
+    ],
+    ids=["socket-missing", "refused", "sudo-dropped-it"],
+)
+def test_without_a_docker_engine_the_error_says_why_and_how_to_get_one(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], env: dict[str, str], says: str
 ) -> None:
-    def no_engine(**kwargs: object) -> docker.DockerClient:
-        raise docker.errors.DockerException("Error while fetching server API version: no such file")
-
+    if "DOCKER_HOST" not in env:  # the default socket, as on a host where none listens (whatever this one has)
+        monkeypatch.setattr(docker, "from_env", lambda **kw: docker.DockerClient("unix:///nonexistent/docker.sock"))
+    monkeypatch.delenv("DOCKER_HOST", raising=False)
+    monkeypatch.delenv("SUDO_USER", raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
     monkeypatch.setattr(run_command.os, "geteuid", lambda: 0)
-    monkeypatch.setattr(docker, "from_env", no_engine)
     assert cli.main(["run", "--image", "debian", "--upstream-dns", "127.0.0.1", "--", "true"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert err[0] == "airlock: backend docker, image debian"
-    assert err[1].startswith("airlock: no docker engine answers (Error while fetching") and len(err) == 2
-    assert "apt-get install docker.io" in err[1] and "DOCKER_HOST" in err[1] and "--backend netns" in err[1]
+    assert err[0] == "airlock: backend docker, image debian" and len(err) == 2, err
+    assert err[1].startswith(says) and "Error while fetching" not in err[1] and "(2, " not in err[1], err[1]
 
 
 @pytest.mark.parametrize(
@@ -151,6 +175,68 @@ def test_ctrl_c_and_the_unforeseen_are_one_line_too(
     monkeypatch.setattr(policy_command, "_load", fails)
     assert cli.main(["policy", "check", "p.yaml"]) == code
     assert capsys.readouterr().err == says
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        ([], "airlock: the following arguments are required: command (see airlock --help)"),
+        (["bogus"], "airlock: argument command: invalid choice: 'bogus' (choose from "),
+        (["run", "--cpus", "x", "--", "true"], "airlock: argument --cpus: invalid float value: 'x' (see airlock run"),
+        (["token", "issue", "--sandbox"], "airlock: argument --sandbox: expected one argument (see airlock token"),
+        (["approvals", "approve"], "airlock: the following arguments are required: ID (see airlock approvals approve"),
+    ],
+    ids=["no-command", "unknown-command", "bad-float", "missing-value", "missing-positional"],
+)
+def test_a_usage_error_is_one_line_that_points_at_help(
+    capsys: pytest.CaptureFixture[str], argv: list[str], says: str
+) -> None:
+    with pytest.raises(SystemExit) as info:
+        cli.main(argv)
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and err.startswith(says) and err.endswith(" --help)\n"), err
+
+
+@pytest.fixture
+def not_root(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(common.os, "geteuid", lambda: 1000)
+
+
+def _refused(path: object, *args: object, **kwargs: object) -> object:
+    """What the system answers a user who is not root for a file of root's (root itself is never refused)."""
+    raise PermissionError(13, "Permission denied", str(path))
+
+
+def test_tools_log_as_a_user_says_it_needs_root(
+    not_root: None, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(Path, "is_file", _refused)  # /var/lib/airlock/calls is root's, 0700
+    assert cli.main(["tools", "log"]) == 2
+    assert capsys.readouterr().err == (
+        "airlock: /var/lib/airlock/calls/calls.sqlite3: permission denied: this needs root (run it with sudo)\n"
+    )
+
+
+def test_policy_suggest_on_the_root_owned_audit_log_says_to_use_sudo(
+    not_root: None, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    audit = tmp_path / "audit.jsonl"
+    audit.touch(0o640)
+    monkeypatch.setattr(policy_command, "open", _refused, raising=False)
+    assert cli.main(["policy", "suggest", str(audit)]) == 2
+    assert capsys.readouterr().err == f"airlock: {audit}: permission denied: this needs root (run it with sudo)\n"
+
+
+def test_any_other_error_of_the_system_is_one_line_naming_the_file(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    def fails(path: str | None) -> object:
+        raise IsADirectoryError(21, "Is a directory", "/etc")
+
+    monkeypatch.setattr(policy_command, "_load", fails)
+    assert cli.main(["policy", "check", "p.yaml"]) == 2
+    assert capsys.readouterr().err == "airlock: /etc: Is a directory\n"
 
 
 def test_version_comes_from_the_package(capsys: pytest.CaptureFixture[str]) -> None:

@@ -231,11 +231,14 @@ def test_the_work_tree_above_the_working_directory_shows_below_a_private_mount_o
 @pytest.mark.parametrize(
     ("cwd", "problem"),
     [
-        ("/", "system folders"),
-        ("/tmp", "system folders"),
-        ("/etc", "system folders"),
-        ("/var/tmp", "system folders"),
-        ("HOME", "home folder"),
+        ("/", "system folders: run it from a folder of its own (mkdir -p HOME/work && cd HOME/work)"),
+        ("/tmp", "system folders: run it from a folder of its own (mkdir -p /tmp/work && cd /tmp/work)"),
+        ("/etc", "system folders: run it from a folder of its own (mkdir -p HOME/work && cd HOME/work)"),
+        ("/var/tmp", "system folders: run it from a folder of its own (mkdir -p /var/tmp/work && cd /var/tmp/work)"),
+        (
+            "HOME",
+            "home folder, whose dotfiles run outside the sandbox: run it from a folder of its own (mkdir -p HOME/",
+        ),
         ("HOME/..", "home folder"),  # a parent of the home folder holds it
         ("HOME/project", None),
         ("/app", None),  # a container's project folder
@@ -245,7 +248,8 @@ def test_working_directories_the_command_may_not_write(tmp_path: Path, cwd: str,
     user = _user(tmp_path)
     (Path(user.pw_dir) / "project").mkdir()
     found = netns.workdir_problem(Path(cwd.replace("HOME", user.pw_dir)), user)
-    assert (found is None) if problem is None else (found is not None and problem in found)
+    problem = problem and problem.replace("HOME", user.pw_dir)
+    assert (found is None) if problem is None else (found is not None and problem in found), found
 
 
 def test_airlocks_own_code_in_the_working_directory_is_kept_read_only(

@@ -162,6 +162,8 @@ HINTS = [
     ("internal-mapped", "::ffff:10.9.9.9", 443, "10.9.9.9 is an internal address", "cidr: 10.9.9.9/32"),
     ("internal-v6", "fd99::1", 443, "internal address (unique local)", "cidr: fd99::1/128"),
     ("loopback", "127.0.0.1", 443, "internal address (loopback)", None),
+    ("single-label", "vm", 443, "vm is a single-label name, which the gateway never resolves", None),
+    ("localhost", "LOCALHOST.", 80, "localhost is a single-label name", None),
     ("this-network", "0.0.0.0", 443, "internal address (this network)", None),
     ("metadata", "169.254.169.254", 80, "metadata/link-local address: never reachable", None),
     ("metadata-siit", "::ffff:0:a9fe:a9fe", 80, "169.254.169.254 is a metadata/link-local address", None),

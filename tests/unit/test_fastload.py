@@ -56,7 +56,8 @@ COMMON = {
     "profiles-and-default": "version: 1\ndefault_profile: ci\nprofiles:\n  ci:\n    allow:\n      - host: a.example\n"
     "  yes:\n    deny:\n      - host: b.example\n  1:\n    allow:\n      - host: c.example\n",
     "no-version": "profiles:\n  default:\n    allow:\n      - host: a.example\n",
-    "numeric-looking-host": HEAD + "      - host: 1.5e-3\n      - host: 2001-12-14\n      - host: 1_000.example\n",
+    "numeric-looking-host": HEAD
+    + "      - host: 1.5e-3\n      - host: 2001-12-14.example\n      - host: 1_000.example\n",
     "no-final-newline": HEAD + "      - host: a.example",
 }
 
@@ -121,6 +122,8 @@ UNUSUAL = {
     "tunnel-on-deny": "version: 1\nprofiles:\n  default:\n    deny:\n      - host: a.example\n        tunnel: false\n",
     "tunnel-yes": HEAD + "      - host: a.example\n        tunnel: yes\n",
     "ip-as-host": HEAD + "      - host: 192.0.2.1\n",
+    "single-label-host": HEAD + "      - host: vm\n",
+    "single-label-date-like": HEAD + "      - host: 2001-12-14\n",
     "public-suffix-wildcard": HEAD + '      - host: "*.co.uk"\n',
     "star-inside": HEAD + '      - host: "a.*.example"\n',
     "metadata-cidr": HEAD + "      - cidr: 169.254.0.0/16\n",

@@ -650,7 +650,11 @@ def test_a_placeholder_goes_only_to_the_hosts_of_its_secrets_rule() -> None:
     )
     other = judge_placeholders(model, ["model_api", "other_key"])
     assert other is not None and "secret other_key," in other.reason
-    assert judge_placeholders(None, ["model_api"]) is not None
+    nowhere = judge_placeholders(None, ["model_api"])  # a host that is not inspected, or a request in clear text
+    assert nowhere is not None and nowhere.reason == (
+        "the request carries the placeholder of secret model_api, and nothing injects it here: only a TLS request "
+        "to a host whose rule injects it may carry it"
+    )
 
 
 # --- the example policy, `policy check` and `policy explain` ------------------------------------------------------

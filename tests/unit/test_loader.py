@@ -98,6 +98,8 @@ ERRORS = [
     ("double-wildcard", rule('- host: "*.*.x.com"\n'), 5, "'*' may only stand alone"),
     ("glob-last-label", rule('- host: "x.com*"\n'), 5, "'*' may only stand alone"),
     ("host-ipv4", rule("- host: 10.1.2.3\n"), 5, "use 'cidr: 10.1.2.3/32'"),
+    ("host-single-label", rule("- host: vm\n"), 5, "host 'vm' is a single-label name, which the gateway never"),
+    ("deny-single-label", "version: 1\nprofiles:\n  default:\n    deny:\n      - host: localhost\n", 5, "single-label"),
     ("host-ipv4-odd-spelling", rule("- host: 0x7f.1\n"), 5, "use 'cidr: 127.0.0.1/32'"),
     ("host-ipv6", rule('- host: "[fd00::1]"\n'), 5, "use 'cidr: fd00::1/128'"),
     ("wildcard-over-ip", rule('- host: "*.10.0.0.1"\n'), 5, "IP address"),

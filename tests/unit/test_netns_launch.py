@@ -201,3 +201,18 @@ def test_the_processes_of_a_namespace_are_those_ip_netns_pids_lists(privileged: 
         inside.wait()
         subprocess.run(["ip", "netns", "del", name], check=False)
     assert netns.pids_in(name) == []
+
+
+@pytest.mark.parametrize(
+    ("hostname", "own_line"),
+    [
+        ("vm", "127.0.1.1 vm"),
+        ("Build-7.ci.example.com", "127.0.1.1 build-7.ci.example.com build-7"),
+        ("localhost", None),
+        ("bad name\n0.0.0.0 pypi.org", None),  # whatever the kernel holds: never a line of its own
+        ("10.0.0.1", None),
+    ],
+)
+def test_the_sandboxs_hosts_file_names_its_own_host(hostname: str, own_line: str | None) -> None:
+    lines = netns.hosts_file(hostname).splitlines()
+    assert lines == ["127.0.0.1 localhost", *([own_line] if own_line else []), "::1 localhost"]

@@ -55,6 +55,14 @@ def test_allowed_lines_and_policy_lines_are_not_told() -> None:
     assert lines == []
 
 
+def test_a_dns_query_for_a_single_label_name_is_not_told_a_request_for_one_is_without_a_hint() -> None:
+    notices, lines, _ = _notices()
+    reason = "vm is a single-label name, which the gateway never resolves (a sandbox has its own in /etc/hosts)"
+    for kind, port in (("dns", None), ("http", 80)):
+        notices.observe(AuditRecord(kind, "sbx", "c", "vm", port, "deny", reason, ReasonCode.SINGLE_LABEL))
+    assert lines == [f"airlock: denied vm:80 — {reason}"]
+
+
 def test_the_same_denial_is_told_once_per_interval_then_counted() -> None:
     notices, lines, clock = _notices()
     for _ in range(5):

@@ -168,6 +168,7 @@ AUDIT = [
     _line("example.com", 443),
     _line("example.com", 8443, "port_not_allowed"),
     _line("quiet.example", None, kind="dns"),
+    _line("vm", None, kind="dns"),  # a machine's own name, denied by an older airlock: never a rule
     _line("169.254.169.254", 80, "metadata", kind="http"),
     _line("10.0.0.1", 443, "internal_address"),
     _line("internal.example", 443, "no_address_left"),
@@ -229,6 +230,7 @@ def test_suggest_never_suggests_a_hard_block(tmp_path: Path, capsys: pytest.Capt
     _, out, _ = _suggest(tmp_path, capsys)
     for never in ("169.254", "10.0.0.1", "internal.example", "192.0.2.53", "bad.cdn", "2001:db8", "ffff", "allowed."):
         assert never not in out
+    assert "host: vm" not in out
 
 
 def test_suggest_filters_by_profile_and_time(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

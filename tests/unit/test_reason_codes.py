@@ -138,6 +138,11 @@ async def _alias() -> str:
     return decision.code
 
 
+@produces(ReasonCode.SINGLE_LABEL)
+async def _single_label() -> str:
+    return await _dns(DNSRecord.question("vm"))
+
+
 @produces(ReasonCode.NOT_A_NAME)
 async def _address_as_name() -> str:
     return decide_name(PROFILE, "192.0.2.1").code
