@@ -247,11 +247,13 @@ class NetnsSandbox:
         guard: WorkdirGuard | None = None,
         seccomp_fd: int | None = None,
         trust_bundle: Path | None = None,
+        writable: Sequence[Path] = (),
     ) -> list[str]:
         """The argv that runs `argv` inside the namespace as an unprivileged user without capabilities; with
         `isolate_fs`, bubblewrap also gives it a read-only view of the host without the `hidden` paths, the
-        working directory writable but for `read_only` paths in it and what the `guard` protects, its own /tmp
-        and PID namespace. The BPF program at `seccomp_fd` (inherited) becomes its seccomp filter."""
+        working directory (and the `writable` folders) writable but for `read_only` paths in it and what the
+        `guard` protects, its own /tmp and PID namespace. The BPF program at `seccomp_fd` (inherited) becomes its
+        seccomp filter."""
         pw = resolve_user(user)
         drop_privileges = [
             # No supplementary groups: `docker`, `lxd`, `disk` and the like would each be a way out.
@@ -259,7 +261,7 @@ class NetnsSandbox:
             "--no-new-privs", "--bounding-set=-all", "--inh-caps=-all", "--",
         ]  # fmt: skip
         if isolate_fs:
-            isolation = _bubblewrap(hidden, read_only, guard, seccomp_fd, trust_bundle)
+            isolation = _bubblewrap(hidden, read_only, guard, seccomp_fd, trust_bundle, writable)
         else:
             isolation = _own_processes(seccomp_fd)
         prelude = guard.prelude() if guard and isolate_fs else []
@@ -301,12 +303,15 @@ def _bubblewrap(
     guard: WorkdirGuard | None,
     seccomp_fd: int | None = None,
     trust_bundle: Path | None = None,
+    writable: Sequence[Path] = (),
 ) -> list[str]:
     """The whole host read-only (so nothing planted for root to run later), the working directory writable as its
     permissions say but for `read_only` paths and what the `guard` keeps (git's own folders get a private layer,
-    files that run later are read-only), the `hidden` paths empty, a private /tmp, and the command's own PID, IPC
-    and UTS namespaces."""
+    files that run later are read-only), the `writable` folders too, the `hidden` paths empty, a private /tmp, and
+    the command's own PID, IPC and UTS namespaces."""
     cwd = os.getcwd()
+    # Before the working directory's bind and its masks, which a later bind of a folder above them would cover.
+    binds = [word for folder in writable for word in ("--bind", str(folder), str(folder))]
     masks = guard.bubblewrap_binds() if guard else []
     for path in hidden:  # after the working directory's bind: a credential inside it is covered too
         masks += ["--tmpfs", str(path)] if path.is_dir() else ["--ro-bind", "/dev/null", str(path)]
@@ -318,7 +323,7 @@ def _bubblewrap(
         masks += ["--seccomp", str(seccomp_fd)]
     return [
         "bwrap", "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", "--perms", "1777", "--tmpfs", "/tmp",
-        "--bind", cwd, cwd, *masks, "--chdir", cwd,
+        *binds, "--bind", cwd, cwd, *masks, "--chdir", cwd,
         "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--die-with-parent", "--new-session", "--",
     ]  # fmt: skip
 
