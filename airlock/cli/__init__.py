@@ -14,7 +14,7 @@ from collections.abc import Iterable, Sequence
 
 from airlock.errors import AirlockError
 
-from .common import EXIT_INTERRUPTED, EXIT_USAGE, os_problem, run_as_root
+from .common import EXIT_INTERRUPTED, EXIT_USAGE, os_problem, read_as_root, run_as_root
 
 TYPE_CHECKING = False  # not typing's: `airlock --help` imports no typing
 if TYPE_CHECKING:
@@ -62,7 +62,9 @@ def build_parser(groups: Iterable[str] = GROUPS) -> argparse.ArgumentParser:
     parser = _Parser(prog="airlock", description=__doc__.split("\n\n")[0])
     parser.add_argument("-v", "--verbose", action="store_true")
     parser.add_argument("--version", action=_Version)
-    parser.set_defaults(needs_root=None)  # a command that needs root sets a NeedsRoot
+    # A command that needs root sets a NeedsRoot; one that reads root's files (and changes nothing) sets
+    # `root_to_read`: refused one as a user, it runs again through sudo.
+    parser.set_defaults(needs_root=None, root_to_read=None)
     commands = parser.add_subparsers(dest="command", required=True)
     load = set(groups)
     for name, (summary, module) in GROUPS.items():
@@ -109,6 +111,7 @@ def _end_now(code: int) -> NoReturn:
 
 def _main(argv: list[str]) -> int:
     verbose = "-v" in argv[:1] or "--verbose" in argv[:1]
+    args = None
     try:
         args = build_parser(_group(argv)).parse_args(argv)
         verbose = args.verbose
@@ -128,6 +131,8 @@ def _main(argv: list[str]) -> int:
         print(_message(e), file=sys.stderr)
         return EXIT_USAGE
     except OSError as e:  # a file or socket refused (most often: root's, and not run as root)
+        if isinstance(e, PermissionError) and args is not None and args.root_to_read is not None:
+            read_as_root(args.command, argv, args.root_to_read, args)
         if verbose:
             import traceback
 

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
-from airlock.brokerconfig import BrokerConfig, BrokerConfigError, parse_secret
+from airlock.brokerconfig import BrokerConfig, BrokerConfigError, admin_endpoint, parse_secret
 from airlock.dns.upstream import parse_server
 from airlock.gatewayconfig import GatewayConfig
 from airlock.policy import Policy, Sandbox, format_host_port
@@ -71,7 +71,7 @@ def add_gateway_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--state-dir", type=absolute, metavar="DIR", help="keys, broker state, admin socket")
     parser.add_argument("--broker-port", type=int, default=8080, metavar="PORT", help="0 turns the broker off")
     parser.add_argument(
-        "--admin", "--broker-admin", dest="admin", metavar="SOCKET|127.0.0.1:PORT",
+        "--admin", "--broker-admin", dest="admin", type=admin_address, metavar="SOCKET|127.0.0.1:PORT",
         help="the admin listener (policy reload, status, tokens); default: STATE_DIR/admin.sock",
     )  # fmt: skip
     parser.add_argument(
@@ -166,6 +166,16 @@ def gateway_config(args: argparse.Namespace, policy: Policy, listen: str, sandbo
             secrets=secrets,
         ),
     )
+
+
+def admin_address(text: str) -> str:
+    """`--admin`: a socket path made absolute as it is read (like every path option); `HOST:PORT` as given (a bad
+    one is told where the listener is made)."""
+    try:
+        endpoint = admin_endpoint(text)
+    except BrokerConfigError:
+        return text
+    return str(endpoint) if isinstance(endpoint, Path) else text
 
 
 def webhook_url(text: str) -> str:

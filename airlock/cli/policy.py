@@ -30,7 +30,7 @@ from airlock.policy import (
     split_target,
 )
 
-from .common import EXIT_ALLOW, EXIT_DENY, EXIT_USAGE, UsageError, os_problem
+from .common import EXIT_ALLOW, EXIT_DENY, EXIT_USAGE, NeedsRoot, UsageError
 from .common import load_policy_file as _load
 from .status import add_admin_options, cmd_policy_reload
 
@@ -61,7 +61,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--collapse", type=int, metavar="N", help="offer *.parent for N or more sibling names (never a public suffix)"
     )
     suggest.add_argument("--merge", metavar="POLICY", help="print POLICY with the rules added (comments kept)")
-    suggest.set_defaults(func=cmd_policy_suggest)
+    suggest.set_defaults(func=cmd_policy_suggest, root_to_read=NeedsRoot("the audit log is root's"))
     reload = actions.add_parser("reload", help="make a running gateway load its policy file again (admin listener)")
     add_admin_options(reload)
     reload.set_defaults(func=cmd_policy_reload)
@@ -102,11 +102,9 @@ def cmd_policy_suggest(args: argparse.Namespace) -> int:
         raise UsageError(f"--collapse {args.collapse}: give 2 or more sibling names")
     since = since_time(args.since) if args.since else None
     base = _load(args.merge) if args.merge else None
-    try:
+    try:  # the audit log is root's (0640): a user is refused it, and `root_to_read` asks sudo
         with open(args.audit, encoding="utf-8") as audit:
             suggestions = suggest(audit, base, args.profile, since, args.collapse)
-    except OSError as e:  # the audit log is root's (0640): read it with sudo
-        raise UsageError(os_problem(e)) from None
     except UnicodeDecodeError as e:
         raise UsageError(f"{args.audit}: {e}") from None
     print(render(suggestions, Path(args.merge) if args.merge else None, args.audit), end="")

@@ -22,7 +22,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .common import DEFAULT_STATE_DIR, EXIT_DENY, UsageError, absolute, duration
+from .common import DEFAULT_STATE_DIR, EXIT_DENY, NeedsRoot, UsageError, absolute, duration
 
 if TYPE_CHECKING:
     from airlock.broker.calllog import LoggedCall
@@ -51,7 +51,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     replay.add_argument("--github-app-id", metavar="ID")
     replay.add_argument("--github-app-key", type=absolute, metavar="PEM")
     replay.add_argument("--github-installation-id", type=int, metavar="ID")
-    log.set_defaults(func=cmd_tools_log)
+    log.set_defaults(func=cmd_tools_log, root_to_read=NeedsRoot("the call log is root's"))
     replay.set_defaults(func=cmd_tools_replay)
 
 

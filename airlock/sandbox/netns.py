@@ -265,12 +265,13 @@ class NetnsSandbox:
         guard: WorkdirGuard | None = None,
         seccomp_fd: int | None = None,
         trust_bundle: Path | None = None,
+        writable: Sequence[Path] = (),
     ) -> list[str]:
         """The argv that runs `argv` inside the namespace as an unprivileged user without capabilities; with
         `isolate_fs`, bubblewrap also gives it a read-only view of the host without the `hidden` paths, the
-        working directory writable but for `read_only` paths in it and what the `guard` protects, its own /tmp
-        and /dev/shm (the folders on the way to what is bound there as the host's) and PID namespace. The BPF
-        program at `seccomp_fd` (inherited) becomes its seccomp filter."""
+        working directory (and the `writable` folders) writable but for `read_only` paths in it and what the
+        `guard` protects, its own /tmp and /dev/shm (the folders on the way to what is bound there as the host's)
+        and PID namespace. The BPF program at `seccomp_fd` (inherited) becomes its seccomp filter."""
         pw = resolve_user(user)
         drop_privileges = [
             # No supplementary groups: `docker`, `lxd`, `disk` and the like would each be a way out.
@@ -278,7 +279,7 @@ class NetnsSandbox:
             "--no-new-privs", "--bounding-set=-all", "--inh-caps=-all", "--",
         ]  # fmt: skip
         if isolate_fs:
-            isolation = _bubblewrap(hidden, read_only, guard, seccomp_fd, trust_bundle)
+            isolation = _bubblewrap(hidden, read_only, guard, seccomp_fd, trust_bundle, writable)
         else:
             isolation = _own_processes(seccomp_fd)
         prelude = guard.prelude() if guard and isolate_fs else []
@@ -320,17 +321,20 @@ def _bubblewrap(
     guard: WorkdirGuard | None,
     seccomp_fd: int | None = None,
     trust_bundle: Path | None = None,
+    writable: Sequence[Path] = (),
 ) -> list[str]:
     """The whole host read-only (so nothing planted for root to run later), the working directory writable as its
     permissions say but for `read_only` paths and what the `guard` keeps (git's own folders get a private layer,
-    files that run later are read-only), the `hidden` paths empty, a private /tmp and /dev/shm, and the command's
-    own PID, IPC and UTS namespaces."""
+    files that run later are read-only), the `writable` folders too, the `hidden` paths empty, a private /tmp and
+    /dev/shm, and the command's own PID, IPC and UTS namespaces."""
     cwd = os.getcwd()
     around, inside = (guard.enclosing_binds(), guard.bubblewrap_binds()) if guard else ([], [])
     # Only below a private mount: elsewhere `/` shows the work tree already, and a private mount itself (or `/`)
     # bound again would show the host's own.
     around = [bind for bind in around if _private_mount(Path(bind[-1]))]
-    mounts = [(bind, False) for bind in [*around, ["--bind", cwd, cwd], *inside]]
+    # The writable folders before the working directory's bind and its masks, which a later bind above would cover.
+    binds = [["--bind", str(folder), str(folder)] for folder in writable]
+    mounts = [(bind, False) for bind in [*around, *binds, ["--bind", cwd, cwd], *inside]]
     for path in hidden:  # after the working directory's bind: a credential inside it is covered too
         mounts.append((["--tmpfs", str(path)] if path.is_dir() else ["--ro-bind", "/dev/null", str(path)], True))
     mounts += [(["--ro-bind", str(path), str(path)], False) for path in _existing(read_only)]

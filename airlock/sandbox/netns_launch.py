@@ -28,7 +28,7 @@ import os
 import pwd
 import sys
 import tempfile
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -59,6 +59,8 @@ if TYPE_CHECKING:  # imported in a thread while the sandbox is built (`preload_p
     from airlock.gateway import Gateway
 
 ISOLATIONS = ("auto", "bwrap", "none")
+SANDBOX_PATH = "/usr/local/bin:/usr/bin:/bin"
+NPM_RUN_CACHE = "/tmp/.npm"  # in the sandbox's private /tmp: its home is read-only, and npm needs a cache it writes
 STOP_GRACE = 5.0  # seconds between SIGTERM and SIGKILL when the command is asked to stop
 
 Report = Callable[[str], None]
@@ -185,6 +187,7 @@ async def launch(
     token_ttl: int | None = None,
     timeout: float = 3600.0,
     resources: Resources | None = None,
+    cache: str | None = None,
     watchdog: Watchdog | None = None,
     capture_output: bool = False,
     output_limit: int = DEFAULT_OUTPUT_LIMIT,
@@ -196,6 +199,7 @@ async def launch(
     environment. The command's output goes where this process's goes, or with `capture_output` to `logs()`.
     `report` hears what the user must know (notes before the start, the working directory's check at the end).
     `resources` are its compute limits (default: `Resources()`), enforced by a cgroup of its own and rlimits.
+    `cache` is a folder it may write besides the working directory, kept across runs, for package managers' caches.
     On any failure everything created so far is removed again. A watchdog process (started here unless one is
     given, which its giver releases) removes the sandbox if this process dies, or if it is still there `GRACE`
     seconds after `timeout`."""
@@ -203,10 +207,15 @@ async def launch(
         raise SandboxError(problem)
     isolate_fs = choose_isolation(isolation) == "bwrap"
     pw = netns.resolve_user(user)  # everything that can be refused is, before anything is created
+    env = {"PATH": SANDBOX_PATH} | (env or {})
+    if problem := command_problem(command[0] if command else "", env["PATH"]):
+        raise SandboxError(problem)
     prepare_call_log(gateway)
     hidden = hidden_paths(isolate_fs, pw, gateway_credentials(gateway))
     read_only = kept_from_writes(isolate_fs, pw)
-    reach = sandbox_reach(isolate_fs, pw, [*hidden, *read_only])
+    protected = [*(Path(path) for _, path in gateway_inputs(gateway)), *map(Path, gateway_credentials(gateway))]
+    writable = writable_cache(Path(cache), pw, protected) if cache else None
+    reach = sandbox_reach(isolate_fs, pw, [*hidden, *read_only], [writable] if writable else [])
     resources = resources or Resources()
     controllers = cgroups.host_parents()
     notes = cgroups.check(resources, controllers)
@@ -263,7 +272,7 @@ async def launch(
         running = await start_gateway(
             gateway, sandbox.gateway_ip, sandbox.sandbox_id, sandbox.sandbox_ip, profile, wait_for_proxy=False
         )
-        environment = host_environment(pw) | (env or {})
+        environment = host_environment(pw) | cache_environment(writable, isolate_fs) | env
         environment |= gateway_environment(running, sandbox.sandbox_id, bool(grants))
         bundle = trust_bundle(running, isolate_fs)
         if running.inspector is not None and running.inspector.bundle is not None:
@@ -276,7 +285,7 @@ async def launch(
         await asyncio.to_thread(keeper.wait_ready)  # nothing runs in the sandbox before its watchdog does
         argv = sandbox.command(
             command, user, isolate_fs, hidden=hidden, read_only=read_only, guard=guard, seccomp_fd=fd,
-            trust_bundle=running.inspector.bundle if bundle else None,
+            trust_bundle=running.inspector.bundle if bundle else None, writable=[writable] if writable else [],
         )  # fmt: skip
         argv = [*cgroup.enter_argv(), *rlimit_argv(resources), *argv]  # in its cgroup before it runs anything
         pipe = asyncio.subprocess.PIPE if capture_output else None
@@ -380,12 +389,16 @@ def gateway_inputs(config: GatewayConfig) -> list[tuple[str, str]]:
     return named + [("airlock's own code", str(path)) for path in airlock_code()]
 
 
-def sandbox_reach(isolate_fs: bool, user: pwd.struct_passwd, mounted: list[Path]) -> Reach:
-    """What the command may change on the host: with bubblewrap its working directory, but for the folders
-    bubblewrap hides or binds read-only there (`mounted`); without bubblewrap whatever its user may."""
+def sandbox_reach(
+    isolate_fs: bool, user: pwd.struct_passwd, mounted: list[Path], writable: Sequence[Path] = ()
+) -> Reach:
+    """What the command may change on the host: with bubblewrap its working directory and the `writable` folders
+    bound in (`--cache`), but for the folders bubblewrap hides or binds read-only there (`mounted`); without
+    bubblewrap whatever its user may."""
     if not isolate_fs:
         return Reach(user, None)
-    return Reach(user, (Path.cwd().resolve(),), frozenset(p for p in mounted if p.is_dir()))
+    roots = (Path.cwd().resolve(), *(folder.resolve() for folder in writable))
+    return Reach(user, roots, frozenset(p for p in mounted if p.is_dir()))
 
 
 def refuse_inputs_in_reach(reach: Reach, config: GatewayConfig) -> None:
@@ -443,6 +456,51 @@ def airlock_code() -> list[Path]:
     return [Path(sys.prefix)] + [Path(module.__file__).parent for module in packages if module.__file__]
 
 
+def command_problem(program: str, search_path: str) -> str | None:
+    """Why `program` cannot be started in the sandbox, if it surely cannot: a name found in no folder of the
+    sandbox's PATH (a shell would not look in the working directory either), a path to nothing."""
+    if not program:
+        return None
+    if "/" in program:
+        if os.path.lexists(program):
+            return None
+        return f"{program}: no such file (the working directory is {Path.cwd()})"
+    if any(os.path.lexists(os.path.join(folder or ".", program)) for folder in search_path.split(":")):
+        return None
+    local = f"; to run the one in the working directory: ./{program}" if os.path.lexists(program) else ""
+    return f"{program}: command not found in the sandbox's PATH ({search_path}){local}"
+
+
+def writable_cache(cache: Path, user: pwd.struct_passwd, protected: list[Path]) -> Path:
+    """`--cache DIR`, resolved, once it is clear that the command may write it without changing what runs or is
+    read outside the sandbox: not a system folder, a home or a cache of the user's own tools; not the working
+    directory or above it; holding none of the gateway's inputs and credentials nor airlock's code."""
+    path = cache.resolve()
+    if not path.is_dir():
+        raise SandboxError(f"--cache {cache}: no such folder (make it, writable for {user.pw_name})")
+    problem = netns.workdir_problem(path, user)
+    home = Path(user.pw_dir).resolve()
+    if any(path == own or own in path.parents for own in (home / ".npm", home / ".cache")):
+        problem = f"it is {user.pw_name}'s own cache, which the tools outside the sandbox read"
+    elif path in (Path.cwd().resolve(), *Path.cwd().resolve().parents):
+        problem = "it holds the working directory"
+    elif inside := [p for p in protected if path in (p.resolve(), *p.resolve().parents)]:
+        problem = f"it holds {inside[0]}, which the command must not change"
+    elif not netns.may_write(path, user):
+        problem = f"{user.pw_name}, who runs the command, may not write it"
+    if problem:
+        raise SandboxError(f"--cache {path} would be writable in the sandbox, but {problem}: give a folder of its own")
+    return path
+
+
+def cache_environment(cache: Path | None, isolate_fs: bool) -> dict[str, str]:
+    """Where the package managers keep their caches: in `cache` (npm's and every XDG one, pip's among them), or,
+    as the home is read-only in the sandbox, npm's in its private /tmp (npm cannot work without one it writes)."""
+    if cache is not None:
+        return {"XDG_CACHE_HOME": str(cache), "npm_config_cache": str(cache / "npm")}
+    return {"npm_config_cache": NPM_RUN_CACHE} if isolate_fs else {}
+
+
 def unwritable_workdir(user: pwd.struct_passwd, named: bool) -> str | None:
     """What to tell the user when the command's user cannot write the working directory: the run goes on (the
     command may only read), but a command that writes would fail there later."""
@@ -459,7 +517,7 @@ def unwritable_workdir(user: pwd.struct_passwd, named: bool) -> str | None:
 def host_environment(user: pwd.struct_passwd) -> dict[str, str]:
     """A clean environment: nothing of the host's leaks in (tokens live in environments)."""
     env = {
-        "PATH": "/usr/local/bin:/usr/bin:/bin",
+        "PATH": SANDBOX_PATH,
         "HOME": user.pw_dir if os.path.isdir(user.pw_dir) else "/tmp",
         "USER": user.pw_name,
         "LOGNAME": user.pw_name,

@@ -34,6 +34,7 @@ from urllib.parse import parse_qs, urlsplit
 from dnslib import AAAA, CNAME, NS, QTYPE, RCODE, RR, SOA, TXT, A, DNSRecord
 from dnslib.server import BaseResolver, DNSHandler, DNSLogger, DNSServer
 
+import fakeregistry
 from control import Commands, serve_until_signalled, start_control
 
 HTTP_PORTS = (80, 8080)
@@ -71,6 +72,8 @@ ZONE: dict[str, list[tuple[str, str]]] = {
     "api.github.test": [("A", "192.0.2.20")],  # fakegithub.py
     "refused6.allowed.test": [("A", "192.0.2.10")],  # its AAAA questions are REFUSED (REFUSED_AAAA)
     "github.test": [("A", "192.0.2.20")],  # fakegithub.py's git smart HTTP
+    # the README's walk-throughs' hosts, under their real names: registries (fakeregistry.py), a model API
+    **{host: [("A", "192.0.2.10")] for host in (*fakeregistry.REGISTRY_HOSTS, "api.model.example")},
 }
 REFUSED_AAAA = {"refused6.allowed.test"}  # an upstream that refuses AAAA, as some do
 RDATA = {"A": A, "AAAA": AAAA, "CNAME": CNAME, "NS": NS, "TXT": TXT}
@@ -373,7 +376,9 @@ async def respond(conn: Conn, req: Request) -> None:
         head = response_head("200 OK", len(body), req.keep_alive, "application/json")
         await conn.send(head.replace(b"\r\n\r\n", b"\r\nContent-Encoding: gzip\r\n\r\n") + body)
         return
-    if url.path == "/headers":
+    if served := fakeregistry.answer(req.header("host"), url.path):
+        content_type, body = served
+    elif url.path == "/headers":
         body = json.dumps(req.headers).encode()
         content_type = "application/json"
     else:

@@ -26,6 +26,12 @@ LEAF_DNS_NAMES = (
     "*.internal.test",
     "api.github.test",
     "github.test",
+    # the README's walk-throughs, typed as printed (fakeregistry.py)
+    "pypi.org",
+    "files.pythonhosted.org",
+    "registry.npmjs.org",
+    "pkg.example",
+    "api.model.example",
 )
 LEAF_IPS = ("192.0.2.10", "192.0.2.20", "198.51.100.10", "203.0.113.66", "10.1.2.3", "10.1.2.4")
 

@@ -199,8 +199,27 @@ def test_a_usage_error_is_one_line_that_points_at_help(
 
 
 @pytest.fixture
-def not_root(monkeypatch: pytest.MonkeyPatch) -> None:
+def not_root(monkeypatch: pytest.MonkeyPatch, tmp_path_factory: pytest.TempPathFactory) -> None:
     monkeypatch.setattr(common.os, "geteuid", lambda: 1000)
+    monkeypatch.setenv("PATH", str(tmp_path_factory.mktemp("no-sudo")))  # no sudo to run it again with
+
+
+@pytest.fixture
+def sudo_started(monkeypatch: pytest.MonkeyPatch, tmp_path_factory: pytest.TempPathFactory) -> list[list[str]]:
+    """A user with sudo: what it would start (os.execv stands in for sudo taking over)."""
+    monkeypatch.setattr(common.os, "geteuid", lambda: 1000)
+    folder = tmp_path_factory.mktemp("sudo")
+    (folder / "sudo").write_text("#!/bin/sh\n")
+    (folder / "sudo").chmod(0o755)
+    monkeypatch.setenv("PATH", str(folder))
+    started: list[list[str]] = []
+
+    def execv(path: str, argv: list[str]) -> None:
+        started.append(argv)
+        raise SystemExit(0)
+
+    monkeypatch.setattr(common.os, "execv", execv)
+    return started
 
 
 def _refused(path: object, *args: object, **kwargs: object) -> object:
@@ -346,3 +365,28 @@ class Issuer:
 
     def store_entry(self, host: str) -> object:
         return self.ca.store_entry(host)  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [["policy", "suggest", "AUDIT"], ["tools", "log", "--call-log", "AUDIT"]],
+    ids=["policy-suggest", "tools-log"],
+)
+def test_a_command_that_only_reads_runs_again_through_sudo_when_refused_a_file_of_roots(
+    sudo_started: list[list[str]],
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    tmp_path: Path,
+    argv: list[str],
+) -> None:
+    audit = tmp_path / "audit.jsonl"
+    audit.touch(0o640)
+    argv = [str(audit) if word == "AUDIT" else word for word in argv]
+    monkeypatch.setattr(policy_command, "open", _refused, raising=False)
+    monkeypatch.setattr(Path, "is_file", _refused)
+    with pytest.raises(SystemExit):
+        cli.main(argv)
+    # Once, as the same airlock with the same command line, sudo its first word.
+    assert len(sudo_started) == 1 and sudo_started[0][0].endswith("/sudo")
+    assert sudo_started[0][1:] == ["--", sys.executable, "-I", "-m", "airlock", *argv]
+    assert capsys.readouterr().err.endswith(": running it with sudo\n")

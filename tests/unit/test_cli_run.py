@@ -12,10 +12,11 @@ import pytest
 
 from airlock import cli
 from airlock.cli.common import UsageError
-from airlock.cli.run import parse_mount, passed_env
+from airlock.cli.run import HOST_CA_VARS, parse_mount, passed_env
 from airlock.gatewayconfig import GatewayConfig
 from airlock.policy import load_policy
 from airlock.sandbox import netns, netns_launch
+from airlock.sandbox.gitidentity import IDENTITY_VARS
 from airlock.sandbox.netns import SandboxError, accessible_by, credential_paths
 from airlock.sandbox.netns_launch import (
     choose_isolation,
@@ -48,8 +49,8 @@ def test_run_without_root_runs_itself_again_through_sudo(
     monkeypatch.setenv("PATH", str(tmp_path))
     for name, value in {"PASSED": "1", "MODEL_KEY": "k", "DOCKER_HOST": "unix:///d.sock", "OTHER": "x"}.items():
         monkeypatch.setenv(name, value)
-    monkeypatch.delenv("DOCKER_TLS_VERIFY", raising=False)
-    monkeypatch.delenv("DOCKER_CERT_PATH", raising=False)
+    for name in ("DOCKER_TLS_VERIFY", "DOCKER_CERT_PATH", *IDENTITY_VARS, *HOST_CA_VARS):
+        monkeypatch.delenv(name, raising=False)
     started: list[list[str]] = []
 
     def execv(path: str, argv: list[str]) -> None:  # this process would be sudo's from here on
