@@ -14,7 +14,7 @@ from collections.abc import Iterable, Sequence
 
 from airlock.errors import AirlockError
 
-from .common import EXIT_INTERRUPTED, EXIT_USAGE, os_problem, read_as_root, run_as_root
+from .common import EXIT_INTERRUPTED, EXIT_USAGE, os_problem, rerun_as_root, run_as_root
 
 TYPE_CHECKING = False  # not typing's: `airlock --help` imports no typing
 if TYPE_CHECKING:
@@ -62,9 +62,9 @@ def build_parser(groups: Iterable[str] = GROUPS) -> argparse.ArgumentParser:
     parser = _Parser(prog="airlock", description=__doc__.split("\n\n")[0])
     parser.add_argument("-v", "--verbose", action="store_true")
     parser.add_argument("--version", action=_Version)
-    # A command that needs root sets a NeedsRoot; one that reads root's files (and changes nothing) sets
-    # `root_to_read`: refused one as a user, it runs again through sudo.
-    parser.set_defaults(needs_root=None, root_to_read=None)
+    # A command that needs root sets a NeedsRoot; one that needs root only for root's files or sockets sets
+    # `root_when_refused`: refused one as a user before it did anything, it runs again through sudo.
+    parser.set_defaults(needs_root=None, root_when_refused=None)
     commands = parser.add_subparsers(dest="command", required=True)
     load = set(groups)
     for name, (summary, module) in GROUPS.items():
@@ -131,8 +131,8 @@ def _main(argv: list[str]) -> int:
         print(_message(e), file=sys.stderr)
         return EXIT_USAGE
     except OSError as e:  # a file or socket refused (most often: root's, and not run as root)
-        if isinstance(e, PermissionError) and args is not None and args.root_to_read is not None:
-            read_as_root(args.command, argv, args.root_to_read, args)
+        if isinstance(e, PermissionError) and args is not None and args.root_when_refused is not None:
+            rerun_as_root(args.command, argv, args.root_when_refused, args)
         if verbose:
             import traceback
 

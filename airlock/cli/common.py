@@ -58,9 +58,10 @@ def run_as_root(command: str, argv: list[str], needs: NeedsRoot, args: argparse.
     os.execv(sudo, [sudo, *preserve, "--", sys.executable, "-I", "-m", "airlock", *argv])
 
 
-def read_as_root(command: str, argv: list[str], needs: NeedsRoot, args: argparse.Namespace) -> None:
-    """A command that only reads, refused a file of root's as a user: run it again through sudo (nothing was
-    done yet that a second run would repeat). Where there is no sudo, or as root, return: the refusal is told."""
+def rerun_as_root(command: str, argv: list[str], needs: NeedsRoot, args: argparse.Namespace) -> None:
+    """A command refused a file or socket of root's as a user, before it did anything (it reads root's files, or
+    asks root's admin listener): run it again through sudo. Where there is no sudo, or as root, return: the
+    refusal is told."""
     import shutil
 
     if os.geteuid() != 0 and shutil.which("sudo") is not None:

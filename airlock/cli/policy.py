@@ -32,7 +32,8 @@ from airlock.policy import (
 
 from .common import EXIT_ALLOW, EXIT_DENY, EXIT_USAGE, NeedsRoot, UsageError
 from .common import load_policy_file as _load
-from .status import add_admin_options, cmd_policy_reload
+from .status import cmd_policy_reload
+from .token import add_admin_options
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -61,7 +62,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--collapse", type=int, metavar="N", help="offer *.parent for N or more sibling names (never a public suffix)"
     )
     suggest.add_argument("--merge", metavar="POLICY", help="print POLICY with the rules added (comments kept)")
-    suggest.set_defaults(func=cmd_policy_suggest, root_to_read=NeedsRoot("the audit log is root's"))
+    suggest.set_defaults(func=cmd_policy_suggest, root_when_refused=NeedsRoot("the audit log is root's"))
     reload = actions.add_parser("reload", help="make a running gateway load its policy file again (admin listener)")
     add_admin_options(reload)
     reload.set_defaults(func=cmd_policy_reload)
@@ -102,7 +103,7 @@ def cmd_policy_suggest(args: argparse.Namespace) -> int:
         raise UsageError(f"--collapse {args.collapse}: give 2 or more sibling names")
     since = since_time(args.since) if args.since else None
     base = _load(args.merge) if args.merge else None
-    try:  # the audit log is root's (0640): a user is refused it, and `root_to_read` asks sudo
+    try:  # the audit log is root's (0640): a user is refused it, and `root_when_refused` asks sudo
         with open(args.audit, encoding="utf-8") as audit:
             suggestions = suggest(audit, base, args.profile, since, args.collapse)
     except UnicodeDecodeError as e:

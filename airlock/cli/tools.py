@@ -51,7 +51,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     replay.add_argument("--github-app-id", metavar="ID")
     replay.add_argument("--github-app-key", type=absolute, metavar="PEM")
     replay.add_argument("--github-installation-id", type=int, metavar="ID")
-    log.set_defaults(func=cmd_tools_log, root_to_read=NeedsRoot("the call log is root's"))
+    log.set_defaults(func=cmd_tools_log, root_when_refused=NeedsRoot("the call log is root's"))
     replay.set_defaults(func=cmd_tools_replay)
 
 

@@ -3,6 +3,7 @@ exit 2, Ctrl-C exit 130 — and the odd inputs that used to get further than tha
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import subprocess
 import sys
@@ -16,6 +17,7 @@ from airlock.brokerconfig import BrokerConfigError
 from airlock.cli import common
 from airlock.cli import policy as policy_command
 from airlock.cli import run as run_command
+from airlock.cli import token as token_command
 from airlock.cli.common import UsageError
 from airlock.gateway import GatewayError
 from airlock.policy import PolicyError
@@ -390,3 +392,35 @@ def test_a_command_that_only_reads_runs_again_through_sudo_when_refused_a_file_o
     assert len(sudo_started) == 1 and sudo_started[0][0].endswith("/sudo")
     assert sudo_started[0][1:] == ["--", sys.executable, "-I", "-m", "airlock", *argv]
     assert capsys.readouterr().err.endswith(": running it with sudo\n")
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [["status"], ["approvals", "approve", "3f9c", "--scope", "policy"], ["token", "revoke", "--sandbox", "s1"]],
+    ids=["status", "approvals-approve", "token-revoke"],
+)
+def test_an_admin_command_refused_the_root_owned_socket_runs_again_through_sudo(
+    sudo_started: list[list[str]],
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    tmp_path: Path,
+    argv: list[str],
+) -> None:
+    async def refused(*args: object, **kwargs: object) -> object:  # the system's answer to a user (never to root)
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(asyncio.SelectorEventLoop, "create_unix_connection", refused)
+    argv = [*argv, "--admin", str(tmp_path / "admin.sock")]
+    with pytest.raises(SystemExit):
+        cli.main(argv)
+    assert len(sudo_started) == 1 and sudo_started[0][1:] == ["--", sys.executable, "-I", "-m", "airlock", *argv]
+    assert capsys.readouterr().err.endswith(": running it with sudo\n")
+
+
+def test_a_user_refused_the_list_of_running_gateways_asks_sudo(
+    sudo_started: list[list[str]], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(token_command, "running", lambda: _refused("/run/airlock/runs"))
+    with pytest.raises(SystemExit):
+        cli.main(["approvals", "list"])
+    assert len(sudo_started) == 1 and sudo_started[0][-2:] == ["approvals", "list"]
