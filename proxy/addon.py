@@ -19,6 +19,7 @@ from airlock.policy import LivePolicy
 
 from .connect import PinnedConnect
 from .httpaudit import HttpAudit
+from .httplayer import HttpLayer
 from .httppolicy import HttpPolicy
 from .identity import SandboxIdentity
 from .inspection import Inspection
@@ -41,8 +42,8 @@ class Airlock:
         self.audit = audit = HttpAudit(shared)
         self.inspection = inspection = Inspection(shared, then=audit.answered)
         self.http = http = HttpPolicy(shared, inspection)
-        self.tunnels = tunnels = TunnelPolicy(shared)
-        self.transparent = transparent = TransparentPolicy(shared, tunnels)
+        self.tunnels = tunnels = TunnelPolicy(shared, HttpLayer)
+        self.transparent = transparent = TransparentPolicy(shared, tunnels, HttpLayer)
         self.pinned = pinned = PinnedConnect(shared)
         self.client_connected = identity.client_connected
         self.client_disconnected = identity.client_disconnected

@@ -18,7 +18,6 @@ from typing import NamedTuple
 
 from mitmproxy import http, tls
 from mitmproxy.proxy import layer, layers
-from mitmproxy.proxy.layers.http import HTTPMode
 
 from airlock.audit import AuditRecord, Verdict
 from airlock.policy import Decision, ReasonCode, Rule, decide
@@ -56,12 +55,6 @@ def intercept(nextlayer: layer.NextLayer, state: ClientState) -> None:
     server_tls = layers.ServerTLSLayer(nextlayer.context)
     server_tls.child_layer = layers.ClientTLSLayer(nextlayer.context)
     nextlayer.layer = server_tls
-
-
-def inner_layer(nextlayer: layer.NextLayer) -> None:
-    """What an inspected tunnel carries once both TLS sessions are up: HTTP/1 or HTTP/2 (by ALPN), each request
-    judged by `Inspection.judge_in_tunnel`."""
-    nextlayer.layer = layers.HttpLayer(nextlayer.context, HTTPMode.transparent)
 
 
 def carried_placeholders(request: http.Request, forwarded: str = "") -> frozenset[str]:
