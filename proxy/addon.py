@@ -19,7 +19,6 @@ from airlock.policy import LivePolicy
 
 from .connect import PinnedConnect
 from .httpaudit import HttpAudit
-from .httplayer import HttpLayer
 from .httppolicy import HttpPolicy
 from .identity import SandboxIdentity
 from .inspection import Inspection
@@ -42,8 +41,8 @@ class Airlock:
         self.audit = audit = HttpAudit(shared)
         self.inspection = inspection = Inspection(shared, then=audit.answered)
         self.http = http = HttpPolicy(shared, inspection)
-        self.tunnels = tunnels = TunnelPolicy(shared, HttpLayer)
-        self.transparent = transparent = TransparentPolicy(shared, tunnels, HttpLayer)
+        self.tunnels = tunnels = TunnelPolicy(shared, inspection.http_layer)
+        self.transparent = transparent = TransparentPolicy(shared, tunnels, inspection.http_layer)
         self.pinned = pinned = PinnedConnect(shared)
         self.client_connected = identity.client_connected
         self.client_disconnected = identity.client_disconnected
