@@ -58,6 +58,7 @@ if TYPE_CHECKING:
     from airlock.proxy.addon import Airlock
 
 log = logging.getLogger("airlock.gateway")
+MITMPROXY_LOG = logging.getLogger("mitmproxy.proxy.server")  # mitmproxy's lines about each connection
 
 # File descriptors kept apart from proxied connections: the process itself, listeners, audit log, broker store
 # and broker calls; per sandbox, its DNS over TCP (16) and DNS queries waiting on upstream (32), with room left.
@@ -295,6 +296,7 @@ class Gateway:
         self._listeners: dict[str, socket.socket] = {}  # the proxy's, by mitmproxy mode spec, from start() on
         self._proxy_servers: list[asyncio.Server] = []  # once mitmproxy serves them
         self._flusher: asyncio.Task[None] | None = None
+        self._scrubbed_log: logging.Filter | None = None  # on mitmproxy's log while the proxy runs
         self.shared = None
         self.airlock: Airlock | None = None
         self.dns: DnsServer | None = None
@@ -446,7 +448,7 @@ class Gateway:
     async def _start_proxy(self, answered: AnsweredAddresses) -> None:
         from airlock.mitm import Master, ServerInstance, options
         from airlock.proxy.addon import build_addon
-        from airlock.proxy.shared import Credentials, GatewaySettings
+        from airlock.proxy.shared import Credentials, GatewaySettings, ScrubbedLog
 
         config, caps = self.config, self.caps
         opts = options.Options(
@@ -468,6 +470,8 @@ class Gateway:
         self.airlock = build_addon(self.live, self.resolver, self.emit, settings, answered)
         self.shared = shared = self.airlock.shared
         shared.approvals = self.approvals
+        self._scrubbed_log = ScrubbedLog(lambda: shared.credentials)
+        MITMPROXY_LOG.addFilter(self._scrubbed_log)
         self._watch_metrics()
         running = _Running()
         master.addons.add(*_essential_addons(), self.airlock, running)
@@ -701,6 +705,8 @@ class Gateway:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self._task, 10)
         self.audit.close()
+        if self._scrubbed_log is not None:
+            MITMPROXY_LOG.removeFilter(self._scrubbed_log)
         if self._own is not None:
             self._own.close()
         if self._own_state:

@@ -41,8 +41,8 @@ class Airlock:
         self.audit = audit = HttpAudit(shared)
         self.inspection = inspection = Inspection(shared, then=audit.answered)
         self.http = http = HttpPolicy(shared, inspection)
-        self.tunnels = tunnels = TunnelPolicy(shared)
-        self.transparent = transparent = TransparentPolicy(shared, tunnels)
+        self.tunnels = tunnels = TunnelPolicy(shared, inspection.http_layer)
+        self.transparent = transparent = TransparentPolicy(shared, tunnels, inspection.http_layer)
         self.pinned = pinned = PinnedConnect(shared)
         self.client_connected = identity.client_connected
         self.client_disconnected = identity.client_disconnected

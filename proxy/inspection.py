@@ -7,17 +7,25 @@ goes upstream with its canonical path, and a Host header that names another host
 plain HTTP. A 101 is delivered only as the websocket a sub-rule allowed the request to ask for: after any other
 upgrade the tunnel would carry bytes no rule judges. The upstream's certificate is verified (mitmproxy's server
 TLS, against the system store or `--upstream-ca`); an invalid one is a denial, never a downgrade to passthrough.
+
+Every part of an answer that reaches the sandbox is scrubbed, or the answer is withheld (a JSON answer in its
+place says why): the status line's reason phrase, header names and values (of a 1xx too), the body (streamed),
+trailers, websocket messages and control frames (`httplayer.py`), and mitmproxy's own error page. To a request
+that carried a secret, an answer the scrubber cannot read (a content- or transfer-coding, which the request did
+not ask for) is withheld, and mitmproxy's error page says only where the error is written (its text may quote
+the upstream in forms no scrubber reads).
 """
 
 from __future__ import annotations
 
 import base64
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import NamedTuple
 
 from mitmproxy import http, tls
 from mitmproxy.proxy import layer, layers
+from mitmproxy.proxy.context import Context
 from mitmproxy.proxy.layers.http import HTTPMode
 
 from airlock.audit import AuditRecord, Verdict
@@ -25,7 +33,9 @@ from airlock.policy import Decision, ReasonCode, Rule, decide
 from airlock.policy.decide import judge_placeholders, judge_request, refused_certificate
 from airlock.policy.inspection import GithubInjection, Injection, placeholders_in
 
+from .answers import answer
 from .failclosed import fail_closed, nothing_to_deny
+from .httplayer import HttpLayer
 from .shared import ClientState, Shared
 
 # git's smart HTTP paths on GitHub: /OWNER/REPO[.git]/info/refs, /OWNER/REPO[.git]/git-upload-pack (or -receive-).
@@ -58,12 +68,6 @@ def intercept(nextlayer: layer.NextLayer, state: ClientState) -> None:
     nextlayer.layer = server_tls
 
 
-def inner_layer(nextlayer: layer.NextLayer) -> None:
-    """What an inspected tunnel carries once both TLS sessions are up: HTTP/1 or HTTP/2 (by ALPN), each request
-    judged by `Inspection.judge_in_tunnel`."""
-    nextlayer.layer = layers.HttpLayer(nextlayer.context, HTTPMode.transparent)
-
-
 def carried_placeholders(request: http.Request, forwarded: str = "") -> frozenset[str]:
     """The secrets whose placeholder this request carries, in its target as sent or as it will be `forwarded`
     (canonical: an escaped `-` decoded), or in any header."""
@@ -83,6 +87,62 @@ def inject(request: http.Request, rule: Rule, values: Mapping[str, str]) -> bool
             request.headers[injection.header] = injection.render(values)
             injected = True
     return injected
+
+
+def ask_for_readable_answers(request: http.Request) -> None:
+    """A request that carries a secret asks for an answer the scrubber can read: no content-coding, and of what its
+    `TE` names, `trailers` alone (a transfer-coding the sandbox asked for would reach it unscrubbed), over HTTP/2
+    only (gRPC's trailers; mitmproxy reads no HTTP/1.1 trailers: an upstream's would end the answer mid-way)."""
+    request.headers["accept-encoding"] = "identity"
+    named = {c.strip().lower() for value in request.headers.get_all("te") for c in value.split(",")}
+    request.headers.pop("te", None)  # every copy
+    if "trailers" in named and not request.http_version.startswith("HTTP/1"):
+        request.headers["te"] = "trailers"
+
+
+_PLAIN = frozenset({"", "identity", "chunked"})
+_FAILED_UPSTREAM = (
+    "the request to the upstream failed: the reason is in the gateway audit log only (it may quote secrets)"
+)
+
+
+def _unreadable(response: http.Response) -> str | None:
+    """Why the scrubber could not read this answer's body, if it could not: a content- or transfer-coding."""
+    if response.headers.get("content-encoding", "identity").strip().lower() not in _PLAIN - {"chunked"}:
+        return "the upstream compressed its answer to a request carrying a secret: not delivered"
+    codings = {c.strip().lower() for c in response.headers.get("transfer-encoding", "").split(",")}
+    if codings - _PLAIN:
+        te = response.headers["transfer-encoding"]
+        return f"the upstream sent its answer to a request carrying a secret in transfer-coding {te!r}: not delivered"
+    return None
+
+
+def _undeliverable(response: http.Response) -> str | None:
+    """Why mitmproxy 12 could not relay this answer from an HTTP/1.1 upstream whole, if it could not: a 1xx it would
+    take for the final answer (the client would wait on for the real one), trailers it cannot read (the answer
+    would stop before them, the connection hanging)."""
+    if not response.http_version.startswith("HTTP/1"):
+        return None
+    if 100 <= response.status_code < 200 and response.status_code != 101:
+        return f"the upstream sent an informational answer ({response.status_code}) the gateway cannot relay"
+    if "trailer" in response.headers:
+        return f"the upstream announced trailers ({response.headers['trailer']}) the gateway cannot read over HTTP/1.1"
+    return None
+
+
+def _instead(body: bytes) -> Callable[[bytes], Iterable[bytes]]:
+    """A response stream that sends `body` (at once: the client has its whole answer even if the upstream's never
+    ends) and drops all the upstream sends."""
+    sent = False
+
+    def stream(_chunk: bytes) -> Iterable[bytes]:
+        nonlocal sent
+        if sent:
+            return ()
+        sent = True
+        return (body,)
+
+    return stream
 
 
 def _withhold(self: Inspection, flow: http.HTTPFlow) -> None:
@@ -110,6 +170,12 @@ def _unjudged_upgrade(flow: http.HTTPFlow, response: http.Response) -> str | Non
     if protocol.lower() != "websocket":
         return f"the upstream switched to {protocol!r}, not to the websocket the request asked for: not delivered"
     return None
+
+
+def _scrubbed_fields(
+    scrub: Callable[[bytes], bytes], fields: tuple[tuple[bytes, bytes], ...]
+) -> tuple[tuple[bytes, bytes], ...]:
+    return tuple((scrub(name), scrub(value)) for name, value in fields)
 
 
 class Inspection:
@@ -163,7 +229,7 @@ class Inspection:
             return None
         self.shared.credentials = self.shared.credentials.holding(token)  # scrubbed from what comes back
         request.headers["authorization"] = "Basic " + base64.b64encode(f"x-access-token:{token}".encode()).decode()
-        request.headers["accept-encoding"] = "identity"
+        ask_for_readable_answers(request)
         flow.metadata["airlock_injected"] = True
         record.extra["credential"] = f"github read token for {repo}"
         return None
@@ -188,8 +254,7 @@ class Inspection:
         request.path = verdict.target  # what was judged is what is sent
         flow.metadata["airlock_websocket"] = websocket  # the only upgrade its answer may make (`responseheaders`)
         if encrypted and inject(request, rule, self.shared.credentials.values):
-            # An upstream may echo what it was sent: it must come back in a form the scrubber can read.
-            request.headers["accept-encoding"] = "identity"
+            ask_for_readable_answers(request)  # an upstream may echo what it was sent: the scrubber must read it
             flow.metadata["airlock_injected"] = True
         record.decision, record.reason, record.code = "allow", reason, ReasonCode.ALLOWED
         return None
@@ -204,40 +269,54 @@ class Inspection:
 
     @fail_closed(_withhold)
     def response(self, flow: http.HTTPFlow) -> None:
-        """The response is in (its body scrubbed as it streamed): the request's audit line (`then`)."""
+        """The response is in (its body scrubbed as it streamed): its trailers scrubbed (or the answer that stands
+        in for a withheld one, whole), then the request's audit line (`then`)."""
+        scrubber, response = self.shared.credentials.scrubber, flow.response
+        if (withheld := flow.metadata.pop("airlock_withheld", None)) is not None:
+            flow.response = withheld  # what mitmproxy read of the upstream's body is not in it, nor are trailers
+        elif response is not None and response.trailers and scrubber is not None:
+            response.trailers.fields = _scrubbed_fields(scrubber.scrub, response.trailers.fields)
         self.then(flow)
 
     @fail_closed(_withhold)
     def responseheaders(self, flow: http.HTTPFlow) -> None:
-        """Scrub the response's headers, and stream its body through the scrubber (same length, so the framing the
-        upstream chose stays true). A request that carried an injected secret asked for no compression: a
-        compressed answer to it could hide an echo of the secret from the scrubber, so it is not delivered."""
+        """Scrub the response's head (reason phrase, header names and values) and stream its body through the
+        scrubber (same length, so the framing the upstream chose stays true). An answer that must not reach the
+        sandbox is withheld: an upgrade the request was not judged for; a 1xx, which mitmproxy would relay as the
+        final answer over HTTP/1.1 (the client would wait on for the real one); and, to a request that carried an
+        injected secret (and so asked for none), a coded one, which could hide an echo of the secret."""
         scrubber, response, record = self.shared.credentials.scrubber, flow.response, flow.metadata.get("airlock")
         if response is None or record is None:
             return  # the gateway's own answer
         if record.extra.get("inspected") and (upgrade := _unjudged_upgrade(flow, response)):
-            return self._withhold_answer(flow, record, "deny", ReasonCode.WEBSOCKET_NOT_ALLOWED, upgrade)
+            return self._withhold_answer(flow, record, "deny", ReasonCode.WEBSOCKET_NOT_ALLOWED, upgrade, 403)
+        if (undeliverable := _undeliverable(response)) is not None:
+            return self._withhold_answer(flow, record, "error", ReasonCode.REQUEST_FAILED, undeliverable, 502)
         if scrubber is None:
             return  # nothing to scrub
-        response.headers.fields = tuple((name, scrubber.scrub(value)) for name, value in response.headers.fields)
-        if response.headers.get("content-encoding", "identity").lower() not in ("", "identity"):
+        response.data.reason = scrubber.scrub(response.data.reason)
+        response.headers.fields = _scrubbed_fields(scrubber.scrub, response.headers.fields)
+        if (unreadable := _unreadable(response)) is not None:
             if flow.metadata.get("airlock_injected"):
-                reason = "the upstream compressed its answer to a request carrying a secret: not delivered"
-                self._withhold_answer(flow, record, "error", ReasonCode.REQUEST_FAILED, reason)
+                self._withhold_answer(flow, record, "error", ReasonCode.REQUEST_FAILED, unreadable, 502)
             return
         flow.metadata["airlock_bytes_out"] = 0
         response.stream = self._counted(flow, scrubber.stream())
 
     def _withhold_answer(
-        self, flow: http.HTTPFlow, record: AuditRecord, decision: Verdict, code: ReasonCode, reason: str
+        self, flow: http.HTTPFlow, record: AuditRecord, decision: Verdict, code: ReasonCode, reason: str, status: int
     ) -> None:
-        """Kill a response that must not reach the sandbox, its audit line written here: the error hook that follows
-        writes lines only for what passed."""
+        """Put a JSON answer saying why in the place of one that must not reach the sandbox, its audit line written
+        here: the response hook that follows writes lines only for what passed. What the upstream still sends of
+        its body is read and dropped."""
         del flow.metadata["airlock"]
         record.decision, record.code, record.reason = decision, code, reason
         record.status = flow.response.status_code if flow.response is not None else None
         self.shared.emit(record)
-        flow.kill()
+        instead = answer(record, None, status, decision)
+        flow.metadata["airlock_withheld"] = instead.copy()
+        instead.stream = _instead(instead.content or b"")
+        flow.response = instead
 
     @fail_closed(_withhold_message)
     def websocket_message(self, flow: http.HTTPFlow) -> None:
@@ -249,11 +328,32 @@ class Inspection:
         if not message.from_client and (scrubber := self.shared.credentials.scrubber) is not None:
             message.content = scrubber.scrub(message.content)
 
-    def _counted(self, flow: http.HTTPFlow, scrub: Callable[[bytes], bytes]) -> Callable[[bytes], bytes]:
-        def stream(chunk: bytes) -> bytes:
+    def control_payload(self, payload: bytes) -> bytes:
+        """A websocket ping's, pong's or close frame's payload on its way to the sandbox (`httplayer`), scrubbed
+        like a message."""
+        scrubber = self.shared.credentials.scrubber
+        return payload if scrubber is None else scrubber.scrub(payload)
+
+    def error_text(self, flow: http.HTTPFlow, message: str) -> str:
+        """mitmproxy's words about a failed upstream, as its error page gives them to the sandbox (`httplayer`).
+        To a request that carried a secret: none of them, only where they are (they may quote what the upstream
+        sent, in forms no scrubber reads: a Python repr, a GOAWAY's debug data as hex); to any other, scrubbed."""
+        if flow.metadata.get("airlock_injected"):
+            return _FAILED_UPSTREAM
+        return self.shared.credentials.scrubbed(message)
+
+    def http_layer(self, context: Context, mode: HTTPMode) -> layer.Layer:
+        """The HTTP layer of every connection the gateway reads HTTP on (plain, transparent, inspected)."""
+        return HttpLayer(context, mode, self)
+
+    def _counted(self, flow: http.HTTPFlow, scrub: Callable[[bytes], bytes]) -> Callable[[bytes], Iterable[bytes]]:
+        """The scrubber's stream, counting what it sends. Nothing to send is no chunk at all: mitmproxy would write
+        an empty one to an HTTP/1.1 client as chunked encoding's last (`0`), ending the body there."""
+
+        def stream(chunk: bytes) -> Iterable[bytes]:
             out = scrub(chunk)
             flow.metadata["airlock_bytes_out"] += len(out)
-            return out
+            return (out,) if out else ()
 
         return stream
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import ipaddress
+import logging
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Mapping
@@ -86,11 +87,30 @@ class Credentials:
         held = [*values.values(), *minted]
         return cls(dict(values), minted, Scrubber(held) if held else None)
 
+    def scrubbed(self, text: str) -> str:
+        """`text` (an error's words) with every form of every credential held masked."""
+        if self.scrubber is None:
+            return text
+        return self.scrubber.scrub(text.encode()).decode(errors="replace")
+
     def holding(self, token: str) -> Credentials:
         """These credentials and one more minted token (an installation token lives an hour: the oldest go)."""
         if token in self.minted:
             return self
         return Credentials.of(self.values, (*self.minted, token)[-MINTED_KEPT:])
+
+
+class ScrubbedLog(logging.Filter):
+    """mitmproxy's lines about each connection, which quote what an upstream sent (a websocket ping's payload, an
+    answer it could not parse), with every credential the proxy holds (`credentials()`, now) masked."""
+
+    def __init__(self, credentials: Callable[[], Credentials]) -> None:
+        super().__init__()
+        self.credentials = credentials
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.msg, record.args = self.credentials().scrubbed(record.getMessage()), None
+        return True
 
 
 class GitTokens(Protocol):

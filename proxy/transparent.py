@@ -18,9 +18,11 @@ from __future__ import annotations
 import ipaddress
 import re
 import time
+from collections.abc import Callable
 from typing import Literal
 
 from mitmproxy.proxy import layer, layers
+from mitmproxy.proxy.context import Context
 from mitmproxy.proxy.layers.http import HTTPMode
 from mitmproxy.proxy.layers.tls import parse_client_hello
 
@@ -28,6 +30,7 @@ from airlock.audit import AuditRecord
 from airlock.policy import Decision, ReasonCode, Sandbox, format_host_port
 
 from .failclosed import fail_closed
+from .httplayer import HttpLayer
 from .inspection import inspected_rule, intercept
 from .shared import ClientState, Outcome, Shared, is_transparent
 from .tlsnames import TlsNameError, server_name
@@ -42,10 +45,12 @@ type Carried = Literal["tls", "http", "raw"]
 
 class TransparentPolicy:
     """The `next_layer` hook: the first layer of a redirected connection is chosen here, from its first bytes;
-    every other layer choice is `TunnelPolicy`'s."""
+    every other layer choice is `TunnelPolicy`'s, but that every HTTP layer is the gateway's (`http_layer`)."""
 
-    def __init__(self, shared: Shared, tunnels: TunnelPolicy) -> None:
-        self.shared, self.tunnels = shared, tunnels
+    def __init__(
+        self, shared: Shared, tunnels: TunnelPolicy, http_layer: Callable[[Context, HTTPMode], layer.Layer]
+    ) -> None:
+        self.shared, self.tunnels, self.http_layer = shared, tunnels, http_layer
 
     def _deny_layer(self, nextlayer: layer.NextLayer) -> None:
         self.shared.client(nextlayer.context.client).denied = "internal error"
@@ -57,6 +62,9 @@ class TransparentPolicy:
         state = self.shared.client(context.client)
         if not is_transparent(context.client) or state.original is not None or context.server.address is None:
             self.tunnels.inside_tunnel(nextlayer)
+            chosen = nextlayer.layer  # by TunnelPolicy, else by mitmproxy (the explicit proxy's HTTP, say)
+            if isinstance(chosen, layers.HttpLayer) and not isinstance(chosen, HttpLayer):
+                nextlayer.layer = self.http_layer(context, chosen.mode)  # it answers refusals of any shape
             return
         data = nextlayer.data_client()
         carried = _carried(data)
@@ -73,7 +81,7 @@ class TransparentPolicy:
         address, port = context.server.address[0], context.server.address[1]
         state.original = (address, port)
         if carried == "http":
-            nextlayer.layer = layers.HttpLayer(context, HTTPMode.transparent)  # each request judged by its Host
+            nextlayer.layer = self.http_layer(context, HTTPMode.transparent)  # each request judged by its Host
             return
         sni = None
         if hello is not None:

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from mitmproxy.proxy import events, layer, layers
 from mitmproxy.proxy.context import Context
+from mitmproxy.proxy.layers.http import HTTPMode
 from mitmproxy.proxy.layers.tcp import TcpMessageInjected
 from mitmproxy.proxy.layers.tls import ClientHello, parse_client_hello
 from mitmproxy.proxy.utils import expect
@@ -12,7 +15,7 @@ from airlock.audit import AuditRecord
 from airlock.policy import ReasonCode, decide, is_ip
 
 from .failclosed import fail_closed
-from .inspection import inner_layer, inspected_rule, intercept
+from .inspection import inspected_rule, intercept
 from .shared import ClientState, Shared
 from .tlsnames import ECH_EXTENSIONS, TlsNameError, hidden_name, server_name
 
@@ -43,8 +46,8 @@ class TunnelPolicy:
     ever built for a tunnel: the ClientHello is read from the first bytes, and until it is complete the
     decision waits (`nextlayer.layer = None`)."""
 
-    def __init__(self, shared: Shared) -> None:
-        self.shared = shared
+    def __init__(self, shared: Shared, http_layer: Callable[[Context, HTTPMode], layer.Layer]) -> None:
+        self.shared, self.http_layer = shared, http_layer
 
     def _deny_layer(self, nextlayer: layer.NextLayer) -> None:
         state = self.shared.client(nextlayer.context.client)
@@ -62,8 +65,9 @@ class TunnelPolicy:
         state = self.shared.clients.get(nextlayer.context.client.id)
         if state is None or state.tunnel is None or not nextlayer.context.server.address:
             return  # not the inside of one of our tunnels (e.g. the connection's first layer)
-        if state.inspected:
-            return inner_layer(nextlayer)  # both TLS sessions are up: the requests inside are judged one by one
+        if state.inspected:  # both TLS sessions are up: HTTP/1 or 2 (by ALPN), each request judged on its own
+            nextlayer.layer = self.http_layer(nextlayer.context, HTTPMode.transparent)
+            return
         data = nextlayer.data_client()
         if may_be_tls(data):
             try:

@@ -30,7 +30,7 @@ from mitmproxy import http
 from mitmproxy.proxy.layers import TCPLayer
 
 from airlock.dns.upstream import Answer
-from airlock.proxy.httppolicy import DECISION_HEADER, REQUEST_ID_HEADER
+from airlock.proxy.answers import DECISION_HEADER, REQUEST_ID_HEADER
 from airlock.proxy.tunnels import MeteredTunnel
 
 
@@ -268,12 +268,23 @@ async def test_a_request_inside_a_tunnel_is_refused() -> None:
     [{"transfer-encoding": "chunked"}, {"content-length": str(2 * 1024 * 1024)}],
     ids=["chunked", "larger-than-stream_large_bodies"],
 )
-async def test_a_denied_request_with_a_streamed_body_is_killed(headers: dict[str, str]) -> None:
+async def test_a_denied_request_with_a_streamed_body_is_answered_at_its_headers(headers: dict[str, str]) -> None:
     gw = gateway()
-    flow = request_flow("unlisted.test", headers=headers)
+    flow = request_flow("unlisted.test", headers={**headers, "expect": "100-continue"})
     await gw.http.requestheaders(flow)
-    assert flow.response is None and flow.error is not None and not flow.killable  # killed: nothing is forwarded
+    denial(flow.response)
+    # The answer goes before the body (httplayer.py reads the rest to drop it); no 100 Continue asks for it.
+    assert flow.request.stream is True and "expect" not in flow.request.headers
     assert [r.decision for r in gw.records] == ["deny"]
+
+
+async def test_a_denied_head_request_gets_the_status_and_headers_alone() -> None:
+    gw = gateway()
+    flow = request_flow("unlisted.test")
+    flow.request.method = "HEAD"
+    await gw.http.requestheaders(flow)
+    assert flow.response.status_code == 403 and flow.response.raw_content == b""
+    assert int(flow.response.headers["content-length"]) > 0  # the length a GET's answer has
 
 
 # --- server_connect: the one enforcement point -----------------------------------------------------------------
