@@ -79,3 +79,38 @@ def test_airlock_is_spelled_one_way_in_every_shell_block(page: Path) -> None:
         for line in block.splitlines():
             assert not re.search(r"(?<![\w/.-])airlock [a-z-]", line.replace(PROGRAM, "")), line
     assert "sudo airlock" not in text and f"sudo {PROGRAM}" not in text
+
+
+def _anchor(heading: str) -> str:
+    """GitHub's anchor of a heading: lowercase, punctuation dropped but `-` and `_`, spaces as `-`."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def _anchors(page: Path) -> set[str]:
+    text = re.sub(r"^```.*?^```$", "", page.read_text(encoding="utf-8"), flags=re.MULTILINE | re.DOTALL)
+    return {_anchor(heading) for heading in re.findall(r"^#+ (.*)$", text, re.MULTILINE)}
+
+
+_LINK = re.compile(r"\]\((?P<target>[^)\s]+)\)")
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda page: page.name)
+def test_every_link_between_the_pages_leads_to_a_file_and_heading_there(page: Path) -> None:
+    for target in _LINK.findall(page.read_text(encoding="utf-8")):
+        if re.match(r"[a-z]+:", target):
+            continue
+        path, _, anchor = target.partition("#")
+        linked = (page.parent / path).resolve() if path else page
+        assert linked.exists(), f"{page.name}: {target} names no file"
+        if anchor:
+            assert anchor in _anchors(linked), f"{page.name}: {target}: {linked.name} has no such heading"
+
+
+def test_the_readme_opens_with_the_two_commands_and_stays_short() -> None:
+    lines = README.read_text(encoding="utf-8").splitlines()
+    assert lines[2] == "```sh" and lines[3].startswith("./scripts/setup && .venv/bin/airlock run -- ")
+    assert lines[4].startswith("./scripts/setup && ./scripts/test ") and lines[5] == "```"
+    assert len(lines) <= 250
+    assert not [line for line in lines if len(line) > 200]
+    # a line that starts with `#` outside a heading reads as one to tools that list a page's headings
+    assert not [line for line in lines if line.startswith("#") and not re.match(r"#+ \S", line)]
