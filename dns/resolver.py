@@ -5,12 +5,12 @@ a coroutine because it asks the gateway's shared `Resolver` (one cache, one upst
 and the sandbox see the same addresses). It judges queries the transport (dns/server.py) has admitted
 (dns/admission.py), and reads the exfiltration signals of each name it allows.
 
-Choices (README "DNS"): unlisted names get REFUSED, without any upstream query (an honest "not for you": NXDOMAIN
-would claim the name does not exist and be cached as such), except in report mode (answered, audited `report`);
-a single-label name (a machine's own name, which /etc/hosts answers) gets NXDOMAIN: for a sandbox it exists nowhere;
-only A and AAAA are answered with data, other types of an allowed name get an empty answer; CNAME chains are
-flattened to the final, vetted addresses (the sandbox never sees intermediate names), and refused when a deny rule
-closes a name on the chain; an answer whose every address was filtered becomes NXDOMAIN.
+Choices (docs/operations.md, "DNS"): unlisted names get REFUSED, without any upstream query (an honest "not for
+you": NXDOMAIN would claim the name does not exist and be cached as such), except in report mode (answered, audited
+`report`); a single-label name (a machine's own name, which /etc/hosts answers) gets NXDOMAIN: for a sandbox it
+exists nowhere; only A and AAAA are answered with data, other types of an allowed name get an empty answer; CNAME
+chains are flattened to the final, vetted addresses (the sandbox never sees intermediate names), and refused when a
+deny rule closes a name on the chain; an answer whose every address was filtered becomes NXDOMAIN.
 """
 
 from __future__ import annotations

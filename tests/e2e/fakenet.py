@@ -76,7 +76,7 @@ ZONE: dict[str, list[tuple[str, str]]] = {
     "api.github.test": [("A", "192.0.2.20")],  # fakegithub.py
     "refused6.allowed.test": [("A", "192.0.2.10")],  # its AAAA questions are REFUSED (REFUSED_AAAA)
     "github.test": [("A", "192.0.2.20")],  # fakegithub.py's git smart HTTP
-    # the README's walk-throughs' hosts, under their real names: registries (fakeregistry.py), a model API
+    # the hosts of the docs' walk-throughs, under their real names: registries (fakeregistry.py), a model API
     **{host: [("A", "192.0.2.10")] for host in (*fakeregistry.REGISTRY_HOSTS, "api.model.example")},
 }
 REFUSED_AAAA = {"refused6.allowed.test"}  # an upstream that refuses AAAA, as some do

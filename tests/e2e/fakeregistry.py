@@ -1,5 +1,5 @@
-"""Package registries of the fake internet, under their real names (the README's walk-throughs type those): PyPI's
-simple index and files host, npm's registry, and the `pkg.example` index of the README's denial walk-through.
+"""Package registries of the fake internet, under their real names (the docs' walk-throughs type those): PyPI's
+simple index and files host, npm's registry, and the `pkg.example` index of the denial walk-through (docs/policy.md).
 Each serves one small package, built here byte for byte the same every run:
 
 - PyPI: `airlockdemo` 1.0, a pure-Python wheel (`import airlockdemo; airlockdemo.ANSWER == 42`);

@@ -1,6 +1,6 @@
-"""The README's walk-throughs, typed as printed: each test takes the blocks marked `<!-- walkthrough: NAME -->` from
-README.md (readme.py) and runs them with `sh` in a folder that stands for the airlock checkout, so that a README
-change that breaks a walk-through fails here.
+"""The walk-throughs of the README and docs/, typed as printed: each test takes the blocks marked
+`<!-- walkthrough: NAME -->` from the page of their topic (readme.py) and runs them with `sh` in a folder that stands
+for the airlock checkout, so that a change of the text that breaks a walk-through fails here.
 
 What stands in for the reader's machine, and nothing else:
 - the checkout: `configs/` and `scripts/` are the repository's; `.venv/bin/airlock` is this tree's airlock, whose

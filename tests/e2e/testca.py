@@ -26,7 +26,7 @@ LEAF_DNS_NAMES = (
     "*.internal.test",
     "api.github.test",
     "github.test",
-    # the README's walk-throughs, typed as printed (fakeregistry.py)
+    # the walk-throughs of README.md and docs/, typed as printed (fakeregistry.py)
     "pypi.org",
     "files.pythonhosted.org",
     "registry.npmjs.org",
