@@ -64,7 +64,8 @@ class NoTimings:
 class GatewaySettings:
     connect_timeout: float = 10.0
     # A flood of idle connections must not starve the gateway. The gateway derives these from its open-file
-    # limit (airlock/gateway.py): each proxied connection holds two descriptors, the sandbox's and the upstream.
+    # limit (airlock/gateway/capacity.py): each proxied connection holds two descriptors, the sandbox's and the
+    # upstream.
     max_tunnels_per_sandbox: int = 3584
     max_connections_per_sandbox: int = 4096  # client connections; upstream connections are capped alike
     max_connections: int = 65536  # client connections of all sandboxes together; upstream ones alike

@@ -1,4 +1,4 @@
-"""The approvals adapter (airlock/approvals.py) on a real event loop: shared futures, waiters that give up, the
+"""The approvals adapter (airlock/gateway/approvals.py) on a real event loop: shared futures, waiters that give up, the
 webhook (a loopback server), the admin routes over a unix socket and over TCP, and a policy file that cannot take
 the rule."""
 
@@ -17,12 +17,12 @@ import pytest
 from aiohttp import web
 from dnslib import RCODE, DNSRecord
 
-from airlock.approvals import ApprovalError, Approvals, PolicyWriter, approval_routes
 from airlock.audit import AuditRecord
 from airlock.cli import main
 from airlock.dns.admission import DnsSettings
 from airlock.dns.server import DnsServer
 from airlock.dns.upstream import Answer
+from airlock.gateway.approvals import ApprovalError, Approvals, PolicyWriter, approval_routes
 from airlock.policy import Decision, LivePolicy, Policy, Sandbox, SandboxRegistry, decide, parse_policy
 
 POLICY_TEXT = """\

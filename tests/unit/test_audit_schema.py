@@ -14,7 +14,7 @@ import pytest
 from jsonschema import Draft202012Validator
 
 from airlock.audit import SCHEMA_VERSION, AuditRecord, Kind, RepeatedDecisions, Verdict
-from airlock.auditing import GatewayAudit
+from airlock.gateway.auditing import GatewayAudit
 from airlock.policy import LivePolicy, ReasonCode, Sandbox, SandboxRegistry, parse_policy
 
 SCHEMA_PATH = Path(__file__).resolve().parents[2] / "docs" / "audit-record.schema.json"

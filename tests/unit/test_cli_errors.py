@@ -13,15 +13,15 @@ import docker
 import pytest
 
 from airlock import AirlockError, cli
-from airlock.brokerconfig import BrokerConfigError
 from airlock.cli import common
 from airlock.cli import policy as policy_command
 from airlock.cli import run as run_command
 from airlock.cli import token as token_command
 from airlock.cli.common import UsageError
 from airlock.gateway import GatewayError
+from airlock.gateway.config import BrokerConfigError
+from airlock.gateway.reload import PolicyReloader, log_reload
 from airlock.policy import PolicyError
-from airlock.reload import PolicyReloader, log_reload
 from airlock.sandbox.docker import DockerSandboxError
 from airlock.sandbox.fence import FenceError
 from airlock.sandbox.netns import SandboxError
@@ -315,9 +315,9 @@ def test_help_loads_no_command_group() -> None:
 def test_the_gateway_imports_neither_mitmproxys_unused_addons_nor_the_broker() -> None:
     """(aiohttp it does import: every gateway has its admin listener.)"""
     probe = (
-        "import sys\nimport airlock.gateway\nairlock.gateway.preload_proxy().result(60)\n"
+        "import sys\nimport airlock.gateway.core\nairlock.gateway.core.preload_proxy().result(60)\n"
         "print(sorted(m for m in sys.modules if m.startswith(('mitmproxy.addons.', 'airlock.broker.'))\n"
-        "             or m == 'airlock.brokerd'))\n"
+        "             or m == 'airlock.gateway.broker_runtime'))\n"
         "from mitmproxy.addons import default_addons\nprint(len(default_addons()) > 20)"
     )
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
@@ -337,8 +337,8 @@ def test_the_gateways_tls_addon_signs_only_with_the_gateway_ca_and_only_for_the_
     from mitmproxy.proxy.context import Context
     from mitmproxy.test import taddons, tflow
 
+    from airlock.gateway.startup.mitm import TlsConfig
     from airlock.inspection.ca import GatewayCA
-    from airlock.mitm import TlsConfig
 
     tls = TlsConfig()
     with taddons.context(tls) as tctx:

@@ -9,8 +9,8 @@ import pytest
 
 from airlock.audit import AuditRecord, RepeatedDecisions
 from airlock.audit.notices import DenialNotices
-from airlock.auditing import GatewayAudit
 from airlock.cli.gateway import add_arguments, gateway_config
+from airlock.gateway.auditing import GatewayAudit
 from airlock.policy import LivePolicy, ReasonCode, Sandbox, SandboxRegistry, parse_policy
 
 POLICY = parse_policy("version: 1\nprofiles:\n  default: {}\n  strict: {}\n", "p.yaml")

@@ -19,10 +19,11 @@ from pathlib import Path
 
 import pytest
 
-from airlock import gateway as gateway_module
-from airlock.brokerconfig import SecretSource
 from airlock.cli.common import default_policy_path
-from airlock.gateway import Gateway, GatewayConfig, GatewayError
+from airlock.gateway import Gateway, GatewayError
+from airlock.gateway import core as gateway_module
+from airlock.gateway.config import GatewayConfig
+from airlock.inspection.secrets import SecretSource
 from airlock.policy import PolicyError, Sandbox, load_policy, parse_policy
 from airlock.sandbox.fence import GATEWAY_SOCKET_MARK
 
@@ -36,7 +37,8 @@ def test_what_airlock_run_imports_before_the_sandbox_exists_holds_no_mitmproxy_a
     loaded = "sorted({m for m in sys.modules if m.startswith(('mitmproxy', 'airlock.proxy', 'aiohttp'))} & WANTED)"
     probe = (
         "import sys\nimport airlock.cli.run\nWANTED = {'mitmproxy', 'airlock.proxy.addon', 'aiohttp'}\n"
-        f"print({loaded})\nfrom airlock import gateway\ngateway.preload_proxy().result(60)\nprint({loaded})"
+        f"print({loaded})\nfrom airlock.gateway import core as gateway\n"
+        f"gateway.preload_proxy().result(60)\nprint({loaded})"
     )
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
     assert out.splitlines() == ["[]", "['aiohttp', 'airlock.proxy.addon', 'mitmproxy']"]
@@ -44,14 +46,14 @@ def test_what_airlock_run_imports_before_the_sandbox_exists_holds_no_mitmproxy_a
 
 def test_what_airlock_run_imports_before_the_sandbox_exists_holds_none_of_the_gateways_machinery() -> None:
     """The gateway (its DNS server, audit, admin listener) is imported by preload_proxy's thread while the namespace
-    is built, before aiohttp and mitmproxy: the command line needs its settings alone (`airlock.gatewayconfig`)."""
-    loaded = "sorted({'airlock.gateway', 'airlock.dns.server', 'airlock.audit'} & sys.modules.keys())"
+    is built, before aiohttp and mitmproxy: the command line needs its settings alone (`airlock.gateway.config`)."""
+    loaded = "sorted({'airlock.gateway.core', 'airlock.dns.server', 'airlock.audit'} & sys.modules.keys())"
     probe = (
-        f"import sys\nimport airlock.cli.run\nprint({loaded})\nfrom airlock import preload\n"
+        f"import sys\nimport airlock.cli.run\nprint({loaded})\nfrom airlock.gateway.startup import preload\n"
         f"preload.preload_admin().result(60)\nprint({loaded})\npreload.preload_proxy().result(60)"
     )
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
-    assert out.splitlines() == ["[]", "['airlock.audit', 'airlock.dns.server', 'airlock.gateway']"]
+    assert out.splitlines() == ["[]", "['airlock.audit', 'airlock.dns.server', 'airlock.gateway.core']"]
 
 
 @pytest.fixture
@@ -170,14 +172,15 @@ async def test_a_gateway_stopped_before_its_proxy_served_leaves_its_port_closed(
 # ends at once without finalizing.
 EXIT_WHILE_LOADING = """
 import atexit, sys
-from airlock import preload
+from airlock.gateway.startup import preload
 preload.preload_proxy()
 atexit.register(lambda: print("import done at exit:", not preload.proxy_loading(), flush=True))
 """
 
 CLI_EXIT_WHILE_LOADING = """
 import atexit, sys
-from airlock import cli, preload
+from airlock import cli
+from airlock.gateway.startup import preload
 
 def command(argv):
     preload.preload_proxy()
@@ -253,7 +256,7 @@ async def test_status_readiness_and_metrics_answer_while_mitmproxy_loads(
 
 START_WITHOUT_THE_IMPORTS = """
 import asyncio, concurrent.futures, dataclasses, ipaddress, sys
-from airlock import gateway
+from airlock.gateway import core as gateway
 from airlock.cli.common import default_policy_path
 from airlock.policy import Sandbox, load_policy
 

@@ -9,12 +9,13 @@ from pathlib import Path
 
 import pytest
 
-from airlock.brokerconfig import BrokerConfig, SecretSource, parse_secret
-from airlock.gateway import Gateway, GatewayConfig, GatewayError
+from airlock.gateway import Gateway, GatewayError
+from airlock.gateway.config import BrokerConfig, GatewayConfig, parse_secret
 from airlock.inspection import InspectionError
 from airlock.inspection.secrets import (
     MAX_SECRET,
     PlaceholderEnv,
+    SecretSource,
     SecretValues,
     parse_placeholder_env,
     placeholder,

@@ -1,4 +1,4 @@
-"""The gateway's metrics (airlock/metrics.py): what each audit line, timing and piece of state adds to the
+"""The gateway's metrics (airlock/gateway/metrics.py): what each audit line, timing and piece of state adds to the
 exposition, read back with prometheus-client's own text parser; the label bounds; /healthz and /readyz."""
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from prometheus_client import REGISTRY, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from airlock.audit import AuditLog, AuditRecord, RepeatedDecisions
-from airlock.auditing import GatewayAudit
-from airlock.metrics import LABEL_BOUNDS, OTHER, GatewayMetrics
+from airlock.gateway.auditing import GatewayAudit
+from airlock.gateway.metrics import LABEL_BOUNDS, OTHER, GatewayMetrics
 from airlock.policy import LivePolicy, ReasonCode, Sandbox, SandboxRegistry, parse_policy
 
 POLICY = parse_policy("version: 1\nprofiles:\n  default: {}\n  strict: {}\n", "p.yaml")
@@ -143,7 +143,7 @@ def test_a_label_past_its_bound_counts_as_other() -> None:
 
 COUNT_THEN_SCRAPE = """
 import sys
-from airlock.metrics import GatewayMetrics
+from airlock.gateway.metrics import GatewayMetrics
 metrics = GatewayMetrics()
 metrics.decided(0.001)
 metrics.resolved("ok", 0.01)

@@ -20,12 +20,12 @@ from mitmproxy.proxy import events, layer
 from mitmproxy.proxy.context import Context
 from mitmproxy.test import tflow, tutils
 
-from airlock.approvals import Approvals
 from airlock.audit import AuditRecord
-from airlock.auditing import GatewayAudit
 from airlock.dns.admission import DnsSettings
 from airlock.dns.resolver import Handler, PolicyResolver
 from airlock.dns.upstream import Answer, NameNotFound, ResolveError
+from airlock.gateway.approvals import Approvals
+from airlock.gateway.auditing import GatewayAudit
 from airlock.policy import (
     KnownAddresses,
     LivePolicy,

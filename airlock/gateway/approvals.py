@@ -25,8 +25,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from airlock.audit import AuditRecord
-from airlock.auditing import tell
 from airlock.errors import AirlockError
+from airlock.gateway.auditing import tell
 from airlock.policy import Decision, Policy, PolicyError, Sandbox, Snapshot, is_ip, load_policy
 from airlock.policy.approvals import (
     Full,

@@ -1,5 +1,5 @@
 """Running the broker inside the gateway: its state, its GitHub credential, and its sandbox-facing listener (its
-admin routes are mounted on the gateway's admin listener, airlock/admin.py)."""
+admin routes are mounted on the gateway's admin listener, airlock/gateway/admin.py)."""
 
 from __future__ import annotations
 
@@ -29,8 +29,8 @@ from airlock.broker.shapes import CREDENTIAL
 from airlock.broker.store import SqliteStore
 from airlock.broker.tokens import KeyRing, TokenAuthority
 from airlock.broker.tools import TOOLS
-from airlock.brokerconfig import BrokerConfig, BrokerConfigError, broker_url
 from airlock.dns.upstream import ResolveError, Resolver
+from airlock.gateway.config import BrokerConfig, BrokerConfigError, broker_url
 from airlock.policy import (
     HostError,
     IPAddress,

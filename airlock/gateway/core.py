@@ -1,83 +1,67 @@
 """The gateway process: the policy, the one resolver, mitmproxy with the airlock addon, the sandbox DNS server,
 the broker and the admin listener, wired together.
 
-mitmproxy and the addon are most of a gateway's start-up (proxy layers, QUIC, pyOpenSSL, pyparsing: about 300 ms),
-and aiohttp (the admin listener) a quarter of a second more, so they are imported in a thread (`airlock.preload`)
-while the rest starts: what a launcher builds meanwhile (the sandbox's namespace, link, fence and DNS) waits on
-subprocesses and the kernel, not on this process. The proxy's sockets (explicit and transparent) and the admin
-listener's listen from the start, once the policy is in force: a client that comes before they are served waits in
-their backlog, and is served like any other (the proxy's by the addon) once aiohttp, then mitmproxy, are in."""
+mitmproxy and the addon are most of a gateway's start-up (proxy layers, QUIC, pyOpenSSL, pyparsing: about 300 ms), and
+aiohttp (the admin listener) a quarter of a second more, so they are imported in a thread
+(`airlock.gateway.startup.preload`) while the rest starts: what a launcher builds meanwhile (the sandbox's namespace,
+link, fence and DNS) waits on subprocesses and the kernel, not on this process. The proxy's sockets (explicit and
+transparent) and the admin listener's listen from the start, once the policy is in force: a client that comes before
+they are served waits in their backlog, and is served like any other (the proxy's by the addon) once aiohttp, then
+mitmproxy, are in."""
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
 import contextlib
-import errno
 import gc
 import ipaddress
 import logging
 import os
-import resource
 import shutil
 import socket
 import tempfile
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from airlock.admin import AdminApp, gateway_routes
-from airlock.approvals import Approvals, PolicyWriter, approval_routes
 from airlock.audit import AuditLog
 from airlock.audit.notices import DenialNotices
-from airlock.auditing import GatewayAudit, tell
-from airlock.brokerconfig import admin_address
 from airlock.dns.admission import DnsSettings
 from airlock.dns.answered import AnsweredAddresses
 from airlock.dns.server import DnsServer
 from airlock.dns.upstream import Resolver, ResolverConfig, system_servers
 from airlock.errors import AirlockError
-from airlock.gatewayconfig import GatewayConfig
+from airlock.gateway.accept_guard import DescriptorShortage, one_retry_per_shortage
+from airlock.gateway.admin import AdminApp, gateway_routes
+from airlock.gateway.approvals import Approvals, PolicyWriter, approval_routes
+from airlock.gateway.auditing import GatewayAudit, tell
+from airlock.gateway.capacity import announce, connection_caps, raise_open_file_limit, sandbox_count
+from airlock.gateway.config import GatewayConfig, admin_address
+from airlock.gateway.errors import GatewayError
+from airlock.gateway.metrics import GatewayMetrics
+from airlock.gateway.own_addresses import GatewayAddresses
+from airlock.gateway.reload import PolicyReloader, Reloaded, log_reload
+from airlock.gateway.startup.preload import preload_admin, preload_proxy
 from airlock.inspection.secrets import SecretValues
 from airlock.inspection.trust import system_trust_store
 from airlock.interfaces import interface_addresses
-from airlock.live import GatewayAddresses
-from airlock.metrics import GatewayMetrics
-from airlock.policy import IPAddress, LivePolicy, Policy, PolicyError, Sandbox, SandboxRegistry
-from airlock.preload import preload_admin, preload_proxy
-from airlock.reload import PolicyReloader, Reloaded, log_reload
+from airlock.policy import IPAddress, LivePolicy, Policy, PolicyError, SandboxRegistry
 from airlock.sandbox.fence import mark_listeners
 from airlock.sandbox.reach import policy_files
 
 if TYPE_CHECKING:
     from airlock.broker.service import Broker
-    from airlock.brokerd import BrokerRuntime
-    from airlock.inspector import Inspector
-    from airlock.mitm import Master
+    from airlock.gateway.broker_runtime import BrokerRuntime
+    from airlock.gateway.inspection import Inspector
+    from airlock.gateway.startup.mitm import Master
     from airlock.proxy.addon import Airlock
 
 log = logging.getLogger("airlock.gateway")
 MITMPROXY_LOG = logging.getLogger("mitmproxy.proxy.server")  # mitmproxy's lines about each connection
 
-# File descriptors kept apart from proxied connections: the process itself, listeners, audit log, broker store
-# and broker calls; per sandbox, its DNS over TCP (16) and DNS queries waiting on upstream (32), with room left.
-RESERVED_FILES = 256
-RESERVED_FILES_PER_SANDBOX = 64
-FILES_PER_CONNECTION = 2  # the sandbox's socket and the upstream one
-# Per sandbox, when the open-file limit allows it: 1,000 idle tunnels with room to spare, at about 38 KiB of
-# memory each (bench/tunnels.py). Tunnels get 7/8 of the connections, so that a client beyond the tunnel cap is
-# told so (429) instead of finding its connection closed.
-DEFAULT_CONNECTIONS_PER_SANDBOX = 4096
-MIN_CONNECTIONS = 16
-FD_REPORT_INTERVAL = 10.0
-RESOURCE_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
 PROXY_BACKLOG = 100  # asyncio's default, which mitmproxy listened with
 PROXY_START_TIMEOUT = 30.0  # seconds for mitmproxy to come up once imported
-
-
-class GatewayError(AirlockError):
-    pass
 
 
 def _private_directory(path: Path) -> None:
@@ -99,154 +83,6 @@ def own_addresses() -> frozenset[IPAddress]:
         return frozenset()
 
 
-@dataclass(frozen=True)
-class ConnectionCaps:
-    """What the open-file limit allows: proxied connections in all (client and upstream ones counted apart, each
-    at most this many) and per sandbox; `notes` say where a requested cap had to be lowered."""
-
-    open_files: int
-    total: int
-    per_sandbox: int
-    tunnels: int
-    notes: tuple[str, ...] = ()
-
-
-def raise_open_file_limit() -> tuple[int, int, int]:
-    """RLIMIT_NOFILE's soft limit raised to the hard one: (soft before, soft now, hard)."""
-    before, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    ceiling = hard
-    if hard == resource.RLIM_INFINITY:
-        try:
-            ceiling = int(Path("/proc/sys/fs/nr_open").read_text())  # the kernel's ceiling for any soft limit
-        except (OSError, ValueError):
-            ceiling = 1 << 20
-    if before != resource.RLIM_INFINITY and before < ceiling:
-        with contextlib.suppress(OSError, ValueError):
-            resource.setrlimit(resource.RLIMIT_NOFILE, (ceiling, hard))
-    now = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
-    return before, ceiling if now == resource.RLIM_INFINITY else now, hard
-
-
-def connection_caps(
-    open_files: int, sandboxes: int, per_sandbox: int | None = None, tunnels: int | None = None
-) -> ConnectionCaps:
-    """The caps an open-file limit allows, with `sandboxes` sandbox networks; a cap asked for (`per_sandbox`,
-    `tunnels`) is kept when the limit allows it, else lowered. `notes` say what the limit held down; GatewayError
-    when it leaves too little."""
-    reserved = RESERVED_FILES + RESERVED_FILES_PER_SANDBOX * max(1, sandboxes)
-    total = (open_files - reserved) // FILES_PER_CONNECTION
-    if total < MIN_CONNECTIONS:
-        need = reserved + MIN_CONNECTIONS * FILES_PER_CONNECTION
-        raise GatewayError(f"the open-file limit ({open_files}) is too low for a gateway: it needs at least {need}")
-    for option, value in (("--max-connections", per_sandbox), ("--max-tunnels", tunnels)):
-        if value is not None and value < 1:
-            raise GatewayError(f"{option} {value}: must be at least 1")
-    notes: list[str] = []
-    if per_sandbox is None:
-        per_sandbox = min(DEFAULT_CONNECTIONS_PER_SANDBOX, total)
-        if per_sandbox < DEFAULT_CONNECTIONS_PER_SANDBOX:
-            notes.append(f"{per_sandbox} connections per sandbox instead of {DEFAULT_CONNECTIONS_PER_SANDBOX}")
-    elif per_sandbox > total:
-        notes.append(f"--max-connections {per_sandbox} lowered to {total}")
-        per_sandbox = total
-    if tunnels is None:
-        tunnels = max(1, per_sandbox - per_sandbox // 8)
-    elif tunnels > per_sandbox:
-        notes.append(f"--max-tunnels {tunnels} lowered to {per_sandbox}")
-        tunnels = per_sandbox
-    return ConnectionCaps(open_files, total, per_sandbox, tunnels, tuple(notes))
-
-
-def _sandbox_count(sandboxes: list[Sandbox]) -> int:
-    return len({sandbox.id for sandbox in sandboxes})
-
-
-def _announce(caps: ConnectionCaps, before: int, hard: int) -> None:
-    raised = f", raised from {before}" if before != caps.open_files else ""
-    summary = (
-        f"open files {caps.open_files}{raised} (hard limit {hard}): at most {caps.total} proxied connections, "
-        f"{caps.per_sandbox} per sandbox, of which {caps.tunnels} tunnels"
-    )
-    if caps.notes:
-        why = "; ".join(caps.notes)
-        log.warning("%s (%s: the open-file limit allows no more; raise it: ulimit -Hn, LimitNOFILE=)", summary, why)
-    else:
-        log.info("%s", summary)
-
-
-class _DescriptorShortage:
-    """The event loop's exception handler, but for accept() failing for lack of descriptors (asyncio then pauses
-    that listener for a second, and reports each failure with a traceback): one line per interval instead, which
-    says what it means."""
-
-    MESSAGE = "socket.accept() out of system resource"
-
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self.previous = loop.get_exception_handler()
-        self.failures = 0
-        self.reported = float("-inf")
-
-    def __call__(self, loop: asyncio.AbstractEventLoop, context: dict[str, object]) -> None:
-        if context.get("message") != self.MESSAGE:
-            if self.previous is not None:
-                self.previous(loop, context)
-            else:
-                loop.default_exception_handler(context)
-            return
-        self.failures += 1
-        now = time.monotonic()
-        if now - self.reported >= FD_REPORT_INTERVAL:
-            error = context.get("exception")
-            why = getattr(error, "strerror", None) or error
-            log.error(
-                "out of file descriptors or memory (%s): new connections wait in the kernel until some close "
-                "(%d accept failures since the last report)",
-                why,
-                self.failures,
-            )
-            self.failures, self.reported = 0, now
-
-
-class _ListenerView:
-    """A listening socket as asyncio's accept loop sees it: once accept() has failed for lack of descriptors (or
-    memory), the next accept() of the same wakeup finds nothing waiting instead of failing again."""
-
-    __slots__ = ("short", "sock")
-
-    def __init__(self, sock: socket.socket) -> None:
-        self.sock, self.short = sock, False
-
-    def accept(self) -> tuple[socket.socket, Any]:
-        if self.short:
-            raise BlockingIOError
-        try:
-            return self.sock.accept()
-        except OSError as e:
-            self.short = e.errno in RESOURCE_ERRNOS
-            raise
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.sock, name)
-
-
-def _one_retry_per_shortage(loop: asyncio.AbstractEventLoop) -> None:
-    """Python before 3.15 (gh-151615): when accept() fails for lack of file descriptors, asyncio's accept loop
-    goes on calling it for the rest of its batch of 100, and every failure schedules its own retry of the listener
-    a second later; the retries compound into a busy loop. Stop each batch at its first such failure, as the fix
-    upstream does: then a listener short of descriptors tries once a second. Called before any listener starts,
-    since a listener keeps the accept function it started with."""
-    accept = getattr(loop, "_accept_connection", None)
-    if accept is None or getattr(accept, "airlock", False):
-        return  # not asyncio's selector loop, or done already
-
-    def accept_connection(protocol_factory: Any, sock: Any, *args: Any, **kwargs: Any) -> None:
-        listener = sock.sock if isinstance(sock, _ListenerView) else sock  # a retry passes the view back
-        accept(protocol_factory, _ListenerView(listener), *args, **kwargs)
-
-    accept_connection.airlock = True  # type: ignore[attr-defined]
-    loop._accept_connection = accept_connection  # type: ignore[attr-defined]
-
-
 class Gateway:
     def __init__(self, config: GatewayConfig) -> None:
         self.config = config
@@ -263,11 +99,11 @@ class Gateway:
         before, open_files, hard = raise_open_file_limit()
         self.caps = connection_caps(
             open_files,
-            _sandbox_count(config.sandboxes),
+            sandbox_count(config.sandboxes),
             config.max_connections_per_sandbox,
             config.max_tunnels_per_sandbox,
         )
-        _announce(self.caps, before, hard)
+        announce(self.caps, before, hard)
         servers = config.upstream_dns or system_servers()
         if not servers:
             raise GatewayError("no upstream DNS server: pass --upstream-dns or configure /etc/resolv.conf")
@@ -308,7 +144,7 @@ class Gateway:
         self._approved: str | None = None  # the hash of the policy an approval wrote, until its file is read again
         writer = PolicyWriter(config.policy_path, self._put_approved) if config.policy_path else None
         self.approvals = Approvals(self.emit, config.approval_webhook, writer, admin=admin_address(self.admin.endpoint))
-        # Reloads read the file the first policy came from, off the event loop (airlock/reload.py).
+        # Reloads read the file the first policy came from, off the event loop (airlock/gateway/reload.py).
         self.reloader = PolicyReloader(self, config.policy.source, self._policy)
         if config.close_denied_on_reload:
             self.reloader.after.append(lambda policy: self.close_denied_tunnels())
@@ -327,7 +163,7 @@ class Gateway:
         config = self.config
         loading = preload_proxy()
         admin_loading = preload_admin()
-        _one_retry_per_shortage(asyncio.get_running_loop())
+        one_retry_per_shortage(asyncio.get_running_loop())
         self._own = GatewayAddresses(own_addresses() | {ipaddress.ip_address(config.listen)})
         live = self.live = self.auditing.live = LivePolicy(config.policy, self.registry, self._own)
         self._started = True
@@ -361,7 +197,7 @@ class Gateway:
             # Only now: a gateway without a broker never imports one (aiohttp, the GitHub client, the token code).
             from airlock.broker.store import StoreError
             from airlock.broker.tokens import TokenError
-            from airlock.brokerd import BrokerRuntime
+            from airlock.gateway.broker_runtime import BrokerRuntime
 
             runtime = BrokerRuntime(
                 config.broker, Path(self._state_dir), live, self.resolver, self.emit, config.upstream_ca, self.secrets
@@ -446,7 +282,7 @@ class Gateway:
             raise
 
     async def _start_proxy(self, answered: AnsweredAddresses) -> None:
-        from airlock.mitm import Master, ServerInstance, options
+        from airlock.gateway.startup.mitm import Master, ServerInstance, options
         from airlock.proxy.addon import build_addon
         from airlock.proxy.shared import Credentials, GatewaySettings, ScrubbedLog
 
@@ -503,10 +339,10 @@ class Gateway:
             self._proxy_servers.append(server)
         # mitmproxy has installed its handler by now; every listener of the gateway shares this loop.
         loop = asyncio.get_running_loop()
-        loop.set_exception_handler(_DescriptorShortage(loop))
+        loop.set_exception_handler(DescriptorShortage(loop))
         # What exists now (mitmproxy's modules, the policy) is mostly what the gateway keeps: out of the cycle
         # collector's sight, or each full collection would walk a policy of 100,000 rules on the event loop. A
-        # reload's policy is frozen too (airlock/reload.py); a replaced one, which holds no reference cycles, is
+        # reload's policy is frozen too (airlock/gateway/reload.py); a replaced one, which holds no reference cycles, is
         # freed by reference counting all the same.
         gc.freeze()
         log.info("airlock proxy listening on %s port %s", config.listen, ports)
@@ -584,7 +420,7 @@ class Gateway:
         if self.inspector is None:
             if not policy.inspected_hosts():
                 return
-            from airlock.inspector import Inspector
+            from airlock.gateway.inspection import Inspector
 
             self.inspector = Inspector(Path(self._state_dir), self.secrets)
             if self._master is not None:
@@ -735,7 +571,7 @@ def _listen(host: str, port: int) -> socket.socket:
 def _essential_addons() -> tuple[object, ...]:
     """Only the addons a proxy needs: no script loader, replay, onboarding app (mitm.it), header or body rewriting —
     less to dispatch on every event, and nothing a request could reach but airlock's hooks."""
-    from airlock.mitm import Proxyserver, TlsConfig, core, disable_h2c, next_layer
+    from airlock.gateway.startup.mitm import Proxyserver, TlsConfig, core, disable_h2c, next_layer
 
     return core.Core(), Proxyserver(), next_layer.NextLayer(), TlsConfig(), disable_h2c.DisableH2C()
 

@@ -14,9 +14,9 @@ from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from airlock.gateway.startup.switching import prompt_switching
 from airlock.policy import Policy, PolicyError, load_policy
 from airlock.policy.fastload import release
-from airlock.switching import prompt_switching
 
 log = logging.getLogger("airlock.gateway")
 
