@@ -131,7 +131,7 @@ async def run(rules: int, rounds: int, workdir: Path) -> dict[str, dict[str, lis
     gateway = Gateway(config)
     await gateway.start()
     loaders = Loaders()
-    port = gateway._listeners["regular@0"].getsockname()[1]  # the gateway opens the proxy's socket itself
+    port = gateway.parts.proxy.listeners["regular@0"].getsockname()[1]  # the gateway opens the proxy's socket itself
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-P", __file__, "--client", str(port), stdin=subprocess.PIPE, stdout=subprocess.PIPE
     )

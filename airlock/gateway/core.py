@@ -1,8 +1,8 @@
 """The gateway process: the policy, the one resolver, mitmproxy with the airlock addon, the sandbox DNS server,
-the broker and the admin listener, wired together.
+the broker and the admin listener (`airlock.gateway.parts`), started and stopped together.
 
-mitmproxy and the addon are most of a gateway's start-up (proxy layers, QUIC, pyOpenSSL, pyparsing: about 300 ms), and
-aiohttp (the admin listener) a quarter of a second more, so they are imported in a thread
+mitmproxy and the addon are most of a gateway's start-up (proxy layers, QUIC, pyOpenSSL, pyparsing: about 300 ms),
+and aiohttp (the admin listener) a quarter of a second more, so they are imported in a thread
 (`airlock.gateway.startup.preload`) while the rest starts: what a launcher builds meanwhile (the sandbox's namespace,
 link, fence and DNS) waits on subprocesses and the kernel, not on this process. The proxy's sockets (explicit and
 transparent) and the admin listener's listen from the start, once the policy is in force: a client that comes before
@@ -15,144 +15,84 @@ import asyncio
 import concurrent.futures
 import contextlib
 import gc
-import ipaddress
 import logging
-import os
-import shutil
-import socket
-import tempfile
 import time
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from airlock.audit import AuditLog
-from airlock.audit.notices import DenialNotices
-from airlock.dns.admission import DnsSettings
-from airlock.dns.answered import AnsweredAddresses
-from airlock.dns.server import DnsServer
-from airlock.dns.upstream import Resolver, ResolverConfig, system_servers
 from airlock.errors import AirlockError
 from airlock.gateway.accept_guard import DescriptorShortage, one_retry_per_shortage
 from airlock.gateway.admin import AdminApp, gateway_routes
-from airlock.gateway.approvals import Approvals, PolicyWriter, approval_routes
-from airlock.gateway.auditing import GatewayAudit, tell
-from airlock.gateway.capacity import announce, connection_caps, raise_open_file_limit, sandbox_count
-from airlock.gateway.config import GatewayConfig, admin_address
+from airlock.gateway.approvals import approval_routes
+from airlock.gateway.auditing import tell
+from airlock.gateway.config import GatewayConfig
 from airlock.gateway.errors import GatewayError
-from airlock.gateway.metrics import GatewayMetrics
-from airlock.gateway.own_addresses import GatewayAddresses
+from airlock.gateway.inspection import Inspector
+from airlock.gateway.metrics_endpoint import MetricsEndpoint, ScrapedState
+from airlock.gateway.parts import GatewayParts, build_parts
 from airlock.gateway.reload import PolicyReloader, Reloaded, log_reload
 from airlock.gateway.startup.preload import preload_admin, preload_proxy
-from airlock.inspection.secrets import SecretValues
-from airlock.inspection.trust import system_trust_store
-from airlock.interfaces import interface_addresses
-from airlock.policy import IPAddress, LivePolicy, Policy, PolicyError, SandboxRegistry
+from airlock.gateway.status import gateway_status, readiness
+from airlock.policy import LivePolicy, Policy, PolicyError
 from airlock.sandbox.fence import mark_listeners
 from airlock.sandbox.reach import policy_files
 
 if TYPE_CHECKING:
     from airlock.broker.service import Broker
-    from airlock.gateway.broker_runtime import BrokerRuntime
-    from airlock.gateway.inspection import Inspector
-    from airlock.gateway.startup.mitm import Master
     from airlock.proxy.addon import Airlock
+    from airlock.proxy.shared import Shared
 
 log = logging.getLogger("airlock.gateway")
-MITMPROXY_LOG = logging.getLogger("mitmproxy.proxy.server")  # mitmproxy's lines about each connection
-
-PROXY_BACKLOG = 100  # asyncio's default, which mitmproxy listened with
-PROXY_START_TIMEOUT = 30.0  # seconds for mitmproxy to come up once imported
-
-
-def _private_directory(path: Path) -> None:
-    """Create `path` for the gateway's secrets, or tighten it to 0700 when this process owns it."""
-    try:
-        path.mkdir(mode=0o700, parents=True, exist_ok=True)
-        if path.stat().st_uid == os.geteuid():
-            path.chmod(0o700)
-    except OSError as e:
-        raise GatewayError(f"state directory {path}: {e.strerror or e}") from e
-
-
-def own_addresses() -> frozenset[IPAddress]:
-    """Every address of this network namespace's interfaces: the gateway must never be its own upstream."""
-    try:
-        return frozenset(address.ip for address in interface_addresses())
-    except OSError as e:
-        log.warning("the gateway's own addresses could not be listed (%s): each is still found by binding to it", e)
-        return frozenset()
 
 
 class Gateway:
     def __init__(self, config: GatewayConfig) -> None:
         self.config = config
-        try:  # before anything exists: a name would mean other addresses for proxy, DNS and the vetting
-            ipaddress.ip_address(config.listen)
-        except ValueError:
-            raise GatewayError(f"listen address {config.listen!r}: give an IP address (127.0.0.1, ::1, ...)") from None
-        # Read once, before any sandbox runs, for the broker and the inspection alike: a file is never read again
-        # (a sandbox that replaced it, or a folder on its way, changes nothing).
-        try:
-            self.secrets = SecretValues.read(config.broker.secrets)
-        except AirlockError as e:
-            raise GatewayError(str(e)) from e
-        before, open_files, hard = raise_open_file_limit()
-        self.caps = connection_caps(
-            open_files,
-            sandbox_count(config.sandboxes),
-            config.max_connections_per_sandbox,
-            config.max_tunnels_per_sandbox,
-        )
-        announce(self.caps, before, hard)
-        servers = config.upstream_dns or system_servers()
-        if not servers:
-            raise GatewayError("no upstream DNS server: pass --upstream-dns or configure /etc/resolv.conf")
-        self.metrics = GatewayMetrics()
-        self.metrics.readiness = self.readiness
-        self.resolver = Resolver(ResolverConfig(servers, min_ttl=config.dns_min_ttl))
-        self.resolver.timed = self.metrics.resolved
-        self.registry = SandboxRegistry(config.sandboxes)
-        self.live: LivePolicy | None = None  # from start(): policy, registry and own addresses, swapped whole
-        self._own: GatewayAddresses | None = None
-        try:
-            self.audit = AuditLog(config.audit_path, config.audit_stdout)
-        except OSError as e:
-            raise GatewayError(f"audit log {config.audit_path}: {e.strerror or e}") from e
-        self.notices = DenialNotices(tell) if config.show_denials else None
-        self.auditing = GatewayAudit(self.audit.emit, config.sandboxes, self.notices, self.metrics.observe)
-        self.emit = self.auditing.emit  # what proxy, DNS and broker write their audit lines with
-        # Signing keys, the broker's store and admin socket live here: root's alone. A temporary one goes at stop.
-        self._own_state = config.state_dir is None
-        self._state_dir = config.state_dir or tempfile.mkdtemp(prefix="airlock-gw-")
-        _private_directory(Path(self._state_dir))
+        self.parts: GatewayParts = build_parts(config, self._put_approved)
+        parts, proxy = self.parts, self.parts.proxy
+        self.broker: Broker | None = None  # once the broker runs
         self._started = False
-        self._master: Master | None = None
-        self._task: asyncio.Task[None] | None = None  # mitmproxy's master
+        self._in_force = False  # from start() on: the policy in force is the live policy's
         self._proxy: asyncio.Future[None] | None = None  # until the admin listener, then the proxy, serve
-        self._listeners: dict[str, socket.socket] = {}  # the proxy's, by mitmproxy mode spec, from start() on
-        self._proxy_servers: list[asyncio.Server] = []  # once mitmproxy serves them
         self._flusher: asyncio.Task[None] | None = None
-        self._scrubbed_log: logging.Filter | None = None  # on mitmproxy's log while the proxy runs
-        self.shared = None
-        self.airlock: Airlock | None = None
-        self.dns: DnsServer | None = None
-        self.broker: Broker | None = None
-        self._broker_runtime: BrokerRuntime | None = None
-        self.inspector: Inspector | None = None  # once a policy in force inspects (`inspect: true`)
-        # The admin listener: routes are made once aiohttp is in (others: `gateway.admin.add_routes(...)`).
-        self.admin = AdminApp(config.admin or str(Path(self._state_dir) / "admin.sock"))
         self._approved: str | None = None  # the hash of the policy an approval wrote, until its file is read again
-        writer = PolicyWriter(config.policy_path, self._put_approved) if config.policy_path else None
-        self.approvals = Approvals(self.emit, config.approval_webhook, writer, admin=admin_address(self.admin.endpoint))
         # Reloads read the file the first policy came from, off the event loop (airlock/gateway/reload.py).
-        self.reloader = PolicyReloader(self, config.policy.source, self._policy)
-        if config.close_denied_on_reload:
-            self.reloader.after.append(lambda policy: self.close_denied_tunnels())
+        after = [lambda policy: self.close_denied_tunnels()] if config.close_denied_on_reload else []
+        self.reloader = PolicyReloader(self, config.policy.source, self._policy, after)
         self.started_at = time.time()
+        scraped = ScrapedState(
+            parts.live.current.registry.ids,
+            lambda: proxy.counts("tunnels"),
+            lambda: proxy.counts("connections"),
+            lambda: proxy.counts("upstreams"),
+            parts.audit,
+            parts.dns.stats if parts.dns is not None else {},
+        )
+        self.metrics = MetricsEndpoint(parts.metrics, scraped, self.readiness)
         # The broker's routes are added when it starts.
-        self.admin.add_routes(lambda: gateway_routes(self.reload_policy, self.status))
-        self.admin.add_routes(self.metrics.routes)
-        self.admin.add_routes(lambda: approval_routes(self.approvals))
+        parts.admin.add_routes(lambda: gateway_routes(self.reload_policy, self.status))
+        parts.admin.add_routes(self.metrics.routes)
+        parts.admin.add_routes(lambda: approval_routes(parts.approvals))
+
+    # What launchers and the command line read of a gateway.
+    @property
+    def admin(self) -> AdminApp:
+        return self.parts.admin
+
+    @property
+    def live(self) -> LivePolicy:
+        return self.parts.live
+
+    @property
+    def inspector(self) -> Inspector:
+        return self.parts.inspector
+
+    @property
+    def airlock(self) -> Airlock | None:
+        return self.parts.proxy.airlock
+
+    @property
+    def shared(self) -> Shared | None:
+        return self.parts.proxy.shared
 
     async def start(self, *, wait_for_proxy: bool = True) -> None:
         """Put the policy in force, then listen: the proxy's sockets (explicit, transparent), the DNS server, the
@@ -160,64 +100,16 @@ class Gateway:
         proxy serve too — or, without `wait_for_proxy`, while aiohttp and mitmproxy may still be loading (their
         clients wait in the backlog meanwhile): then `proxy_started()` says when both serve, or why they cannot.
         GatewayError for anything that cannot start (the gateway is stopped again)."""
-        config = self.config
-        loading = preload_proxy()
-        admin_loading = preload_admin()
+        loading, admin_loading = preload_proxy(), preload_admin()
         one_retry_per_shortage(asyncio.get_running_loop())
-        self._own = GatewayAddresses(own_addresses() | {ipaddress.ip_address(config.listen)})
-        live = self.live = self.auditing.live = LivePolicy(config.policy, self.registry, self._own)
         self._started = True
         try:
-            self._follow_inspection(config.policy)
-        except PolicyError as e:
+            await self._listen()
+        except GatewayError:
             await self.stop()
-            raise GatewayError("; ".join(e.errors)) from e
-        except AirlockError as e:  # a CA that cannot be written
-            await self.stop()
-            raise GatewayError(str(e)) from e
-        try:
-            for mode, port in self._proxy_ports().items():
-                self._listeners[f"{mode}@{port}"] = _listen(config.listen, port)
-        except OSError as e:
-            await self.stop()
-            raise GatewayError(f"proxy could not listen on {config.listen}:{port}: {e.strerror}") from e
-        answered = AnsweredAddresses()  # what the DNS answered each sandbox: names for connections without one
-        self._flusher = asyncio.create_task(self._flush_audit())
-        if config.dns_port:
-            dns_settings = DnsSettings(rate_per_second=config.dns_rate, audit_failure=self._audit_failure)
-            self.dns = DnsServer(live, self.resolver, self.emit, dns_settings, config.listen, config.dns_port, answered)
-            self.dns.resolver.approvals = self.approvals
-            try:
-                await self.dns.start()
-            except OSError as e:
-                await self.stop()
-                raise GatewayError(f"DNS server could not listen on {config.listen}:{config.dns_port}: {e}") from e
-        self._watch_metrics()
-        if config.broker.port:
-            # Only now: a gateway without a broker never imports one (aiohttp, the GitHub client, the token code).
-            from airlock.broker.store import StoreError
-            from airlock.broker.tokens import TokenError
-            from airlock.gateway.broker_runtime import BrokerRuntime
-
-            runtime = BrokerRuntime(
-                config.broker, Path(self._state_dir), live, self.resolver, self.emit, config.upstream_ca, self.secrets
-            )  # fmt: skip
-            self._broker_runtime = runtime
-            try:
-                self.broker = await runtime.start(config.listen)
-            except (OSError, ValueError, StoreError, TokenError) as e:
-                await self.stop()
-                raise GatewayError(f"broker could not start: {e}") from e
-            self.admin.mount(self.broker.admin_app())
-            if self.shared is not None:  # else the proxy, when it starts, finds the broker's git tokens
-                self.shared.git_tokens = self.broker.git_read
-        try:
-            self.admin.listen()
-        except OSError as e:
-            await self.stop()
-            raise GatewayError(f"admin listener could not listen on {self.admin.address}: {e.strerror or e}") from e
+            raise
         # Every route is added and every app mounted by now: the admin listener can be served as it is.
-        self._proxy = asyncio.ensure_future(self._serve_loaded(admin_loading, loading, answered))
+        self._proxy = asyncio.ensure_future(self._serve_loaded(admin_loading, loading))
         self._mark_listeners()
         if wait_for_proxy:
             try:
@@ -226,6 +118,37 @@ class Gateway:
                 await self.stop()
                 raise
 
+    async def _listen(self) -> None:
+        """The policy in force, then every listener bound, in the parts' order; GatewayError for one that cannot."""
+        config, parts = self.config, self.parts
+        self._in_force = True
+        try:
+            self._follow_inspection(config.policy)
+        except PolicyError as e:
+            raise GatewayError("; ".join(e.errors)) from e
+        except AirlockError as e:  # a CA that cannot be written
+            raise GatewayError(str(e)) from e
+        parts.proxy.listen()
+        self._flusher = asyncio.create_task(self._flush_audit())
+        if parts.dns is not None:
+            try:
+                await parts.dns.start()
+            except OSError as e:
+                raise GatewayError(f"DNS server could not listen on {config.listen}:{config.dns_port}: {e}") from e
+        if parts.broker is not None:
+            from airlock.broker.store import StoreError
+            from airlock.broker.tokens import TokenError
+
+            try:
+                self.broker = await parts.broker.start(config.listen)
+            except (OSError, ValueError, StoreError, TokenError) as e:
+                raise GatewayError(f"broker could not start: {e}") from e
+            parts.admin.mount(self.broker.admin_app())
+        try:
+            parts.admin.listen()
+        except OSError as e:
+            raise GatewayError(f"admin listener could not listen on {parts.admin.address}: {e.strerror or e}") from e
+
     async def proxy_started(self) -> None:
         """Once the admin listener and the proxy serve; GatewayError if they cannot (then the gateway should be
         stopped)."""
@@ -233,119 +156,37 @@ class Gateway:
             raise GatewayError("the gateway has not started: no proxy")
         await asyncio.shield(self._proxy)
 
-    def _proxy_ports(self) -> dict[str, int]:
-        """The proxy's listeners: mitmproxy's mode → port (explicit proxy; transparent, when configured)."""
-        config = self.config
-        ports = {"regular": config.proxy_port}
-        if config.transparent_port:
-            ports["transparent"] = config.transparent_port
-        return ports
-
-    def _watch_metrics(self) -> None:
-        """What a scrape reads: the proxy's counters once its addon exists (before, it has proxied nothing)."""
-        assert self.live is not None
-        live, shared, nothing = self.live, self.shared, dict[str, int]()
-        self.metrics.watch(
-            lambda: live.current.registry.ids(),
-            shared.tunnels if shared is not None else nothing,
-            shared.connections if shared is not None else nothing,
-            shared.upstreams if shared is not None else nothing,
-            self.audit,
-            self.dns.stats if self.dns is not None else None,
-        )
-
     async def _serve_loaded(
-        self,
-        admin_loading: concurrent.futures.Future[None],
-        loading: concurrent.futures.Future[None],
-        answered: AnsweredAddresses,
+        self, admin_loading: concurrent.futures.Future[None], loading: concurrent.futures.Future[None]
     ) -> None:
         """The admin listener once aiohttp is imported, then mitmproxy with the airlock addon once that is, each
         serving the clients that have waited in their backlog until now. If either cannot, every listener of
         theirs closes at once: clients are refused, not kept, and none is served by a gateway half up."""
+        admin, proxy = self.parts.admin, self.parts.proxy
         try:
             await _loaded(admin_loading, "the admin listener")
             try:
-                await self.admin.serve()
+                await admin.serve()
             except Exception as e:
                 raise GatewayError(f"the admin listener could not start: {type(e).__name__}: {e}") from e
             await _loaded(loading, "the proxy")
-            await self._start_proxy(answered)
+            await proxy.serve(self.broker.git_read if self.broker is not None else None)
         except BaseException as e:
-            await self.admin.stop()
-            for server in self._proxy_servers:
-                server.close()
-            for listener in self._listeners.values():
-                listener.close()
+            await admin.stop()
+            proxy.close_listeners()
             if isinstance(e, Exception) and not isinstance(e, GatewayError):
                 raise GatewayError(f"the proxy could not start: {type(e).__name__}: {e}") from e
             raise
-
-    async def _start_proxy(self, answered: AnsweredAddresses) -> None:
-        from airlock.gateway.startup.mitm import Master, ServerInstance, options
-        from airlock.proxy.addon import build_addon
-        from airlock.proxy.shared import Credentials, GatewaySettings, ScrubbedLog
-
-        config, caps = self.config, self.caps
-        opts = options.Options(
-            mode=list(self._listeners),
-            listen_host=config.listen,
-            confdir=str(Path(self._state_dir) / "mitmproxy"),
-            server=False,  # the sockets are the gateway's own (`_listeners`): mitmproxy handles their connections
-        )
-        self._master = master = Master(opts)
-        settings = GatewaySettings(
-            connect_timeout=config.connect_timeout,
-            max_tunnels_per_sandbox=caps.tunnels,
-            max_connections_per_sandbox=caps.per_sandbox,
-            max_connections=caps.total,
-            audit_failure=self._audit_failure,
-            timings=self.metrics,
-        )
-        assert self.live is not None
-        self.airlock = build_addon(self.live, self.resolver, self.emit, settings, answered)
-        self.shared = shared = self.airlock.shared
-        shared.approvals = self.approvals
-        self._scrubbed_log = ScrubbedLog(lambda: shared.credentials)
-        MITMPROXY_LOG.addFilter(self._scrubbed_log)
-        self._watch_metrics()
-        running = _Running()
-        master.addons.add(*_essential_addons(), self.airlock, running)
-        master.addons.get("tlsconfig").issuer = self.inspector
-        shared.git_tokens = self.broker.git_read if self.broker is not None else None
-        if self.inspector is not None:
-            shared.credentials = Credentials.of(self.inspector.injected(self.live.current.policy))
-        opts.update(
-            # lazy: never connect upstream before the SNI and Host header have been checked
-            connection_strategy="lazy",
-            tcp_timeout=int(config.idle_timeout),
-            stream_large_bodies="1m",
-            # mitmproxy's default, pinned: ambiguous request framing (CL+TE, ...) is refused, never smuggled through
-            validate_inbound_headers=True,
-            # Inspected hosts only (all else passes through): their upstreams are verified against the system's
-            # store, or --upstream-ca alone; the leaf the sandbox sees is the gateway CA's, never a copy of theirs.
-            ssl_verify_upstream_trusted_ca=config.upstream_ca or system_trust_store(),
-            upstream_cert=False,
-        )
-        self._task = asyncio.create_task(master.run())
-        ports = " and ".join(str(port) for port in self._proxy_ports().values())
-        if why := await _until_running(self._task, running.event):
-            raise GatewayError(f"the proxy did not start on {config.listen} port {ports}: {why}")
-        # Every addon has seen `running`: connections are theirs from now on.
-        proxyserver = master.addons.get("proxyserver")
-        for spec, listener in self._listeners.items():
-            instance = ServerInstance.make(spec, proxyserver)  # SO_ORIGINAL_DST is read by the transparent one
-            server = await asyncio.start_server(instance.handle_stream, sock=listener, backlog=PROXY_BACKLOG)
-            self._proxy_servers.append(server)
         # mitmproxy has installed its handler by now; every listener of the gateway shares this loop.
         loop = asyncio.get_running_loop()
         loop.set_exception_handler(DescriptorShortage(loop))
         # What exists now (mitmproxy's modules, the policy) is mostly what the gateway keeps: out of the cycle
         # collector's sight, or each full collection would walk a policy of 100,000 rules on the event loop. A
-        # reload's policy is frozen too (airlock/gateway/reload.py); a replaced one, which holds no reference cycles, is
-        # freed by reference counting all the same.
+        # reload's policy is frozen too (airlock/gateway/reload.py); a replaced one, which holds no reference
+        # cycles, is freed by reference counting all the same.
         gc.freeze()
-        log.info("airlock proxy listening on %s port %s", config.listen, ports)
+        ports = " and ".join(str(port) for port in proxy.ports().values())
+        log.info("airlock proxy listening on %s port %s", self.config.listen, ports)
 
     def _mark_listeners(self) -> None:
         """The fence lets sandboxes reach only sockets with the gateway's mark, never another program that binds
@@ -357,36 +198,18 @@ class Gateway:
         except OSError as e:
             log.warning("listening sockets not marked (%s): an airlock fence keeps sandboxes from them", e)
 
-    def _audit_failure(self) -> str | None:
-        return self.audit.failure
-
     def readiness(self) -> dict[str, str | None]:
-        """What /readyz checks, each with what is wrong (None: fine): a policy in force, every listener this
-        gateway was told to open still open, and an audit log that can be written (without one, every request is
-        denied)."""
-        config, servers = self.config, self._proxy_servers
-        proxy_up = len(servers) == len(self._listeners) > 0 and all(server.is_serving() for server in servers)
-        failure = self.audit.failure
-        checks: dict[str, str | None] = {
-            "policy": None if self.live is not None else "no policy in force",
-            "proxy": None if proxy_up else f"the proxy is not listening on {config.listen}:{config.proxy_port}",
-            "audit": None if failure is None else f"the audit log cannot be written: {failure}",
-        }
-        if config.dns_port:
-            dns_up = self.dns is not None and self.dns.listening
-            checks["dns"] = None if dns_up else f"the DNS server is not listening on {config.listen}:{config.dns_port}"
-        if config.broker.port:
-            checks["broker"] = None if self.broker is not None else "the broker is not running"
-        return checks
+        """What /readyz checks (airlock/gateway/status.py)."""
+        return readiness(self.config, self.parts, self._in_force, self.broker is not None)
 
     def reopen_audit(self) -> None:
         """SIGUSR1: the audit file opened anew at its path (after log rotation moved it away)."""
-        self.audit.reopen()
+        self.parts.audit.reopen()
 
     async def _flush_audit(self) -> None:
         while True:
             await asyncio.sleep(0.1)
-            self.audit.flush()
+            self.parts.audit.flush()
 
     def replace_policy(self, policy: Policy) -> None:
         """Swap in a new, already validated policy for proxy, DNS and broker at once (the one place it is swapped);
@@ -395,47 +218,37 @@ class Gateway:
         A policy without a profile that a running sandbox uses would fail its every request and DNS query, and
         one whose declared tools the broker cannot serve (a secret it was not given) would fail their calls:
         PolicyError, and the running policy stays. The declared tools follow the policy in force."""
-        if self.live is None:
+        if not self._in_force:
             raise GatewayError("the gateway has not started: no policy to replace")
-        running = self.live.current.policy.hash
-        reach = self.config.sandbox_reach
+        parts, reach = self.parts, self.config.sandbox_reach
+        running = parts.live.current.policy.hash
         try:
             if reach is not None and (problems := reach.problems(policy_files(policy))):
                 raise PolicyError(problems)  # a file it names could be the sandbox's (airlock/sandbox/reach.py)
-            if self._broker_runtime is not None and (problems := self._broker_runtime.problems(policy)):
+            if parts.broker is not None and (problems := parts.broker.problems(policy)):
                 raise PolicyError(problems)  # e.g. a declared tool naming a secret the gateway was not given
-            if problems := self.live.refusals(policy):  # before the inspection follows it: nothing of it then
+            if problems := parts.live.refusals(policy):  # before the inspection follows it: nothing of it then
                 raise PolicyError(problems)
             self._follow_inspection(policy)
-            self.live.replace(policy)
+            parts.live.replace(policy)
         except PolicyError as e:
-            self.auditing.policy_refused(policy.source, e.errors, refused_hash=policy.hash)
+            parts.auditing.policy_refused(policy.source, e.errors, refused_hash=policy.hash)
             raise
-        self.auditing.policy_loaded(policy, running)
+        parts.auditing.policy_loaded(policy, running)
 
     def _follow_inspection(self, policy: Policy) -> None:
         """Ready what the policy's inspected rules need before it is in force: a CA that permits their hosts, the
-        secrets they inject (PolicyError: one the gateway was not given). A policy that inspects nothing needs
-        nothing, and imports nothing of it."""
-        if self.inspector is None:
-            if not policy.inspected_hosts():
-                return
-            from airlock.gateway.inspection import Inspector
-
-            self.inspector = Inspector(Path(self._state_dir), self.secrets)
-            if self._master is not None:
-                self._master.addons.get("tlsconfig").issuer = self.inspector
-        if problems := self.inspector.problems(policy):
+        secrets they inject (PolicyError: one the gateway was not given)."""
+        inspector: Inspector = self.parts.inspector
+        if problems := inspector.problems(policy):
             raise PolicyError(problems)
-        self.inspector.apply(policy)
-        if self.shared is not None:
-            from airlock.proxy.shared import Credentials
-
-            self.shared.credentials = Credentials.of(self.inspector.injected(policy), self.shared.credentials.minted)
+        inspector.apply(policy)
+        if (shared := self.shared) is not None:
+            shared.inject(inspector.injected(policy))
 
     def policy_refused(self, source: str, errors: list[str]) -> None:
         """Audit a policy file that did not load (the running policy stays)."""
-        self.auditing.policy_refused(source, errors)
+        self.parts.auditing.policy_refused(source, errors)
 
     def _put_approved(self, policy: Policy) -> None:
         """A policy an approval wrote (`--scope policy`) put in force, and told as a reload of its file is."""
@@ -462,58 +275,21 @@ class Gateway:
 
     def close_denied_tunnels(self) -> int:
         """Close the open tunnels the policy in force denies; how many."""
-        if self.shared is None or self._master is None:
-            return 0
-        from airlock.proxy.tunnels import denied_tunnels  # imported with the addon, which made `shared`
-
-        denied = set(denied_tunnels(self.shared))
-        for handler in list(self._master.addons.get("proxyserver").connections.values()):
-            if handler.client.id in denied:
-                handler.close_connection(handler.client)
-        return len(denied)
+        return self.parts.proxy.close_denied_tunnels()
 
     def _policy(self) -> Policy | None:
-        return self.live.current.policy if self.live is not None else None
+        return self.parts.live.current.policy if self._in_force else None
 
     def status(self) -> dict[str, Any]:
-        """What `GET /v1/status` answers: the policy in force, the sandboxes, open tunnels and connections, counts."""
-        policy = self.live.current.policy if self.live is not None else self.config.policy
-        shared = self.shared
-        return {
-            "policy_hash": policy.hash,
-            "policy_source": policy.source,
-            "default_profile": policy.default_profile,
-            "profiles": {
-                name: {"allow_rules": len(p.allow), "deny_rules": len(p.deny)}
-                for name, p in sorted(policy.profiles.items())
-            },
-            "sandboxes": [
-                {"id": s.id, "profile": s.profile, "network": str(s.network)} for s in self.registry.sandboxes
-            ],
-            "open_tunnels": {k: n for k, n in shared.tunnels.items() if n} if shared is not None else {},
-            "open_connections": {k: n for k, n in shared.connections.items() if n} if shared is not None else {},
-            "counters": self.auditing.counters(),
-            "started_at": self.started_at,
-            "inspection": self._inspection_status(policy),
-        }
-
-    def _inspection_status(self, policy: Policy) -> dict[str, Any] | None:
-        """The inspected hosts, and the certificates a sandbox must trust for them (each CA generation's, and the
-        bundle with the system's CAs); None while nothing is inspected."""
-        inspector = self.inspector
-        if inspector is None or not inspector.active:
-            return None
-        return {
-            "hosts": sorted(policy.inspected_hosts()),
-            "ca_certificates": [str(ca.cert_path) for ca in inspector.generations],
-            "trust_bundle": str(inspector.bundle),
-        }
+        """What `GET /v1/status` answers (airlock/gateway/status.py)."""
+        return gateway_status(self.parts, self.started_at, self._in_force, self.config.policy)
 
     async def stop(self) -> None:
         """Close every listener and stop; a proxy still loading is not waited for (it will not serve)."""
         if not self._started:
             return
         self._started = False
+        parts = self.parts
         if self._proxy is not None and not self._proxy.done():
             self._proxy.cancel()
         if self._proxy is not None:
@@ -521,32 +297,19 @@ class Gateway:
                 await self._proxy  # its failure was told by start() or proxy_started(), if anyone asked
         if self._flusher is not None:
             self._flusher.cancel()
-        if self.dns is not None:
-            await self.dns.stop()
-        await self.admin.stop()
-        if self._broker_runtime is not None:
-            await self._broker_runtime.stop()
-        await self.approvals.close()
-        if self.shared is not None:
-            self.shared.refusals.flush()
-        if self.notices is not None:
-            self.notices.flush()
-        for server in self._proxy_servers:
-            server.close()  # connections still open end with the master
-        for listener in self._listeners.values():
-            listener.close()  # also when the proxy never served
-        if self._master is not None:
-            self._master.shutdown()
-        if self._task is not None:
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(self._task, 10)
-        self.audit.close()
-        if self._scrubbed_log is not None:
-            MITMPROXY_LOG.removeFilter(self._scrubbed_log)
-        if self._own is not None:
-            self._own.close()
-        if self._own_state:
-            shutil.rmtree(self._state_dir, ignore_errors=True)
+        if parts.dns is not None:
+            await parts.dns.stop()
+        await parts.admin.stop()
+        if parts.broker is not None:
+            await parts.broker.stop()
+        await parts.approvals.close()
+        parts.proxy.flush_refusals()
+        if parts.notices is not None:
+            parts.notices.flush()
+        await parts.proxy.stop()
+        parts.audit.close()
+        parts.own.close()
+        parts.state.remove()
 
 
 async def _loaded(loading: concurrent.futures.Future[None], what: str) -> None:
@@ -555,47 +318,3 @@ async def _loaded(loading: concurrent.futures.Future[None], what: str) -> None:
         await asyncio.wrap_future(loading)
     except Exception as e:
         raise GatewayError(f"{what} could not be loaded: {type(e).__name__}: {e}") from e
-
-
-def _listen(host: str, port: int) -> socket.socket:
-    """The proxy's listening socket, as asyncio would make it (SO_REUSEADDR; IPv6 only on an IPv6 address; Nagle
-    off). create_server's sockets say proto 0, so asyncio leaves Nagle on for what they accept, and a response
-    mitmproxy writes as head then body would wait for the client's delayed ACK (40 ms); Linux passes the option on
-    to every accepted socket."""
-    family = socket.AF_INET6 if ipaddress.ip_address(host).version == 6 else socket.AF_INET
-    sock = socket.create_server((host, port), family=family, backlog=PROXY_BACKLOG)
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    return sock
-
-
-def _essential_addons() -> tuple[object, ...]:
-    """Only the addons a proxy needs: no script loader, replay, onboarding app (mitm.it), header or body rewriting —
-    less to dispatch on every event, and nothing a request could reach but airlock's hooks."""
-    from airlock.gateway.startup.mitm import Proxyserver, TlsConfig, core, disable_h2c, next_layer
-
-    return core.Core(), Proxyserver(), next_layer.NextLayer(), TlsConfig(), disable_h2c.DisableH2C()
-
-
-class _Running:
-    """The last addon: its `running` hook comes after every other addon's."""
-
-    def __init__(self) -> None:
-        self.event = asyncio.Event()
-
-    def running(self) -> None:
-        self.event.set()
-
-
-async def _until_running(master: asyncio.Task[None], running: asyncio.Event) -> str | None:
-    """None once the master runs; else why not (it ended, or took longer than PROXY_START_TIMEOUT)."""
-    waiter = asyncio.ensure_future(running.wait())
-    try:
-        await asyncio.wait({master, waiter}, timeout=PROXY_START_TIMEOUT, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        waiter.cancel()
-    if running.is_set():
-        return None
-    if not master.done():
-        return f"not running after {PROXY_START_TIMEOUT:g}s"
-    error = master.exception()
-    return f"{type(error).__name__}: {error}" if error else "it stopped"

@@ -10,7 +10,7 @@ import contextlib
 import gc
 import logging
 import os
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -63,12 +63,18 @@ class Reloaded:
 
 class PolicyReloader:
     """Reloads `source` into `target`, one reload at a time (a second waits for the first, then reads the file
-    as it is then). `current` reads the policy in force."""
+    as it is then). `current` reads the policy in force; each of `after` is called with each policy put in force."""
 
-    def __init__(self, target: PolicyTarget, source: str, current: Callable[[], Policy | None]) -> None:
+    def __init__(
+        self,
+        target: PolicyTarget,
+        source: str,
+        current: Callable[[], Policy | None],
+        after: Iterable[Callable[[Policy], None]] = (),
+    ) -> None:
         self.target, self.source, self.current = target, source, current
         self._lock = asyncio.Lock()
-        self.after: list[Callable[[Policy], None]] = []  # called with each policy put in force
+        self.after = tuple(after)  # called with each policy put in force
 
     async def reload(self) -> Reloaded:
         # Loading, swapping and freeing alike: the event loop gets the GIL back quickly all along.

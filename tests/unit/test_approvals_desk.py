@@ -227,8 +227,8 @@ async def test_a_dns_query_approved_once_is_not_remembered_for_the_next(unused_u
     audit: list[AuditRecord] = []
     live = LivePolicy(POLICY, SandboxRegistry([Sandbox("sbx", "default", ipaddress.ip_network("127.0.0.0/8"))]))
     settings = DnsSettings(approval_hold=0.3)
-    server = DnsServer(live, OneAddress(), audit.append, settings, "127.0.0.1", unused_udp_port)  # type: ignore[arg-type]
-    desk = server.resolver.approvals = Approvals(audit.append)
+    desk = Approvals(audit.append)
+    server = DnsServer(live, OneAddress(), audit.append, settings, "127.0.0.1", unused_udp_port, approvals=desk)  # type: ignore[arg-type]
     await server.start()
     question = DNSRecord.question("new.test")
     try:

@@ -63,8 +63,7 @@ def test_the_schema_enums_are_the_codes() -> None:
 def _stamped(*records: AuditRecord) -> list[str]:
     """The lines the gateway's audit path writes for these records."""
     written: list[AuditRecord | RepeatedDecisions] = []
-    audit = GatewayAudit(written.append, [SANDBOX])
-    audit.live = LivePolicy(POLICY, SandboxRegistry([SANDBOX]))
+    audit = GatewayAudit(written.append, [SANDBOX], live=LivePolicy(POLICY, SandboxRegistry([SANDBOX])))
     for record in records:
         audit.emit(record)
     audit.policy_loaded(POLICY, "sha256:0123456789abcdef")

@@ -21,6 +21,7 @@ from airlock.cli.common import UsageError
 from airlock.gateway import GatewayError
 from airlock.gateway.config import BrokerConfigError
 from airlock.gateway.reload import PolicyReloader, log_reload
+from airlock.inspection.ca import GatewayCA
 from airlock.policy import PolicyError
 from airlock.sandbox.docker import DockerSandboxError
 from airlock.sandbox.fence import FenceError
@@ -338,9 +339,9 @@ def test_the_gateways_tls_addon_signs_only_with_the_gateway_ca_and_only_for_the_
     from mitmproxy.test import taddons, tflow
 
     from airlock.gateway.startup.mitm import TlsConfig
-    from airlock.inspection.ca import GatewayCA
 
-    tls = TlsConfig()
+    issuer = Issuer()
+    tls = TlsConfig(issuer)
     with taddons.context(tls) as tctx:
         tctx.configure(tls, confdir=str(tmp_path / "confdir"))
         tls.running()
@@ -348,8 +349,7 @@ def test_the_gateways_tls_addon_signs_only_with_the_gateway_ca_and_only_for_the_
         context.client.sni = "api.example.com"
         with pytest.raises(RuntimeError, match="no certificate authority"):
             tls.get_cert(context)
-        ca = GatewayCA.create(tmp_path / "ca", ["api.example.com"])
-        tls.issuer = Issuer(ca)
+        ca = issuer.make(tmp_path / "ca", "api.example.com")
         leaf = tls.get_cert(context).cert.to_cryptography()
         assert leaf.issuer == ca.cert.subject
         names = leaf.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
@@ -358,15 +358,28 @@ def test_the_gateways_tls_addon_signs_only_with_the_gateway_ca_and_only_for_the_
 
 
 class Issuer:
-    def __init__(self, ca: object) -> None:
-        self.ca = ca
+    """The gateway's CAs as the TLS addon sees them: none until `make`."""
+
+    def __init__(self) -> None:
+        self.ca: GatewayCA | None = None
+
+    def make(self, directory: Path, host: str) -> GatewayCA:
+
+        self.ca = GatewayCA.create(directory, [host])
+        return self.ca
+
+    @property
+    def active(self) -> bool:
+        return self.ca is not None
 
     @property
     def certstore(self) -> object:
-        return self.ca.certstore()  # type: ignore[attr-defined]
+        assert self.ca is not None
+        return self.ca.certstore()
 
     def store_entry(self, host: str) -> object:
-        return self.ca.store_entry(host)  # type: ignore[attr-defined]
+        assert self.ca is not None
+        return self.ca.store_entry(host)
 
 
 @pytest.mark.parametrize(

@@ -19,8 +19,7 @@ SANDBOXES = [Sandbox("sbx", "strict", ipaddress.ip_network("10.0.0.2/32"))]
 
 def _audit(notices: DenialNotices | None = None) -> tuple[GatewayAudit, list[AuditRecord | RepeatedDecisions]]:
     written: list[AuditRecord | RepeatedDecisions] = []
-    audit = GatewayAudit(written.append, SANDBOXES, notices)
-    audit.live = LivePolicy(POLICY, SandboxRegistry(SANDBOXES))
+    audit = GatewayAudit(written.append, SANDBOXES, notices, live=LivePolicy(POLICY, SandboxRegistry(SANDBOXES)))
     return audit, written
 
 

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from airlock.cli.common import default_policy_path
-from airlock.gateway import Gateway, GatewayError
+from airlock.gateway import Gateway, GatewayError, proxy_runtime
 from airlock.gateway import core as gateway_module
 from airlock.gateway.config import GatewayConfig
 from airlock.inspection.secrets import SecretSource
@@ -74,14 +74,14 @@ def ports(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """The port of each proxy socket the gateway opens (explicit, then transparent), as it opens it: each on a port
     of the kernel's choosing."""
     opened: list[int] = []
-    listen = gateway_module._listen
+    listen = proxy_runtime._listen
 
     def recorded(host: str, port: int) -> socket.socket:
         listener = listen(host, 0)
         opened.append(listener.getsockname()[1])
         return listener
 
-    monkeypatch.setattr(gateway_module, "_listen", recorded)
+    monkeypatch.setattr(proxy_runtime, "_listen", recorded)
     return opened
 
 
@@ -107,6 +107,10 @@ async def _reply(port: int, meanwhile: Callable[[], Awaitable[None]]) -> bytes:
         return await asyncio.wait_for(reader.read(4096), 10)
     finally:
         writer.close()
+
+
+def test_a_gateway_not_started_is_not_ready(config: GatewayConfig) -> None:
+    assert Gateway(config).readiness()["policy"] == "no policy in force"
 
 
 async def test_a_client_that_comes_while_mitmproxy_loads_waits_and_is_decided_by_the_addon(
@@ -397,7 +401,7 @@ async def test_both_proxy_listeners_carry_the_fences_mark_before_mitmproxy_serve
         assert gateway.airlock is None
         marks = {
             sock.getsockname()[1]: sock.getsockopt(socket.SOL_SOCKET, socket.SO_MARK)
-            for sock in gateway._listeners.values()
+            for sock in gateway.parts.proxy.listeners.values()
         }
         assert marks == {proxy_port: GATEWAY_SOCKET_MARK, transparent_port: GATEWAY_SOCKET_MARK}
     finally:
@@ -464,7 +468,7 @@ async def test_a_reload_refused_for_a_missing_profile_leaves_the_inspection_as_i
 
 def test_the_proxys_accepted_connections_have_nagle_off() -> None:
     """A response written as head then body must not wait 40 ms for the client's delayed ACK (bench/run.py)."""
-    listener = gateway_module._listen(LOCALHOST, 0)
+    listener = proxy_runtime._listen(LOCALHOST, 0)
     with listener, socket.create_connection(listener.getsockname()[:2]):
         accepted, _ = listener.accept()
         with accepted:

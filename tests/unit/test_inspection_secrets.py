@@ -118,7 +118,7 @@ def test_the_gateway_reads_its_secrets_once_with_the_same_reader_before_anything
     secret.write_text(TOKEN + "\n")
     gateway = Gateway(config)
     secret.write_text("replaced-later\n")
-    assert dict(gateway.secrets) == {"T": TOKEN}
+    assert dict(gateway.parts.secrets) == {"T": TOKEN}
 
 
 def test_placeholders() -> None:
