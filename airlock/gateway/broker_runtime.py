@@ -146,7 +146,10 @@ class _Counted(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         client = str((transport.get_extra_info("peername") or ("?",))[0])
         if not self._cap.admit(client):
-            transport.abort()  # connection_lost follows, the inner protocol never started
+            if isinstance(transport, asyncio.WriteTransport):
+                transport.abort()  # connection_lost follows, the inner protocol never started
+            else:
+                transport.close()
             return
         self._client = client
         self._inner.connection_made(transport)

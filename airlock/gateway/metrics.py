@@ -107,7 +107,8 @@ class _Family[Child: (_Count, _Durations)]:
     def __init__(
         self, name: str, doc: str, labels: tuple[str, ...], bounds: Mapping[str, Bounded], new: Callable[[], Child]
     ) -> None:
-        self.name, self.doc, self.labels, self._new = name, doc, list(labels), new
+        self.name, self.doc, self.labels = name, doc, list(labels)
+        self._new: Callable[[], Child] = new
         self._bounds = [bounds[label] for label in labels]
         self._children: dict[tuple[object, ...], Child] = {}  # by the raw label values
         self._bounded: dict[tuple[str, ...], Child] = {}  # by the label values served
@@ -130,12 +131,14 @@ class _Family[Child: (_Count, _Durations)]:
         if self._new is _Count:
             counters = CounterMetricFamily(self.name, self.doc, labels=self.labels)
             for key, count in children:
-                counters.add_metric(key, count.value)  # type: ignore[union-attr]
+                assert isinstance(count, _Count)
+                counters.add_metric(key, count.value)
             yield counters
             return
         histograms = HistogramMetricFamily(self.name, self.doc, labels=self.labels)
         for key, durations in children:
-            histograms.add_metric(key, durations.cumulative(), durations.sum)  # type: ignore[union-attr]
+            assert isinstance(durations, _Durations)
+            histograms.add_metric(key, durations.cumulative(), durations.sum)
         yield histograms
 
 

@@ -55,7 +55,9 @@ class MetricsEndpoint:
 
             registry = CollectorRegistry()
             for collector in (self._state, *self.metrics.families):
-                registry.register(collector)
+                # Anything with `collect` is a collector; prometheus-client's Collector is the ABC of a module
+                # imported only now (at the first scrape), so neither class derives from it.
+                registry.register(collector)  # type: ignore[arg-type]
             self._registry = registry
         return self._registry
 

@@ -14,7 +14,7 @@ import socket
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from airlock.audit import AuditRecord
 from airlock.dns.answered import AnsweredAddresses
@@ -29,7 +29,7 @@ from airlock.policy import LivePolicy
 from airlock.policy.approvals import Asker
 
 if TYPE_CHECKING:
-    from airlock.gateway.startup.mitm import Master
+    from airlock.gateway.startup.mitm import Master, ServerInstance
     from airlock.proxy.addon import Airlock
     from airlock.proxy.shared import GitTokens, ScrubbedLog, Shared
 
@@ -122,16 +122,18 @@ class ProxyRuntime:
         self._scrubbed_log = ScrubbedLog(lambda: shared.credentials)
         MITMPROXY_LOG.addFilter(self._scrubbed_log)
         running = _Running()
-        master.addons.add(*_essential_addons(given.inspector), self.airlock, running)
-        opts.update(**_proxy_options(config))
+        # mitmproxy's addon manager and options are untyped: the ignores below say no more than that.
+        master.addons.add(*_essential_addons(given.inspector), self.airlock, running)  # type: ignore[no-untyped-call]
+        opts.update(**_proxy_options(config))  # type: ignore[no-untyped-call]
         self._task = asyncio.create_task(master.run())
         ports = " and ".join(str(port) for port in self.ports().values())
         if why := await _until_running(self._task, running.event):
             raise GatewayError(f"the proxy did not start on {config.listen} port {ports}: {why}")
         # Every addon has seen `running`: connections are theirs from now on.
-        proxyserver = master.addons.get("proxyserver")
+        proxyserver = master.addons.get("proxyserver")  # type: ignore[no-untyped-call]
         for spec, listener in self.listeners.items():
-            instance = ServerInstance.make(spec, proxyserver)  # SO_ORIGINAL_DST is read by the transparent one
+            # SO_ORIGINAL_DST is read by the transparent one
+            instance: ServerInstance[Any] = ServerInstance.make(spec, proxyserver)
             server = await asyncio.start_server(instance.handle_stream, sock=listener, backlog=PROXY_BACKLOG)
             self.servers.append(server)
 
@@ -142,7 +144,8 @@ class ProxyRuntime:
         from airlock.proxy.tunnels import denied_tunnels  # imported with the addon, which made `shared`
 
         denied = set(denied_tunnels(self.shared))
-        for handler in list(self._master.addons.get("proxyserver").connections.values()):
+        proxyserver = self._master.addons.get("proxyserver")  # type: ignore[no-untyped-call]
+        for handler in list(proxyserver.connections.values()):
             if handler.client.id in denied:
                 handler.close_connection(handler.client)
         return len(denied)
@@ -161,7 +164,7 @@ class ProxyRuntime:
     async def stop(self) -> None:
         self.close_listeners()
         if self._master is not None:
-            self._master.shutdown()
+            self._master.shutdown()  # type: ignore[no-untyped-call]
         if self._task is not None:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self._task, 10)
@@ -200,7 +203,8 @@ def _essential_addons(issuer: Inspector) -> tuple[object, ...]:
     less to dispatch on every event, and nothing a request could reach but airlock's hooks."""
     from airlock.gateway.startup.mitm import Proxyserver, TlsConfig, core, disable_h2c, next_layer
 
-    return core.Core(), Proxyserver(), next_layer.NextLayer(), TlsConfig(issuer), disable_h2c.DisableH2C()
+    proxyserver = Proxyserver()  # type: ignore[no-untyped-call]
+    return core.Core(), proxyserver, next_layer.NextLayer(), TlsConfig(issuer), disable_h2c.DisableH2C()
 
 
 class _Running:

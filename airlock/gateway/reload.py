@@ -70,7 +70,7 @@ class PolicyReloader:
         target: PolicyTarget,
         source: str,
         current: Callable[[], Policy | None],
-        after: Iterable[Callable[[Policy], None]] = (),
+        after: Iterable[Callable[[Policy], object]] = (),
     ) -> None:
         self.target, self.source, self.current = target, source, current
         self._lock = asyncio.Lock()

@@ -88,7 +88,7 @@ class TlsConfig(tlsconfig.TlsConfig):
     def configure(self, updated: set[str] | str) -> None:
         names = {updated} if isinstance(updated, str) else set(updated)  # running() passes a bare "confdir"
         if rest := names - self._CA_OPTIONS:
-            super().configure(rest)
+            super().configure(rest)  # type: ignore[no-untyped-call]  # mitmproxy's addon hooks are untyped
 
     def _store(self) -> certs.CertStore:
         if self.issuer is None or not self.issuer.active:
