@@ -22,15 +22,15 @@ from typing import TYPE_CHECKING, Any
 from airlock.errors import AirlockError
 from airlock.gateway.accept_guard import DescriptorShortage, one_retry_per_shortage
 from airlock.gateway.admin import AdminApp, gateway_routes
-from airlock.gateway.approvals import approval_routes
+from airlock.gateway.approval_routes import approval_routes
 from airlock.gateway.auditing import tell
 from airlock.gateway.config import GatewayConfig
 from airlock.gateway.errors import GatewayError
 from airlock.gateway.inspection import Inspector
 from airlock.gateway.metrics_endpoint import MetricsEndpoint, ScrapedState
 from airlock.gateway.parts import GatewayParts, build_parts
-from airlock.gateway.reload import PolicyReloader, Reloaded, log_reload
-from airlock.gateway.startup.preload import preload_admin, preload_proxy
+from airlock.gateway.reload import PolicyReloader, Reloaded, ReloadTeller
+from airlock.gateway.startup.preload import loaded, preload_admin, preload_proxy
 from airlock.gateway.status import gateway_status, readiness
 from airlock.policy import LivePolicy, Policy, PolicyError
 from airlock.sandbox.fence import mark_listeners
@@ -54,7 +54,7 @@ class Gateway:
         self._in_force = False  # from start() on: the policy in force is the live policy's
         self._proxy: asyncio.Future[None] | None = None  # until the admin listener, then the proxy, serve
         self._flusher: asyncio.Task[None] | None = None
-        self._approved: str | None = None  # the hash of the policy an approval wrote, until its file is read again
+        self.tell_reload = ReloadTeller(tell if config.tell_reloads else None)  # how each reload is told
         # Reloads read the file the first policy came from, off the event loop (airlock/gateway/reload.py).
         after = [lambda policy: self.close_denied_tunnels()] if config.close_denied_on_reload else []
         self.reloader = PolicyReloader(self, config.policy.source, self._policy, after)
@@ -164,12 +164,12 @@ class Gateway:
         theirs closes at once: clients are refused, not kept, and none is served by a gateway half up."""
         admin, proxy = self.parts.admin, self.parts.proxy
         try:
-            await _loaded(admin_loading, "the admin listener")
+            await loaded(admin_loading, "the admin listener")
             try:
                 await admin.serve()
             except Exception as e:
                 raise GatewayError(f"the admin listener could not start: {type(e).__name__}: {e}") from e
-            await _loaded(loading, "the proxy")
+            await loaded(loading, "the proxy")
             await proxy.serve(self.broker.git_read if self.broker is not None else None)
         except BaseException as e:
             await admin.stop()
@@ -254,19 +254,7 @@ class Gateway:
         """A policy an approval wrote (`--scope policy`) put in force, and told as a reload of its file is."""
         previous = self._policy()
         self.replace_policy(policy)
-        self.tell_reload(Reloaded(policy.source, policy.hash, previous.hash if previous is not None else None))
-        self._approved = policy.hash
-
-    def tell_reload(self, outcome: Reloaded) -> None:
-        """A reload as the gateway tells them: one line on stderr (`airlock run`), else in its log — once only for
-        the file an approval wrote (a file watch that reads it again finds the policy in force)."""
-        approved, self._approved = self._approved, None
-        if outcome.ok and outcome.policy_hash == outcome.previous_hash == approved:
-            return
-        if self.config.tell_reloads:
-            tell(outcome.one_line())
-        else:
-            log_reload(outcome)
+        self.tell_reload.approved(Reloaded(policy.source, policy.hash, previous.hash if previous is not None else None))
 
     async def reload_policy(self) -> Reloaded:
         """Load the policy file again, off the event loop, and put it in force; a file that does not load (or lacks
@@ -310,11 +298,3 @@ class Gateway:
         parts.audit.close()
         parts.own.close()
         parts.state.remove()
-
-
-async def _loaded(loading: concurrent.futures.Future[None], what: str) -> None:
-    """Once preload_proxy()'s `loading` is done; GatewayError naming `what` if its import failed."""
-    try:
-        await asyncio.wrap_future(loading)
-    except Exception as e:
-        raise GatewayError(f"{what} could not be loaded: {type(e).__name__}: {e}") from e

@@ -146,6 +146,29 @@ def log_reload(outcome: Reloaded) -> None:
         log.error("policy NOT reloaded, the running policy stays:\n%s", "\n".join(outcome.errors))
 
 
+class ReloadTeller:
+    """A reload as the gateway tells them: one line to `tell` (stderr, for `airlock run`), else in its log — once only
+    for the file an approval wrote (a file watch that reads it again finds the policy in force)."""
+
+    def __init__(self, tell: Callable[[str], None] | None) -> None:
+        self.tell = tell
+        self._approved: str | None = None  # the hash of the policy an approval wrote, until its file is read again
+
+    def __call__(self, outcome: Reloaded) -> None:
+        approved, self._approved = self._approved, None
+        if outcome.ok and outcome.policy_hash == outcome.previous_hash == approved:
+            return
+        if self.tell is not None:
+            self.tell(outcome.one_line())
+        else:
+            log_reload(outcome)
+
+    def approved(self, outcome: Reloaded) -> None:
+        """The reload of a policy an approval wrote, told now; the next read of its file is not told again."""
+        self(outcome)
+        self._approved = outcome.policy_hash
+
+
 def _signature(path: str) -> tuple[int, int, int, int] | None:
     """What changes when the file does: inode and device (an editor's rename), size, modification time."""
     try:

@@ -22,7 +22,10 @@ from airlock.cli import main
 from airlock.dns.admission import DnsSettings
 from airlock.dns.server import DnsServer
 from airlock.dns.upstream import Answer
-from airlock.gateway.approvals import ApprovalError, Approvals, PolicyWriter, approval_routes
+from airlock.gateway.approval_routes import approval_routes
+from airlock.gateway.approval_writer import PolicyWriter
+from airlock.gateway.approvals import Approvals
+from airlock.gateway.errors import ApprovalError
 from airlock.policy import Decision, LivePolicy, Policy, Sandbox, SandboxRegistry, decide, parse_policy
 
 POLICY_TEXT = """\

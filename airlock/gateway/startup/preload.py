@@ -8,12 +8,14 @@ Kept apart from `airlock.gateway.core` so that starting the import needs none of
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import contextlib
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+from airlock.gateway.errors import GatewayError
 from airlock.gateway.startup.switching import prompt_switching
 
 _preload: _Preload | None = None
@@ -86,3 +88,11 @@ def _settling(done: concurrent.futures.Future[None]) -> Iterator[None]:
         done.set_exception(e)
     else:
         done.set_result(None)
+
+
+async def loaded(loading: concurrent.futures.Future[None], what: str) -> None:
+    """Once preload_proxy()'s `loading` is done; GatewayError naming `what` if its import failed."""
+    try:
+        await asyncio.wrap_future(loading)
+    except Exception as e:
+        raise GatewayError(f"{what} could not be loaded: {type(e).__name__}: {e}") from e
