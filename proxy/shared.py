@@ -202,6 +202,10 @@ class Shared:
         """The secrets the policy now in force injects (the minted tokens are kept)."""
         self.credentials = Credentials.of(values, self.credentials.minted)
 
+    def hold(self, token: str) -> None:
+        """One more token minted for a git read: scrubbed, as every credential held, from what comes back."""
+        self.credentials = self.credentials.holding(token)
+
     def client(self, client: connection.Client) -> ClientState:
         state = self.clients.get(client.id)
         if state is None:
