@@ -389,6 +389,24 @@ def _free_ports(count: int) -> list[int]:
     return ports
 
 
+async def test_each_part_is_handed_its_providers_when_it_is_built_and_stays_as_built(config: GatewayConfig) -> None:
+    """Approvals and timings reach the DNS server, the resolver and the proxy's addon as each is made, from the one
+    set of parts (frozen: nothing is put into a part later, whichever starts first)."""
+    [dns_port] = _free_ports(1)
+    gateway = Gateway(dataclasses.replace(config, dns_port=dns_port))
+    parts = gateway.parts
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        parts.dns = None  # type: ignore[misc]
+    assert parts.dns is not None and parts.dns.resolver.approvals is parts.approvals
+    assert parts.resolver.timed == parts.metrics.resolved
+    await gateway.start()
+    try:
+        assert gateway.shared is not None and gateway.shared.approvals is parts.approvals
+        assert gateway.shared.live is parts.live and parts.dns.live is parts.live
+    finally:
+        await gateway.stop()
+
+
 async def test_both_proxy_listeners_carry_the_fences_mark_before_mitmproxy_serves(
     privileged: None, config: GatewayConfig, held_import: concurrent.futures.Future[None]
 ) -> None:
