@@ -60,7 +60,7 @@ class Gateway:
         self.reloader = PolicyReloader(self, config.policy.source, self._policy, after)
         self.started_at = time.time()
         scraped = ScrapedState(
-            parts.live.current.registry.ids,
+            lambda: parts.live.current.registry.ids(),  # of the policy in force at each scrape
             lambda: proxy.counts("tunnels"),
             lambda: proxy.counts("connections"),
             lambda: proxy.counts("upstreams"),
