@@ -21,8 +21,8 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from airlock.brokerconfig import admin_address, admin_endpoint
 from airlock.errors import AirlockError
+from airlock.gateway.config import admin_address, admin_endpoint
 
 RUNS = Path("/run/airlock/runs")
 RUNS_ENV = "AIRLOCK_RUNS_DIR"  # another folder for them (the tests' own): checked as RUNS is

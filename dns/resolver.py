@@ -104,6 +104,7 @@ class PolicyResolver:
         admission: Admission | None = None,
         stats: Counter[str] | None = None,
         answered: AnsweredAddresses | None = None,
+        approvals: Asker | None = None,
     ) -> None:
         self.live = live
         self.resolver = resolver
@@ -112,7 +113,7 @@ class PolicyResolver:
         self.stats: Counter[str] = stats if stats is not None else Counter()
         self.admission = admission or Admission(live, settings, emit, self.stats)  # its in-flight cap
         self._subdomains = SubdomainRate()
-        self.approvals: Asker | None = None  # where profiles with `on_unlisted: ask` hold what no rule lists
+        self.approvals = approvals  # where profiles with `on_unlisted: ask` hold what no rule lists
         # What this DNS told each sandbox, for the proxy to judge connections that carry no name (shared with it).
         self.answered = answered if answered is not None else AnsweredAddresses()
 

@@ -101,7 +101,7 @@ def system_servers(resolv_conf: str = "/etc/resolv.conf") -> list[Server]:
 
 
 class Resolver:
-    def __init__(self, config: ResolverConfig) -> None:
+    def __init__(self, config: ResolverConfig, timed: Callable[[str, float], None] | None = None) -> None:
         if not config.servers:
             raise ValueError("no upstream DNS server configured")
         self.config = config
@@ -109,7 +109,7 @@ class Resolver:
         self._negative: dict[tuple[str, int], _Entry] = {}  # NXDOMAIN, NODATA and failures
         self._inflight: dict[tuple[str, int], asyncio.Future[Answer]] = {}
         self.stats: Counter[str] = Counter()  # malformed_replies, mismatched_replies
-        self.timed: Callable[[str, float], None] | None = None  # told each upstream resolution: result, seconds
+        self.timed = timed  # told each upstream resolution: result, seconds
 
     async def resolve(self, name: str) -> Answer:
         """All A and AAAA addresses of a canonical name (CNAMEs followed)."""

@@ -1,7 +1,7 @@
 """Approvals: what a profile with `on_unlisted: ask` holds while a person decides, and what a decision grants.
 
-Pure: no asyncio, no clock, no randomness. The adapter (airlock/approvals.py) passes the time and the ids, and holds
-the futures the waiting requests await. A target is (sandbox, host, port); port None is a DNS query, which asks
+Pure: no asyncio, no clock, no randomness. The adapter (airlock/gateway/approvals.py) passes the time and the ids, and
+holds the futures the waiting requests await. A target is (sandbox, host, port); port None is a DNS query, which asks
 for a name, not a port.
 
 Only what no rule lists may be asked (`not_allowlisted`): a deny rule's denial never is, nor a hard block
@@ -33,7 +33,7 @@ MAX_GRANT_TTL = 7 * 86400
 
 
 class Asker(Protocol):
-    """What the proxy and the DNS resolver await when a profile asks (the adapter, airlock/approvals.py)."""
+    """What the proxy and the DNS resolver await when a profile asks (the adapter, airlock/gateway/approvals.py)."""
 
     async def decide(
         self,

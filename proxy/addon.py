@@ -16,13 +16,14 @@ from airlock.audit import AuditRecord
 from airlock.dns.answered import AnsweredAddresses
 from airlock.dns.upstream import Resolver
 from airlock.policy import LivePolicy
+from airlock.policy.approvals import Asker
 
 from .connect import PinnedConnect
 from .httpaudit import HttpAudit
 from .httppolicy import HttpPolicy
 from .identity import SandboxIdentity
 from .inspection import Inspection
-from .shared import GatewaySettings, Shared
+from .shared import Credentials, GatewaySettings, GitTokens, Shared
 from .transparent import TransparentPolicy
 from .tunnels import TunnelPolicy
 
@@ -70,5 +71,8 @@ def build_addon(
     emit: Callable[[AuditRecord], None],
     settings: GatewaySettings,
     answered: AnsweredAddresses | None = None,
+    approvals: Asker | None = None,
+    git_tokens: GitTokens | None = None,
+    credentials: Credentials | None = None,
 ) -> Airlock:
-    return Airlock(Shared(live, resolver, emit, settings, answered))
+    return Airlock(Shared(live, resolver, emit, settings, answered, approvals, git_tokens, credentials))

@@ -227,7 +227,7 @@ class Inspection:
         if token is None:
             record.extra["credential"] = "none: no grant of this sandbox names the repository"
             return None
-        self.shared.credentials = self.shared.credentials.holding(token)  # scrubbed from what comes back
+        self.shared.hold(token)  # scrubbed from what comes back
         request.headers["authorization"] = "Basic " + base64.b64encode(f"x-access-token:{token}".encode()).decode()
         ask_for_readable_answers(request)
         flow.metadata["airlock_injected"] = True

@@ -64,7 +64,8 @@ class NoTimings:
 class GatewaySettings:
     connect_timeout: float = 10.0
     # A flood of idle connections must not starve the gateway. The gateway derives these from its open-file
-    # limit (airlock/gateway.py): each proxied connection holds two descriptors, the sandbox's and the upstream.
+    # limit (airlock/gateway/capacity.py): each proxied connection holds two descriptors, the sandbox's and the
+    # upstream.
     max_tunnels_per_sandbox: int = 3584
     max_connections_per_sandbox: int = 4096  # client connections; upstream connections are capped alike
     max_connections: int = 65536  # client connections of all sandboxes together; upstream ones alike
@@ -176,6 +177,9 @@ class Shared:
         emit: Callable[[AuditRecord], None],
         settings: GatewaySettings,
         answered: AnsweredAddresses | None = None,
+        approvals: Asker | None = None,
+        git_tokens: GitTokens | None = None,
+        credentials: Credentials | None = None,
     ) -> None:
         self.live = live
         self.resolver = resolver
@@ -190,9 +194,17 @@ class Shared:
         self.upstream_of: dict[str, str] = {}  # server connection id → the sandbox whose upstream slot it holds
         self.refusals = AuditThrottle(emit)  # refusals that come in floods: a few lines each, then a summary
         self.resolved: dict[str, list[str]] = {}  # server connection id → addresses the name resolved to
-        self.approvals: Asker | None = None  # where profiles with `on_unlisted: ask` hold what no rule lists
-        self.credentials = Credentials()  # the secrets inspected rules inject (the gateway sets them)
-        self.git_tokens: GitTokens | None = None  # the broker's, when one runs
+        self.approvals = approvals  # where profiles with `on_unlisted: ask` hold what no rule lists
+        self.credentials = credentials or Credentials()  # the secrets inspected rules inject, and minted tokens
+        self.git_tokens = git_tokens  # the broker's, when one runs
+
+    def inject(self, values: Mapping[str, str]) -> None:
+        """The secrets the policy now in force injects (the minted tokens are kept)."""
+        self.credentials = Credentials.of(values, self.credentials.minted)
+
+    def hold(self, token: str) -> None:
+        """One more token minted for a git read: scrubbed, as every credential held, from what comes back."""
+        self.credentials = self.credentials.holding(token)
 
     def client(self, client: connection.Client) -> ClientState:
         state = self.clients.get(client.id)

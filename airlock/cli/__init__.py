@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     if argv is not None:
         return _main(argv)
     code = _main(sys.argv[1:])
-    preload = sys.modules.get("airlock.preload")  # imported only by the commands that run a gateway
+    preload = sys.modules.get("airlock.gateway.startup.preload")  # imported only by the commands that run a gateway
     if preload is not None and preload.proxy_loading():
         _end_now(code)
     # The process ends now: its last garbage collection need not walk every object the imports made (mitmproxy's

@@ -15,11 +15,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
-from airlock.brokerconfig import BrokerConfig, BrokerConfigError, admin_endpoint, parse_secret
 from airlock.dns.upstream import parse_server
-from airlock.gatewayconfig import GatewayConfig
+from airlock.gateway.config import BrokerConfig, BrokerConfigError, GatewayConfig, admin_endpoint, parse_secret
+from airlock.gateway.reload import log_reload
 from airlock.policy import Policy, Sandbox, format_host_port
-from airlock.reload import log_reload
 from airlock.runs import registered
 
 from .common import (

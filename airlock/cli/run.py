@@ -16,12 +16,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from airlock.broker.grants import Grant, GrantError, parse_grant
-from airlock.brokerconfig import SecretSource
-from airlock.gatewayconfig import GatewayConfig
-from airlock.inspection.secrets import parse_placeholder_env
+from airlock.gateway.config import GatewayConfig
+from airlock.gateway.reload import PolicyWatcher
+from airlock.inspection.secrets import SecretSource, parse_placeholder_env
 from airlock.inspection.trust import SYSTEM_BUNDLE, TRUST_ENV_VARS
 from airlock.policy import Policy
-from airlock.reload import PolicyWatcher
 from airlock.sandbox.embedded import gateway_credentials
 from airlock.sandbox.gitidentity import IDENTITY_VARS, GitIdentityError, invoker_identity, parse_identity
 from airlock.sandbox.limits import (

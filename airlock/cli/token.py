@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from airlock.broker.grants import GrantError, parse_grant
-from airlock.brokerconfig import admin_address, admin_endpoint
+from airlock.gateway.config import admin_address, admin_endpoint
 from airlock.runs import running, runs_dir
 
 from .common import DEFAULT_STATE_DIR, EXIT_USAGE, NeedsRoot, UsageError, absolute, duration, os_problem

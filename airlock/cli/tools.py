@@ -171,8 +171,8 @@ def _broker(args: argparse.Namespace, state: Path, session: Any) -> Broker:
     from airlock.broker.service import Broker
     from airlock.broker.store import SqliteStore
     from airlock.broker.tokens import KeyRing, TokenAuthority
-    from airlock.brokerconfig import BrokerConfig
-    from airlock.brokerd import credential
+    from airlock.gateway.broker_runtime import credential
+    from airlock.gateway.config import BrokerConfig
 
     config = BrokerConfig(
         github_api=args.api, github_app_id=args.github_app_id, github_app_key=args.github_app_key,

@@ -11,7 +11,9 @@ from typing import BinaryIO
 import docker
 
 from airlock.broker.grants import Grant
-from airlock.gateway import Gateway, GatewayConfig, preload_proxy
+from airlock.gateway import Gateway
+from airlock.gateway.config import GatewayConfig
+from airlock.gateway.startup.preload import preload_proxy
 
 from .docker import TOKEN_PATH, DockerSandbox, Limits
 from .embedded import (

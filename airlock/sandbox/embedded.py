@@ -13,8 +13,7 @@ import tempfile
 from typing import TYPE_CHECKING
 
 from airlock.broker.grants import Grant
-from airlock.brokerconfig import broker_url
-from airlock.gatewayconfig import GatewayConfig
+from airlock.gateway.config import GatewayConfig, broker_url
 from airlock.policy import Sandbox
 from airlock.runs import runs_dir
 

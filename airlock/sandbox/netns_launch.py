@@ -33,9 +33,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from airlock.broker.grants import Grant
-from airlock.brokerconfig import admin_endpoint
-from airlock.gatewayconfig import GatewayConfig
-from airlock.preload import preload_proxy
+from airlock.gateway.config import GatewayConfig, admin_endpoint
+from airlock.gateway.startup.preload import preload_proxy
 
 from . import cgroups, netns, seccomp
 from .embedded import (

@@ -18,7 +18,8 @@ from typing import Any
 
 from jsonschema import Draft202012Validator
 
-from airlock.gateway import Gateway, GatewayConfig
+from airlock.gateway import Gateway
+from airlock.gateway.config import GatewayConfig
 from airlock.policy import Sandbox, load_policy
 
 from topology import DNS_SERVER, GW_IP, SBX_IP, Topology

@@ -19,7 +19,8 @@ from typing import Any
 import pytest
 
 from airlock.broker.grants import parse_grant
-from airlock.gateway import Gateway, GatewayConfig
+from airlock.gateway import Gateway
+from airlock.gateway.config import GatewayConfig
 from airlock.policy import load_policy
 from airlock.sandbox import docker as docker_backend
 from airlock.sandbox.docker import LABEL, DockerSandbox, Limits, fence_table, remove_sandbox

@@ -507,7 +507,7 @@ def test_without_a_grant_no_broker_listens(run_in_gw):
 LAUNCH = """
 import asyncio, sys
 from airlock.cli.common import load_policy_file
-from airlock.gateway import GatewayConfig
+from airlock.gateway.config import GatewayConfig
 from airlock.sandbox.netns_launch import launch
 
 async def main():

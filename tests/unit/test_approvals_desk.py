@@ -1,4 +1,4 @@
-"""The approvals adapter (airlock/approvals.py) on a real event loop: shared futures, waiters that give up, the
+"""The approvals adapter (airlock/gateway/approvals.py) on a real event loop: shared futures, waiters that give up, the
 webhook (a loopback server), the admin routes over a unix socket and over TCP, and a policy file that cannot take
 the rule."""
 
@@ -17,12 +17,15 @@ import pytest
 from aiohttp import web
 from dnslib import RCODE, DNSRecord
 
-from airlock.approvals import ApprovalError, Approvals, PolicyWriter, approval_routes
 from airlock.audit import AuditRecord
 from airlock.cli import main
 from airlock.dns.admission import DnsSettings
 from airlock.dns.server import DnsServer
 from airlock.dns.upstream import Answer
+from airlock.gateway.approval_routes import approval_routes
+from airlock.gateway.approval_writer import PolicyWriter
+from airlock.gateway.approvals import Approvals
+from airlock.gateway.errors import ApprovalError
 from airlock.policy import Decision, LivePolicy, Policy, Sandbox, SandboxRegistry, decide, parse_policy
 
 POLICY_TEXT = """\
@@ -227,8 +230,8 @@ async def test_a_dns_query_approved_once_is_not_remembered_for_the_next(unused_u
     audit: list[AuditRecord] = []
     live = LivePolicy(POLICY, SandboxRegistry([Sandbox("sbx", "default", ipaddress.ip_network("127.0.0.0/8"))]))
     settings = DnsSettings(approval_hold=0.3)
-    server = DnsServer(live, OneAddress(), audit.append, settings, "127.0.0.1", unused_udp_port)  # type: ignore[arg-type]
-    desk = server.resolver.approvals = Approvals(audit.append)
+    desk = Approvals(audit.append)
+    server = DnsServer(live, OneAddress(), audit.append, settings, "127.0.0.1", unused_udp_port, approvals=desk)  # type: ignore[arg-type]
     await server.start()
     question = DNSRecord.question("new.test")
     try:

@@ -14,7 +14,7 @@ import pytest
 from jsonschema import Draft202012Validator
 
 from airlock.audit import SCHEMA_VERSION, AuditRecord, Kind, RepeatedDecisions, Verdict
-from airlock.auditing import GatewayAudit
+from airlock.gateway.auditing import GatewayAudit
 from airlock.policy import LivePolicy, ReasonCode, Sandbox, SandboxRegistry, parse_policy
 
 SCHEMA_PATH = Path(__file__).resolve().parents[2] / "docs" / "audit-record.schema.json"
@@ -63,8 +63,7 @@ def test_the_schema_enums_are_the_codes() -> None:
 def _stamped(*records: AuditRecord) -> list[str]:
     """The lines the gateway's audit path writes for these records."""
     written: list[AuditRecord | RepeatedDecisions] = []
-    audit = GatewayAudit(written.append, [SANDBOX])
-    audit.live = LivePolicy(POLICY, SandboxRegistry([SANDBOX]))
+    audit = GatewayAudit(written.append, [SANDBOX], live=LivePolicy(POLICY, SandboxRegistry([SANDBOX])))
     for record in records:
         audit.emit(record)
     audit.policy_loaded(POLICY, "sha256:0123456789abcdef")

@@ -13,15 +13,16 @@ import docker
 import pytest
 
 from airlock import AirlockError, cli
-from airlock.brokerconfig import BrokerConfigError
 from airlock.cli import common
 from airlock.cli import policy as policy_command
 from airlock.cli import run as run_command
 from airlock.cli import token as token_command
 from airlock.cli.common import UsageError
 from airlock.gateway import GatewayError
+from airlock.gateway.config import BrokerConfigError
+from airlock.gateway.reload import PolicyReloader, log_reload
+from airlock.inspection.ca import GatewayCA
 from airlock.policy import PolicyError
-from airlock.reload import PolicyReloader, log_reload
 from airlock.sandbox.docker import DockerSandboxError
 from airlock.sandbox.fence import FenceError
 from airlock.sandbox.netns import SandboxError
@@ -315,9 +316,9 @@ def test_help_loads_no_command_group() -> None:
 def test_the_gateway_imports_neither_mitmproxys_unused_addons_nor_the_broker() -> None:
     """(aiohttp it does import: every gateway has its admin listener.)"""
     probe = (
-        "import sys\nimport airlock.gateway\nairlock.gateway.preload_proxy().result(60)\n"
+        "import sys\nimport airlock.gateway.core\nairlock.gateway.core.preload_proxy().result(60)\n"
         "print(sorted(m for m in sys.modules if m.startswith(('mitmproxy.addons.', 'airlock.broker.'))\n"
-        "             or m == 'airlock.brokerd'))\n"
+        "             or m == 'airlock.gateway.broker_runtime'))\n"
         "from mitmproxy.addons import default_addons\nprint(len(default_addons()) > 20)"
     )
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
@@ -337,10 +338,10 @@ def test_the_gateways_tls_addon_signs_only_with_the_gateway_ca_and_only_for_the_
     from mitmproxy.proxy.context import Context
     from mitmproxy.test import taddons, tflow
 
-    from airlock.inspection.ca import GatewayCA
-    from airlock.mitm import TlsConfig
+    from airlock.gateway.startup.mitm import TlsConfig
 
-    tls = TlsConfig()
+    issuer = Issuer()
+    tls = TlsConfig(issuer)
     with taddons.context(tls) as tctx:
         tctx.configure(tls, confdir=str(tmp_path / "confdir"))
         tls.running()
@@ -348,8 +349,7 @@ def test_the_gateways_tls_addon_signs_only_with_the_gateway_ca_and_only_for_the_
         context.client.sni = "api.example.com"
         with pytest.raises(RuntimeError, match="no certificate authority"):
             tls.get_cert(context)
-        ca = GatewayCA.create(tmp_path / "ca", ["api.example.com"])
-        tls.issuer = Issuer(ca)
+        ca = issuer.make(tmp_path / "ca", "api.example.com")
         leaf = tls.get_cert(context).cert.to_cryptography()
         assert leaf.issuer == ca.cert.subject
         names = leaf.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
@@ -358,15 +358,28 @@ def test_the_gateways_tls_addon_signs_only_with_the_gateway_ca_and_only_for_the_
 
 
 class Issuer:
-    def __init__(self, ca: object) -> None:
-        self.ca = ca
+    """The gateway's CAs as the TLS addon sees them: none until `make`."""
+
+    def __init__(self) -> None:
+        self.ca: GatewayCA | None = None
+
+    def make(self, directory: Path, host: str) -> GatewayCA:
+
+        self.ca = GatewayCA.create(directory, [host])
+        return self.ca
+
+    @property
+    def active(self) -> bool:
+        return self.ca is not None
 
     @property
     def certstore(self) -> object:
-        return self.ca.certstore()  # type: ignore[attr-defined]
+        assert self.ca is not None
+        return self.ca.certstore()
 
     def store_entry(self, host: str) -> object:
-        return self.ca.store_entry(host)  # type: ignore[attr-defined]
+        assert self.ca is not None
+        return self.ca.store_entry(host)
 
 
 @pytest.mark.parametrize(

@@ -16,7 +16,8 @@ from airlock import cli
 from airlock.cli import run as run_command
 from airlock.cli.common import default_policy_path
 from airlock.cli.run import RunConfig
-from airlock.gateway import Gateway, GatewayConfig, GatewayError
+from airlock.gateway import Gateway, GatewayError
+from airlock.gateway.config import GatewayConfig
 from airlock.policy import load_policy
 from airlock.sandbox import netns, netns_launch
 

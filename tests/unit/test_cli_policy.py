@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from airlock.cli import main
+from airlock.gateway.reload import PolicyReloader
 from airlock.policy import Policy, fastload, loader
-from airlock.reload import PolicyReloader
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 

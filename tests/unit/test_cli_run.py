@@ -13,7 +13,7 @@ import pytest
 from airlock import cli
 from airlock.cli.common import UsageError
 from airlock.cli.run import HOST_CA_VARS, parse_mount, passed_env
-from airlock.gatewayconfig import GatewayConfig
+from airlock.gateway.config import GatewayConfig
 from airlock.policy import load_policy
 from airlock.sandbox import netns, netns_launch
 from airlock.sandbox.gitidentity import IDENTITY_VARS

@@ -17,8 +17,8 @@ from aiohttp import web
 from airlock.broker.service import Broker
 from airlock.broker.store import SqliteStore
 from airlock.broker.tokens import KeyRing, TokenAuthority
-from airlock.brokerconfig import BrokerConfigError, admin_endpoint
 from airlock.cli import main
+from airlock.gateway.config import BrokerConfigError, admin_endpoint
 
 pytestmark = pytest.mark.tmpfs  # its stores (SQLite) on tmpfs: no fsync waits on a shared disk
 

@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 
 from airlock.broker.grants import Grant, GrantError, parse_grant
-from airlock.brokerconfig import BrokerConfig, SecretSource, parse_secret
 from airlock.cli.common import UsageError
 from airlock.cli.run import add_arguments as add_run_arguments
 from airlock.cli.run import parse_grants, run_config
-from airlock.gateway import GatewayConfig
+from airlock.gateway.config import BrokerConfig, GatewayConfig, parse_secret
+from airlock.inspection.secrets import SecretSource
 from airlock.policy import PolicyError, parse_policy
 from airlock.policy.tools import ArgvCommand, HttpsCall
 from airlock.sandbox.embedded import gateway_credentials

@@ -9,8 +9,8 @@ import pytest
 
 from airlock.audit import AuditRecord, RepeatedDecisions
 from airlock.audit.notices import DenialNotices
-from airlock.auditing import GatewayAudit
 from airlock.cli.gateway import add_arguments, gateway_config
+from airlock.gateway.auditing import GatewayAudit
 from airlock.policy import LivePolicy, ReasonCode, Sandbox, SandboxRegistry, parse_policy
 
 POLICY = parse_policy("version: 1\nprofiles:\n  default: {}\n  strict: {}\n", "p.yaml")
@@ -19,8 +19,7 @@ SANDBOXES = [Sandbox("sbx", "strict", ipaddress.ip_network("10.0.0.2/32"))]
 
 def _audit(notices: DenialNotices | None = None) -> tuple[GatewayAudit, list[AuditRecord | RepeatedDecisions]]:
     written: list[AuditRecord | RepeatedDecisions] = []
-    audit = GatewayAudit(written.append, SANDBOXES, notices)
-    audit.live = LivePolicy(POLICY, SandboxRegistry(SANDBOXES))
+    audit = GatewayAudit(written.append, SANDBOXES, notices, live=LivePolicy(POLICY, SandboxRegistry(SANDBOXES)))
     return audit, written
 
 

@@ -19,10 +19,11 @@ from pathlib import Path
 
 import pytest
 
-from airlock import gateway as gateway_module
-from airlock.brokerconfig import SecretSource
 from airlock.cli.common import default_policy_path
-from airlock.gateway import Gateway, GatewayConfig, GatewayError
+from airlock.gateway import Gateway, GatewayError, proxy_runtime
+from airlock.gateway import core as gateway_module
+from airlock.gateway.config import GatewayConfig
+from airlock.inspection.secrets import SecretSource
 from airlock.policy import PolicyError, Sandbox, load_policy, parse_policy
 from airlock.sandbox.fence import GATEWAY_SOCKET_MARK
 
@@ -36,7 +37,8 @@ def test_what_airlock_run_imports_before_the_sandbox_exists_holds_no_mitmproxy_a
     loaded = "sorted({m for m in sys.modules if m.startswith(('mitmproxy', 'airlock.proxy', 'aiohttp'))} & WANTED)"
     probe = (
         "import sys\nimport airlock.cli.run\nWANTED = {'mitmproxy', 'airlock.proxy.addon', 'aiohttp'}\n"
-        f"print({loaded})\nfrom airlock import gateway\ngateway.preload_proxy().result(60)\nprint({loaded})"
+        f"print({loaded})\nfrom airlock.gateway import core as gateway\n"
+        f"gateway.preload_proxy().result(60)\nprint({loaded})"
     )
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
     assert out.splitlines() == ["[]", "['aiohttp', 'airlock.proxy.addon', 'mitmproxy']"]
@@ -44,14 +46,14 @@ def test_what_airlock_run_imports_before_the_sandbox_exists_holds_no_mitmproxy_a
 
 def test_what_airlock_run_imports_before_the_sandbox_exists_holds_none_of_the_gateways_machinery() -> None:
     """The gateway (its DNS server, audit, admin listener) is imported by preload_proxy's thread while the namespace
-    is built, before aiohttp and mitmproxy: the command line needs its settings alone (`airlock.gatewayconfig`)."""
-    loaded = "sorted({'airlock.gateway', 'airlock.dns.server', 'airlock.audit'} & sys.modules.keys())"
+    is built, before aiohttp and mitmproxy: the command line needs its settings alone (`airlock.gateway.config`)."""
+    loaded = "sorted({'airlock.gateway.core', 'airlock.dns.server', 'airlock.audit'} & sys.modules.keys())"
     probe = (
-        f"import sys\nimport airlock.cli.run\nprint({loaded})\nfrom airlock import preload\n"
+        f"import sys\nimport airlock.cli.run\nprint({loaded})\nfrom airlock.gateway.startup import preload\n"
         f"preload.preload_admin().result(60)\nprint({loaded})\npreload.preload_proxy().result(60)"
     )
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
-    assert out.splitlines() == ["[]", "['airlock.audit', 'airlock.dns.server', 'airlock.gateway']"]
+    assert out.splitlines() == ["[]", "['airlock.audit', 'airlock.dns.server', 'airlock.gateway.core']"]
 
 
 @pytest.fixture
@@ -72,14 +74,14 @@ def ports(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """The port of each proxy socket the gateway opens (explicit, then transparent), as it opens it: each on a port
     of the kernel's choosing."""
     opened: list[int] = []
-    listen = gateway_module._listen
+    listen = proxy_runtime._listen
 
     def recorded(host: str, port: int) -> socket.socket:
         listener = listen(host, 0)
         opened.append(listener.getsockname()[1])
         return listener
 
-    monkeypatch.setattr(gateway_module, "_listen", recorded)
+    monkeypatch.setattr(proxy_runtime, "_listen", recorded)
     return opened
 
 
@@ -105,6 +107,10 @@ async def _reply(port: int, meanwhile: Callable[[], Awaitable[None]]) -> bytes:
         return await asyncio.wait_for(reader.read(4096), 10)
     finally:
         writer.close()
+
+
+def test_a_gateway_not_started_is_not_ready(config: GatewayConfig) -> None:
+    assert Gateway(config).readiness()["policy"] == "no policy in force"
 
 
 async def test_a_client_that_comes_while_mitmproxy_loads_waits_and_is_decided_by_the_addon(
@@ -170,14 +176,15 @@ async def test_a_gateway_stopped_before_its_proxy_served_leaves_its_port_closed(
 # ends at once without finalizing.
 EXIT_WHILE_LOADING = """
 import atexit, sys
-from airlock import preload
+from airlock.gateway.startup import preload
 preload.preload_proxy()
 atexit.register(lambda: print("import done at exit:", not preload.proxy_loading(), flush=True))
 """
 
 CLI_EXIT_WHILE_LOADING = """
 import atexit, sys
-from airlock import cli, preload
+from airlock import cli
+from airlock.gateway.startup import preload
 
 def command(argv):
     preload.preload_proxy()
@@ -253,7 +260,7 @@ async def test_status_readiness_and_metrics_answer_while_mitmproxy_loads(
 
 START_WITHOUT_THE_IMPORTS = """
 import asyncio, concurrent.futures, dataclasses, ipaddress, sys
-from airlock import gateway
+from airlock.gateway import core as gateway
 from airlock.cli.common import default_policy_path
 from airlock.policy import Sandbox, load_policy
 
@@ -382,6 +389,24 @@ def _free_ports(count: int) -> list[int]:
     return ports
 
 
+async def test_each_part_is_handed_its_providers_when_it_is_built_and_stays_as_built(config: GatewayConfig) -> None:
+    """Approvals and timings reach the DNS server, the resolver and the proxy's addon as each is made, from the one
+    set of parts (frozen: nothing is put into a part later, whichever starts first)."""
+    [dns_port] = _free_ports(1)
+    gateway = Gateway(dataclasses.replace(config, dns_port=dns_port))
+    parts = gateway.parts
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        parts.dns = None  # type: ignore[misc]
+    assert parts.dns is not None and parts.dns.resolver.approvals is parts.approvals
+    assert parts.resolver.timed == parts.metrics.resolved
+    await gateway.start()
+    try:
+        assert gateway.shared is not None and gateway.shared.approvals is parts.approvals
+        assert gateway.shared.live is parts.live and parts.dns.live is parts.live
+    finally:
+        await gateway.stop()
+
+
 async def test_both_proxy_listeners_carry_the_fences_mark_before_mitmproxy_serves(
     privileged: None, config: GatewayConfig, held_import: concurrent.futures.Future[None]
 ) -> None:
@@ -394,7 +419,7 @@ async def test_both_proxy_listeners_carry_the_fences_mark_before_mitmproxy_serve
         assert gateway.airlock is None
         marks = {
             sock.getsockname()[1]: sock.getsockopt(socket.SOL_SOCKET, socket.SO_MARK)
-            for sock in gateway._listeners.values()
+            for sock in gateway.parts.proxy.listeners.values()
         }
         assert marks == {proxy_port: GATEWAY_SOCKET_MARK, transparent_port: GATEWAY_SOCKET_MARK}
     finally:
@@ -461,7 +486,7 @@ async def test_a_reload_refused_for_a_missing_profile_leaves_the_inspection_as_i
 
 def test_the_proxys_accepted_connections_have_nagle_off() -> None:
     """A response written as head then body must not wait 40 ms for the client's delayed ACK (bench/run.py)."""
-    listener = gateway_module._listen(LOCALHOST, 0)
+    listener = proxy_runtime._listen(LOCALHOST, 0)
     with listener, socket.create_connection(listener.getsockname()[:2]):
         accepted, _ = listener.accept()
         with accepted:

@@ -45,7 +45,7 @@ profiles:
 def inspecting() -> Gateway:
     zone = ZONE | {"api.allowed.test": answer("203.0.113.30"), "open.allowed.test": answer("203.0.113.31")}
     gw = gateway(zone, policy=POLICY)
-    gw.shared.credentials = Credentials.of({"model_api": SECRET})
+    gw.shared.inject({"model_api": SECRET})
     return gw
 
 

@@ -9,12 +9,13 @@ from pathlib import Path
 
 import pytest
 
-from airlock.brokerconfig import BrokerConfig, SecretSource, parse_secret
-from airlock.gateway import Gateway, GatewayConfig, GatewayError
+from airlock.gateway import Gateway, GatewayError
+from airlock.gateway.config import BrokerConfig, GatewayConfig, parse_secret
 from airlock.inspection import InspectionError
 from airlock.inspection.secrets import (
     MAX_SECRET,
     PlaceholderEnv,
+    SecretSource,
     SecretValues,
     parse_placeholder_env,
     placeholder,
@@ -117,7 +118,7 @@ def test_the_gateway_reads_its_secrets_once_with_the_same_reader_before_anything
     secret.write_text(TOKEN + "\n")
     gateway = Gateway(config)
     secret.write_text("replaced-later\n")
-    assert dict(gateway.secrets) == {"T": TOKEN}
+    assert dict(gateway.parts.secrets) == {"T": TOKEN}
 
 
 def test_placeholders() -> None:

@@ -12,9 +12,11 @@ import textwrap
 import pytest
 
 from airlock.audit import AuditRecord, AuditThrottle
-from airlock.gateway import GatewayError, connection_caps, raise_open_file_limit
+from airlock.gateway import GatewayError
 
 # (id, open files, sandboxes, --max-connections, --max-tunnels, expected (total, per sandbox, tunnels), notes)
+from airlock.gateway.capacity import connection_caps, raise_open_file_limit
+
 CAPS = [
     ("default-linux-hard-limit", 524288, 1, None, None, (261984, 4096, 3584), 0),
     ("this-machine", 20000, 1, None, None, (9840, 4096, 3584), 0),
@@ -75,7 +77,7 @@ SHORTAGE = textwrap.dedent(
     """
     import asyncio, resource, socket, sys, time
     from asyncio import constants
-    from airlock.gateway import _one_retry_per_shortage
+    from airlock.gateway.accept_guard import one_retry_per_shortage
     constants.ACCEPT_RETRY_DELAY = 0.25
     resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64))
     held = []
@@ -85,7 +87,7 @@ SHORTAGE = textwrap.dedent(
         loop = asyncio.get_running_loop()
         loop.set_exception_handler(lambda loop, context: failures.append(context["message"]))
         if sys.argv[1] == "fixed":
-            _one_retry_per_shortage(loop)
+            one_retry_per_shortage(loop)
         server = await asyncio.start_server(lambda r, w: held.append(w), "127.0.0.1", 0)
         port = server.sockets[0].getsockname()[1]
         clients = []  # in this process too: each client and its accepted end take one descriptor each

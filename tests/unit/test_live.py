@@ -1,6 +1,6 @@
-"""The live policy (policy/live.py): one snapshot of policy, sandbox registry and the gateway's own addresses,
-swapped whole on reload; and the gateway's own addresses as the kernel sees them (airlock/live.py): binding only,
-nothing is sent anywhere."""
+"""The live policy (policy/live.py): one snapshot of policy, sandbox registry and the gateway's own addresses, swapped
+whole on reload; and the gateway's own addresses as the kernel sees them (airlock/gateway/own_addresses.py): binding
+only, nothing is sent anywhere."""
 
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from airlock import live as live_module
-from airlock.live import GatewayAddresses
+from airlock.gateway import own_addresses as live_module
+from airlock.gateway.own_addresses import GatewayAddresses
 from airlock.policy import KnownAddresses, LivePolicy, PolicyError, Sandbox, SandboxRegistry, parse_policy
 
 SANDBOX = Sandbox("sbx", "build", ipaddress.ip_network("10.231.0.0/30"))

@@ -1,4 +1,4 @@
-"""The gateway's metrics (airlock/metrics.py): what each audit line, timing and piece of state adds to the
+"""The gateway's metrics (airlock/gateway/metrics.py): what each audit line, timing and piece of state adds to the
 exposition, read back with prometheus-client's own text parser; the label bounds; /healthz and /readyz."""
 
 from __future__ import annotations
@@ -16,8 +16,9 @@ from prometheus_client import REGISTRY, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from airlock.audit import AuditLog, AuditRecord, RepeatedDecisions
-from airlock.auditing import GatewayAudit
-from airlock.metrics import LABEL_BOUNDS, OTHER, GatewayMetrics
+from airlock.gateway.auditing import GatewayAudit
+from airlock.gateway.metrics import LABEL_BOUNDS, OTHER, GatewayMetrics
+from airlock.gateway.metrics_endpoint import MetricsEndpoint, ScrapedState
 from airlock.policy import LivePolicy, ReasonCode, Sandbox, SandboxRegistry, parse_policy
 
 POLICY = parse_policy("version: 1\nprofiles:\n  default: {}\n  strict: {}\n", "p.yaml")
@@ -44,8 +45,9 @@ def value(found: Samples, name: str, **labels: str) -> float | None:
 
 def audited() -> tuple[GatewayMetrics, GatewayAudit]:
     metrics = GatewayMetrics()
-    audit = GatewayAudit(lambda record: None, SANDBOXES, observe=metrics.observe)
-    audit.live = LivePolicy(POLICY, SandboxRegistry(SANDBOXES))
+    audit = GatewayAudit(
+        lambda record: None, SANDBOXES, observe=metrics.observe, live=LivePolicy(POLICY, SandboxRegistry(SANDBOXES))
+    )
     return metrics, audit
 
 
@@ -143,7 +145,7 @@ def test_a_label_past_its_bound_counts_as_other() -> None:
 
 COUNT_THEN_SCRAPE = """
 import sys
-from airlock.metrics import GatewayMetrics
+from airlock.gateway.metrics import GatewayMetrics
 metrics = GatewayMetrics()
 metrics.decided(0.001)
 metrics.resolved("ok", 0.01)
@@ -174,12 +176,13 @@ def samples_of_default() -> Samples:
 
 
 def test_open_tunnels_connections_and_the_audit_queue_are_read_when_scraped(tmp_path: Path) -> None:
-    metrics = GatewayMetrics()
     log = AuditLog("/dev/full")  # every write fails: no space left
     tunnels, connections, upstreams = {"sbx": 2}, {"sbx": 3}, {"sbx": 1}
-    metrics.watch(
-        lambda: ["sbx", "idle"], tunnels, connections, upstreams, log, {"rate_limited": 4, "rcode_NOERROR": 9}
-    )
+    state = ScrapedState(
+        lambda: ["sbx", "idle"], lambda: tunnels, lambda: connections, lambda: upstreams, log,
+        {"rate_limited": 4, "rcode_NOERROR": 9},
+    )  # fmt: skip
+    metrics = MetricsEndpoint(GatewayMetrics(), state, dict)
     found = samples(metrics)
     assert value(found, "airlock_open_tunnels", sandbox="sbx") == 2
     assert value(found, "airlock_open_tunnels", sandbox="idle") == 0  # every sandbox served has its series
@@ -218,7 +221,13 @@ async def test_the_proxy_tells_how_long_judging_and_connecting_took() -> None:
     assert value(found, "airlock_upstream_connect_failures_total") == 1
 
 
-async def _get(metrics: GatewayMetrics, path: str) -> tuple[int, str, str]:
+def _endpoint(checks: dict[str, str | None]) -> MetricsEndpoint:
+    """The endpoints of fresh metrics, ready as `checks` say (as they say at each request)."""
+    state = ScrapedState(list, dict, dict, dict, AuditLog(None), {})
+    return MetricsEndpoint(GatewayMetrics(), state, lambda: checks)
+
+
+async def _get(metrics: MetricsEndpoint, path: str) -> tuple[int, str, str]:
     app = web.Application()
     app.add_routes(metrics.routes())
     async with TestClient(TestServer(app)) as http:
@@ -227,18 +236,14 @@ async def _get(metrics: GatewayMetrics, path: str) -> tuple[int, str, str]:
 
 
 async def test_healthz_readyz_and_metrics_are_served() -> None:
-    metrics = GatewayMetrics()
-    metrics.readiness = lambda: {"policy": None, "audit": None}
+    checks: dict[str, str | None] = {"policy": None, "audit": None}
+    metrics = _endpoint(checks)
     assert (await _get(metrics, "/healthz"))[0] == 200
     status, _, body = await _get(metrics, "/readyz")
     assert (status, body) == (200, '{"ready": true, "problems": {}}')
-    metrics.readiness = lambda: {"policy": None, "audit": "the audit log cannot be written: No space left on device"}
+    checks["audit"] = "the audit log cannot be written: No space left on device"
     status, _, body = await _get(metrics, "/readyz")
     assert status == 503 and '"audit": "the audit log cannot be written: No space left on device"' in body
     status, content_type, body = await _get(metrics, "/metrics")
     assert status == 200 and content_type.startswith("text/plain")
     assert "airlock_decisions_total" in {family.name + "_total" for family in text_string_to_metric_families(body)}
-
-
-async def test_readyz_before_the_gateway_started_is_503() -> None:
-    assert (await _get(GatewayMetrics(), "/readyz"))[0] == 503

@@ -15,11 +15,11 @@ from pathlib import Path
 import pytest
 
 import airlock.configs
-from airlock.brokerconfig import BrokerConfig
 from airlock.cli import build_parser
 from airlock.cli.common import default_policy_path
 from airlock.cli.run import run_config
-from airlock.gateway import GatewayConfig, GatewayError
+from airlock.gateway import GatewayError
+from airlock.gateway.config import BrokerConfig, GatewayConfig
 from airlock.policy import load_policy, parse_policy
 from airlock.sandbox import netns, netns_launch
 from airlock.sandbox.netns import SYSTEM_TRUST_BUNDLE, SandboxError

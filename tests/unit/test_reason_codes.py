@@ -20,12 +20,12 @@ from mitmproxy.proxy import events, layer
 from mitmproxy.proxy.context import Context
 from mitmproxy.test import tflow, tutils
 
-from airlock.approvals import Approvals
 from airlock.audit import AuditRecord
-from airlock.auditing import GatewayAudit
 from airlock.dns.admission import DnsSettings
 from airlock.dns.resolver import Handler, PolicyResolver
 from airlock.dns.upstream import Answer, NameNotFound, ResolveError
+from airlock.gateway.approvals import Approvals
+from airlock.gateway.auditing import GatewayAudit
 from airlock.policy import (
     KnownAddresses,
     LivePolicy,
@@ -199,12 +199,19 @@ async def _bad_upstream_certificate() -> str:
 class Proxy:
     """The addon's hooks over a fake resolver; what they audit is in `audit`."""
 
-    def __init__(self, resolver: FakeResolver | None = None, policy: Policy = POLICY, **settings: int) -> None:
+    def __init__(
+        self,
+        resolver: FakeResolver | None = None,
+        policy: Policy = POLICY,
+        approvals: Callable[[Callable[[AuditRecord], None]], Approvals] | None = None,
+        **settings: int,
+    ) -> None:
         self.audit: list[AuditRecord] = []
+        self.approvals = approvals(self.audit.append) if approvals is not None else None
         gateway = GatewaySettings(**settings)
         resolver = resolver or FakeResolver()
         live = LivePolicy(policy, SandboxRegistry([SANDBOX]), KnownAddresses(frozenset({OWN})))
-        airlock = build_addon(live, resolver, self.audit.append, gateway)
+        airlock = build_addon(live, resolver, self.audit.append, gateway, approvals=self.approvals)
         self.shared, self.identity, self.http, self.tunnels = (
             airlock.shared,
             airlock.identity,
@@ -401,8 +408,9 @@ type Answering = Callable[[Approvals, str], Awaitable[object]]
 
 async def _held(answer: Answering, timeout: float = 60, **table: int) -> str:
     """The code of a proxy request for an unlisted host, once `answer` has answered its pending approval."""
-    gateway = Proxy(policy=_asking(timeout))
-    approvals = gateway.shared.approvals = Approvals(gateway.audit.append, table=PendingTable(**table))
+    gateway = Proxy(policy=_asking(timeout), approvals=lambda emit: Approvals(emit, table=PendingTable(**table)))
+    approvals = gateway.approvals
+    assert approvals is not None
     request = asyncio.ensure_future(gateway.shared.evaluate(SANDBOX, "new.test", 443))
     while not request.done() and not approvals.table.pending():
         await asyncio.sleep(0)
@@ -433,8 +441,10 @@ produces(ReasonCode.APPROVAL_LIMIT)(lambda: _held(_no_answer, per_sandbox=0))
 async def _dns_held() -> str:
     audit: list[AuditRecord] = []
     live = LivePolicy(_asking(), SandboxRegistry([SANDBOX]))
-    resolver = PolicyResolver(live, FakeResolver(), audit.append, DnsSettings(approval_hold=0.01))
-    resolver.approvals = approvals = Approvals(audit.append)
+    approvals = Approvals(audit.append)
+    resolver = PolicyResolver(
+        live, FakeResolver(), audit.append, DnsSettings(approval_hold=0.01), approvals=approvals
+    )  # fmt: skip
     await resolver.resolve(DNSRecord.question("new.test"), Handler("127.0.0.1", "udp", SANDBOX))
     await approvals.close()
     [record] = audit

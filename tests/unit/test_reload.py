@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from airlock import reload as reload_module
+from airlock.gateway import reload as reload_module
+from airlock.gateway.reload import PolicyReloader
+from airlock.gateway.startup.switching import PROMPT_SWITCH_INTERVAL
 from airlock.policy import Policy, PolicyError, load_policy, parse_policy
-from airlock.reload import PolicyReloader
-from airlock.switching import PROMPT_SWITCH_INTERVAL
 
 GOOD = "version: 1\nprofiles:\n  default:\n    allow:\n      - host: pypi.org\n"
 RUNNING = parse_policy(GOOD.replace("pypi.org", "running.test"), "running.yaml")

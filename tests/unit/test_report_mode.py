@@ -27,7 +27,7 @@ from airlock.cli import main
 from airlock.dns.admission import DnsSettings
 from airlock.dns.resolver import Handler, PolicyResolver
 from airlock.dns.upstream import Answer
-from airlock.metrics import GatewayMetrics
+from airlock.gateway.metrics import GatewayMetrics
 from airlock.policy import (
     KnownAddresses,
     LivePolicy,

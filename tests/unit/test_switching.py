@@ -8,7 +8,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from airlock.switching import PROMPT_SWITCH_INTERVAL, prompt_switching
+from airlock.gateway.startup.switching import PROMPT_SWITCH_INTERVAL, prompt_switching
 
 
 @pytest.fixture

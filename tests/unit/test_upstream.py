@@ -735,7 +735,7 @@ def test_no_servers_refused() -> None:
 
 async def test_each_upstream_resolution_is_timed_with_its_result(resolver: Resolver, zone: Zone) -> None:
     timed: list[tuple[str, float]] = []
-    resolver.timed = lambda result, seconds: timed.append((result, seconds))
+    resolver = Resolver(resolver.config, timed=lambda result, seconds: timed.append((result, seconds)))
     await resolver.query("a.test", QTYPE.A)
     await resolver.query("a.test", QTYPE.A)  # cached: nothing asked, nothing timed
     with pytest.raises(NameNotFound):

@@ -1,11 +1,12 @@
-"""The gateway's Prometheus metrics and its health endpoints (`/metrics`, `/healthz`, `/readyz`).
+"""The gateway's Prometheus metrics: the counters and durations of what it does (its health endpoints and the state
+read at a scrape: `airlock.gateway.metrics_endpoint`).
 
 What is counted comes from three places, each as cheap as it can be:
 - the one audit path: `GatewayMetrics.observe` is called by `GatewayAudit.emit` for every audit line (decisions,
   bytes, DNS rcodes, broker calls and token failures, policy reloads) — one call and a few dict lookups a line;
 - the timings the proxy and the resolver hand over (`decided`, `connected`, `connect_failed`, `resolved`);
 - state the gateway keeps anyway (open tunnels and connections, the audit queue, DNS drops), read only when
-  `/metrics` is scraped.
+  `/metrics` is scraped (`airlock.gateway.metrics_endpoint`).
 
 The registry is the gateway's own, never prometheus-client's process-wide default: what is served is what is listed
 here. Cardinality is bounded: each label takes its values from a closed set (kinds, decisions, reason codes,
@@ -23,19 +24,16 @@ import bisect
 import itertools
 import json
 from collections import Counter as Tally
-from collections.abc import Callable, Iterable, Iterator, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 from airlock.audit import AuditRecord, RepeatedDecisions
 from airlock.policy import ReasonCode
 
 if TYPE_CHECKING:
-    from aiohttp import web
     from prometheus_client import CollectorRegistry
     from prometheus_client.core import Metric
 
-    from airlock.audit import AuditLog
 
 OTHER = "other"  # the label value of whatever comes past a label's bound
 LABEL_BOUNDS = {
@@ -52,10 +50,8 @@ TOKEN_FAILURES = frozenset(
 FAST_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 SLOW_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
-type Checks = Callable[[], Mapping[str, str | None]]  # readiness check → what is wrong, or None
 
-
-class _Bounded:
+class Bounded:
     """One label's values: the first `limit` distinct ones as they are, any later one as OTHER."""
 
     def __init__(self, limit: int) -> None:
@@ -109,9 +105,10 @@ class _Family[Child: (_Count, _Durations)]:
     (one dict lookup), served as a prometheus-client metric family (a collector: it has `collect`)."""
 
     def __init__(
-        self, name: str, doc: str, labels: tuple[str, ...], bounds: Mapping[str, _Bounded], new: Callable[[], Child]
+        self, name: str, doc: str, labels: tuple[str, ...], bounds: Mapping[str, Bounded], new: Callable[[], Child]
     ) -> None:
-        self.name, self.doc, self.labels, self._new = name, doc, list(labels), new
+        self.name, self.doc, self.labels = name, doc, list(labels)
+        self._new: Callable[[], Child] = new
         self._bounds = [bounds[label] for label in labels]
         self._children: dict[tuple[object, ...], Child] = {}  # by the raw label values
         self._bounded: dict[tuple[str, ...], Child] = {}  # by the label values served
@@ -134,33 +131,34 @@ class _Family[Child: (_Count, _Durations)]:
         if self._new is _Count:
             counters = CounterMetricFamily(self.name, self.doc, labels=self.labels)
             for key, count in children:
-                counters.add_metric(key, count.value)  # type: ignore[union-attr]
+                assert isinstance(count, _Count)
+                counters.add_metric(key, count.value)
             yield counters
             return
         histograms = HistogramMetricFamily(self.name, self.doc, labels=self.labels)
         for key, durations in children:
-            histograms.add_metric(key, durations.cumulative(), durations.sum)  # type: ignore[union-attr]
+            assert isinstance(durations, _Durations)
+            histograms.add_metric(key, durations.cumulative(), durations.sum)
         yield histograms
 
 
 class GatewayMetrics:
-    """The gateway's registry, the observers that fill it, and the aiohttp handlers that serve it."""
+    """The gateway's counters and durations, and the observers that fill them."""
 
     def __init__(self) -> None:
-        self._bounds = {name: _Bounded(limit) for name, limit in LABEL_BOUNDS.items()}
-        self.readiness: Checks = lambda: {"gateway": "not started"}
-        self._state = _StateCollector(self._bounds["sandbox"])
-        self._collectors: list[_StateCollector | _Family[Any]] = [self._state]  # the registry's, in this order
+        self._bounds = {name: Bounded(limit) for name, limit in LABEL_BOUNDS.items()}
+        self.sandbox_label = self._bounds["sandbox"]  # the sandbox label's values, for the state read at a scrape
+        self.families: list[_Family[Any]] = []  # the registry's, in this order
         self._registry: CollectorRegistry | None = None  # made at the first scrape
 
         def counter(name: str, doc: str, *labels: str) -> _Family[_Count]:
             family = _Family(name, doc, labels, self._bounds, _Count)
-            self._collectors.append(family)
+            self.families.append(family)
             return family
 
         def histogram(name: str, doc: str, buckets: tuple[float, ...], *labels: str) -> _Family[_Durations]:
             family = _Family(name, doc, labels, self._bounds, lambda: _Durations(buckets))
-            self._collectors.append(family)
+            self.families.append(family)
             return family
 
         self._decisions = counter(
@@ -254,19 +252,6 @@ class GatewayMetrics:
         """The shared resolver asked upstream: `result` is ok, nxdomain or error."""
         self._resolve(result).observe(seconds)
 
-    def watch(
-        self,
-        sandboxes: Callable[[], Iterable[str]],
-        tunnels: Mapping[str, int],
-        connections: Mapping[str, int],
-        upstreams: Mapping[str, int],
-        audit: AuditLog,
-        dns_stats: Mapping[str, int] | None = None,
-    ) -> None:
-        """What is read at scrape time: the sandbox ids served, the proxy's open tunnels, client and upstream
-        connections per sandbox (the proxy's own counters), the audit log, the DNS server's drop counters."""
-        self._state.sources = _Sources(sandboxes, tunnels, connections, upstreams, audit, dns_stats or {})
-
     def exposition(self) -> bytes:
         """The registry in Prometheus's text format."""
         from prometheus_client import generate_latest
@@ -279,100 +264,7 @@ class GatewayMetrics:
             from prometheus_client import CollectorRegistry
 
             registry = CollectorRegistry()
-            for collector in self._collectors:
+            for collector in self.families:
                 registry.register(collector)
             self._registry = registry
         return self._registry
-
-    # --- aiohttp handlers ---------------------------------------------------------------------------------------
-
-    async def metrics(self, request: web.Request) -> web.Response:
-        from aiohttp import web
-        from prometheus_client import CONTENT_TYPE_LATEST
-
-        return web.Response(body=self.exposition(), headers={"Content-Type": CONTENT_TYPE_LATEST})
-
-    async def healthz(self, request: web.Request) -> web.Response:
-        """The process is alive: its event loop answers."""
-        from aiohttp import web
-
-        return web.json_response({"alive": True})
-
-    async def readyz(self, request: web.Request) -> web.Response:
-        """Ready to serve: 200 when every check passes, else 503 naming what is wrong."""
-        from aiohttp import web
-
-        problems = {check: problem for check, problem in self.readiness().items() if problem is not None}
-        return web.json_response({"ready": not problems, "problems": problems}, status=503 if problems else 200)
-
-    def routes(self) -> list[web.RouteDef]:
-        """The three GET routes, for any aiohttp app: `app.add_routes(metrics.routes())`."""
-        from aiohttp import web
-
-        return [
-            web.get("/metrics", self.metrics, allow_head=False),
-            web.get("/healthz", self.healthz, allow_head=False),
-            web.get("/readyz", self.readyz, allow_head=False),
-        ]
-
-
-@dataclass(frozen=True, slots=True)
-class _Sources:
-    sandboxes: Callable[[], Iterable[str]]
-    tunnels: Mapping[str, int]
-    connections: Mapping[str, int]
-    upstreams: Mapping[str, int]
-    audit: AuditLog
-    dns_stats: Mapping[str, int]
-
-
-class _StateCollector:
-    """Gauges and counters read from the gateway's own state when scraped: nothing on the hot path (a
-    prometheus-client collector: it has `collect`)."""
-
-    def __init__(self, sandbox: _Bounded) -> None:
-        self.sources: _Sources | None = None
-        self._sandbox = sandbox
-
-    def collect(self) -> Iterator[Metric]:
-        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-
-        sources = self.sources
-        if sources is None:
-            return
-        ids = list(dict.fromkeys([*sources.sandboxes(), *sources.tunnels, *sources.connections]))
-        tunnels = GaugeMetricFamily("airlock_open_tunnels", "Open CONNECT tunnels", labels=["sandbox"])
-        connections = GaugeMetricFamily(
-            "airlock_open_connections", "Open proxy connections: the sandbox's and upstream", labels=["sandbox", "side"]
-        )
-        totals: Tally[tuple[str, ...]] = Tally()
-        for sandbox_id in ids:
-            label = self._sandbox(sandbox_id)
-            totals[("t", label)] += sources.tunnels.get(sandbox_id, 0)
-            totals[("c", label, "client")] += sources.connections.get(sandbox_id, 0)
-            totals[("c", label, "upstream")] += sources.upstreams.get(sandbox_id, 0)
-        for (family, *labels), value in totals.items():
-            (tunnels if family == "t" else connections).add_metric(labels, value)
-        yield tunnels
-        yield connections
-        yield from _audit_metrics(sources.audit)
-        dropped = CounterMetricFamily("airlock_dns_dropped", "DNS queries dropped unanswered", labels=["reason"])
-        for reason, count in sorted(sources.dns_stats.items()):
-            if not reason.startswith("rcode_"):  # answered queries: airlock_dns_queries_total
-                dropped.add_metric([reason], count)
-        yield dropped
-
-
-def _audit_metrics(audit: AuditLog) -> Iterator[Metric]:
-    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-
-    yield GaugeMetricFamily("airlock_audit_writable", "1 while the audit log can be written", audit.failure is None)
-    yield GaugeMetricFamily("airlock_audit_pending_lines", "Audit lines before the next write", audit.pending_lines)
-    yield GaugeMetricFamily(
-        "airlock_audit_waiting_bytes", "Audit bytes a failed write left waiting", audit.waiting_bytes
-    )
-    yield GaugeMetricFamily(
-        "airlock_audit_lag_seconds", "How long the oldest unwritten audit line has waited (at most)", audit.lag()
-    )
-    yield CounterMetricFamily("airlock_audit_write_errors", "Audit writes that failed", audit.write_errors)
-    yield CounterMetricFamily("airlock_audit_lines_lost", "Audit lines dropped: too many waited", audit.lines_lost)

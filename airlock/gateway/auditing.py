@@ -27,10 +27,11 @@ class GatewayAudit:
         sandboxes: Iterable[Sandbox],
         notices: DenialNotices | None = None,
         observe: Callable[[AuditRecord | RepeatedDecisions], None] | None = None,
+        live: LivePolicy | None = None,
     ) -> None:
         self.write, self.notices = write, notices
         self.observe = observe  # the gateway's metrics: each line counted as it is written
-        self.live: LivePolicy | None = None  # set once the gateway starts: its policy hash stamps every line
+        self.live = live  # the policy in force, whose hash stamps every line
         self._profiles = {sandbox.id: sandbox.profile for sandbox in sandboxes}
         self._decisions: Counter[tuple[str, str]] = Counter()  # (kind, decision) of every line written
 

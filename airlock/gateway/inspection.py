@@ -7,6 +7,9 @@ whole set; older generations stay (signing the hosts they permit) for as long as
 gets a trust bundle of its own — the system's CAs plus every generation so far — for the sandboxes started from then
 on. A leaf comes from the oldest generation that permits its host, so a sandbox started before a reload still
 reaches the hosts inspected at its start; a host a later reload added needs a sandbox started after it.
+
+Every gateway has one; the CA code (cryptography, mitmproxy's certificates) is imported with the first CA, so a
+gateway whose policy inspects nothing imports none of it.
 """
 
 from __future__ import annotations
@@ -15,12 +18,15 @@ import functools
 import logging
 from collections.abc import Mapping
 from pathlib import Path, PurePosixPath
+from typing import TYPE_CHECKING
 
-from mitmproxy import certs
-
-from airlock.inspection.ca import GatewayCA
 from airlock.inspection.trust import SANDBOX_BUNDLE, trust_env, write_trust_bundle
 from airlock.policy import Policy
+
+if TYPE_CHECKING:
+    from mitmproxy import certs
+
+    from airlock.inspection.ca import GatewayCA
 
 log = logging.getLogger("airlock.gateway")
 
@@ -50,6 +56,8 @@ class Inspector:
         hosts = policy.inspected_hosts()
         if not hosts or all(any(ca.permits(host) for ca in self.generations) for host in hosts):
             return
+        from airlock.inspection.ca import GatewayCA
+
         self.generations.append(GatewayCA.create(self._directory / str(len(self.generations) + 1), hosts))
         self.bundle = write_trust_bundle(self._directory / "trust", [ca.cert_pem for ca in self.generations])
         log.info("gateway CA %d made for %d inspected hosts", len(self.generations), len(hosts))

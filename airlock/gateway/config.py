@@ -1,34 +1,30 @@
-"""What the gateway's broker is told to be: its port, where its GitHub credential comes from.
-
-Apart from `airlock.brokerd` (which runs the broker, with the GitHub client and the token code) so that a gateway
-without a broker imports none of that. The gateway's admin address is read here for the listener and its clients
-alike."""
+"""The gateway's settings (`GatewayConfig`, its broker's `BrokerConfig`) and the addresses the gateway and its
+clients name alike (the admin listener's, the broker's). What a command line or a launcher builds before a sandbox
+exists imports none of the gateway's machinery (DNS server, audit, admin listener), which
+`airlock.gateway.startup.preload` loads in a thread while the sandbox is built; a gateway without a broker imports
+none of the broker (`airlock.gateway.broker_runtime` runs it)."""
 
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING
 
+from airlock.dns.upstream import Server
 from airlock.errors import AirlockError
+from airlock.inspection.secrets import SECRET_NAME, SecretSource
+from airlock.policy import Policy, Sandbox
+
+if TYPE_CHECKING:
+    from airlock.sandbox.reach import Reach
 
 LOOPBACK_NAMES = ("127.0.0.1", "::1", "localhost")
 _PORT = re.compile(r"[0-9]{1,5}")
-SECRET_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}")  # policy.tools.SECRET_NAME, without importing the policy
 
 
 class BrokerConfigError(AirlockError, ValueError):
     pass
-
-
-@dataclass(frozen=True)
-class SecretSource:
-    """`--secret NAME=file:PATH|env:VAR`: where the gateway reads a secret that declared tools name."""
-
-    name: str
-    kind: Literal["file", "env"]
-    where: str  # an absolute path, or a variable's name
 
 
 def parse_secret(spec: str) -> SecretSource:
@@ -41,6 +37,8 @@ def parse_secret(spec: str) -> SecretSource:
 
 @dataclass
 class BrokerConfig:
+    """What the gateway's broker is told to be: its port, where its GitHub credential comes from."""
+
     port: int = 8080  # sandbox-facing, on the gateway's sandbox address; 0: no broker
     call_log: str | None = None  # the directory of the record of brokered calls; default <state>/calls
     github_api: str = "https://api.github.com"
@@ -56,6 +54,39 @@ class BrokerConfig:
     calls_per_minute: int = 30
     max_connections_per_client: int = 32  # open connections to the sandbox-facing listener per source address
     secrets: list[SecretSource] = field(default_factory=list)  # what declared tools may name (policy tools:)
+
+
+@dataclass
+class GatewayConfig:
+    policy: Policy  # the policy to start with; the one in force is `Gateway.live.current.policy`
+    listen: str
+    proxy_port: int = 3128
+    # Connections the fence redirects (clients that ignore the proxy variables); 0: explicit mode only.
+    transparent_port: int = 3129
+    sandboxes: list[Sandbox] = field(default_factory=list)
+    upstream_dns: list[Server] = field(default_factory=list)
+    upstream_ca: str | None = None
+    audit_path: str | None = None
+    audit_stdout: bool = False
+    show_denials: bool = False  # each denial as one line on stderr, as it happens (`airlock run`; rate-limited)
+    tell_reloads: bool = False  # an approval's reload as one line on stderr, as `airlock run` tells edits; else logged
+    connect_timeout: float = 10.0
+    idle_timeout: float = 300.0
+    max_tunnels_per_sandbox: int | None = None  # None: derived from the open-file limit, like the next two
+    max_connections_per_sandbox: int | None = None
+    dns_min_ttl: int = 5
+    dns_port: int = 53  # 0: no DNS server for sandboxes
+    dns_rate: float = 100.0  # queries per second per sandbox
+    close_denied_on_reload: bool = False  # a reload closes the open tunnels the new policy denies
+    state_dir: str | None = None
+    admin: str | None = None  # the admin listener: a unix socket path or 127.0.0.1:PORT; default STATE_DIR/admin.sock
+    broker: BrokerConfig = field(default_factory=BrokerConfig)
+    policy_path: str | None = None  # the file `--scope policy` approvals write into; None: none may
+    approval_webhook: str | None = None  # where each request held for approval is posted (JSON)
+    # What the sandbox may change on the host (`airlock run`'s netns backend): a policy put in force later must
+    # name no file there. None: nothing to judge (docker's sandboxes write no host path; `airlock gateway`'s are
+    # its operator's).
+    sandbox_reach: Reach | None = None
 
 
 def broker_url(listen: str, port: int) -> str:

@@ -66,6 +66,9 @@ class LeafIssuer(Protocol):
 
     def store_entry(self, host: str) -> certs.CertStoreEntry: ...  # a leaf for exactly this host, or raises
 
+    @property
+    def active(self) -> bool: ...  # whether a CA exists yet (a policy in force inspects)
+
 
 class TlsConfig(tlsconfig.TlsConfig):
     """mitmproxy's TLS addon, which signs only with the gateway's own CA, and only for inspected hosts.
@@ -73,19 +76,22 @@ class TlsConfig(tlsconfig.TlsConfig):
     mitmproxy would make (or load) its own unconstrained CA in its confdir as it starts: a quarter of `airlock
     run`'s start-up, for a key that could sign any name. Here no such CA exists: the gateway passes TLS through
     except where a rule says `inspect: true`, and there the leaf is the gateway CA's (`issuer`), for the SNI the
-    tunnel was judged by and nothing else; with no issuer, a TLS session to the sandbox cannot start at all.
+    tunnel was judged by and nothing else; while the issuer has no CA, a TLS session to the sandbox cannot start.
     mitmproxy's revocation-list answer at a magic path is never served either."""
 
     _CA_OPTIONS = frozenset({"certs", "confdir", "key_size", "cert_passphrase", "emudhra", "emudhra_old"})
-    issuer: LeafIssuer | None = None  # set by the gateway when its policy inspects
+
+    def __init__(self, issuer: LeafIssuer | None = None) -> None:
+        super().__init__()
+        self.issuer = issuer  # the gateway's CAs, which exist once a policy in force inspects
 
     def configure(self, updated: set[str] | str) -> None:
         names = {updated} if isinstance(updated, str) else set(updated)  # running() passes a bare "confdir"
         if rest := names - self._CA_OPTIONS:
-            super().configure(rest)
+            super().configure(rest)  # type: ignore[no-untyped-call]  # mitmproxy's addon hooks are untyped
 
     def _store(self) -> certs.CertStore:
-        if self.issuer is None:
+        if self.issuer is None or not self.issuer.active:
             raise RuntimeError("no rule inspects: the gateway has no certificate authority")
         self.certstore = self.issuer.certstore
         return self.certstore

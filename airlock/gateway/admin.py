@@ -10,8 +10,8 @@ route definitions (`web.get(...)`, a `RouteTableDef`), called once aiohttp is im
 aiohttp application's routes at their own paths, each behind that application's middlewares (the broker's admin app
 is mounted this way).
 
-aiohttp takes about a quarter of a second to import, most of a sandbox's start if it waited for it: the gateway
-imports it in a thread while the sandbox is built (`airlock.preload.preload_admin`). So the listener is bound at
+aiohttp takes about a quarter of a second to import, most of a sandbox's start if it waited for it: the gateway imports
+it in a thread while the sandbox is built (`airlock.gateway.startup.preload.preload_admin`). So the listener is bound at
 once (`listen()`: a bad address or a taken port is an error at start, and a client that comes early waits in the
 backlog), and served once aiohttp is in (`serve()`)."""
 
@@ -25,8 +25,8 @@ from collections.abc import Awaitable, Callable, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from airlock.brokerconfig import admin_endpoint
-from airlock.reload import Reloaded
+from airlock.gateway.config import admin_endpoint
+from airlock.gateway.reload import Reloaded
 
 if TYPE_CHECKING:
     from aiohttp import web

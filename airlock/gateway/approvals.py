@@ -1,5 +1,5 @@
-"""Approvals at run time: the futures held requests await, their deadlines, the webhook, the policy file a
-`--scope policy` approval writes, and the admin routes a person answers through.
+"""Approvals at run time: the futures held requests await, their deadlines and the webhook (the policy file a
+`--scope policy` approval writes: `approval_writer`; the admin routes a person answers through: `approval_routes`).
 
 The bookkeeping (what may be asked, the pending table, grants) is the policy core's (policy/approvals.py). Here a
 pending entry has one future, which every request for the same target awaits (shielded: a request that gives up
@@ -11,23 +11,19 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import logging
-import os
-import pwd
 import secrets
 import shlex
-import socket
 import struct
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from airlock.audit import AuditRecord
-from airlock.auditing import tell
-from airlock.errors import AirlockError
-from airlock.policy import Decision, Policy, PolicyError, Sandbox, Snapshot, is_ip, load_policy
+from airlock.gateway.approval_writer import PolicyWriter
+from airlock.gateway.auditing import tell
+from airlock.gateway.errors import ApprovalError
+from airlock.policy import Decision, Sandbox, Snapshot, is_ip
 from airlock.policy.approvals import (
     Full,
     Grant,
@@ -47,19 +43,13 @@ from airlock.policy.approvals import (
 from airlock.runs import airlock_command
 
 if TYPE_CHECKING:
-    from aiohttp import web
+    pass
 
 log = logging.getLogger("airlock.approvals")
 
 WEBHOOK_TIMEOUT = 5.0
 WEBHOOK_IN_FLIGHT = 8  # posts under way at once; beyond, a pending request is not posted (logged)
 _PEERCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
-
-
-class ApprovalError(AirlockError):
-    def __init__(self, status: int, code: str, message: str) -> None:
-        super().__init__(message)
-        self.status, self.code, self.message = status, code, message
 
 
 @dataclass(frozen=True, slots=True)
@@ -276,105 +266,3 @@ class Webhook:
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-
-
-class PolicyWriter:
-    """`--scope policy`: the rule written into the policy file, its comments and layout kept (the round trip of
-    `airlock policy suggest --merge`), the file checked and replaced whole, then put in force."""
-
-    def __init__(self, path: str, reload: Callable[[Policy], None]) -> None:
-        self.path, self.reload = path, reload
-        self._lock = asyncio.Lock()  # one edit of the file at a time
-
-    async def add(self, entry: Pending, by: str) -> str:
-        target, ports = entry.target.rule()
-        when = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-        comment = f"approved by {by} at {when} (approval {entry.id}, sandbox {entry.target.sandbox})"
-        async with self._lock:
-            try:
-                policy = await asyncio.to_thread(self._write, entry.profile, target, ports, comment)
-                self.reload(policy)  # audits the reload (kind policy), or its refusal
-            except (PolicyError, AirlockError, OSError) as e:
-                raise ApprovalError(409, "policy_not_written", f"{self.path}: {e}") from None
-        return f"{{host: {target}, ports: {ports}}}" if "/" not in target else f"{{cidr: {target}, ports: {ports}}}"
-
-    def _write(self, profile: str, target: str, ports: list[int], comment: str) -> Policy:
-        from airlock.cli.suggest import Suggestion, render
-
-        path = Path(self.path)
-        text = render([Suggestion(profile, target, ports, comment)], merge=path)
-        real = path.resolve()  # a symlinked policy file stays a symlink: its target is rewritten
-        before = real.stat()
-        fd, temporary = tempfile.mkstemp(prefix=f".{real.name}.", dir=real.parent)
-        try:
-            with os.fdopen(fd, "w", encoding="utf-8") as out:
-                out.write(text)
-                out.flush()
-                os.fsync(out.fileno())
-                # The file stays its owner's, as it was: owner and group first (a chown clears set-id bits), mode.
-                os.fchown(out.fileno(), before.st_uid, before.st_gid)
-                os.fchmod(out.fileno(), before.st_mode & 0o7777)
-            os.replace(temporary, real)  # readers (a file watch, a SIGHUP) see the old file or the new, whole
-        except BaseException:
-            Path(temporary).unlink(missing_ok=True)
-            raise
-        return load_policy(path)
-
-
-# --- the admin listener's routes --------------------------------------------------------------------------------
-
-
-def caller(request: web.Request) -> str:
-    """Who answers: the user on the other end of the admin unix socket (SO_PEERCRED), or "loopback" over TCP
-    (the admin listener takes TCP on loopback only, where the kernel names no user)."""
-    transport = request.transport
-    sock = transport.get_extra_info("socket") if transport is not None else None
-    if sock is None or sock.family != socket.AF_UNIX:
-        return "loopback"
-    _, uid, _ = _PEERCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))
-    try:
-        return pwd.getpwuid(uid).pw_name
-    except KeyError:
-        return f"uid {uid}"
-
-
-def approval_routes(approvals: Approvals) -> list[web.RouteDef]:
-    """`GET /v1/approvals`, `POST /v1/approvals/{id}/approve` ({"scope": "once"|"sandbox"|"policy", "ttl": S}) and
-    `POST /v1/approvals/{id}/deny`, for an admin listener's application (`app.add_routes(...)`)."""
-    from aiohttp import web
-
-    def reply(body: dict[str, Any], status: int = 200) -> web.Response:
-        return web.json_response(body, status=status)
-
-    def refused(e: ApprovalError) -> web.Response:
-        return reply({"error": e.code, "message": e.message}, e.status)
-
-    async def listing(request: web.Request) -> web.Response:
-        return reply({"pending": approvals.pending()})
-
-    async def approve(request: web.Request) -> web.Response:
-        try:
-            body = await request.json() if request.can_read_body else {}
-        except ValueError:
-            return refused(ApprovalError(400, "invalid_request", "the body must be a JSON object"))
-        if not isinstance(body, dict):
-            return refused(ApprovalError(400, "invalid_request", "the body must be a JSON object"))
-        try:
-            answer = await approvals.approve(
-                request.match_info["id"], body.get("scope", "once"), body.get("ttl"), caller(request)
-            )
-        except ApprovalError as e:
-            return refused(e)
-        return reply(answer)
-
-    async def deny(request: web.Request) -> web.Response:
-        try:
-            return reply(approvals.deny(request.match_info["id"], caller(request)))
-        except ApprovalError as e:
-            return refused(e)
-
-    return [
-        web.get("/v1/approvals", listing),
-        web.post("/v1/approvals/{id}/approve", approve),
-        web.post("/v1/approvals/{id}/deny", deny),
-    ]

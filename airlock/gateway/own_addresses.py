@@ -1,5 +1,6 @@
-"""Which addresses are the gateway's own right now: the `own` of the live policy (policy/live.py) that the proxy
-and the DNS server vet every resolved address against.
+"""Which addresses are the gateway's own right now (those of its interfaces at start, then whatever the kernel lets it
+bind): the `own` of the live policy (policy/live.py) that the proxy and the DNS server vet every resolved address
+against.
 
 The interface list read at start goes stale as sandboxes, docker networks or DHCP add addresses; the kernel knows
 at once: a socket can be bound only to a local address (also one of a `local` route, such as AnyIP). So an address
@@ -18,6 +19,7 @@ import socket
 from collections.abc import Iterable
 from pathlib import Path
 
+from airlock.interfaces import interface_addresses
 from airlock.policy import IPAddress
 from airlock.policy.live import judged_forms
 
@@ -98,6 +100,15 @@ class GatewayAddresses:
             self._changes.close()
             self._changes = None
         self._local.clear()
+
+
+def interface_own_addresses() -> frozenset[IPAddress]:
+    """Every address of this network namespace's interfaces: the gateway must never be its own upstream."""
+    try:
+        return frozenset(address.ip for address in interface_addresses())
+    except OSError as e:
+        log.warning("the gateway's own addresses could not be listed (%s): each is still found by binding to it", e)
+        return frozenset()
 
 
 def bindable(address: IPAddress) -> bool:

@@ -10,13 +10,13 @@ import contextlib
 import gc
 import logging
 import os
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from airlock.gateway.startup.switching import prompt_switching
 from airlock.policy import Policy, PolicyError, load_policy
 from airlock.policy.fastload import release
-from airlock.switching import prompt_switching
 
 log = logging.getLogger("airlock.gateway")
 
@@ -63,12 +63,18 @@ class Reloaded:
 
 class PolicyReloader:
     """Reloads `source` into `target`, one reload at a time (a second waits for the first, then reads the file
-    as it is then). `current` reads the policy in force."""
+    as it is then). `current` reads the policy in force; each of `after` is called with each policy put in force."""
 
-    def __init__(self, target: PolicyTarget, source: str, current: Callable[[], Policy | None]) -> None:
+    def __init__(
+        self,
+        target: PolicyTarget,
+        source: str,
+        current: Callable[[], Policy | None],
+        after: Iterable[Callable[[Policy], object]] = (),
+    ) -> None:
         self.target, self.source, self.current = target, source, current
         self._lock = asyncio.Lock()
-        self.after: list[Callable[[Policy], None]] = []  # called with each policy put in force
+        self.after = tuple(after)  # called with each policy put in force
 
     async def reload(self) -> Reloaded:
         # Loading, swapping and freeing alike: the event loop gets the GIL back quickly all along.
@@ -138,6 +144,29 @@ def log_reload(outcome: Reloaded) -> None:
         log.info("policy reloaded from %s (%s)", outcome.source, outcome.policy_hash)
     else:
         log.error("policy NOT reloaded, the running policy stays:\n%s", "\n".join(outcome.errors))
+
+
+class ReloadTeller:
+    """A reload as the gateway tells them: one line to `tell` (stderr, for `airlock run`), else in its log — once only
+    for the file an approval wrote (a file watch that reads it again finds the policy in force)."""
+
+    def __init__(self, tell: Callable[[str], None] | None) -> None:
+        self.tell = tell
+        self._approved: str | None = None  # the hash of the policy an approval wrote, until its file is read again
+
+    def __call__(self, outcome: Reloaded) -> None:
+        approved, self._approved = self._approved, None
+        if outcome.ok and outcome.policy_hash == outcome.previous_hash == approved:
+            return
+        if self.tell is not None:
+            self.tell(outcome.one_line())
+        else:
+            log_reload(outcome)
+
+    def approved(self, outcome: Reloaded) -> None:
+        """The reload of a policy an approval wrote, told now; the next read of its file is not told again."""
+        self(outcome)
+        self._approved = outcome.policy_hash
 
 
 def _signature(path: str) -> tuple[int, int, int, int] | None:

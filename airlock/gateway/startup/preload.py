@@ -2,19 +2,21 @@
 (DNS server, audit, admin listener, reloads), then aiohttp (the admin listener), then mitmproxy and the airlock
 addon (about 300 ms: proxy layers, QUIC, pyOpenSSL, pyparsing). What the launcher does meanwhile (the namespace,
 link and fence) waits on subprocesses and the kernel, not on this process; its own imports before that are the
-checks' and the settings' alone (`airlock.gatewayconfig`).
+checks' and the settings' alone (`airlock.gateway.config`).
 
-Kept apart from `airlock.gateway` so that starting the import needs none of it."""
+Kept apart from `airlock.gateway.core` so that starting the import needs none of it."""
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import contextlib
-import importlib
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from airlock.switching import prompt_switching
+from airlock.gateway.errors import GatewayError
+from airlock.gateway.startup.switching import prompt_switching
 
 _preload: _Preload | None = None
 _preload_lock = threading.Lock()
@@ -65,19 +67,32 @@ def _import_late(preload: _Preload) -> None:
     # them have it at once rather than after the default 5 ms.
     with prompt_switching():
         # The gateway's own modules first: the launcher needs them next, once the namespace exists. It imports them
-        # itself then (waiting for this import if it is still under way), and so hears of any failure.
+        # itself then (waiting for this import if it is still under way), and so hears of any failure. Imported here,
+        # in the function, because the gateway imports this module to start the thread.
         with contextlib.suppress(Exception):
-            importlib.import_module("airlock.gateway")
+            import airlock.gateway.core
         # aiohttp next: the admin listener is served before the proxy (`Gateway._serve_loaded`).
-        _import(preload.admin, "aiohttp.web")
-        _import(preload.proxy, "airlock.mitm", "airlock.proxy.addon")
+        with _settling(preload.admin):
+            import aiohttp.web  # noqa: F401
+        with _settling(preload.proxy):
+            import airlock.gateway.startup.mitm
+            import airlock.proxy.addon  # noqa: F401
 
 
-def _import(done: concurrent.futures.Future[None], *modules: str) -> None:
+@contextlib.contextmanager
+def _settling(done: concurrent.futures.Future[None]) -> Iterator[None]:
+    """`done` settled by the imports of the block: their failure (any, an extension's too) or their success."""
     try:
-        for module in modules:
-            importlib.import_module(module)
+        yield
     except BaseException as e:
         done.set_exception(e)
     else:
         done.set_result(None)
+
+
+async def loaded(loading: concurrent.futures.Future[None], what: str) -> None:
+    """Once preload_proxy()'s `loading` is done; GatewayError naming `what` if its import failed."""
+    try:
+        await asyncio.wrap_future(loading)
+    except Exception as e:
+        raise GatewayError(f"{what} could not be loaded: {type(e).__name__}: {e}") from e
