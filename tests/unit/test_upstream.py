@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import errno
 import ipaddress
 import random
 import socket
@@ -596,8 +597,26 @@ def tcp_responder(respond, port: int) -> Iterator[None]:
         listener.close()
 
 
+@contextlib.contextmanager
+def udp_and_tcp_responders(udp_respond, tcp_respond) -> Iterator[int]:
+    """Both on one port number. The kernel picks the UDP port; a TCP socket of another test may hold that number
+    already, so a few numbers are tried."""
+    for _ in range(50):
+        with contextlib.ExitStack() as stack:
+            port = stack.enter_context(udp_responder(udp_respond))
+            try:
+                stack.enter_context(tcp_responder(tcp_respond, port))
+            except OSError as e:
+                if e.errno != errno.EADDRINUSE:
+                    raise
+                continue
+            yield port
+            return
+    raise RuntimeError("no port number free for both UDP and TCP on 127.0.0.1")
+
+
 async def test_unparsable_tcp_reply_is_malformed_and_the_next_server_is_asked(server: tuple[Zone, int]) -> None:
-    with udp_responder(truncated) as port, tcp_responder(pointer_chain_reply, port):
+    with udp_and_tcp_responders(truncated, pointer_chain_reply) as port:
         hostile_only = make_resolver(port)
         with pytest.raises(ResolverUnavailable, match=r"unparsable reply \(RecursionError\)"):
             await hostile_only.query("a.test", QTYPE.A)
