@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 from dnslib import AAAA, CLASS, QTYPE, RCODE, RR, A, DNSRecord
 
-from airlock.audit import AuditRecord
+from airlock.audit import AuditRecord, Verdict
 from airlock.policy import (
     Decision,
     DnsLimits,
@@ -284,7 +284,7 @@ class PolicyResolver:
         return self._finish(reply, record, "deny", reason, code, started)
 
     def _finish(
-        self, reply: DNSRecord, record: AuditRecord, decision: str, reason: str, code: ReasonCode, started: float
+        self, reply: DNSRecord, record: AuditRecord, decision: Verdict, reason: str, code: ReasonCode, started: float
     ) -> DNSRecord:
         record.decision, record.reason, record.code = decision, reason, code
         record.resolved = record.resolved or []

@@ -66,7 +66,7 @@ class TransparentPolicy:
             if isinstance(chosen, layers.HttpLayer) and not isinstance(chosen, HttpLayer):
                 nextlayer.layer = self.http_layer(context, chosen.mode)  # it answers refusals of any shape
             return
-        data = nextlayer.data_client()
+        data: bytes = nextlayer.data_client()  # type: ignore[no-untyped-call]  # mitmproxy's data_client is unannotated
         carried = _carried(data)
         hello = None
         if carried == "tls":
@@ -97,8 +97,8 @@ class TransparentPolicy:
         outcome.fill(record)
         if outcome.decision.allow and hello is not None and (refusal := ech_refusal(hello, outcome.decision.ech)):
             record.decision, (record.code, record.reason) = "deny", refusal
-        if record.decision == "allow" and (refusal := self._over_tunnel_cap(state)):
-            record.decision, record.reason, record.code = "deny", refusal, ReasonCode.TUNNEL_LIMIT
+        if record.decision == "allow" and (over_cap := self._over_tunnel_cap(state)):
+            record.decision, record.reason, record.code = "deny", over_cap, ReasonCode.TUNNEL_LIMIT
         if record.decision != "allow":
             self.shared.emit(record)
             state.denied = record.reason

@@ -25,6 +25,10 @@ from typing import TYPE_CHECKING, Any
 from .common import DEFAULT_STATE_DIR, EXIT_DENY, NeedsRoot, UsageError, absolute, duration
 
 if TYPE_CHECKING:
+    import ssl
+
+    import aiohttp
+
     from airlock.broker.calllog import LoggedCall
     from airlock.broker.service import Broker
 
@@ -123,7 +127,7 @@ class Outcome:
     note: str = ""  # why not, or what the replay lacked
 
     @property
-    def recorded(self) -> tuple[int | None, dict[str, Any]]:
+    def recorded(self) -> tuple[int | None, dict[str, Any] | None]:  # None: the call had not ended
         call = self.call
         return call.status, call.result if call.error is None else {"error": call.error}
 
@@ -164,7 +168,7 @@ async def _replay(args: argparse.Namespace, calls: list[LoggedCall], bundles: di
                 broker.store.close()  # type: ignore[attr-defined]
 
 
-def _broker(args: argparse.Namespace, state: Path, session: Any) -> Broker:
+def _broker(args: argparse.Namespace, state: Path, session: aiohttp.ClientSession) -> Broker:
     """A broker of the replay's own, acting against `--api` with the credential given."""
     from airlock.broker.github import GitHubClient
     from airlock.broker.gitpush import GitTransport, Pusher, git_base_url
@@ -233,7 +237,7 @@ def _bundles(directory: Path) -> dict[str, Path]:
     return {hashlib.sha256(p.read_bytes()).hexdigest(): p for p in directory.iterdir() if p.is_file()}
 
 
-def _tls(ca_file: str | None) -> Any:
+def _tls(ca_file: str | None) -> ssl.SSLContext:
     import ssl
 
     return ssl.create_default_context(cafile=ca_file)
