@@ -269,6 +269,11 @@ def _print_explanation(
         if decision.hint:
             print(f"to allow: {decision.hint}")
         return
+    _print_allowed(decision, judgement, port, judged)
+
+
+def _print_allowed(decision: Decision, judgement: Judgement, port: int, judged: bool) -> None:
+    """The lines of an allowed target: report mode's denial, a tunnel's limits, the address it connects to."""
     if decision.report:
         print(f"report:   would deny [{decision.code}] — {decision.reason}; allowed: the profile is in report mode")
         if decision.hint:
