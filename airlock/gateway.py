@@ -318,7 +318,7 @@ class Gateway:
         self.admin.add_routes(self.metrics.routes)
         self.admin.add_routes(lambda: approval_routes(self.approvals))
 
-    async def start(self, *, wait_for_proxy: bool = True) -> None:
+    async def start(self, *, wait_for_proxy: bool = True) -> None:  # noqa: C901
         """Put the policy in force, then listen: the proxy's sockets (explicit, transparent), the DNS server, the
         broker, the admin listener; all but the last marked for the fence. Returns once the admin listener and the
         proxy serve too — or, without `wait_for_proxy`, while aiohttp and mitmproxy may still be loading (their
@@ -673,7 +673,7 @@ class Gateway:
             "trust_bundle": str(inspector.bundle),
         }
 
-    async def stop(self) -> None:
+    async def stop(self) -> None:  # noqa: C901
         """Close every listener and stop; a proxy still loading is not waited for (it will not serve)."""
         if not self._started:
             return
