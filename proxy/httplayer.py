@@ -95,7 +95,7 @@ class _Stream(HttpStream):
             return
         # mitmproxy's upgrade to a websocket, relayed by `_Websocket`
         self.child_layer = _Websocket(self.context, self.flow, self.relayed.control_payload)
-        self._handle_event = self.passthrough  # type: ignore[method-assign]
+        self._handle_event = self.passthrough  # type: ignore[method-assign]  # how mitmproxy's layers change state
         yield from self.child_layer.handle_event(events.Start())
         yield SendHttp(ResponseEndOfMessage(self.stream_id), self.context.client)
 

@@ -31,6 +31,7 @@ if TYPE_CHECKING:
 
     from airlock.broker.calllog import LoggedCall
     from airlock.broker.service import Broker
+    from airlock.broker.store import BrokerStore
 
 SUMMARY_WIDTH = 44  # characters of a result shown per side
 
@@ -158,22 +159,24 @@ class Outcome:
 async def _replay(args: argparse.Namespace, calls: list[LoggedCall], bundles: dict[str, Path]) -> list[Outcome]:
     import aiohttp
 
+    from airlock.broker.store import SqliteStore
+
     with tempfile.TemporaryDirectory(prefix="airlock-replay-") as state:
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(ssl=_tls(args.upstream_ca))) as session:
-            broker = _broker(args, Path(state), session)
+            store = SqliteStore(Path(state) / "broker.sqlite3")
+            broker = _broker(args, Path(state), session, store)
             try:
                 return [await _one(broker, call, bundles) for call in calls]
             finally:
                 broker.close()
-                broker.store.close()  # type: ignore[attr-defined]
+                store.close()
 
 
-def _broker(args: argparse.Namespace, state: Path, session: aiohttp.ClientSession) -> Broker:
+def _broker(args: argparse.Namespace, state: Path, session: aiohttp.ClientSession, store: BrokerStore) -> Broker:
     """A broker of the replay's own, acting against `--api` with the credential given."""
     from airlock.broker.github import GitHubClient
     from airlock.broker.gitpush import GitTransport, Pusher, git_base_url
     from airlock.broker.service import Broker
-    from airlock.broker.store import SqliteStore
     from airlock.broker.tokens import KeyRing, TokenAuthority
     from airlock.brokerconfig import BrokerConfig
     from airlock.brokerd import credential
@@ -193,7 +196,7 @@ def _broker(args: argparse.Namespace, state: Path, session: aiohttp.ClientSessio
     except FileNotFoundError:  # no git here: pushes answer 503, as in the gateway
         pusher = None
     authority = TokenAuthority(KeyRing(state / "keys", 3600))
-    return Broker(authority, SqliteStore(state / "broker.sqlite3"), lambda _: None, github, lambda _: None,
+    return Broker(authority, store, lambda _: None, github, lambda _: None,
                   pusher=pusher)  # fmt: skip
 
 
