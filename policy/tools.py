@@ -377,17 +377,8 @@ class ToolsReader:
         if _is_list(node):
             items = [self.plain(item, depth + 1) for item in node.value]
             return _BAD if any(item is _BAD for item in items) else items
-        if isinstance(node, yaml.ScalarNode):
-            if node.tag == _STR:
-                return node.value
-            if node.tag == _NULL:
-                return None
-            if node.tag == _BOOL:
-                return _BOOLEANS[node.value.lower()]
-            if node.tag == _INT and _INTEGER.fullmatch(node.value):
-                return int(node.value)
-            if node.tag == _FLOAT and _DECIMAL.fullmatch(node.value) and math.isfinite(float(node.value)):
-                return float(node.value)
+        if isinstance(node, yaml.ScalarNode) and (value := _json_scalar(node)) is not _BAD:
+            return value
         self.b.error(node, f"{node.value!r} is not a JSON value" if isinstance(node, yaml.ScalarNode) else "not JSON")
         return _BAD
 
@@ -653,6 +644,21 @@ class _NotJson:
 
 
 _BAD = _NotJson()
+
+
+def _json_scalar(node: yaml.ScalarNode) -> Any:
+    """The JSON string, null, boolean or finite number a YAML scalar spells, or _BAD (not reported yet)."""
+    if node.tag == _STR:
+        return node.value
+    if node.tag == _NULL:
+        return None
+    if node.tag == _BOOL:
+        return _BOOLEANS[node.value.lower()]
+    if node.tag == _INT and _INTEGER.fullmatch(node.value):
+        return int(node.value)
+    if node.tag == _FLOAT and _DECIMAL.fullmatch(node.value) and math.isfinite(float(node.value)):
+        return float(node.value)
+    return _BAD
 
 
 def _empty_input() -> dict[str, Any]:

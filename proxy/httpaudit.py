@@ -22,7 +22,7 @@ class HttpAudit:
     def _withhold(self, flow: http.HTTPFlow) -> None:
         """A response whose audit line could not be made is not delivered."""
         if flow.killable:
-            flow.kill()
+            flow.kill()  # type: ignore[no-untyped-call]  # mitmproxy's Flow.kill is unannotated
 
     def _finish(self, flow: http.HTTPFlow, error: str | None = None) -> None:
         record: AuditRecord | None = flow.metadata.pop("airlock", None)

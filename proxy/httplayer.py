@@ -25,14 +25,11 @@ import wsproto.utilities
 from mitmproxy import http
 from mitmproxy.proxy import commands, events, layer, layers
 from mitmproxy.proxy.context import Context
-from mitmproxy.proxy.layers.http import (
-    HTTPMode,
-    HttpResponseHeadersHook,
-    HttpStream,
-    ResponseEndOfMessage,
-    ResponseProtocolError,
-    SendHttp,
-)
+from mitmproxy.proxy.layers.http import HTTPMode, HttpStream, SendHttp
+
+# The package re-exports these implicitly (no __all__), so they are imported from the modules that define them.
+from mitmproxy.proxy.layers.http._events import ResponseEndOfMessage, ResponseProtocolError
+from mitmproxy.proxy.layers.http._hooks import HttpResponseHeadersHook
 from mitmproxy.proxy.layers.websocket import WebsocketConnection, WebsocketLayer, WebsocketStartHook
 from mitmproxy.proxy.utils import expect
 
@@ -98,7 +95,7 @@ class _Stream(HttpStream):
             return
         # mitmproxy's upgrade to a websocket, relayed by `_Websocket`
         self.child_layer = _Websocket(self.context, self.flow, self.relayed.control_payload)
-        self._handle_event = self.passthrough  # type: ignore[method-assign]
+        self._handle_event = self.passthrough  # type: ignore[method-assign]  # how mitmproxy's layers change state
         yield from self.child_layer.handle_event(events.Start())
         yield SendHttp(ResponseEndOfMessage(self.stream_id), self.context.client)
 
@@ -123,7 +120,7 @@ class _Websocket(WebsocketLayer):
         super().__init__(context, flow)
         self.scrub = scrub
 
-    @expect(events.Start)
+    @expect(events.Start)  # type: ignore[no-untyped-call, untyped-decorator]  # mitmproxy's expect is unannotated
     def start(self, _: events.Event) -> layer.CommandGenerator[None]:
         """mitmproxy's start: each side's connection, with the extension the server's answer accepted
         (permessage-deflate, the one mitmproxy knows)."""
@@ -135,7 +132,7 @@ class _Websocket(WebsocketLayer):
         self.server_ws = WebsocketConnection(wsproto.ConnectionType.CLIENT, _extensions(accepted),
                                              conn=self.context.server)  # fmt: skip
         yield WebsocketStartHook(self.flow)
-        self._handle_event = self.relay_messages  # type: ignore[method-assign]
+        self._handle_event = self.relay_messages
 
     _handle_event = start
 

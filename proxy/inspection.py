@@ -148,13 +148,13 @@ def _instead(body: bytes) -> Callable[[bytes], Iterable[bytes]]:
 def _withhold(self: Inspection, flow: http.HTTPFlow) -> None:
     """A response that could not be scrubbed is not delivered."""
     if flow.killable:
-        flow.kill()
+        flow.kill()  # type: ignore[no-untyped-call]  # mitmproxy's Flow.kill is unannotated
 
 
 def _withhold_message(self: Inspection, flow: http.HTTPFlow) -> None:
     """A websocket message that could not be scrubbed is not delivered, nor is anything after it."""
     if flow.websocket is not None and flow.websocket.messages:
-        flow.websocket.messages[-1].drop()
+        flow.websocket.messages[-1].drop()  # type: ignore[no-untyped-call]  # mitmproxy's drop is unannotated
     _withhold(self, flow)
 
 

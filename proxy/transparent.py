@@ -25,6 +25,7 @@ from mitmproxy.proxy import layer, layers
 from mitmproxy.proxy.context import Context
 from mitmproxy.proxy.layers.http import HTTPMode
 from mitmproxy.proxy.layers.tls import parse_client_hello
+from mitmproxy.tls import ClientHello
 
 from airlock.audit import AuditRecord
 from airlock.policy import Decision, ReasonCode, Sandbox, format_host_port
@@ -61,12 +62,8 @@ class TransparentPolicy:
         context = nextlayer.context
         state = self.shared.client(context.client)
         if not is_transparent(context.client) or state.original is not None or context.server.address is None:
-            self.tunnels.inside_tunnel(nextlayer)
-            chosen = nextlayer.layer  # by TunnelPolicy, else by mitmproxy (the explicit proxy's HTTP, say)
-            if isinstance(chosen, layers.HttpLayer) and not isinstance(chosen, HttpLayer):
-                nextlayer.layer = self.http_layer(context, chosen.mode)  # it answers refusals of any shape
-            return
-        data = nextlayer.data_client()
+            return self._inside(nextlayer)
+        data: bytes = nextlayer.data_client()  # type: ignore[no-untyped-call]  # mitmproxy's data_client is unannotated
         carried = _carried(data)
         hello = None
         if carried == "tls":
@@ -89,6 +86,22 @@ class TransparentPolicy:
                 sni = server_name(hello.extensions)
             except TlsNameError as e:
                 return self._deny(nextlayer, state, ReasonCode.INVALID_SNI, f"invalid TLS SNI: {e}")
+        await self._tunnel(nextlayer, state, hello, sni)
+
+    def _inside(self, nextlayer: layer.NextLayer) -> None:
+        """A connection that is not a new transparent one: inside one of our tunnels, or the explicit proxy's."""
+        self.tunnels.inside_tunnel(nextlayer)
+        chosen = nextlayer.layer  # by TunnelPolicy, else by mitmproxy (the explicit proxy's HTTP, say)
+        if isinstance(chosen, layers.HttpLayer) and not isinstance(chosen, HttpLayer):
+            nextlayer.layer = self.http_layer(nextlayer.context, chosen.mode)  # it answers refusals of any shape
+
+    async def _tunnel(
+        self, nextlayer: layer.NextLayer, state: ClientState, hello: ClientHello | None, sni: str | None
+    ) -> None:
+        """Judge a TLS (by its SNI, else as nameless) or raw connection, then open its tunnel or refuse it."""
+        context = nextlayer.context
+        assert state.original is not None
+        address, port = state.original
         if sni is not None:
             outcome, named_by = await self.shared.evaluate(state.sandbox, sni, port), "sni"
         else:
@@ -97,8 +110,8 @@ class TransparentPolicy:
         outcome.fill(record)
         if outcome.decision.allow and hello is not None and (refusal := ech_refusal(hello, outcome.decision.ech)):
             record.decision, (record.code, record.reason) = "deny", refusal
-        if record.decision == "allow" and (refusal := self._over_tunnel_cap(state)):
-            record.decision, record.reason, record.code = "deny", refusal, ReasonCode.TUNNEL_LIMIT
+        if record.decision == "allow" and (over_cap := self._over_tunnel_cap(state)):
+            record.decision, record.reason, record.code = "deny", over_cap, ReasonCode.TUNNEL_LIMIT
         if record.decision != "allow":
             self.shared.emit(record)
             state.denied = record.reason

@@ -8,8 +8,9 @@ from mitmproxy.proxy import events, layer, layers
 from mitmproxy.proxy.context import Context
 from mitmproxy.proxy.layers.http import HTTPMode
 from mitmproxy.proxy.layers.tcp import TcpMessageInjected
-from mitmproxy.proxy.layers.tls import ClientHello, parse_client_hello
+from mitmproxy.proxy.layers.tls import parse_client_hello
 from mitmproxy.proxy.utils import expect
+from mitmproxy.tls import ClientHello
 
 from airlock.audit import AuditRecord
 from airlock.policy import ReasonCode, decide, is_ip
@@ -27,7 +28,9 @@ class MeteredTunnel(layers.TCPLayer):
         super().__init__(context, ignore=True)
         self.record = record
 
-    @expect(events.DataReceived, events.ConnectionClosed, TcpMessageInjected)
+    @expect(  # type: ignore[no-untyped-call, untyped-decorator]  # mitmproxy's expect is unannotated
+        events.DataReceived, events.ConnectionClosed, TcpMessageInjected
+    )
     def relay_messages(self, event: events.Event) -> layer.CommandGenerator[None]:
         if isinstance(event, events.DataReceived):
             if event.connection == self.context.client:
@@ -68,7 +71,7 @@ class TunnelPolicy:
         if state.inspected:  # both TLS sessions are up: HTTP/1 or 2 (by ALPN), each request judged on its own
             nextlayer.layer = self.http_layer(nextlayer.context, HTTPMode.transparent)
             return
-        data = nextlayer.data_client()
+        data: bytes = nextlayer.data_client()  # type: ignore[no-untyped-call]  # mitmproxy's data_client is unannotated
         if may_be_tls(data):
             try:
                 hello = parse_client_hello(data)

@@ -10,7 +10,7 @@ import gc
 import importlib
 import os
 import sys
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from airlock.errors import AirlockError
 
@@ -123,7 +123,8 @@ def _main(argv: list[str]) -> int:
         )
         if args.needs_root is not None and os.geteuid() != 0:
             run_as_root(args.command, argv, args.needs_root, args)
-        return args.func(args)
+        command: Callable[[argparse.Namespace], int] = args.func
+        return command(args)
     except KeyboardInterrupt:
         print("airlock: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED

@@ -15,6 +15,7 @@ from airlock.policy import (
     Decision,
     GithubInjection,
     HostError,
+    IPAddress,
     Judgement,
     PathError,
     PolicyError,
@@ -142,18 +143,19 @@ def parse_target(text: str) -> tuple[str, int]:
         raise UsageError(str(e)) from None
 
 
-def _parse_resolve(values: list[str]) -> dict[str, list]:
-    table: dict[str, list] = {}
+def _parse_resolve(values: list[str]) -> dict[str, list[IPAddress]]:
+    table: dict[str, list[IPAddress]] = {}
     for value in values:
         host, sep, ips = value.partition("=")
         if not sep or not ips:
             raise UsageError(f"--resolve {value!r}: expected HOST=IP[,IP...]")
         try:
-            addresses = [parse_ip_literal(ip.strip()) for ip in ips.split(",")]
+            parsed = [parse_ip_literal(ip.strip()) for ip in ips.split(",")]
             name = canonical_host(host)
         except HostError as e:
             raise UsageError(f"--resolve {value!r}: {e}") from None
-        if any(a is None for a in addresses):
+        addresses = [a for a in parsed if a is not None]
+        if len(addresses) != len(parsed):
             raise UsageError(f"--resolve {value!r}: not an IP address list")
         table[name] = addresses
     return table
@@ -267,6 +269,11 @@ def _print_explanation(
         if decision.hint:
             print(f"to allow: {decision.hint}")
         return
+    _print_allowed(decision, judgement, port, judged)
+
+
+def _print_allowed(decision: Decision, judgement: Judgement, port: int, judged: bool) -> None:
+    """The lines of an allowed target: report mode's denial, a tunnel's limits, the address it connects to."""
     if decision.report:
         print(f"report:   would deny [{decision.code}] — {decision.reason}; allowed: the profile is in report mode")
         if decision.hint:

@@ -39,7 +39,7 @@ from .gateway import add_gateway_options, gateway_config
 from .limits import check_limits
 
 if TYPE_CHECKING:
-    import docker
+    import docker  # type: ignore[import-untyped]  # docker ships no type hints
 
     from airlock.gateway import Gateway
     from airlock.sandbox.docker import Limits

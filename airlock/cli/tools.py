@@ -25,8 +25,13 @@ from typing import TYPE_CHECKING, Any
 from .common import DEFAULT_STATE_DIR, EXIT_DENY, NeedsRoot, UsageError, absolute, duration
 
 if TYPE_CHECKING:
+    import ssl
+
+    import aiohttp
+
     from airlock.broker.calllog import LoggedCall
     from airlock.broker.service import Broker
+    from airlock.broker.store import BrokerStore
 
 SUMMARY_WIDTH = 44  # characters of a result shown per side
 
@@ -123,7 +128,7 @@ class Outcome:
     note: str = ""  # why not, or what the replay lacked
 
     @property
-    def recorded(self) -> tuple[int | None, dict[str, Any]]:
+    def recorded(self) -> tuple[int | None, dict[str, Any] | None]:  # None: the call had not ended
         call = self.call
         return call.status, call.result if call.error is None else {"error": call.error}
 
@@ -154,22 +159,24 @@ class Outcome:
 async def _replay(args: argparse.Namespace, calls: list[LoggedCall], bundles: dict[str, Path]) -> list[Outcome]:
     import aiohttp
 
+    from airlock.broker.store import SqliteStore
+
     with tempfile.TemporaryDirectory(prefix="airlock-replay-") as state:
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(ssl=_tls(args.upstream_ca))) as session:
-            broker = _broker(args, Path(state), session)
+            store = SqliteStore(Path(state) / "broker.sqlite3")
+            broker = _broker(args, Path(state), session, store)
             try:
                 return [await _one(broker, call, bundles) for call in calls]
             finally:
                 broker.close()
-                broker.store.close()  # type: ignore[attr-defined]
+                store.close()
 
 
-def _broker(args: argparse.Namespace, state: Path, session: Any) -> Broker:
+def _broker(args: argparse.Namespace, state: Path, session: aiohttp.ClientSession, store: BrokerStore) -> Broker:
     """A broker of the replay's own, acting against `--api` with the credential given."""
     from airlock.broker.github import GitHubClient
     from airlock.broker.gitpush import GitTransport, Pusher, git_base_url
     from airlock.broker.service import Broker
-    from airlock.broker.store import SqliteStore
     from airlock.broker.tokens import KeyRing, TokenAuthority
     from airlock.gateway.broker_runtime import credential
     from airlock.gateway.config import BrokerConfig
@@ -189,7 +196,7 @@ def _broker(args: argparse.Namespace, state: Path, session: Any) -> Broker:
     except FileNotFoundError:  # no git here: pushes answer 503, as in the gateway
         pusher = None
     authority = TokenAuthority(KeyRing(state / "keys", 3600))
-    return Broker(authority, SqliteStore(state / "broker.sqlite3"), lambda _: None, github, lambda _: None,
+    return Broker(authority, store, lambda _: None, github, lambda _: None,
                   pusher=pusher)  # fmt: skip
 
 
@@ -233,7 +240,7 @@ def _bundles(directory: Path) -> dict[str, Path]:
     return {hashlib.sha256(p.read_bytes()).hexdigest(): p for p in directory.iterdir() if p.is_file()}
 
 
-def _tls(ca_file: str | None) -> Any:
+def _tls(ca_file: str | None) -> ssl.SSLContext:
     import ssl
 
     return ssl.create_default_context(cafile=ca_file)

@@ -173,7 +173,7 @@ async def _drain(stream: asyncio.StreamReader, into: bytearray, limit: int) -> N
         into += chunk[: max(0, limit - len(into))]
 
 
-async def launch(
+async def launch(  # noqa: C901
     command: list[str],
     gateway: GatewayConfig,
     *,
