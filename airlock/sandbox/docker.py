@@ -36,7 +36,7 @@ from airlock.errors import AirlockError
 from airlock.interfaces import parse_ip_addr
 from airlock.policy import SANDBOX_LINK_NETWORKS
 
-from . import SANDBOX_ID
+from . import SANDBOX_ID, Guardian
 from .fence import DOCKER_TABLE_PREFIX, Fence, Interception, load_inner_refusal, unlimited_unreachable
 from .limits import (
     CPUS,
@@ -55,7 +55,6 @@ from .limits import (
     memory_bytes,
 )
 from .seccomp import docker_security_opt
-from .watchdog import Watchdog
 
 log = logging.getLogger("airlock.sandbox.docker")
 
@@ -164,7 +163,7 @@ class DockerSandbox:
     udp_ports: tuple[int, ...] = ()
     limits: Limits = field(default_factory=Limits)
     mounts: list[tuple[str, str]] = field(default_factory=list)  # (host path, container path), always read-only
-    watchdog: Watchdog | None = None  # told of the sandbox once its fence is ours: it removes it if we die
+    watchdog: Guardian | None = None  # told of the sandbox once its fence is ours: it removes it if we die
     intercept: Interception | None = None  # transparent mode: everything else the sandbox dials reaches the gateway
 
     def __post_init__(self) -> None:

@@ -28,11 +28,12 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from airlock.errors import AirlockError
+from airlock.inspection.trust import SANDBOX_BUNDLE
 from airlock.interfaces import interface_addresses
 from airlock.policy import SANDBOX_LINK_NETWORKS, HostError, canonical_host, is_ip
 
-from . import SANDBOX_ID
+from . import SANDBOX_ID, Guardian
+from .errors import SandboxError
 from .fence import (
     NETNS_TABLE_PREFIX,
     Fence,
@@ -43,14 +44,9 @@ from .fence import (
     write_sysctl,
 )
 from .reach import permissions
-from .watchdog import Watchdog
 from .workdir import WorkdirGuard
 
 LINK_POOL = SANDBOX_LINK_NETWORKS[0]
-
-
-class SandboxError(AirlockError, RuntimeError):
-    pass
 
 
 def _run(argv: list[str], check: bool = True, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
@@ -136,7 +132,7 @@ class NetnsSandbox:
     sandbox_id: str | None = None  # default: random
     tcp_ports: tuple[int, ...] = (3128,)
     udp_ports: tuple[int, ...] = ()
-    watchdog: Watchdog | None = None  # told of the namespace once it is ours: it removes it if we die
+    watchdog: Guardian | None = None  # told of the namespace once it is ours: it removes it if we die
     intercept: Interception | None = None  # transparent mode: everything else the sandbox dials reaches the gateway
 
     def __post_init__(self) -> None:
@@ -339,7 +335,7 @@ def _bubblewrap(
         mounts.append((["--tmpfs", str(path)] if path.is_dir() else ["--ro-bind", "/dev/null", str(path)], True))
     mounts += [(["--ro-bind", str(path), str(path)], False) for path in _existing(read_only)]
     if trust_bundle is not None:  # the system's CAs and the gateway's, where every client looks first
-        mounts.append((["--ro-bind", str(trust_bundle), SYSTEM_TRUST_BUNDLE], False))
+        mounts.append((["--ro-bind", str(trust_bundle), str(SANDBOX_BUNDLE)], False))
     placed, made = _below_private_mounts(mounts)
     if seccomp_fd is not None:  # bubblewrap installs it last, just before the command
         placed += ["--seccomp", str(seccomp_fd)]
@@ -398,8 +394,6 @@ def _give_owners(made: dict[Path, os.stat_result]) -> list[str]:
         return []
     return ["sh", "-c", _GIVE_OWNERS, shutil.which("chown") or "/usr/bin/chown", *(w for p in pairs for w in p), "--"]
 
-
-SYSTEM_TRUST_BUNDLE = "/etc/ssl/certs/ca-certificates.crt"
 
 SYSTEM_FOLDERS = frozenset(
     Path(p)

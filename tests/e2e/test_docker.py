@@ -20,10 +20,10 @@ import pytest
 
 from airlock.broker.grants import parse_grant
 from airlock.gateway import Gateway, GatewayConfig
+from airlock.launch.docker_launcher import launch
 from airlock.policy import load_policy
 from airlock.sandbox import docker as docker_backend
 from airlock.sandbox.docker import LABEL, DockerSandbox, Limits, fence_table, remove_sandbox
-from airlock.sandbox.docker_launch import launch
 from airlock.sandbox.fence import Fence
 
 from gateway_proc import AIRLOCK, E2E_POLICY

@@ -20,12 +20,12 @@ from airlock.cli import run as run_command
 from airlock.cli import token as token_command
 from airlock.cli.common import UsageError
 from airlock.gateway import GatewayError
+from airlock.launch.watchdog import WatchdogError
 from airlock.policy import PolicyError
 from airlock.reload import PolicyReloader, log_reload
 from airlock.sandbox.docker import DockerSandboxError
+from airlock.sandbox.errors import SandboxError
 from airlock.sandbox.fence import FenceError
-from airlock.sandbox.netns import SandboxError
-from airlock.sandbox.watchdog import WatchdogError
 from airlock.sandbox.workdir import WorkdirError
 
 GATEWAY = ["gateway", "--listen", "127.0.0.1", "--upstream-dns", "127.0.0.1"]

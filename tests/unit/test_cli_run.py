@@ -14,11 +14,8 @@ from airlock import cli
 from airlock.cli.common import UsageError
 from airlock.cli.run import HOST_CA_VARS, parse_mount, passed_env
 from airlock.gatewayconfig import GatewayConfig
-from airlock.policy import load_policy
-from airlock.sandbox import netns, netns_launch
-from airlock.sandbox.gitidentity import IDENTITY_VARS
-from airlock.sandbox.netns import SandboxError, accessible_by, credential_paths
-from airlock.sandbox.netns_launch import (
+from airlock.launch import netns_launcher
+from airlock.launch.netns_launcher import (
     choose_isolation,
     hidden_paths,
     host_environment,
@@ -26,6 +23,11 @@ from airlock.sandbox.netns_launch import (
     refuse_inputs_in_reach,
     sandbox_reach,
 )
+from airlock.policy import load_policy
+from airlock.sandbox import netns
+from airlock.sandbox.errors import SandboxError
+from airlock.sandbox.gitidentity import IDENTITY_VARS
+from airlock.sandbox.netns import accessible_by, credential_paths
 from airlock.sandbox.workdir import WorkdirGuard
 
 
@@ -290,7 +292,7 @@ def test_the_packaged_policy_of_a_checkout_run_from_itself_is_not_refused(
     (checkout / "configs" / "default.yaml").write_text("version: 1\nprofiles:\n  default: {}\n")
     (checkout / "notes" / "policy.yaml").write_text("version: 1\nprofiles:\n  default: {}\n")
     monkeypatch.chdir(checkout)
-    monkeypatch.setattr(netns_launch, "airlock_code", lambda: [checkout / ".venv", checkout / "configs"])
+    monkeypatch.setattr(netns_launcher, "airlock_code", lambda: [checkout / ".venv", checkout / "configs"])
     reach = sandbox_reach(True, user, kept_from_writes(True, user))
     packaged = GatewayConfig(
         load_policy(checkout / "configs" / "default.yaml"), "0.0.0.0", state_dir=str(tmp_path / "state")

@@ -17,8 +17,8 @@ from airlock.brokerconfig import broker_url
 from airlock.gatewayconfig import GatewayConfig
 from airlock.policy import Sandbox
 from airlock.runs import runs_dir
+from airlock.sandbox.fence import Interception
 
-from .fence import Interception
 from .watchdog import Watchdog
 
 if TYPE_CHECKING:

@@ -1,6 +1,6 @@
 """`launch()`: a command in a network namespace whose only link leads to its own embedded gateway, as one handle
 (`wait()`, `stop()`, `kill()`, `logs()`, `close()`; an async context manager) — what `airlock run` uses for the
-netns backend. Its docker twin is `airlock.sandbox.docker_launch.launch()`.
+netns backend. Its docker twin is `airlock.launch.docker_launcher.launch()`.
 
 Checked before anything exists: the command's user (never root), and what it must not read or change. bubblewrap
 hides the gateway's credentials, the usual ones of the user's home and the host services that would act outside
@@ -35,10 +35,16 @@ from typing import TYPE_CHECKING
 from airlock.broker.grants import Grant
 from airlock.brokerconfig import admin_endpoint
 from airlock.gatewayconfig import GatewayConfig
+from airlock.inspection.trust import SANDBOX_BUNDLE, SYSTEM_BUNDLE
 from airlock.preload import preload_proxy
+from airlock.sandbox import cgroups, netns, seccomp
+from airlock.sandbox.errors import SandboxError
+from airlock.sandbox.limits import DEFAULT_OUTPUT_LIMIT, TIMEOUT, Resources, limit_problem, rlimit_argv
+from airlock.sandbox.netns import NetnsSandbox
+from airlock.sandbox.reach import Reach, policy_files
+from airlock.sandbox.workdir import WorkdirError, WorkdirGuard
 
-from . import cgroups, netns, seccomp
-from .embedded import (
+from .embedded_gateway import (
     fence_interception,
     fence_ports,
     gateway_credentials,
@@ -49,11 +55,7 @@ from .embedded import (
     start_gateway,
     state_directory,
 )
-from .limits import DEFAULT_OUTPUT_LIMIT, TIMEOUT, Resources, limit_problem, rlimit_argv
-from .netns import SYSTEM_TRUST_BUNDLE, NetnsSandbox, SandboxError
-from .reach import Reach, policy_files
 from .watchdog import Watchdog
-from .workdir import WorkdirError, WorkdirGuard
 
 if TYPE_CHECKING:  # imported in a thread while the sandbox is built (`preload_proxy`)
     from airlock.gateway import Gateway
@@ -81,10 +83,10 @@ class NetnsHandle:
         process: asyncio.subprocess.Process,
         timeout: float,
         teardown: Callable[[], Awaitable[None]],
+        cgroup: cgroups.SandboxCgroup | None = None,
         output_limit: int = DEFAULT_OUTPUT_LIMIT,
     ) -> None:
-        self.sandbox, self.gateway, self.process = sandbox, gateway, process
-        self.cgroup: cgroups.SandboxCgroup | None = None
+        self.sandbox, self.gateway, self.process, self.cgroup = sandbox, gateway, process, cgroup
         self._teardown: Callable[[], Awaitable[None]] | None = teardown  # once only
         self._deadline = asyncio.get_running_loop().time() + timeout
         self._exited = asyncio.ensure_future(process.wait())
@@ -224,7 +226,6 @@ async def launch(
     for note in notes:
         report(note)
     tcp_ports, udp_ports = fence_ports(gateway)
-    sandbox = NetnsSandbox(sandbox_id, tcp_ports=tcp_ports, udp_ports=udp_ports, intercept=fence_interception(gateway))
     gateway, state = state_directory(gateway)
     own = None
     try:
@@ -232,13 +233,14 @@ async def launch(
         gateway = dataclasses.replace(gateway, sandbox_reach=reach)  # and what a reload brings
         if watchdog is None:
             own = await asyncio.to_thread(Watchdog.start, timeout, [state.name] if state else [])
+        # Removes the sandbox if this process dies (bubblewrap's --die-with-parent ends only the command, and
+        # without bubblewrap nothing would); namespace, link and fence calls block: all of them off the event loop.
+        keeper = watchdog or own
+        assert keeper is not None
+        sandbox = NetnsSandbox(sandbox_id, tcp_ports, udp_ports, keeper, fence_interception(gateway))
     except BaseException:
-        await release(None, state)
+        await release(own, state)
         raise
-    # Removes the sandbox if this process dies (bubblewrap's --die-with-parent ends only the command, and without
-    # bubblewrap nothing would); namespace, link and fence calls block: all of them off the event loop.
-    keeper = sandbox.watchdog = watchdog or own
-    assert keeper is not None
     running: Gateway | None = None
     guard: WorkdirGuard | None = None
     cgroup: cgroups.SandboxCgroup | None = None
@@ -298,9 +300,7 @@ async def launch(
         raise
     finally:
         program.add_done_callback(_close_program)  # the sandbox holds its own copy: ours goes, also on failure
-    handle = NetnsHandle(sandbox, running, process, timeout, teardown, output_limit)
-    handle.cgroup = cgroup
-    return handle
+    return NetnsHandle(sandbox, running, process, timeout, teardown, cgroup, output_limit)
 
 
 def _close_program(program: asyncio.Future[int]) -> None:
@@ -353,9 +353,9 @@ def trust_bundle(gateway: Gateway, isolate_fs: bool) -> Path | None:
     combined bundle over the system's own; None when nothing is inspected or it cannot be bound there (then the
     variables name the bundle where it is)."""
     inspector = gateway.inspector
-    if inspector is None or inspector.bundle is None or not isolate_fs or not Path(SYSTEM_TRUST_BUNDLE).is_file():
+    if inspector is None or inspector.bundle is None or not isolate_fs or not SYSTEM_BUNDLE.is_file():
         return None
-    return Path(SYSTEM_TRUST_BUNDLE)
+    return Path(SANDBOX_BUNDLE)
 
 
 def choose_isolation(requested: str) -> str:
@@ -383,8 +383,8 @@ def gateway_inputs(config: GatewayConfig) -> list[tuple[str, str]]:
         files["--call-log"] = config.broker.call_log
     if config.admin and isinstance(socket := admin_endpoint(config.admin), Path):
         files["--admin"] = str(socket)
-    if Path(SYSTEM_TRUST_BUNDLE).exists():
-        files["the system's CA bundle"] = SYSTEM_TRUST_BUNDLE
+    if SYSTEM_BUNDLE.exists():
+        files["the system's CA bundle"] = str(SYSTEM_BUNDLE)
     named += [(option, path) for option, path in files.items() if path]
     return named + [("airlock's own code", str(path)) for path in airlock_code()]
 
