@@ -97,7 +97,9 @@ def cmd_policy_test(args: argparse.Namespace) -> int:
 def cmd_policy_suggest(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from .suggest import render, since_time, suggest
+    from airlock.policy.edit import render
+
+    from .suggest import since_time, suggest
 
     if args.collapse is not None and args.collapse < 2:
         raise UsageError(f"--collapse {args.collapse}: give 2 or more sibling names")
