@@ -11,8 +11,10 @@ from typing import BinaryIO
 import docker
 
 from airlock.broker.grants import Grant
-from airlock.gateway import Gateway, GatewayConfig, preload_proxy
+from airlock.gateway import Gateway
+from airlock.gatewayconfig import GatewayConfig
 from airlock.inspection.trust import SANDBOX_BUNDLE
+from airlock.preload import preload_proxy
 from airlock.sandbox.docker import TOKEN_PATH, DockerSandbox, Limits
 
 from .embedded_gateway import (

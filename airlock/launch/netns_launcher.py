@@ -276,9 +276,11 @@ async def launch(
         )
         environment = host_environment(pw) | cache_environment(writable, isolate_fs) | env
         environment |= gateway_environment(running, sandbox.sandbox_id, bool(grants))
-        bundle = trust_bundle(running, isolate_fs)
-        if running.inspector is not None and running.inspector.bundle is not None:
-            environment |= running.inspector.environment(str(bundle or running.inspector.bundle))
+        inspector = running.inspector
+        combined = inspector.bundle if inspector is not None else None  # the system's CAs plus the gateway's
+        bound = trust_bundle(running, isolate_fs)
+        if inspector is not None and combined is not None:
+            environment |= inspector.environment(str(bound or combined))
         if token := await mint_token(running, sandbox.sandbox_id, grants or [], token_ttl):
             environment["AIRLOCK_TOKEN_FILE"] = str(sandbox.place_token(token, pw))
         if guard is not None:
@@ -287,7 +289,7 @@ async def launch(
         await asyncio.to_thread(keeper.wait_ready)  # nothing runs in the sandbox before its watchdog does
         argv = sandbox.command(
             command, user, isolate_fs, hidden=hidden, read_only=read_only, guard=guard, seccomp_fd=fd,
-            trust_bundle=running.inspector.bundle if bundle else None, writable=[writable] if writable else [],
+            trust_bundle=combined if bound else None, writable=[writable] if writable else [],
         )  # fmt: skip
         argv = [*cgroup.enter_argv(), *rlimit_argv(resources), *argv]  # in its cgroup before it runs anything
         pipe = asyncio.subprocess.PIPE if capture_output else None

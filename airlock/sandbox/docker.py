@@ -21,7 +21,7 @@ import select
 import shutil
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -30,7 +30,7 @@ from typing import Any, BinaryIO
 import docker
 import docker.errors
 import requests.exceptions
-from docker.types import IPAMConfig, IPAMPool, Ulimit
+from docker.types import IPAMConfig, IPAMPool, LogConfig, Ulimit
 
 from airlock.errors import AirlockError
 from airlock.interfaces import parse_ip_addr
@@ -246,7 +246,7 @@ class DockerSandbox:
         out = subprocess.run(["ip", "-j", "-4", "addr", "show"], capture_output=True, text=True, timeout=10).stdout
         used += [address.network for address in parse_ip_addr(out)]
         for _ in range(64):
-            candidate = ipaddress.ip_network(f"{SUBNET_POOL.network_address + secrets.randbelow(256) * 256}/24")
+            candidate = ipaddress.IPv4Network(f"{SUBNET_POOL.network_address + secrets.randbelow(256) * 256}/24")
             if not any(candidate.version == u.version and candidate.overlaps(u) for u in used):
                 return candidate
         raise DockerSandboxError(f"no free /24 left in {SUBNET_POOL}")
@@ -274,7 +274,7 @@ class DockerSandbox:
     def start(self, command: list[str], env: dict[str, str]) -> None:
         api = self.client.api
         limits = self.limits
-        binds = {host: {"bind": target, "mode": "ro"} for host, target in self.mounts}
+        binds: dict[str, Mapping[str, str]] = {host: {"bind": target, "mode": "ro"} for host, target in self.mounts}
         if self.token_file is not None:
             binds[str(self.token_file)] = {"bind": TOKEN_PATH, "mode": "ro"}
         # An image's VOLUMEs would be writable anonymous volumes on the host's disk, past --read-only, and
@@ -300,9 +300,10 @@ class DockerSandbox:
             ipc_mode="private",
             # Transparent mode: its namespace does not rate-limit the port-unreachable it sends itself (below).
             sysctls=unlimited_unreachable() if self.intercept is not None else None,
-            log_config={"type": "json-file", "config": {"max-size": str(limits.output_limit), "max-file": "1"}},
+            log_config=LogConfig(type="json-file", config={"max-size": str(limits.output_limit), "max-file": "1"}),
         )
-        networking = api.create_networking_config({self.name: api.create_endpoint_config(ipv4_address=self.sandbox_ip)})
+        endpoints = {self.name: api.create_endpoint_config(ipv4_address=self.sandbox_ip)}
+        networking = api.create_networking_config(endpoints)  # type: ignore[arg-type]  # the stubs say one endpoint
         try:
             created = api.create_container(
                 self.image,
@@ -377,7 +378,7 @@ class DockerSandbox:
 
     def _image_volumes(self) -> list[str]:
         try:
-            config = self.client.api.inspect_image(self.image).get("Config") or {}
+            config = self.client.api.inspect_image(self.image).get("Config") or {}  # type: ignore[no-untyped-call]
         except docker.errors.ImageNotFound:
             raise DockerSandboxError(f"image {self.image!r} not found") from None
         return list(config.get("Volumes") or {})
@@ -386,7 +387,8 @@ class DockerSandbox:
         """The exit code, or None when the timeout passed (the container is then killed)."""
         assert self.container_id is not None
         try:
-            result = self.client.api.wait(self.container_id, timeout=timeout or self.limits.timeout)
+            # A float is what requests (the read timeout) takes; the stubs ask for an int.
+            result = self.client.api.wait(self.container_id, timeout=timeout or self.limits.timeout)  # type: ignore[arg-type]
             return int(result.get("StatusCode", 1))
         except (requests.exceptions.ReadTimeout, requests.exceptions.ConnectionError):
             self.kill()
@@ -399,7 +401,8 @@ class DockerSandbox:
 
     def state(self) -> dict[str, Any]:
         assert self.container_id is not None
-        return self.client.api.inspect_container(self.container_id)["State"]
+        state: dict[str, Any] = self.client.api.inspect_container(self.container_id)["State"]
+        return state
 
     def output(self) -> tuple[bytes, bytes]:
         """stdout and stderr, each capped at the output limit."""
@@ -476,6 +479,11 @@ def sandbox_token_dir(sandbox_id: str) -> Path:
     return TOKEN_ROOT / f"airlock-d-{sandbox_id}"
 
 
+def _labelled(sandbox_id: str) -> dict[str, str | list[str] | bool]:
+    """The filter for what of the engine's is this sandbox's."""
+    return {"label": f"{LABEL}={sandbox_id}"}
+
+
 def _remove_container(client: docker.DockerClient, container_id: str) -> None:
     with contextlib.suppress(docker.errors.NotFound):  # v: anonymous volumes go too
         client.api.remove_container(container_id, force=True, v=True)
@@ -491,10 +499,10 @@ def remove_sandbox(client: docker.DockerClient, sandbox_id: str) -> None:
     destroy()'s order, then its fence table (never another backend's) and its token."""
     if not SANDBOX_ID.fullmatch(sandbox_id):
         raise DockerSandboxError(f"not a sandbox id: {sandbox_id!r}")
-    for container in client.containers.list(all=True, filters={"label": f"{LABEL}={sandbox_id}"}):
-        _remove_container(client, container.id)
-    for network in client.networks.list(filters={"label": f"{LABEL}={sandbox_id}"}):
-        _remove_network(client, network.id)
+    for container_id in [c.id for c in client.containers.list(all=True, filters=_labelled(sandbox_id)) if c.id]:
+        _remove_container(client, container_id)
+    for network_id in [n.id for n in client.networks.list(filters=_labelled(sandbox_id)) if n.id]:
+        _remove_network(client, network_id)
     Fence(fence_table(sandbox_id), "", "", ()).remove()
     shutil.rmtree(sandbox_token_dir(sandbox_id), ignore_errors=True)
 

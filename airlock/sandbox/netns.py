@@ -119,7 +119,7 @@ def pick_link() -> ipaddress.IPv4Network:
     used = _used_networks()
     for _ in range(64):
         index = secrets.randbelow(LINK_POOL.num_addresses // 4)
-        link = ipaddress.ip_network(f"{LINK_POOL.network_address + index * 4}/30")
+        link = ipaddress.IPv4Network(f"{LINK_POOL.network_address + index * 4}/30")
         if not any(link.overlaps(u) for u in used):
             return link
     raise SandboxError(f"no free /30 left in {LINK_POOL}")
@@ -163,6 +163,7 @@ class NetnsSandbox:
         _run(["ip", "netns", "add", self.netns])  # fails when the id is taken: then nothing here is ours
         self.owned = True
         if self.watchdog is not None:  # it may still be starting: the launcher waits for it before the command
+            assert self.sandbox_id is not None  # given or drawn when built
             self.watchdog.guard("netns", self.sandbox_id, wait=False)
         self._link_and_fence()
         etc = Path("/etc/netns") / self.netns
