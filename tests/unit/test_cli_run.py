@@ -15,6 +15,7 @@ from airlock.cli.common import UsageError
 from airlock.cli.run import HOST_CA_VARS, parse_mount, passed_env
 from airlock.gatewayconfig import GatewayConfig
 from airlock.launch import netns_launcher
+from airlock.launch.git_identity import IDENTITY_VARS
 from airlock.launch.netns_launcher import (
     choose_isolation,
     hidden_paths,
@@ -26,7 +27,6 @@ from airlock.launch.netns_launcher import (
 from airlock.policy import load_policy
 from airlock.sandbox import netns
 from airlock.sandbox.errors import SandboxError
-from airlock.sandbox.gitidentity import IDENTITY_VARS
 from airlock.sandbox.netns import accessible_by, credential_paths
 from airlock.sandbox.workdir import WorkdirGuard
 
