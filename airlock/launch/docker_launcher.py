@@ -117,14 +117,13 @@ async def launch(
         running = await start_gateway(gateway, sandbox.gateway_ip, sandbox.sandbox_id, sandbox.sandbox_ip, profile)
         environment = {"PATH": IMAGE_PATH, "HOME": "/tmp", **(env or {})}
         environment |= gateway_environment(running, sandbox.sandbox_id, bool(grants))
-        if (inspector := running.inspector) is not None and inspector.bundle is not None:
-            # The system's CAs plus the gateway's (inspected hosts), where the image's clients look first.
-            sandbox.mounts.append((str(inspector.bundle), str(SANDBOX_BUNDLE)))
+        bundle = None  # the system's CAs plus the gateway's (inspected hosts), bound where the image's clients look
+        if (inspector := running.inspector) is not None and (bundle := inspector.bundle) is not None:
             environment |= inspector.environment(SANDBOX_BUNDLE)
         if token := await mint_token(running, sandbox.sandbox_id, grants or [], token_ttl):
             sandbox.place_token(token)
             environment["AIRLOCK_TOKEN_FILE"] = TOKEN_PATH
-        await asyncio.to_thread(sandbox.start, command, environment)
+        await asyncio.to_thread(sandbox.start, command, environment, bundle)
     except BaseException:
         await _teardown(sandbox, running, own, state)
         raise

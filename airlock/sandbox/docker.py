@@ -33,6 +33,7 @@ import requests.exceptions
 from docker.types import IPAMConfig, IPAMPool, LogConfig, Ulimit
 
 from airlock.errors import AirlockError
+from airlock.inspection.trust import SANDBOX_BUNDLE
 from airlock.interfaces import parse_ip_addr
 from airlock.policy import SANDBOX_LINK_NETWORKS
 
@@ -271,12 +272,16 @@ class DockerSandbox:
             os.fchmod(fd, 0o440)  # exactly: a umask may have taken the group's read bit
             f.write(token)
 
-    def start(self, command: list[str], env: dict[str, str]) -> None:
+    def start(self, command: list[str], env: dict[str, str], trust_bundle: Path | None = None) -> None:
+        """The container, running `command` with `env`: the mounts read-only, the token file (`place_token`) and
+        the `trust_bundle` (the system's CAs plus the gateway's) where the image's clients look first."""
         api = self.client.api
         limits = self.limits
         binds: dict[str, Mapping[str, str]] = {host: {"bind": target, "mode": "ro"} for host, target in self.mounts}
         if self.token_file is not None:
             binds[str(self.token_file)] = {"bind": TOKEN_PATH, "mode": "ro"}
+        if trust_bundle is not None:
+            binds[str(trust_bundle)] = {"bind": str(SANDBOX_BUNDLE), "mode": "ro"}
         # An image's VOLUMEs would be writable anonymous volumes on the host's disk, past --read-only, and
         # outliving the container: a tmpfs over each, like /tmp, keeps them in (capped) memory instead.
         tmpfs = {path: limits.tmpfs_options for path in ("/tmp", *self._image_volumes())}
