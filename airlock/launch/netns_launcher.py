@@ -37,7 +37,7 @@ from airlock.brokerconfig import admin_endpoint
 from airlock.gatewayconfig import GatewayConfig
 from airlock.inspection.trust import SANDBOX_BUNDLE, SYSTEM_BUNDLE
 from airlock.preload import preload_proxy
-from airlock.sandbox import cgroups, netns, seccomp
+from airlock.sandbox import cgroups, host_paths, netns, seccomp
 from airlock.sandbox.errors import SandboxError
 from airlock.sandbox.limits import DEFAULT_OUTPUT_LIMIT, TIMEOUT, Resources, limit_problem, rlimit_argv
 from airlock.sandbox.netns import NetnsSandbox
@@ -416,14 +416,14 @@ def hidden_paths(isolate_fs: bool, user: pwd.struct_passwd, credentials: list[st
     refuse to start while the command's user could read or change a gateway credential, or has a session whose
     services (systemd --user, rootless docker, dbus) it could ask to run something on the host's network."""
     if isolate_fs:
-        return netns.credential_paths(user, credentials) + netns.host_service_paths()
-    for path in netns.credential_paths(user, credentials):
-        if exposed := netns.accessible_by(path, user):
+        return host_paths.credential_paths(user, credentials) + host_paths.host_service_paths()
+    for path in host_paths.credential_paths(user, credentials):
+        if exposed := host_paths.accessible_by(path, user):
             raise SandboxError(
                 f"{exposed[0]} is readable or writable by {user.pw_name}, who runs the sandboxed command, and "
                 "--isolation none cannot hide it: make it root's alone (chown root; chmod 600), or use bubblewrap"
             )
-    if session := netns.user_session(user):
+    if session := host_paths.user_session(user):
         raise SandboxError(
             f"{user.pw_name} has a session ({session}) whose services could start processes outside the sandbox's "
             "network, and --isolation none cannot hide it: use bubblewrap, or --user an account without a session"
@@ -438,7 +438,7 @@ def kept_from_writes(isolate_fs: bool, user: pwd.struct_passwd) -> list[Path]:
     if not isolate_fs:
         return []
     cwd = Path.cwd().resolve()
-    if problem := netns.workdir_problem(cwd, user):
+    if problem := host_paths.workdir_problem(cwd, user):
         raise SandboxError(f"the working directory {Path.cwd()} would be writable in the sandbox, but {problem}")
     return [path for path in airlock_code() if cwd in (path.resolve(), *path.resolve().parents)]
 
@@ -480,7 +480,7 @@ def writable_cache(cache: Path, user: pwd.struct_passwd, protected: list[Path]) 
     path = cache.resolve()
     if not path.is_dir():
         raise SandboxError(f"--cache {cache}: no such folder (make it, writable for {user.pw_name})")
-    problem = netns.workdir_problem(path, user)
+    problem = host_paths.workdir_problem(path, user)
     home = Path(user.pw_dir).resolve()
     if any(path == own or own in path.parents for own in (home / ".npm", home / ".cache")):
         problem = f"it is {user.pw_name}'s own cache, which the tools outside the sandbox read"
@@ -488,7 +488,7 @@ def writable_cache(cache: Path, user: pwd.struct_passwd, protected: list[Path]) 
         problem = "it holds the working directory"
     elif inside := [p for p in protected if path in (p.resolve(), *p.resolve().parents)]:
         problem = f"it holds {inside[0]}, which the command must not change"
-    elif not netns.may_write(path, user):
+    elif not host_paths.may_write(path, user):
         problem = f"{user.pw_name}, who runs the command, may not write it"
     if problem:
         raise SandboxError(f"--cache {path} would be writable in the sandbox, but {problem}: give a folder of its own")
@@ -507,7 +507,7 @@ def unwritable_workdir(user: pwd.struct_passwd, named: bool) -> str | None:
     """What to tell the user when the command's user cannot write the working directory: the run goes on (the
     command may only read), but a command that writes would fail there later."""
     cwd = Path.cwd()
-    if netns.may_write(cwd, user):
+    if host_paths.may_write(cwd, user):
         return None
     why = "" if named or os.environ.get("SUDO_UID") else " (airlock run as root, not through sudo)"
     return (
