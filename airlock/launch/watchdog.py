@@ -167,7 +167,7 @@ def remove(words: list[str]) -> str:
     elif backend == "docker":
         import docker
 
-        from airlock.sandbox.docker import remove_sandbox
+        from airlock.sandbox.docker_reaper import remove_sandbox
 
         client = docker.DockerClient(base_url=engine) if engine else docker.from_env()
         try:

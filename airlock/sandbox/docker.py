@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import ipaddress
-import logging
-import math
 import os
 import secrets
 import select
@@ -23,7 +21,6 @@ import subprocess
 import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
-from datetime import datetime
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -56,8 +53,6 @@ from .limits import (
     memory_bytes,
 )
 from .seccomp import docker_security_opt
-
-log = logging.getLogger("airlock.sandbox.docker")
 
 SUBNET_POOL = SANDBOX_LINK_NETWORKS[1]
 LABEL = "airlock.sandbox"
@@ -452,9 +447,9 @@ class DockerSandbox:
         """Remove what this sandbox created: the container, then the network (its bridge goes with it), only then
         the fence, so nothing of the sandbox can ever send unfenced; a failure stops here, leaving the fence up."""
         if self.container_id is not None:
-            _remove_container(self.client, self.container_id)
+            remove_container(self.client, self.container_id)
         if self.network_id is not None:
-            _remove_network(self.client, self.network_id)
+            remove_network(self.client, self.network_id)
         if self.fence is not None:
             self.fence.remove()
         if self.token_dir is not None:
@@ -484,76 +479,11 @@ def sandbox_token_dir(sandbox_id: str) -> Path:
     return TOKEN_ROOT / f"airlock-d-{sandbox_id}"
 
 
-def _labelled(sandbox_id: str) -> dict[str, str | list[str] | bool]:
-    """The filter for what of the engine's is this sandbox's."""
-    return {"label": f"{LABEL}={sandbox_id}"}
-
-
-def _remove_container(client: docker.DockerClient, container_id: str) -> None:
+def remove_container(client: docker.DockerClient, container_id: str) -> None:
     with contextlib.suppress(docker.errors.NotFound):  # v: anonymous volumes go too
         client.api.remove_container(container_id, force=True, v=True)
 
 
-def _remove_network(client: docker.DockerClient, network_id: str) -> None:
+def remove_network(client: docker.DockerClient, network_id: str) -> None:
     with contextlib.suppress(docker.errors.NotFound):
         client.api.remove_network(network_id)
-
-
-def remove_sandbox(client: docker.DockerClient, sandbox_id: str) -> None:
-    """Everything of one docker sandbox, for the reaper: container(s) and network found by label, in
-    destroy()'s order, then its fence table (never another backend's) and its token."""
-    if not SANDBOX_ID.fullmatch(sandbox_id):
-        raise DockerSandboxError(f"not a sandbox id: {sandbox_id!r}")
-    for container_id in [c.id for c in client.containers.list(all=True, filters=_labelled(sandbox_id)) if c.id]:
-        _remove_container(client, container_id)
-    for network_id in [n.id for n in client.networks.list(filters=_labelled(sandbox_id)) if n.id]:
-        _remove_network(client, network_id)
-    Fence(fence_table(sandbox_id), "", "", ()).remove()
-    shutil.rmtree(sandbox_token_dir(sandbox_id), ignore_errors=True)
-
-
-def reap(client: docker.DockerClient, older_than: float | None = None, now: float | None = None) -> list[str]:
-    """Remove airlock sandboxes whose lifetime has passed (label), or older than `older_than` seconds. A label
-    that is no sandbox id is reported and skipped: it would name paths and nft tables."""
-    now = time.time() if now is None else now
-    victims: set[str] = set()
-    for obj in [
-        *client.containers.list(all=True, filters={"label": LABEL}),
-        *client.networks.list(filters={"label": LABEL}),
-    ]:
-        labels = obj.attrs.get("Labels") or obj.attrs.get("Config", {}).get("Labels") or {}
-        sandbox_id = labels.get(LABEL)
-        if not sandbox_id:
-            continue
-        if not isinstance(sandbox_id, str) or not SANDBOX_ID.fullmatch(sandbox_id):
-            log.warning("skipped %s: its %s label %r is not a sandbox id", obj.id, LABEL, sandbox_id)
-            continue
-        if _expired(labels, obj.attrs, now, older_than):
-            victims.add(sandbox_id)
-    for sandbox_id in sorted(victims):
-        remove_sandbox(client, sandbox_id)
-    return sorted(victims)
-
-
-def _expired(labels: dict[str, str], attrs: dict[str, Any], now: float, older_than: float | None) -> bool:
-    try:
-        expires = float(labels.get(EXPIRES_LABEL, "0") or 0)
-    except ValueError:
-        expires = math.nan
-    if not math.isfinite(expires):
-        expires = 0.0  # unreadable: expired, like a missing label
-    created = _created(attrs)
-    return expires < now or (older_than is not None and created is not None and created < now - older_than)
-
-
-def _created(attrs: dict[str, Any]) -> float | None:
-    text = attrs.get("Created")
-    if not isinstance(text, str):
-        return None
-    try:
-        # Docker prints nanoseconds; Python parses microseconds.
-        head, _, rest = text.partition(".")
-        fraction = "".join(ch for ch in rest if ch.isdigit())[:6]
-        return datetime.fromisoformat(f"{head}.{fraction or '0'}+00:00").timestamp()
-    except ValueError:
-        return None
