@@ -22,7 +22,7 @@ from airlock.inspection.secrets import parse_placeholder_env
 from airlock.inspection.trust import SYSTEM_BUNDLE, TRUST_ENV_VARS
 from airlock.launch.embedded_gateway import gateway_credentials
 from airlock.launch.git_identity import IDENTITY_VARS, GitIdentityError, invoker_identity, parse_identity
-from airlock.launch.netns_launcher import ISOLATIONS, choose_isolation
+from airlock.launch.preflight import ISOLATIONS, choose_isolation
 from airlock.policy import Policy
 from airlock.reload import PolicyWatcher
 from airlock.sandbox.limits import (

@@ -14,9 +14,9 @@ from airlock import cli
 from airlock.cli.common import UsageError
 from airlock.cli.run import HOST_CA_VARS, parse_mount, passed_env
 from airlock.gatewayconfig import GatewayConfig
-from airlock.launch import netns_launcher
+from airlock.launch import preflight
 from airlock.launch.git_identity import IDENTITY_VARS
-from airlock.launch.netns_launcher import (
+from airlock.launch.preflight import (
     choose_isolation,
     hidden_paths,
     host_environment,
@@ -292,7 +292,7 @@ def test_the_packaged_policy_of_a_checkout_run_from_itself_is_not_refused(
     (checkout / "configs" / "default.yaml").write_text("version: 1\nprofiles:\n  default: {}\n")
     (checkout / "notes" / "policy.yaml").write_text("version: 1\nprofiles:\n  default: {}\n")
     monkeypatch.chdir(checkout)
-    monkeypatch.setattr(netns_launcher, "airlock_code", lambda: [checkout / ".venv", checkout / "configs"])
+    monkeypatch.setattr(preflight, "airlock_code", lambda: [checkout / ".venv", checkout / "configs"])
     reach = sandbox_reach(True, user, kept_from_writes(True, user))
     packaged = GatewayConfig(
         load_policy(checkout / "configs" / "default.yaml"), "0.0.0.0", state_dir=str(tmp_path / "state")

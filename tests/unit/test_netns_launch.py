@@ -22,7 +22,7 @@ from airlock.cli.run import run_config
 from airlock.gateway import GatewayConfig, GatewayError
 from airlock.inspection.trust import SYSTEM_BUNDLE
 from airlock.launch import netns_launcher
-from airlock.launch.netns_launcher import airlock_code, gateway_inputs, unwritable_workdir
+from airlock.launch.preflight import airlock_code, gateway_inputs, unwritable_workdir
 from airlock.policy import load_policy, parse_policy
 from airlock.sandbox import netns
 from airlock.sandbox.errors import SandboxError
