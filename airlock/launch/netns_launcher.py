@@ -17,6 +17,9 @@ The working directory's guard takes its snapshot while the namespace is built (b
 command does not wait for mitmproxy to load (most of a launch's time): the proxy's sockets listen, marked for the
 fence, before the command starts, and the command's connections wait in their backlog until the proxy serves them.
 Should the proxy fail to start, `wait()` kills the sandbox and raises the gateway's error.
+
+`launch()` stays one function of some 100 lines (a third of them its signature and docstring): the order things are
+created in, and what each failure removes again, read in one place.
 """
 
 from __future__ import annotations
@@ -35,37 +38,21 @@ from airlock.broker.grants import Grant
 from airlock.gatewayconfig import GatewayConfig
 from airlock.inspection.trust import SANDBOX_BUNDLE, SYSTEM_BUNDLE
 from airlock.preload import preload_proxy
-from airlock.sandbox import cgroups, netns, seccomp
-from airlock.sandbox.errors import SandboxError
-from airlock.sandbox.limits import DEFAULT_OUTPUT_LIMIT, TIMEOUT, Resources, limit_problem, rlimit_argv
+from airlock.sandbox import cgroups, seccomp
+from airlock.sandbox.limits import DEFAULT_OUTPUT_LIMIT, Resources, rlimit_argv
 from airlock.sandbox.netns import NetnsSandbox
 from airlock.sandbox.workdir import WorkdirError, WorkdirGuard
 
 from .embedded_gateway import (
     fence_interception,
     fence_ports,
-    gateway_credentials,
     gateway_environment,
     mint_token,
-    prepare_call_log,
     release,
     start_gateway,
     state_directory,
 )
-from .preflight import (
-    SANDBOX_PATH,
-    cache_environment,
-    choose_isolation,
-    command_problem,
-    gateway_inputs,
-    hidden_paths,
-    host_environment,
-    kept_from_writes,
-    refuse_inputs_in_reach,
-    sandbox_reach,
-    unwritable_workdir,
-    writable_cache,
-)
+from .preflight import NetnsPlan, cache_environment, host_environment, plan_launch, refuse_inputs_in_reach
 from .watchdog import Watchdog
 
 if TYPE_CHECKING:  # imported in a thread while the sandbox is built (`preload_proxy`)
@@ -213,32 +200,13 @@ async def launch(
     On any failure everything created so far is removed again. A watchdog process (started here unless one is
     given, which its giver releases) removes the sandbox if this process dies, or if it is still there `GRACE`
     seconds after `timeout`."""
-    if problem := limit_problem("timeout", timeout, TIMEOUT, lowest_included=False):
-        raise SandboxError(problem)
-    isolate_fs = choose_isolation(isolation) == "bwrap"
-    pw = netns.resolve_user(user)  # everything that can be refused is, before anything is created
-    env = {"PATH": SANDBOX_PATH} | (env or {})
-    if problem := command_problem(command[0] if command else "", env["PATH"]):
-        raise SandboxError(problem)
-    prepare_call_log(gateway)
-    hidden = hidden_paths(isolate_fs, pw, gateway_credentials(gateway))
-    read_only = kept_from_writes(isolate_fs, pw)
-    protected = [*(Path(path) for _, path in gateway_inputs(gateway)), *map(Path, gateway_credentials(gateway))]
-    writable = writable_cache(Path(cache), pw, protected) if cache else None
-    reach = sandbox_reach(isolate_fs, pw, [*hidden, *read_only], [writable] if writable else [])
-    resources = resources or Resources()
-    controllers = cgroups.host_parents()
-    notes = cgroups.check(resources, controllers)
-    if note := unwritable_workdir(pw, named=user is not None):
-        notes.append(note)
-    for note in notes:
-        report(note)
+    plan = plan_launch(command, gateway, user, isolation, env, timeout, resources, cache, report)
     tcp_ports, udp_ports = fence_ports(gateway)
     gateway, state = state_directory(gateway)
     own = None
     try:
-        refuse_inputs_in_reach(reach, gateway)  # the state directory too, also a temporary one
-        gateway = dataclasses.replace(gateway, sandbox_reach=reach)  # and what a reload brings
+        refuse_inputs_in_reach(plan.reach, gateway)  # the state directory too, also a temporary one
+        gateway = dataclasses.replace(gateway, sandbox_reach=plan.reach)  # and what a reload brings
         if watchdog is None:
             own = await asyncio.to_thread(Watchdog.start, timeout, [state.name] if state else [])
         # Removes the sandbox if this process dies (bubblewrap's --die-with-parent ends only the command, and
@@ -260,8 +228,8 @@ async def launch(
 
     try:
         assert sandbox.sandbox_id is not None and gateway.state_dir is not None
-        if isolate_fs:
-            guard = WorkdirGuard(Path.cwd(), pw, sandbox.sandbox_id, Path(gateway.state_dir) / "workdir")
+        if plan.isolate_fs:
+            guard = WorkdirGuard(Path.cwd(), plan.user, sandbox.sandbox_id, Path(gateway.state_dir) / "workdir")
         # aiohttp and mitmproxy import in a thread from now on: while the namespace is built (ip, nft) this thread
         # mostly waits, whereas the checks above would have shared the interpreter's lock with the import.
         preload_proxy()
@@ -276,30 +244,22 @@ async def launch(
         for outcome in (created, prepared):
             if isinstance(outcome, BaseException):
                 raise outcome
-        cgroup = cgroups.SandboxCgroup(sandbox.sandbox_id, resources, controllers)
+        cgroup = cgroups.SandboxCgroup(sandbox.sandbox_id, plan.resources, plan.controllers)
         await asyncio.to_thread(cgroup.create)
         keeper.guard("cgroup", sandbox.sandbox_id, cgroup.watchdog_words(), wait=False)
         running = await start_gateway(
             gateway, sandbox.gateway_ip, sandbox.sandbox_id, sandbox.sandbox_ip, profile, wait_for_proxy=False
         )
-        environment = host_environment(pw) | cache_environment(writable, isolate_fs) | env
-        environment |= gateway_environment(running, sandbox.sandbox_id, bool(grants))
-        inspector = running.inspector
-        combined = inspector.bundle if inspector is not None else None  # the system's CAs plus the gateway's
-        bound = trust_bundle(running, isolate_fs)
-        if inspector is not None and combined is not None:
-            environment |= inspector.environment(str(bound or combined))
-        if token := await mint_token(running, sandbox.sandbox_id, grants or [], token_ttl):
-            environment["AIRLOCK_TOKEN_FILE"] = str(sandbox.place_token(token, pw))
+        environment, bundle = await _environment(running, sandbox, plan, grants or [], token_ttl)
         if guard is not None:
             keeper.guard("workdir", sandbox.sandbox_id, str(guard.save()))  # checked even if we die
         fd = await program
         await asyncio.to_thread(keeper.wait_ready)  # nothing runs in the sandbox before its watchdog does
         argv = sandbox.command(
-            command, user, isolate_fs, hidden=hidden, read_only=read_only, guard=guard, seccomp_fd=fd,
-            trust_bundle=combined if bound else None, writable=[writable] if writable else [],
+            command, user, plan.isolate_fs, hidden=plan.hidden, read_only=plan.read_only, guard=guard,
+            seccomp_fd=fd, trust_bundle=bundle, writable=[plan.writable] if plan.writable else [],
         )  # fmt: skip
-        argv = [*cgroup.enter_argv(), *rlimit_argv(resources), *argv]  # in its cgroup before it runs anything
+        argv = [*cgroup.enter_argv(), *rlimit_argv(plan.resources), *argv]  # in its cgroup before it runs anything
         pipe = asyncio.subprocess.PIPE if capture_output else None
         # Its own session: no controlling terminal, so it cannot push keystrokes into the shell that started it.
         process = await asyncio.create_subprocess_exec(
@@ -311,6 +271,25 @@ async def launch(
     finally:
         program.add_done_callback(_close_program)  # the sandbox holds its own copy: ours goes, also on failure
     return NetnsHandle(sandbox, running, process, timeout, teardown, cgroup, output_limit)
+
+
+async def _environment(
+    running: Gateway, sandbox: NetnsSandbox, plan: NetnsPlan, grants: list[Grant], token_ttl: int | None
+) -> tuple[dict[str, str], Path | None]:
+    """The command's variables: a clean environment, the caches', the caller's, the gateway's, the trust bundle's
+    and the token file's (the token placed); and the combined trust bundle when bubblewrap binds it over the
+    system's."""
+    assert sandbox.sandbox_id is not None
+    environment = host_environment(plan.user) | cache_environment(plan.writable, plan.isolate_fs) | plan.env
+    environment |= gateway_environment(running, sandbox.sandbox_id, bool(grants))
+    inspector = running.inspector
+    combined = inspector.bundle if inspector is not None else None  # the system's CAs plus the gateway's
+    bound = trust_bundle(running, plan.isolate_fs)
+    if inspector is not None and combined is not None:
+        environment |= inspector.environment(str(bound or combined))
+    if token := await mint_token(running, sandbox.sandbox_id, grants, token_ttl):
+        environment["AIRLOCK_TOKEN_FILE"] = str(sandbox.place_token(token, plan.user))
+    return environment, combined if bound else None
 
 
 def _close_program(program: asyncio.Future[int]) -> None:

@@ -7,19 +7,75 @@ from __future__ import annotations
 import os
 import pwd
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from airlock.brokerconfig import admin_endpoint
 from airlock.gatewayconfig import GatewayConfig
 from airlock.inspection.trust import SYSTEM_BUNDLE
-from airlock.sandbox import host_paths, netns
+from airlock.sandbox import cgroups, host_paths, netns
 from airlock.sandbox.errors import SandboxError
+from airlock.sandbox.limits import TIMEOUT, Resources, limit_problem
 from airlock.sandbox.reach import Reach, policy_files
+
+from .embedded_gateway import gateway_credentials, prepare_call_log
 
 ISOLATIONS = ("auto", "bwrap", "none")
 SANDBOX_PATH = "/usr/local/bin:/usr/bin:/bin"
 NPM_RUN_CACHE = "/tmp/.npm"  # in the sandbox's private /tmp: its home is read-only, and npm needs a cache it writes
+
+
+@dataclass(frozen=True)
+class NetnsPlan:
+    """What a netns launch settled before anything of its sandbox exists (`plan_launch`)."""
+
+    user: pwd.struct_passwd  # who runs the command
+    isolate_fs: bool  # bubblewrap
+    env: dict[str, str]  # the caller's variables over the sandbox's PATH
+    hidden: list[Path]
+    read_only: list[Path]
+    writable: Path | None  # `--cache`, resolved
+    reach: Reach  # what the command may change on the host
+    resources: Resources
+    controllers: dict[str, tuple[Path, int]]  # this host's cgroup parents (`cgroups.host_parents`)
+
+
+def plan_launch(
+    command: Sequence[str],
+    gateway: GatewayConfig,
+    user: str | None,
+    isolation: str,
+    env: dict[str, str] | None,
+    timeout: float,
+    resources: Resources | None,
+    cache: str | None,
+    report: Callable[[str], None],
+) -> NetnsPlan:
+    """Everything `launch()` can refuse is refused here, before anything is created (SandboxError, CgroupError);
+    what the user must know (default limits this host cannot enforce, a working directory the command cannot
+    write) goes to `report`."""
+    if problem := limit_problem("timeout", timeout, TIMEOUT, lowest_included=False):
+        raise SandboxError(problem)
+    isolate_fs = choose_isolation(isolation) == "bwrap"
+    pw = netns.resolve_user(user)
+    env = {"PATH": SANDBOX_PATH} | (env or {})
+    if problem := command_problem(command[0] if command else "", env["PATH"]):
+        raise SandboxError(problem)
+    prepare_call_log(gateway)
+    hidden = hidden_paths(isolate_fs, pw, gateway_credentials(gateway))
+    read_only = kept_from_writes(isolate_fs, pw)
+    protected = [*(Path(path) for _, path in gateway_inputs(gateway)), *map(Path, gateway_credentials(gateway))]
+    writable = writable_cache(Path(cache), pw, protected) if cache else None
+    reach = sandbox_reach(isolate_fs, pw, [*hidden, *read_only], [writable] if writable else [])
+    resources = resources or Resources()
+    controllers = cgroups.host_parents()
+    notes = cgroups.check(resources, controllers)
+    if note := unwritable_workdir(pw, named=user is not None):
+        notes.append(note)
+    for note in notes:
+        report(note)
+    return NetnsPlan(pw, isolate_fs, env, hidden, read_only, writable, reach, resources, controllers)
 
 
 def choose_isolation(requested: str) -> str:

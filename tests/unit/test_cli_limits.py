@@ -17,7 +17,7 @@ from airlock.cli import run as run_command
 from airlock.cli.common import default_policy_path
 from airlock.cli.run import RunConfig
 from airlock.gateway import Gateway, GatewayConfig, GatewayError
-from airlock.launch import netns_launcher
+from airlock.launch import netns_launcher, preflight
 from airlock.policy import load_policy
 from airlock.sandbox import netns
 
@@ -198,8 +198,8 @@ def test_the_launcher_kills_and_removes_the_sandbox_off_the_event_loop(
         return Stopped(listen)
 
     monkeypatch.setattr(netns_launcher, "start_gateway", start_gateway)
-    monkeypatch.setattr(netns_launcher, "hidden_paths", lambda *args: [])
-    monkeypatch.setattr(netns_launcher, "kept_from_writes", lambda *args: [])
+    monkeypatch.setattr(preflight, "hidden_paths", lambda *args: [])
+    monkeypatch.setattr(preflight, "kept_from_writes", lambda *args: [])
     monkeypatch.setattr(netns, "bubblewrap_available", lambda: True)
     monkeypatch.chdir(tmp_path)
 

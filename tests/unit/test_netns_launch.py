@@ -21,7 +21,7 @@ from airlock.cli.common import default_policy_path
 from airlock.cli.run import run_config
 from airlock.gateway import GatewayConfig, GatewayError
 from airlock.inspection.trust import SYSTEM_BUNDLE
-from airlock.launch import netns_launcher
+from airlock.launch import netns_launcher, preflight
 from airlock.launch.preflight import airlock_code, gateway_inputs, unwritable_workdir
 from airlock.policy import load_policy, parse_policy
 from airlock.sandbox import netns
@@ -80,7 +80,7 @@ def test_the_note_comes_before_anything_is_created(
         raise SandboxError("stop here")
 
     monkeypatch.setattr(netns.NetnsSandbox, "create", create)
-    monkeypatch.setattr(netns_launcher, "kept_from_writes", lambda *args: [])
+    monkeypatch.setattr(preflight, "kept_from_writes", lambda *args: [])
     config = GatewayConfig(parse_policy(POLICY), "0.0.0.0")
 
     async def launch() -> None:
@@ -159,8 +159,8 @@ def test_a_sandbox_whose_proxy_cannot_start_is_killed_and_the_error_is_raised(
         monkeypatch.setattr(netns.NetnsSandbox, name, fake)
     monkeypatch.setattr(netns.NetnsSandbox, "destroy", lambda self: events.append("destroyed"))
     monkeypatch.setattr(netns_launcher, "start_gateway", start_gateway)
-    monkeypatch.setattr(netns_launcher, "hidden_paths", lambda *args: [])
-    monkeypatch.setattr(netns_launcher, "kept_from_writes", lambda *args: [])
+    monkeypatch.setattr(preflight, "hidden_paths", lambda *args: [])
+    monkeypatch.setattr(preflight, "kept_from_writes", lambda *args: [])
     monkeypatch.chdir(tmp_path)
 
     async def run() -> int:
