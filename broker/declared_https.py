@@ -21,7 +21,7 @@ import json
 import socket
 import ssl
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 from urllib.parse import quote
 
 import aiohttp
@@ -33,12 +33,10 @@ from airlock.policy.tools import HttpsCall, TemplateError, ToolDeclaration, rend
 
 from .calls import Call
 from .declared_output import read_capped
+from .declared_runtime import Runtime
 from .errors import BrokerError, Result
 from .redact import clip
 from .shapes import loads
-
-if TYPE_CHECKING:
-    from .declared import Runtime
 
 MAX_JSON_DEPTH = 64
 MAX_MESSAGE = 500

@@ -8,7 +8,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from urllib.parse import urlsplit
 
 from airlock.policy import (
     WEB_PORTS,
@@ -33,7 +32,9 @@ from airlock.policy import (
 
 from .common import EXIT_ALLOW, EXIT_DENY, EXIT_USAGE, NeedsRoot, UsageError
 from .common import load_policy_file as _load
+from .policytest import run_cases
 from .status import cmd_policy_reload
+from .target import parse_target
 from .token import add_admin_options
 
 
@@ -90,15 +91,15 @@ def cmd_policy_check(args: argparse.Namespace) -> int:
 
 
 def cmd_policy_test(args: argparse.Namespace) -> int:
-    from .policytest import run_cases
-
     return run_cases(args.policy, args.cases)
 
 
 def cmd_policy_suggest(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from .suggest import render, since_time, suggest
+    from airlock.policy.edit import render
+
+    from .suggest import since_time, suggest
 
     if args.collapse is not None and args.collapse < 2:
         raise UsageError(f"--collapse {args.collapse}: give 2 or more sibling names")
@@ -111,36 +112,6 @@ def cmd_policy_suggest(args: argparse.Namespace) -> int:
         raise UsageError(f"{args.audit}: {e}") from None
     print(render(suggestions, Path(args.merge) if args.merge else None, args.audit), end="")
     return 0
-
-
-def parse_target(text: str) -> tuple[str, int]:
-    """A URL (`https://host/path`) or `host:port` → (canonical host, port)."""
-    if "://" in text:
-        try:
-            parts = urlsplit(text)
-        except ValueError as e:  # an unclosed [IPv6 bracket
-            raise UsageError(f"{text!r}: {e}") from None
-        if parts.scheme not in {"http", "https"} or not parts.hostname:
-            raise UsageError(f"{text!r}: only http:// and https:// URLs")
-        if parts.username is not None or parts.password is not None:
-            raise UsageError(f"{text!r}: URLs with userinfo are refused")
-        try:
-            explicit_port = parts.port
-        except ValueError as e:
-            raise UsageError(f"{text!r}: {e}") from None
-        raw_host = parts.netloc.rsplit(":", 1)[0] if explicit_port else parts.netloc
-        port = explicit_port or (443 if parts.scheme == "https" else 80)
-    else:
-        raw_host, sep, port_text = text.rpartition(":")
-        if not sep or not port_text.isdigit():
-            raise UsageError(f"{text!r}: give a URL or host:port")
-        port = int(port_text)
-    if not 1 <= port <= 65535:
-        raise UsageError(f"{text!r}: port out of range")
-    try:
-        return canonical_host(raw_host), port
-    except HostError as e:
-        raise UsageError(str(e)) from None
 
 
 def _parse_resolve(values: list[str]) -> dict[str, list[IPAddress]]:

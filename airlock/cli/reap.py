@@ -31,9 +31,9 @@ def cmd_reap(args: argparse.Namespace) -> int:
 
 def reap_docker(older_than: int | None) -> list[str]:
     """The docker sandboxes removed; none (said on stderr) when no docker engine answers."""
-    import docker  # type: ignore[import-untyped]  # docker ships no type hints
+    import docker
 
-    from airlock.sandbox.docker import reap
+    from airlock.sandbox.docker_reaper import reap
 
     try:
         client = docker.from_env()

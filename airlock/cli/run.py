@@ -20,9 +20,10 @@ from airlock.gateway.config import GatewayConfig
 from airlock.gateway.reload import PolicyWatcher
 from airlock.inspection.secrets import SecretSource, parse_placeholder_env
 from airlock.inspection.trust import SYSTEM_BUNDLE, TRUST_ENV_VARS
+from airlock.launch.embedded_gateway import gateway_credentials
+from airlock.launch.git_identity import IDENTITY_VARS, GitIdentityError, invoker_identity, parse_identity
+from airlock.launch.preflight import ISOLATIONS, choose_isolation
 from airlock.policy import Policy
-from airlock.sandbox.embedded import gateway_credentials
-from airlock.sandbox.gitidentity import IDENTITY_VARS, GitIdentityError, invoker_identity, parse_identity
 from airlock.sandbox.limits import (
     DEFAULT_CPUS,
     DEFAULT_MEMORY,
@@ -32,14 +33,13 @@ from airlock.sandbox.limits import (
     DEFAULT_PIDS,
     Resources,
 )
-from airlock.sandbox.netns_launch import ISOLATIONS, choose_isolation
 
 from .common import DOCKER_ENVIRONMENT, EXIT_TIMEOUT, NeedsRoot, UsageError, absolute, load_policy_file, signal_future
 from .gateway import add_gateway_options, gateway_config
 from .limits import check_limits
 
 if TYPE_CHECKING:
-    import docker  # type: ignore[import-untyped]  # docker ships no type hints
+    import docker
 
     from airlock.gateway import Gateway
     from airlock.sandbox.docker import Limits
@@ -323,7 +323,7 @@ async def _first(waiter: asyncio.Future[int | None], stopped: asyncio.Future[int
 
 
 async def _run_netns(run: RunConfig) -> int:
-    from airlock.sandbox.netns_launch import launch
+    from airlock.launch.netns_launcher import launch
 
     stopped = _stop_signals()  # before anything exists: a signal while the sandbox is built still removes it
     handle = await launch(
@@ -348,7 +348,7 @@ async def _run_netns(run: RunConfig) -> int:
 
 
 async def _run_docker(run: RunConfig) -> int:
-    from airlock.sandbox.docker_launch import launch
+    from airlock.launch.docker_launcher import launch
 
     assert run.image is not None and run.limits is not None
     client = _docker_client()

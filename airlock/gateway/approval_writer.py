@@ -36,7 +36,7 @@ class PolicyWriter:
         return f"{{host: {target}, ports: {ports}}}" if "/" not in target else f"{{cidr: {target}, ports: {ports}}}"
 
     def _write(self, profile: str, target: str, ports: list[int], comment: str) -> Policy:
-        from airlock.cli.suggest import Suggestion, render
+        from airlock.policy.edit import Suggestion, render
 
         path = Path(self.path)
         text = render([Suggestion(profile, target, ports, comment)], merge=path)

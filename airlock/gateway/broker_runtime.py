@@ -19,7 +19,8 @@ from aiohttp import web
 from aiohttp.abc import AbstractResolver
 
 from airlock.broker.calllog import CallLog
-from airlock.broker.declared import DeclaredTools, Runtime
+from airlock.broker.declared import DeclaredTools
+from airlock.broker.declared_runtime import Runtime
 from airlock.broker.github import AppCredential, Credential, GitHubClient, StaticCredential
 from airlock.broker.gitpush import GitTransport, Pusher, git_base_url
 from airlock.broker.service import Broker, BrokerSettings

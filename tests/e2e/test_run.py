@@ -466,7 +466,7 @@ def _watchdogs_of(launcher: int) -> list[int]:
         with contextlib.suppress(OSError, ValueError, IndexError):
             if entry.name.isdigit() and int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == launcher:
                 children.append(int(entry.name))
-    found = [pid for pid in children if "airlock.sandbox.watchdog" in _cmdline(Path(f"/proc/{pid}"))]
+    found = [pid for pid in children if "airlock.launch.watchdog" in _cmdline(Path(f"/proc/{pid}"))]
     assert len(found) == 1, children
     return found
 
@@ -508,7 +508,9 @@ LAUNCH = """
 import asyncio, sys
 from airlock.cli.common import load_policy_file
 from airlock.gateway.config import GatewayConfig
-from airlock.sandbox.netns_launch import launch
+from airlock.launch.netns_launcher import launch
+from airlock.gateway.config import GatewayConfig
+from airlock.launch.netns_launcher import launch
 
 async def main():
     config = GatewayConfig(load_policy_file(sys.argv[1]), "0.0.0.0", upstream_dns=[(sys.argv[2], 53)])

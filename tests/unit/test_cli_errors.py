@@ -22,11 +22,11 @@ from airlock.gateway import GatewayError
 from airlock.gateway.config import BrokerConfigError
 from airlock.gateway.reload import PolicyReloader, log_reload
 from airlock.inspection.ca import GatewayCA
+from airlock.launch.watchdog import WatchdogError
 from airlock.policy import PolicyError
 from airlock.sandbox.docker import DockerSandboxError
+from airlock.sandbox.errors import SandboxError
 from airlock.sandbox.fence import FenceError
-from airlock.sandbox.netns import SandboxError
-from airlock.sandbox.watchdog import WatchdogError
 from airlock.sandbox.workdir import WorkdirError
 
 GATEWAY = ["gateway", "--listen", "127.0.0.1", "--upstream-dns", "127.0.0.1"]

@@ -18,8 +18,9 @@ from airlock.cli.common import default_policy_path
 from airlock.cli.run import RunConfig
 from airlock.gateway import Gateway, GatewayError
 from airlock.gateway.config import GatewayConfig
+from airlock.launch import netns_launcher, preflight
 from airlock.policy import load_policy
-from airlock.sandbox import netns, netns_launch
+from airlock.sandbox import netns
 
 
 @pytest.fixture
@@ -197,14 +198,14 @@ def test_the_launcher_kills_and_removes_the_sandbox_off_the_event_loop(
     async def start_gateway(config: GatewayConfig, listen: str, *args: object, **kwargs: object) -> Stopped:
         return Stopped(listen)
 
-    monkeypatch.setattr(netns_launch, "start_gateway", start_gateway)
-    monkeypatch.setattr(netns_launch, "hidden_paths", lambda *args: [])
-    monkeypatch.setattr(netns_launch, "kept_from_writes", lambda *args: [])
+    monkeypatch.setattr(netns_launcher, "start_gateway", start_gateway)
+    monkeypatch.setattr(preflight, "hidden_paths", lambda *args: [])
+    monkeypatch.setattr(preflight, "kept_from_writes", lambda *args: [])
     monkeypatch.setattr(netns, "bubblewrap_available", lambda: True)
     monkeypatch.chdir(tmp_path)
 
     async def run() -> int | None:
-        handle = await netns_launch.launch(["true"], config, user="nobody", isolation="bwrap", timeout=0.2)
+        handle = await netns_launcher.launch(["true"], config, user="nobody", isolation="bwrap", timeout=0.2)
         async with handle:
             return await handle.wait()
 

@@ -14,11 +14,9 @@ from airlock import cli
 from airlock.cli.common import UsageError
 from airlock.cli.run import HOST_CA_VARS, parse_mount, passed_env
 from airlock.gateway.config import GatewayConfig
-from airlock.policy import load_policy
-from airlock.sandbox import netns, netns_launch
-from airlock.sandbox.gitidentity import IDENTITY_VARS
-from airlock.sandbox.netns import SandboxError, accessible_by, credential_paths
-from airlock.sandbox.netns_launch import (
+from airlock.launch import preflight
+from airlock.launch.git_identity import IDENTITY_VARS
+from airlock.launch.preflight import (
     choose_isolation,
     hidden_paths,
     host_environment,
@@ -26,6 +24,10 @@ from airlock.sandbox.netns_launch import (
     refuse_inputs_in_reach,
     sandbox_reach,
 )
+from airlock.policy import load_policy
+from airlock.sandbox import host_paths, netns
+from airlock.sandbox.errors import SandboxError
+from airlock.sandbox.host_paths import accessible_by, credential_paths
 from airlock.sandbox.workdir import WorkdirGuard
 
 
@@ -166,7 +168,7 @@ def test_docker_mounts_never_show_a_gateway_credential(tmp_path: Path) -> None:
 def test_without_bubblewrap_a_user_with_a_session_is_refused(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     user = _user(tmp_path)
     assert hidden_paths(False, user, []) == []
-    monkeypatch.setattr(netns, "user_session", lambda u: Path(f"/run/user/{u.pw_uid}"))
+    monkeypatch.setattr(host_paths, "user_session", lambda u: Path(f"/run/user/{u.pw_uid}"))
     with pytest.raises(SandboxError, match=r"has a session \(/run/user/4242\)"):
         hidden_paths(False, user, [])
 
@@ -174,8 +176,8 @@ def test_without_bubblewrap_a_user_with_a_session_is_refused(monkeypatch: pytest
 def test_host_services_are_hidden_where_they_exist(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     (tmp_path / "user").mkdir()
     (tmp_path / "docker.sock").write_text("")
-    monkeypatch.setattr(netns, "HOST_SERVICES", (str(tmp_path / "user"), str(tmp_path / "docker.sock"), "/nope"))
-    assert netns.host_service_paths() == [tmp_path / "user", tmp_path / "docker.sock"]
+    monkeypatch.setattr(host_paths, "HOST_SERVICES", (str(tmp_path / "user"), str(tmp_path / "docker.sock"), "/nope"))
+    assert host_paths.host_service_paths() == [tmp_path / "user", tmp_path / "docker.sock"]
 
 
 def test_the_command_runs_without_supplementary_groups_and_with_masks(
@@ -248,7 +250,7 @@ def test_the_work_tree_above_the_working_directory_shows_below_a_private_mount_o
 def test_working_directories_the_command_may_not_write(tmp_path: Path, cwd: str, problem: str | None) -> None:
     user = _user(tmp_path)
     (Path(user.pw_dir) / "project").mkdir()
-    found = netns.workdir_problem(Path(cwd.replace("HOME", user.pw_dir)), user)
+    found = host_paths.workdir_problem(Path(cwd.replace("HOME", user.pw_dir)), user)
     problem = problem and problem.replace("HOME", user.pw_dir)
     assert (found is None) if problem is None else (found is not None and problem in found), found
 
@@ -290,7 +292,7 @@ def test_the_packaged_policy_of_a_checkout_run_from_itself_is_not_refused(
     (checkout / "configs" / "default.yaml").write_text("version: 1\nprofiles:\n  default: {}\n")
     (checkout / "notes" / "policy.yaml").write_text("version: 1\nprofiles:\n  default: {}\n")
     monkeypatch.chdir(checkout)
-    monkeypatch.setattr(netns_launch, "airlock_code", lambda: [checkout / ".venv", checkout / "configs"])
+    monkeypatch.setattr(preflight, "airlock_code", lambda: [checkout / ".venv", checkout / "configs"])
     reach = sandbox_reach(True, user, kept_from_writes(True, user))
     packaged = GatewayConfig(
         load_policy(checkout / "configs" / "default.yaml"), "0.0.0.0", state_dir=str(tmp_path / "state")

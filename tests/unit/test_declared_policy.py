@@ -17,9 +17,9 @@ from airlock.cli.run import add_arguments as add_run_arguments
 from airlock.cli.run import parse_grants, run_config
 from airlock.gateway.config import BrokerConfig, GatewayConfig, parse_secret
 from airlock.inspection.secrets import SecretSource
+from airlock.launch.embedded_gateway import gateway_credentials
 from airlock.policy import PolicyError, parse_policy
 from airlock.policy.tools import ArgvCommand, HttpsCall
-from airlock.sandbox.embedded import gateway_credentials
 
 F = "p.yaml"
 EXAMPLE = Path(__file__).resolve().parents[2] / "configs" / "policy.example.yaml"

@@ -25,7 +25,8 @@ from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
 from airlock.audit import AuditRecord
-from airlock.broker.declared import DeclaredTools, Runtime
+from airlock.broker.declared import DeclaredTools
+from airlock.broker.declared_runtime import Runtime
 from airlock.broker.service import Broker
 from airlock.broker.store import SqliteStore
 from airlock.broker.tokens import KeyRing, TokenAuthority

@@ -9,8 +9,9 @@ from unittest.mock import MagicMock
 
 import pytest
 
-from airlock.sandbox import docker as docker_backend
-from airlock.sandbox.docker import EXPIRES_LABEL, LABEL, DockerSandboxError, reap, remove_sandbox
+from airlock.sandbox import docker_reaper
+from airlock.sandbox.docker import EXPIRES_LABEL, LABEL, DockerSandboxError
+from airlock.sandbox.docker_reaper import reap, remove_sandbox
 
 
 def _container(sandbox_id: object, expires: str = "0") -> SimpleNamespace:
@@ -26,11 +27,11 @@ def test_a_label_that_is_no_sandbox_id_is_reported_and_skipped(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, label: str
 ) -> None:
     removed: list[str] = []
-    monkeypatch.setattr(docker_backend, "remove_sandbox", lambda client, sandbox_id: removed.append(sandbox_id))
+    monkeypatch.setattr(docker_reaper, "remove_sandbox", lambda client, sandbox_id: removed.append(sandbox_id))
     client = MagicMock()
     client.containers.list.return_value = [_container(label), _container("ok1")]
     client.networks.list.return_value = []
-    with caplog.at_level(logging.WARNING, logger="airlock.sandbox.docker"):
+    with caplog.at_level(logging.WARNING, logger="airlock.sandbox.docker_reaper"):
         assert reap(client) == ["ok1"]
     assert removed == ["ok1"]
     assert f"label {label!r} is not a sandbox id" in caplog.text
@@ -38,7 +39,7 @@ def test_a_label_that_is_no_sandbox_id_is_reported_and_skipped(
 
 @pytest.mark.parametrize("expires", ["soon", "nan", "inf"])
 def test_an_unreadable_expiry_counts_as_expired(monkeypatch: pytest.MonkeyPatch, expires: str) -> None:
-    monkeypatch.setattr(docker_backend, "remove_sandbox", lambda client, sandbox_id: None)
+    monkeypatch.setattr(docker_reaper, "remove_sandbox", lambda client, sandbox_id: None)
     client = MagicMock()
     client.containers.list.return_value = [_container("ok2", expires)]
     client.networks.list.return_value = []

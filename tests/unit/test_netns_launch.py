@@ -20,10 +20,12 @@ from airlock.cli.common import default_policy_path
 from airlock.cli.run import run_config
 from airlock.gateway import GatewayError
 from airlock.gateway.config import BrokerConfig, GatewayConfig
+from airlock.inspection.trust import SYSTEM_BUNDLE
+from airlock.launch import netns_launcher, preflight
+from airlock.launch.preflight import airlock_code, gateway_inputs, unwritable_workdir
 from airlock.policy import load_policy, parse_policy
-from airlock.sandbox import netns, netns_launch
-from airlock.sandbox.netns import SYSTEM_TRUST_BUNDLE, SandboxError
-from airlock.sandbox.netns_launch import airlock_code, gateway_inputs, unwritable_workdir
+from airlock.sandbox import netns
+from airlock.sandbox.errors import SandboxError
 
 POLICY = "version: 1\nprofiles:\n  default:\n    allow:\n      - host: pypi.org\n"
 
@@ -78,11 +80,11 @@ def test_the_note_comes_before_anything_is_created(
         raise SandboxError("stop here")
 
     monkeypatch.setattr(netns.NetnsSandbox, "create", create)
-    monkeypatch.setattr(netns_launch, "kept_from_writes", lambda *args: [])
+    monkeypatch.setattr(preflight, "kept_from_writes", lambda *args: [])
     config = GatewayConfig(parse_policy(POLICY), "0.0.0.0")
 
     async def launch() -> None:
-        await netns_launch.launch(["true"], config, isolation="none", report=events.append)
+        await netns_launcher.launch(["true"], config, isolation="none", report=events.append)
 
     with pytest.raises(SandboxError, match="stop here"):
         asyncio.run(launch())
@@ -97,7 +99,7 @@ def test_the_gateways_inputs_come_from_its_config(tmp_path: Path) -> None:
         admin=str(tmp_path / "admin.sock"), policy_path=str(path), broker=BrokerConfig(port=8080, call_log="/calls"),
     )  # fmt: skip
     code = [("airlock's own code", str(p)) for p in airlock_code()]
-    system = [("the system's CA bundle", SYSTEM_TRUST_BUNDLE)] if Path(SYSTEM_TRUST_BUNDLE).exists() else []
+    system = [("the system's CA bundle", str(SYSTEM_BUNDLE))] if SYSTEM_BUNDLE.exists() else []
     assert gateway_inputs(config) == [
         ("--policy", str(path)), ("--upstream-ca", "/ca.pem"), ("--audit", str(tmp_path / "a.log")),
         ("--state-dir", "/st"), ("--call-log", "/calls"), ("--admin", str(tmp_path / "admin.sock")),
@@ -156,13 +158,13 @@ def test_a_sandbox_whose_proxy_cannot_start_is_killed_and_the_error_is_raised(
     for name, fake in (("create", create), ("kill_all", kill_all), ("command", command)):
         monkeypatch.setattr(netns.NetnsSandbox, name, fake)
     monkeypatch.setattr(netns.NetnsSandbox, "destroy", lambda self: events.append("destroyed"))
-    monkeypatch.setattr(netns_launch, "start_gateway", start_gateway)
-    monkeypatch.setattr(netns_launch, "hidden_paths", lambda *args: [])
-    monkeypatch.setattr(netns_launch, "kept_from_writes", lambda *args: [])
+    monkeypatch.setattr(netns_launcher, "start_gateway", start_gateway)
+    monkeypatch.setattr(preflight, "hidden_paths", lambda *args: [])
+    monkeypatch.setattr(preflight, "kept_from_writes", lambda *args: [])
     monkeypatch.chdir(tmp_path)
 
     async def run() -> int:
-        handle = await netns_launch.launch(["true"], GatewayConfig(parse_policy(POLICY), "0.0.0.0"), isolation="none")
+        handle = await netns_launcher.launch(["true"], GatewayConfig(parse_policy(POLICY), "0.0.0.0"), isolation="none")
         async with handle:
             with pytest.raises(GatewayError, match="the proxy could not be loaded: ImportError"):
                 await handle.wait()

@@ -15,11 +15,11 @@ from airlock import cli
 from airlock.cli import build_parser
 from airlock.cli.common import UsageError, default_policy_path
 from airlock.cli.run import HOST_CA_VARS, git_identity, host_ca_note, run_config
+from airlock.launch.git_identity import GitIdentityError, invoker_identity, parse_identity
+from airlock.launch.preflight import cache_environment, command_problem, writable_cache
 from airlock.policy import load_policy
 from airlock.sandbox import netns
-from airlock.sandbox.gitidentity import GitIdentityError, invoker_identity, parse_identity
-from airlock.sandbox.netns import SandboxError
-from airlock.sandbox.netns_launch import cache_environment, command_problem, writable_cache
+from airlock.sandbox.errors import SandboxError
 
 ADA = {
     "GIT_AUTHOR_NAME": "Ada Lovelace",

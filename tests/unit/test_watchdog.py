@@ -13,12 +13,12 @@ from pathlib import Path
 
 import pytest
 
-from airlock.sandbox import watchdog as watchdog_module
-from airlock.sandbox.watchdog import Watchdog, WatchdogError
+from airlock.launch import watchdog as watchdog_module
+from airlock.launch.watchdog import Watchdog, WatchdogError
 
 LAUNCHER = """
 import sys, time
-from airlock.sandbox.watchdog import Watchdog
+from airlock.launch.watchdog import Watchdog
 watchdog = Watchdog.start(600, [sys.argv[1]])
 watchdog.wait_ready()
 print(watchdog._proc.pid, flush=True)
@@ -27,7 +27,7 @@ time.sleep(600)
 
 EARLY_LAUNCHER = """
 import sys, time
-from airlock.sandbox.watchdog import Watchdog
+from airlock.launch.watchdog import Watchdog
 watchdog = Watchdog.start(600)
 watchdog.guard("netns", sys.argv[1], wait=False)  # it may not run yet: the name waits in the pipe
 print(watchdog._proc.pid, flush=True)

@@ -16,8 +16,8 @@ from airlock.broker.grants import Grant
 from airlock.gateway.config import GatewayConfig, broker_url
 from airlock.policy import Sandbox
 from airlock.runs import runs_dir
+from airlock.sandbox.fence import Interception
 
-from .fence import Interception
 from .watchdog import Watchdog
 
 if TYPE_CHECKING:

@@ -1,5 +1,5 @@
 """`launch()`: a hardened docker sandbox with its own embedded gateway, as one handle — for orchestrators, and
-what `airlock run --backend docker` uses. Its netns twin is `airlock.sandbox.netns_launch.launch()`."""
+what `airlock run --backend docker` uses. Its netns twin is `airlock.launch.netns_launcher.launch()`."""
 
 from __future__ import annotations
 
@@ -14,9 +14,10 @@ from airlock.broker.grants import Grant
 from airlock.gateway import Gateway
 from airlock.gateway.config import GatewayConfig
 from airlock.gateway.startup.preload import preload_proxy
+from airlock.inspection.trust import SANDBOX_BUNDLE
+from airlock.sandbox.docker import TOKEN_PATH, DockerSandbox, Limits
 
-from .docker import TOKEN_PATH, DockerSandbox, Limits
-from .embedded import (
+from .embedded_gateway import (
     fence_interception,
     fence_ports,
     gateway_environment,
@@ -25,7 +26,6 @@ from .embedded import (
     start_gateway,
     state_directory,
 )
-from .netns import SYSTEM_TRUST_BUNDLE
 from .watchdog import Watchdog
 
 IMAGE_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
@@ -117,14 +117,13 @@ async def launch(
         running = await start_gateway(gateway, sandbox.gateway_ip, sandbox.sandbox_id, sandbox.sandbox_ip, profile)
         environment = {"PATH": IMAGE_PATH, "HOME": "/tmp", **(env or {})}
         environment |= gateway_environment(running, sandbox.sandbox_id, bool(grants))
-        if (inspector := running.inspector) is not None and inspector.bundle is not None:
-            # The system's CAs plus the gateway's (inspected hosts), where the image's clients look first.
-            sandbox.mounts.append((str(inspector.bundle), SYSTEM_TRUST_BUNDLE))
-            environment |= inspector.environment(SYSTEM_TRUST_BUNDLE)
+        bundle = None  # the system's CAs plus the gateway's (inspected hosts), bound where the image's clients look
+        if (inspector := running.inspector) is not None and (bundle := inspector.bundle) is not None:
+            environment |= inspector.environment(SANDBOX_BUNDLE)
         if token := await mint_token(running, sandbox.sandbox_id, grants or [], token_ttl):
             sandbox.place_token(token)
             environment["AIRLOCK_TOKEN_FILE"] = TOKEN_PATH
-        await asyncio.to_thread(sandbox.start, command, environment)
+        await asyncio.to_thread(sandbox.start, command, environment, bundle)
     except BaseException:
         await _teardown(sandbox, running, own, state)
         raise

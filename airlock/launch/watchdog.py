@@ -52,7 +52,7 @@ class Watchdog:
         """Spawn a watchdog whose deadline is `timeout` + `grace` seconds away; `leftovers` are folders it removes
         too when it acts. It starts up while the launcher builds the sandbox: `guard()` waits for it."""
         read_end, write_end = os.pipe()  # both non-inheritable: only the watchdog gets the read end, by pass_fds
-        module = "airlock.sandbox.watchdog"
+        module = "airlock.launch.watchdog"
         argv = [sys.executable, "-I", "-m", module, str(read_end), repr(timeout), repr(grace), *leftovers]
         try:
             proc = subprocess.Popen(
@@ -151,7 +151,8 @@ def watch(fd: int, timeout: float, grace: float) -> tuple[list[list[str]], str |
 
 
 def remove(words: list[str]) -> str:
-    """Remove one named sandbox the way its backend's reaper does; returns what it was."""
+    """Remove one named sandbox the way its backend's reaper does; returns what it was. The backends are imported
+    here, when one is to be removed: the process says it is ready (which the launcher waits for) before that."""
     from airlock.sandbox import SANDBOX_ID
 
     backend, sandbox_id, engine = [*words, "", ""][:3]
@@ -166,7 +167,7 @@ def remove(words: list[str]) -> str:
     elif backend == "docker":
         import docker
 
-        from airlock.sandbox.docker import remove_sandbox
+        from airlock.sandbox.docker_reaper import remove_sandbox
 
         client = docker.DockerClient(base_url=engine) if engine else docker.from_env()
         try:
