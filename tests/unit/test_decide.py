@@ -1,4 +1,5 @@
-"""decide() and vet(): default deny, deny wins, wildcards, ports, CIDR exceptions, metadata never (brief §3, §4)."""
+"""decide() and vet(): default deny, deny wins over allow, wildcards, ports, CIDR rules as exceptions to the
+private-range block, and the metadata addresses never reached, whatever a rule says."""
 
 from __future__ import annotations
 
