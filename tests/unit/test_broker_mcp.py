@@ -21,7 +21,7 @@ from airlock.broker.bodies import MAX_REQUEST_BYTES
 from airlock.broker.mcp import BROKER_REFUSAL, LARGE_READS
 from airlock.broker.service import BrokerSettings
 
-from test_broker_service import (  # the REST tests' broker, fake GitHub and token helpers
+from broker_env import (  # the broker, its fake GitHub and token helpers
     FIELDS,
     GRANT,
     SANDBOX,
