@@ -17,6 +17,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from mitmproxy import ctx
+from mitmproxy.options import Options
 
 sys.path.insert(0, str(Path(__file__).parent))
 
@@ -45,3 +47,12 @@ def tmp_path(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Path]:
         yield folder
     finally:
         shutil.rmtree(folder, ignore_errors=True)
+
+
+@pytest.fixture
+def hook_options(monkeypatch: pytest.MonkeyPatch) -> None:
+    """mitmproxy's `ctx.options` with the one option the addon's hooks read declared alone (taddons' context would
+    load mitmproxy's whole set)."""
+    options = Options()
+    options.add_option("stream_large_bodies", str | None, None, "")
+    monkeypatch.setattr(ctx, "options", options, raising=False)
