@@ -6,12 +6,11 @@ import re
 from pathlib import Path
 
 import pytest
+from repo_files import CONFIGS
 
 from airlock.cli import main
 from airlock.policy import Policy, fastload, loader
 from airlock.reload import PolicyReloader
-
-CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
 POLICY = """\
 version: 1

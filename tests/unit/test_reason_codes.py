@@ -8,7 +8,6 @@ import asyncio
 import ipaddress
 import re
 from collections.abc import Awaitable, Callable
-from pathlib import Path
 
 import pytest
 from addon_env import PublicResolver, client_hello, sni
@@ -18,6 +17,7 @@ from mitmproxy.http import Headers
 from mitmproxy.proxy import events, layer
 from mitmproxy.proxy.context import Context
 from mitmproxy.test import tflow, tutils
+from repo_files import REPO
 
 from airlock.approvals import Approvals
 from airlock.audit import AuditRecord
@@ -47,7 +47,7 @@ from airlock.proxy.shared import GatewaySettings
 
 pytestmark = pytest.mark.usefixtures("hook_options")  # every case runs with the options its hooks read
 
-DOCS = Path(__file__).resolve().parents[2] / "docs" / "audit-codes.md"
+DOCS = REPO / "docs" / "audit-codes.md"
 POLICY = parse_policy(
     """
 version: 1

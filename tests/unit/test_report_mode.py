@@ -17,7 +17,7 @@ from mitmproxy import connection, ctx, http
 from mitmproxy.proxy import events, layer
 from mitmproxy.proxy.context import Context
 from mitmproxy.test import tflow, tutils
-from test_audit_schema import SCHEMA
+from repo_files import AUDIT_SCHEMA as SCHEMA
 from test_decide import DECISIONS, VETS, F
 from test_decide import POLICY as DECIDE_POLICY
 
