@@ -11,15 +11,16 @@ from pathlib import Path
 
 import pytest
 from addon_env import PUBLIC, PublicResolver, client_hello, sni
+from decide_cases import DECISIONS, VETS
+from decide_cases import POLICY as DECIDE_POLICY
 from dnslib import QTYPE, RCODE, DNSRecord
 from jsonschema import Draft202012Validator
 from mitmproxy import connection, ctx, http
 from mitmproxy.proxy import events, layer
 from mitmproxy.proxy.context import Context
 from mitmproxy.test import tflow, tutils
+from policy_text import F
 from repo_files import AUDIT_SCHEMA as SCHEMA
-from test_decide import DECISIONS, VETS, F
-from test_decide import POLICY as DECIDE_POLICY
 
 from airlock.audit import AuditRecord
 from airlock.audit.notices import DenialNotices
