@@ -28,15 +28,10 @@ from broker_env import (  # the broker, its fake GitHub and token helpers
     Factory,
     Harness,
     Reply,
-    app_key,
-    credentials,
     identify_as,
-    make,
 )
 
 pytestmark = pytest.mark.tmpfs  # its stores (SQLite) on tmpfs: no fsync waits on a shared disk
-
-__all__ = ["app_key", "credentials", "make"]  # fixtures, used by name
 
 PUSH_GRANT = {"tool": "push_branch", "repo": "acme/app", "head": "agent/*"}
 JSON = {"Content-Type": "application/json", "Accept": "application/json, text/event-stream"}

@@ -12,11 +12,9 @@ from typing import Any
 
 import pytest
 
-from broker_env import FIELDS, GRANT, LOOPBACK, SANDBOX, Factory, Harness, Reply, app_key, credentials, head_sha, make
+from broker_env import FIELDS, GRANT, LOOPBACK, SANDBOX, Factory, Harness, Reply, head_sha
 
 pytestmark = pytest.mark.tmpfs  # its stores (SQLite) on tmpfs: no fsync waits on a shared disk
-
-__all__ = ["app_key", "credentials", "make"]  # the broker-in-front-of-a-fake-GitHub fixture and what it needs
 
 OTHER = "sbx-2"
 GET = "/v1/tools/get_pull_request"

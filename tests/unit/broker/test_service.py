@@ -36,15 +36,10 @@ from broker_env import (
     Factory,
     Harness,
     Reply,
-    app_key,
-    credentials,
     identify_as,
-    make,
 )
 
 pytestmark = pytest.mark.tmpfs  # its stores (SQLite) on tmpfs: no fsync waits on a shared disk
-
-__all__ = ["app_key", "credentials", "make"]  # fixtures, used by name
 
 
 # --- creating pull requests -------------------------------------------------------------------------------------
