@@ -10,23 +10,10 @@ from pathlib import Path
 
 import pytest
 import yaml
+from policy_text import F, errors_of, rule
+from repo_files import CONFIGS
 
 from airlock.policy import DnsLimits, PolicyError, canonical_host, decide, fastload, load_policy, loader, parse_policy
-
-F = "p.yaml"
-CONFIGS = Path(__file__).resolve().parents[2] / "configs"
-
-
-def errors_of(text: str) -> list[str]:
-    with pytest.raises(PolicyError) as info:
-        parse_policy(text, F)
-    assert str(info.value) == "\n".join(info.value.errors)
-    return info.value.errors
-
-
-def rule(body: str, action: str = "allow") -> str:
-    """A one-profile policy whose rule list starts at line 5."""
-    return "version: 1\nprofiles:\n  default:\n    " + action + ":\n" + textwrap.indent(body, "      ")
 
 
 def dns(body: str) -> str:

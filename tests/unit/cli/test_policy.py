@@ -6,12 +6,11 @@ import re
 from pathlib import Path
 
 import pytest
+from repo_files import CONFIGS
 
 from airlock.cli import main
 from airlock.gateway.reload import PolicyReloader
 from airlock.policy import Policy, fastload, loader
-
-CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
 POLICY = """\
 version: 1

@@ -8,17 +8,15 @@ import dataclasses
 import ipaddress
 import json
 import typing
-from pathlib import Path
 
 import pytest
 from jsonschema import Draft202012Validator
+from repo_files import AUDIT_SCHEMA as SCHEMA
 
 from airlock.audit import SCHEMA_VERSION, AuditRecord, Kind, RepeatedDecisions, Verdict
 from airlock.gateway.auditing import GatewayAudit
 from airlock.policy import LivePolicy, ReasonCode, Sandbox, SandboxRegistry, parse_policy
 
-SCHEMA_PATH = Path(__file__).resolve().parents[2] / "docs" / "audit-record.schema.json"
-SCHEMA = json.loads(SCHEMA_PATH.read_text(encoding="utf-8"))
 VALIDATOR = Draft202012Validator(SCHEMA)
 POLICY_TEXT = """\
 version: 1

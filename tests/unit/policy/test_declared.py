@@ -10,6 +10,8 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from policy_text import F, errors_of
+from repo_files import EXAMPLE_POLICY
 
 from airlock.broker.grants import Grant, GrantError, parse_grant
 from airlock.cli.common import UsageError
@@ -18,11 +20,9 @@ from airlock.cli.run import parse_grants, run_config
 from airlock.gateway.config import BrokerConfig, GatewayConfig, parse_secret
 from airlock.inspection.secrets import SecretSource
 from airlock.launch.embedded_gateway import gateway_credentials
-from airlock.policy import PolicyError, parse_policy
+from airlock.policy import parse_policy
 from airlock.policy.tools import ArgvCommand, HttpsCall
 
-F = "p.yaml"
-EXAMPLE = Path(__file__).resolve().parents[2] / "configs" / "policy.example.yaml"
 HEAD = "version: 1\nprofiles:\n  default: {}\n"  # lines 1-3; a `tools:` section starts at line 4
 
 
@@ -30,12 +30,6 @@ def tools(body: str, upstreams: str = "") -> str:
     """A policy whose `tools:` list starts at line 5 (its first item), `upstreams:` after it."""
     text = HEAD + "tools:\n" + textwrap.indent(textwrap.dedent(body), "  ")
     return text + ("upstreams:\n" + textwrap.indent(textwrap.dedent(upstreams), "  ") if upstreams else "")
-
-
-def errors_of(text: str) -> list[str]:
-    with pytest.raises(PolicyError) as info:
-        parse_policy(text, F)
-    return info.value.errors
 
 
 ARGV = "- name: t\n  description: d\n  input: {type: object, properties: {q: {type: string}}, required: [q]}\n"
@@ -118,7 +112,7 @@ def test_every_mistake_is_reported_at_once() -> None:
 
 def example_with_tools() -> str:
     """configs/policy.example.yaml with its commented `tools:` section switched on."""
-    text = EXAMPLE.read_text()
+    text = EXAMPLE_POLICY.read_text()
     start, end = text.index("# tools:"), text.index("# (end of the tools example)")
     block = re.sub(r"(?m)^# ?", "", text[start:end])
     return text[:start] + block + text[end:]
@@ -128,7 +122,7 @@ def test_the_example_declares_one_tool_of_each_kind() -> None:
     policy = parse_policy(example_with_tools(), "example.yaml")
     kinds = {tool.name: type(tool.executor) for tool in policy.tools}
     assert sorted(kinds.values(), key=str) == sorted([ArgvCommand, HttpsCall], key=str)
-    assert parse_policy(EXAMPLE.read_text()).tools == ()  # commented out: the example runs without --secret
+    assert parse_policy(EXAMPLE_POLICY.read_text()).tools == ()  # commented out: the example runs without --secret
 
 
 # --- grants and the CLI -------------------------------------------------------------------------------------------

@@ -1,5 +1,5 @@
 """get_pull_request and comment_on_pull_request through the broker's sandbox app, against the fake GitHub of
-test_broker_service (which checks each installation token's repository and permissions per request).
+broker_env.py (which checks each installation token's repository and permissions per request).
 
 Only pull requests the calling sandbox created through the broker can be read or commented on: another sandbox's,
 one made outside the broker, and a number never used answer the same 404 without GitHub being asked."""
@@ -12,13 +12,9 @@ from typing import Any
 
 import pytest
 
-import test_broker_service as service
-from test_broker_service import FIELDS, GRANT, LOOPBACK, SANDBOX, Factory, Harness, Reply, head_sha
+from broker_env import FIELDS, GRANT, LOOPBACK, SANDBOX, Factory, Harness, Reply, head_sha
 
 pytestmark = pytest.mark.tmpfs  # its stores (SQLite) on tmpfs: no fsync waits on a shared disk
-
-# The broker-in-front-of-a-fake-GitHub fixture, and the App key and credentials it needs.
-make, app_key, credentials = service.make, service.app_key, service.credentials
 
 OTHER = "sbx-2"
 GET = "/v1/tools/get_pull_request"

@@ -1,4 +1,6 @@
-"""The address classifier against every range of brief §4 (one row per range: an inside and an edge address)."""
+"""The address classifier against every range the gateway never reaches unless a CIDR rule names it (private,
+loopback, link-local, shared, multicast, reserved, translation and tunnel ranges, the cloud metadata addresses):
+one row per range, an inside and an edge address."""
 
 from __future__ import annotations
 
@@ -201,7 +203,7 @@ DOCUMENTATION = [
 
 @pytest.mark.parametrize("text", [r[1] for r in DOCUMENTATION], ids=[r[0] for r in DOCUMENTATION])
 def test_documentation_ranges_public_on_purpose(text: str) -> None:
-    # Deliberate (brief §4): never routed on the internet, so the e2e fake internet lives there.
+    # Deliberate: the documentation ranges are never routed on the internet, so the e2e fake internet lives there.
     assert classify(ipaddress.ip_address(text)).category is PUBLIC
 
 

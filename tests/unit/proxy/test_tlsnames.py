@@ -6,6 +6,7 @@ from __future__ import annotations
 import struct
 
 import pytest
+from addon_env import client_hello
 from mitmproxy.proxy.layers.tls import parse_client_hello
 
 from airlock.policy import ReasonCode
@@ -128,14 +129,6 @@ def test_other_extensions_hide_nothing(code: int) -> None:
 # --- the tunnel decision, on ClientHellos mitmproxy parsed ----------------------------------------------------
 
 
-def hello(*extensions: tuple[int, bytes]) -> bytes:
-    """A TLS record holding a ClientHello with exactly these extensions, built by hand as a hostile client would."""
-    block = b"".join(struct.pack("!HH", kind, len(body)) + body for kind, body in extensions)
-    body = b"\x03\x03" + bytes(32) + b"\x00" + b"\x00\x02\x13\x01" + b"\x01\x00" + struct.pack("!H", len(block)) + block
-    handshake = b"\x01" + len(body).to_bytes(3, "big") + body
-    return b"\x16\x03\x01" + struct.pack("!H", len(handshake)) + handshake
-
-
 def refusal(record: bytes, host: str, ech_allowed: bool = False) -> tuple[ReasonCode, str] | None:
     parsed = parse_client_hello(record)
     assert parsed is not None
@@ -150,7 +143,7 @@ NAME_HOST = "allowed.test"
 @pytest.mark.parametrize("host", [IP_HOST, NAME_HOST])
 def test_malformed_sni_refuses_the_tunnel(body: bytes, host: str) -> None:
     try:
-        parsed = parse_client_hello(hello((0, body)))
+        parsed = parse_client_hello(client_hello((0, body)))
     except ValueError:
         return  # mitmproxy could not read the hello at all: the tunnel is refused as a malformed ClientHello
     assert parsed is not None
@@ -162,44 +155,44 @@ def test_malformed_sni_refuses_the_tunnel(body: bytes, host: str) -> None:
 def test_mitmproxy_reads_the_worst_shapes_as_no_sni() -> None:
     # Why airlock parses the extension itself: to mitmproxy these are a hello without SNI.
     for body in (name_list(entry(b"a.test"), entry(b"b.test")), name_list(entry(b"name.test:443"))):
-        parsed = parse_client_hello(hello((0, body)))
+        parsed = parse_client_hello(client_hello((0, body)))
         assert parsed is not None and parsed.sni is None
 
 
 def test_two_server_name_extensions_refuse_the_tunnel() -> None:
-    refused = refusal(hello(sni(b"allowed.test"), sni(b"evil.test")), NAME_HOST)
+    refused = refusal(client_hello(sni(b"allowed.test"), sni(b"evil.test")), NAME_HOST)
     assert refused == (ReasonCode.INVALID_SNI, "invalid TLS SNI: 2 server_name extensions in one ClientHello")
 
 
 def test_sni_must_name_the_connect_host() -> None:
-    assert refusal(hello(sni(b"allowed.test")), NAME_HOST) is None
-    assert refusal(hello(sni(b"Allowed.Test.")), NAME_HOST) is None
+    assert refusal(client_hello(sni(b"allowed.test")), NAME_HOST) is None
+    assert refusal(client_hello(sni(b"Allowed.Test.")), NAME_HOST) is None
     mismatch = "TLS SNI 'evil.test' does not match CONNECT host allowed.test"
-    assert refusal(hello(sni(b"evil.test")), NAME_HOST) == (ReasonCode.SNI_MISMATCH, mismatch)
+    assert refusal(client_hello(sni(b"evil.test")), NAME_HOST) == (ReasonCode.SNI_MISMATCH, mismatch)
     none = "TLS SNI None does not match CONNECT host allowed.test"
-    assert refusal(hello(), NAME_HOST) == (ReasonCode.SNI_MISMATCH, none)
+    assert refusal(client_hello(), NAME_HOST) == (ReasonCode.SNI_MISMATCH, none)
 
 
 def test_an_ip_literal_connect_may_omit_sni_but_not_send_a_name() -> None:
-    assert refusal(hello(), IP_HOST) is None
-    assert refusal(hello((0x2B, b"\x02\x03\x04")), "2001:db8::5") is None
+    assert refusal(client_hello(), IP_HOST) is None
+    assert refusal(client_hello((0x2B, b"\x02\x03\x04")), "2001:db8::5") is None
     # The CIDR rule judged the address, not this name: fronting.
     fronted = f"TLS SNI 'evil.test' does not match CONNECT host {IP_HOST}"
-    assert refusal(hello(sni(b"evil.test")), IP_HOST) == (ReasonCode.SNI_MISMATCH, fronted)
+    assert refusal(client_hello(sni(b"evil.test")), IP_HOST) == (ReasonCode.SNI_MISMATCH, fronted)
 
 
 @pytest.mark.parametrize("code", [0xFE08, 0xFE0D, 0xFFCE, 0xFD00], ids=lambda c: f"0x{c:04x}")
 def test_ech_refuses_the_tunnel_and_names_the_code_point(code: int) -> None:
-    refused = refusal(hello(sni(b"allowed.test"), (code, b"\x00" + bytes(32))), NAME_HOST)
+    refused = refusal(client_hello(sni(b"allowed.test"), (code, b"\x00" + bytes(32))), NAME_HOST)
     assert refused is not None and refused[0] is ReasonCode.ECH, refused
     assert f"Encrypted Client Hello extension 0x{code:04x}" in refused[1] and "ech: true" in refused[1]
 
 
 def test_ech_where_the_rule_allows_it_still_needs_a_valid_matching_sni() -> None:
     ech = (0xFE0D, b"\x00" + bytes(32))
-    assert refusal(hello(sni(b"allowed.test"), ech), NAME_HOST, ech_allowed=True) is None
-    mismatch = refusal(hello(sni(b"evil.test"), ech), NAME_HOST, ech_allowed=True)
+    assert refusal(client_hello(sni(b"allowed.test"), ech), NAME_HOST, ech_allowed=True) is None
+    mismatch = refusal(client_hello(sni(b"evil.test"), ech), NAME_HOST, ech_allowed=True)
     assert mismatch is not None and mismatch[0] is ReasonCode.SNI_MISMATCH
     two = (0, name_list(entry(b"allowed.test"), entry(b"evil.test")))
-    refused = refusal(hello(two, ech), NAME_HOST, ech_allowed=True)
+    refused = refusal(client_hello(two, ech), NAME_HOST, ech_allowed=True)
     assert refused == (ReasonCode.INVALID_SNI, "invalid TLS SNI: server_name list holds 2 names, not one")

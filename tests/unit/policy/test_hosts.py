@@ -1,4 +1,5 @@
-"""canonical_host and the IP-literal parsers: one canonical text per host, or HostError (brief §3)."""
+"""canonical_host and the IP-literal parsers: one canonical text per host (lowercase, one trailing dot dropped, IDNA
+to punycode, every numeric IPv4 spelling libc accepts judged as that address), or HostError."""
 
 from __future__ import annotations
 

@@ -17,8 +17,8 @@ from aiohttp.test_utils import TestServer
 
 from airlock.broker.calllog import CallLog
 
-# The broker harness and its fake GitHub, shared with the broker's own tests.
-from test_broker_service import (  # noqa: F401 - app_key, credentials and make are fixtures
+# The broker harness and its fake GitHub (broker_env.py), shared with the broker's own tests.
+from broker_env import (  # noqa: F401 - app_key, credentials and make are fixtures
     FIELDS,
     LOOPBACK,
     SANDBOX,

@@ -23,6 +23,7 @@ from typing import Any
 import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
+from repo_files import E2E
 
 from airlock.audit import AuditRecord
 from airlock.broker.declared import DeclaredTools
@@ -33,7 +34,7 @@ from airlock.broker.tokens import KeyRing, TokenAuthority
 from airlock.broker.tools import TOOLS
 from airlock.policy import IPAddress, Policy, Profile, Rule, parse_policy, vet
 
-sys.path.insert(0, str(Path(__file__).parents[1] / "e2e"))
+sys.path.insert(0, str(E2E))
 from testca import TestCA, make_test_ca  # the e2e tests' throwaway CA, for a real TLS upstream
 
 pytestmark = pytest.mark.tmpfs  # its stores (SQLite) on tmpfs: no fsync waits on a shared disk

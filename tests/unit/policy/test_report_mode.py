@@ -10,16 +10,17 @@ import json
 from pathlib import Path
 
 import pytest
+from addon_env import PUBLIC, PublicResolver, client_hello, sni
+from decide_cases import DECISIONS, VETS
+from decide_cases import POLICY as DECIDE_POLICY
 from dnslib import QTYPE, RCODE, DNSRecord
 from jsonschema import Draft202012Validator
 from mitmproxy import connection, ctx, http
 from mitmproxy.proxy import events, layer
 from mitmproxy.proxy.context import Context
 from mitmproxy.test import tflow, tutils
-from test_audit_schema import SCHEMA
-from test_decide import DECISIONS, VETS, F
-from test_decide import POLICY as DECIDE_POLICY
-from test_reason_codes import FakeResolver, client_hello, mitmproxy_options, sni
+from policy_text import F
+from repo_files import AUDIT_SCHEMA as SCHEMA
 
 from airlock.audit import AuditRecord
 from airlock.audit.notices import DenialNotices
@@ -45,8 +46,6 @@ from airlock.policy import (
 from airlock.policy.decide import POLICY_GAPS
 from airlock.proxy.addon import Airlock, build_addon
 from airlock.proxy.shared import GatewaySettings
-
-__all__ = ["mitmproxy_options"]  # a fixture the proxy tests below use
 
 ENFORCED = parse_policy(DECIDE_POLICY, F).profile()
 REPORTED = parse_policy(DECIDE_POLICY + "    mode: report\n", F).profile()  # last: the rules keep their lines
@@ -196,13 +195,12 @@ def test_the_loader_refuses_a_bad_mode_with_file_and_line(extra: str, error: str
 
 REPORT_POLICY = parse_policy(BASE + "    mode: report\n", "p.yaml")
 SANDBOX = Sandbox("sbx", "default", ipaddress.ip_network("127.0.0.0/8"))  # mitmproxy's test client is 127.0.0.1
-PUBLIC = ipaddress.ip_address("192.0.2.1")
 
 
 def _proxy(answers: dict[str, Answer | Exception] | None = None) -> tuple[Airlock, list[AuditRecord]]:
     audit: list[AuditRecord] = []
     live = LivePolicy(REPORT_POLICY, SandboxRegistry([SANDBOX]), KnownAddresses(frozenset({OWN})))
-    return build_addon(live, FakeResolver(answers), audit.append, GatewaySettings()), audit
+    return build_addon(live, PublicResolver(answers), audit.append, GatewaySettings()), audit
 
 
 def _connect(host: str, port: int = 443) -> http.HTTPFlow:
@@ -242,7 +240,7 @@ async def test_a_report_mode_connect_to_a_hard_block_is_refused(target: str, ans
     assert (audit[-1].decision, audit[-1].code) == ("deny", code)
 
 
-@pytest.mark.usefixtures("mitmproxy_options")
+@pytest.mark.usefixtures("hook_options")
 async def test_a_reported_plain_request_is_delivered_and_audited_as_report() -> None:
     airlock, audit = _proxy()
     flow = tflow.tflow(req=tutils.treq(host="a.example", port=80, authority=b""))
@@ -254,7 +252,7 @@ async def test_a_reported_plain_request_is_delivered_and_audited_as_report() -> 
     assert (audit[-1].kind, audit[-1].decision, audit[-1].code) == ("http", "report", ReasonCode.PORT_NOT_ALLOWED)
 
 
-@pytest.mark.usefixtures("mitmproxy_options")
+@pytest.mark.usefixtures("hook_options")
 async def test_a_host_header_naming_another_target_is_refused_in_report_mode() -> None:
     airlock, audit = _proxy()
     flow = tflow.tflow(req=tutils.treq(host="unlisted.example.net", port=80, authority=b""))
@@ -264,7 +262,7 @@ async def test_a_host_header_naming_another_target_is_refused_in_report_mode() -
     assert (audit[-1].decision, audit[-1].code) == ("deny", ReasonCode.HOST_MISMATCH)
 
 
-@pytest.mark.usefixtures("mitmproxy_options")
+@pytest.mark.usefixtures("hook_options")
 @pytest.mark.parametrize(
     ("data", "code"),
     [
@@ -291,7 +289,7 @@ async def test_a_reported_tunnel_still_refuses_what_its_bytes_do(data: bytes, co
 async def _dns(name: str, answers: dict[str, Answer | Exception] | None = None) -> tuple[DNSRecord, AuditRecord]:
     audit: list[AuditRecord] = []
     live = LivePolicy(REPORT_POLICY, SandboxRegistry([SANDBOX]), KnownAddresses(frozenset({OWN})))
-    resolver = PolicyResolver(live, FakeResolver(answers), audit.append, DnsSettings())
+    resolver = PolicyResolver(live, PublicResolver(answers), audit.append, DnsSettings())
     reply = await resolver.resolve(DNSRecord.question(name, "A"), Handler("127.0.0.1", "udp", SANDBOX))
     [record] = audit
     return reply, record
@@ -323,7 +321,7 @@ async def test_dns_in_report_mode_still_filters_internal_answers(address: str, c
 async def test_dns_in_report_mode_reports_an_unlisted_name_asked_for_another_type() -> None:
     audit: list[AuditRecord] = []
     live = LivePolicy(REPORT_POLICY, SandboxRegistry([SANDBOX]))
-    resolver = PolicyResolver(live, FakeResolver(), audit.append, DnsSettings())
+    resolver = PolicyResolver(live, PublicResolver(), audit.append, DnsSettings())
     await resolver.resolve(DNSRecord.question("unlisted.example.net", "MX"), Handler("127.0.0.1", "udp", SANDBOX))
     assert (audit[0].method, audit[0].decision, audit[0].code) == (QTYPE.get(QTYPE.MX), "report", "not_allowlisted")
 

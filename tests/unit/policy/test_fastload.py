@@ -9,10 +9,10 @@ import time
 from pathlib import Path
 
 import pytest
+from repo_files import REPO
 
 from airlock.policy import Policy, PolicyError, fastload, load_policy, parse_policy
 
-REPO = Path(__file__).resolve().parents[2]
 HEAD = "version: 1\nprofiles:\n  default:\n    allow:\n"
 
 

@@ -21,22 +21,17 @@ from airlock.broker.bodies import MAX_REQUEST_BYTES
 from airlock.broker.mcp import BROKER_REFUSAL, LARGE_READS
 from airlock.broker.service import BrokerSettings
 
-from test_broker_service import (  # the REST tests' broker, fake GitHub and token helpers
+from broker_env import (  # the broker, its fake GitHub and token helpers
     FIELDS,
     GRANT,
     SANDBOX,
     Factory,
     Harness,
     Reply,
-    app_key,
-    credentials,
     identify_as,
-    make,
 )
 
 pytestmark = pytest.mark.tmpfs  # its stores (SQLite) on tmpfs: no fsync waits on a shared disk
-
-__all__ = ["app_key", "credentials", "make"]  # fixtures, used by name
 
 PUSH_GRANT = {"tool": "push_branch", "repo": "acme/app", "head": "agent/*"}
 JSON = {"Content-Type": "application/json", "Accept": "application/json, text/event-stream"}

@@ -10,13 +10,14 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from policy_text import F, errors_of, rule
+from repo_files import EXAMPLE_POLICY
 
 from airlock.cli import main
 from airlock.policy import (
     GithubInjection,
     HttpRule,
     Injection,
-    PolicyError,
     ReasonCode,
     Rule,
     decide,
@@ -28,13 +29,6 @@ from airlock.policy import (
 )
 from airlock.policy.tools import SecretRef
 
-F = "p.yaml"
-
-
-def rule(body: str, action: str = "allow") -> str:
-    """A one-profile policy whose rule list starts at line 5."""
-    return "version: 1\nprofiles:\n  default:\n    " + action + ":\n" + textwrap.indent(body, "      ")
-
 
 def inspected(body: str = "", host: str = "api.example") -> str:
     """An inspected allow rule for `host` on line 5; `body` (its further keys) starts on line 7."""
@@ -43,12 +37,6 @@ def inspected(body: str = "", host: str = "api.example") -> str:
 
 def the_rule(text: str) -> Rule:
     return parse_policy(text, F).profile().allow[0]
-
-
-def errors_of(text: str) -> list[str]:
-    with pytest.raises(PolicyError) as info:
-        parse_policy(text, F)
-    return info.value.errors
 
 
 # --- loading ------------------------------------------------------------------------------------------------------
@@ -659,11 +647,9 @@ def test_a_placeholder_goes_only_to_the_hosts_of_its_secrets_rule() -> None:
 
 # --- the example policy, `policy check` and `policy explain` ------------------------------------------------------
 
-EXAMPLE = Path(__file__).resolve().parents[2] / "configs" / "policy.example.yaml"
-
 
 def test_the_example_policy_s_inspected_rule_loads_when_switched_on() -> None:
-    text = EXAMPLE.read_text(encoding="utf-8")
+    text = EXAMPLE_POLICY.read_text(encoding="utf-8")
     start = text.index("      # - host: api.model.example")
     end = text.index("      # (end of the inspection example)")
     policy = parse_policy(text[:start] + re.sub(r"(?m)^      # ", "      ", text[start:end]) + text[end:], F)
