@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable, Collection, Mapping
 
 from airlock.policy import Policy, TokenBuckets
-from airlock.policy.tools import ArgvCommand, ToolDeclaration
+from airlock.policy.declared_tools import ArgvCommand, ToolDeclaration
 
 from .bodies import MAX_REQUEST_BYTES
 from .calls import Call, Tool
@@ -26,7 +26,7 @@ from .declared_argv import ArgvExecutor
 from .declared_https import HttpsExecutor
 from .declared_runtime import Runtime
 from .errors import BrokerError, Result, rate_limited
-from .tools import ToolSpec
+from .tool_schemas import ToolSpec
 
 TIMEOUT_CODE = "tool_timeout"
 BURST = 10  # calls of one tool a token may make at once before its rate applies

@@ -29,7 +29,7 @@ import tempfile
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from airlock.policy.tools import ArgvCommand, SecretRef, TemplateError, ToolDeclaration, text_of, whole_field
+from airlock.policy.declared_tools import ArgvCommand, SecretRef, TemplateError, ToolDeclaration, text_of, whole_field
 
 from .calls import Call
 from .declared_output import read_capped, read_kept

@@ -29,7 +29,7 @@ from aiohttp.abc import AbstractResolver
 from yarl import URL
 
 from airlock.policy import IPAddress
-from airlock.policy.tools import HttpsCall, TemplateError, ToolDeclaration, render, whole_field
+from airlock.policy.declared_tools import HttpsCall, TemplateError, ToolDeclaration, render, whole_field
 
 from .calls import Call
 from .declared_output import read_capped

@@ -27,7 +27,7 @@ from .gitpush import Pusher, PushError, PushLimits
 from .grants import Grant, GrantError, covering, valid_branch, valid_repo, validated
 from .redact import Redactor
 from .state import State
-from .tools import MAX_BODY, MAX_TITLE, TOOLS
+from .tool_schemas import MAX_BODY, MAX_TITLE, TOOLS
 
 BODY_OVERHEAD = 64 * 1024  # a push_branch body: the base64 bundle and this much for the rest of the JSON
 

@@ -42,7 +42,7 @@ from airlock.policy import (
     registrable_domain,
     vet,
 )
-from airlock.policy.approvals import Asker
+from airlock.policy.held_requests import Asker
 
 from .admission import NO_SANDBOX, STRANGER, Admission, DnsSettings, Overloaded
 from .answered import AnsweredAddresses

@@ -23,7 +23,7 @@ from dnslib import DNSRecord
 
 from airlock.audit import AuditRecord, RepeatedDecisions
 from airlock.policy import LivePolicy, Sandbox
-from airlock.policy.approvals import Asker
+from airlock.policy.held_requests import Asker
 
 from .admission import Admission, DnsSettings
 from .answered import AnsweredAddresses

@@ -16,7 +16,7 @@ from typing import Literal, NamedTuple
 from .addresses import Category, classify, embedded_ipv4, in_sandbox_links
 from .codes import ReasonCode
 from .hosts import IPAddress, format_host_port, is_ip, is_single_label
-from .inspection import HttpRule
+from .inspected_rules import HttpRule
 from .model import WEB_PORTS, Profile, Rule
 from .paths import PathError, canonical_path, split_target
 

@@ -16,13 +16,13 @@ from airlock.audit import AuditRecord
 from airlock.dns.answered import AnsweredAddresses
 from airlock.dns.upstream import Resolver
 from airlock.policy import LivePolicy
-from airlock.policy.approvals import Asker
+from airlock.policy.held_requests import Asker
 
 from .connect import PinnedConnect
 from .httpaudit import HttpAudit
 from .httppolicy import HttpPolicy
 from .identity import SandboxIdentity
-from .inspection import Inspection
+from .inspected_tunnels import Inspection
 from .shared import Credentials, GatewaySettings, GitTokens, Shared
 from .transparent import TransparentPolicy
 from .tunnels import TunnelPolicy

@@ -11,7 +11,7 @@ from airlock.policy import Decision, HostError, ReasonCode, canonical_host, form
 
 from .answers import answer
 from .failclosed import fail_closed
-from .inspection import Inspection, Refusal, inspected_rule
+from .inspected_tunnels import Inspection, Refusal, inspected_rule
 from .shared import ClientState, Shared
 from .transparent import audit_extra
 

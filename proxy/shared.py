@@ -33,7 +33,7 @@ from airlock.policy import (
     refused_addresses,
     vet,
 )
-from airlock.policy.approvals import Asker
+from airlock.policy.held_requests import Asker
 
 MINTED_KEPT = 64  # installation tokens the scrubber keeps looking for
 _UNKNOWN_SANDBOX = Decision(False, "connection from an address that belongs to no sandbox", ReasonCode.UNKNOWN_SANDBOX)

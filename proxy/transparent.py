@@ -32,7 +32,7 @@ from airlock.policy import Decision, ReasonCode, Sandbox, format_host_port
 
 from .failclosed import fail_closed
 from .httplayer import HttpLayer
-from .inspection import inspected_rule, intercept
+from .inspected_tunnels import inspected_rule, intercept
 from .shared import ClientState, Outcome, Shared, is_transparent
 from .tlsnames import TlsNameError, server_name
 from .tunnels import MeteredTunnel, TunnelPolicy, ech_refusal, may_be_tls

@@ -16,7 +16,7 @@ from airlock.audit import AuditRecord
 from airlock.policy import ReasonCode, decide, is_ip
 
 from .failclosed import fail_closed
-from .inspection import inspected_rule, intercept
+from .inspected_tunnels import inspected_rule, intercept
 from .shared import ClientState, Shared
 from .tlsnames import ECH_EXTENSIONS, TlsNameError, hidden_name, server_name
 

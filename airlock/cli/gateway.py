@@ -30,7 +30,7 @@ from .common import (
     load_policy_file,
     signal_future,
 )
-from .limits import check_limits
+from .option_bounds import check_limits
 
 if TYPE_CHECKING:  # `airlock run` builds a config before its sandbox exists; the gateway is imported meanwhile
     from airlock.gateway import Gateway

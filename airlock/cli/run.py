@@ -36,7 +36,7 @@ from airlock.sandbox.limits import (
 
 from .common import DOCKER_ENVIRONMENT, EXIT_TIMEOUT, NeedsRoot, UsageError, absolute, load_policy_file, signal_future
 from .gateway import add_gateway_options, gateway_config
-from .limits import check_limits
+from .option_bounds import check_limits
 
 if TYPE_CHECKING:
     import docker

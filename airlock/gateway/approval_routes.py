@@ -8,7 +8,7 @@ import socket
 import struct
 from typing import TYPE_CHECKING, Any
 
-from airlock.gateway.approvals import Approvals
+from airlock.gateway.approval_desk import Approvals
 from airlock.gateway.errors import ApprovalError
 
 if TYPE_CHECKING:

@@ -12,7 +12,7 @@ from pathlib import Path
 from airlock.errors import AirlockError
 from airlock.gateway.errors import ApprovalError
 from airlock.policy import Policy, PolicyError, load_policy
-from airlock.policy.approvals import Pending
+from airlock.policy.held_requests import Pending
 
 
 class PolicyWriter:

@@ -27,7 +27,7 @@ from airlock.broker.service import Broker, BrokerSettings
 from airlock.broker.shapes import CREDENTIAL
 from airlock.broker.store import SqliteStore
 from airlock.broker.tokens import KeyRing, TokenAuthority
-from airlock.broker.tools import TOOLS
+from airlock.broker.tool_schemas import TOOLS
 from airlock.dns.upstream import ResolveError, Resolver
 from airlock.gateway.broker_listener import HTTP_LOG, CappedConnections
 from airlock.gateway.config import BrokerConfig, BrokerConfigError, broker_url

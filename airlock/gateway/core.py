@@ -26,12 +26,12 @@ from airlock.gateway.approval_routes import approval_routes
 from airlock.gateway.auditing import tell
 from airlock.gateway.config import GatewayConfig
 from airlock.gateway.errors import GatewayError
-from airlock.gateway.inspection import Inspector
+from airlock.gateway.inspector import Inspector
 from airlock.gateway.metrics_endpoint import MetricsEndpoint, ScrapedState
 from airlock.gateway.parts import GatewayParts, build_parts
 from airlock.gateway.reload import PolicyReloader, Reloaded, ReloadTeller
 from airlock.gateway.startup.preload import loaded, preload_admin, preload_proxy
-from airlock.gateway.status import gateway_status, readiness
+from airlock.gateway.status_report import gateway_status, readiness
 from airlock.policy import LivePolicy, Policy, PolicyError
 from airlock.sandbox.fence import mark_listeners
 from airlock.sandbox.reach import policy_files
@@ -199,7 +199,7 @@ class Gateway:
             log.warning("listening sockets not marked (%s): an airlock fence keeps sandboxes from them", e)
 
     def readiness(self) -> dict[str, str | None]:
-        """What /readyz checks (airlock/gateway/status.py)."""
+        """What /readyz checks (airlock/gateway/status_report.py)."""
         return readiness(self.config, self.parts, self._in_force, self.broker is not None)
 
     def reopen_audit(self) -> None:
@@ -269,7 +269,7 @@ class Gateway:
         return self.parts.live.current.policy if self._in_force else None
 
     def status(self) -> dict[str, Any]:
-        """What `GET /v1/status` answers (airlock/gateway/status.py)."""
+        """What `GET /v1/status` answers (airlock/gateway/status_report.py)."""
         return gateway_status(self.parts, self.started_at, self._in_force, self.config.policy)
 
     async def stop(self) -> None:

@@ -21,13 +21,13 @@ from airlock.dns.server import DnsServer
 from airlock.dns.upstream import Resolver, ResolverConfig, system_servers
 from airlock.errors import AirlockError
 from airlock.gateway.admin import AdminApp
+from airlock.gateway.approval_desk import Approvals
 from airlock.gateway.approval_writer import PolicyWriter
-from airlock.gateway.approvals import Approvals
 from airlock.gateway.auditing import GatewayAudit, tell
 from airlock.gateway.capacity import ConnectionCaps, announce, connection_caps, raise_open_file_limit, sandbox_count
 from airlock.gateway.config import GatewayConfig, admin_address
 from airlock.gateway.errors import GatewayError
-from airlock.gateway.inspection import Inspector
+from airlock.gateway.inspector import Inspector
 from airlock.gateway.metrics import GatewayMetrics
 from airlock.gateway.own_addresses import GatewayAddresses, interface_own_addresses
 from airlock.gateway.proxy_runtime import ProxyProviders, ProxyRuntime

@@ -19,7 +19,7 @@ from typing import Literal
 
 from airlock.inspection import InspectionError
 from airlock.inspection.files import read_regular_file
-from airlock.policy.inspection import placeholder
+from airlock.policy.inspected_rules import placeholder
 
 MAX_SECRET = 4096  # bytes; also broker.shapes.MAX_CREDENTIAL, what the broker accepts as a credential
 _TOKEN = re.compile(rb"[!-~]{1,%d}" % MAX_SECRET)

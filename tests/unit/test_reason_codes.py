@@ -23,7 +23,7 @@ from airlock.audit import AuditRecord
 from airlock.dns.admission import DnsSettings
 from airlock.dns.resolver import Handler, PolicyResolver
 from airlock.dns.upstream import Answer, NameNotFound, ResolveError
-from airlock.gateway.approvals import Approvals
+from airlock.gateway.approval_desk import Approvals
 from airlock.gateway.auditing import GatewayAudit
 from airlock.policy import (
     KnownAddresses,
@@ -41,7 +41,7 @@ from airlock.policy import (
     refused_certificate,
     vet,
 )
-from airlock.policy.approvals import PendingTable
+from airlock.policy.held_requests import PendingTable
 from airlock.proxy.addon import build_addon
 from airlock.proxy.shared import GatewaySettings
 

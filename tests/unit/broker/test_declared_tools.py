@@ -31,7 +31,7 @@ from airlock.broker.declared_runtime import Runtime
 from airlock.broker.service import Broker
 from airlock.broker.store import SqliteStore
 from airlock.broker.tokens import KeyRing, TokenAuthority
-from airlock.broker.tools import TOOLS
+from airlock.broker.tool_schemas import TOOLS
 from airlock.policy import IPAddress, Policy, Profile, Rule, parse_policy, vet
 
 sys.path.insert(0, str(E2E))

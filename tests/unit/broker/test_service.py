@@ -22,7 +22,7 @@ from airlock.broker.bodies import MAX_REQUEST_BYTES
 from airlock.broker.github import AppCredential, Credential
 from airlock.broker.service import BrokerSettings
 from airlock.broker.store import StoreError
-from airlock.broker.tools import MAX_BODY, MAX_TITLE
+from airlock.broker.tool_schemas import MAX_BODY, MAX_TITLE
 
 from broker_env import (
     APP_ID,

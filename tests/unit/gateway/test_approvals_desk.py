@@ -1,5 +1,5 @@
-"""The approvals adapter (airlock/gateway/approvals.py) on a real event loop: shared futures, waiters that give up, the
-webhook (a loopback server), the admin routes over a unix socket and over TCP, and a policy file that cannot take
+"""The approvals adapter (airlock/gateway/approval_desk.py) on a real event loop: shared futures, waiters that give up,
+the webhook (a loopback server), the admin routes over a unix socket and over TCP, and a policy file that cannot take
 the rule."""
 
 from __future__ import annotations
@@ -22,9 +22,9 @@ from airlock.cli import main
 from airlock.dns.admission import DnsSettings
 from airlock.dns.server import DnsServer
 from airlock.dns.upstream import Answer
+from airlock.gateway.approval_desk import Approvals
 from airlock.gateway.approval_routes import approval_routes
 from airlock.gateway.approval_writer import PolicyWriter
-from airlock.gateway.approvals import Approvals
 from airlock.gateway.errors import ApprovalError
 from airlock.policy import Decision, LivePolicy, Policy, Sandbox, SandboxRegistry, decide, parse_policy
 

@@ -1,4 +1,4 @@
-"""The policy core of approvals (policy/approvals.py), in tables: what may be asked, the pending table and its
+"""The policy core of approvals (policy/held_requests.py), in tables: what may be asked, the pending table and its
 bounds, grants and their expiry, a person's answer; and the loader's `on_unlisted` / `ask_timeout`."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import itertools
 import pytest
 
 from airlock.policy import PolicyError, decide, decide_name, parse_policy
-from airlock.policy.approvals import (
+from airlock.policy.held_requests import (
     Full,
     Grant,
     Grants,

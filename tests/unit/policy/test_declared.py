@@ -21,7 +21,7 @@ from airlock.gateway.config import BrokerConfig, GatewayConfig, parse_secret
 from airlock.inspection.secrets import SecretSource
 from airlock.launch.embedded_gateway import gateway_credentials
 from airlock.policy import parse_policy
-from airlock.policy.tools import ArgvCommand, HttpsCall
+from airlock.policy.declared_tools import ArgvCommand, HttpsCall
 
 HEAD = "version: 1\nprofiles:\n  default: {}\n"  # lines 1-3; a `tools:` section starts at line 4
 

@@ -27,7 +27,7 @@ from airlock.policy import (
     placeholder,
     placeholders_in,
 )
-from airlock.policy.tools import SecretRef
+from airlock.policy.declared_tools import SecretRef
 
 
 def inspected(body: str = "", host: str = "api.example") -> str:

@@ -16,7 +16,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from .tools import SecretRef
+from .declared_tools import SecretRef
 
 PLACEHOLDER_PREFIX = "airlock-placeholder-"
 # A placeholder as the sandbox has it: the prefix and a secret's name (policy.tools.SECRET_NAME), whole.

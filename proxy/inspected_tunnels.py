@@ -31,7 +31,7 @@ from mitmproxy.proxy.layers.http import HTTPMode
 from airlock.audit import AuditRecord, Verdict
 from airlock.policy import Decision, ReasonCode, Rule, decide
 from airlock.policy.decide import judge_placeholders, judge_request, refused_certificate
-from airlock.policy.inspection import GithubInjection, Injection, placeholders_in
+from airlock.policy.inspected_rules import GithubInjection, Injection, placeholders_in
 
 from .answers import answer
 from .failclosed import fail_closed, nothing_to_deny

@@ -11,9 +11,9 @@ from types import MappingProxyType
 
 import yaml
 
-from .inspection import GithubInjection, HttpRule, Injected, Injection
+from .declared_tools import HEADER_NAME, SECRET_NAME, Builder, SecretRef
+from .inspected_rules import GithubInjection, HttpRule, Injected, Injection
 from .paths import PathError, canonical_path
-from .tools import HEADER_NAME, SECRET_NAME, Builder, SecretRef
 
 _HTTP_KEYS = frozenset({"methods", "paths", "websocket", "comment"})
 _INJECT_KEYS = frozenset({"header", "value", "github", "comment"})

@@ -1,7 +1,7 @@
 """Approvals at run time: the futures held requests await, their deadlines and the webhook (the policy file a
 `--scope policy` approval writes: `approval_writer`; the admin routes a person answers through: `approval_routes`).
 
-The bookkeeping (what may be asked, the pending table, grants) is the policy core's (policy/approvals.py). Here a
+The bookkeeping (what may be asked, the pending table, grants) is the policy core's (policy/held_requests.py). Here a
 pending entry has one future, which every request for the same target awaits (shielded: a request that gives up
 never cancels the others' answer); the loop's timer ends it at the profile's `ask_timeout`, as a denial.
 """
@@ -24,7 +24,7 @@ from airlock.gateway.approval_writer import PolicyWriter
 from airlock.gateway.auditing import tell
 from airlock.gateway.errors import ApprovalError
 from airlock.policy import Decision, Sandbox, Snapshot, is_ip
-from airlock.policy.approvals import (
+from airlock.policy.held_requests import (
     Full,
     Grant,
     Grants,

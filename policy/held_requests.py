@@ -1,14 +1,13 @@
 """Approvals: what a profile with `on_unlisted: ask` holds while a person decides, and what a decision grants.
 
-Pure: no asyncio, no clock, no randomness. The adapter (airlock/gateway/approvals.py) passes the time and the ids, and
-holds the futures the waiting requests await. A target is (sandbox, host, port); port None is a DNS query, which asks
-for a name, not a port.
+Pure: no asyncio, no clock, no randomness. The adapter (airlock/gateway/approval_desk.py) passes the time and the ids,
+and holds the futures the waiting requests await. A target is (sandbox, host, port); port None is a DNS query, which
+asks for a name, not a port.
 
-Only what no rule lists may be asked (`not_allowlisted`): a deny rule's denial never is, nor a hard block
-(metadata, internal addresses, the gateway's own, sandbox links). A name is asked before it is resolved, so an
-unlisted name reaches no upstream resolver until a person approves it (asking is no DNS exfiltration channel);
-its addresses are then vetted like every allowed name's, so an approval never opens a hard block either.
-"""
+Only what no rule lists may be asked (`not_allowlisted`): a deny rule's denial never is, nor a hard block (metadata,
+internal addresses, the gateway's own, sandbox links). A name is asked before it is resolved, so an unlisted name
+reaches no upstream resolver until a person approves it (asking is no DNS exfiltration channel); its addresses are then
+vetted like every allowed name's, so an approval never opens a hard block either."""
 
 from __future__ import annotations
 
@@ -33,7 +32,7 @@ MAX_GRANT_TTL = 7 * 86400
 
 
 class Asker(Protocol):
-    """What the proxy and the DNS resolver await when a profile asks (the adapter, airlock/gateway/approvals.py)."""
+    """What the proxy and the DNS resolver await when a profile asks (the adapter, airlock/gateway/approval_desk.py)."""
 
     async def decide(
         self,
