@@ -2,6 +2,11 @@
 
 The YAML node tree (not plain `safe_load`) is walked so that each error names the line a security team has
 to fix, duplicate keys are caught, and nothing half-valid is ever returned.
+
+It is the one reader of the format: `fastload` reads only the common shape of a huge generated policy (and hands
+anything else here), and is held equal to this one by tests. Past 500 lines because every key of a policy is
+checked here with its `file:line` message, in one walk; the sections with a grammar of their own have readers of
+their own (`inspected_rules_reader`, `declared_tools_reader`).
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ from airlock.errors import AirlockError
 
 from . import fastload
 from .addresses import Network, never_opened
-from .declared_tools import ToolsReader
+from .declared_tools_reader import ToolsReader
 from .hosts import HostError, canonical_host, is_ip, is_single_label
 from .inspected_rules import GithubInjection, HttpRule, Injected
 from .inspected_rules_reader import InspectionReader
