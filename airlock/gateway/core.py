@@ -26,12 +26,12 @@ from airlock.gateway.approval_routes import approval_routes
 from airlock.gateway.auditing import tell
 from airlock.gateway.config import GatewayConfig
 from airlock.gateway.errors import GatewayError
-from airlock.gateway.inspector import Inspector
 from airlock.gateway.metrics_endpoint import MetricsEndpoint, ScrapedState
 from airlock.gateway.parts import GatewayParts, build_parts
 from airlock.gateway.reload import PolicyReloader, Reloaded, ReloadTeller
 from airlock.gateway.startup.preload import loaded, preload_admin, preload_proxy
 from airlock.gateway.status_report import gateway_status, readiness
+from airlock.inspection.inspector import Inspector
 from airlock.policy import LivePolicy, Policy, PolicyError
 from airlock.sandbox.fence import mark_listeners
 from airlock.sandbox.reach import policy_files

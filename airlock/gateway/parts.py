@@ -27,10 +27,10 @@ from airlock.gateway.auditing import GatewayAudit, tell
 from airlock.gateway.capacity import ConnectionCaps, announce, connection_caps, raise_open_file_limit, sandbox_count
 from airlock.gateway.config import GatewayConfig, admin_address
 from airlock.gateway.errors import GatewayError
-from airlock.gateway.inspector import Inspector
 from airlock.gateway.metrics import GatewayMetrics
 from airlock.gateway.own_addresses import GatewayAddresses, interface_own_addresses
 from airlock.gateway.proxy_runtime import ProxyProviders, ProxyRuntime
+from airlock.inspection.inspector import Inspector
 from airlock.inspection.secrets import SecretValues
 from airlock.policy import LivePolicy, Policy, SandboxRegistry
 

@@ -22,8 +22,8 @@ from airlock.dns.upstream import Resolver
 from airlock.gateway.capacity import ConnectionCaps
 from airlock.gateway.config import GatewayConfig
 from airlock.gateway.errors import GatewayError
-from airlock.gateway.inspector import Inspector
 from airlock.gateway.metrics import GatewayMetrics
+from airlock.inspection.inspector import Inspector
 from airlock.inspection.trust import system_trust_store
 from airlock.policy import LivePolicy
 from airlock.policy.held_requests import Asker

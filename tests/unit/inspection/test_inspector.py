@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from cryptography import x509
 
-from airlock.gateway.inspector import Inspector
+from airlock.inspection.inspector import Inspector
 from airlock.policy import Policy, parse_policy
 
 
