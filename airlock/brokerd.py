@@ -315,12 +315,7 @@ class BrokerRuntime:
         self._servers.clear()
         if self._session is not None:
             await self._session.close()
-        if self.broker is not None:
-            await asyncio.to_thread(self._close_state, self.broker)
-
-    @staticmethod
-    def _close_state(broker: Broker) -> None:
-        broker.close()  # waits for a store call still running (a write waiting for a lock, at most its timeout)
-        broker.store.close()  # type: ignore[attr-defined]
-        if broker.calls is not None:
-            broker.calls.log.close()
+        if self.broker is not None:  # after the listeners: no call is left to need the state
+            await self.broker.store.close()
+            if self.broker.calls is not None:
+                await self.broker.calls.log.close()

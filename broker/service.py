@@ -42,7 +42,7 @@ from airlock.audit import AuditRecord
 from airlock.policy import ReasonCode, TokenBuckets
 
 from .bodies import MAX_REQUEST_BYTES, json_object
-from .calllog import CallLog, CallRecorder
+from .calllog import CallRecorder, CallStore
 from .calls import Call, KeyedLocks, Tool
 from .declared import DeclaredTools
 from .errors import BrokerError, Result, outside_grant, rate_limited, unauthorized
@@ -105,7 +105,7 @@ class Broker:
         settings: BrokerSettings | None = None,
         pusher: Pusher | None = None,
         serves: Callable[[], list[str]] | None = None,
-        call_log: CallLog | None = None,
+        call_log: CallStore | None = None,
         declared: DeclaredTools | None = None,
     ) -> None:
         self.authority = authority
@@ -135,10 +135,6 @@ class Broker:
     def all_tools(self) -> dict[str, Tool]:
         """Built-in and declared tools, by name (the declared ones as the policy in force declares them)."""
         return self.tools | dict(self.declared.tools()) if self.declared is not None else self.tools
-
-    def close(self) -> None:
-        """Stop the state threads (after the listeners: no call is left to need them)."""
-        self.state.close()
 
     async def invoke(
         self,
@@ -294,7 +290,7 @@ class Broker:
         if record.sandbox != claims.sandbox:
             # A token is usable only from the network of the sandbox it was minted for.
             raise BrokerError(403, "wrong_sandbox", "this token belongs to another sandbox")
-        if await self.state(lambda: self.store.is_revoked(claims.jti, claims.sandbox, claims.issued_at)):
+        if await self.state(self.store.is_revoked(claims.jti, claims.sandbox, claims.issued_at)):
             raise unauthorized("revoked_token", "token has been revoked")
         return claims
 
@@ -340,7 +336,7 @@ class Broker:
     async def issue(self, sandbox: str, grants: list[Grant], ttl: int | None = None) -> tuple[str, Claims]:
         """Mint a token and remember its id until it expires (so that a revocation can tell it from a typo)."""
         token, claims = self.mint(sandbox, grants, ttl)
-        await self.state(lambda: self.store.record_issued(claims.jti, sandbox, claims.expires_at))
+        await self.state(self.store.record_issued(claims.jti, sandbox, claims.expires_at))
         if self.git_read is not None:
             self.git_read.remember(claims)
         return token, claims
@@ -374,11 +370,11 @@ class Broker:
         # Revoked whether known or not (fail closed); `known` tells the caller whether the id was one of ours.
         if isinstance(body.get("jti"), str):
             until = int(time.time()) + self.authority.keys.max_ttl
-            known = await self.state(lambda: self.store.was_issued(body["jti"]))
-            await self.state(lambda: self.store.revoke_token(body["jti"], until))
+            known = await self.state(self.store.was_issued(body["jti"]))
+            await self.state(self.store.revoke_token(body["jti"], until))
             return self._reply({"revoked": {"jti": body["jti"]}, "known": known})
         if isinstance(body.get("sandbox"), str):
-            await self.state(lambda: self.store.revoke_sandbox(body["sandbox"]))
+            await self.state(self.store.revoke_sandbox(body["sandbox"]))
             known = self.serves is None or body["sandbox"] in self.serves()
             return self._reply({"revoked": {"sandbox": body["sandbox"]}, "known": known})
         raise BrokerError(422, "invalid_request", "give jti or sandbox")

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 from .common import DEFAULT_STATE_DIR, EXIT_DENY, UsageError, absolute, duration
 
 if TYPE_CHECKING:
-    from airlock.broker.calllog import LoggedCall
+    from airlock.broker.calllog import CallStore, LoggedCall
     from airlock.broker.service import Broker
 
 SUMMARY_WIDTH = 44  # characters of a result shown per side
@@ -76,13 +76,16 @@ def logged_calls(args: argparse.Namespace) -> list[LoggedCall]:
     if not (directory / FILE_NAME).is_file():  # opening would create an empty log: say there is none instead
         raise UsageError(f"no call log in {directory}")
     try:
-        log = CallLog(directory / FILE_NAME)
-        try:
-            return log.calls(args.sandbox, args.since)
-        finally:
-            log.close()
+        return asyncio.run(_read(CallLog(directory / FILE_NAME), args.sandbox, args.since))
     except StoreError as e:
         raise UsageError(str(e)) from None
+
+
+async def _read(log: CallStore, sandbox: str | None, since: float | None) -> list[LoggedCall]:
+    try:
+        return await log.calls(sandbox, since)
+    finally:
+        await log.close()
 
 
 def cmd_tools_log(args: argparse.Namespace) -> int:
@@ -160,8 +163,7 @@ async def _replay(args: argparse.Namespace, calls: list[LoggedCall], bundles: di
             try:
                 return [await _one(broker, call, bundles) for call in calls]
             finally:
-                broker.close()
-                broker.store.close()  # type: ignore[attr-defined]
+                await broker.store.close()
 
 
 def _broker(args: argparse.Namespace, state: Path, session: Any) -> Broker:
