@@ -370,6 +370,7 @@ class Harness:
     call_log: CallLog
     seen: list[str] = field(default_factory=list)  # every response the sandbox or admin saw, headers included
     static_secret: str | None = None
+    database: str | None = None  # the PostgreSQL store's URL; None: SQLite, in `state`
 
     async def _reply(self, response: aiohttp.ClientResponse) -> Reply:
         text = await response.text()
@@ -429,13 +430,38 @@ class Harness:
         values = [*self.github.tokens_issued, *(token for _, _, token in self.github.app_jwts)]
         return values + ([self.static_secret] if self.static_secret else [])
 
+    async def move_sandbox_revocations_back(self, seconds: int) -> None:
+        """Every sandbox revocation made `seconds` earlier than it was (and read again by the store)."""
+        if self.database is None:
+            self.sql(f"UPDATE revoked_sandbox SET revoked_at = revoked_at - {seconds}")
+            return
+        # The replicas' copies hold every row they read: a revocation is changed by a new one, earlier.
+        self.sql(f"INSERT INTO revocation (sandbox, revoked_at) SELECT sandbox, revoked_at - {seconds} FROM "
+                 "revocation WHERE sandbox IS NOT NULL")  # fmt: skip
+        self.sql("DELETE FROM revocation r WHERE sandbox IS NOT NULL AND revoked_at > (SELECT min(revoked_at) FROM "
+                 "revocation WHERE sandbox = r.sandbox)")  # fmt: skip
+        self.store.inner._revocations.sandboxes.clear()
+        self.store.inner._revocations.seq = 0
+        await self.store.inner._sync_now()
+
     async def brokered_calls(self) -> list[dict[str, Any]]:
         """The call log's rows, as `airlock tools log --json` prints them."""
         return [c.to_json() for c in await self.call_log.calls()]
 
     def idempotency_records(self) -> list[str]:
-        with contextlib.closing(sqlite3.connect(self.state / "broker.sqlite3")) as db:
-            return [row[0] for row in db.execute("SELECT body FROM idempotency WHERE body IS NOT NULL")]
+        """The recorded outcomes, as their text in the store."""
+        return self.sql("SELECT body::text FROM idempotency WHERE body IS NOT NULL")
+
+    def sql(self, statement: str) -> list[Any]:
+        """The first column of what `statement` reads (or changes) in the broker's store, whichever it is."""
+        if self.database is not None:
+            import psycopg
+
+            with psycopg.connect(self.database, autocommit=True) as db:
+                cursor = db.execute(statement)  # type: ignore[arg-type]
+                return [row[0] for row in cursor.fetchall()] if cursor.description else []
+        with contextlib.closing(sqlite3.connect(self.state / "broker.sqlite3")) as db, db:
+            return [row[0] for row in db.execute(statement.replace("::text", ""))]
 
     async def assert_no_secrets(self) -> None:
         calls = await self.brokered_calls()
@@ -478,8 +504,15 @@ def identify_as(sandbox: str | None) -> Callable[[str], str | None]:
 
 
 @pytest.fixture
+def broker_database() -> str | None:
+    """The PostgreSQL database the harness's brokers keep their state in; None: a SQLite file each (the default;
+    test_broker_on_postgres.py runs this suite again with a database)."""
+    return None
+
+
+@pytest.fixture
 async def make(
-    tmp_path: Path, app_key: rsa.RSAPrivateKey, credentials: dict[str, Credential]
+    tmp_path: Path, app_key: rsa.RSAPrivateKey, credentials: dict[str, Credential], broker_database: str | None
 ) -> AsyncIterator[Factory]:
     """Builds a running broker (sandbox + admin apps on 127.0.0.1) in front of a fake GitHub on 127.0.0.1."""
     async with contextlib.AsyncExitStack() as stack:
@@ -507,14 +540,20 @@ async def make(
                 chosen = credentials[credential] if isinstance(credential, str) else credential
                 github = GitHubClient(api or fake.base_url, chosen, session, timeout=timeout)
             identify = identify or identify_as(SANDBOX)
-            inner = SqliteStore(state / "broker.sqlite3", busy_timeout)
+            inner: Any
+            if broker_database is None:
+                inner = SqliteStore(state / "broker.sqlite3", busy_timeout)
+                call_log: Any = CallLog.in_directory(state / "calls")
+                stack.push_async_callback(call_log.close)
+            else:
+                from airlock.broker.pgstore import PostgresStore
+
+                inner = call_log = await PostgresStore.open(broker_database)
             stack.push_async_callback(inner.close)
             store = FlakyStore(inner)
             audit: list[AuditRecord] = []
             authority = TokenAuthority(KeyRing(state / "keys", 3600), default_ttl=600)
             served = None if serves is None else lambda: serves
-            call_log = CallLog.in_directory(state / "calls")
-            stack.push_async_callback(call_log.close)
             broker = Broker(
                 authority,
                 store,
@@ -531,7 +570,10 @@ async def make(
                 await client.start_server()
                 stack.push_async_callback(client.close)
             static = STATIC_SECRET if credential == "static" else None
-            return Harness(broker, sandbox, admin, fake, store, state, audit, call_log, static_secret=static)
+            return Harness(
+                broker, sandbox, admin, fake, store, state, audit, call_log, static_secret=static,
+                database=broker_database,
+            )  # fmt: skip
 
         yield factory
 
@@ -986,8 +1028,7 @@ async def test_revoked_by_sandbox_is_401_for_tokens_issued_before(make: Factory)
         reply = await h.pr(revoked)
         assert reply.status == 401 and reply.body["error"] == "revoked_token"
     # A token minted after the revocation works (iat is whole seconds: move the revocation back instead of sleeping).
-    with contextlib.closing(sqlite3.connect(h.state / "broker.sqlite3")) as db, db:
-        db.execute("UPDATE revoked_sandbox SET revoked_at = revoked_at - 10")
+    await h.move_sandbox_revocations_back(10)
     assert (await h.pr(older)).status == 401
     assert (await h.pr(await h.token())).status == 201
     assert h.github.pull_posts == 1
@@ -1275,9 +1316,15 @@ async def leave_a_claim(h: Harness, key: str, fields: dict[str, Any] | None = No
     token = await h.token()
     claims = h.broker.authority.verify(token)
     request_hash = hashlib.sha256(json.dumps(["acme/app", _pr_fields(fields)], sort_keys=True).encode()).hexdigest()
-    dead = SqliteStore(h.state / "broker.sqlite3")
+    dead = SqliteStore(h.state / "broker.sqlite3") if h.database is None else await open_postgres(h.database)
     assert isinstance(await dead.claim(claims.sandbox, key, request_hash), Claimed)
     await dead.close()
+
+
+async def open_postgres(url: str) -> Any:
+    from airlock.broker.pgstore import PostgresStore
+
+    return await PostgresStore.open(url)
 
 
 def _pr_fields(fields: dict[str, Any] | None) -> dict[str, Any]:
@@ -1434,7 +1481,7 @@ async def test_store_failure_is_503_never_success(make: Factory, operation: str,
 async def test_closed_store_is_503(make: Factory) -> None:
     h = await make()
     token = await h.token()
-    h.store.inner.close_now()
+    await h.store.inner.close()
     reply = await h.pr(token)
     assert reply.status == 503 and reply.body["error"] == "store_unavailable"
     assert h.github.calls == []

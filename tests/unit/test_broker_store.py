@@ -29,7 +29,7 @@ def db_path(tmp_path: Path) -> Path:
     return tmp_path / "state" / "broker.sqlite3"
 
 
-@pytest.fixture(params=["sqlite"])
+@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
 async def open_store(request: pytest.FixtureRequest, db_path: Path) -> AsyncIterator[Opener]:
     """Opens the store of this test (again, for a restart): one SQLite file, or one fresh PostgreSQL database."""
     opened: list[BrokerStore] = []
