@@ -140,9 +140,9 @@ class PostgresStore:
         self._closed = False
 
     @classmethod
-    async def open(cls, url: str, password: str | None = None) -> PostgresStore:
-        """Connect, migrate, register this replica and start following the revocations; StoreError when the
-        database cannot be reached or is of a newer airlock."""
+    async def open(cls, url: str, password: str | None = None, replica: bool = True) -> PostgresStore:
+        """Connect, migrate, register this replica and start following the revocations (a reader of the call log,
+        `replica` False, does neither); StoreError when the database cannot be reached or is of a newer airlock."""
         check_url(url)
         extra: dict[str, Any] = {"connect_timeout": CONNECT_TIMEOUT, "application_name": "airlock-broker"}
         if password is not None:
@@ -156,6 +156,8 @@ class PostgresStore:
         try:
             await pool.open(wait=True, timeout=CONNECT_TIMEOUT + 1)
             await store._migrate()
+            if not replica:
+                return store
             rows = await store._rows(
                 "INSERT INTO broker_replica (started, host, pid) VALUES (%s, %s, %s) RETURNING id",
                 (time.time(), socket.gethostname(), os.getpid()),
