@@ -305,7 +305,10 @@ class Gateway:
         self.admin = AdminApp(config.admin or str(Path(self._state_dir) / "admin.sock"))
         self._approved: str | None = None  # the hash of the policy an approval wrote, until its file is read again
         writer = PolicyWriter(config.policy_path, self._put_approved) if config.policy_path else None
-        self.approvals = Approvals(self.emit, config.approval_webhook, writer, admin=admin_address(self.admin.endpoint))
+        self.approvals = Approvals(
+            self.emit, config.approval_webhook, writer, admin=admin_address(self.admin.endpoint),
+            shared=lambda: self.broker.store.approvals if self.broker is not None else None,  # a fleet's store
+        )  # fmt: skip
         # Reloads read the file the first policy came from, off the event loop (airlock/reload.py).
         self.reloader = PolicyReloader(self, config.policy.source, self._policy)
         if config.close_denied_on_reload:

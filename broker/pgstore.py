@@ -17,6 +17,9 @@ psycopg 3, async, with its connection pool; plain SQL. What it holds and why:
   claim whose owner holds no lock is abandoned. A replica that has lost that connection makes no claim (StoreError)
   until it holds its lock again. Settling or releasing a key NOTIFYs `airlock_outcome`, which wakes the callers
   waiting for it (who poll besides).
+- Approvals (of gateways sharing the database): each request held is a row, so that any replica lists it and a
+  person may answer on any; the answer is a row too, NOTIFYed to the replica that holds the request, which
+  releases it (and says how many it released). A sandbox-scope grant is a row every replica consults.
 - The call log is a table of the same database (`airlock tools log --store …` reads it). JSON is kept as `json`,
   the exact text, not `jsonb`: a replayed outcome is the same bytes as the first answer, and a NUL a caller sent
   (`\u0000`, which `jsonb` and `text` refuse) is recorded as sent. Text columns get no NUL (their values are
@@ -84,6 +87,23 @@ _MIGRATIONS = (
         id serial PRIMARY KEY, started double precision NOT NULL, host text NOT NULL, pid integer NOT NULL
     );
     """,
+    # Approvals a fleet of gateways shares: what each holds, what a person decided (on any replica), the grants.
+    """
+    CREATE TABLE approval_pending (
+        id text PRIMARY KEY, replica integer NOT NULL, sandbox text NOT NULL, host text NOT NULL, port integer,
+        profile text NOT NULL, kind text NOT NULL, client text NOT NULL, asked_at double precision NOT NULL,
+        expires_at double precision NOT NULL
+    );
+    CREATE TABLE approval_decision (
+        id text PRIMARY KEY, scope text, by text NOT NULL, ttl double precision, decided_at double precision NOT NULL,
+        released integer
+    );
+    CREATE TABLE approval_grant (
+        sandbox text NOT NULL, host text NOT NULL, port integer, until double precision, by text NOT NULL,
+        approval text NOT NULL
+    );
+    CREATE INDEX approval_grant_target ON approval_grant (sandbox, host);
+    """,
 )
 
 
@@ -131,6 +151,7 @@ class PostgresStore:
 
     def __init__(self, url: str, conninfo: str, pool: AsyncConnectionPool) -> None:
         self.url, self._conninfo, self.pool = url, conninfo, pool
+        self.approvals = PostgresApprovals(self)
         self.replica = 0
         self.owner = ""
         self._revocations = _Revocations()
@@ -408,6 +429,93 @@ class PostgresStore:
                 await self._watcher
             self._watcher = None
         await self.pool.close()
+
+
+class PostgresApprovals:
+    """The approvals a fleet of gateways shares (airlock.approvals.SharedApprovals). Best effort where the database
+    fails: a held request is still answered on the replica that holds it, and a grant not read is no grant (the
+    request is held and asked, never let through)."""
+
+    SCOPE = "approval"  # the outcome notifications' scope: a decision wakes the replica that holds the request
+
+    def __init__(self, store: PostgresStore) -> None:
+        self.store = store
+
+    async def _quietly(self, sql: str, args: Sequence[Any]) -> list[tuple[Any, ...]] | None:
+        try:
+            return await self.store._rows(sql, args)
+        except StoreError as e:
+            log.warning("shared approvals: %s", e)
+            return None
+
+    async def hold(self, entry: dict[str, Any]) -> None:
+        await self._quietly(
+            "INSERT INTO approval_pending VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s) ON CONFLICT DO NOTHING",
+            (entry["id"], self.store.replica, entry["sandbox"], entry["host"], entry["port"], entry["profile"],
+             entry["kind"], entry["client"], entry["asked_at"], entry["expires_at"]),
+        )  # fmt: skip
+
+    async def pending(self) -> list[dict[str, Any]]:
+        """Every replica's held requests not yet answered (times in Unix seconds)."""
+        rows = await self._quietly(
+            "SELECT p.id, p.sandbox, p.profile, p.kind, p.host, p.port, p.client, p.asked_at, p.expires_at, "
+            "p.replica FROM approval_pending p WHERE p.expires_at > %s AND NOT EXISTS "
+            "(SELECT 1 FROM approval_decision d WHERE d.id = p.id) ORDER BY p.asked_at",
+            (time.time(),),
+        )
+        names = ("id", "sandbox", "profile", "kind", "host", "port", "client", "asked_at", "expires_at", "replica")
+        return [dict(zip(names, row, strict=True)) for row in rows or []]
+
+    async def entry(self, approval_id: str) -> dict[str, Any] | None:
+        return next((p for p in await self.pending() if p["id"] == approval_id), None)
+
+    async def decide(self, approval_id: str, scope: str | None, by: str, ttl: float | None) -> bool:
+        """A person's answer (scope None: denied), for the replica that holds the request; False if answered."""
+        rows = await self._quietly(
+            "WITH decided AS (INSERT INTO approval_decision (id, scope, by, ttl, decided_at) "
+            "VALUES (%s, %s, %s, %s, %s) ON CONFLICT DO NOTHING RETURNING 1) SELECT pg_notify(%s, %s) FROM decided",
+            (approval_id, scope, by, ttl, time.time(), OUTCOMES, _key_hash(self.SCOPE, approval_id)),
+        )
+        return bool(rows)
+
+    async def decision(self, approval_id: str) -> tuple[str | None, str, float | None]:
+        """Until a person answers `approval_id` on any replica: (scope or None for denied, by, ttl)."""
+        while True:
+            rows = await self._quietly("SELECT scope, by, ttl FROM approval_decision WHERE id = %s", (approval_id,))
+            if rows:
+                scope, by, ttl = rows[0]
+                return scope, by, ttl
+            await self.store.outcome_changed(self.SCOPE, approval_id, POLL_SECONDS)
+
+    async def answered(self, approval_id: str, released: int) -> None:
+        """The request is no longer held here: answered (`released` requests let go), or timed out."""
+        await self._quietly("UPDATE approval_decision SET released = %s WHERE id = %s", (released, approval_id))
+        await self._quietly("DELETE FROM approval_pending WHERE id = %s", (approval_id,))
+
+    async def released(self, approval_id: str, wait: float) -> int:
+        """How many requests the holder released on this answer (0 if it has not said within `wait` seconds)."""
+        deadline = time.monotonic() + wait
+        while time.monotonic() < deadline:
+            rows = await self._quietly("SELECT released FROM approval_decision WHERE id = %s", (approval_id,))
+            if rows and rows[0][0] is not None:
+                return int(rows[0][0])
+            await asyncio.sleep(0.05)
+        return 0
+
+    async def add_grant(self, sandbox: str, host: str, port: int | None, until: float | None, by: str,
+                        approval: str) -> None:  # fmt: skip
+        await self._quietly(
+            "INSERT INTO approval_grant VALUES (%s, %s, %s, %s, %s, %s)", (sandbox, host, port, until, by, approval)
+        )
+
+    async def grants(self, sandbox: str, host: str) -> list[tuple[int | None, float | None, str, str]]:
+        """The sandbox-scope grants of (sandbox, host) in force: (port, until in Unix seconds, by, approval)."""
+        rows = await self._quietly(
+            "SELECT port, until, by, approval FROM approval_grant WHERE sandbox = %s AND host = %s "
+            "AND (until IS NULL OR until > %s)",
+            (sandbox, host, time.time()),
+        )
+        return [(port, until, by, approval) for port, until, by, approval in rows or []]
 
 
 def _key_hash(scope: str, key: str) -> str:

@@ -67,6 +67,7 @@ type ClaimState = Claimed | Settled | Held
 
 class BrokerStore(Protocol):
     owner: str  # this broker process's name in the claims it makes
+    approvals: Any  # what gateways sharing the store share of their approvals (airlock.approvals); None: nothing
 
     async def revoke_token(self, jti: str, expires_at: int) -> None: ...
     async def revoke_sandbox(self, sandbox: str) -> None: ...
@@ -210,6 +211,7 @@ class SqliteStore(SqliteFile):
         super().__init__(path, busy_timeout)
         # Only this process uses the file: a claim of any other run of it was left by a broker that died.
         self.owner = new_owner()
+        self.approvals = None  # one gateway's file: its approvals are its own
 
     async def revoke_token(self, jti: str, expires_at: int) -> None:
         await self._sql("INSERT OR REPLACE INTO revoked_token VALUES (?, ?)", jti, expires_at)

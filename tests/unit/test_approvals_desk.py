@@ -90,7 +90,7 @@ async def test_the_webhook_gets_each_pending_request_and_never_holds_the_decisio
         assert payload["id"] == approval and payload["target"] == "hooked.test:443"
         assert (payload["sandbox"], payload["kind"], payload["client"]) == ("sbx", "connect", "10.9.0.2")
         assert payload["expires_at"] - payload["asked_at"] == pytest.approx(60, abs=0.01)
-        desk.deny(approval, "bob")
+        await desk.deny(approval, "bob")
         assert not (await asyncio.wait_for(held, 1)).allow  # the hanging webhook held nothing
     finally:
         await desk.close()
@@ -202,7 +202,7 @@ async def test_a_held_request_is_told_in_one_line_with_the_command_that_answers_
     try:
         held = _ask(desk)
         approval = await _until_pending(desk)
-        desk.deny(approval, "alice")
+        await desk.deny(approval, "alice")
         await held
     finally:
         await desk.close()
