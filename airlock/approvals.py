@@ -273,6 +273,7 @@ class Approvals:
         if self.table.pop(approval_id) is not None:  # else it timed out while the policy was written: that stays
             released = entry.waiting
             self._settle(entry, Ruling(scope, by, entry.id), extra)
+            await self._shared_writes()
         return {"id": entry.id, "scope": scope, "target": str(entry.target), "released": released, **extra}
 
     async def _share_grant(self, target: Target, ttl: object, by: str, approval: str) -> None:
@@ -312,7 +313,12 @@ class Approvals:
         entry = self._entry(approval_id)
         self.table.pop(approval_id)
         self._settle(entry, Ruling(None, by, entry.id))
+        await self._shared_writes()
         return {"id": entry.id, "target": str(entry.target), "released": entry.waiting}
+
+    async def _shared_writes(self) -> None:
+        """An answer given here is out of the fleet's list before the person is told it is done."""
+        await asyncio.gather(*self._tasks, return_exceptions=True)
 
     def _entry(self, approval_id: str) -> Pending:
         entry = self.table.get(approval_id)

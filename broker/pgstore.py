@@ -158,6 +158,7 @@ class PostgresStore:
         self._alive = asyncio.Event()  # the dedicated connection holds this replica's liveness lock
         self._waiting: dict[str, asyncio.Event] = {}  # idempotency keys waited for, by the hash notifications carry
         self._watcher: asyncio.Task[None] | None = None
+        self._syncing = asyncio.Lock()  # one read of the revocations at a time: callers that find it stale wait for it
         self._closed = False
 
     @classmethod
@@ -186,6 +187,7 @@ class PostgresStore:
             store.replica = int(rows[0][0])
             store.owner = str(store.replica)
             store._watcher = asyncio.create_task(store._watch(), name="airlock-broker-store-watch")
+            store._watcher.add_done_callback(_said_if_failed)
             async with asyncio.timeout(CONNECT_TIMEOUT + 1):
                 await store._alive.wait()
         except (psycopg.Error, StoreError, TimeoutError) as e:
@@ -223,7 +225,8 @@ class PostgresStore:
                     await conn.execute("SELECT pg_advisory_lock(%s, %s)", (LIVENESS_LOCK, self.replica))
                     await conn.execute(f"LISTEN {REVOCATIONS}")
                     await conn.execute(f"LISTEN {OUTCOMES}")
-                    await self._sync(conn)
+                    async with self._syncing:
+                        await self._sync(conn)
                     self._alive.set()
                     if said:
                         log.warning("broker database %s: reachable again", self.url)
@@ -231,7 +234,8 @@ class PostgresStore:
                     while not self._closed:
                         async for note in conn.notifies(timeout=POLL_SECONDS, stop_after=1):
                             self._noted(note)
-                        await self._sync(conn)
+                        async with self._syncing:
+                            await self._sync(conn)
             except (psycopg.Error, OSError) as e:
                 self._alive.clear()
                 if not said and not self._closed:
@@ -257,10 +261,13 @@ class PostgresStore:
         )
         self._revocations.add(await cursor.fetchall(), read_at)
 
-    async def _sync_now(self) -> None:
+    async def _sync_now(self, unless_fresh: bool = False) -> None:
         try:
-            async with self.pool.connection() as conn:
-                await self._sync(conn)
+            async with self._syncing:
+                if unless_fresh and time.monotonic() - self._revocations.synced <= FRESHNESS_SECONDS:
+                    return  # another caller has just read them
+                async with self.pool.connection() as conn:
+                    await self._sync(conn)
         except psycopg.Error as e:
             raise StoreError(f"the broker's database {self.url}: {_first_line(e)}") from None
 
@@ -288,6 +295,8 @@ class PostgresStore:
                     "INSERT INTO revocation (jti, sandbox, revoked_at, expires_at) VALUES (%s, %s, %s, %s)",
                     (jti, sandbox, time.time(), expires_at),
                 )
+                # A revoked token that has expired can never be presented again (no replica reads old rows again).
+                await conn.execute("DELETE FROM revocation WHERE expires_at < %s", (int(time.time()) - 60,))
                 await conn.execute("SELECT pg_notify(%s, '')", (REVOCATIONS,))
         except psycopg.Error as e:
             raise StoreError(f"the broker's database {self.url}: {_first_line(e)}") from None
@@ -313,7 +322,7 @@ class PostgresStore:
         if self._closed:
             raise StoreError(f"the broker's database {self.url}: the store is closed")
         if time.monotonic() - self._revocations.synced > FRESHNESS_SECONDS:
-            await self._sync_now()  # the dedicated connection is behind, or down
+            await self._sync_now(unless_fresh=True)  # the dedicated connection is behind, or down
         return self._revocations.revoked(jti, sandbox, issued_at)
 
     # --- idempotency --------------------------------------------------------------------------------------------
@@ -421,6 +430,8 @@ class PostgresStore:
 
     async def close(self) -> None:
         """Stop following, close every connection (this replica's liveness lock goes with its own); idempotent."""
+        if self._closed:
+            return
         self._closed = True
         self._alive.clear()
         if self._watcher is not None:
@@ -516,6 +527,12 @@ class PostgresApprovals:
             (sandbox, host, time.time()),
         )
         return [(port, until, by, approval) for port, until, by, approval in rows or []]
+
+
+def _said_if_failed(task: asyncio.Task[None]) -> None:
+    """The dedicated connection's task ended by a bug: the store refuses from now on (its copy goes stale); said."""
+    if not task.cancelled() and (error := task.exception()) is not None:
+        log.error("broker database: following the revocations failed (refusing from now on): %r", error)
 
 
 def _key_hash(scope: str, key: str) -> str:

@@ -29,6 +29,7 @@ from test_broker_service import (  # the REST tests' broker, fake GitHub and tok
     Harness,
     Reply,
     app_key,
+    broker_database,
     credentials,
     identify_as,
     make,
@@ -36,7 +37,7 @@ from test_broker_service import (  # the REST tests' broker, fake GitHub and tok
 
 pytestmark = pytest.mark.tmpfs  # its stores (SQLite) on tmpfs: no fsync waits on a shared disk
 
-__all__ = ["app_key", "credentials", "make"]  # fixtures, used by name
+__all__ = ["app_key", "broker_database", "credentials", "make"]  # fixtures, used by name
 
 PUSH_GRANT = {"tool": "push_branch", "repo": "acme/app", "head": "agent/*"}
 JSON = {"Content-Type": "application/json", "Accept": "application/json, text/event-stream"}

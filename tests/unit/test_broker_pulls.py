@@ -18,7 +18,12 @@ from test_broker_service import FIELDS, GRANT, LOOPBACK, SANDBOX, Factory, Harne
 pytestmark = pytest.mark.tmpfs  # its stores (SQLite) on tmpfs: no fsync waits on a shared disk
 
 # The broker-in-front-of-a-fake-GitHub fixture, and the App key and credentials it needs.
-make, app_key, credentials = service.make, service.app_key, service.credentials
+make, app_key, credentials, broker_database = (
+    service.make,
+    service.app_key,
+    service.credentials,
+    service.broker_database,
+)
 
 OTHER = "sbx-2"
 GET = "/v1/tools/get_pull_request"

@@ -440,9 +440,11 @@ class Harness:
                  "revocation WHERE sandbox IS NOT NULL")  # fmt: skip
         self.sql("DELETE FROM revocation r WHERE sandbox IS NOT NULL AND revoked_at > (SELECT min(revoked_at) FROM "
                  "revocation WHERE sandbox = r.sandbox)")  # fmt: skip
-        self.store.inner._revocations.sandboxes.clear()
-        self.store.inner._revocations.seq = 0
-        await self.store.inner._sync_now()
+        store = self.store.inner
+        async with store._syncing, store.pool.connection() as conn:  # no read of the replica's own under way
+            store._revocations.sandboxes.clear()
+            store._revocations.seq = 0
+            await store._sync(conn)
 
     async def brokered_calls(self) -> list[dict[str, Any]]:
         """The call log's rows, as `airlock tools log --json` prints them."""

@@ -18,7 +18,7 @@ from aiohttp.test_utils import TestServer
 from airlock.broker.calllog import CallLog
 
 # The broker harness and its fake GitHub, shared with the broker's own tests.
-from test_broker_service import (  # noqa: F401 - app_key, credentials and make are fixtures
+from test_broker_service import (  # noqa: F401 - app_key, broker_database, credentials and make are fixtures
     FIELDS,
     LOOPBACK,
     SANDBOX,
@@ -27,6 +27,7 @@ from test_broker_service import (  # noqa: F401 - app_key, credentials and make 
     FakeGitHub,
     Harness,
     app_key,
+    broker_database,
     credentials,
     make,
 )
