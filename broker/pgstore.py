@@ -50,6 +50,9 @@ from .calllog import LoggedCall
 from .store import CLAIM_STALE_SECONDS, Claimed, ClaimState, Held, Settled, StoreError
 
 log = logging.getLogger("airlock.broker")
+# The pool logs each failed connection attempt (several lines each); the store says once that the database is
+# unreachable, and once that it answers again.
+logging.getLogger("psycopg.pool").setLevel(logging.ERROR)
 
 MIGRATION_LOCK = 0x61697231  # pg_advisory_xact_lock keys: airlock's own numbers
 REVOCATION_LOCK = 0x61697232
@@ -176,6 +179,7 @@ class PostgresStore:
         )  # fmt: skip
         store = cls(url, conninfo, pool)
         try:
+            await (await psycopg.AsyncConnection.connect(conninfo)).close()  # what is wrong, said as libpq says it
             await pool.open(wait=True, timeout=CONNECT_TIMEOUT + 1)
             await store._migrate()
             if not replica:
