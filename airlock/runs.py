@@ -21,8 +21,8 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from airlock.brokerconfig import admin_address, admin_endpoint
 from airlock.errors import AirlockError
+from airlock.gateway.config import admin_address, admin_endpoint
 
 RUNS = Path("/run/airlock/runs")
 RUNS_ENV = "AIRLOCK_RUNS_DIR"  # another folder for them (the tests' own): checked as RUNS is
@@ -132,8 +132,7 @@ def _ticks(pid: int) -> int:
 
 def airlock_command() -> str:
     """How a person at this host's shell runs this airlock: `airlock` when that is what PATH finds, else its script's
-    full path; `sudo ` before it when this one runs through sudo (what it answers is root's)."""
+    full path (typed by a user, it asks sudo itself for the admin listener, which is root's)."""
     script = Path(sys.executable).parent / "airlock"
     found = shutil.which("airlock")
-    name = "airlock" if not script.exists() or (found and Path(found).resolve() == script.resolve()) else str(script)
-    return f"sudo {name}" if os.environ.get("SUDO_USER") else name
+    return "airlock" if not script.exists() or (found and Path(found).resolve() == script.resolve()) else str(script)

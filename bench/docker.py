@@ -12,7 +12,7 @@ DNS server 192.0.2.53); the sandbox image is scripts/build-test-image's Debian r
      pointing at the private daemon, timed end to end from the host: network + fence, embedded gateway (proxy,
      DNS; no broker, as the probe holds no token), container, the request, teardown, and the CLI's own start-up
      (Python imports) — what a user waits for.
-   - The same in-process, as `airlock run` does it (its `run_config()`, then `airlock.sandbox.docker_launch.launch`
+   - The same in-process, as `airlock run` does it (its `run_config()`, then `airlock.launch.docker_launcher.launch`
      and `DockerHandle.close`),
      in a thread that joined the gateway namespace, with a timestamp after each step `launch()` takes (its methods
      wrapped in this process only): network + fence (`DockerSandbox.create`), gateway start (`Gateway.start`:
@@ -61,8 +61,8 @@ from airlock.cli import build_parser  # noqa: E402
 from airlock.cli.common import load_policy_file  # noqa: E402
 from airlock.cli.run import run_config  # noqa: E402
 from airlock.gateway import Gateway  # noqa: E402
+from airlock.launch.docker_launcher import launch  # noqa: E402
 from airlock.sandbox.docker import LABEL, DockerSandbox  # noqa: E402
-from airlock.sandbox.docker_launch import launch  # noqa: E402
 
 import common  # noqa: E402
 from common import fmt, percentile  # noqa: E402
@@ -187,7 +187,7 @@ def cli_once(topo: Topology, env: dict[str, str], image: str, sandbox_id: str) -
     }
 
 
-IMPORTS = "import airlock.cli.run, airlock.sandbox.docker_launch, docker"
+IMPORTS = "import airlock.cli.run, airlock.launch.docker_launcher, docker"
 
 
 def startup_once(topo: Topology, env: dict[str, str]) -> dict[str, float]:
@@ -485,7 +485,7 @@ def report(command: str, args: argparse.Namespace, data: dict[str, Any]) -> str:
     row("for comparison, alone: `ip netns exec` + Python + airlock's imports", c, "startup")
     lines += [
         "",
-        "| the same in-process (`airlock.sandbox.docker_launch.launch`, then `close()`), phase | p50 | p95 | min | max |",  # noqa: E501
+        "| the same in-process (`airlock.launch.docker_launcher.launch`, then `close()`), phase | p50 | p95 | min | max |",  # noqa: E501
         "|---|---:|---:|---:|---:|",
     ]
     row("network + fence (`DockerSandbox.create`)", p, "create")

@@ -37,7 +37,8 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tests" / "e2e"))
 sys.path.append(str(REPO / "bench"))
 
-from airlock.gateway import Gateway, GatewayConfig  # noqa: E402
+from airlock.gateway import Gateway  # noqa: E402
+from airlock.gateway.config import GatewayConfig  # noqa: E402
 from airlock.policy import Sandbox, fastload, hosts, load_policy, loader  # noqa: E402
 
 import common  # noqa: E402
@@ -130,7 +131,7 @@ async def run(rules: int, rounds: int, workdir: Path) -> dict[str, dict[str, lis
     gateway = Gateway(config)
     await gateway.start()
     loaders = Loaders()
-    port = gateway._listeners["regular@0"].getsockname()[1]  # the gateway opens the proxy's socket itself
+    port = gateway.parts.proxy.listeners["regular@0"].getsockname()[1]  # the gateway opens the proxy's socket itself
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-P", __file__, "--client", str(port), stdin=subprocess.PIPE, stdout=subprocess.PIPE
     )
@@ -169,7 +170,7 @@ async def run(rules: int, rounds: int, workdir: Path) -> dict[str, dict[str, lis
 
 
 def common_broker_off() -> object:
-    from airlock.brokerconfig import BrokerConfig
+    from airlock.gateway.config import BrokerConfig
 
     return BrokerConfig(port=0)
 

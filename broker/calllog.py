@@ -32,7 +32,7 @@ from .store import SqliteFile
 if TYPE_CHECKING:  # named in annotations only: `airlock tools log` reads the log without jwt or jsonschema
     from .calls import Call
     from .tokens import Claims
-    from .tools import ToolSpec
+    from .tool_schemas import ToolSpec
 
 log = logging.getLogger("airlock.broker")
 

@@ -16,7 +16,7 @@ from .errors import BrokerError, Result
 if TYPE_CHECKING:  # named in annotations only: the call log's readers need no jwt or jsonschema
     from .grants import Grant
     from .tokens import Claims
-    from .tools import ToolSpec
+    from .tool_schemas import ToolSpec
 
 
 @dataclass(frozen=True)

@@ -15,35 +15,21 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Collection, Mapping
 
-from airlock.policy import IPAddress, Policy, TokenBuckets, Vetted
-from airlock.policy.tools import ArgvCommand, ToolDeclaration
+from airlock.policy import Policy, TokenBuckets
+from airlock.policy.declared_tools import ArgvCommand, ToolDeclaration
 
 from .bodies import MAX_REQUEST_BYTES
 from .calls import Call, Tool
 from .declared_argv import ArgvExecutor
 from .declared_https import HttpsExecutor
+from .declared_runtime import Runtime
 from .errors import BrokerError, Result, rate_limited
-from .tools import ToolSpec
+from .tool_schemas import ToolSpec
 
 TIMEOUT_CODE = "tool_timeout"
 BURST = 10  # calls of one tool a token may make at once before its rate applies
-
-type Resolve = Callable[[str], Awaitable[Sequence[IPAddress]]]
-type Vet = Callable[[str, Sequence[IPAddress], int], Vetted]  # (sandbox id, addresses, port) → vetted
-
-
-@dataclass(frozen=True)
-class Runtime:
-    """What the executors need of the gateway: the secrets (the broker's redactor holds each), the one resolver,
-    the vetting of an upstream's addresses under the calling sandbox's profile, and the trust for TLS."""
-
-    secrets: Mapping[str, str]
-    resolve: Resolve
-    vet: Vet
-    upstream_ca: str | None = None
 
 
 class DeclaredTools:

@@ -27,17 +27,15 @@ import shutil
 import signal
 import tempfile
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from airlock.policy.tools import ArgvCommand, SecretRef, TemplateError, ToolDeclaration, text_of, whole_field
+from airlock.policy.declared_tools import ArgvCommand, SecretRef, TemplateError, ToolDeclaration, text_of, whole_field
 
 from .calls import Call
 from .declared_output import read_capped, read_kept
+from .declared_runtime import Runtime
 from .errors import BrokerError, Result
 from .redact import clip
-
-if TYPE_CHECKING:
-    from .declared import Runtime
 
 STDERR_KEPT = 4096
 REAP_WAIT = 5.0  # seconds to see a killed command's pipes close

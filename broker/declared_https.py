@@ -21,7 +21,7 @@ import json
 import socket
 import ssl
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 from urllib.parse import quote
 
 import aiohttp
@@ -29,16 +29,14 @@ from aiohttp.abc import AbstractResolver
 from yarl import URL
 
 from airlock.policy import IPAddress
-from airlock.policy.tools import HttpsCall, TemplateError, ToolDeclaration, render, whole_field
+from airlock.policy.declared_tools import HttpsCall, TemplateError, ToolDeclaration, render, whole_field
 
 from .calls import Call
 from .declared_output import read_capped
+from .declared_runtime import Runtime
 from .errors import BrokerError, Result
 from .redact import clip
 from .shapes import loads
-
-if TYPE_CHECKING:
-    from .declared import Runtime
 
 MAX_JSON_DEPTH = 64
 MAX_MESSAGE = 500

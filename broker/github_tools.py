@@ -31,7 +31,7 @@ from .grants import Grant, GrantError, covering, valid_branch, valid_repo, valid
 from .redact import Redactor
 from .state import State
 from .store import Claimed, Settled
-from .tools import MAX_BODY, MAX_TITLE, TOOLS
+from .tool_schemas import MAX_BODY, MAX_TITLE, TOOLS
 
 BODY_OVERHEAD = 64 * 1024  # a push_branch body: the base64 bundle and this much for the rest of the JSON
 OUTCOME_WAIT = 60.0  # seconds a call waits for another's outcome of its idempotency key before 503 `busy`

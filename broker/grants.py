@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from airlock.policy.tools import TOOL_NAME
+from airlock.policy.declared_tools import TOOL_NAME
 
 TOOLS = frozenset({"create_pull_request", "push_branch", "get_pull_request", "comment_on_pull_request"})
 # `\Z`, not `$`: `$` also matches before a trailing newline, which would let "main\n" through.

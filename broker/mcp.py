@@ -49,19 +49,17 @@ import json
 import re
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from aiohttp import web
 
 from airlock.audit import AuditRecord
 
 from .bodies import MAX_REQUEST_BYTES, MAX_REQUEST_DEPTH, parsed, read_body
-from .calls import bounded
-from .errors import BrokerError
+from .calls import Tool, bounded
+from .errors import BrokerError, Result
+from .redact import Redactor
 from .tokens import Claims
-
-if TYPE_CHECKING:
-    from .service import Broker
 
 HANDSHAKE_VERSIONS = ("2025-06-18", "2025-11-25")  # oldest to newest
 STATELESS_VERSIONS = ("2026-07-28",)
@@ -132,8 +130,27 @@ class Message:
     params: dict[str, Any]
 
 
+class McpBroker(Protocol):
+    """What the MCP surface asks of the broker (`broker.service.Broker`, which builds it)."""
+
+    redactor: Redactor
+
+    def all_tools(self) -> dict[str, Tool]: ...
+
+    def granted_tools(self, claims: Claims) -> list[dict[str, Any]]: ...
+
+    async def invoke(
+        self,
+        name: str,
+        claims: Claims,
+        record: AuditRecord,
+        read_input: Callable[[int], Awaitable[dict[str, Any]]],
+        idempotency_key: str | None = None,
+    ) -> Result: ...
+
+
 class McpSurface:
-    def __init__(self, broker: Broker, reply: Reply) -> None:
+    def __init__(self, broker: McpBroker, reply: Reply) -> None:
         self.broker = broker
         self.reply = reply  # the broker's one exit for JSON: redacted
         self.large = asyncio.Semaphore(LARGE_READS)

@@ -447,9 +447,9 @@ class PostgresStore:
 
 
 class PostgresApprovals:
-    """The approvals a fleet of gateways shares (airlock.approvals.SharedApprovals). Best effort where the database
-    fails: a held request is still answered on the replica that holds it, and a grant not read is no grant (the
-    request is held and asked, never let through)."""
+    """The approvals a fleet of gateways shares (airlock.gateway.approval_desk.SharedApprovals). Best effort where
+    the database fails: a held request is still answered on the replica that holds it, and a grant not read is no
+    grant (the request is held and asked, never let through)."""
 
     SCOPE = "approval"  # the outcome notifications' scope: a decision wakes the replica that holds the request
 

@@ -157,12 +157,7 @@ class Broker:
         started = time.monotonic()
         call_id: int | None = None
         try:
-            tools = self.all_tools()
-            tool = tools.get(name)
-            if tool is None:
-                raise BrokerError(404, "unknown_tool", f"no such tool; known: {', '.join(tools)}")
-            if not any(g.tool == tool.name for g in claims.grants):
-                raise outside_grant(f"this token has no grant for {tool.name}", tool.name)
+            tool = self._granted_tool(name, claims)
             self._spend(self._calls, claims, "this token's tool calls", self.settings.calls_per_minute)
             async with tool.slot():
                 body = await read_input(tool.max_request_bytes)
@@ -187,6 +182,16 @@ class Broker:
         if self.calls is not None and call_id is not None:
             await self.calls.end(call_id, status, result, None, started)
         return status, result, headers
+
+    def _granted_tool(self, name: str, claims: Claims) -> Tool:
+        """The tool called, refused when there is no such tool or the caller's token grants no call of it."""
+        tools = self.all_tools()
+        tool = tools.get(name)
+        if tool is None:
+            raise BrokerError(404, "unknown_tool", f"no such tool; known: {', '.join(tools)}")
+        if not any(g.tool == tool.name for g in claims.grants):
+            raise outside_grant(f"this token has no grant for {tool.name}", tool.name)
+        return tool
 
     def granted_tools(self, claims: Claims) -> list[dict[str, Any]]:
         granted = {g.tool for g in claims.grants}

@@ -67,7 +67,9 @@ type ClaimState = Claimed | Settled | Held
 
 class BrokerStore(Protocol):
     owner: str  # this broker process's name in the claims it makes
-    approvals: Any  # what gateways sharing the store share of their approvals (airlock.approvals); None: nothing
+    approvals: (
+        Any  # what gateways sharing the store share of their approvals (airlock.gateway.approval_desk); None: nothing
+    )
 
     async def revoke_token(self, jti: str, expires_at: int) -> None: ...
     async def revoke_sandbox(self, sandbox: str) -> None: ...

@@ -286,6 +286,11 @@ class TokenAuthority:
         return claims
 
     def _verify_signed(self, token: str) -> tuple[Claims, str]:
+        kid, public = self._signing_key(token)
+        return self._claims(self._decoded(token, public)), kid
+
+    def _signing_key(self, token: str) -> tuple[str, Ed25519PublicKey]:
+        """The id and public key of the key the token's header names, refused unless it is ours and still in use."""
         try:
             header = jwt.get_unverified_header(token)
         except jwt.PyJWTError:
@@ -295,8 +300,12 @@ class TokenAuthority:
         kid = header.get("kid")
         if not isinstance(kid, str) or (public := self.keys.verifying_key(kid)) is None:
             raise TokenError("token signed by an unknown or retired key")
+        return kid, public
+
+    def _decoded(self, token: str, public: Ed25519PublicKey) -> dict[str, Any]:
+        """The token's payload, its signature, audience, issuer and times checked by pyjwt."""
         try:
-            payload = jwt.decode(
+            return jwt.decode(
                 token,
                 public,
                 algorithms=[ALGORITHM],
@@ -313,6 +322,9 @@ class TokenAuthority:
             raise TokenError(f"token is for another audience (this broker is {self.audience})") from None
         except jwt.PyJWTError:
             raise TokenError("token signature or claims are invalid") from None
+
+    def _claims(self, payload: dict[str, Any]) -> Claims:
+        """The claims of a payload pyjwt accepted, checked further for what only this broker mints."""
         if payload["aud"] not in (self.audience, [self.audience]):  # pyjwt takes a list that holds ours among others
             raise TokenError(f"token is for another audience (this broker is {self.audience})")
         # pyjwt accepts "123" and 1.5 for the times; we mint whole seconds, so anything else is not ours.
@@ -329,7 +341,6 @@ class TokenAuthority:
         except GrantError as e:
             raise TokenError(f"token grants are invalid: {e}") from None
         sources = parse_sources(payload["src"]) if "src" in payload else ()
-        claims = Claims(
+        return Claims(
             str(payload["sub"]), str(payload["jti"]), int(payload["iat"]), int(payload["exp"]), grants, sources
         )
-        return claims, kid

@@ -17,6 +17,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Literal
 
 from airlock.audit import AuditRecord, AuditThrottle
 from airlock.policy import LivePolicy, ReasonCode, Sandbox, TokenBuckets
@@ -60,7 +61,7 @@ class Admission:
         self._inflight: Counter[str] = Counter()  # per sandbox id: queries waiting on upstream
         self._tcp: Counter[str] = Counter()  # per sandbox id (NO_SANDBOX for the rest): open TCP connections
 
-    def admit(self, client: str, now: float | None = None) -> Sandbox | bool | None:
+    def admit(self, client: str, now: float | None = None) -> Sandbox | Literal[False] | None:
         """The asking sandbox; None for an address of no sandbox, whose query is still answered (REFUSED) and
         audited; False to drop the query unanswered: over its sandbox's rate, or one more from addresses of no
         sandbox beyond their few audit lines per interval (counted into one summary line instead)."""

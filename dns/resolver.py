@@ -5,12 +5,12 @@ a coroutine because it asks the gateway's shared `Resolver` (one cache, one upst
 and the sandbox see the same addresses). It judges queries the transport (dns/server.py) has admitted
 (dns/admission.py), and reads the exfiltration signals of each name it allows.
 
-Choices (README "DNS"): unlisted names get REFUSED, without any upstream query (an honest "not for you": NXDOMAIN
-would claim the name does not exist and be cached as such), except in report mode (answered, audited `report`);
-a single-label name (a machine's own name, which /etc/hosts answers) gets NXDOMAIN: for a sandbox it exists nowhere;
-only A and AAAA are answered with data, other types of an allowed name get an empty answer; CNAME chains are
-flattened to the final, vetted addresses (the sandbox never sees intermediate names), and refused when a deny rule
-closes a name on the chain; an answer whose every address was filtered becomes NXDOMAIN.
+Choices (docs/operations.md, "DNS"): unlisted names get REFUSED, without any upstream query (an honest "not for
+you": NXDOMAIN would claim the name does not exist and be cached as such), except in report mode (answered, audited
+`report`); a single-label name (a machine's own name, which /etc/hosts answers) gets NXDOMAIN: for a sandbox it
+exists nowhere; only A and AAAA are answered with data, other types of an allowed name get an empty answer; CNAME
+chains are flattened to the final, vetted addresses (the sandbox never sees intermediate names), and refused when a
+deny rule closes a name on the chain; an answer whose every address was filtered becomes NXDOMAIN.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 from dnslib import AAAA, CLASS, QTYPE, RCODE, RR, A, DNSRecord
 
-from airlock.audit import AuditRecord
+from airlock.audit import AuditRecord, Verdict
 from airlock.policy import (
     Decision,
     DnsLimits,
@@ -42,7 +42,7 @@ from airlock.policy import (
     registrable_domain,
     vet,
 )
-from airlock.policy.approvals import Asker
+from airlock.policy.held_requests import Asker
 
 from .admission import NO_SANDBOX, STRANGER, Admission, DnsSettings, Overloaded
 from .answered import AnsweredAddresses
@@ -104,6 +104,7 @@ class PolicyResolver:
         admission: Admission | None = None,
         stats: Counter[str] | None = None,
         answered: AnsweredAddresses | None = None,
+        approvals: Asker | None = None,
     ) -> None:
         self.live = live
         self.resolver = resolver
@@ -112,7 +113,7 @@ class PolicyResolver:
         self.stats: Counter[str] = stats if stats is not None else Counter()
         self.admission = admission or Admission(live, settings, emit, self.stats)  # its in-flight cap
         self._subdomains = SubdomainRate()
-        self.approvals: Asker | None = None  # where profiles with `on_unlisted: ask` hold what no rule lists
+        self.approvals = approvals  # where profiles with `on_unlisted: ask` hold what no rule lists
         # What this DNS told each sandbox, for the proxy to judge connections that carry no name (shared with it).
         self.answered = answered if answered is not None else AnsweredAddresses()
 
@@ -153,6 +154,33 @@ class PolicyResolver:
     ) -> DNSRecord:
         if sandbox is None:
             return self._refuse(reply, record, STRANGER, ReasonCode.UNKNOWN_SANDBOX, started)
+        if (unanswered := self._unanswered(request, reply, record, started)) is not None:
+            return unanswered
+        try:
+            name = canonical_host(record.host)
+        except HostError as e:
+            return self._refuse(reply, record, f"invalid name: {e}", ReasonCode.INVALID_HOST, started)
+        record.host = name
+        profile = live.profile(sandbox)
+        decision = await self._decide(live, sandbox, profile, name, record)
+        if (denied := self._denied(reply, record, decision, started)) is not None:
+            return denied
+        flags = self._signals(record, sandbox.id, name, profile.dns)
+        if flags and profile.dns.refuse:
+            reason = "suspicious name: " + "; ".join(flags)
+            return self._refuse(reply, record, reason, ReasonCode.SUSPICIOUS_NAME, started)
+        if decision.report:
+            record.hint = decision.hint
+        if request.q.qtype not in ANSWERED_TYPES:
+            reason = f"{record.method} is not answered with data"
+            return self._allowed(reply, record, decision, reason, ReasonCode.TYPE_NOT_ANSWERED, started)
+        return await self._answer(live, request, reply, record, profile, decision, started)
+
+    def _unanswered(
+        self, request: DNSRecord, reply: DNSRecord, record: AuditRecord, started: float
+    ) -> DNSRecord | None:
+        """The reply to a query no name makes answerable: while the audit log cannot be written, or of a shape or a
+        class the gateway does not answer; None for the rest."""
         if (failure := self.settings.audit_failure()) is not None:
             reply.header.rcode = RCODE.SERVFAIL
             reason = f"audit log unavailable ({failure}): no query is answered until it can be written"
@@ -164,12 +192,12 @@ class PolicyResolver:
         if request.q.qclass != CLASS.IN:
             reason = f"class {CLASS.get(request.q.qclass)} is not answered (only IN)"
             return self._refuse(reply, record, reason, ReasonCode.UNSUPPORTED_CLASS, started)
-        try:
-            name = canonical_host(record.host)
-        except HostError as e:
-            return self._refuse(reply, record, f"invalid name: {e}", ReasonCode.INVALID_HOST, started)
-        record.host = name
-        profile = live.profile(sandbox)
+        return None
+
+    async def _decide(
+        self, live: Snapshot, sandbox: Sandbox, profile: Profile, name: str, record: AuditRecord
+    ) -> Decision:
+        """The profile's decision on the name, or a person's when the profile denies it and approvals are on."""
         decision = decide_name(profile, name)
         if not decision.allow and self.approvals is not None:
             decision = await self.approvals.decide(
@@ -178,6 +206,11 @@ class PolicyResolver:
         record.decided_by(decision.rule)
         if decision.code is ReasonCode.APPROVED:
             record.extra["approved"] = decision.reason  # the answer's line says `allowed`, and by whom
+        return decision
+
+    def _denied(self, reply: DNSRecord, record: AuditRecord, decision: Decision, started: float) -> DNSRecord | None:
+        """The reply to a name the decision does not allow (an approval still pending, a single label, a denial);
+        None when it allows the name."""
         if decision.code is ReasonCode.APPROVAL_PENDING:
             reply.header.rcode, record.hint = RCODE.SERVFAIL, decision.hint
             return self._finish(reply, record, "error", decision.reason, decision.code, started)
@@ -187,16 +220,7 @@ class PolicyResolver:
         if not decision.allow:
             record.hint = decision.hint
             return self._refuse(reply, record, decision.reason, decision.code, started)
-        flags = self._signals(record, sandbox.id, name, profile.dns)
-        if flags and profile.dns.refuse:
-            reason = "suspicious name: " + "; ".join(flags)
-            return self._refuse(reply, record, reason, ReasonCode.SUSPICIOUS_NAME, started)
-        if decision.report:
-            record.hint = decision.hint
-        if request.q.qtype not in ANSWERED_TYPES:
-            reason = f"{record.method} is not answered with data"
-            return self._allowed(reply, record, decision, reason, ReasonCode.TYPE_NOT_ANSWERED, started)
-        return await self._answer(live, request, reply, record, profile, decision, started)
+        return None
 
     async def _answer(
         self,
@@ -284,7 +308,7 @@ class PolicyResolver:
         return self._finish(reply, record, "deny", reason, code, started)
 
     def _finish(
-        self, reply: DNSRecord, record: AuditRecord, decision: str, reason: str, code: ReasonCode, started: float
+        self, reply: DNSRecord, record: AuditRecord, decision: Verdict, reason: str, code: ReasonCode, started: float
     ) -> DNSRecord:
         record.decision, record.reason, record.code = decision, reason, code
         record.resolved = record.resolved or []

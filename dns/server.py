@@ -23,6 +23,7 @@ from dnslib import DNSRecord
 
 from airlock.audit import AuditRecord, RepeatedDecisions
 from airlock.policy import LivePolicy, Sandbox
+from airlock.policy.held_requests import Asker
 
 from .admission import Admission, DnsSettings
 from .answered import AnsweredAddresses
@@ -44,12 +45,13 @@ class DnsServer:
         host: str,
         port: int = 53,
         answered: AnsweredAddresses | None = None,
+        approvals: Asker | None = None,
     ) -> None:
         self.live, self.emit, self.settings = live, emit, settings
         self.host, self.port = host, port
         self.stats: Counter[str] = Counter()
         self.admission = Admission(live, settings, emit, self.stats)
-        self.resolver = PolicyResolver(live, resolver, emit, settings, self.admission, self.stats, answered)
+        self.resolver = PolicyResolver(live, resolver, emit, settings, self.admission, self.stats, answered, approvals)
         self.memory = ReplyMemory()
         self._udp: socket.socket | None = None
         self._tcp: asyncio.Server | None = None

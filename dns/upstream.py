@@ -19,7 +19,7 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from dnslib import CLASS, OPCODE, QTYPE, RCODE, DNSRecord
+from dnslib import CLASS, OPCODE, QTYPE, RCODE, RR, DNSRecord
 
 from airlock.policy import IPAddress
 
@@ -101,7 +101,7 @@ def system_servers(resolv_conf: str = "/etc/resolv.conf") -> list[Server]:
 
 
 class Resolver:
-    def __init__(self, config: ResolverConfig) -> None:
+    def __init__(self, config: ResolverConfig, timed: Callable[[str, float], None] | None = None) -> None:
         if not config.servers:
             raise ValueError("no upstream DNS server configured")
         self.config = config
@@ -109,7 +109,7 @@ class Resolver:
         self._negative: dict[tuple[str, int], _Entry] = {}  # NXDOMAIN, NODATA and failures
         self._inflight: dict[tuple[str, int], asyncio.Future[Answer]] = {}
         self.stats: Counter[str] = Counter()  # malformed_replies, mismatched_replies
-        self.timed: Callable[[str, float], None] | None = None  # told each upstream resolution: result, seconds
+        self.timed = timed  # told each upstream resolution: result, seconds
 
     async def resolve(self, name: str) -> Answer:
         """All A and AAAA addresses of a canonical name (CNAMEs followed)."""
@@ -238,7 +238,7 @@ class Resolver:
         soa = next((rr for rr in reply.auth if rr.rtype == QTYPE.SOA), None)
         if soa is None:
             return self.config.min_ttl
-        ttl = min(soa.ttl, soa.rdata.times[-1])
+        ttl: int = min(soa.ttl, soa.rdata.times[-1])
         return max(self.config.min_ttl, min(ttl, self.config.max_negative_ttl))
 
     def _store(self, key: tuple[str, int], answer: Answer | ResolveError, ttl: float) -> None:
@@ -276,7 +276,7 @@ def _follow(reply: DNSRecord, name: str, qtype: int) -> tuple[list[IPAddress], l
     owner = name
     chain: list[str] = []
     ttl = 1 << 31
-    by_owner: dict[str, list] = {}
+    by_owner: dict[str, list[RR]] = {}
     for rr in reply.rr:
         if rr.rclass == CLASS.IN:
             by_owner.setdefault(str(rr.rname).rstrip(".").lower(), []).append(rr)
@@ -313,7 +313,7 @@ def _answers(reply: DNSRecord, question: DNSRecord) -> bool:
     """A response (QR set, opcode QUERY) with our ID and exactly our question: name (in any letter case), type
     and class (IN: the only class we ask)."""
     header = reply.header
-    return (
+    return bool(
         header.id == question.header.id
         and header.qr == 1
         and header.opcode == OPCODE.QUERY

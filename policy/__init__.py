@@ -20,7 +20,7 @@ from .decide import (
     vet,
 )
 from .hosts import HostError, IPAddress, canonical_host, format_host_port, is_ip, is_single_label, parse_ip_literal
-from .inspection import (
+from .inspected_rules import (
     PLACEHOLDER_PREFIX,
     GithubInjection,
     HttpRule,

@@ -16,7 +16,7 @@ from typing import Literal, NamedTuple
 from .addresses import Category, classify, embedded_ipv4, in_sandbox_links
 from .codes import ReasonCode
 from .hosts import IPAddress, format_host_port, is_ip, is_single_label
-from .inspection import HttpRule
+from .inspected_rules import HttpRule
 from .model import WEB_PORTS, Profile, Rule
 from .paths import PathError, canonical_path, split_target
 
@@ -230,7 +230,7 @@ def vet(
     Public addresses pass unless a deny rule names them; internal ones pass only through a CIDR allow rule
     for this port; metadata never passes; neither do the gateway's own addresses (a request must not loop
     back into the gateway) nor airlock's sandbox links. A mixed answer keeps only its allowed part (documented
-    in README). `port` None vets for DNS: an internal address passes if a CIDR rule opens it on any port.
+    in docs/policy.md). `port` None vets for DNS: an internal address passes if a CIDR rule opens it on any port.
     """
     allowed: list[IPAddress] = []
     rejected: list[Rejection] = []

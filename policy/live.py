@@ -7,7 +7,7 @@ old policy's rules with the new policy's profile, nor remembers an old decision 
 
 Which addresses are the gateway's own is asked of `Snapshot.own` at each decision: the gateway gains addresses
 while it runs (sandboxes, docker networks, DHCP), and the answer must come from the kernel, which is I/O — the
-gateway passes an object that does it (airlock/live.py); this module only names its shape.
+gateway passes an object that does it (airlock/gateway/own_addresses.py); this module only names its shape.
 """
 
 from __future__ import annotations

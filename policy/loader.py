@@ -22,9 +22,10 @@ from airlock.errors import AirlockError
 
 from . import fastload
 from .addresses import Network, never_opened
+from .declared_tools import ToolsReader
 from .hosts import HostError, canonical_host, is_ip, is_single_label
-from .inspection import GithubInjection, HttpRule, Injected
-from .inspection_reader import InspectionReader
+from .inspected_rules import GithubInjection, HttpRule, Injected
+from .inspected_rules_reader import InspectionReader
 from .model import (
     DEFAULT_ALLOW_PORTS,
     DEFAULT_ASK_TIMEOUT,
@@ -38,7 +39,6 @@ from .model import (
     Rule,
 )
 from .suffixes import is_public_suffix
-from .tools import ToolsReader
 
 _TOP_KEYS = frozenset({"version", "default_profile", "profiles", "tools", "upstreams"})
 _PROFILE_KEYS = frozenset({"description", "allow", "deny", "dns", "on_unlisted", "ask_timeout", "mode"})

@@ -11,12 +11,12 @@ from functools import cached_property
 from typing import Literal
 
 from .addresses import Network
+from .declared_tools import ToolDeclaration
 from .hosts import IPAddress
-from .inspection import GithubInjection as GithubInjection  # re-exported: the model names every part of a rule
-from .inspection import HttpRule as HttpRule
-from .inspection import Injected, canonical_json
-from .inspection import Injection as Injection
-from .tools import ToolDeclaration
+from .inspected_rules import GithubInjection as GithubInjection  # re-exported: the model names every part of a rule
+from .inspected_rules import HttpRule as HttpRule
+from .inspected_rules import Injected, canonical_json
+from .inspected_rules import Injection as Injection
 
 DEFAULT_ALLOW_PORTS: frozenset[int] = frozenset({443})
 # Where a CONNECT most likely carries TLS (443), or a plain request is proxied as HTTP (80): anywhere else the

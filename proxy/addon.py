@@ -16,13 +16,14 @@ from airlock.audit import AuditRecord
 from airlock.dns.answered import AnsweredAddresses
 from airlock.dns.upstream import Resolver
 from airlock.policy import LivePolicy
+from airlock.policy.held_requests import Asker
 
 from .connect import PinnedConnect
 from .httpaudit import HttpAudit
 from .httppolicy import HttpPolicy
 from .identity import SandboxIdentity
-from .inspection import Inspection
-from .shared import GatewaySettings, Shared
+from .inspected_tunnels import Inspection
+from .shared import Credentials, GatewaySettings, GitTokens, Shared
 from .transparent import TransparentPolicy
 from .tunnels import TunnelPolicy
 
@@ -41,8 +42,8 @@ class Airlock:
         self.audit = audit = HttpAudit(shared)
         self.inspection = inspection = Inspection(shared, then=audit.answered)
         self.http = http = HttpPolicy(shared, inspection)
-        self.tunnels = tunnels = TunnelPolicy(shared)
-        self.transparent = transparent = TransparentPolicy(shared, tunnels)
+        self.tunnels = tunnels = TunnelPolicy(shared, inspection.http_layer)
+        self.transparent = transparent = TransparentPolicy(shared, tunnels, inspection.http_layer)
         self.pinned = pinned = PinnedConnect(shared)
         self.client_connected = identity.client_connected
         self.client_disconnected = identity.client_disconnected
@@ -70,5 +71,8 @@ def build_addon(
     emit: Callable[[AuditRecord], None],
     settings: GatewaySettings,
     answered: AnsweredAddresses | None = None,
+    approvals: Asker | None = None,
+    git_tokens: GitTokens | None = None,
+    credentials: Credentials | None = None,
 ) -> Airlock:
-    return Airlock(Shared(live, resolver, emit, settings, answered))
+    return Airlock(Shared(live, resolver, emit, settings, answered, approvals, git_tokens, credentials))

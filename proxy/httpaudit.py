@@ -22,7 +22,7 @@ class HttpAudit:
     def _withhold(self, flow: http.HTTPFlow) -> None:
         """A response whose audit line could not be made is not delivered."""
         if flow.killable:
-            flow.kill()
+            flow.kill()  # type: ignore[no-untyped-call]  # mitmproxy's Flow.kill is unannotated
 
     def _finish(self, flow: http.HTTPFlow, error: str | None = None) -> None:
         record: AuditRecord | None = flow.metadata.pop("airlock", None)
@@ -39,8 +39,9 @@ class HttpAudit:
         record.chosen_ip = peer[0] if peer else None
         # What the connection in use resolved to; a failed connect has been forgotten: keep the early answer.
         record.resolved = self.shared.resolved.get(flow.server_conn.id, record.resolved)
-        if error is not None:
-            record.decision, record.reason, record.code = "error", error, ReasonCode.REQUEST_FAILED
+        if error is not None:  # mitmproxy's words, which may quote what the upstream sent
+            record.decision, record.code = "error", ReasonCode.REQUEST_FAILED
+            record.reason = self.shared.credentials.scrubbed(error)
         self.shared.emit(record)
 
     @fail_closed(_withhold)

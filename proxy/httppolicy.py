@@ -2,23 +2,18 @@
 
 from __future__ import annotations
 
-import json
 import time
 
-from mitmproxy import ctx, http
-from mitmproxy.net.http.http1 import expected_http_body_size
-from mitmproxy.utils import human
+from mitmproxy import http
 
 from airlock.audit import AuditRecord, Kind
 from airlock.policy import Decision, HostError, ReasonCode, canonical_host, format_host_port
 
+from .answers import answer
 from .failclosed import fail_closed
-from .inspection import Inspection, Refusal, inspected_rule
+from .inspected_tunnels import Inspection, Refusal, inspected_rule
 from .shared import ClientState, Shared
 from .transparent import audit_extra
-
-DECISION_HEADER = "X-Airlock-Decision"
-REQUEST_ID_HEADER = "X-Airlock-Request-Id"
 
 
 class HttpPolicy:
@@ -35,7 +30,7 @@ class HttpPolicy:
             ReasonCode.INTERNAL_ERROR,
         )  # fmt: skip
         self.shared.emit(record)
-        _answer(flow, _deny_response(record, None, 500))
+        _answer(flow, answer(record, None, 500))
 
     def _record(self, flow: http.HTTPFlow, kind: Kind, state: ClientState) -> AuditRecord:
         request = flow.request
@@ -49,7 +44,7 @@ class HttpPolicy:
 
     def _refuse(self, flow: http.HTTPFlow, record: AuditRecord, hint: str | None, status: int = 403) -> None:
         self.shared.emit(record)
-        _answer(flow, _deny_response(record, hint, status))
+        _answer(flow, answer(record, hint, status))
 
     @fail_closed(_deny_flow)
     async def http_connect(self, flow: http.HTTPFlow) -> None:
@@ -71,7 +66,7 @@ class HttpPolicy:
             record.decision, record.reason = "deny", f"sandbox already has {limit} open tunnels"
             record.code = ReasonCode.TUNNEL_LIMIT
             self.shared.refuse(record)  # a client retrying in a loop gets its 429s, the audit a summary
-            return _answer(flow, _deny_response(record, None, 429))
+            return _answer(flow, answer(record, None, 429))
         self.shared.tunnels[state.sandbox.id] += 1
         state.tunnel, state.tunnel_decision, state.started = record, outcome.decision, time.monotonic()
 
@@ -137,47 +132,15 @@ class HttpPolicy:
 
 
 def _answer(flow: http.HTTPFlow, response: http.Response) -> None:
-    """Answer a refused request, or kill it where mitmproxy 12 cannot answer: a response set on a request whose
-    body it streams, or starts streaming later, crashes its HTTP layer ("Can't set a response and enable
-    streaming at the same time"). Nothing is forwarded either way."""
-    if _body_is_buffered(flow.request):
-        flow.response = response
-    else:
-        flow.kill()
-
-
-def _body_is_buffered(request: http.Request) -> bool:
-    """Will mitmproxy read this request's whole body before answering? Only when its length is known (no chunked
-    HTTP/1, no HTTP/2 or 3 stream without Content-Length) and within stream_large_bodies."""
-    if request.stream:
-        return False
-    if (request.is_http2 or request.is_http3) and "content-length" not in request.headers:
-        # A stream may carry DATA whatever its headers say; a GET or HEAD that does, past stream_large_bodies,
-        # makes mitmproxy end the connection (it cannot stream a request it answered): closed, never forwarded.
-        return request.method in ("GET", "HEAD")
-    try:
-        size = expected_http_body_size(request)
-    except ValueError:
-        return False
-    limit = human.parse_size(ctx.options.stream_large_bodies)
-    return size is not None and size >= 0 and (limit is None or size <= limit)
-
-
-def _deny_response(record: AuditRecord, hint: str | None, status: int = 403) -> http.Response:
-    body = {
-        "decision": "deny", "reason": record.reason, "code": record.code, "rule_hint": hint,
-        "request_id": record.request_id,
-    }  # fmt: skip
-    return http.Response.make(
-        status,
-        json.dumps(body, indent=None).encode() + b"\n",
-        {
-            "Content-Type": "application/json",
-            DECISION_HEADER: "deny",
-            REQUEST_ID_HEADER: record.request_id,
-            "Connection": "close",
-        },
-    )
+    """Answer a refused request, of any shape, and forward nothing of it. The answer goes at once (`httplayer`):
+    what the sandbox still sends of the body is read and dropped, never buffered, and a client waiting for
+    `100 Continue` is not told to send it. A HEAD gets the status and headers alone."""
+    request = flow.request
+    request.headers.pop("expect", None)
+    request.stream = True  # a body, if one follows, is not read before the answer
+    if request.method == "HEAD":
+        response.raw_content = b""  # its Content-Length stays that of the answer a GET would get
+    flow.response = response
 
 
 def _default_port(flow: http.HTTPFlow) -> int:

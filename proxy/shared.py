@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import ipaddress
+import logging
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Mapping
@@ -32,7 +33,7 @@ from airlock.policy import (
     refused_addresses,
     vet,
 )
-from airlock.policy.approvals import Asker
+from airlock.policy.held_requests import Asker
 
 MINTED_KEPT = 64  # installation tokens the scrubber keeps looking for
 _UNKNOWN_SANDBOX = Decision(False, "connection from an address that belongs to no sandbox", ReasonCode.UNKNOWN_SANDBOX)
@@ -63,7 +64,8 @@ class NoTimings:
 class GatewaySettings:
     connect_timeout: float = 10.0
     # A flood of idle connections must not starve the gateway. The gateway derives these from its open-file
-    # limit (airlock/gateway.py): each proxied connection holds two descriptors, the sandbox's and the upstream.
+    # limit (airlock/gateway/capacity.py): each proxied connection holds two descriptors, the sandbox's and the
+    # upstream.
     max_tunnels_per_sandbox: int = 3584
     max_connections_per_sandbox: int = 4096  # client connections; upstream connections are capped alike
     max_connections: int = 65536  # client connections of all sandboxes together; upstream ones alike
@@ -86,11 +88,30 @@ class Credentials:
         held = [*values.values(), *minted]
         return cls(dict(values), minted, Scrubber(held) if held else None)
 
+    def scrubbed(self, text: str) -> str:
+        """`text` (an error's words) with every form of every credential held masked."""
+        if self.scrubber is None:
+            return text
+        return self.scrubber.scrub(text.encode()).decode(errors="replace")
+
     def holding(self, token: str) -> Credentials:
         """These credentials and one more minted token (an installation token lives an hour: the oldest go)."""
         if token in self.minted:
             return self
         return Credentials.of(self.values, (*self.minted, token)[-MINTED_KEPT:])
+
+
+class ScrubbedLog(logging.Filter):
+    """mitmproxy's lines about each connection, which quote what an upstream sent (a websocket ping's payload, an
+    answer it could not parse), with every credential the proxy holds (`credentials()`, now) masked."""
+
+    def __init__(self, credentials: Callable[[], Credentials]) -> None:
+        super().__init__()
+        self.credentials = credentials
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.msg, record.args = self.credentials().scrubbed(record.getMessage()), None
+        return True
 
 
 class GitTokens(Protocol):
@@ -156,6 +177,9 @@ class Shared:
         emit: Callable[[AuditRecord], None],
         settings: GatewaySettings,
         answered: AnsweredAddresses | None = None,
+        approvals: Asker | None = None,
+        git_tokens: GitTokens | None = None,
+        credentials: Credentials | None = None,
     ) -> None:
         self.live = live
         self.resolver = resolver
@@ -170,9 +194,17 @@ class Shared:
         self.upstream_of: dict[str, str] = {}  # server connection id → the sandbox whose upstream slot it holds
         self.refusals = AuditThrottle(emit)  # refusals that come in floods: a few lines each, then a summary
         self.resolved: dict[str, list[str]] = {}  # server connection id → addresses the name resolved to
-        self.approvals: Asker | None = None  # where profiles with `on_unlisted: ask` hold what no rule lists
-        self.credentials = Credentials()  # the secrets inspected rules inject (the gateway sets them)
-        self.git_tokens: GitTokens | None = None  # the broker's, when one runs
+        self.approvals = approvals  # where profiles with `on_unlisted: ask` hold what no rule lists
+        self.credentials = credentials or Credentials()  # the secrets inspected rules inject, and minted tokens
+        self.git_tokens = git_tokens  # the broker's, when one runs
+
+    def inject(self, values: Mapping[str, str]) -> None:
+        """The secrets the policy now in force injects (the minted tokens are kept)."""
+        self.credentials = Credentials.of(values, self.credentials.minted)
+
+    def hold(self, token: str) -> None:
+        """One more token minted for a git read: scrubbed, as every credential held, from what comes back."""
+        self.credentials = self.credentials.holding(token)
 
     def client(self, client: connection.Client) -> ClientState:
         state = self.clients.get(client.id)

@@ -18,17 +18,21 @@ from __future__ import annotations
 import ipaddress
 import re
 import time
+from collections.abc import Callable
 from typing import Literal
 
 from mitmproxy.proxy import layer, layers
+from mitmproxy.proxy.context import Context
 from mitmproxy.proxy.layers.http import HTTPMode
 from mitmproxy.proxy.layers.tls import parse_client_hello
+from mitmproxy.tls import ClientHello
 
 from airlock.audit import AuditRecord
 from airlock.policy import Decision, ReasonCode, Sandbox, format_host_port
 
 from .failclosed import fail_closed
-from .inspection import inspected_rule, intercept
+from .httplayer import HttpLayer
+from .inspected_tunnels import inspected_rule, intercept
 from .shared import ClientState, Outcome, Shared, is_transparent
 from .tlsnames import TlsNameError, server_name
 from .tunnels import MeteredTunnel, TunnelPolicy, ech_refusal, may_be_tls
@@ -42,10 +46,12 @@ type Carried = Literal["tls", "http", "raw"]
 
 class TransparentPolicy:
     """The `next_layer` hook: the first layer of a redirected connection is chosen here, from its first bytes;
-    every other layer choice is `TunnelPolicy`'s."""
+    every other layer choice is `TunnelPolicy`'s, but that every HTTP layer is the gateway's (`http_layer`)."""
 
-    def __init__(self, shared: Shared, tunnels: TunnelPolicy) -> None:
-        self.shared, self.tunnels = shared, tunnels
+    def __init__(
+        self, shared: Shared, tunnels: TunnelPolicy, http_layer: Callable[[Context, HTTPMode], layer.Layer]
+    ) -> None:
+        self.shared, self.tunnels, self.http_layer = shared, tunnels, http_layer
 
     def _deny_layer(self, nextlayer: layer.NextLayer) -> None:
         self.shared.client(nextlayer.context.client).denied = "internal error"
@@ -56,9 +62,8 @@ class TransparentPolicy:
         context = nextlayer.context
         state = self.shared.client(context.client)
         if not is_transparent(context.client) or state.original is not None or context.server.address is None:
-            self.tunnels.inside_tunnel(nextlayer)
-            return
-        data = nextlayer.data_client()
+            return self._inside(nextlayer)
+        data: bytes = nextlayer.data_client()  # type: ignore[no-untyped-call]  # mitmproxy's data_client is unannotated
         carried = _carried(data)
         hello = None
         if carried == "tls":
@@ -73,7 +78,7 @@ class TransparentPolicy:
         address, port = context.server.address[0], context.server.address[1]
         state.original = (address, port)
         if carried == "http":
-            nextlayer.layer = layers.HttpLayer(context, HTTPMode.transparent)  # each request judged by its Host
+            nextlayer.layer = self.http_layer(context, HTTPMode.transparent)  # each request judged by its Host
             return
         sni = None
         if hello is not None:
@@ -81,6 +86,22 @@ class TransparentPolicy:
                 sni = server_name(hello.extensions)
             except TlsNameError as e:
                 return self._deny(nextlayer, state, ReasonCode.INVALID_SNI, f"invalid TLS SNI: {e}")
+        await self._tunnel(nextlayer, state, hello, sni)
+
+    def _inside(self, nextlayer: layer.NextLayer) -> None:
+        """A connection that is not a new transparent one: inside one of our tunnels, or the explicit proxy's."""
+        self.tunnels.inside_tunnel(nextlayer)
+        chosen = nextlayer.layer  # by TunnelPolicy, else by mitmproxy (the explicit proxy's HTTP, say)
+        if isinstance(chosen, layers.HttpLayer) and not isinstance(chosen, HttpLayer):
+            nextlayer.layer = self.http_layer(nextlayer.context, chosen.mode)  # it answers refusals of any shape
+
+    async def _tunnel(
+        self, nextlayer: layer.NextLayer, state: ClientState, hello: ClientHello | None, sni: str | None
+    ) -> None:
+        """Judge a TLS (by its SNI, else as nameless) or raw connection, then open its tunnel or refuse it."""
+        context = nextlayer.context
+        assert state.original is not None
+        address, port = state.original
         if sni is not None:
             outcome, named_by = await self.shared.evaluate(state.sandbox, sni, port), "sni"
         else:
@@ -89,8 +110,8 @@ class TransparentPolicy:
         outcome.fill(record)
         if outcome.decision.allow and hello is not None and (refusal := ech_refusal(hello, outcome.decision.ech)):
             record.decision, (record.code, record.reason) = "deny", refusal
-        if record.decision == "allow" and (refusal := self._over_tunnel_cap(state)):
-            record.decision, record.reason, record.code = "deny", refusal, ReasonCode.TUNNEL_LIMIT
+        if record.decision == "allow" and (over_cap := self._over_tunnel_cap(state)):
+            record.decision, record.reason, record.code = "deny", over_cap, ReasonCode.TUNNEL_LIMIT
         if record.decision != "allow":
             self.shared.emit(record)
             state.denied = record.reason

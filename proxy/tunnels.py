@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from mitmproxy.proxy import events, layer, layers
 from mitmproxy.proxy.context import Context
+from mitmproxy.proxy.layers.http import HTTPMode
 from mitmproxy.proxy.layers.tcp import TcpMessageInjected
-from mitmproxy.proxy.layers.tls import ClientHello, parse_client_hello
+from mitmproxy.proxy.layers.tls import parse_client_hello
 from mitmproxy.proxy.utils import expect
+from mitmproxy.tls import ClientHello
 
 from airlock.audit import AuditRecord
 from airlock.policy import ReasonCode, decide, is_ip
 
 from .failclosed import fail_closed
-from .inspection import inner_layer, inspected_rule, intercept
+from .inspected_tunnels import inspected_rule, intercept
 from .shared import ClientState, Shared
 from .tlsnames import ECH_EXTENSIONS, TlsNameError, hidden_name, server_name
 
@@ -24,7 +28,9 @@ class MeteredTunnel(layers.TCPLayer):
         super().__init__(context, ignore=True)
         self.record = record
 
-    @expect(events.DataReceived, events.ConnectionClosed, TcpMessageInjected)
+    @expect(  # type: ignore[no-untyped-call, untyped-decorator]  # mitmproxy's expect is unannotated
+        events.DataReceived, events.ConnectionClosed, TcpMessageInjected
+    )
     def relay_messages(self, event: events.Event) -> layer.CommandGenerator[None]:
         if isinstance(event, events.DataReceived):
             if event.connection == self.context.client:
@@ -43,8 +49,8 @@ class TunnelPolicy:
     ever built for a tunnel: the ClientHello is read from the first bytes, and until it is complete the
     decision waits (`nextlayer.layer = None`)."""
 
-    def __init__(self, shared: Shared) -> None:
-        self.shared = shared
+    def __init__(self, shared: Shared, http_layer: Callable[[Context, HTTPMode], layer.Layer]) -> None:
+        self.shared, self.http_layer = shared, http_layer
 
     def _deny_layer(self, nextlayer: layer.NextLayer) -> None:
         state = self.shared.client(nextlayer.context.client)
@@ -62,9 +68,10 @@ class TunnelPolicy:
         state = self.shared.clients.get(nextlayer.context.client.id)
         if state is None or state.tunnel is None or not nextlayer.context.server.address:
             return  # not the inside of one of our tunnels (e.g. the connection's first layer)
-        if state.inspected:
-            return inner_layer(nextlayer)  # both TLS sessions are up: the requests inside are judged one by one
-        data = nextlayer.data_client()
+        if state.inspected:  # both TLS sessions are up: HTTP/1 or 2 (by ALPN), each request judged on its own
+            nextlayer.layer = self.http_layer(nextlayer.context, HTTPMode.transparent)
+            return
+        data: bytes = nextlayer.data_client()  # type: ignore[no-untyped-call]  # mitmproxy's data_client is unannotated
         if may_be_tls(data):
             try:
                 hello = parse_client_hello(data)

@@ -10,11 +10,11 @@ import gc
 import importlib
 import os
 import sys
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from airlock.errors import AirlockError
 
-from .common import EXIT_INTERRUPTED, EXIT_USAGE, os_problem, run_as_root
+from .common import EXIT_INTERRUPTED, EXIT_USAGE, os_problem, rerun_as_root, run_as_root
 
 TYPE_CHECKING = False  # not typing's: `airlock --help` imports no typing
 if TYPE_CHECKING:
@@ -63,7 +63,9 @@ def build_parser(groups: Iterable[str] = GROUPS) -> argparse.ArgumentParser:
     parser = _Parser(prog="airlock", description=__doc__.split("\n\n")[0])
     parser.add_argument("-v", "--verbose", action="store_true")
     parser.add_argument("--version", action=_Version)
-    parser.set_defaults(needs_root=None)  # a command that needs root sets a NeedsRoot
+    # A command that needs root sets a NeedsRoot; one that needs root only for root's files or sockets sets
+    # `root_when_refused`: refused one as a user before it did anything, it runs again through sudo.
+    parser.set_defaults(needs_root=None, root_when_refused=None)
     commands = parser.add_subparsers(dest="command", required=True)
     load = set(groups)
     for name, (summary, module) in GROUPS.items():
@@ -85,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     if argv is not None:
         return _main(argv)
     code = _main(sys.argv[1:])
-    preload = sys.modules.get("airlock.preload")  # imported only by the commands that run a gateway
+    preload = sys.modules.get("airlock.gateway.startup.preload")  # imported only by the commands that run a gateway
     if preload is not None and preload.proxy_loading():
         _end_now(code)
     # The process ends now: its last garbage collection need not walk every object the imports made (mitmproxy's
@@ -110,6 +112,7 @@ def _end_now(code: int) -> NoReturn:
 
 def _main(argv: list[str]) -> int:
     verbose = "-v" in argv[:1] or "--verbose" in argv[:1]
+    args = None
     try:
         args = build_parser(_group(argv)).parse_args(argv)
         verbose = args.verbose
@@ -121,7 +124,8 @@ def _main(argv: list[str]) -> int:
         )
         if args.needs_root is not None and os.geteuid() != 0:
             run_as_root(args.command, argv, args.needs_root, args)
-        return args.func(args)
+        command: Callable[[argparse.Namespace], int] = args.func
+        return command(args)
     except KeyboardInterrupt:
         print("airlock: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
@@ -129,6 +133,8 @@ def _main(argv: list[str]) -> int:
         print(_message(e), file=sys.stderr)
         return EXIT_USAGE
     except OSError as e:  # a file or socket refused (most often: root's, and not run as root)
+        if isinstance(e, PermissionError) and args is not None and args.root_when_refused is not None:
+            rerun_as_root(args.command, argv, args.root_when_refused, args)
         if verbose:
             import traceback
 

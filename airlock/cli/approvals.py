@@ -10,8 +10,8 @@ import re
 import time
 from typing import Any
 
-from .common import DEFAULT_STATE_DIR, UsageError, absolute, duration
-from .token import Admin
+from .common import UsageError, duration
+from .token import Admin, add_admin_options
 
 _ID = re.compile(r"[0-9a-f]{1,64}")  # what the gateway's ids are made of: never a path of their own
 
@@ -31,10 +31,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     deny = actions.add_parser("deny", help="refuse a held request")
     deny.add_argument("id", metavar="ID")
     for sub in (listing, approve, deny):
-        sub.add_argument("--admin", metavar="SOCKET|127.0.0.1:PORT")
-        sub.add_argument(
-            "--state-dir", type=absolute, metavar="DIR", help=f"the gateway's state directory ({DEFAULT_STATE_DIR})"
-        )
+        add_admin_options(sub)
     listing.set_defaults(func=cmd_list)
     approve.set_defaults(func=cmd_approve)
     deny.set_defaults(func=cmd_deny)

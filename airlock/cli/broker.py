@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from airlock.brokerconfig import BrokerConfig, BrokerConfigError, broker_url
+from airlock.gateway.config import BrokerConfig, BrokerConfigError, broker_url
 from airlock.policy import Sandbox, format_host_port
 from airlock.runs import registered
 
@@ -80,11 +80,11 @@ def cmd_broker(args: argparse.Namespace) -> int:
 
 async def serve(args: argparse.Namespace, config: BrokerConfig, sandboxes: list[Sandbox]) -> int:
     """Run until SIGTERM (exit 0) or SIGINT (130); SIGUSR1 reopens the audit file."""
-    from airlock.admin import AdminApp
     from airlock.audit import AuditLog
     from airlock.broker.store import StoreError
     from airlock.broker.tokens import TokenError
-    from airlock.brokerd import StandaloneBroker
+    from airlock.gateway.admin import AdminApp
+    from airlock.gateway.broker_runtime import StandaloneBroker
     from airlock.policy import SandboxRegistry
 
     state_dir = Path(args.state_dir)

@@ -30,12 +30,16 @@ class UsageError(AirlockError):
     pass
 
 
+def _reads_no_environment(args: argparse.Namespace) -> list[str]:
+    return []
+
+
 class NeedsRoot:
     """A command that needs root (its parser's `needs_root` default): `why`, and the names of the environment
     variables it reads from the host's environment (`environment(args)`), which sudo would drop."""
 
-    def __init__(self, why: str, environment: Callable[[argparse.Namespace], list[str]]) -> None:
-        self.why, self.environment = why, environment
+    def __init__(self, why: str, environment: Callable[[argparse.Namespace], list[str]] | None = None) -> None:
+        self.why, self.environment = why, environment or _reads_no_environment
 
 
 def run_as_root(command: str, argv: list[str], needs: NeedsRoot, args: argparse.Namespace) -> NoReturn:
@@ -52,6 +56,16 @@ def run_as_root(command: str, argv: list[str], needs: NeedsRoot, args: argparse.
     preserve = [f"--preserve-env={','.join(kept)}"] if kept else []
     # -I: root imports nothing from the working directory or PYTHON* variables.
     os.execv(sudo, [sudo, *preserve, "--", sys.executable, "-I", "-m", "airlock", *argv])
+
+
+def rerun_as_root(command: str, argv: list[str], needs: NeedsRoot, args: argparse.Namespace) -> None:
+    """A command refused a file or socket of root's as a user, before it did anything (it reads root's files, or
+    asks root's admin listener): run it again through sudo. Where there is no sudo, or as root, return: the
+    refusal is told."""
+    import shutil
+
+    if os.geteuid() != 0 and shutil.which("sudo") is not None:
+        run_as_root(command, argv, needs, args)
 
 
 def os_problem(error: OSError) -> str:

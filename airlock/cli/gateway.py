@@ -15,11 +15,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
-from airlock.brokerconfig import BrokerConfig, BrokerConfigError, SecretSource, parse_secret
 from airlock.dns.upstream import parse_server
-from airlock.gatewayconfig import GatewayConfig
+from airlock.gateway.config import BrokerConfig, BrokerConfigError, GatewayConfig, admin_endpoint, parse_secret
+from airlock.gateway.reload import log_reload
 from airlock.policy import Policy, Sandbox, format_host_port
-from airlock.reload import log_reload
 from airlock.runs import registered
 
 from .common import (
@@ -31,10 +30,11 @@ from .common import (
     load_policy_file,
     signal_future,
 )
-from .limits import check_limits
+from .option_bounds import check_limits
 
 if TYPE_CHECKING:  # `airlock run` builds a config before its sandbox exists; the gateway is imported meanwhile
     from airlock.gateway import Gateway
+    from airlock.inspection.secrets import SecretSource
 
 log = logging.getLogger("airlock")
 
@@ -71,7 +71,7 @@ def add_gateway_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--state-dir", type=absolute, metavar="DIR", help="keys, broker state, admin socket")
     parser.add_argument("--broker-port", type=int, default=8080, metavar="PORT", help="0 turns the broker off")
     parser.add_argument(
-        "--admin", "--broker-admin", dest="admin", metavar="SOCKET|127.0.0.1:PORT",
+        "--admin", "--broker-admin", dest="admin", type=admin_address, metavar="SOCKET|127.0.0.1:PORT",
         help="the admin listener (policy reload, status, tokens); default: STATE_DIR/admin.sock",
     )  # fmt: skip
     parser.add_argument(
@@ -220,6 +220,16 @@ def gateway_config(args: argparse.Namespace, policy: Policy, listen: str, sandbo
         admin=args.admin,
         broker=broker_config(args, args.broker_port, args.broker_max_connections, secrets),
     )
+
+
+def admin_address(text: str) -> str:
+    """`--admin`: a socket path made absolute as it is read (like every path option); `HOST:PORT` as given (a bad
+    one is told where the listener is made)."""
+    try:
+        endpoint = admin_endpoint(text)
+    except BrokerConfigError:
+        return text
+    return str(endpoint) if isinstance(endpoint, Path) else text
 
 
 def webhook_url(text: str) -> str:

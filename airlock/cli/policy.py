@@ -8,13 +8,13 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from urllib.parse import urlsplit
 
 from airlock.policy import (
     WEB_PORTS,
     Decision,
     GithubInjection,
     HostError,
+    IPAddress,
     Judgement,
     PathError,
     PolicyError,
@@ -30,9 +30,12 @@ from airlock.policy import (
     split_target,
 )
 
-from .common import EXIT_ALLOW, EXIT_DENY, EXIT_USAGE, UsageError, os_problem
+from .common import EXIT_ALLOW, EXIT_DENY, EXIT_USAGE, NeedsRoot, UsageError
 from .common import load_policy_file as _load
-from .status import add_admin_options, cmd_policy_reload
+from .policytest import run_cases
+from .status import cmd_policy_reload
+from .target import parse_target
+from .token import add_admin_options
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -61,7 +64,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--collapse", type=int, metavar="N", help="offer *.parent for N or more sibling names (never a public suffix)"
     )
     suggest.add_argument("--merge", metavar="POLICY", help="print POLICY with the rules added (comments kept)")
-    suggest.set_defaults(func=cmd_policy_suggest)
+    suggest.set_defaults(func=cmd_policy_suggest, root_when_refused=NeedsRoot("the audit log is root's"))
     reload = actions.add_parser("reload", help="make a running gateway load its policy file again (admin listener)")
     add_admin_options(reload)
     reload.set_defaults(func=cmd_policy_reload)
@@ -88,73 +91,42 @@ def cmd_policy_check(args: argparse.Namespace) -> int:
 
 
 def cmd_policy_test(args: argparse.Namespace) -> int:
-    from .policytest import run_cases
-
     return run_cases(args.policy, args.cases)
 
 
 def cmd_policy_suggest(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from .suggest import render, since_time, suggest
+    from airlock.policy.edit import render
+
+    from .suggest import since_time, suggest
 
     if args.collapse is not None and args.collapse < 2:
         raise UsageError(f"--collapse {args.collapse}: give 2 or more sibling names")
     since = since_time(args.since) if args.since else None
     base = _load(args.merge) if args.merge else None
-    try:
+    try:  # the audit log is root's (0640): a user is refused it, and `root_when_refused` asks sudo
         with open(args.audit, encoding="utf-8") as audit:
             suggestions = suggest(audit, base, args.profile, since, args.collapse)
-    except OSError as e:  # the audit log is root's (0640): read it with sudo
-        raise UsageError(os_problem(e)) from None
     except UnicodeDecodeError as e:
         raise UsageError(f"{args.audit}: {e}") from None
     print(render(suggestions, Path(args.merge) if args.merge else None, args.audit), end="")
     return 0
 
 
-def parse_target(text: str) -> tuple[str, int]:
-    """A URL (`https://host/path`) or `host:port` → (canonical host, port)."""
-    if "://" in text:
-        try:
-            parts = urlsplit(text)
-        except ValueError as e:  # an unclosed [IPv6 bracket
-            raise UsageError(f"{text!r}: {e}") from None
-        if parts.scheme not in {"http", "https"} or not parts.hostname:
-            raise UsageError(f"{text!r}: only http:// and https:// URLs")
-        if parts.username is not None or parts.password is not None:
-            raise UsageError(f"{text!r}: URLs with userinfo are refused")
-        try:
-            explicit_port = parts.port
-        except ValueError as e:
-            raise UsageError(f"{text!r}: {e}") from None
-        raw_host = parts.netloc.rsplit(":", 1)[0] if explicit_port else parts.netloc
-        port = explicit_port or (443 if parts.scheme == "https" else 80)
-    else:
-        raw_host, sep, port_text = text.rpartition(":")
-        if not sep or not port_text.isdigit():
-            raise UsageError(f"{text!r}: give a URL or host:port")
-        port = int(port_text)
-    if not 1 <= port <= 65535:
-        raise UsageError(f"{text!r}: port out of range")
-    try:
-        return canonical_host(raw_host), port
-    except HostError as e:
-        raise UsageError(str(e)) from None
-
-
-def _parse_resolve(values: list[str]) -> dict[str, list]:
-    table: dict[str, list] = {}
+def _parse_resolve(values: list[str]) -> dict[str, list[IPAddress]]:
+    table: dict[str, list[IPAddress]] = {}
     for value in values:
         host, sep, ips = value.partition("=")
         if not sep or not ips:
             raise UsageError(f"--resolve {value!r}: expected HOST=IP[,IP...]")
         try:
-            addresses = [parse_ip_literal(ip.strip()) for ip in ips.split(",")]
+            parsed = [parse_ip_literal(ip.strip()) for ip in ips.split(",")]
             name = canonical_host(host)
         except HostError as e:
             raise UsageError(f"--resolve {value!r}: {e}") from None
-        if any(a is None for a in addresses):
+        addresses = [a for a in parsed if a is not None]
+        if len(addresses) != len(parsed):
             raise UsageError(f"--resolve {value!r}: not an IP address list")
         table[name] = addresses
     return table
@@ -268,6 +240,11 @@ def _print_explanation(
         if decision.hint:
             print(f"to allow: {decision.hint}")
         return
+    _print_allowed(decision, judgement, port, judged)
+
+
+def _print_allowed(decision: Decision, judgement: Judgement, port: int, judged: bool) -> None:
+    """The lines of an allowed target: report mode's denial, a tunnel's limits, the address it connects to."""
     if decision.report:
         print(f"report:   would deny [{decision.code}] — {decision.reason}; allowed: the profile is in report mode")
         if decision.hint:

@@ -33,7 +33,7 @@ from airlock.policy.loader import NodeReader, compose
 
 from .common import EXIT_DENY, UsageError
 from .common import load_policy_file as _load
-from .policy import parse_target
+from .target import parse_target
 
 _CASES_KEYS = frozenset({"cases"})
 _CASE_KEYS = frozenset({"target", "expect", "profile", "resolve", "name"})

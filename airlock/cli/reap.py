@@ -33,7 +33,7 @@ def reap_docker(older_than: int | None) -> list[str]:
     """The docker sandboxes removed; none (said on stderr) when no docker engine answers."""
     import docker
 
-    from airlock.sandbox.docker import reap
+    from airlock.sandbox.docker_reaper import reap
 
     try:
         client = docker.from_env()

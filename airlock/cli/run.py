@@ -16,12 +16,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from airlock.broker.grants import Grant, GrantError, parse_grant
-from airlock.brokerconfig import SecretSource
-from airlock.gatewayconfig import GatewayConfig
-from airlock.inspection.secrets import parse_placeholder_env
+from airlock.gateway.config import GatewayConfig
+from airlock.gateway.reload import PolicyWatcher
+from airlock.inspection.secrets import SecretSource, parse_placeholder_env
+from airlock.inspection.trust import SYSTEM_BUNDLE, TRUST_ENV_VARS
+from airlock.launch.embedded_gateway import gateway_credentials
+from airlock.launch.git_identity import IDENTITY_VARS, GitIdentityError, invoker_identity, parse_identity
+from airlock.launch.preflight import ISOLATIONS, choose_isolation
 from airlock.policy import Policy
-from airlock.reload import PolicyWatcher
-from airlock.sandbox.embedded import gateway_credentials
 from airlock.sandbox.limits import (
     DEFAULT_CPUS,
     DEFAULT_MEMORY,
@@ -31,11 +33,10 @@ from airlock.sandbox.limits import (
     DEFAULT_PIDS,
     Resources,
 )
-from airlock.sandbox.netns_launch import ISOLATIONS, choose_isolation
 
-from .common import DOCKER_ENVIRONMENT, EXIT_TIMEOUT, NeedsRoot, UsageError, load_policy_file, signal_future
+from .common import DOCKER_ENVIRONMENT, EXIT_TIMEOUT, NeedsRoot, UsageError, absolute, load_policy_file, signal_future
 from .gateway import add_gateway_options, gateway_config
-from .limits import check_limits
+from .option_bounds import check_limits
 
 if TYPE_CHECKING:
     import docker
@@ -44,6 +45,10 @@ if TYPE_CHECKING:
     from airlock.sandbox.docker import Limits
 
 DOCKER_ONLY = ("mount",)
+NETNS_ONLY = ("workdir", "cache")
+# What names a CA bundle on a host; the sandbox's clean environment drops them (the notice says how to pass one).
+HOST_CA_VARS = (*TRUST_ENV_VARS, "SSL_CERT_DIR")
+SYSTEM_TRUST = (SYSTEM_BUNDLE, SYSTEM_BUNDLE.parent)  # what the sandbox's clients read anyway
 RESOURCES = ("cpus", "memory", "pids", "nofile", "nproc")
 
 
@@ -62,6 +67,18 @@ def add_arguments(run: argparse.ArgumentParser) -> None:
     run.add_argument("--output-limit", type=int, default=DEFAULT_OUTPUT_LIMIT, metavar="BYTES")
     run.add_argument("--mount", action="append", metavar="HOST:CONTAINER", help="docker backend: read-only mount")
     run.add_argument("--user", help="run the command as this user (default: the sudo caller, else nobody)")
+    run.add_argument(
+        "--workdir", type=absolute, metavar="DIR",
+        help="netns backend: the folder the command works in and may write (default: the current one)",
+    )  # fmt: skip
+    run.add_argument(
+        "--cache", type=absolute, metavar="DIR",
+        help="netns backend: a folder the command may write, kept across runs, for npm's and XDG caches",
+    )  # fmt: skip
+    run.add_argument(
+        "--git-identity", metavar="'NAME <EMAIL>'|none",
+        help="who the sandbox's git commits as (default: yours, from your git configuration)",
+    )  # fmt: skip
     run.add_argument(
         "--isolation", choices=ISOLATIONS, default="auto",
         help="netns backend: read-only host, private /tmp and PIDs via bubblewrap (auto: when installed)",
@@ -85,11 +102,12 @@ def add_arguments(run: argparse.ArgumentParser) -> None:
 
 def environment(args: argparse.Namespace) -> list[str]:
     """The variables of the host's environment a run reads: `--env NAME`, `--secret NAME=env:VAR`,
-    `--github-token-env` and docker's."""
+    `--github-token-env`, docker's, the git identity's and the CA bundles it says it does not pass in."""
     names = [item for item in args.env or [] if "=" not in item]
     sources = [spec.partition("=")[2] for spec in args.secret or []]
     names += [source.removeprefix("env:") for source in sources if source.startswith("env:")]
-    return names + ([args.github_token_env] if args.github_token_env else []) + DOCKER_ENVIRONMENT
+    names += [args.github_token_env] if args.github_token_env else []
+    return [*names, *DOCKER_ENVIRONMENT, *IDENTITY_VARS, *HOST_CA_VARS]
 
 
 @dataclass
@@ -106,6 +124,7 @@ class RunConfig:
     timeout: float = 3600.0
     env: dict[str, str] = field(default_factory=dict)
     user: str | None = None  # netns
+    cache: str | None = None  # netns
     isolation: str = "bwrap"  # netns: "bwrap" or "none"
     resources: Resources = field(default_factory=Resources)  # netns
     image: str | None = None  # docker
@@ -118,9 +137,12 @@ def cmd_run(args: argparse.Namespace) -> int:
     command = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
     if not command:
         raise UsageError("nothing to run: airlock run [options] -- CMD...")
+    enter_workdir(args)
     run = run_config(args, command, load_policy_file(args.policy))
     detail = f", image {run.image}" if run.backend == "docker" else f", filesystem isolation {run.isolation}"
     print(f"airlock: backend {run.backend}{detail}", file=sys.stderr)
+    if note := host_ca_note(run.env):
+        print(note, file=sys.stderr)
     return asyncio.run(_run_docker(run) if run.backend == "docker" else _run_netns(run))
 
 
@@ -128,7 +150,8 @@ def run_config(args: argparse.Namespace, command: list[str], policy: Policy) -> 
     grants = parse_grants(args.grant or [], policy)
     gateway = gateway_config(args, policy, "0.0.0.0", [])  # listen and sandbox: the launcher's
     gateway = dataclasses.replace(gateway, show_denials=not args.quiet, tell_reloads=True)
-    env = passed_env(args.env or []) | placeholder_env(args.placeholder_env or [], gateway.broker.secrets)
+    env = git_identity(args.git_identity) | passed_env(args.env or [])
+    env |= placeholder_env(args.placeholder_env or [], gateway.broker.secrets)
     if shown := sorted({s.where for s in gateway.broker.secrets if s.kind == "env"} & env.keys()):
         raise UsageError(f"--env {shown[0]}: that variable holds a --secret, which the sandbox must never see")
     if not grants:  # the sandbox holds no token: a broker could only refuse it, so none runs (its port stays shut)
@@ -140,12 +163,49 @@ def run_config(args: argparse.Namespace, command: list[str], policy: Policy) -> 
     if run.backend == "netns":
         if docker_only := [f"--{name}" for name in DOCKER_ONLY if getattr(args, name)]:
             raise UsageError(f"{', '.join(docker_only)}: docker backend only")
-        run.user, run.isolation = args.user, choose_isolation(args.isolation)
+        run.user, run.isolation, run.cache = args.user, choose_isolation(args.isolation), args.cache
         run.resources = netns_resources(args)
     else:
+        if netns_only := [f"--{name}" for name in NETNS_ONLY if getattr(args, name)]:
+            raise UsageError(f"{', '.join(netns_only)}: netns backend only (a container writes nothing of the host)")
         run.image, run.limits = args.image, docker_limits(args)
         run.mounts = [parse_mount(m, gateway_credentials(gateway)) for m in args.mount or []]
     return run
+
+
+def enter_workdir(args: argparse.Namespace) -> None:
+    """`--workdir DIR`: the launcher works there from now on, as the command will (every path option was made
+    absolute as it was read)."""
+    if not args.workdir:
+        return
+    try:
+        os.chdir(args.workdir)
+    except OSError as e:
+        raise UsageError(f"--workdir {args.workdir}: {e.strerror}") from None
+
+
+def git_identity(given: str | None) -> dict[str, str]:
+    """The variables git in the sandbox commits with: `--git-identity`, else the invoker's own identity."""
+    try:
+        return parse_identity(given) if given is not None else invoker_identity()
+    except GitIdentityError as e:
+        raise UsageError(str(e)) from None
+
+
+def host_ca_note(env: dict[str, str]) -> str | None:
+    """What to tell a user whose shell names a CA bundle that the sandbox's clean environment drops (the system's
+    own is the sandbox's too: nothing is lost)."""
+    dropped = [
+        name for name in HOST_CA_VARS
+        if os.environ.get(name) and name not in env and Path(os.environ[name]).resolve() not in SYSTEM_TRUST
+    ]  # fmt: skip
+    if not dropped:
+        return None
+    return (
+        f"airlock: {', '.join(dropped)} {'is' if len(dropped) == 1 else 'are'} set here but not passed into the "
+        f"sandbox (its environment is clean): to have its clients trust that CA, --env {dropped[0]} (the file must "
+        "be readable there); for the upstreams the gateway itself verifies, --upstream-ca FILE"
+    )
 
 
 def choose_backend(backend: str, image: str | None) -> str:
@@ -263,13 +323,13 @@ async def _first(waiter: asyncio.Future[int | None], stopped: asyncio.Future[int
 
 
 async def _run_netns(run: RunConfig) -> int:
-    from airlock.sandbox.netns_launch import launch
+    from airlock.launch.netns_launcher import launch
 
     stopped = _stop_signals()  # before anything exists: a signal while the sandbox is built still removes it
     handle = await launch(
         run.command, run.gateway, profile=run.profile, sandbox_id=run.sandbox_id, user=run.user,
         isolation=run.isolation, env=run.env, grants=run.grants, token_ttl=run.token_ttl, timeout=run.timeout,
-        resources=run.resources,
+        resources=run.resources, cache=run.cache,
     )  # fmt: skip
     async with handle:
         _reopen_audit_on_sigusr1(handle.gateway)
@@ -288,7 +348,7 @@ async def _run_netns(run: RunConfig) -> int:
 
 
 async def _run_docker(run: RunConfig) -> int:
-    from airlock.sandbox.docker_launch import launch
+    from airlock.launch.docker_launcher import launch
 
     assert run.image is not None and run.limits is not None
     client = _docker_client()

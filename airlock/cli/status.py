@@ -10,15 +10,8 @@ import sys
 from datetime import UTC, datetime
 from typing import Any
 
-from .common import DEFAULT_STATE_DIR, EXIT_USAGE, absolute
-from .token import Admin
-
-
-def add_admin_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--admin", metavar="SOCKET|127.0.0.1:PORT", help="default: STATE_DIR/admin.sock")
-    parser.add_argument(
-        "--state-dir", type=absolute, metavar="DIR", help=f"the gateway's state directory ({DEFAULT_STATE_DIR})"
-    )
+from .common import EXIT_USAGE
+from .token import Admin, add_admin_options
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

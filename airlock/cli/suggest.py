@@ -1,6 +1,6 @@
 """`airlock policy suggest AUDIT.jsonl`: the allow rules that would have let through what the audit shows denied, as a
 complete policy document that `airlock policy check` accepts as it is — or, with `--merge POLICY`, that policy with
-the rules added, its comments and layout kept (a ruamel.yaml round trip).
+the rules added, its comments and layout kept (written by `airlock.policy.edit`).
 
 Only what an allow rule may open is suggested: a name or public address no rule allowed (`not_allowlisted`) or
 allowed on other ports (`port_not_allowed`). Hard blocks (metadata, internal and the gateway's own addresses,
@@ -12,25 +12,17 @@ public suffix.
 from __future__ import annotations
 
 import datetime as dt
-import io
 import ipaddress
 import json
 from collections import Counter, defaultdict
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
-
-from ruamel.yaml import YAML
-from ruamel.yaml.comments import CommentedMap, CommentedSeq
-from ruamel.yaml.error import YAMLError
-from ruamel.yaml.util import load_yaml_guess_indent
 
 from airlock.policy import (
     Category,
     HostError,
     Policy,
-    PolicyError,
     ReasonCode,
     canonical_host,
     classify,
@@ -39,8 +31,8 @@ from airlock.policy import (
     is_ip,
     is_public_suffix,
     is_single_label,
-    parse_policy,
 )
+from airlock.policy.edit import Suggestion
 
 from .common import UsageError
 
@@ -79,24 +71,6 @@ class Seen:
         if names:
             text += f"; covers {', '.join(names)} and every other name under it: review"
         return text
-
-
-@dataclass(frozen=True)
-class Suggestion:
-    profile: str
-    target: str  # a host, "*.parent", or a cidr
-    ports: list[int]
-    comment: str
-
-    def rule(self) -> CommentedMap:
-        rule = CommentedMap()
-        key = "cidr" if "/" in self.target else "host"
-        rule[key] = self.target
-        ports = CommentedSeq(self.ports)
-        ports.fa.set_flow_style()
-        rule["ports"] = ports
-        rule.yaml_add_eol_comment(self.comment, key)
-        return rule
 
 
 def suggest(
@@ -210,70 +184,3 @@ def since_time(text: str) -> dt.datetime:
             f"--since {text!r}: give an ISO time (2025-01-31T12:00Z) or a duration (90m, 2h, 1d)"
         ) from None
     return when if when.tzinfo is not None else when.replace(tzinfo=dt.UTC)
-
-
-def render(suggestions: list[Suggestion], merge: Path | None = None, source: str = "the audit") -> str:
-    """The policy document: a new one of the suggested rules, or the `merge` policy with them added. It is loaded
-    back before it is printed: a suggestion `policy check` would refuse is a bug, never output."""
-    yaml, document = _document(suggestions, merge, source)
-    profiles = document["profiles"]
-    for suggestion in suggestions:
-        if suggestion.profile not in profiles:
-            profiles[suggestion.profile] = CommentedMap()
-        rules = profiles[suggestion.profile]
-        if rules.get("allow") is None:
-            rules["allow"] = CommentedSeq()
-        rules["allow"].append(suggestion.rule())
-    out = io.StringIO()
-    yaml.dump(document, out)
-    text = out.getvalue()
-    try:
-        parse_policy(text, "<suggested policy>")
-    except PolicyError as e:
-        raise AssertionError(f"policy suggest produced a policy that does not load:\n{e}") from None
-    return text
-
-
-def _document(suggestions: list[Suggestion], merge: Path | None, source: str) -> tuple[YAML, CommentedMap]:
-    if merge is not None:
-        return _load_for_merge(merge)
-    yaml = YAML()
-    yaml.indent(mapping=2, sequence=4, offset=2)
-    yaml.width = 4096
-    document = CommentedMap()
-    document["version"] = 1
-    profiles = sorted({s.profile for s in suggestions}) or ["default"]
-    document["default_profile"] = "default" if "default" in profiles else profiles[0]
-    document["profiles"] = CommentedMap((name, CommentedMap()) for name in profiles)
-    document.yaml_set_start_comment(
-        f"Suggested by `airlock policy suggest` from {source}: {len(suggestions)} rules.\n"
-        "Review every rule before it goes live: each one opens its host to the sandbox."
-    )
-    return yaml, document
-
-
-def _load_for_merge(path: Path) -> tuple[YAML, CommentedMap]:
-    try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, ValueError) as e:
-        raise UsageError(f"--merge {path}: {e}") from None
-    parse_policy(text, str(path))  # PolicyError (file:line) unless it is a valid policy
-    yaml = YAML()
-    yaml.preserve_quotes = True
-    yaml.width = 4096
-    try:
-        _, sequence, offset = load_yaml_guess_indent(text)
-        yaml.indent(mapping=_mapping_indent(text), sequence=sequence or 2, offset=offset or 0)
-        document = yaml.load(text)
-    except YAMLError as e:
-        raise UsageError(f"--merge {path}: {e}") from None
-    return yaml, document
-
-
-def _mapping_indent(text: str) -> int:
-    """How far the file indents a mapping inside a mapping (the first nested key that is not a list item)."""
-    for line in text.splitlines():
-        stripped = line.lstrip(" ")
-        if stripped and line != stripped and not stripped.startswith(("-", "#")):
-            return len(line) - len(stripped)
-    return 2

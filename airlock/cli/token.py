@@ -14,10 +14,19 @@ from pathlib import Path
 from typing import Any
 
 from airlock.broker.grants import GrantError, parse_grant
-from airlock.brokerconfig import admin_address, admin_endpoint
+from airlock.gateway.config import admin_address, admin_endpoint
 from airlock.runs import running, runs_dir
 
-from .common import DEFAULT_STATE_DIR, EXIT_USAGE, UsageError, absolute, duration, os_problem
+from .common import DEFAULT_STATE_DIR, EXIT_USAGE, NeedsRoot, UsageError, absolute, duration, os_problem
+
+
+def add_admin_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--admin", metavar="SOCKET|127.0.0.1:PORT", help="default: STATE_DIR/admin.sock")
+    parser.add_argument(
+        "--state-dir", type=absolute, metavar="DIR", help=f"the gateway's state directory ({DEFAULT_STATE_DIR})"
+    )
+    # The admin socket and the list of running gateways are root's: a user refused them asks sudo.
+    parser.set_defaults(root_when_refused=NeedsRoot("the gateway's admin listener is root's"))
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -35,10 +44,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     which.add_argument("--jti")
     which.add_argument("--sandbox")
     for sub in (issue, revoke):
-        sub.add_argument("--admin", metavar="SOCKET|127.0.0.1:PORT")
-        sub.add_argument(
-            "--state-dir", type=absolute, metavar="DIR", help=f"the gateway's state directory ({DEFAULT_STATE_DIR})"
-        )
+        add_admin_options(sub)
     issue.set_defaults(func=cmd_token_issue)
     revoke.set_defaults(func=cmd_token_revoke)
 
@@ -93,6 +99,8 @@ class Admin:
                 text = await reply.text()
         except (aiohttp.ClientError, OSError, ValueError, TimeoutError) as e:
             cause = getattr(e, "os_error", e)  # aiohttp's connector error wraps the system's
+            if isinstance(cause, PermissionError) and isinstance(self.endpoint, Path):
+                raise PermissionError(cause.errno, cause.strerror, str(self.endpoint)) from None  # root's socket
             why = os_problem(cause).removeprefix(f"{cause.filename}: ") if isinstance(cause, OSError) else str(e)
             why = why or type(e).__name__
             if self.unfound:

@@ -22,11 +22,16 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .common import DEFAULT_STATE_DIR, EXIT_DENY, UsageError, absolute, duration
+from .common import DEFAULT_STATE_DIR, EXIT_DENY, NeedsRoot, UsageError, absolute, duration
 
 if TYPE_CHECKING:
+    import ssl
+
+    import aiohttp
+
     from airlock.broker.calllog import CallStore, LoggedCall
     from airlock.broker.service import Broker
+    from airlock.broker.store import BrokerStore
 
 SUMMARY_WIDTH = 44  # characters of a result shown per side
 
@@ -53,7 +58,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     replay.add_argument("--github-app-id", metavar="ID")
     replay.add_argument("--github-app-key", type=absolute, metavar="PEM")
     replay.add_argument("--github-installation-id", type=int, metavar="ID")
-    log.set_defaults(func=cmd_tools_log)
+    log.set_defaults(func=cmd_tools_log, root_when_refused=NeedsRoot("the call log is root's"))
     replay.set_defaults(func=cmd_tools_replay)
 
 
@@ -88,7 +93,7 @@ def logged_calls(args: argparse.Namespace) -> list[LoggedCall]:
 async def _from_database(args: argparse.Namespace) -> list[LoggedCall]:
     from airlock.broker.pgstore import PostgresStore
     from airlock.broker.store import StoreError
-    from airlock.brokerd import read_password
+    from airlock.gateway.broker_runtime import read_password
 
     if not args.store.startswith(("postgresql://", "postgres://")):
         raise UsageError(f"--store {args.store!r}: give a PostgreSQL URL (a SQLite call log: --call-log DIR)")
@@ -144,7 +149,7 @@ class Outcome:
     note: str = ""  # why not, or what the replay lacked
 
     @property
-    def recorded(self) -> tuple[int | None, dict[str, Any]]:
+    def recorded(self) -> tuple[int | None, dict[str, Any] | None]:  # None: the call had not ended
         call = self.call
         return call.status, call.result if call.error is None else {"error": call.error}
 
@@ -175,24 +180,26 @@ class Outcome:
 async def _replay(args: argparse.Namespace, calls: list[LoggedCall], bundles: dict[str, Path]) -> list[Outcome]:
     import aiohttp
 
+    from airlock.broker.store import SqliteStore
+
     with tempfile.TemporaryDirectory(prefix="airlock-replay-") as state:
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(ssl=_tls(args.upstream_ca))) as session:
-            broker = _broker(args, Path(state), session)
+            store = SqliteStore(Path(state) / "broker.sqlite3")
+            broker = _broker(args, Path(state), session, store)
             try:
                 return [await _one(broker, call, bundles) for call in calls]
             finally:
-                await broker.store.close()
+                await store.close()
 
 
-def _broker(args: argparse.Namespace, state: Path, session: Any) -> Broker:
+def _broker(args: argparse.Namespace, state: Path, session: aiohttp.ClientSession, store: BrokerStore) -> Broker:
     """A broker of the replay's own, acting against `--api` with the credential given."""
     from airlock.broker.github import GitHubClient
     from airlock.broker.gitpush import GitTransport, Pusher, git_base_url
     from airlock.broker.service import Broker
-    from airlock.broker.store import SqliteStore
     from airlock.broker.tokens import KeyRing, TokenAuthority
-    from airlock.brokerconfig import BrokerConfig
-    from airlock.brokerd import credential
+    from airlock.gateway.broker_runtime import credential
+    from airlock.gateway.config import BrokerConfig
 
     config = BrokerConfig(
         github_api=args.api, github_app_id=args.github_app_id, github_app_key=args.github_app_key,
@@ -209,7 +216,7 @@ def _broker(args: argparse.Namespace, state: Path, session: Any) -> Broker:
     except FileNotFoundError:  # no git here: pushes answer 503, as in the gateway
         pusher = None
     authority = TokenAuthority(KeyRing(state / "keys", 3600))
-    return Broker(authority, SqliteStore(state / "broker.sqlite3"), lambda _: None, github, lambda _: None,
+    return Broker(authority, store, lambda _: None, github, lambda _: None,
                   pusher=pusher)  # fmt: skip
 
 
@@ -253,7 +260,7 @@ def _bundles(directory: Path) -> dict[str, Path]:
     return {hashlib.sha256(p.read_bytes()).hexdigest(): p for p in directory.iterdir() if p.is_file()}
 
 
-def _tls(ca_file: str | None) -> Any:
+def _tls(ca_file: str | None) -> ssl.SSLContext:
     import ssl
 
     return ssl.create_default_context(cafile=ca_file)

@@ -15,15 +15,25 @@ import re
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
-from airlock.brokerconfig import SECRET_NAME, SecretSource
 from airlock.inspection import InspectionError
 from airlock.inspection.files import read_regular_file
-from airlock.policy.inspection import placeholder
+from airlock.policy.inspected_rules import placeholder
 
 MAX_SECRET = 4096  # bytes; also broker.shapes.MAX_CREDENTIAL, what the broker accepts as a credential
 _TOKEN = re.compile(rb"[!-~]{1,%d}" % MAX_SECRET)
 _VARIABLE = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,127}")
+SECRET_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}")  # policy.tools.SECRET_NAME, without importing the policy
+
+
+@dataclass(frozen=True)
+class SecretSource:
+    """`--secret NAME=file:PATH|env:VAR`: where the gateway reads a secret that declared tools name."""
+
+    name: str
+    kind: Literal["file", "env"]
+    where: str  # an absolute path, or a variable's name
 
 
 class SecretValues(Mapping[str, str]):

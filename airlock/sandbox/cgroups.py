@@ -25,8 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from . import SANDBOX_ID
+from .errors import SandboxError
 from .limits import Resources
-from .netns import SandboxError
 
 PARENT = "airlock"
 CPU_PERIOD_US = 100_000

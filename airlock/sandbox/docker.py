@@ -13,30 +13,28 @@ from __future__ import annotations
 
 import contextlib
 import ipaddress
-import logging
-import math
 import os
 import secrets
 import select
 import shutil
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
-from datetime import datetime
 from pathlib import Path
 from typing import Any, BinaryIO
 
 import docker
 import docker.errors
 import requests.exceptions
-from docker.types import IPAMConfig, IPAMPool, Ulimit
+from docker.types import IPAMConfig, IPAMPool, LogConfig, Ulimit
 
 from airlock.errors import AirlockError
+from airlock.inspection.trust import SANDBOX_BUNDLE
 from airlock.interfaces import parse_ip_addr
 from airlock.policy import SANDBOX_LINK_NETWORKS
 
-from . import SANDBOX_ID
+from . import SANDBOX_ID, Guardian
 from .fence import DOCKER_TABLE_PREFIX, Fence, Interception, load_inner_refusal, unlimited_unreachable
 from .limits import (
     CPUS,
@@ -55,9 +53,6 @@ from .limits import (
     memory_bytes,
 )
 from .seccomp import docker_security_opt
-from .watchdog import Watchdog
-
-log = logging.getLogger("airlock.sandbox.docker")
 
 SUBNET_POOL = SANDBOX_LINK_NETWORKS[1]
 LABEL = "airlock.sandbox"
@@ -164,7 +159,7 @@ class DockerSandbox:
     udp_ports: tuple[int, ...] = ()
     limits: Limits = field(default_factory=Limits)
     mounts: list[tuple[str, str]] = field(default_factory=list)  # (host path, container path), always read-only
-    watchdog: Watchdog | None = None  # told of the sandbox once its fence is ours: it removes it if we die
+    watchdog: Guardian | None = None  # told of the sandbox once its fence is ours: it removes it if we die
     intercept: Interception | None = None  # transparent mode: everything else the sandbox dials reaches the gateway
 
     def __post_init__(self) -> None:
@@ -247,7 +242,7 @@ class DockerSandbox:
         out = subprocess.run(["ip", "-j", "-4", "addr", "show"], capture_output=True, text=True, timeout=10).stdout
         used += [address.network for address in parse_ip_addr(out)]
         for _ in range(64):
-            candidate = ipaddress.ip_network(f"{SUBNET_POOL.network_address + secrets.randbelow(256) * 256}/24")
+            candidate = ipaddress.IPv4Network(f"{SUBNET_POOL.network_address + secrets.randbelow(256) * 256}/24")
             if not any(candidate.version == u.version and candidate.overlaps(u) for u in used):
                 return candidate
         raise DockerSandboxError(f"no free /24 left in {SUBNET_POOL}")
@@ -272,12 +267,16 @@ class DockerSandbox:
             os.fchmod(fd, 0o440)  # exactly: a umask may have taken the group's read bit
             f.write(token)
 
-    def start(self, command: list[str], env: dict[str, str]) -> None:
+    def start(self, command: list[str], env: dict[str, str], trust_bundle: Path | None = None) -> None:
+        """The container, running `command` with `env`: the mounts read-only, the token file (`place_token`) and
+        the `trust_bundle` (the system's CAs plus the gateway's) where the image's clients look first."""
         api = self.client.api
         limits = self.limits
-        binds = {host: {"bind": target, "mode": "ro"} for host, target in self.mounts}
+        binds: dict[str, Mapping[str, str]] = {host: {"bind": target, "mode": "ro"} for host, target in self.mounts}
         if self.token_file is not None:
             binds[str(self.token_file)] = {"bind": TOKEN_PATH, "mode": "ro"}
+        if trust_bundle is not None:
+            binds[str(trust_bundle)] = {"bind": str(SANDBOX_BUNDLE), "mode": "ro"}
         # An image's VOLUMEs would be writable anonymous volumes on the host's disk, past --read-only, and
         # outliving the container: a tmpfs over each, like /tmp, keeps them in (capped) memory instead.
         tmpfs = {path: limits.tmpfs_options for path in ("/tmp", *self._image_volumes())}
@@ -301,9 +300,10 @@ class DockerSandbox:
             ipc_mode="private",
             # Transparent mode: its namespace does not rate-limit the port-unreachable it sends itself (below).
             sysctls=unlimited_unreachable() if self.intercept is not None else None,
-            log_config={"type": "json-file", "config": {"max-size": str(limits.output_limit), "max-file": "1"}},
+            log_config=LogConfig(type="json-file", config={"max-size": str(limits.output_limit), "max-file": "1"}),
         )
-        networking = api.create_networking_config({self.name: api.create_endpoint_config(ipv4_address=self.sandbox_ip)})
+        endpoints = {self.name: api.create_endpoint_config(ipv4_address=self.sandbox_ip)}
+        networking = api.create_networking_config(endpoints)  # type: ignore[arg-type]  # the stubs say one endpoint
         try:
             created = api.create_container(
                 self.image,
@@ -378,7 +378,7 @@ class DockerSandbox:
 
     def _image_volumes(self) -> list[str]:
         try:
-            config = self.client.api.inspect_image(self.image).get("Config") or {}
+            config = self.client.api.inspect_image(self.image).get("Config") or {}  # type: ignore[no-untyped-call]
         except docker.errors.ImageNotFound:
             raise DockerSandboxError(f"image {self.image!r} not found") from None
         return list(config.get("Volumes") or {})
@@ -387,7 +387,8 @@ class DockerSandbox:
         """The exit code, or None when the timeout passed (the container is then killed)."""
         assert self.container_id is not None
         try:
-            result = self.client.api.wait(self.container_id, timeout=timeout or self.limits.timeout)
+            # A float is what requests (the read timeout) takes; the stubs ask for an int.
+            result = self.client.api.wait(self.container_id, timeout=timeout or self.limits.timeout)  # type: ignore[arg-type]
             return int(result.get("StatusCode", 1))
         except (requests.exceptions.ReadTimeout, requests.exceptions.ConnectionError):
             self.kill()
@@ -400,7 +401,8 @@ class DockerSandbox:
 
     def state(self) -> dict[str, Any]:
         assert self.container_id is not None
-        return self.client.api.inspect_container(self.container_id)["State"]
+        state: dict[str, Any] = self.client.api.inspect_container(self.container_id)["State"]
+        return state
 
     def output(self) -> tuple[bytes, bytes]:
         """stdout and stderr, each capped at the output limit."""
@@ -445,9 +447,9 @@ class DockerSandbox:
         """Remove what this sandbox created: the container, then the network (its bridge goes with it), only then
         the fence, so nothing of the sandbox can ever send unfenced; a failure stops here, leaving the fence up."""
         if self.container_id is not None:
-            _remove_container(self.client, self.container_id)
+            remove_container(self.client, self.container_id)
         if self.network_id is not None:
-            _remove_network(self.client, self.network_id)
+            remove_network(self.client, self.network_id)
         if self.fence is not None:
             self.fence.remove()
         if self.token_dir is not None:
@@ -477,71 +479,11 @@ def sandbox_token_dir(sandbox_id: str) -> Path:
     return TOKEN_ROOT / f"airlock-d-{sandbox_id}"
 
 
-def _remove_container(client: docker.DockerClient, container_id: str) -> None:
+def remove_container(client: docker.DockerClient, container_id: str) -> None:
     with contextlib.suppress(docker.errors.NotFound):  # v: anonymous volumes go too
         client.api.remove_container(container_id, force=True, v=True)
 
 
-def _remove_network(client: docker.DockerClient, network_id: str) -> None:
+def remove_network(client: docker.DockerClient, network_id: str) -> None:
     with contextlib.suppress(docker.errors.NotFound):
         client.api.remove_network(network_id)
-
-
-def remove_sandbox(client: docker.DockerClient, sandbox_id: str) -> None:
-    """Everything of one docker sandbox, for the reaper: container(s) and network found by label, in
-    destroy()'s order, then its fence table (never another backend's) and its token."""
-    if not SANDBOX_ID.fullmatch(sandbox_id):
-        raise DockerSandboxError(f"not a sandbox id: {sandbox_id!r}")
-    for container in client.containers.list(all=True, filters={"label": f"{LABEL}={sandbox_id}"}):
-        _remove_container(client, container.id)
-    for network in client.networks.list(filters={"label": f"{LABEL}={sandbox_id}"}):
-        _remove_network(client, network.id)
-    Fence(fence_table(sandbox_id), "", "", ()).remove()
-    shutil.rmtree(sandbox_token_dir(sandbox_id), ignore_errors=True)
-
-
-def reap(client: docker.DockerClient, older_than: float | None = None, now: float | None = None) -> list[str]:
-    """Remove airlock sandboxes whose lifetime has passed (label), or older than `older_than` seconds. A label
-    that is no sandbox id is reported and skipped: it would name paths and nft tables."""
-    now = time.time() if now is None else now
-    victims: set[str] = set()
-    for obj in [
-        *client.containers.list(all=True, filters={"label": LABEL}),
-        *client.networks.list(filters={"label": LABEL}),
-    ]:
-        labels = obj.attrs.get("Labels") or obj.attrs.get("Config", {}).get("Labels") or {}
-        sandbox_id = labels.get(LABEL)
-        if not sandbox_id:
-            continue
-        if not isinstance(sandbox_id, str) or not SANDBOX_ID.fullmatch(sandbox_id):
-            log.warning("skipped %s: its %s label %r is not a sandbox id", obj.id, LABEL, sandbox_id)
-            continue
-        if _expired(labels, obj.attrs, now, older_than):
-            victims.add(sandbox_id)
-    for sandbox_id in sorted(victims):
-        remove_sandbox(client, sandbox_id)
-    return sorted(victims)
-
-
-def _expired(labels: dict[str, str], attrs: dict[str, Any], now: float, older_than: float | None) -> bool:
-    try:
-        expires = float(labels.get(EXPIRES_LABEL, "0") or 0)
-    except ValueError:
-        expires = math.nan
-    if not math.isfinite(expires):
-        expires = 0.0  # unreadable: expired, like a missing label
-    created = _created(attrs)
-    return expires < now or (older_than is not None and created is not None and created < now - older_than)
-
-
-def _created(attrs: dict[str, Any]) -> float | None:
-    text = attrs.get("Created")
-    if not isinstance(text, str):
-        return None
-    try:
-        # Docker prints nanoseconds; Python parses microseconds.
-        head, _, rest = text.partition(".")
-        fraction = "".join(ch for ch in rest if ch.isdigit())[:6]
-        return datetime.fromisoformat(f"{head}.{fraction or '0'}+00:00").timestamp()
-    except ValueError:
-        return None

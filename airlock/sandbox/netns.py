@@ -28,11 +28,12 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from airlock.errors import AirlockError
+from airlock.inspection.trust import SANDBOX_BUNDLE
 from airlock.interfaces import interface_addresses
 from airlock.policy import SANDBOX_LINK_NETWORKS, HostError, canonical_host, is_ip
 
-from . import SANDBOX_ID
+from . import SANDBOX_ID, Guardian
+from .errors import SandboxError
 from .fence import (
     NETNS_TABLE_PREFIX,
     Fence,
@@ -42,15 +43,10 @@ from .fence import (
     refuse_udp_here,
     write_sysctl,
 )
-from .reach import permissions
-from .watchdog import Watchdog
+from .host_paths import existing_paths
 from .workdir import WorkdirGuard
 
 LINK_POOL = SANDBOX_LINK_NETWORKS[0]
-
-
-class SandboxError(AirlockError, RuntimeError):
-    pass
 
 
 def _run(argv: list[str], check: bool = True, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
@@ -123,7 +119,7 @@ def pick_link() -> ipaddress.IPv4Network:
     used = _used_networks()
     for _ in range(64):
         index = secrets.randbelow(LINK_POOL.num_addresses // 4)
-        link = ipaddress.ip_network(f"{LINK_POOL.network_address + index * 4}/30")
+        link = ipaddress.IPv4Network(f"{LINK_POOL.network_address + index * 4}/30")
         if not any(link.overlaps(u) for u in used):
             return link
     raise SandboxError(f"no free /30 left in {LINK_POOL}")
@@ -136,7 +132,7 @@ class NetnsSandbox:
     sandbox_id: str | None = None  # default: random
     tcp_ports: tuple[int, ...] = (3128,)
     udp_ports: tuple[int, ...] = ()
-    watchdog: Watchdog | None = None  # told of the namespace once it is ours: it removes it if we die
+    watchdog: Guardian | None = None  # told of the namespace once it is ours: it removes it if we die
     intercept: Interception | None = None  # transparent mode: everything else the sandbox dials reaches the gateway
 
     def __post_init__(self) -> None:
@@ -167,6 +163,7 @@ class NetnsSandbox:
         _run(["ip", "netns", "add", self.netns])  # fails when the id is taken: then nothing here is ours
         self.owned = True
         if self.watchdog is not None:  # it may still be starting: the launcher waits for it before the command
+            assert self.sandbox_id is not None  # given or drawn when built
             self.watchdog.guard("netns", self.sandbox_id, wait=False)
         self._link_and_fence()
         etc = Path("/etc/netns") / self.netns
@@ -265,12 +262,13 @@ class NetnsSandbox:
         guard: WorkdirGuard | None = None,
         seccomp_fd: int | None = None,
         trust_bundle: Path | None = None,
+        writable: Sequence[Path] = (),
     ) -> list[str]:
         """The argv that runs `argv` inside the namespace as an unprivileged user without capabilities; with
         `isolate_fs`, bubblewrap also gives it a read-only view of the host without the `hidden` paths, the
-        working directory writable but for `read_only` paths in it and what the `guard` protects, its own /tmp
-        and /dev/shm (the folders on the way to what is bound there as the host's) and PID namespace. The BPF
-        program at `seccomp_fd` (inherited) becomes its seccomp filter."""
+        working directory (and the `writable` folders) writable but for `read_only` paths in it and what the
+        `guard` protects, its own /tmp and /dev/shm (the folders on the way to what is bound there as the host's)
+        and PID namespace. The BPF program at `seccomp_fd` (inherited) becomes its seccomp filter."""
         pw = resolve_user(user)
         drop_privileges = [
             # No supplementary groups: `docker`, `lxd`, `disk` and the like would each be a way out.
@@ -278,7 +276,7 @@ class NetnsSandbox:
             "--no-new-privs", "--bounding-set=-all", "--inh-caps=-all", "--",
         ]  # fmt: skip
         if isolate_fs:
-            isolation = _bubblewrap(hidden, read_only, guard, seccomp_fd, trust_bundle)
+            isolation = _bubblewrap(hidden, read_only, guard, seccomp_fd, trust_bundle, writable)
         else:
             isolation = _own_processes(seccomp_fd)
         prelude = guard.prelude() if guard and isolate_fs else []
@@ -320,22 +318,25 @@ def _bubblewrap(
     guard: WorkdirGuard | None,
     seccomp_fd: int | None = None,
     trust_bundle: Path | None = None,
+    writable: Sequence[Path] = (),
 ) -> list[str]:
     """The whole host read-only (so nothing planted for root to run later), the working directory writable as its
     permissions say but for `read_only` paths and what the `guard` keeps (git's own folders get a private layer,
-    files that run later are read-only), the `hidden` paths empty, a private /tmp and /dev/shm, and the command's
-    own PID, IPC and UTS namespaces."""
+    files that run later are read-only), the `writable` folders too, the `hidden` paths empty, a private /tmp and
+    /dev/shm, and the command's own PID, IPC and UTS namespaces."""
     cwd = os.getcwd()
     around, inside = (guard.enclosing_binds(), guard.bubblewrap_binds()) if guard else ([], [])
     # Only below a private mount: elsewhere `/` shows the work tree already, and a private mount itself (or `/`)
     # bound again would show the host's own.
     around = [bind for bind in around if _private_mount(Path(bind[-1]))]
-    mounts = [(bind, False) for bind in [*around, ["--bind", cwd, cwd], *inside]]
+    # The writable folders before the working directory's bind and its masks, which a later bind above would cover.
+    binds = [["--bind", str(folder), str(folder)] for folder in writable]
+    mounts = [(bind, False) for bind in [*around, *binds, ["--bind", cwd, cwd], *inside]]
     for path in hidden:  # after the working directory's bind: a credential inside it is covered too
         mounts.append((["--tmpfs", str(path)] if path.is_dir() else ["--ro-bind", "/dev/null", str(path)], True))
-    mounts += [(["--ro-bind", str(path), str(path)], False) for path in _existing(read_only)]
+    mounts += [(["--ro-bind", str(path), str(path)], False) for path in existing_paths(read_only)]
     if trust_bundle is not None:  # the system's CAs and the gateway's, where every client looks first
-        mounts.append((["--ro-bind", str(trust_bundle), SYSTEM_TRUST_BUNDLE], False))
+        mounts.append((["--ro-bind", str(trust_bundle), str(SANDBOX_BUNDLE)], False))
     placed, made = _below_private_mounts(mounts)
     if seccomp_fd is not None:  # bubblewrap installs it last, just before the command
         placed += ["--seccomp", str(seccomp_fd)]
@@ -393,103 +394,6 @@ def _give_owners(made: dict[Path, os.stat_result]) -> list[str]:
     if not pairs:
         return []
     return ["sh", "-c", _GIVE_OWNERS, shutil.which("chown") or "/usr/bin/chown", *(w for p in pairs for w in p), "--"]
-
-
-SYSTEM_TRUST_BUNDLE = "/etc/ssl/certs/ca-certificates.crt"
-
-SYSTEM_FOLDERS = frozenset(
-    Path(p)
-    for p in (
-        "/", "/bin", "/boot", "/dev", "/etc", "/home", "/lib", "/lib32", "/lib64", "/media", "/mnt", "/opt", "/proc",
-        "/root", "/run", "/sbin", "/srv", "/sys", "/tmp", "/usr", "/var", "/var/tmp", "/var/lib", "/usr/local",
-        "/dev/shm",
-    )
-)  # fmt: skip
-
-
-def workdir_problem(cwd: Path, user: pwd.struct_passwd) -> str | None:
-    """Why this folder must not be the command's writable working directory, if it must not."""
-    cwd = cwd.resolve()
-    home = Path(user.pw_dir).resolve()
-    if cwd in SYSTEM_FOLDERS:
-        return f"it is / or one of the host's system folders: {_own_folder(cwd, home)}"
-    if cwd == home or cwd in home.parents:
-        return f"it is {user.pw_name}'s home folder, whose dotfiles run outside the sandbox: {_own_folder(cwd, home)}"
-    return None
-
-
-def _own_folder(cwd: Path, home: Path) -> str:
-    """How to run from a folder the sandbox may have: one of its own, next to where the user is (in /tmp or
-    /var/tmp), else in the home folder (when the user has one), else in /var/tmp."""
-    if cwd in (Path("/tmp"), Path("/var/tmp")):
-        folder = cwd / "work"
-    elif home.is_dir() and home not in SYSTEM_FOLDERS:
-        folder = home / "work"
-    else:
-        folder = Path("/var/tmp/work")
-    return f"run it from a folder of its own (mkdir -p {folder} && cd {folder})"
-
-
-def may_write(folder: Path, user: pwd.struct_passwd) -> bool:
-    """May `user` create files in `folder`, by its mode bits (write and search)?"""
-    try:
-        return permissions(folder.stat(), user) & 0o3 == 0o3
-    except OSError:
-        return False
-
-
-# Where credentials live in a home directory. The sandbox's user may own them (by default it is whoever ran
-# sudo), so file permissions do not keep them out: bubblewrap hides them.
-HOME_CREDENTIALS = (
-    ".ssh", ".aws", ".azure", ".config/gcloud", ".config/gh", ".config/hub", ".kube", ".docker", ".gnupg",
-    ".password-store", ".netrc", ".git-credentials", ".pypirc", ".npmrc", ".terraform.d",
-)  # fmt: skip
-
-
-# Ways out of the network namespace that are not the network: host services that start processes (in the host's
-# namespaces) or resolve and send for whoever reaches their socket — the user's systemd and dbus session
-# (/run/user/UID), rootless and rootful docker, podman, containerd, LXD/Incus, snapd, the system bus, screen; and
-# the host's own resolvers (nscd, systemd-resolved's varlink), which would answer any name, past the gateway's DNS.
-# A read-only view does not stop connect() on a socket: bubblewrap hides them.
-HOST_SERVICES = (
-    "/run/user", "/run/dbus", "/run/docker.sock", "/run/docker", "/run/containerd", "/run/podman",
-    "/run/snapd.socket", "/run/snapd-snap.socket", "/run/lxd-installer.socket", "/var/snap/lxd/common/lxd-user",
-    "/var/lib/incus/unix.socket.user", "/run/screen", "/run/nscd", "/run/systemd/resolve/io.systemd.Resolve",
-    "/run/systemd/resolve/io.systemd.Resolve.Monitor", "/run/avahi-daemon", "/run/cups",
-)  # fmt: skip
-
-
-def host_service_paths() -> list[Path]:
-    return _existing(Path(p) for p in HOST_SERVICES)
-
-
-def user_session(user: pwd.struct_passwd) -> Path | None:
-    """The user's runtime directory when it has a login session (systemd --user, dbus, agents live there)."""
-    path = Path("/run/user") / str(user.pw_uid)
-    return path if path.exists() else None
-
-
-def credential_paths(user: pwd.struct_passwd, named: Sequence[str | Path]) -> list[Path]:
-    """The existing paths to keep from the sandbox: the gateway's own credentials (`named`: GitHub key or token
-    file, state directory) and the usual credential places in the user's home, symlinks resolved."""
-    home = Path(user.pw_dir)
-    return _existing([Path(p) for p in named] + [home / name for name in HOME_CREDENTIALS])
-
-
-def _existing(paths: Iterable[Path]) -> list[Path]:
-    """The paths that exist, symlinks resolved (bubblewrap mounts over the real path), each once."""
-    found: dict[Path, None] = {}
-    for path in paths:
-        with contextlib.suppress(OSError):
-            found[path.resolve(strict=True)] = None
-    return list(found)
-
-
-def accessible_by(path: Path, user: pwd.struct_passwd) -> list[Path]:
-    """Files and sockets at or under `path` the user may read or write by their mode bits, as its uid or one of
-    its groups (the directories along the way are not considered: this errs towards "accessible")."""
-    entries = [path] if not path.is_dir() else [p for p in path.rglob("*") if p.is_file() or p.is_socket()]
-    return [entry for entry in entries if permissions(entry.lstat(), user) & 0o6]
 
 
 def bubblewrap_available() -> bool:

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from airlock.policy import Policy
-from airlock.policy.tools import ArgvCommand
+from airlock.policy.declared_tools import ArgvCommand
 
 MAX_SYMLINKS = 40  # as the kernel allows when it resolves a path (ELOOP beyond)
 _ACL = "system.posix_acl_access"

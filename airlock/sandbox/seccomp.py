@@ -72,7 +72,7 @@ def bpf_program() -> bytes:
 
 
 def _build() -> bytes:
-    import pyseccomp as sc
+    import pyseccomp as sc  # type: ignore[import-untyped]  # pyseccomp ships no types
 
     f = sc.SyscallFilter(sc.ALLOW)
     f.set_attr(sc.Attr.ACT_BADARCH, sc.KILL_PROCESS)
@@ -152,7 +152,7 @@ def docker_profile(default: dict[str, Any] | None = None) -> dict[str, Any]:
     """Docker's default profile minus every rule that would allow a call of airlock's list: unconditional allows
     lose those names; conditional ones stay only where they allow what airlock allows too (clone without
     namespace flags, the Linux persona and the query); its refusals stay as they are."""
-    profile = json.loads(json.dumps(default or docker_default()))
+    profile: dict[str, Any] = json.loads(json.dumps(default or docker_default()))
     kept = []
     for rule in profile["syscalls"]:
         if rule["action"] == "SCMP_ACT_ALLOW":

@@ -33,6 +33,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import astuple, dataclass, field
 from pathlib import Path
+from typing import Any
 
 from airlock.errors import AirlockError
 
@@ -461,7 +462,7 @@ _CLEAN_GIT_ENV = {
 }
 
 
-def _as_user(user: pwd.struct_passwd | None) -> dict:
+def _as_user(user: pwd.struct_passwd | None) -> dict[str, Any]:
     if user is None or user.pw_uid == 0:
         return {}
     return {"user": user.pw_uid, "group": user.pw_gid, "extra_groups": []}

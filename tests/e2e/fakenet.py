@@ -29,15 +29,20 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-from urllib.parse import parse_qs, urlsplit
+from urllib.parse import parse_qs, quote, urlsplit
 
+import h2.config
+import h2.connection
+import h2.events
 from dnslib import AAAA, CNAME, NS, QTYPE, RCODE, RR, SOA, TXT, A, DNSRecord
 from dnslib.server import BaseResolver, DNSHandler, DNSLogger, DNSServer
 
+import fakeregistry
 from control import Commands, serve_until_signalled, start_control
 
 HTTP_PORTS = (80, 8080)
 HTTPS_PORTS = (443, 8443)
+H2_PORT = 9443  # HTTPS that speaks HTTP/2 where the client offers it (ALPN), else HTTP/1.1
 ECHO_PORT = 22
 CANARY_PORT = 9999
 DNS_ADDR = "192.0.2.53"
@@ -71,6 +76,8 @@ ZONE: dict[str, list[tuple[str, str]]] = {
     "api.github.test": [("A", "192.0.2.20")],  # fakegithub.py
     "refused6.allowed.test": [("A", "192.0.2.10")],  # its AAAA questions are REFUSED (REFUSED_AAAA)
     "github.test": [("A", "192.0.2.20")],  # fakegithub.py's git smart HTTP
+    # the hosts of the docs' walk-throughs, under their real names: registries (fakeregistry.py), a model API
+    **{host: [("A", "192.0.2.10")] for host in (*fakeregistry.REGISTRY_HOSTS, "api.model.example")},
 }
 REFUSED_AAAA = {"refused6.allowed.test"}  # an upstream that refuses AAAA, as some do
 RDATA = {"A": A, "AAAA": AAAA, "CNAME": CNAME, "NS": NS, "TXT": TXT}
@@ -373,13 +380,44 @@ async def respond(conn: Conn, req: Request) -> None:
         head = response_head("200 OK", len(body), req.keep_alive, "application/json")
         await conn.send(head.replace(b"\r\n\r\n", b"\r\nContent-Encoding: gzip\r\n\r\n") + body)
         return
-    if url.path == "/headers":
+    if url.path.startswith("/leak/"):
+        return await leak(conn, req, url.path.removeprefix("/leak/"))
+    if served := fakeregistry.answer(req.header("host"), url.path):
+        content_type, body = served
+    elif url.path == "/headers":
         body = json.dumps(req.headers).encode()
         content_type = "application/json"
     else:
         body = f"fakenet {conn.dst} host={req.header('host') or ''} path={req.target}\n".encode()
         content_type = "text/plain"
     await conn.send(response_head("200 OK", len(body), req.keep_alive, content_type) + (body if send_body else b""))
+
+
+async def leak(conn: Conn, req: Request, part: str) -> None:
+    """/leak/<part>: the request's Authorization header reflected into one part of the answer, as a careless
+    upstream's error or echo would write it (the gateway must scrub or withhold each part it delivers)."""
+    auth = req.header("authorization") or ""
+    token = auth.rpartition(" ")[2] or "none"
+    close = "Connection: close\r\n"
+    answers = {
+        "reason": f"HTTP/1.1 401 Invalid credentials {auth}\r\nContent-Length: 7\r\n{close}\r\ndenied\n",
+        "header": f"HTTP/1.1 200 OK\r\nX-Echo: {auth}\r\nX-{token}: name\r\nContent-Length: 3\r\n{close}\r\nok\n",
+        "early-hints": f"HTTP/1.1 103 Early Hints\r\nLink: </s.css?k={quote(auth)}>; rel=preload\r\n"
+        f"X-Echo: {auth}\r\n\r\nHTTP/1.1 200 OK\r\nContent-Length: 3\r\n{close}\r\nok\n",
+        "trailer": f"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\nTrailer: X-Echo\r\n{close}\r\n"
+        f"3\r\nok\n\r\n0\r\nX-Echo: {auth}\r\n\r\n",
+        "status-line": f"HTTP/1.1 2xx {auth}\r\nContent-Length: 3\r\n{close}\r\nok\n",
+        "truncated": f"HTTP/1.1 200 OK\r\nX-Echo: {auth}\r\n",
+        "bad-length": f"HTTP/1.1 200 OK\r\nContent-Length: {token}\r\n{close}\r\nok\n",
+    }
+    if part in ("te", "te-forced"):  # the body by a transfer-coding: gzip where the request's TE asks (or always)
+        body = f"{auth}\n".encode()
+        gzipped = part == "te-forced" or "gzip" in (req.header("te") or "").lower()
+        coded = gzip.compress(body) if gzipped else body
+        coding = "gzip, chunked" if gzipped else "chunked"
+        head = f"HTTP/1.1 200 OK\r\nTransfer-Encoding: {coding}\r\n{close}\r\n".encode()
+        return await conn.send(head + b"%x\r\n%s\r\n0\r\n\r\n" % (len(coded), coded))
+    await conn.send(answers[part].encode())
 
 
 async def http(conn: Conn) -> None:
@@ -452,6 +490,21 @@ async def websocket(conn: Conn, req: Request) -> None:
         await conn.send(ws_frame(opcode, payload))
 
 
+async def leak_websocket(conn: Conn, req: Request) -> None:
+    """/leak/ws: a websocket whose server reflects the upgrade's Authorization header in every frame it can send:
+    a text and a binary message, a ping, an unasked pong, and the close frame's reason."""
+    accept = base64.b64encode(hashlib.sha1((req.header("sec-websocket-key") or "").encode() + WS_GUID).digest())
+    auth = (req.header("authorization") or "").encode()
+    await conn.send(
+        b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+        b"Sec-WebSocket-Accept: " + accept + b"\r\n\r\n"
+    )
+    for opcode, payload in ((0x1, auth), (0x2, auth), (0x9, auth), (0xA, auth), (0x8, b"\x03\xf0" + auth)):
+        await conn.send(ws_frame(opcode, payload))
+    while await conn.read():  # until the client closes
+        pass
+
+
 def ws_frame(opcode: int, payload: bytes) -> bytes:
     """One final, unmasked frame (what a server sends)."""
     length = len(payload)
@@ -472,13 +525,13 @@ async def raw_upgrade(conn: Conn, req: Request) -> None:
     await echo(conn)
 
 
-UPGRADES = {"/ws": websocket, "/raw-upgrade": raw_upgrade}
+UPGRADES = {"/ws": websocket, "/raw-upgrade": raw_upgrade, "/leak/ws": leak_websocket}
 
 
-def make_tls_context(cert: Path, key: Path, stats: Stats) -> ssl.SSLContext:
+def make_tls_context(cert: Path, key: Path, stats: Stats, alpn: tuple[str, ...] = ("http/1.1",)) -> ssl.SSLContext:
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     ctx.load_cert_chain(cert, key)
-    ctx.set_alpn_protocols(["http/1.1"])  # fakenet speaks HTTP/1.1 only
+    ctx.set_alpn_protocols(list(alpn))  # HTTP/1.1 only, but on H2_PORT
 
     def on_sni(sslobj: ssl.SSLObject, name: str | None, _ctx: ssl.SSLContext) -> None:
         # Recorded at handshake time so a handshake that later fails still shows what the client asked for.
@@ -496,9 +549,41 @@ def https(ctx: ssl.SSLContext) -> Handler:
         conn.tls = True
         conn.sni = getattr(conn.writer.get_extra_info("ssl_object"), "fakenet_sni", None)
         conn.stats.record("tls", {"dst": conn.dst, "client": conn.client, "sni": conn.sni})
-        await http(conn)
+        alpn = conn.writer.get_extra_info("ssl_object").selected_alpn_protocol()
+        await (http2(conn) if alpn == "h2" else http(conn))
 
     return handler
+
+
+async def http2(conn: Conn) -> None:
+    """HTTP/2 (h2's state machine): every request is answered as a gRPC error would be, in trailers that reflect
+    its Authorization header; /leak/goaway ends the connection with that header as GOAWAY's debug data."""
+    h2conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=False))
+    h2conn.initiate_connection()
+    await conn.send(h2conn.data_to_send())
+    while data := await conn.read():
+        for event in h2conn.receive_data(data):
+            if isinstance(event, h2.events.DataReceived):
+                h2conn.acknowledge_received_data(event.flow_controlled_length, event.stream_id)
+            if not isinstance(event, h2.events.RequestReceived):
+                continue
+            fields = [(k.decode(), v.decode()) for k, v in event.headers]
+            pseudo = dict(f for f in fields if f[0].startswith(":"))
+            headers = [f for f in fields if not f[0].startswith(":")]
+            conn.stats.record("http", {
+                "dst": conn.dst, "client": conn.client, "tls": True, "sni": conn.sni, "method": pseudo[":method"],
+                "target": pseudo[":path"], "line": f"{pseudo[':method']} {pseudo[':path']} HTTP/2",
+                "host": pseudo.get(":authority"), "headers": headers, "body_bytes": 0,
+            })  # fmt: skip
+            auth = next((v for k, v in headers if k == "authorization"), "")
+            if pseudo[":path"] == "/leak/goaway":
+                h2conn.close_connection(additional_data=auth.encode())
+                return await conn.send(h2conn.data_to_send())
+            h2conn.send_headers(event.stream_id, [(":status", "200"), ("content-type", "application/grpc")])
+            h2conn.send_data(event.stream_id, b"ok\n")
+            h2conn.send_headers(event.stream_id, [("grpc-status", "16"), ("grpc-message", f"invalid token {auth}")],
+                                end_stream=True)  # fmt: skip
+        await conn.send(h2conn.data_to_send())
 
 
 # --------------------------------------------------------------------------------------------------- control
@@ -525,6 +610,7 @@ async def serve(args: argparse.Namespace) -> None:
     stats = Stats()
     tls = https(make_tls_context(args.cert, args.key, stats))
     handlers: list[tuple[int, Handler]] = [(p, http) for p in HTTP_PORTS] + [(p, tls) for p in HTTPS_PORTS]
+    handlers.append((H2_PORT, https(make_tls_context(args.cert, args.key, stats, ("h2", "http/1.1")))))
     handlers += [(ECHO_PORT, echo), (CANARY_PORT, canary)]
     servers = []
     for port, handler in handlers:

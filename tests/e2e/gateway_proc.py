@@ -18,7 +18,8 @@ from typing import Any
 
 from jsonschema import Draft202012Validator
 
-from airlock.gateway import Gateway, GatewayConfig
+from airlock.gateway import Gateway
+from airlock.gateway.config import GatewayConfig
 from airlock.policy import Sandbox, load_policy
 
 from topology import DNS_SERVER, GW_IP, SBX_IP, Topology
@@ -42,6 +43,7 @@ class GatewayProcess:
         upstream_dns: str = DNS_SERVER,
         nofile: tuple[int, int] | None = None,
         audit_path: Path | None = None,
+        verbose: bool = False,
     ):
         self.topology = topology
         self.upstream_dns = upstream_dns
@@ -50,13 +52,15 @@ class GatewayProcess:
         self.extra = extra
         self.nofile = nofile  # (soft, hard) RLIMIT_NOFILE to start the gateway with; None: inherited
         self.audit_path = audit_path or workdir / "audit.jsonl"
+        self.verbose = verbose  # -v: its log has mitmproxy's INFO lines too
         self.log_path = workdir / "gateway.log"
         self.proc: subprocess.Popen[bytes] | None = None
 
     def argv(self) -> list[str]:
         limit = ["prlimit", f"--nofile={self.nofile[0]}:{self.nofile[1]}", "--"] if self.nofile else []
+        verbose = ["-v"] if self.verbose else []
         return [
-            *limit, AIRLOCK, "gateway", "--policy", str(self.policy), "--listen", GW_IP,
+            *limit, AIRLOCK, *verbose, "gateway", "--policy", str(self.policy), "--listen", GW_IP,
             "--upstream-dns", self.upstream_dns, "--state-dir", str(self.workdir / "state"),
             "--audit", str(self.audit_path), "--sandbox", f"sbx={SBX_IP}/32",
             *self.extra,

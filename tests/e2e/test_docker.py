@@ -19,11 +19,13 @@ from typing import Any
 import pytest
 
 from airlock.broker.grants import parse_grant
-from airlock.gateway import Gateway, GatewayConfig
+from airlock.gateway import Gateway
+from airlock.gateway.config import GatewayConfig
+from airlock.launch.docker_launcher import launch
 from airlock.policy import load_policy
 from airlock.sandbox import docker as docker_backend
-from airlock.sandbox.docker import LABEL, DockerSandbox, Limits, fence_table, remove_sandbox
-from airlock.sandbox.docker_launch import launch
+from airlock.sandbox.docker import LABEL, DockerSandbox, Limits, fence_table
+from airlock.sandbox.docker_reaper import remove_sandbox
 from airlock.sandbox.fence import Fence
 
 from gateway_proc import AIRLOCK, E2E_POLICY

@@ -17,12 +17,11 @@ import pytest
 from test_push import AGENT_SCRIPT, CHECK_RUNS, GRANTS, NOBODY_UID, assert_walked_through, git
 
 from airlock.broker.grants import parse_grant
-from airlock.brokerconfig import BrokerConfig
-from airlock.gateway import GatewayConfig
+from airlock.gateway.config import BrokerConfig, GatewayConfig
+from airlock.launch.docker_launcher import launch
 from airlock.policy import load_policy
 from airlock.sandbox import docker as docker_backend
 from airlock.sandbox.docker import LABEL
-from airlock.sandbox.docker_launch import launch
 
 from fakegithub_client import FakeGitHub
 from gateway_proc import E2E_POLICY

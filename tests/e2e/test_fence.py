@@ -13,7 +13,8 @@ from unittest.mock import MagicMock
 
 import pytest
 
-from airlock.sandbox.docker import DockerSandbox, fence_table, remove_sandbox
+from airlock.sandbox.docker import DockerSandbox, fence_table
+from airlock.sandbox.docker_reaper import remove_sandbox
 from airlock.sandbox.fence import (
     DOCKER_TABLE_PREFIX,
     NETNS_TABLE_PREFIX,

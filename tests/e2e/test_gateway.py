@@ -315,7 +315,7 @@ def test_a_fault_inside_the_addon_denies(
     async def broken(name: str):
         raise fault
 
-    inproc_gateway.resolver.resolve = broken  # type: ignore[method-assign]
+    inproc_gateway.parts.resolver.resolve = broken  # type: ignore[method-assign]
     reply = in_netns(topology.sbx, proxy_http, PROXY, "http://allowed.test/")
     assert reply.status in (403, 500) and reply.headers.get("X-Airlock-Decision") == "deny", reply
     tunnel = in_netns(topology.sbx, tls_get, PROXY, "allowed.test:443", "allowed.test", test_ca.ca_cert)
@@ -336,7 +336,7 @@ def test_enforcement_point_holds_when_the_early_hooks_do_nothing(
         async def broken(name: str):
             raise RuntimeError("resolver bug at connect time")
 
-        inproc_gateway.resolver.resolve = broken  # type: ignore[method-assign]
+        inproc_gateway.parts.resolver.resolve = broken  # type: ignore[method-assign]
         target = "allowed.test"
     else:
         target = "evil.test"

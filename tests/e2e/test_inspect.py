@@ -133,6 +133,47 @@ def test_method_and_path_rules_refuse_before_anything_reaches_the_upstream(
     assert upstream_requests(fakenet) == []
 
 
+# Each shape a refused request can have, by what its framing says of a body: none (the headers end an HTTP/2
+# stream), an empty one, a small one, one past what mitmproxy buffers (its length announced, or not).
+REFUSED_SHAPES = [
+    ("GET", "/admin", ("-X", "GET"), "path_not_allowed"),
+    ("HEAD", "/admin", ("--head",), "path_not_allowed"),
+    ("OPTIONS", "/admin", ("-X", "OPTIONS"), "path_not_allowed"),
+    ("DELETE", "/admin", ("-X", "DELETE"), "path_not_allowed"),
+    ("DELETE", "/headers", ("-X", "DELETE"), "method_not_allowed"),
+    ("POST", "/admin", ("-d", "x"), "path_not_allowed"),
+    ("GET", "/admin", ("-H", "Content-Length: 0"), "path_not_allowed"),
+    ("POST", "/admin", ("--data-binary", "@{big}"), "path_not_allowed"),
+    ("POST", "/admin", ("-H", "Transfer-Encoding: chunked", "--data-binary", "@{big}"), "path_not_allowed"),
+]
+
+
+@pytest.mark.parametrize(("flag", "version"), [("--http2", "2"), ("--http1.1", "1.1")])
+def test_a_refused_request_of_any_shape_gets_its_answer_and_nothing_reaches_the_upstream(
+    topology: Topology, fakenet: FakeNet, inspecting: GatewayProcess, tmp_path: Path, flag: str, version: str
+) -> None:
+    big = tmp_path / "big.bin"
+    big.write_bytes(b"x" * (3 << 20))  # past stream_large_bodies (1 MiB): mitmproxy would stream it
+    for method, path, args, code in REFUSED_SHAPES:
+        shape = (method, path, *args)
+        body = tmp_path / "body"
+        body.unlink(missing_ok=True)
+        result = curl(
+            topology, inspecting, flag, *(a.format(big=big) for a in args), "-D", "-", "-o", str(body),
+            "-w", "%{http_version} %{http_code}", f"https://allowed.test{path}",
+        )  # fmt: skip
+        assert result.returncode == 0, (shape, result.stderr)
+        assert result.stdout.endswith(f"{version} 403") and "x-airlock-decision: deny" in result.stdout.lower(), shape
+        if method == "HEAD":  # the status and headers alone (curl writes them where a body would go)
+            assert body.read_bytes().endswith(b"\r\n\r\n") and b"{" not in body.read_bytes(), shape
+        else:
+            assert json.loads(body.read_bytes())["code"] == code, shape
+    assert upstream_requests(fakenet) == [] and fakenet.total_connections() == 0
+    inspecting.stop()  # every line written
+    lines = [line for line in inspecting.audit() if line["kind"] == "http"]
+    assert [(line["method"], line["code"]) for line in lines] == [(m, c) for m, _, _, c in REFUSED_SHAPES]
+
+
 def test_the_upstream_gets_the_canonical_path_that_was_judged(
     topology: Topology, fakenet: FakeNet, inspecting: GatewayProcess
 ) -> None:

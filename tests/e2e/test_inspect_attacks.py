@@ -180,13 +180,17 @@ def test_injection_scrubbing_and_denial_over_either_http_version(
 def test_a_compressed_answer_to_a_request_that_carried_the_secret_is_withheld_and_audited(
     topology: Topology, fakenet: FakeNet, attacked: GatewayProcess, flag: str, version: str
 ) -> None:
-    result = curl(topology, attacked, flag, "--compressed", "https://allowed.test/gzip")
-    assert result.returncode != 0 and SECRET not in result.stdout
+    result = curl(topology, attacked, flag, "--compressed", "-w", "\n%{http_version} %{http_code}",
+                  "https://allowed.test/gzip")  # fmt: skip
+    body, _, status = result.stdout.rpartition("\n")
+    assert status == f"{version} 502" and SECRET not in result.stdout, result.stdout
     (seen,) = upstream_requests(fakenet, "/gzip")
     assert header_values(seen, "accept-encoding") == ["identity"]  # asked for none: fakenet compresses anyway
     (line,) = attacked.audit_for(host="allowed.test", kind="http")
     assert (line["path"], line["status"], line["decision"]) == ("/gzip", 200, "error")
     assert "compressed" in line["reason"]
+    assert json.loads(body) == {"decision": "error", "reason": line["reason"], "code": "request_failed",
+                                "rule_hint": None, "request_id": line["request_id"]}  # fmt: skip
 
 
 # --------------------------------------------------------------------------------------------------- other hosts

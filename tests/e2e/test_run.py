@@ -338,6 +338,11 @@ def _pids_with(marker: str) -> list[int]:
     return [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit() and marker in _cmdline(p)]
 
 
+def _started(argv: tuple[str, ...]) -> bool:
+    """Whether a process runs `argv` itself (not a launcher or wrapper whose command line holds it)."""
+    return any(p.name.isdigit() and tuple(_cmdline(p)) == argv for p in Path("/proc").iterdir())
+
+
 @pytest.mark.parametrize("isolation", ["bwrap", "none"])
 def test_a_killed_launcher_leaves_no_sandbox_and_no_way_to_another_program_on_its_ports(
     topology: Topology, run_in_gw, isolation: str, shared_gateway_stopped: None
@@ -415,7 +420,9 @@ def test_reap_removes_what_a_killed_launcher_and_watchdog_left_cgroup_included_a
     launchers = [_start_run(topology, dead, *sleeper), _start_run(topology, live, "sleep", "60")]
     try:
         deadline = time.monotonic() + 30
-        while not all(_cgroup_processes(sandbox_id) for sandbox_id in (dead, live)):
+        # The command itself running, not only its cgroup holding a process: before bubblewrap has started it with
+        # --die-with-parent, a launcher killed with its watchdog leaves a process that nothing else would end.
+        while not (_started(sleeper) and all(_cgroup_processes(sandbox_id) for sandbox_id in (dead, live))):
             assert time.monotonic() < deadline and all(p.poll() is None for p in launchers), "no sandbox started"
             time.sleep(0.1)
         for pid in [*_watchdogs_of(launchers[0].pid), launchers[0].pid]:  # the watchdog first: it would act
@@ -466,7 +473,7 @@ def _watchdogs_of(launcher: int) -> list[int]:
         with contextlib.suppress(OSError, ValueError, IndexError):
             if entry.name.isdigit() and int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == launcher:
                 children.append(int(entry.name))
-    found = [pid for pid in children if "airlock.sandbox.watchdog" in _cmdline(Path(f"/proc/{pid}"))]
+    found = [pid for pid in children if "airlock.launch.watchdog" in _cmdline(Path(f"/proc/{pid}"))]
     assert len(found) == 1, children
     return found
 
@@ -507,8 +514,10 @@ def test_without_a_grant_no_broker_listens(run_in_gw):
 LAUNCH = """
 import asyncio, sys
 from airlock.cli.common import load_policy_file
-from airlock.gateway import GatewayConfig
-from airlock.sandbox.netns_launch import launch
+from airlock.gateway.config import GatewayConfig
+from airlock.launch.netns_launcher import launch
+from airlock.gateway.config import GatewayConfig
+from airlock.launch.netns_launcher import launch
 
 async def main():
     config = GatewayConfig(load_policy_file(sys.argv[1]), "0.0.0.0", upstream_dns=[(sys.argv[2], 53)])

@@ -121,6 +121,29 @@ class FakeResolver:
         return reply
 
 
+PUBLIC = ipaddress.ip_address("192.0.2.1")
+
+
+class PublicResolver:
+    """The shared resolver's interface (proxy: resolve; DNS: cached and query): every name answers PUBLIC, but those
+    in `answers` (an answer, or an exception raised)."""
+
+    def __init__(self, answers: dict[str, Answer | Exception] | None = None) -> None:
+        self.answers = answers or {}
+
+    async def resolve(self, name: str) -> Answer:
+        answer = self.answers.get(name, Answer((PUBLIC,), 60))
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    def cached(self, name: str, qtype: int) -> Answer | None:
+        return None
+
+    async def query(self, name: str, qtype: int) -> Answer:
+        return await self.resolve(name)
+
+
 @dataclass
 class Gateway:
     shared: Shared
@@ -245,6 +268,7 @@ def client_hello(*extensions: tuple[int, bytes]) -> bytes:
     return b"\x16\x03\x01" + struct.pack("!H", len(handshake)) + handshake
 
 
-def sni(name: bytes) -> tuple[int, bytes]:
-    entry = struct.pack("!BH", 0, len(name)) + name
-    return (0, struct.pack("!H", len(entry)) + entry)
+def sni(*names: bytes) -> tuple[int, bytes]:
+    """A server_name extension listing `names` (one, as a client sends, or several, as none may)."""
+    entries = b"".join(struct.pack("!BH", 0, len(name)) + name for name in names)
+    return (0, struct.pack("!H", len(entries)) + entries)

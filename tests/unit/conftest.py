@@ -1,5 +1,9 @@
-"""Helpers shared by unit tests live next to them (e.g. addon_env.py); the repo root stays off sys.path because
-its dns/ would shadow dnspython.
+"""The unit tests sit in folders that mirror the packages (policy/, proxy/, dns/, broker/, audit/, gateway/,
+sandbox/, launch/, inspection/, cli/); tests of the project as a whole (packaging, the setup script, the README's
+commands, the reason codes, how the suite runs) sit here at the top. The helper modules they share sit here too
+(addon_env.py, broker_env.py, decide_cases.py, policy_text.py, repo_files.py, tasks.py): this folder is put on
+sys.path so that a test in any folder imports them by name, the repo root stays off it because its dns/ would shadow
+dnspython. A fixture only one folder's tests use is in that folder's conftest.py.
 
 A module marked `pytestmark = pytest.mark.tmpfs` gets each test's `tmp_path` on tmpfs (/dev/shm) where the machine
 has one with room: the SQLite stores the broker tests open and close by the hundred (and the push tests' git
@@ -17,6 +21,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from mitmproxy import ctx
+from mitmproxy.options import Options
 
 sys.path.insert(0, str(Path(__file__).parent))
 
@@ -45,3 +51,12 @@ def tmp_path(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Path]:
         yield folder
     finally:
         shutil.rmtree(folder, ignore_errors=True)
+
+
+@pytest.fixture
+def hook_options(monkeypatch: pytest.MonkeyPatch) -> None:
+    """mitmproxy's `ctx.options` with the one option the addon's hooks read declared alone (taddons' context would
+    load mitmproxy's whole set)."""
+    options = Options()
+    options.add_option("stream_large_bodies", str | None, None, "")
+    monkeypatch.setattr(ctx, "options", options, raising=False)

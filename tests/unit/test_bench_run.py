@@ -15,8 +15,7 @@ from typing import Any
 
 import pytest
 
-from airlock.brokerconfig import BrokerConfig
-from airlock.gateway import GatewayConfig
+from airlock.gateway.config import BrokerConfig, GatewayConfig
 
 BENCH = Path(__file__).resolve().parents[2] / "bench" / "run.py"
 

@@ -7,25 +7,24 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import re
-import struct
 from collections.abc import Awaitable, Callable
-from pathlib import Path
 
 import pytest
+from addon_env import PublicResolver, client_hello, sni
 from dnslib import CLASS, DNSRecord
 from mitmproxy import connection, ctx, http
 from mitmproxy.http import Headers
-from mitmproxy.options import Options
 from mitmproxy.proxy import events, layer
 from mitmproxy.proxy.context import Context
 from mitmproxy.test import tflow, tutils
+from repo_files import REPO
 
-from airlock.approvals import Approvals
 from airlock.audit import AuditRecord
-from airlock.auditing import GatewayAudit
 from airlock.dns.admission import DnsSettings
 from airlock.dns.resolver import Handler, PolicyResolver
 from airlock.dns.upstream import Answer, NameNotFound, ResolveError
+from airlock.gateway.approval_desk import Approvals
+from airlock.gateway.auditing import GatewayAudit
 from airlock.policy import (
     KnownAddresses,
     LivePolicy,
@@ -42,11 +41,13 @@ from airlock.policy import (
     refused_certificate,
     vet,
 )
-from airlock.policy.approvals import PendingTable
+from airlock.policy.held_requests import PendingTable
 from airlock.proxy.addon import build_addon
 from airlock.proxy.shared import GatewaySettings
 
-DOCS = Path(__file__).resolve().parents[2] / "docs" / "audit-codes.md"
+pytestmark = pytest.mark.usefixtures("hook_options")  # every case runs with the options its hooks read
+
+DOCS = REPO / "docs" / "audit-codes.md"
 POLICY = parse_policy(
     """
 version: 1
@@ -66,27 +67,7 @@ profiles:
 )
 PROFILE = POLICY.profile()
 SANDBOX = Sandbox("sbx", "default", ipaddress.ip_network("127.0.0.0/8"))  # mitmproxy's test client is 127.0.0.1
-PUBLIC = ipaddress.ip_address("192.0.2.1")
 OWN = ipaddress.ip_address("192.0.2.53")
-
-
-class FakeResolver:
-    """The shared resolver's interface (proxy: resolve; DNS: cached and query), answering from a table."""
-
-    def __init__(self, answers: dict[str, Answer | Exception] | None = None) -> None:
-        self.answers = answers or {}
-
-    async def resolve(self, name: str) -> Answer:
-        answer = self.answers.get(name, Answer((PUBLIC,), 60))
-        if isinstance(answer, Exception):
-            raise answer
-        return answer
-
-    def cached(self, name: str, qtype: int) -> Answer | None:
-        return None
-
-    async def query(self, name: str, qtype: int) -> Answer:
-        return await self.resolve(name)
 
 
 # Each case returns the code it saw: on the Decision or Vetted (policy core), or on the audit record (proxy, DNS).
@@ -199,12 +180,19 @@ async def _bad_upstream_certificate() -> str:
 class Proxy:
     """The addon's hooks over a fake resolver; what they audit is in `audit`."""
 
-    def __init__(self, resolver: FakeResolver | None = None, policy: Policy = POLICY, **settings: int) -> None:
+    def __init__(
+        self,
+        resolver: PublicResolver | None = None,
+        policy: Policy = POLICY,
+        approvals: Callable[[Callable[[AuditRecord], None]], Approvals] | None = None,
+        **settings: int,
+    ) -> None:
         self.audit: list[AuditRecord] = []
+        self.approvals = approvals(self.audit.append) if approvals is not None else None
         gateway = GatewaySettings(**settings)
-        resolver = resolver or FakeResolver()
+        resolver = resolver or PublicResolver()
         live = LivePolicy(policy, SandboxRegistry([SANDBOX]), KnownAddresses(frozenset({OWN})))
-        airlock = build_addon(live, resolver, self.audit.append, gateway)
+        airlock = build_addon(live, resolver, self.audit.append, gateway, approvals=self.approvals)
         self.shared, self.identity, self.http, self.tunnels = (
             airlock.shared,
             airlock.identity,
@@ -250,7 +238,7 @@ async def _invalid_host() -> str:
 
 @produces(ReasonCode.RESOLVE_FAILED)
 async def _resolve_failed() -> str:
-    failing = FakeResolver({"allowed.test": ResolveError("upstream timed out")})
+    failing = PublicResolver({"allowed.test": ResolveError("upstream timed out")})
     return (await Proxy(failing).shared.evaluate(SANDBOX, "allowed.test", 443)).decision.code
 
 
@@ -306,19 +294,6 @@ async def _request_failed() -> str:
     return gateway.audit[-1].code
 
 
-def client_hello(*extensions: tuple[int, bytes]) -> bytes:
-    """A TLS record holding a ClientHello with exactly these extensions."""
-    block = b"".join(struct.pack("!HH", kind, len(body)) + body for kind, body in extensions)
-    body = b"\x03\x03" + bytes(32) + b"\x00" + b"\x00\x02\x13\x01" + b"\x01\x00" + struct.pack("!H", len(block)) + block
-    handshake = b"\x01" + len(body).to_bytes(3, "big") + body
-    return b"\x16\x03\x01" + struct.pack("!H", len(handshake)) + handshake
-
-
-def sni(*names: bytes) -> tuple[int, bytes]:
-    entries = b"".join(struct.pack("!BH", 0, len(name)) + name for name in names)
-    return 0, struct.pack("!H", len(entries)) + entries
-
-
 def _tunnel_carrying(data: bytes) -> Callable[[], Awaitable[str]]:
     async def case() -> str:
         gateway = Proxy()
@@ -344,7 +319,7 @@ async def _dns(request: DNSRecord, **settings: int) -> str:
     }
     audit: list[AuditRecord] = []
     live = LivePolicy(POLICY, SandboxRegistry([SANDBOX]))
-    resolver = PolicyResolver(live, FakeResolver(answers), audit.append, DnsSettings(**settings))
+    resolver = PolicyResolver(live, PublicResolver(answers), audit.append, DnsSettings(**settings))
     await resolver.resolve(request, Handler("127.0.0.1", "udp", SANDBOX))
     [record] = audit
     return record.code
@@ -401,8 +376,9 @@ type Answering = Callable[[Approvals, str], Awaitable[object]]
 
 async def _held(answer: Answering, timeout: float = 60, **table: int) -> str:
     """The code of a proxy request for an unlisted host, once `answer` has answered its pending approval."""
-    gateway = Proxy(policy=_asking(timeout))
-    approvals = gateway.shared.approvals = Approvals(gateway.audit.append, table=PendingTable(**table))
+    gateway = Proxy(policy=_asking(timeout), approvals=lambda emit: Approvals(emit, table=PendingTable(**table)))
+    approvals = gateway.approvals
+    assert approvals is not None
     request = asyncio.ensure_future(gateway.shared.evaluate(SANDBOX, "new.test", 443))
     while not request.done() and not approvals.table.pending():
         await asyncio.sleep(0)
@@ -433,8 +409,10 @@ produces(ReasonCode.APPROVAL_LIMIT)(lambda: _held(_no_answer, per_sandbox=0))
 async def _dns_held() -> str:
     audit: list[AuditRecord] = []
     live = LivePolicy(_asking(), SandboxRegistry([SANDBOX]))
-    resolver = PolicyResolver(live, FakeResolver(), audit.append, DnsSettings(approval_hold=0.01))
-    resolver.approvals = approvals = Approvals(audit.append)
+    approvals = Approvals(audit.append)
+    resolver = PolicyResolver(
+        live, PublicResolver(), audit.append, DnsSettings(approval_hold=0.01), approvals=approvals
+    )  # fmt: skip
     await resolver.resolve(DNSRecord.question("new.test"), Handler("127.0.0.1", "udp", SANDBOX))
     await approvals.close()
     [record] = audit
@@ -456,14 +434,6 @@ async def _policy_refused() -> str:
     audit: list[AuditRecord] = []
     GatewayAudit(audit.append, [SANDBOX]).policy_refused("p.yaml", ["p.yaml:1: invalid YAML"])
     return audit[-1].code
-
-
-@pytest.fixture(autouse=True)
-def mitmproxy_options(monkeypatch: pytest.MonkeyPatch) -> None:
-    # The one proxy option the hooks read, declared alone: the proxy server's addon would load mitmproxy's whole set.
-    options = Options()
-    options.add_option("stream_large_bodies", str | None, None, "")
-    monkeypatch.setattr(ctx, "options", options, raising=False)
 
 
 @pytest.mark.parametrize("code", list(ReasonCode), ids=str)

@@ -24,9 +24,9 @@ def _pytest(*args: str) -> str:
 
 def test_the_unit_tests_run_on_a_worker_per_cpu_two_at_most_unless_told_otherwise() -> None:
     workers = min(2, len(os.sched_getaffinity(0)))  # one CPU: no workers at all
-    assert (f"created: {workers}/{workers} workers" in _pytest("tests/unit/test_suffixes.py")) is (workers == 2)
-    assert "created:" not in _pytest("-n", "0", "tests/unit/test_suffixes.py")
-    assert "created:" not in _pytest("-p", "no:xdist", "tests/unit/test_suffixes.py")
+    assert (f"created: {workers}/{workers} workers" in _pytest("tests/unit/policy/test_suffixes.py")) is (workers == 2)
+    assert "created:" not in _pytest("-n", "0", "tests/unit/policy/test_suffixes.py")
+    assert "created:" not in _pytest("-p", "no:xdist", "tests/unit/policy/test_suffixes.py")
 
 
 def _workers(*args: str, **options: object) -> object:
@@ -43,8 +43,10 @@ def _workers(*args: str, **options: object) -> object:
 
 def test_only_a_selection_of_unit_tests_alone_is_spread_over_workers() -> None:
     workers = min(2, len(os.sched_getaffinity(0)))
-    assert _workers("tests/unit") == _workers("tests/unit/test_paths.py::test_x") == (workers if workers == 2 else None)
+    spread = workers if workers == 2 else None
+    assert _workers("tests/unit") == _workers("tests/unit/policy/test_paths.py::test_x") == spread
+    assert _workers("tests/unit/broker") == _workers("tests/unit/dns", "tests/unit/test_packaging.py") == spread
     assert _workers("tests") is _workers("tests/e2e/test_run.py") is None  # the whole suite, or e2e tests: serial
-    assert _workers("tests/unit/test_paths.py", "tests/e2e/test_run.py") is None
+    assert _workers("tests/unit/policy/test_paths.py", "tests/e2e/test_run.py") is None
     assert _workers("tests/unit", numprocesses=0) == 0 and _workers("tests/unit", usepdb=True) is None
     assert _workers("tests/unit", trace=True) is _workers("tests/unit", capture="no") is None

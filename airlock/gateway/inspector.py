@@ -1,0 +1,85 @@
+"""The gateway's side of TLS inspection: its certificate authorities, the trust bundle sandboxes get, and the
+secrets that inspected rules inject.
+
+A CA exists only while the policy in force inspects some host, and its name constraints permit exactly the hosts
+inspected when it was made. A reload that inspects a host no CA permits makes a new CA (a generation) for the
+whole set; older generations stay (signing the hosts they permit) for as long as the gateway runs. Each generation
+gets a trust bundle of its own — the system's CAs plus every generation so far — for the sandboxes started from then
+on. A leaf comes from the oldest generation that permits its host, so a sandbox started before a reload still
+reaches the hosts inspected at its start; a host a later reload added needs a sandbox started after it.
+
+Every gateway has one; the CA code (cryptography, mitmproxy's certificates) is imported with the first CA, so a
+gateway whose policy inspects nothing imports none of it.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Mapping
+from pathlib import Path, PurePosixPath
+from typing import TYPE_CHECKING
+
+from airlock.inspection.trust import SANDBOX_BUNDLE, trust_env, write_trust_bundle
+from airlock.policy import Policy
+
+if TYPE_CHECKING:
+    from mitmproxy import certs
+
+    from airlock.inspection.ca import GatewayCA
+
+log = logging.getLogger("airlock.gateway")
+
+
+class Inspector:
+    """The CAs and secrets of one gateway. `secrets` are the values of its `--secret`s, by name."""
+
+    def __init__(self, state_dir: Path, secrets: Mapping[str, str]) -> None:
+        self._directory = state_dir / "ca"
+        self.secrets = dict(secrets)
+        self.generations: list[GatewayCA] = []
+        self.bundle: Path | None = None  # the combined trust bundle, once a CA exists
+
+    def injected(self, policy: Policy) -> dict[str, str]:
+        """The values of the secrets this policy injects (`problems` has said none is missing)."""
+        return {name: self.secrets[name] for name in policy.secret_names()}
+
+    def problems(self, policy: Policy) -> list[str]:
+        """Why this policy cannot be put in force here: an injection naming a secret the gateway was not given."""
+        missing = sorted(policy.secret_names() - self.secrets.keys())
+        return [
+            f"{policy.source}: injects secret {name!r}, which the gateway was not given (--secret)" for name in missing
+        ]
+
+    def apply(self, policy: Policy) -> None:
+        """Follow the policy put in force: a new CA generation when it inspects a host no generation permits."""
+        hosts = policy.inspected_hosts()
+        if not hosts or all(any(ca.permits(host) for ca in self.generations) for host in hosts):
+            return
+        from airlock.inspection.ca import GatewayCA
+
+        self.generations.append(GatewayCA.create(self._directory / str(len(self.generations) + 1), hosts))
+        self.bundle = write_trust_bundle(self._directory / "trust", [ca.cert_pem for ca in self.generations])
+        log.info("gateway CA %d made for %d inspected hosts", len(self.generations), len(hosts))
+
+    @property
+    def active(self) -> bool:
+        return bool(self.generations)
+
+    @functools.cached_property
+    def certstore(self) -> certs.CertStore:
+        """What mitmproxy's TLS addon reads besides the leaf, at every inspected handshake: made once, on the first
+        generation (asked for only once one exists)."""
+        return self.generations[0].certstore()
+
+    def store_entry(self, host: str) -> certs.CertStoreEntry:
+        """The leaf for `host`, from the oldest generation whose constraints permit it: every sandbox trusts that
+        one (a newer bundle holds every generation). KeyError when none does."""
+        for ca in self.generations:
+            if ca.permits(host):
+                return ca.store_entry(host)
+        raise KeyError(f"no gateway CA may sign {host}")
+
+    def environment(self, bundle: str | PurePosixPath = SANDBOX_BUNDLE) -> dict[str, str]:
+        """The variables that point every usual client at the combined bundle (empty while nothing is inspected)."""
+        return trust_env(bundle) if self.active else {}

@@ -1,0 +1,98 @@
+"""What a launch imports in a thread while its sandbox is built (`preload_proxy()`): the gateway's own machinery
+(DNS server, audit, admin listener, reloads), then aiohttp (the admin listener), then mitmproxy and the airlock
+addon (about 300 ms: proxy layers, QUIC, pyOpenSSL, pyparsing). What the launcher does meanwhile (the namespace,
+link and fence) waits on subprocesses and the kernel, not on this process; its own imports before that are the
+checks' and the settings' alone (`airlock.gateway.config`).
+
+Kept apart from `airlock.gateway.core` so that starting the import needs none of it."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from airlock.gateway.errors import GatewayError
+from airlock.gateway.startup.switching import prompt_switching
+
+_preload: _Preload | None = None
+_preload_lock = threading.Lock()
+
+
+@dataclass(frozen=True)
+class _Preload:
+    """The imports of preload_proxy()'s thread the gateway waits for, in their order: aiohttp, then mitmproxy and
+    the addon."""
+
+    admin: concurrent.futures.Future[None] = field(default_factory=concurrent.futures.Future)
+    proxy: concurrent.futures.Future[None] = field(default_factory=concurrent.futures.Future)
+
+
+def preload_proxy() -> concurrent.futures.Future[None]:
+    """Import the gateway, the admin listener's aiohttp, then mitmproxy and the airlock addon, in a thread, once per
+    process; the future says when aiohttp, mitmproxy and the addon are in (`preload_admin()`'s, when aiohttp is).
+
+    Not a daemon thread: the interpreter must not finalize while an extension module initializes in another thread
+    (that can crash it, SIGSEGV), so a process that ends sooner waits for the import. `airlock run` ends its process
+    at once instead (`proxy_loading()`): by then its sandbox is gone, and no proxy will be needed."""
+    return _preloading().proxy
+
+
+def preload_admin() -> concurrent.futures.Future[None]:
+    """The first part of preload_proxy()'s import (started if it was not): aiohttp, for the admin listener."""
+    return _preloading().admin
+
+
+def _preloading() -> _Preload:
+    global _preload
+    with _preload_lock:
+        if _preload is None:
+            _preload = _Preload()
+            threading.Thread(target=_import_late, args=(_preload,), name="airlock-proxy-import").start()
+        return _preload
+
+
+def proxy_loading() -> bool:
+    """Whether preload_proxy()'s import is under way in this process."""
+    return _preload is not None and not _preload.proxy.done()
+
+
+def _import_late(preload: _Preload) -> None:
+    for done in (preload.admin, preload.proxy):
+        done.set_running_or_notify_cancel()  # running: a waiter that gives up cannot cancel it for everyone else
+    # Meanwhile the other threads mostly wait on subprocesses, and each wakes to find this one holding the GIL: let
+    # them have it at once rather than after the default 5 ms.
+    with prompt_switching():
+        # The gateway's own modules first: the launcher needs them next, once the namespace exists. It imports them
+        # itself then (waiting for this import if it is still under way), and so hears of any failure. Imported here,
+        # in the function, because the gateway imports this module to start the thread.
+        with contextlib.suppress(Exception):
+            import airlock.gateway.core
+        # aiohttp next: the admin listener is served before the proxy (`Gateway._serve_loaded`).
+        with _settling(preload.admin):
+            import aiohttp.web  # noqa: F401
+        with _settling(preload.proxy):
+            import airlock.gateway.startup.mitm
+            import airlock.proxy.addon  # noqa: F401
+
+
+@contextlib.contextmanager
+def _settling(done: concurrent.futures.Future[None]) -> Iterator[None]:
+    """`done` settled by the imports of the block: their failure (any, an extension's too) or their success."""
+    try:
+        yield
+    except BaseException as e:
+        done.set_exception(e)
+    else:
+        done.set_result(None)
+
+
+async def loaded(loading: concurrent.futures.Future[None], what: str) -> None:
+    """Once preload_proxy()'s `loading` is done; GatewayError naming `what` if its import failed."""
+    try:
+        await asyncio.wrap_future(loading)
+    except Exception as e:
+        raise GatewayError(f"{what} could not be loaded: {type(e).__name__}: {e}") from e
