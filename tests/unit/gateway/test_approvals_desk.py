@@ -26,19 +26,9 @@ from airlock.gateway.approval_desk import Approvals
 from airlock.gateway.approval_routes import approval_routes
 from airlock.gateway.approval_writer import PolicyWriter
 from airlock.gateway.errors import ApprovalError
-from airlock.policy import Decision, LivePolicy, Policy, Sandbox, SandboxRegistry, decide, parse_policy
+from airlock.policy import Decision, LivePolicy, Policy, Sandbox, SandboxRegistry, decide
 
-POLICY_TEXT = """\
-version: 1
-profiles:
-  default:
-    on_unlisted: ask  # hold it
-    allow:
-      - host: listed.test
-"""
-POLICY = parse_policy(POLICY_TEXT, "p.yaml")
-SANDBOX = Sandbox("sbx", "default", ipaddress.ip_network("10.9.0.2/32"))
-LIVE = LivePolicy(POLICY, SandboxRegistry([SANDBOX]))
+from approvals_env import LIVE, POLICY, POLICY_TEXT, SANDBOX
 
 
 def _ask(desk: Approvals, host: str = "new.test", port: int = 443) -> asyncio.Future[Decision]:

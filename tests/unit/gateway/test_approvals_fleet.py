@@ -14,13 +14,14 @@ from typing import Any
 import aiohttp
 import pytest
 from aiohttp import web
-from test_approvals_desk import LIVE, POLICY, SANDBOX
 
 from airlock.audit import AuditRecord
 from airlock.broker.pgstore import PostgresStore
 from airlock.gateway.approval_desk import Approvals
 from airlock.gateway.approval_routes import approval_routes
 from airlock.policy import Decision, decide
+
+from approvals_env import LIVE, POLICY, SANDBOX
 
 pytestmark = pytest.mark.postgres
 
