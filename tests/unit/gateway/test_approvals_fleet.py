@@ -6,9 +6,13 @@ is not held; and answers given on the replica that holds it still work."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import ipaddress
+import socket
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -17,9 +21,12 @@ from aiohttp import web
 
 from airlock.audit import AuditRecord
 from airlock.broker.pgstore import PostgresStore
+from airlock.cli.common import default_policy_path
+from airlock.gateway import Gateway
 from airlock.gateway.approval_desk import Approvals
 from airlock.gateway.approval_routes import approval_routes
-from airlock.policy import Decision, decide
+from airlock.gateway.config import BrokerConfig, GatewayConfig
+from airlock.policy import Decision, Sandbox, decide, load_policy
 
 from approvals_env import LIVE, POLICY, SANDBOX
 
@@ -141,3 +148,30 @@ async def test_a_policy_answer_is_given_where_the_request_is_held(replicas: tupl
     assert (await asyncio.wait_for(held, 5)).allow
     async with aiohttp.ClientSession() as session:
         assert await listed(session, a, within=0) == []  # the holder's own answer leaves the fleet's list too
+
+
+async def test_a_gateway_on_the_fleets_store_shares_its_desk_through_its_brokers_store(
+    postgres_database: str, tmp_path: Path
+) -> None:
+    """The desk a gateway builds is handed its broker's store as the provider of the fleet's approvals: none before
+    the broker starts (its store is not open), the store's own once it runs, none again for a SQLite store."""
+    policy = load_policy(default_policy_path())
+    sandbox = Sandbox("sbx", policy.default_profile, ipaddress.ip_network("127.0.0.1/32"))
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    broker = BrokerConfig(port=port, store=postgres_database, call_log=str(tmp_path / "calls"))
+    config = GatewayConfig(
+        policy, "127.0.0.1", proxy_port=0, sandboxes=[sandbox], upstream_dns=[("127.0.0.1", 53)],
+        audit_path=str(tmp_path / "audit.jsonl"), state_dir=str(tmp_path / "state"), broker=broker,
+    )  # fmt: skip
+    for store, shared in ((postgres_database, True), (None, False)):
+        gateway = Gateway(dataclasses.replace(config, broker=dataclasses.replace(broker, store=store)))
+        assert gateway.parts.approvals.shared() is None
+        await gateway.start()
+        try:
+            assert gateway.broker is not None
+            provided = gateway.parts.approvals.shared()
+            assert (provided is gateway.broker.store.approvals) and (provided is not None) is shared
+        finally:
+            await gateway.stop()
