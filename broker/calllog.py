@@ -20,7 +20,7 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from airlock.audit import AuditRecord
 
@@ -37,18 +37,21 @@ if TYPE_CHECKING:  # named in annotations only: `airlock tools log` reads the lo
 log = logging.getLogger("airlock.broker")
 
 type _Row = tuple[str, str, str, str, list[dict[str, Any]], dict[str, Any] | None]
+type _Ending = tuple[int, dict[str, Any] | None, str | None, str | None, float]
 
 FILE_NAME = "calls.sqlite3"
 MAX_TOOL_NAME = 100
 
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS call (
-    id INTEGER PRIMARY KEY, ts REAL NOT NULL, sandbox TEXT NOT NULL, tool TEXT NOT NULL, jti TEXT NOT NULL,
-    request_id TEXT NOT NULL, grants TEXT NOT NULL, input TEXT, status INTEGER, result TEXT, error TEXT,
-    message TEXT, duration_ms REAL
-);
-CREATE INDEX IF NOT EXISTS call_by_sandbox ON call (sandbox, ts);
-"""
+_MIGRATIONS = (
+    """
+    CREATE TABLE IF NOT EXISTS call (
+        id INTEGER PRIMARY KEY, ts REAL NOT NULL, sandbox TEXT NOT NULL, tool TEXT NOT NULL, jti TEXT NOT NULL,
+        request_id TEXT NOT NULL, grants TEXT NOT NULL, input TEXT, status INTEGER, result TEXT, error TEXT,
+        message TEXT, duration_ms REAL
+    );
+    CREATE INDEX IF NOT EXISTS call_by_sandbox ON call (sandbox, ts);
+    """,
+)
 
 
 @dataclass(frozen=True)
@@ -76,8 +79,19 @@ class LoggedCall:
         }  # fmt: skip
 
 
+class CallStore(Protocol):
+    """Where the record of brokered calls is kept: a SQLite file of its own (`CallLog`), or the fleet's database."""
+
+    async def begin(self, sandbox: str, tool: str, jti: str, request_id: str, grants: list[dict[str, Any]],
+                    input: dict[str, Any] | None) -> int: ...  # fmt: skip
+    async def finish(self, call_id: int, status: int, result: dict[str, Any] | None, error: str | None,
+                     message: str | None, duration_ms: float) -> None: ...  # fmt: skip
+    async def calls(self, sandbox: str | None = None, since: float | None = None) -> list[LoggedCall]: ...
+    async def close(self) -> None: ...
+
+
 class CallLog(SqliteFile):
-    SCHEMA = _SCHEMA
+    MIGRATIONS = _MIGRATIONS
     WHAT = "call log"
 
     @classmethod
@@ -90,28 +104,28 @@ class CallLog(SqliteFile):
         os.chmod(path, 0o600)  # one made before by an older airlock, or under another umask
         return cls(path)
 
-    def begin(self, sandbox: str, tool: str, jti: str, request_id: str, grants: list[dict[str, Any]],
-              input: dict[str, Any] | None) -> int:  # fmt: skip
-        rows = self._run(
+    async def begin(self, sandbox: str, tool: str, jti: str, request_id: str, grants: list[dict[str, Any]],
+                    input: dict[str, Any] | None) -> int:  # fmt: skip
+        rows = await self._sql(
             "INSERT INTO call (ts, sandbox, tool, jti, request_id, grants, input) VALUES (?, ?, ?, ?, ?, ?, ?) "
             "RETURNING id",
-            (time.time(), sandbox, tool, jti, request_id, json.dumps(grants), _json(input)),
-        )
+            time.time(), sandbox, tool, jti, request_id, json.dumps(grants), _json(input),
+        )  # fmt: skip
         return int(rows[0][0])
 
-    def finish(self, call_id: int, status: int, result: dict[str, Any] | None, error: str | None,
-               message: str | None, duration_ms: float) -> None:  # fmt: skip
-        self._run(
+    async def finish(self, call_id: int, status: int, result: dict[str, Any] | None, error: str | None,
+                     message: str | None, duration_ms: float) -> None:  # fmt: skip
+        await self._sql(
             "UPDATE call SET status = ?, result = ?, error = ?, message = ?, duration_ms = ? WHERE id = ?",
-            (status, _json(result), error, message, duration_ms, call_id),
-        )
+            status, _json(result), error, message, duration_ms, call_id,
+        )  # fmt: skip
 
-    def calls(self, sandbox: str | None = None, since: float | None = None) -> list[LoggedCall]:
-        rows = self._run(
+    async def calls(self, sandbox: str | None = None, since: float | None = None) -> list[LoggedCall]:
+        rows = await self._sql(
             "SELECT id, ts, sandbox, tool, jti, request_id, grants, input, status, result, error, message, "
             "duration_ms FROM call WHERE (? IS NULL OR sandbox = ?) AND ts >= ? ORDER BY id",
-            (sandbox, sandbox, since or 0.0),
-        )
+            sandbox, sandbox, since or 0.0,
+        )  # fmt: skip
         return [
             LoggedCall(
                 id, ts, sbx, tool, jti, rid, json.loads(grants), _parsed(input), status, _parsed(result), error,
@@ -149,10 +163,10 @@ def _parsed(text: str | None) -> Any:
 
 
 class CallRecorder:
-    """The broker's side of the log: writes on the state threads, redacted on the event loop (the redactor learns
+    """The broker's side of the log: written through its store, redacted on the event loop (the redactor learns
     new credentials there), bundles hashed off it."""
 
-    def __init__(self, log: CallLog, state: State, redactor: Redactor) -> None:
+    def __init__(self, log: CallStore, state: State, redactor: Redactor) -> None:
         self.log, self.state, self.redactor = log, state, redactor
 
     async def begin(self, spec: ToolSpec, call: Call) -> int:
@@ -161,14 +175,14 @@ class CallRecorder:
         if fields := content_fields(spec.input_schema):  # megabytes to hash: off the event loop
             kept = await asyncio.to_thread(recorded_input, call.input, fields)
         row = self._row(spec.name, call.claims, call.record, self.redactor.value(kept))
-        return await self.state(lambda: self.log.begin(*row))
+        return await self.state(self.log.begin(*row))
 
     async def end(self, call_id: int, status: int, result: dict[str, Any] | None, error: BrokerError | None,
                   started: float) -> None:  # fmt: skip
         """Complete the row. The tool has acted: a log that fails now is reported, not turned into a refusal."""
         ending = self._ending(status, result, error, started)
         try:
-            await self.state(lambda: self.log.finish(call_id, *ending))
+            await self.state(self.log.finish(call_id, *ending))
         except BrokerError:
             log.error("call log: could not complete call %d (it stays without an ending)", call_id)
 
@@ -177,9 +191,12 @@ class CallRecorder:
         row = self._row(name, claims, record, None)
         ending = self._ending(error.status, None, error, started)
         try:
-            await self.state(lambda: self.log.finish(self.log.begin(*row), *ending))
+            await self.state(self._begin_and_finish(row, ending))
         except BrokerError:
             log.error("call log: could not record a refused call of %s (request %s)", name, record.request_id)
+
+    async def _begin_and_finish(self, row: _Row, ending: _Ending) -> None:
+        await self.log.finish(await self.log.begin(*row), *ending)
 
     def _row(self, name: str, claims: Claims, record: AuditRecord, input: dict[str, Any] | None) -> _Row:
         grants = [g.to_claim() for g in claims.grants]
@@ -187,7 +204,7 @@ class CallRecorder:
         return (claims.sandbox, name[:MAX_TOOL_NAME], claims.jti, record.request_id, grants, input)
 
     def _ending(self, status: int, result: dict[str, Any] | None, error: BrokerError | None,
-                started: float) -> tuple[int, dict[str, Any] | None, str | None, str | None, float]:  # fmt: skip
+                started: float) -> _Ending:  # fmt: skip
         took = round((time.monotonic() - started) * 1000, 3)
         body = None if result is None else self.redactor.value(result)
         message = None if error is None else self.redactor.text(error.message)

@@ -216,18 +216,22 @@ class GitHubClient:
 
     async def _existing(self, repo: str, fields: dict[str, Any]) -> PullRequest:
         """The open pull request from `fields`' head to its base, which GitHub said exists."""
+        pull = await self.open_pull_request(repo, fields["head"], fields["base"])
+        if pull is None:
+            raise UpstreamError(502, "upstream_invalid", "GitHub says the pull request exists but did not list it")
+        return pull
+
+    async def open_pull_request(self, repo: str, head: str, base: str) -> PullRequest | None:
+        """The open pull request from `head` to `base` (GitHub holds at most one), if there is one."""
         owner = repo.split("/")[0]
-        query = {"head": f"{owner}:{fields['head']}", "base": fields["base"], "state": "open"}
+        query = {"head": f"{owner}:{head}", "base": base, "state": "open"}
         status, found = await self._repo_call("GET", f"/repos/{repo}/pulls", repo, PR_PERMISSIONS, params=query)
         if status != 200:
-            raise _translate(status, found, "GitHub says the pull request exists but could not list it")
+            raise _translate(status, found, "listing the open pull requests")
         if not isinstance(found, list):
             raise _invalid(ShapeError("the list of pull requests is not a list"))
         pulls = [PullRequest.from_api(item, "a listed pull request") for item in found]
-        for pull in pulls:
-            if (pull.head, pull.base) == (fields["head"], fields["base"]):
-                return pull
-        raise UpstreamError(502, "upstream_invalid", "GitHub says the pull request exists but did not list it")
+        return next((pull for pull in pulls if (pull.head, pull.base) == (head, base)), None)
 
     async def repo_token(self, repo: str, permissions: dict[str, str]) -> str:
         """A credential for `repo` alone with exactly `permissions` (App mode; the static token is what it is)."""

@@ -1,7 +1,9 @@
 """The GitHub tools: each checks what the token's grants allow, then acts with the broker's own credential.
 
-- `create_pull_request`: idempotent (the caller's Idempotency-Key, else the token and the arguments), serialised
-  per key, its result remembered in the state store.
+- `create_pull_request`: idempotent (the caller's Idempotency-Key, else the token and the arguments): the key is
+  claimed in the state store before GitHub is called and its outcome written there after, so that one call acts
+  and every other with the key, on any replica, answers that outcome. A claim left by a broker that died is
+  resolved by asking GitHub for the open pull request of that head and base, never by creating another.
 - `push_branch`: a git bundle pushed by broker.gitpush, one push at a time per branch across sandboxes.
 - `get_pull_request`, `comment_on_pull_request`: only on pull requests this sandbox created (create_pull_request
   records each one it creates, with the sandbox; one that already existed is recorded only if the sandbox created
@@ -14,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
+import contextlib
 import hashlib
 import json
 from collections.abc import Awaitable, Callable
@@ -27,9 +30,15 @@ from .gitpush import Pusher, PushError, PushLimits
 from .grants import Grant, GrantError, covering, valid_branch, valid_repo, validated
 from .redact import Redactor
 from .state import State
+from .store import Claimed, Settled
 from .tool_schemas import MAX_BODY, MAX_TITLE, TOOLS
 
 BODY_OVERHEAD = 64 * 1024  # a push_branch body: the base64 bundle and this much for the rest of the JSON
+OUTCOME_WAIT = 60.0  # seconds a call waits for another's outcome of its idempotency key before 503 `busy`
+
+type Outcome = tuple[int, dict[str, Any]]
+type Action = Callable[[], Awaitable[Outcome]]
+type Resolver = Callable[[], Awaitable[Outcome | None]]  # what upstream holds of an unfinished action, if anything
 
 
 class GitHubTools:
@@ -85,16 +94,27 @@ class GitHubTools:
         # Without a key, the same token asking the same thing twice is the same call.
         key = call.idempotency_key or f"jti:{claims.jti}:{request_hash}"
 
-        async def create() -> tuple[int, dict[str, Any]]:
+        async def create() -> Outcome:
             # The grant's spelling, not the caller's: GitHub sees one name per repository (one cached token).
             pull, existed = await _upstream(github.create_pull_request(grant.repo, fields))
             record.extra["number"] = pull.number
             record.reason = "existing pull request" if existed else "created"
             if not existed:  # one that existed is this sandbox's only if it created it before (recorded then)
-                await self.state(lambda: self.state.store.record_pull_request(claims.sandbox, grant.repo, pull.number))
+                await self.state(self.state.store.record_pull_request(claims.sandbox, grant.repo, pull.number))
             return (200 if existed else 201), _pull_summary(pull, existed)
 
-        status, body = await self._once(call, key, request_hash, create)
+        async def resolve() -> Outcome | None:
+            """A claim left without its outcome: the pull request it was making, if GitHub has it. Then it was
+            this sandbox's call that made it (the claim held the key), and it is recorded as the sandbox's."""
+            pull = await _upstream(github.open_pull_request(grant.repo, fields["head"], fields["base"]))
+            if pull is None:
+                return None
+            record.extra["number"] = pull.number
+            record.reason = "resolved an unfinished call"
+            await self.state(self.state.store.record_pull_request(claims.sandbox, grant.repo, pull.number))
+            return 201, _pull_summary(pull, False)
+
+        status, body = await self._once(call, key, request_hash, create, resolve)
         return status, body, _location(body)
 
     async def get_pull_request(self, call: Call) -> Result:
@@ -113,7 +133,7 @@ class GitHubTools:
         github = self.github
         assert github is not None  # _own_pull_request refuses without one
 
-        async def comment() -> tuple[int, dict[str, Any]]:
+        async def comment() -> Outcome:
             posted = await _upstream(github.comment(grant.repo, number, text))
             call.record.extra["comment_id"] = posted.id
             call.record.reason = "commented"
@@ -140,7 +160,7 @@ class GitHubTools:
             raise outside_grant(f"repository {repo} is outside this token's {tool} grants", tool)
         if self.github is None:
             raise BrokerError(503, "not_configured", "the broker has no GitHub credential configured")
-        creator = await self.state(lambda: self.state.store.pull_request_creator(grant.repo, number))
+        creator = await self.state(self.state.store.pull_request_creator(grant.repo, number))
         if creator != call.claims.sandbox:
             raise BrokerError(
                 404, "unknown_pull_request", f"this sandbox created no pull request #{number} in {repo}"
@@ -148,20 +168,60 @@ class GitHubTools:
         return grant, number
 
     async def _once(
-        self, call: Call, key: str, request_hash: str, act: Callable[[], Awaitable[tuple[int, dict[str, Any]]]]
-    ) -> tuple[int, dict[str, Any]]:
-        """`act` once per (sandbox, key): a call with a key used before gets the recorded result again (422 when
-        the arguments differ); calls with one key wait for each other."""
-        scope = call.claims.sandbox
-        async with self.locks.one_at_a_time((scope, key)):
-            previous = await self._idempotent(scope, key, request_hash)
-            if previous is not None:
-                call.record.reason = "replayed idempotent result"
-                return previous
-            status, body = await act()
-            body = self.redactor.value(body)
-            await self.state(lambda: self.state.store.idempotent_put(scope, key, request_hash, status, body))
+        self, call: Call, key: str, request_hash: str, act: Action, resolve: Resolver | None = None
+    ) -> Outcome:
+        """`act` once per (sandbox, key), across replicas: the key claimed first, its outcome written after. A call
+        with a key used before gets the recorded outcome again (422 when the arguments differ); one whose key
+        another call holds waits for that outcome; one that finds a claim abandoned takes it over and asks
+        `resolve` (what upstream has) before it acts — without a `resolve`, it answers 409 instead of acting again."""
+        scope, store = call.claims.sandbox, self.state.store
+        async with self.locks.one_at_a_time((scope, key)):  # this replica's calls with the key: one asks the store
+            waited = 0.0
+            while True:
+                found = await self.state(store.claim(scope, key, request_hash))
+                if isinstance(found, Claimed):
+                    return await self._act(call, scope, key, act)
+                if found.request_hash and found.request_hash != request_hash:
+                    raise BrokerError(
+                        422, "idempotency_conflict", "Idempotency-Key was used before with other arguments"
+                    )
+                if isinstance(found, Settled):
+                    call.record.reason = "replayed idempotent result"
+                    return found.status, found.body
+                if found.abandoned and await self.state(store.take_over(scope, key, found.owner)):
+                    return await self._act(call, scope, key, act, resolve, taken_over=True)
+                if waited >= OUTCOME_WAIT:
+                    raise BrokerError(503, "busy", "another call with this Idempotency-Key is still running; try again")
+                await self.state(store.outcome_changed(scope, key, 0.5))
+                waited += 0.5
+
+    async def _act(
+        self, call: Call, scope: str, key: str, act: Action, resolve: Resolver | None = None, taken_over: bool = False
+    ) -> Outcome:
+        """The claimed key's action, its outcome settled; the claim released when it fails (nothing to replay)."""
+        store = self.state.store
+        try:
+            outcome = None
+            if taken_over:
+                if resolve is None:
+                    raise BrokerError(
+                        409, "outcome_unknown",
+                        "an earlier call with this Idempotency-Key ended without a recorded outcome: it may have "
+                        "acted; check, then use another key",
+                    )  # fmt: skip
+                outcome = await resolve()
+            status, body = outcome or await act()
+        except BaseException:
+            if not taken_over or resolve is not None:
+                await asyncio.shield(self._release(scope, key))
+            raise
+        body = self.redactor.value(body)
+        await self.state(store.settle(scope, key, status, body))
         return status, body
+
+    async def _release(self, scope: str, key: str) -> None:
+        with contextlib.suppress(BrokerError):  # else it stays claimed: a retry takes it over and resolves it
+            await self.state(self.state.store.release(scope, key))
 
     async def push_branch(self, call: Call) -> Result:
         record = call.record
@@ -182,15 +242,6 @@ class GitHubTools:
         record.extra.update(sha=pushed.sha, ref=pushed.ref, previous=pushed.previous)
         record.reason = "unchanged" if pushed.previous == pushed.sha else "pushed"
         return 200, {"sha": pushed.sha, "ref": pushed.ref, "previous": pushed.previous}, {}
-
-    async def _idempotent(self, scope: str, key: str, request_hash: str) -> tuple[int, dict[str, Any]] | None:
-        previous = await self.state(lambda: self.state.store.idempotent_get(scope, key))
-        if previous is None:
-            return None
-        stored_hash, status, body = previous
-        if stored_hash != request_hash:
-            raise BrokerError(422, "idempotency_conflict", "Idempotency-Key was used before with other arguments")
-        return status, body
 
 
 async def _upstream[T](action: Awaitable[T]) -> T:

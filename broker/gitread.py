@@ -4,7 +4,6 @@ something on that repository, with the rule's permissions (the loader allows rea
 
 from __future__ import annotations
 
-import functools
 import time
 from collections.abc import Mapping
 
@@ -34,7 +33,7 @@ class GitReadTokens:
         for claims in self._issued.get(sandbox, []):
             if claims.expires_at <= now or not any(g.repo.lower() == repo.lower() for g in claims.grants if g.repo):
                 continue
-            if await self.state(functools.partial(self.store.is_revoked, claims.jti, sandbox, claims.issued_at)):
+            if await self.state(self.store.is_revoked(claims.jti, sandbox, claims.issued_at)):
                 continue
             return await self.github.repo_token(repo, dict(permissions))
         return None

@@ -6,7 +6,13 @@
   unknown one too, needs the sandbox token, presented from that sandbox's network.
   The broker checks the token, validates the input against the tool's JSON Schema (400 `invalid_input`, with the
   field's path), checks the grant, and acts with its own credential. Responses carry results, never credentials.
+  The one path without a token: `GET /.well-known/jwks.json`, the public keys tokens are signed with.
 - Admin (loopback or a unix socket the sandboxes cannot reach): mint and revoke tokens, rotate keys, JWKS.
+
+A caller is bound to a sandbox by its source network (`identify`, the gateway's registry: a token works only from
+the network of the sandbox it names) or, where the broker cannot tell sandboxes apart by network (a standalone
+broker serving pods, `identify` None), by the networks the token itself names (`src`, checked against the peer
+address: a token without them is refused). A token that names networks is held to them in either case.
 
 Every answer, error or not, is JSON; errors are `{error, message}` (and `path` for invalid input) with a stable
 code and honest statuses: 400 a body beyond the parser's limits (nesting) or an input its schema refuses, 401
@@ -27,11 +33,12 @@ broker.github_tools, the state store behind broker.state.
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import math
 import time
 import traceback
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,7 +49,7 @@ from airlock.audit import AuditRecord
 from airlock.policy import ReasonCode, TokenBuckets
 
 from .bodies import MAX_REQUEST_BYTES, json_object
-from .calllog import CallLog, CallRecorder
+from .calllog import CallRecorder, CallStore
 from .calls import Call, KeyedLocks, Tool
 from .declared import DeclaredTools
 from .errors import BrokerError, Result, outside_grant, rate_limited, unauthorized
@@ -55,7 +62,7 @@ from .mcp import McpSurface
 from .redact import Redactor
 from .state import State
 from .store import BrokerStore
-from .tokens import Claims, TokenAuthority, TokenError
+from .tokens import Claims, Network, TokenAuthority, TokenError
 
 log = logging.getLogger("airlock.broker")
 
@@ -68,6 +75,7 @@ REFUSED = web.RequestKey("refused", BrokerError)
 UNKNOWN_SANDBOX = "-"  # what the audit record names a source address no sandbox owns
 INTERNAL_ERROR = BrokerError(500, "internal_error", "the broker failed; see its log")
 AUTH_FAILURES = (401, 403)  # what `_authenticate` refuses with, as opposed to 503 (its state unreadable)
+JWKS_PATH = "/.well-known/jwks.json"
 
 type InputReader = Callable[[int], Awaitable[dict[str, Any]]]  # the call's input, read within a byte limit
 
@@ -99,18 +107,18 @@ class Broker:
         self,
         authority: TokenAuthority,
         store: BrokerStore,
-        identify: Callable[[str], str | None],
+        identify: Callable[[str], str | None] | None,
         github: GitHubClient | None,
         emit: Callable[[AuditRecord], None],
         settings: BrokerSettings | None = None,
         pusher: Pusher | None = None,
         serves: Callable[[], list[str]] | None = None,
-        call_log: CallLog | None = None,
+        call_log: CallStore | None = None,
         declared: DeclaredTools | None = None,
     ) -> None:
         self.authority = authority
         self.store = store
-        self.identify = identify  # client address → sandbox id (from the gateway's registry)
+        self.identify = identify  # client address → sandbox id (the gateway's registry); None: the token's `src`
         self.serves = serves  # the ids of the sandboxes the gateway serves; None: any id may be given a token
         self.github = github
         self.emit = emit
@@ -135,10 +143,6 @@ class Broker:
     def all_tools(self) -> dict[str, Tool]:
         """Built-in and declared tools, by name (the declared ones as the policy in force declares them)."""
         return self.tools | dict(self.declared.tools()) if self.declared is not None else self.tools
-
-    def close(self) -> None:
-        """Stop the state threads (after the listeners: no call is left to need them)."""
-        self.state.close()
 
     async def invoke(
         self,
@@ -200,16 +204,20 @@ class Broker:
         app.router.add_get("/v1/tools", self.list_tools)
         app.router.add_post("/v1/tools/{name}", self.call_tool)
         app.router.add_post("/mcp", self.call_mcp)
+        app.router.add_get(JWKS_PATH, self.jwks)
         app.router.add_get("/mcp", self.mcp.not_allowed, allow_head=False)
         app.router.add_delete("/mcp", self.mcp.not_allowed)
         return app
 
     @web.middleware
     async def _sandbox_calls(self, request: web.Request, handler: Handler) -> web.StreamResponse:
-        """Every sandbox request, whatever its path: audited, authenticated, rate limited, recorded."""
+        """Every sandbox request, whatever its path: audited, authenticated, rate limited, recorded (but the public
+        keys: anyone may read them)."""
+        if request.path == JWKS_PATH and request.method == "GET":
+            return await handler(request)
         started = time.monotonic()
         client = request.remote or "-"
-        sandbox = self.identify(client) or UNKNOWN_SANDBOX
+        sandbox = (self.identify(client) if self.identify is not None else None) or UNKNOWN_SANDBOX
         # Every ending below sets the decision, reason and code; the code is the one the caller's body carries.
         record = AuditRecord("broker", sandbox, client, "-", None, "deny", "", ReasonCode.INTERNAL_ERROR)
         record.method, record.path = _call_name(request, self.all_tools()), request.path
@@ -293,13 +301,21 @@ class Broker:
         except TokenError as e:
             raise unauthorized("invalid_token", str(e)) from None
         record.extra["jti"] = claims.jti
-        if record.sandbox == UNKNOWN_SANDBOX:
+        if claims.sources and not _from(record.client, claims.sources):
+            raise BrokerError(403, "wrong_source", "this token may not be used from this address")
+        if self.identify is None:  # bound by the token's own networks alone
+            if not claims.sources:
+                raise BrokerError(
+                    403, "unbound_token", "this broker takes tokens bound to a source network only (minted with src)"
+                )
+            record.sandbox = claims.sandbox
+        elif record.sandbox == UNKNOWN_SANDBOX:
             # Checked on its own: a token minted for a sandbox named "-" must not match an unknown source.
             raise BrokerError(403, "unknown_sandbox", "requests must come from a sandbox's own network")
         if record.sandbox != claims.sandbox:
             # A token is usable only from the network of the sandbox it was minted for.
             raise BrokerError(403, "wrong_sandbox", "this token belongs to another sandbox")
-        if await self.state(lambda: self.store.is_revoked(claims.jti, claims.sandbox, claims.issued_at)):
+        if await self.state(self.store.is_revoked(claims.jti, claims.sandbox, claims.issued_at)):
             raise unauthorized("revoked_token", "token has been revoked")
         return claims
 
@@ -331,21 +347,25 @@ class Broker:
         app.router.add_get("/v1/jwks", self.jwks)
         return app
 
-    def mint(self, sandbox: str, grants: list[Grant], ttl: int | None = None) -> tuple[str, Claims]:
+    def mint(
+        self, sandbox: str, grants: list[Grant], ttl: int | None = None, sources: Sequence[str] = ()
+    ) -> tuple[str, Claims]:
         declared = list(self.declared.tools()) if self.declared is not None else []
         if unknown := [g.tool for g in grants if g.declared and g.tool not in declared]:
             known = ", ".join(declared) or "none"
             message = f"grant for {unknown[0]!r}: the policy declares no such tool (declared: {known})"
             raise BrokerError(422, "unknown_tool", message)
         try:
-            return self.authority.mint(sandbox, grants, ttl)
+            return self.authority.mint(sandbox, grants, ttl, sources)
         except TokenError as e:
             raise BrokerError(422, "invalid_request", str(e)) from None
 
-    async def issue(self, sandbox: str, grants: list[Grant], ttl: int | None = None) -> tuple[str, Claims]:
+    async def issue(
+        self, sandbox: str, grants: list[Grant], ttl: int | None = None, sources: Sequence[str] = ()
+    ) -> tuple[str, Claims]:
         """Mint a token and remember its id until it expires (so that a revocation can tell it from a typo)."""
-        token, claims = self.mint(sandbox, grants, ttl)
-        await self.state(lambda: self.store.record_issued(claims.jti, sandbox, claims.expires_at))
+        token, claims = self.mint(sandbox, grants, ttl, sources)
+        await self.state(self.store.record_issued(claims.jti, sandbox, claims.expires_at))
         if self.git_read is not None:
             self.git_read.remember(claims)
         return token, claims
@@ -371,25 +391,34 @@ class Broker:
         ttl = body.get("ttl")
         if ttl is not None and (not isinstance(ttl, int) or isinstance(ttl, bool)):  # true is not 1 second
             raise BrokerError(422, "invalid_request", "ttl must be whole seconds")
-        token, claims = await self.issue(sandbox, grants, ttl)
-        return self._reply({"token": token, "jti": claims.jti, "sandbox": sandbox, "expires_at": claims.expires_at})
+        sources = body.get("sources") or []
+        if not isinstance(sources, list) or not all(isinstance(s, str) for s in sources):
+            raise BrokerError(422, "invalid_request", "sources must be a list of networks (CIDR text)")
+        token, claims = await self.issue(sandbox, grants, ttl, sources)
+        answer = {"token": token, "jti": claims.jti, "sandbox": sandbox, "expires_at": claims.expires_at}
+        if claims.sources:
+            answer["sources"] = [str(n) for n in claims.sources]
+        return self._reply(answer)
 
     async def revoke(self, request: web.Request) -> web.Response:
         body = await json_object(request)
         # Revoked whether known or not (fail closed); `known` tells the caller whether the id was one of ours.
         if isinstance(body.get("jti"), str):
             until = int(time.time()) + self.authority.keys.max_ttl
-            known = await self.state(lambda: self.store.was_issued(body["jti"]))
-            await self.state(lambda: self.store.revoke_token(body["jti"], until))
+            known = await self.state(self.store.was_issued(body["jti"]))
+            await self.state(self.store.revoke_token(body["jti"], until))
             return self._reply({"revoked": {"jti": body["jti"]}, "known": known})
         if isinstance(body.get("sandbox"), str):
-            await self.state(lambda: self.store.revoke_sandbox(body["sandbox"]))
+            await self.state(self.store.revoke_sandbox(body["sandbox"]))
             known = self.serves is None or body["sandbox"] in self.serves()
             return self._reply({"revoked": {"sandbox": body["sandbox"]}, "known": known})
         raise BrokerError(422, "invalid_request", "give jti or sandbox")
 
     async def rotate_keys(self, request: web.Request) -> web.Response:
-        return self._reply({"kid": self.authority.keys.rotate()})
+        try:
+            return self._reply({"kid": self.authority.keys.rotate()})
+        except TokenError as e:
+            raise BrokerError(409, "keys_from_files", str(e)) from None
 
     async def jwks(self, request: web.Request) -> web.Response:
         return self._reply(self.authority.keys.jwks())
@@ -398,6 +427,14 @@ class Broker:
 def _refusal(record: AuditRecord, e: BrokerError, status: int) -> None:
     record.decision = "allow" if e.quiet else "error" if e.status >= 500 else "deny"
     record.reason, record.code, record.extra["status"] = e.message, e.code, status
+
+
+def _from(client: str, networks: tuple[Network, ...]) -> bool:
+    try:
+        address = ipaddress.ip_address(client)
+    except ValueError:  # no address (a unix socket): not from any network
+        return False
+    return any(address in network for network in networks)
 
 
 def _call_name(request: web.Request, tools: Mapping[str, Tool]) -> str:

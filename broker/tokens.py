@@ -4,21 +4,34 @@ The audience (`aud`) is the broker's resource: its URL as the sandboxes reach it
 server URI of RFC 8707 and MCP's authorization). A token names exactly that audience: one for another resource, or
 for several (which another service could then replay here), is refused.
 
-Keys live in the broker's state directory, one PEM per `kid`. Rotation adds a key and retires the old one;
-a retired key still verifies until every token it could have signed has expired (its retirement + max TTL).
+A token may also name the networks it may be presented from (`src`, CIDRs): a broker that cannot tell sandboxes
+apart by their network (one serving pods over a cluster network) binds each token to its pod's address so.
+
+Keys come from one of three places, each a `KeySet`:
+- `KeyRing`: the broker's state directory, one PEM per `kid`, made by the broker itself (one gateway). Rotation
+  adds a key and retires the old one; a retired key still verifies until every token it could have signed has
+  expired (its retirement + max TTL).
+- `FileKeys`: Ed25519 PEM files the operator made (`--signing-key`, the same files for every replica of a fleet):
+  the first key signs (or the one `--active-kid` names), every key listed verifies, a key no longer listed is
+  retired at once. Each key's `kid` is its RFC 7638 thumbprint, so every replica names a key alike.
+- `JwksKeys`: the public keys a broker publishes (`/.well-known/jwks.json`), to verify its tokens elsewhere.
 """
 
 from __future__ import annotations
 
 import base64
+import hashlib
+import ipaddress
 import json
 import os
+import re
 import secrets
 import time
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import jwt
 from cryptography.hazmat.primitives import serialization
@@ -31,6 +44,10 @@ AUDIENCE = "airlock-broker"  # the audience of a broker not told its URL (one th
 ALGORITHM = "EdDSA"
 LEEWAY = 5  # seconds of clock skew tolerated on exp/nbf/iat
 VERIFIED_CACHE_SIZE = 10_000
+MAX_SOURCES = 16  # networks one token may name
+_PEM_KEY = re.compile(rb"-----BEGIN PRIVATE KEY-----.*?-----END PRIVATE KEY-----", re.S)
+
+type Network = ipaddress.IPv4Network | ipaddress.IPv6Network
 
 
 class TokenError(Exception):
@@ -44,6 +61,29 @@ class Claims:
     issued_at: int
     expires_at: int
     grants: tuple[Grant, ...]
+    sources: tuple[Network, ...] = ()  # the networks it may be presented from; none: the broker's binding alone
+
+
+def parse_sources(values: Any) -> tuple[Network, ...]:
+    """A token's `src`: CIDRs (an address alone is its own /32 or /128); TokenError for anything else."""
+    texts = isinstance(values, list) and all(isinstance(v, str) for v in values)
+    if not texts or not 0 < len(values) <= MAX_SOURCES:
+        raise TokenError(f"src must be a list of 1 to {MAX_SOURCES} networks (CIDR text)")
+    try:
+        return tuple(ipaddress.ip_network(v, strict=True) for v in values)
+    except ValueError as e:
+        raise TokenError(f"src: {e}") from None
+
+
+class KeySet(Protocol):
+    """Where a TokenAuthority's keys come from (see the module's doc)."""
+
+    max_ttl: int
+
+    def active(self) -> _Key | None: ...
+    def verifying_key(self, kid: str) -> Ed25519PublicKey | None: ...
+    def jwks(self) -> dict[str, Any]: ...
+    def rotate(self) -> str: ...
 
 
 @dataclass
@@ -106,19 +146,100 @@ class KeyRing:
         return key.private.public_key()
 
     def jwks(self) -> dict[str, Any]:
-        keys = []
-        for kid in self._keys:
-            public = self.verifying_key(kid)
-            if public is None:
-                continue
-            raw = public.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
-            x = base64.urlsafe_b64encode(raw).rstrip(b"=").decode()
-            keys.append({"kty": "OKP", "crv": "Ed25519", "alg": ALGORITHM, "use": "sig", "kid": kid, "x": x})
-        return {"keys": keys}
+        return {"keys": [_jwk(kid, public) for kid in self._keys if (public := self.verifying_key(kid)) is not None]}
+
+
+class FileKeys:
+    """Ed25519 private keys from PEM files (each file one key or several, PKCS#8), in the order given: the first
+    signs unless `active_kid` names another. TokenError for a file that holds none, or another kind of key."""
+
+    def __init__(self, paths: Sequence[Path], max_ttl: int, active_kid: str | None = None) -> None:
+        self.max_ttl = max_ttl
+        self._keys: dict[str, _Key] = {}
+        for path in paths:
+            for private in _private_keys(path):
+                kid = thumbprint(private.public_key())
+                self._keys.setdefault(kid, _Key(kid, private, 0.0, None))
+        if not self._keys:
+            raise TokenError("no signing key given")
+        if active_kid is not None and active_kid not in self._keys:
+            raise TokenError(f"--active-kid {active_kid}: no such key among the signing keys ({', '.join(self._keys)})")
+        self._active = self._keys[active_kid or next(iter(self._keys))]
+
+    def active(self) -> _Key | None:
+        return self._active
+
+    def verifying_key(self, kid: str) -> Ed25519PublicKey | None:
+        key = self._keys.get(kid)
+        return None if key is None else key.private.public_key()
+
+    def jwks(self) -> dict[str, Any]:
+        return {"keys": [_jwk(kid, key.private.public_key()) for kid, key in self._keys.items()]}
+
+    def rotate(self) -> str:
+        raise TokenError("the signing keys are --signing-key files: rotate by changing the files (docs/fleet.md)")
+
+
+class JwksKeys:
+    """The Ed25519 keys of a JWKS document: verification only (a broker's tokens checked where they are used)."""
+
+    def __init__(self, document: Any, max_ttl: int) -> None:
+        self.max_ttl = max_ttl
+        self._keys: dict[str, Ed25519PublicKey] = {}
+        for jwk in document.get("keys", []) if isinstance(document, dict) else []:
+            if isinstance(jwk, dict) and jwk.get("kty") == "OKP" and jwk.get("crv") == "Ed25519":
+                raw = base64.urlsafe_b64decode(str(jwk.get("x", "")) + "==")
+                self._keys[str(jwk.get("kid"))] = Ed25519PublicKey.from_public_bytes(raw)
+
+    def active(self) -> _Key | None:
+        return None
+
+    def verifying_key(self, kid: str) -> Ed25519PublicKey | None:
+        return self._keys.get(kid)
+
+    def jwks(self) -> dict[str, Any]:
+        return {"keys": [_jwk(kid, public) for kid, public in self._keys.items()]}
+
+    def rotate(self) -> str:
+        raise TokenError("a key set read from a JWKS only verifies")
+
+
+def thumbprint(public: Ed25519PublicKey) -> str:
+    """The key's RFC 7638 JWK thumbprint (SHA-256, base64url): the same `kid` wherever the key is loaded."""
+    canonical = json.dumps({"crv": "Ed25519", "kty": "OKP", "x": _x(public)}, separators=(",", ":"), sort_keys=True)
+    return base64.urlsafe_b64encode(hashlib.sha256(canonical.encode()).digest()).rstrip(b"=").decode()
+
+
+def _private_keys(path: Path) -> list[Ed25519PrivateKey]:
+    try:
+        blocks = _PEM_KEY.findall(path.read_bytes())
+    except OSError as e:
+        raise TokenError(f"signing key {path}: {e.strerror or e}") from None
+    keys = []
+    for block in blocks:
+        try:
+            private = serialization.load_pem_private_key(block, password=None)
+        except (ValueError, TypeError) as e:
+            raise TokenError(f"signing key {path}: {e}") from None
+        if not isinstance(private, Ed25519PrivateKey):
+            raise TokenError(f"signing key {path}: not an Ed25519 key (openssl genpkey -algorithm ed25519)")
+        keys.append(private)
+    if not keys:
+        raise TokenError(f"signing key {path}: no PEM private key in it (openssl genpkey -algorithm ed25519)")
+    return keys
+
+
+def _x(public: Ed25519PublicKey) -> str:
+    raw = public.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
+    return base64.urlsafe_b64encode(raw).rstrip(b"=").decode()
+
+
+def _jwk(kid: str, public: Ed25519PublicKey) -> dict[str, str]:
+    return {"kty": "OKP", "crv": "Ed25519", "alg": ALGORITHM, "use": "sig", "kid": kid, "x": _x(public)}
 
 
 class TokenAuthority:
-    def __init__(self, keys: KeyRing, default_ttl: int = 900, audience: str = AUDIENCE) -> None:
+    def __init__(self, keys: KeySet, default_ttl: int = 900, audience: str = AUDIENCE) -> None:
         self.keys = keys
         self.default_ttl = default_ttl
         self.audience = audience
@@ -126,20 +247,26 @@ class TokenAuthority:
         # presented many times. Only successes are kept, each until its exp or until its key stops verifying.
         self._verified: dict[str, tuple[Claims, str]] = {}
 
-    def mint(self, sandbox: str, grants: list[Grant], ttl: int | None = None) -> tuple[str, Claims]:
+    def mint(
+        self, sandbox: str, grants: list[Grant], ttl: int | None = None, sources: Sequence[str] = ()
+    ) -> tuple[str, Claims]:
         ttl = self.default_ttl if ttl is None else ttl
         if not 0 < ttl <= self.keys.max_ttl:
             raise TokenError(f"ttl must be between 1 and {self.keys.max_ttl} seconds")
         if not grants:
             raise TokenError("a token needs at least one grant")
         key = self.keys.active()
-        assert key is not None
+        if key is None:
+            raise TokenError("this key set only verifies: no key to sign with")
+        networks = parse_sources(list(sources)) if sources else ()
         now = int(time.time())
-        claims = Claims(sandbox, uuid.uuid4().hex, now, now + ttl, tuple(grants))
-        payload = {
+        claims = Claims(sandbox, uuid.uuid4().hex, now, now + ttl, tuple(grants), networks)
+        payload: dict[str, Any] = {
             "iss": ISSUER, "aud": self.audience, "sub": sandbox, "iat": now, "nbf": now, "exp": now + ttl,
             "jti": claims.jti, "grants": [g.to_claim() for g in grants],
         }  # fmt: skip
+        if networks:
+            payload["src"] = [str(n) for n in networks]
         token = jwt.encode(payload, key.private, algorithm=ALGORITHM, headers={"kid": key.kid})
         return token, claims
 
@@ -213,4 +340,7 @@ class TokenAuthority:
             grants = tuple(Grant.from_claim(g) for g in raw_grants)
         except GrantError as e:
             raise TokenError(f"token grants are invalid: {e}") from None
-        return Claims(str(payload["sub"]), str(payload["jti"]), int(payload["iat"]), int(payload["exp"]), grants)
+        sources = parse_sources(payload["src"]) if "src" in payload else ()
+        return Claims(
+            str(payload["sub"]), str(payload["jti"]), int(payload["iat"]), int(payload["exp"]), grants, sources
+        )

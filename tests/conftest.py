@@ -1,8 +1,10 @@
-"""Shared pytest configuration: the privileged gate for network-namespace tests.
+"""Shared pytest configuration: the privileged gate for network-namespace tests, and the PostgreSQL server.
 
 Tests that need root, `ip netns` and `nft` carry the `netns` marker (applied automatically to everything under
 tests/e2e). Without those privileges they are skipped locally, but CI sets AIRLOCK_REQUIRE_PRIVILEGED=1 so a
-missing privilege becomes a failure instead of a silently green run.
+missing privilege becomes a failure instead of a silently green run. Tests that need PostgreSQL carry the
+`postgres` marker and use the `postgres_server` (one per test process, tests/pg.py) or `postgres_database` (a fresh
+database on it) fixtures: gated the same way.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -23,6 +26,9 @@ import pytest
 # PYTHONDONTWRITEBYTECODE is set (as on these machines, CI's included), so that a run, and its subprocesses, load
 # modules instead of compiling them (a few seconds of the unit suite's CPU). The caches are gitignored.
 sys.dont_write_bytecode = False
+
+sys.path.insert(0, str(Path(__file__).parent))  # tests/pg.py, for this file and the tests alike
+import pg  # noqa: E402
 
 E2E_DIR = Path(__file__).parent / "e2e"
 UNIT_DIR = (Path(__file__).parent / "unit").resolve()  # the arguments are resolved too (a symlinked checkout)
@@ -72,6 +78,35 @@ def privileged() -> None:
     require_privileged()
 
 
+def require_postgres() -> None:
+    """Skip (or, under AIRLOCK_REQUIRE_PRIVILEGED=1, fail) unless the tests can run a PostgreSQL server."""
+    problem = pg.problem()
+    if problem is None:
+        return
+    if os.environ.get(REQUIRE_ENV) == "1":
+        pytest.fail(f"PostgreSQL tests required ({REQUIRE_ENV}=1) but cannot run: {problem}", pytrace=False)
+    pytest.skip(f"needs a PostgreSQL server: {problem}")
+
+
+@pytest.fixture(scope="session")
+def postgres_server() -> Iterator[pg.PostgresServer]:
+    """One PostgreSQL server for this test process, on a unix socket in a temporary folder; removed at the end."""
+    require_postgres()
+    server = pg.PostgresServer.start()
+    try:
+        yield server
+    finally:
+        server.remove()
+
+
+@pytest.fixture
+def postgres_database(postgres_server: pg.PostgresServer) -> str:
+    """The URL of an empty database of the test's own (the server is restarted if a test stopped it)."""
+    if not postgres_server.running():
+        postgres_server.start_again()
+    return postgres_server.emptied_database()
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_cmdline_main(config: pytest.Config) -> None:
     """`pytest tests/unit` (or anything in it) runs on a worker process per CPU, two at most (pytest-xdist): half
@@ -111,6 +146,8 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     # Gate before any fixture runs, so an unprivileged run never starts building namespaces.
     if item.get_closest_marker("netns") is not None:
         require_privileged()
+    if item.get_closest_marker("postgres") is not None:
+        require_postgres()
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:

@@ -24,8 +24,9 @@ if TYPE_CHECKING:
 GROUPS = {
     "policy": ("check or explain a policy", "airlock.cli.policy"),
     "gateway": ("run the gateway in the foreground", "airlock.cli.gateway"),
+    "broker": ("run the credential broker alone (a fleet's replica: shared store and keys)", "airlock.cli.broker"),
     "status": ("a running gateway's policy, sandboxes and counters (admin listener)", "airlock.cli.status"),
-    "token": ("mint or revoke broker tokens (gateway admin listener)", "airlock.cli.token"),
+    "token": ("mint or revoke broker tokens (gateway or broker admin listener)", "airlock.cli.token"),
     "approvals": ("list, approve or deny requests held for a person (gateway admin listener)", "airlock.cli.approvals"),
     "tools": ("read the record of brokered calls, or replay a sandbox's calls", "airlock.cli.tools"),
     "reap": ("remove expired sandboxes and leftovers of crashed runs", "airlock.cli.reap"),

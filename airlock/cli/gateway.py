@@ -34,6 +34,7 @@ from .option_bounds import check_limits
 
 if TYPE_CHECKING:  # `airlock run` builds a config before its sandbox exists; the gateway is imported meanwhile
     from airlock.gateway import Gateway
+    from airlock.inspection.secrets import SecretSource
 
 log = logging.getLogger("airlock")
 
@@ -74,12 +75,49 @@ def add_gateway_options(parser: argparse.ArgumentParser) -> None:
         help="the admin listener (policy reload, status, tokens); default: STATE_DIR/admin.sock",
     )  # fmt: skip
     parser.add_argument(
-        "--call-log", type=absolute, metavar="DIR",
-        help=f"where every brokered call is recorded (default: STATE_DIR/calls, else {DEFAULT_STATE_DIR}/calls)",
-    )  # fmt: skip
-    parser.add_argument(
         "--broker-max-connections", type=int, default=32, metavar="N", help="open broker connections per address"
     )
+    parser.add_argument(
+        "--secret", action="append", metavar="NAME=file:PATH|env:VAR",
+        help="a secret the policy's declared tools name (repeatable); never shown to a sandbox",
+    )  # fmt: skip
+    add_broker_options(parser)
+    parser.add_argument("--dns-min-ttl", type=int, default=5, metavar="S", help="shortest time an answer is cached")
+    parser.add_argument(
+        "--approval-webhook", type=webhook_url, metavar="URL",
+        help="post each request held for approval (on_unlisted: ask) to URL as JSON",
+    )  # fmt: skip
+    parser.add_argument(
+        "--close-denied-on-reload", action="store_true", help="a policy reload closes open tunnels it denies"
+    )
+
+
+def add_broker_options(parser: argparse.ArgumentParser) -> None:
+    """What a broker is told, in a gateway (`airlock gateway`, `airlock run`) or alone (`airlock broker`)."""
+    parser.add_argument(
+        "--call-log", type=absolute, metavar="DIR",
+        help=f"where every brokered call is recorded with a SQLite store (default: STATE_DIR/calls, else "
+        f"{DEFAULT_STATE_DIR}/calls)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--store", type=store_url, metavar="URL",
+        help="the broker's state: sqlite:///PATH (default: STATE_DIR/broker.sqlite3) or postgresql://USER@HOST/DB "
+        "(shared by replicas; no password in it)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--store-password-file", type=absolute, metavar="FILE",
+        help="the database's password (else libpq's PGPASSWORD, PGPASSFILE, ~/.pgpass)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--signing-key", action="append", type=absolute, metavar="PEM",
+        help="an Ed25519 private key file tokens are signed with (repeatable: the first signs, all verify; the same "
+        "files for every replica); default: keys made in STATE_DIR/keys",
+    )  # fmt: skip
+    parser.add_argument("--active-kid", metavar="KID", help="the --signing-key that signs (default: the first)")
+    parser.add_argument(
+        "--audience", metavar="URL",
+        help="the broker's URL as its clients reach it, its tokens' audience (every replica the same)",
+    )  # fmt: skip
     parser.add_argument("--github-api", default="https://api.github.com", metavar="URL")
     parser.add_argument("--github-app-id", metavar="ID")
     parser.add_argument("--github-app-key", type=absolute, metavar="PEM", help="the GitHub App's private key file")
@@ -89,19 +127,50 @@ def add_gateway_options(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--github-token-env", metavar="VAR", help="static-token mode, from an environment variable")
     parser.add_argument("--github-timeout", type=float, default=10.0, metavar="S")
-    parser.add_argument(
-        "--secret", action="append", metavar="NAME=file:PATH|env:VAR",
-        help="a secret the policy's declared tools name (repeatable); never shown to a sandbox",
-    )  # fmt: skip
     parser.add_argument("--token-ttl", type=duration, default=900, metavar="DURATION", help="e.g. 15m")
     parser.add_argument("--token-max-ttl", type=duration, default=3600, metavar="DURATION")
-    parser.add_argument("--dns-min-ttl", type=int, default=5, metavar="S", help="shortest time an answer is cached")
-    parser.add_argument(
-        "--approval-webhook", type=webhook_url, metavar="URL",
-        help="post each request held for approval (on_unlisted: ask) to URL as JSON",
-    )  # fmt: skip
-    parser.add_argument(
-        "--close-denied-on-reload", action="store_true", help="a policy reload closes open tunnels it denies"
+
+
+def store_url(text: str) -> str:
+    """`--store`: sqlite:///PATH or a PostgreSQL URL, never with a password (a command line is every user's)."""
+    scheme = text.partition("://")[0]
+    if scheme == "sqlite" and text.startswith("sqlite:///"):
+        return text
+    if scheme not in ("postgresql", "postgres"):
+        raise argparse.ArgumentTypeError(f"{text!r}: give sqlite:///PATH or postgresql://USER@HOST/DB")
+    from airlock.broker.pgstore import check_url
+    from airlock.broker.store import StoreError
+
+    try:
+        check_url(text)
+    except StoreError as e:
+        raise argparse.ArgumentTypeError(str(e).removeprefix("--store: ")) from None
+    return text
+
+
+def broker_config(
+    args: argparse.Namespace, port: int, max_connections: int, secrets: list[SecretSource]
+) -> BrokerConfig:
+    """The broker options (add_broker_options) as the library's settings."""
+    return BrokerConfig(
+        port=port,
+        call_log=args.call_log or str(Path(args.state_dir or DEFAULT_STATE_DIR) / "calls"),
+        github_api=args.github_api,
+        github_app_id=args.github_app_id,
+        github_app_key=args.github_app_key,
+        github_installation_id=args.github_installation_id,
+        github_token_file=args.github_token_file,
+        github_token_env=args.github_token_env,
+        github_timeout=args.github_timeout,
+        token_ttl=args.token_ttl,
+        token_max_ttl=args.token_max_ttl,
+        max_connections_per_client=max_connections,
+        secrets=secrets,
+        store=args.store,
+        store_password_file=args.store_password_file,
+        signing_keys=args.signing_key or [],
+        active_kid=args.active_kid,
+        audience=args.audience,
     )
 
 
@@ -149,21 +218,7 @@ def gateway_config(args: argparse.Namespace, policy: Policy, listen: str, sandbo
         policy_path=args.policy,
         approval_webhook=args.approval_webhook,
         admin=args.admin,
-        broker=BrokerConfig(
-            port=args.broker_port,
-            call_log=args.call_log or str(Path(args.state_dir or DEFAULT_STATE_DIR) / "calls"),
-            github_api=args.github_api,
-            github_app_id=args.github_app_id,
-            github_app_key=args.github_app_key,
-            github_installation_id=args.github_installation_id,
-            github_token_file=args.github_token_file,
-            github_token_env=args.github_token_env,
-            github_timeout=args.github_timeout,
-            token_ttl=args.token_ttl,
-            token_max_ttl=args.token_max_ttl,
-            max_connections_per_client=args.broker_max_connections,
-            secrets=secrets,
-        ),
+        broker=broker_config(args, args.broker_port, args.broker_max_connections, secrets),
     )
 
 

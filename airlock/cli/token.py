@@ -35,6 +35,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     issue.add_argument("--sandbox", required=True)
     issue.add_argument("--grant", action="append", required=True, metavar="TOOL:OWNER/REPO[:base=B,head=P]")
     issue.add_argument("--ttl", type=duration, default=None, metavar="DURATION")
+    issue.add_argument(
+        "--source", action="append", metavar="CIDR",
+        help="a network the token may be used from (repeatable); a broker without --sandbox takes only such tokens",
+    )  # fmt: skip
     revoke = actions.add_parser("revoke", help="revoke one token or every token of a sandbox")
     which = revoke.add_mutually_exclusive_group(required=True)
     which.add_argument("--jti")
@@ -127,7 +131,10 @@ def cmd_token_issue(args: argparse.Namespace) -> int:
     except GrantError as e:
         raise UsageError(f"--grant: {e}") from None
     admin = Admin.of(args)
-    body = asyncio.run(admin.call("/v1/tokens", {"sandbox": args.sandbox, "grants": grants, "ttl": args.ttl}))
+    request = {"sandbox": args.sandbox, "grants": grants, "ttl": args.ttl}
+    if args.source:
+        request["sources"] = args.source
+    body = asyncio.run(admin.call("/v1/tokens", request))
     print(body["token"])
     expires = datetime.fromtimestamp(body["expires_at"], UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
     print(f"jti {body['jti']}, sandbox {body['sandbox']}, expires at {expires}", file=sys.stderr)

@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 
     import aiohttp
 
-    from airlock.broker.calllog import LoggedCall
+    from airlock.broker.calllog import CallStore, LoggedCall
     from airlock.broker.service import Broker
     from airlock.broker.store import BrokerStore
 
@@ -43,6 +43,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     for sub in (log, replay):
         sub.add_argument("--call-log", type=absolute, metavar="DIR", help=f"default: {DEFAULT_STATE_DIR}/calls")
         sub.add_argument("--state-dir", type=absolute, metavar="DIR", help="the gateway's: its calls/ folder")
+        sub.add_argument("--store", metavar="URL", help="a fleet's PostgreSQL store (postgresql://USER@HOST/DB)")
+        sub.add_argument("--store-password-file", type=absolute, metavar="FILE", help="its password")
         sub.add_argument("--since", type=since, metavar="WHEN", help="a duration ago (90s, 10m, 2h) or an ISO time")
         sub.add_argument("--json", action="store_true", help="one JSON object per line")
     log.add_argument("--sandbox", metavar="ID")
@@ -77,17 +79,36 @@ def logged_calls(args: argparse.Namespace) -> list[LoggedCall]:
     from airlock.broker.calllog import FILE_NAME, CallLog
     from airlock.broker.store import StoreError
 
+    if args.store:
+        return asyncio.run(_from_database(args))
     directory = Path(args.call_log or Path(args.state_dir or DEFAULT_STATE_DIR) / "calls")
     if not (directory / FILE_NAME).is_file():  # opening would create an empty log: say there is none instead
         raise UsageError(f"no call log in {directory}")
     try:
-        log = CallLog(directory / FILE_NAME)
-        try:
-            return log.calls(args.sandbox, args.since)
-        finally:
-            log.close()
+        return asyncio.run(_read(CallLog(directory / FILE_NAME), args.sandbox, args.since))
     except StoreError as e:
         raise UsageError(str(e)) from None
+
+
+async def _from_database(args: argparse.Namespace) -> list[LoggedCall]:
+    from airlock.broker.pgstore import PostgresStore
+    from airlock.broker.store import StoreError
+    from airlock.gateway.broker_runtime import read_password
+
+    if not args.store.startswith(("postgresql://", "postgres://")):
+        raise UsageError(f"--store {args.store!r}: give a PostgreSQL URL (a SQLite call log: --call-log DIR)")
+    try:
+        store = await PostgresStore.open(args.store, read_password(args.store_password_file), replica=False)
+        return await _read(store, args.sandbox, args.since)
+    except StoreError as e:
+        raise UsageError(str(e)) from None
+
+
+async def _read(log: CallStore, sandbox: str | None, since: float | None) -> list[LoggedCall]:
+    try:
+        return await log.calls(sandbox, since)
+    finally:
+        await log.close()
 
 
 def cmd_tools_log(args: argparse.Namespace) -> int:
@@ -168,8 +189,7 @@ async def _replay(args: argparse.Namespace, calls: list[LoggedCall], bundles: di
             try:
                 return [await _one(broker, call, bundles) for call in calls]
             finally:
-                broker.close()
-                store.close()
+                await store.close()
 
 
 def _broker(args: argparse.Namespace, state: Path, session: aiohttp.ClientSession, store: BrokerStore) -> Broker:

@@ -4,6 +4,11 @@
 The bookkeeping (what may be asked, the pending table, grants) is the policy core's (policy/held_requests.py). Here a
 pending entry has one future, which every request for the same target awaits (shielded: a request that gives up
 never cancels the others' answer); the loop's timer ends it at the profile's `ask_timeout`, as a denial.
+
+Gateways that share a broker store (a fleet on PostgreSQL, `SharedApprovals`) share their approvals too: a request
+held on one is listed by every replica and may be answered on any; the answer reaches the replica that holds it,
+which releases its requests, and a sandbox-scope grant is in force on every replica. A policy-scope answer writes a
+policy file, which is the replica's own: it is given where the request is held.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ import struct
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from airlock.audit import AuditRecord
 from airlock.gateway.approval_writer import PolicyWriter
@@ -42,14 +47,30 @@ from airlock.policy.held_requests import (
 )
 from airlock.runs import airlock_command
 
-if TYPE_CHECKING:
-    pass
-
 log = logging.getLogger("airlock.approvals")
 
 WEBHOOK_TIMEOUT = 5.0
 WEBHOOK_IN_FLIGHT = 8  # posts under way at once; beyond, a pending request is not posted (logged)
 _PEERCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
+
+
+class SharedApprovals(Protocol):
+    """What gateways sharing a store share of their approvals (broker.pgstore.PostgresApprovals): best effort, never
+    an opening — a grant that cannot be read is no grant."""
+
+    async def hold(self, entry: dict[str, Any]) -> None: ...
+    async def pending(self) -> list[dict[str, Any]]: ...
+    async def entry(self, approval_id: str) -> dict[str, Any] | None: ...
+    async def decide(self, approval_id: str, scope: str | None, by: str, ttl: float | None) -> bool: ...
+    async def decision(self, approval_id: str) -> tuple[str | None, str, float | None]: ...
+    async def answered(self, approval_id: str, released: int) -> None: ...
+    async def released(self, approval_id: str, wait: float) -> int: ...
+    async def add_grant(self, sandbox: str, host: str, port: int | None, until: float | None, by: str,
+                        approval: str) -> None: ...  # fmt: skip
+    async def grants(self, sandbox: str, host: str) -> list[tuple[int | None, float | None, str, str]]: ...
+
+
+REMOTE_RELEASE_WAIT = 2.0  # seconds an answer given here waits for the replica holding the request to say it released
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,14 +100,18 @@ class Approvals:
         writer: PolicyWriter | None = None,
         table: PendingTable | None = None,
         admin: str | None = None,
+        shared: Callable[[], SharedApprovals | None] = lambda: None,
     ) -> None:
         self.emit, self.writer = emit, writer
+        self.shared = shared  # the fleet's approvals, asked each time (the store they live in opens with the broker)
         self.admin = admin  # the admin listener a person answers through: the command each request tells names it
         self.table = table or PendingTable()
         self.grants = Grants()
         self.webhook = Webhook(webhook) if webhook else None
         self._futures: dict[str, asyncio.Future[Ruling]] = {}
         self._timers: dict[str, asyncio.TimerHandle] = {}
+        self._following: dict[str, asyncio.Task[None]] = {}  # pending entries, for an answer given on another replica
+        self._tasks: set[asyncio.Task[None]] = set()  # writes to the shared store, under way
 
     async def decide(
         self,
@@ -106,6 +131,8 @@ class Approvals:
         loop = asyncio.get_running_loop()
         if (grant := self.grants.find(sandbox.id, host, port, loop.time())) is not None:
             return grant.decision()
+        if (grant := await self._shared_grant(sandbox.id, host, port)) is not None:
+            return grant.decision()
         target = Target(sandbox.id, host, port)
         entry = self.table.ask(target, profile.name, kind, client, loop.time(), profile.ask_timeout, _new_id)
         if isinstance(entry, Full):
@@ -119,14 +146,53 @@ class Approvals:
             self.table.leave(entry)
         return ruling.decision(decision.hint)
 
+    async def _shared_grant(self, sandbox: str, host: str, port: int | None) -> Grant | None:
+        """A sandbox-scope grant another replica of the fleet made, if one is in force."""
+        shared = self.shared()
+        if shared is None:
+            return None
+        loop, offset = asyncio.get_running_loop(), time.time() - asyncio.get_running_loop().time()
+        found = Grants()
+        for grant_port, until, by, approval in await shared.grants(sandbox, host):
+            found.add(Grant(Target(sandbox, host, grant_port), None if until is None else until - offset, by, approval))
+        return found.find(sandbox, host, port, loop.time())
+
     def _open(self, entry: Pending, timeout: float) -> asyncio.Future[Ruling]:
         loop = asyncio.get_running_loop()
         future = self._futures[entry.id] = loop.create_future()
         self._timers[entry.id] = loop.call_at(entry.deadline, self._expire, entry.id, timeout)
         tell(self.announcement(entry, timeout))
+        described = describe(entry, time.time() - loop.time())
         if self.webhook is not None:
-            self.webhook.post(describe(entry, time.time() - loop.time()))
+            self.webhook.post(described)
+        if (shared := self.shared()) is not None:
+            self._following[entry.id] = asyncio.create_task(self._follow(entry, described, shared))
         return future
+
+    async def _follow(self, entry: Pending, described: dict[str, Any], shared: SharedApprovals) -> None:
+        """Enter the held request in the fleet's store, then wait for an answer given on any replica."""
+        await shared.hold(described)
+        scope, by, ttl = await shared.decision(entry.id)
+        self._following.pop(entry.id, None)
+        if self.table.pop(entry.id) is None:  # answered here, or timed out, meanwhile
+            return
+        extra: dict[str, object] = {"answered_on": "another replica"}
+        if scope == "sandbox":
+            until = None if ttl is None else asyncio.get_running_loop().time() + float(ttl)
+            self.grants.add(Grant(entry.target, until, by, entry.id))
+            extra["ttl"] = ttl
+        released = entry.waiting
+        self._settle(entry, Ruling(scope if scope in ("once", "sandbox") else None, by, entry.id), extra)  # type: ignore[arg-type]
+        await shared.answered(entry.id, released)
+
+    def _forget(self, approval_id: str, released: int = 0) -> None:
+        """The entry ends here: stop following it, and say so in the fleet's store."""
+        if (follower := self._following.pop(approval_id, None)) is not None:
+            follower.cancel()
+            if (shared := self.shared()) is not None:
+                task = asyncio.create_task(shared.answered(approval_id, released))
+                self._tasks.add(task)
+                task.add_done_callback(self._tasks.discard)
 
     def announcement(self, entry: Pending, timeout: float) -> str:
         """The line that asks a person, with the command that answers as it is to be typed (this airlock, through
@@ -147,6 +213,7 @@ class Approvals:
         """End a pending entry: its waiters get the ruling, and the ruling its audit line (kind `approval`)."""
         if (timer := self._timers.pop(entry.id, None)) is not None:
             timer.cancel()
+        self._forget(entry.id, entry.waiting)
         future = self._futures.pop(entry.id, None)
         if future is not None and not future.done():
             future.set_result(ruling)
@@ -163,13 +230,20 @@ class Approvals:
         }  # fmt: skip
         self.emit(record)
 
-    def pending(self) -> list[dict[str, Any]]:
+    async def pending(self) -> list[dict[str, Any]]:
+        """The requests held here, then those the fleet's other replicas hold."""
         offset = time.time() - asyncio.get_running_loop().time()
-        return [describe(entry, offset) for entry in self.table.pending()]
+        here = [describe(entry, offset) for entry in self.table.pending()]
+        shared = self.shared()
+        elsewhere = [] if shared is None else [_remote(p) for p in await shared.pending()]
+        ids = {p["id"] for p in here}
+        return here + [p for p in elsewhere if p["id"] not in ids]
 
     async def approve(self, approval_id: str, scope: object, ttl: object, by: str) -> dict[str, Any]:
         if (problem := answer_problem(scope, ttl)) is not None:
             raise ApprovalError(422, "invalid_request", problem)
+        if self.table.get(approval_id) is None and (shared := self.shared()) is not None:
+            return await self._approve_elsewhere(shared, approval_id, scope, ttl, by)
         entry = self._entry(approval_id)
         extra: dict[str, object] = {}
         if scope == "policy":
@@ -180,18 +254,58 @@ class Approvals:
             until = None if ttl is None else asyncio.get_running_loop().time() + float(ttl)  # type: ignore[arg-type]
             self.grants.add(Grant(entry.target, until, by, entry.id))
             extra["ttl"] = ttl
+            await self._share_grant(entry.target, ttl, by, entry.id)
         assert scope in ("once", "sandbox", "policy")
         released = 0
         if self.table.pop(approval_id) is not None:  # else it timed out while the policy was written: that stays
             released = entry.waiting
             self._settle(entry, Ruling(scope, by, entry.id), extra)
+            await self._shared_writes()
         return {"id": entry.id, "scope": scope, "target": str(entry.target), "released": released, **extra}
 
-    def deny(self, approval_id: str, by: str) -> dict[str, Any]:
+    async def _share_grant(self, target: Target, ttl: object, by: str, approval: str) -> None:
+        if (shared := self.shared()) is not None:
+            until = None if ttl is None else time.time() + float(ttl)  # type: ignore[arg-type]
+            await shared.add_grant(target.sandbox, target.host, target.port, until, by, approval)
+
+    async def _approve_elsewhere(
+        self, shared: SharedApprovals, approval_id: str, scope: object, ttl: object, by: str
+    ) -> dict[str, Any]:
+        """An answer to a request another replica of the fleet holds: written for it, its release awaited."""
+        held = await shared.entry(approval_id)
+        if held is None:
+            raise ApprovalError(404, "not_found", f"no pending approval {approval_id!r} (answered, or timed out)")
+        target = Target(held["sandbox"], held["host"], held["port"])
+        if scope == "policy":
+            raise ApprovalError(
+                409, "held_elsewhere",
+                f"approval {approval_id} is held by another replica; --scope policy writes the policy file of the "
+                "replica that holds it: answer there, or give --scope once or sandbox",
+            )  # fmt: skip
+        if scope == "sandbox":
+            await self._share_grant(target, ttl, by, approval_id)
+        if not await shared.decide(approval_id, str(scope) if scope else None, by, ttl):  # type: ignore[arg-type]
+            raise ApprovalError(404, "not_found", f"no pending approval {approval_id!r} (answered, or timed out)")
+        released = await shared.released(approval_id, REMOTE_RELEASE_WAIT)
+        answer: dict[str, Any] = {"id": approval_id, "target": str(target), "released": released}
+        if scope is not None:
+            answer["scope"] = scope
+        if scope == "sandbox":
+            answer["ttl"] = ttl
+        return answer
+
+    async def deny(self, approval_id: str, by: str) -> dict[str, Any]:
+        if self.table.get(approval_id) is None and (shared := self.shared()) is not None:
+            return await self._approve_elsewhere(shared, approval_id, None, None, by)
         entry = self._entry(approval_id)
         self.table.pop(approval_id)
         self._settle(entry, Ruling(None, by, entry.id))
+        await self._shared_writes()
         return {"id": entry.id, "target": str(entry.target), "released": entry.waiting}
+
+    async def _shared_writes(self) -> None:
+        """An answer given here is out of the fleet's list before the person is told it is done."""
+        await asyncio.gather(*self._tasks, return_exceptions=True)
 
     def _entry(self, approval_id: str) -> Pending:
         entry = self.table.get(approval_id)
@@ -205,8 +319,11 @@ class Approvals:
             timer.cancel()
         for future in self._futures.values():
             future.cancel()
+        for task in [*self._following.values(), *self._tasks]:
+            task.cancel()
         self._timers.clear()
         self._futures.clear()
+        self._following.clear()
         if self.webhook is not None:
             await self.webhook.close()
 
@@ -215,6 +332,17 @@ def _new_id() -> str:
     """Unguessable (96 bits): whoever can list the pending approvals can answer them, nobody else can name one. Hex,
     so that an id never starts with '-' (a command line would read it as an option)."""
     return secrets.token_hex(12)
+
+
+def _remote(held: dict[str, Any]) -> dict[str, Any]:
+    """A request another replica holds, as the admin listener lists it (how many wait there is its own)."""
+    target = Target(held["sandbox"], held["host"], held["port"])
+    return {
+        "id": held["id"], "sandbox": target.sandbox, "profile": held["profile"], "kind": held["kind"],
+        "host": target.host, "port": target.port, "target": str(target), "client": held["client"],
+        "asked_at": round(held["asked_at"], 3), "expires_at": round(held["expires_at"], 3), "waiting": 0,
+        "held_by": f"replica {held['replica']}",
+    }  # fmt: skip
 
 
 def describe(entry: Pending, wall_offset: float) -> dict[str, Any]:

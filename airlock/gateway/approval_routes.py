@@ -43,7 +43,7 @@ def approval_routes(approvals: Approvals) -> list[web.RouteDef]:
         return reply({"error": e.code, "message": e.message}, e.status)
 
     async def listing(request: web.Request) -> web.Response:
-        return reply({"pending": approvals.pending()})
+        return reply({"pending": await approvals.pending()})
 
     async def approve(request: web.Request) -> web.Response:
         try:
@@ -62,7 +62,7 @@ def approval_routes(approvals: Approvals) -> list[web.RouteDef]:
 
     async def deny(request: web.Request) -> web.Response:
         try:
-            return reply(approvals.deny(request.match_info["id"], caller(request)))
+            return reply(await approvals.deny(request.match_info["id"], caller(request)))
         except ApprovalError as e:
             return refused(e)
 

@@ -1,5 +1,6 @@
-"""Running the broker inside the gateway: its state, its GitHub credential, and its sandbox-facing listener (its
-admin routes are mounted on the gateway's admin listener, airlock/gateway/admin.py)."""
+"""Running the broker: its state (`--store`), its keys (`--signing-key`), its GitHub credential and its
+sandbox-facing listener — inside the gateway (`BrokerRuntime`, its admin routes mounted on the gateway's admin
+listener, airlock/gateway/admin.py) or alone (`StandaloneBroker`, `airlock broker`)."""
 
 from __future__ import annotations
 
@@ -10,23 +11,23 @@ import logging
 import os
 import socket
 import ssl
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
 from aiohttp import web
 from aiohttp.abc import AbstractResolver
 
-from airlock.broker.calllog import CallLog
+from airlock.broker.calllog import CallLog, CallStore
 from airlock.broker.declared import DeclaredTools
 from airlock.broker.declared_runtime import Runtime
 from airlock.broker.github import AppCredential, Credential, GitHubClient, StaticCredential
 from airlock.broker.gitpush import GitTransport, Pusher, git_base_url
 from airlock.broker.service import Broker, BrokerSettings
 from airlock.broker.shapes import CREDENTIAL
-from airlock.broker.store import SqliteStore
-from airlock.broker.tokens import KeyRing, TokenAuthority
+from airlock.broker.store import BrokerStore, SqliteStore
+from airlock.broker.tokens import FileKeys, KeyRing, KeySet, TokenAuthority
 from airlock.broker.tool_schemas import TOOLS
 from airlock.dns.upstream import ResolveError, Resolver
 from airlock.gateway.broker_listener import HTTP_LOG, CappedConnections
@@ -38,11 +39,15 @@ from airlock.policy import (
     Policy,
     ReasonCode,
     Rejection,
+    SandboxRegistry,
     Vetted,
     canonical_host,
     parse_ip_literal,
     vet,
 )
+
+if TYPE_CHECKING:
+    from airlock.gateway.approval_desk import SharedApprovals
 
 log = logging.getLogger("airlock.broker")
 
@@ -110,91 +115,125 @@ class SharedResolver(AbstractResolver):
         return None
 
 
-class BrokerRuntime:
-    def __init__(
-        self,
-        config: BrokerConfig,
-        state_dir: Path,
-        live: LivePolicy,
-        resolver: Resolver,
-        emit: Any,
-        upstream_ca: str | None,
-        secrets: Mapping[str, str],
-    ) -> None:
+async def open_state(config: BrokerConfig, state_dir: Path) -> tuple[BrokerStore, CallStore]:
+    """The broker's state and its call log, where `--store` says: a SQLite file (the default: STATE_DIR's, and the
+    call log in a file of its own) or a PostgreSQL database (both in it). Off the event loop for SQLite: the proxy
+    and DNS may already serve, and a file may be locked."""
+    url = config.store or f"sqlite://{state_dir / 'broker.sqlite3'}"
+    scheme = url.partition("://")[0]
+    if scheme in ("postgresql", "postgres"):
+        from airlock.broker.pgstore import PostgresStore
+
+        store = await PostgresStore.open(url, read_password(config.store_password_file))
+        return store, store
+    if scheme != "sqlite" or not url.startswith("sqlite:///"):
+        raise BrokerConfigError(f"--store {url!r}: give sqlite:///PATH or postgresql://USER@HOST/DB")
+    sqlite = await asyncio.to_thread(SqliteStore, Path(url.removeprefix("sqlite://")))
+    call_log = await asyncio.to_thread(CallLog.in_directory, Path(config.call_log or state_dir / "calls"))
+    return sqlite, call_log
+
+
+def read_password(path: str | None) -> str | None:
+    """The database password from `--store-password-file` (its first line); None: libpq's own (PGPASSWORD,
+    PGPASSFILE, ~/.pgpass)."""
+    if path is None:
+        return None
+    try:
+        return Path(path).read_text().splitlines()[0]
+    except (OSError, ValueError, IndexError) as e:
+        raise BrokerConfigError(f"--store-password-file {path}: {getattr(e, 'strerror', None) or 'empty'}") from None
+
+
+def signing_keys(config: BrokerConfig, state_dir: Path) -> KeySet:
+    """`--signing-key` files (the same for every replica), else keys the broker makes in STATE_DIR/keys."""
+    if config.signing_keys:
+        return FileKeys([Path(p) for p in config.signing_keys], config.token_max_ttl, config.active_kid)
+    return KeyRing(state_dir / "keys", config.token_max_ttl)
+
+
+class BrokerServer:
+    """A broker with its state, keys, GitHub client and sandbox-facing listener; how it names sandboxes and whether
+    it serves declared tools is its kind's (`BrokerRuntime` in a gateway, `StandaloneBroker` alone)."""
+
+    def __init__(self, config: BrokerConfig, state_dir: Path, emit: Any, upstream_ca: str | None) -> None:
         self.config = config
-        self.secrets = secrets  # the --secret values, read once by the gateway
         self.state_dir = state_dir
-        self.live = live  # the broker names sandboxes by the live policy's registry, as the proxy and DNS do
-        self.resolver = resolver
         self.emit = emit
         self.upstream_ca = upstream_ca
         self.broker: Broker | None = None
-        self.declared: DeclaredTools | None = None
         self._runners: list[web.AppRunner] = []
         self._servers: list[asyncio.Server] = []
         self._session: aiohttp.ClientSession | None = None
 
+    def declared_tools(self) -> DeclaredTools | None:
+        return None
+
+    def shared_approvals(self) -> SharedApprovals | None:
+        """What gateways sharing this broker's store share of their approvals (a fleet's PostgreSQL store), once
+        the store is open; None: the approvals are this gateway's own."""
+        return self.broker.store.approvals if self.broker is not None else None
+
+    def identify(self) -> Callable[[str], str | None] | None:
+        """Client address → sandbox id; None: the broker binds tokens by their own networks."""
+        return None
+
+    def served(self) -> Callable[[], list[str]] | None:
+        return None
+
+    def resolver(self) -> SharedResolver | None:
+        """How the GitHub client and git resolve names; None: the system's."""
+        return None
+
     async def start(self, listen: str) -> Broker:
         config = self.config
         # Before anything is opened: a tool this broker cannot serve (a secret it was not given) stops the start.
-        runtime = Runtime(self.secrets, SharedResolver(self.resolver).ip_addresses, self.vet, self.upstream_ca)
-        self.declared = DeclaredTools(lambda: self.live.current.policy, runtime, TOOLS)
-        if problems := self.declared.problems(self.live.current.policy):
-            raise BrokerConfigError("\n".join(problems))
-        keys = KeyRing(self.state_dir / "keys", config.token_max_ttl)
-        # Off the event loop, as every later store call: the proxy and DNS already serve, and the file may be locked.
-        store = await asyncio.to_thread(SqliteStore, self.state_dir / "broker.sqlite3")
-        call_log = await asyncio.to_thread(CallLog.in_directory, Path(config.call_log or self.state_dir / "calls"))
-        github_credential = credential(config)
-        github = pusher = None
-        if github_credential is not None:
-            context = ssl.create_default_context(cafile=self.upstream_ca)
-            resolver = SharedResolver(self.resolver)
-            connector = aiohttp.TCPConnector(resolver=resolver, ssl=context)
-            self._session = aiohttp.ClientSession(connector=connector)
-            github = GitHubClient(config.github_api, github_credential, self._session, config.github_timeout)
-            transport = GitTransport(
-                config.github_git or git_base_url(config.github_api), self.upstream_ca, resolver.addresses
-            )
-            try:
-                pusher = Pusher(github, transport, workdir=self.state_dir / "push")
-            except FileNotFoundError as e:
-                log.warning("%s: push_branch answers 503", e)
-
-        def identify(client: str) -> str | None:
-            sandbox = self.live.current.registry.identify(client) if client else None
-            return sandbox.id if sandbox else None
-
+        declared = self.declared_tools()
+        keys = signing_keys(config, self.state_dir)
+        store, call_log = await open_state(config, self.state_dir)
+        try:
+            github, pusher = self._github()
+        except BaseException:
+            await store.close()
+            await call_log.close()
+            raise
         settings = BrokerSettings(calls_per_minute=config.calls_per_minute)
-        authority = TokenAuthority(keys, config.token_ttl, broker_url(listen, config.port))
-        served = lambda: self.live.current.registry.ids()  # noqa: E731 - read at each call: a reload may add some
+        authority = TokenAuthority(keys, config.token_ttl, config.audience or broker_url(listen, config.port))
         self.broker = Broker(
             authority,
             store,
-            identify,
+            self.identify(),
             github,
             self.emit,
             settings,
             pusher,
-            serves=served,
+            serves=self.served(),
             call_log=call_log,
-            declared=self.declared,
+            declared=declared,
         )
         await self._serve(self.broker.sandbox_app(), listen, config.port, config.max_connections_per_client)
         return self.broker
 
-    def problems(self, policy: Policy) -> list[str]:
-        """Why this broker could not serve `policy`'s declared tools (a reload to it is refused)."""
-        return self.declared.problems(policy) if self.declared is not None else []
-
-    def vet(self, sandbox_id: str, addresses: Sequence[IPAddress], port: int) -> Vetted:
-        """A declared tool's upstream addresses judged as the proxy judges any upstream of this sandbox."""
-        live = self.live.current
-        sandbox = next((s for s in live.registry.sandboxes if s.id == sandbox_id), None)
-        if sandbox is None:  # its token was bound to a sandbox the gateway no longer serves
-            refused = tuple(Rejection(a, ReasonCode.UNKNOWN_SANDBOX, "no such sandbox") for a in addresses)
-            return Vetted((), refused)
-        return vet(live.profile(sandbox), addresses, port, live.own.among(addresses))
+    def _github(self) -> tuple[GitHubClient | None, Pusher | None]:
+        config = self.config
+        github_credential = credential(config)
+        if github_credential is None:
+            return None, None
+        context = ssl.create_default_context(cafile=self.upstream_ca)
+        resolver = self.resolver()
+        connector = (
+            aiohttp.TCPConnector(resolver=resolver, ssl=context) if resolver else aiohttp.TCPConnector(ssl=context)
+        )
+        self._session = aiohttp.ClientSession(connector=connector)
+        github = GitHubClient(config.github_api, github_credential, self._session, config.github_timeout)
+        transport = GitTransport(
+            config.github_git or git_base_url(config.github_api), self.upstream_ca,
+            resolver.addresses if resolver else None,
+        )  # fmt: skip
+        try:
+            return github, Pusher(github, transport, workdir=self.state_dir / "push")
+        except FileNotFoundError as e:
+            log.warning("%s: push_branch answers 503", e)
+            return github, None
 
     async def _serve(self, app: web.Application, host: str, port: int, per_client: int | None = None) -> None:
         runner = web.AppRunner(app, access_log=None, logger=HTTP_LOG)
@@ -222,12 +261,90 @@ class BrokerRuntime:
         self._servers.clear()
         if self._session is not None:
             await self._session.close()
-        if self.broker is not None:
-            await asyncio.to_thread(self._close_state, self.broker)
+        if self.broker is not None:  # after the listeners: no call is left to need the state
+            await self.broker.store.close()
+            if self.broker.calls is not None:
+                await self.broker.calls.log.close()
 
-    @staticmethod
-    def _close_state(broker: Broker) -> None:
-        broker.close()  # waits for a store call still running (a write waiting for a lock, at most its timeout)
-        broker.store.close()  # type: ignore[attr-defined]
-        if broker.calls is not None:
-            broker.calls.log.close()
+
+class BrokerRuntime(BrokerServer):
+    """The broker inside a gateway: sandboxes named by the live policy's registry, as the proxy and DNS name them,
+    names resolved by the gateway's resolver, and the policy's declared tools served."""
+
+    def __init__(
+        self,
+        config: BrokerConfig,
+        state_dir: Path,
+        live: LivePolicy,
+        resolver: Resolver,
+        emit: Any,
+        upstream_ca: str | None,
+        secrets: Mapping[str, str],
+    ) -> None:
+        super().__init__(config, state_dir, emit, upstream_ca)
+        self.secrets = secrets  # the --secret values, read once by the gateway
+        self.live = live
+        self.dns = resolver
+        self.declared: DeclaredTools | None = None
+
+    def declared_tools(self) -> DeclaredTools:
+        runtime = Runtime(self.secrets, SharedResolver(self.dns).ip_addresses, self.vet, self.upstream_ca)
+        self.declared = DeclaredTools(lambda: self.live.current.policy, runtime, TOOLS)
+        if problems := self.declared.problems(self.live.current.policy):
+            raise BrokerConfigError("\n".join(problems))
+        return self.declared
+
+    def identify(self) -> Callable[[str], str | None]:
+        def identify(client: str) -> str | None:
+            sandbox = self.live.current.registry.identify(client) if client else None
+            return sandbox.id if sandbox else None
+
+        return identify
+
+    def served(self) -> Callable[[], list[str]]:
+        return lambda: self.live.current.registry.ids()  # read at each call: a reload may add some
+
+    def resolver(self) -> SharedResolver:
+        return SharedResolver(self.dns)
+
+    def problems(self, policy: Policy) -> list[str]:
+        """Why this broker could not serve `policy`'s declared tools (a reload to it is refused)."""
+        return self.declared.problems(policy) if self.declared is not None else []
+
+    def vet(self, sandbox_id: str, addresses: Sequence[IPAddress], port: int) -> Vetted:
+        """A declared tool's upstream addresses judged as the proxy judges any upstream of this sandbox."""
+        live = self.live.current
+        sandbox = next((s for s in live.registry.sandboxes if s.id == sandbox_id), None)
+        if sandbox is None:  # its token was bound to a sandbox the gateway no longer serves
+            refused = tuple(Rejection(a, ReasonCode.UNKNOWN_SANDBOX, "no such sandbox") for a in addresses)
+            return Vetted((), refused)
+        return vet(live.profile(sandbox), addresses, port, live.own.among(addresses))
+
+
+class StandaloneBroker(BrokerServer):
+    """`airlock broker`: the broker alone, no proxy, no DNS. With `registry` (`--sandbox ID=CIDR`) it names sandboxes
+    by their network as a gateway does; without, it takes only tokens bound to a source network (`src`), the
+    binding of pods on a cluster network whose addresses no registry here knows in advance. Declared tools are a
+    gateway's: they are judged with a sandbox's profile, which belongs to the gateway that fences it."""
+
+    def __init__(
+        self, config: BrokerConfig, state_dir: Path, emit: Any, upstream_ca: str | None,
+        registry: SandboxRegistry | None = None,
+    ) -> None:  # fmt: skip
+        super().__init__(config, state_dir, emit, upstream_ca)
+        self.registry = registry
+
+    def identify(self) -> Callable[[str], str | None] | None:
+        registry = self.registry
+        if registry is None:
+            return None
+
+        def identify(client: str) -> str | None:
+            sandbox = registry.identify(client) if client else None
+            return sandbox.id if sandbox else None
+
+        return identify
+
+    def served(self) -> Callable[[], list[str]] | None:
+        registry = self.registry
+        return None if registry is None else registry.ids

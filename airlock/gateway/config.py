@@ -54,6 +54,11 @@ class BrokerConfig:
     calls_per_minute: int = 30
     max_connections_per_client: int = 32  # open connections to the sandbox-facing listener per source address
     secrets: list[SecretSource] = field(default_factory=list)  # what declared tools may name (policy tools:)
+    store: str | None = None  # sqlite:///PATH or postgresql://…; None: STATE_DIR/broker.sqlite3
+    store_password_file: str | None = None  # the database's password; None: libpq's (PGPASSWORD, PGPASSFILE)
+    signing_keys: list[str] = field(default_factory=list)  # Ed25519 PEM files; none: keys made in STATE_DIR/keys
+    active_kid: str | None = None  # which of them signs; None: the first
+    audience: str | None = None  # the URL its clients reach it at (every replica's the same); None: from its listener
 
 
 @dataclass

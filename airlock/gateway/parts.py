@@ -76,11 +76,11 @@ class GatewayParts:
     live: LivePolicy  # policy, registry and own addresses, swapped whole
     auditing: GatewayAudit  # what proxy, DNS and broker write their audit lines with (`emit`)
     admin: AdminApp
+    broker: BrokerRuntime | None  # before the approvals: a fleet's store shares them
     approvals: Approvals
     inspector: Inspector
     answered: AnsweredAddresses  # what the DNS answered each sandbox: names for connections without one
     dns: DnsServer | None
-    broker: BrokerRuntime | None
     proxy: ProxyRuntime
 
 
@@ -115,7 +115,13 @@ def build_parts(config: GatewayConfig, put_approved: Callable[[Policy], None]) -
     # The admin listener: routes are made once aiohttp is in (others: `gateway.admin.add_routes(...)`).
     admin = AdminApp(config.admin or str(state.path / "admin.sock"))
     writer = PolicyWriter(config.policy_path, put_approved) if config.policy_path else None
-    approvals = Approvals(auditing.emit, config.approval_webhook, writer, admin=admin_address(admin.endpoint))
+    # Before the desk: gateways on one PostgreSQL store share their approvals through it (opened when the broker
+    # starts, so the desk asks for them each time).
+    broker = _broker(config, state.path, live, resolver, auditing, secrets)
+    approvals = Approvals(
+        auditing.emit, config.approval_webhook, writer, admin=admin_address(admin.endpoint),
+        shared=broker.shared_approvals if broker is not None else lambda: None,
+    )  # fmt: skip
     inspector = Inspector(state.path, secrets)
     answered = AnsweredAddresses()
     dns = None
@@ -124,14 +130,13 @@ def build_parts(config: GatewayConfig, put_approved: Callable[[Policy], None]) -
         dns = DnsServer(
             live, resolver, auditing.emit, dns_settings, config.listen, config.dns_port, answered, approvals
         )
-    broker = _broker(config, state.path, live, resolver, auditing, secrets)
     providers = ProxyProviders(
         live, resolver, auditing.emit, lambda: audit.failure, metrics, approvals, inspector, answered
     )  # fmt: skip
     proxy = ProxyRuntime(config, caps, state.path, providers)
     return GatewayParts(
-        secrets, caps, metrics, resolver, audit, notices, state, own, live, auditing, admin, approvals, inspector,
-        answered, dns, broker, proxy,
+        secrets, caps, metrics, resolver, audit, notices, state, own, live, auditing, admin, broker, approvals,
+        inspector, answered, dns, proxy,
     )  # fmt: skip
 
 

@@ -112,13 +112,17 @@ class ControlledFake:
         self.control = workdir / f"{self.name}.sock"  # unix sockets are path-based, so they cross network namespaces
         return self.control
 
-    def _launch(self, topology: Topology, argv: list[Any], timeout: float) -> None:
-        """Start the script with `argv` after the common flags, wait for its READY, ping it."""
+    def _launch(self, topology: Topology | None, argv: list[Any], timeout: float) -> None:
+        """Start the script with `argv` after the common flags (in the topology's `net` namespace, or without one
+        here, on loopback), wait for its READY, ping it."""
         assert self.workdir is not None and self.control is not None, "call _prepare first"
         workdir = self.workdir
         argv = [sys.executable, self.script, "--control", self.control, "--cert", self.cert, "--key", self.key, *argv]
         with (workdir / "stdout.log").open("wb") as out, (workdir / "stderr.log").open("wb") as err:
-            self.proc = topology.popen(topology.net, argv, stdout=out, stderr=err, stdin=subprocess.DEVNULL)
+            if topology is None:
+                self.proc = subprocess.Popen(argv, stdout=out, stderr=err, stdin=subprocess.DEVNULL)
+            else:
+                self.proc = topology.popen(topology.net, argv, stdout=out, stderr=err, stdin=subprocess.DEVNULL)
         deadline = time.monotonic() + timeout
         while b"READY" not in (workdir / "stdout.log").read_bytes():
             if self.proc.poll() is not None or time.monotonic() > deadline:

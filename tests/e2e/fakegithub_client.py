@@ -74,13 +74,19 @@ class FakeGitHub(ControlledFake):
 
     def start(
         self,
-        topology: Topology,
+        topology: Topology | None,
         workdir: Path,
         app_id: int,
         app_public_key_pem: str | bytes,
         installation_id: int,
         timeout: float = 20,
+        listen: tuple[str, int] | None = None,
     ) -> Self:
+        """In the topology's `net` namespace on 192.0.2.20:443, or (topology None) here, on `listen`: then
+        `api_url` is https://ADDRESS:PORT."""
+        if listen is not None:
+            self.ip, self.port = listen
+            self.api_url = f"https://{self.ip}:{self.port}"
         self._prepare(workdir)
         self.app_id, self.installation_id = app_id, installation_id
         public_key = workdir / "app.public.pem"

@@ -15,7 +15,7 @@ import subprocess
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +29,7 @@ from airlock.broker.tokens import KeyRing
 from fakegithub_client import FakeGitHub
 from gateway_proc import AIRLOCK, E2E_POLICY, PROXY, GatewayProcess
 from netclient import Reply, in_netns, proxy_http
+from pg import PostgresServer
 from topology import DNS_SERVER, GW_IP, Topology
 
 BROKER = (GW_IP, 8080)
@@ -471,13 +472,11 @@ def test_a_locked_broker_store_stalls_neither_proxy_nor_dns(
         locked = time.monotonic()
         caller = threading.Thread(target=broker_call)
         caller.start()
-        # The call has made its pull request upstream; recording it is what waits for the lock.
-        while not [c for c in fake_github.calls("/repos/acme/app/pulls", "POST") if c["body"]["head"] == head]:
-            assert time.monotonic() - locked < 2.5, "the broker never called GitHub"
-            time.sleep(0.05)
-        time.sleep(0.1)
+        # Claiming the call's idempotency key is what waits for the lock: GitHub is not asked before it is claimed.
+        time.sleep(0.5)
         dns_took, rcode, proxy_took, proxied = in_netns(topology.sbx, _dns_and_proxy)
         assert caller.is_alive()  # still waiting for the store
+        assert not [c for c in fake_github.calls("/repos/acme/app/pulls", "POST") if c["body"]["head"] == head]
         time.sleep(max(0.0, 3 - (time.monotonic() - locked)))
         db.execute("ROLLBACK")
         released = time.monotonic()
@@ -485,6 +484,36 @@ def test_a_locked_broker_store_stalls_neither_proxy_nor_dns(
     assert rcode == "NOERROR" and dns_took < 1, (rcode, dns_took)
     assert proxied.status == 200 and proxy_took < 1, (proxied, proxy_took)
     status, body, _ = outcome["reply"]
-    assert status == 201 and body["head"] == head, body  # it waited, then recorded and answered
+    assert status == 201 and body["head"] == head, body  # it waited, then claimed, made it and answered
     assert outcome["done"] >= released
     assert "Traceback" not in gateway.log()[logged:]
+
+
+@pytest.mark.postgres
+def test_a_gateway_on_postgresql_refuses_broker_calls_while_the_database_is_down_and_proxy_and_dns_serve(
+    topology: Topology,
+    own_gateway: Callable[..., GatewayProcess],
+    fake_github: FakeGitHub,
+    postgres_database: str,
+    postgres_server: PostgresServer,
+):
+    gw = own_gateway(extra=("--store", postgres_database))
+    token = issue_token(gw)
+    status, body, _ = sandbox_call(topology, token, {**PR, "head": "agent/pg-1"})
+    assert status == 201, body
+    postgres_server.stop("immediate")
+    try:
+        time.sleep(1.2)  # past the revocations' freshness
+        status, body, _ = sandbox_call(topology, token, {**PR, "head": "agent/pg-2"})
+        assert (status, body["error"]) == (503, "store_unavailable"), body
+        dns_took, rcode, proxy_took, proxied = in_netns(topology.sbx, _dns_and_proxy)
+        assert rcode == "NOERROR" and proxied.status == 200, (rcode, proxied)  # they need no store
+        assert dns_took < 1 and proxy_took < 1
+        assert not [c for c in fake_github.calls("/repos/acme/app/pulls", "POST") if c["body"]["head"] == "agent/pg-2"]
+    finally:
+        postgres_server.start_again()
+    deadline = time.monotonic() + 20
+    while (reply := sandbox_call(topology, token, {**PR, "head": "agent/pg-2"}))[0] == 503:
+        assert time.monotonic() < deadline, "the gateway's broker did not follow the database's return"
+        time.sleep(0.2)
+    assert reply[0] == 201, reply[1]

@@ -33,7 +33,8 @@ LEAF_DNS_NAMES = (
     "pkg.example",
     "api.model.example",
 )
-LEAF_IPS = ("192.0.2.10", "192.0.2.20", "198.51.100.10", "203.0.113.66", "10.1.2.3", "10.1.2.4")
+# 127.0.0.1: the fake GitHub of the fleet tests, which run it on loopback without a topology.
+LEAF_IPS = ("192.0.2.10", "192.0.2.20", "198.51.100.10", "203.0.113.66", "10.1.2.3", "10.1.2.4", "127.0.0.1")
 
 
 @dataclass(frozen=True)

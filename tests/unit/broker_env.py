@@ -340,7 +340,7 @@ class FlakyStore:
     def __getattr__(self, name: str) -> Any:
         if name in self.failing:
 
-            def fail(*args: Any, **kwargs: Any) -> Any:
+            async def fail(*args: Any, **kwargs: Any) -> Any:
                 raise StoreError(f"{name}: disk on fire")
 
             return fail
@@ -366,6 +366,7 @@ class Harness:
     call_log: CallLog
     seen: list[str] = field(default_factory=list)  # every response the sandbox or admin saw, headers included
     static_secret: str | None = None
+    database: str | None = None  # the PostgreSQL store's URL; None: SQLite, in `state`
 
     async def _reply(self, response: aiohttp.ClientResponse) -> Reply:
         text = await response.text()
@@ -425,16 +426,44 @@ class Harness:
         values = [*self.github.tokens_issued, *(token for _, _, token in self.github.app_jwts)]
         return values + ([self.static_secret] if self.static_secret else [])
 
-    def brokered_calls(self) -> list[dict[str, Any]]:
+    async def move_sandbox_revocations_back(self, seconds: int) -> None:
+        """Every sandbox revocation made `seconds` earlier than it was (and read again by the store)."""
+        if self.database is None:
+            self.sql(f"UPDATE revoked_sandbox SET revoked_at = revoked_at - {seconds}")
+            return
+        # The replicas' copies hold every row they read: a revocation is changed by a new one, earlier.
+        self.sql(f"INSERT INTO revocation (sandbox, revoked_at) SELECT sandbox, revoked_at - {seconds} FROM "
+                 "revocation WHERE sandbox IS NOT NULL")  # fmt: skip
+        self.sql("DELETE FROM revocation r WHERE sandbox IS NOT NULL AND revoked_at > (SELECT min(revoked_at) FROM "
+                 "revocation WHERE sandbox = r.sandbox)")  # fmt: skip
+        store = self.store.inner
+        async with store._syncing, store.pool.connection() as conn:  # no read of the replica's own under way
+            store._revocations.sandboxes.clear()
+            store._revocations.seq = 0
+            await store._sync(conn)
+
+    async def brokered_calls(self) -> list[dict[str, Any]]:
         """The call log's rows, as `airlock tools log --json` prints them."""
-        return [c.to_json() for c in self.call_log.calls()]
+        return [c.to_json() for c in await self.call_log.calls()]
 
     def idempotency_records(self) -> list[str]:
-        with contextlib.closing(sqlite3.connect(self.state / "broker.sqlite3")) as db:
-            return [row[0] for row in db.execute("SELECT body FROM idempotency")]
+        """The recorded outcomes, as their text in the store."""
+        return self.sql("SELECT body::text FROM idempotency WHERE body IS NOT NULL")
 
-    def assert_no_secrets(self) -> None:
-        haystacks = self.seen + [r.to_json() for r in self.audit] + [json.dumps(c) for c in self.brokered_calls()]
+    def sql(self, statement: str) -> list[Any]:
+        """The first column of what `statement` reads (or changes) in the broker's store, whichever it is."""
+        if self.database is not None:
+            import psycopg
+
+            with psycopg.connect(self.database, autocommit=True) as db:
+                cursor = db.execute(statement)  # type: ignore[arg-type]
+                return [row[0] for row in cursor.fetchall()] if cursor.description else []
+        with contextlib.closing(sqlite3.connect(self.state / "broker.sqlite3")) as db, db:
+            return [row[0] for row in db.execute(statement.replace("::text", ""))]
+
+    async def assert_no_secrets(self) -> None:
+        calls = await self.brokered_calls()
+        haystacks = self.seen + [r.to_json() for r in self.audit] + [json.dumps(c) for c in calls]
         haystacks += self.idempotency_records()
         secrets = self.secrets()
         assert secrets, "the test should have exercised a credential"
@@ -473,8 +502,15 @@ def identify_as(sandbox: str | None) -> Callable[[str], str | None]:
 
 
 @pytest.fixture
+def broker_database() -> str | None:
+    """The PostgreSQL database the harness's brokers keep their state in; None: a SQLite file each (the default;
+    broker/test_service.py runs its suite on both)."""
+    return None
+
+
+@pytest.fixture
 async def make(
-    tmp_path: Path, app_key: rsa.RSAPrivateKey, credentials: dict[str, Credential]
+    tmp_path: Path, app_key: rsa.RSAPrivateKey, credentials: dict[str, Credential], broker_database: str | None
 ) -> AsyncIterator[Factory]:
     """Builds a running broker (sandbox + admin apps on 127.0.0.1) in front of a fake GitHub on 127.0.0.1."""
     async with contextlib.AsyncExitStack() as stack:
@@ -502,14 +538,20 @@ async def make(
                 chosen = credentials[credential] if isinstance(credential, str) else credential
                 github = GitHubClient(api or fake.base_url, chosen, session, timeout=timeout)
             identify = identify or identify_as(SANDBOX)
-            inner = SqliteStore(state / "broker.sqlite3", busy_timeout)
-            stack.callback(inner.close)
+            inner: Any
+            if broker_database is None:
+                inner = SqliteStore(state / "broker.sqlite3", busy_timeout)
+                call_log: Any = CallLog.in_directory(state / "calls")
+                stack.push_async_callback(call_log.close)
+            else:
+                from airlock.broker.pgstore import PostgresStore
+
+                inner = call_log = await PostgresStore.open(broker_database)
+            stack.push_async_callback(inner.close)
             store = FlakyStore(inner)
             audit: list[AuditRecord] = []
             authority = TokenAuthority(KeyRing(state / "keys", 3600), default_ttl=600)
             served = None if serves is None else lambda: serves
-            call_log = CallLog.in_directory(state / "calls")
-            stack.callback(call_log.close)
             broker = Broker(
                 authority,
                 store,
@@ -520,13 +562,15 @@ async def make(
                 serves=served,
                 call_log=call_log,  # type: ignore[arg-type]
             )
-            stack.callback(broker.close)  # after the apps below have closed, before the store does
             sandbox = TestClient(TestServer(broker.sandbox_app(), host=LOOPBACK))
             admin = TestClient(TestServer(broker.admin_app(), host=LOOPBACK))
             for client in (sandbox, admin):
                 await client.start_server()
                 stack.push_async_callback(client.close)
             static = STATIC_SECRET if credential == "static" else None
-            return Harness(broker, sandbox, admin, fake, store, state, audit, call_log, static_secret=static)
+            return Harness(
+                broker, sandbox, admin, fake, store, state, audit, call_log, static_secret=static,
+                database=broker_database,
+            )  # fmt: skip
 
         yield factory

@@ -392,7 +392,7 @@ async def _approve(desk: Approvals, held: str) -> None:
 
 
 async def _deny(desk: Approvals, held: str) -> None:
-    desk.deny(held, "tester")
+    await desk.deny(held, "tester")
 
 
 async def _no_answer(desk: Approvals, held: str) -> None:

@@ -179,12 +179,11 @@ async def make(tmp_path: Path, test_ca: TestCA) -> AsyncIterator[Factory]:
             runtime = Runtime(given, resolve, vetting)
             declared = DeclaredTools(lambda: holder["policy"], runtime, TOOLS)
             store = SqliteStore(tmp_path / "broker.sqlite3")
-            stack.callback(store.close)
+            stack.push_async_callback(store.close)
             audit: list[AuditRecord] = []
             authority = TokenAuthority(KeyRing(tmp_path / "keys", 3600), 600)
             identify = lambda client: SANDBOX if client == LOOPBACK else None  # noqa: E731
             broker = Broker(authority, store, identify, None, audit.append, declared=declared)
-            stack.callback(broker.close)
             client = TestClient(TestServer(broker.sandbox_app(), host=LOOPBACK))
             await client.start_server()
             stack.push_async_callback(client.close)

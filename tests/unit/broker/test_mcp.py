@@ -138,7 +138,7 @@ async def test_the_sdk_client_lists_the_granted_tools_and_opens_a_pull_request(
         ("create_pull_request", "deny", "outside_grant", 403),
     ]  # fmt: skip
     assert {r.path for r in h.audit} == {"/mcp"}
-    h.assert_no_secrets()
+    await h.assert_no_secrets()
 
 
 # --- methods ----------------------------------------------------------------------------------------------------
@@ -285,7 +285,7 @@ async def test_credentials_echoed_by_upstream_are_redacted_in_results_and_errors
     h.github.mode = mode
     tool_result(await post(h, token, call("create_pull_request", FIELDS | {"head": "agent/echo"})))
     assert "[redacted]" in h.seen[-2]
-    h.assert_no_secrets()
+    await h.assert_no_secrets()
 
 
 # --- protocol errors --------------------------------------------------------------------------------------------

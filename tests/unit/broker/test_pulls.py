@@ -91,7 +91,7 @@ async def test_get_pull_request_reports_state_head_and_checks(make: Factory, cre
     assert (record.method, record.decision, record.host, record.extra["number"]) == (
         "get_pull_request", "allow", "acme/app", 1,
     )  # fmt: skip
-    h.assert_no_secrets()
+    await h.assert_no_secrets()
     h.assert_github_happy()
 
 
@@ -118,7 +118,7 @@ async def test_comment_on_its_own_pull_request(make: Factory, credential: str) -
         assert h.github.count("POST", "/access_tokens") == 1
     record = h.audit[-1]
     assert (record.method, record.reason, record.extra["comment_id"]) == ("comment_on_pull_request", "commented", 9000)
-    h.assert_no_secrets()
+    await h.assert_no_secrets()
     h.assert_github_happy()
 
 
@@ -292,7 +292,7 @@ async def test_credentials_echoed_by_github_are_redacted(make: Factory) -> None:
     reply = await call(h, GET, token, {"repo": "acme/app", "number": number})
     assert reply.status == 200, reply.body
     assert "[redacted]" in reply.body["state"] and all("[redacted]" in n for n in reply.body["checks"]["failing"])
-    h.assert_no_secrets()
+    await h.assert_no_secrets()
 
 
 async def test_an_unreadable_record_of_pull_requests_is_503(make: Factory) -> None:
@@ -301,7 +301,7 @@ async def test_an_unreadable_record_of_pull_requests_is_503(make: Factory) -> No
     number = await opened(h, token)
     h.store.failing.add("pull_request_creator")
     reply = await call(h, GET, token, {"repo": "acme/app", "number": number})
-    assert (reply.status, reply.body["error"]) == (503, "state_unavailable")
+    assert (reply.status, reply.body["error"]) == (503, "store_unavailable")
     assert reached(h, f"/pulls/{number}") == 0
 
 

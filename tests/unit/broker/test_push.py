@@ -105,13 +105,13 @@ class World:
         out = git("for-each-ref", "--format=%(refname) %(objectname)", cwd=self.remote)
         return dict(line.split(" ", 1) for line in out.splitlines())
 
-    def stored_calls(self) -> list[dict[str, Any]]:
+    async def stored_calls(self) -> list[dict[str, Any]]:
         """The call log's rows."""
         log = CallLog(self.state / "calls" / FILE_NAME)
         try:
-            return [c.to_json() for c in log.calls()]
+            return [c.to_json() for c in await log.calls()]
         finally:
-            log.close()
+            await log.close()
 
 
 Factory = Callable[..., Awaitable[World]]
@@ -145,14 +145,13 @@ async def world(tmp_path: Path) -> AsyncIterator[Factory]:
             transport = GitTransport(base_url or root.as_uri(), protocols=("file", "http"))
             pusher = Pusher(github, transport, limits, workdir=tmp_path / "push")
             store = SqliteStore(tmp_path / "state" / "broker.sqlite3")
-            stack.callback(store.close)
+            stack.push_async_callback(store.close)
             audit: list[AuditRecord] = []
             authority = TokenAuthority(KeyRing(tmp_path / "state" / "keys", 3600), default_ttl=600)
             identify = lambda client: SANDBOX if client == LOOPBACK else None  # noqa: E731
             call_log = CallLog.in_directory(tmp_path / "state" / "calls")
-            stack.callback(call_log.close)
+            stack.push_async_callback(call_log.close)
             broker = Broker(authority, store, identify, github, audit.append, None, pusher, call_log=call_log)
-            stack.callback(broker.close)
             client = TestClient(TestServer(broker.sandbox_app(), host=LOOPBACK))
             await client.start_server()
             stack.push_async_callback(client.close)
@@ -183,7 +182,7 @@ async def test_pushes_a_new_branch_with_exactly_the_bundles_commits(world: Facto
     assert record.extra["bundle_bytes"] == len(bundle) and len(record.extra["bundle_sha256"]) == 64
     assert (record.extra["sha"], record.extra["ref"], record.extra["status"]) == (tip, "refs/heads/agent/x", 200)
     assert record.duration_ms is not None and record.duration_ms > 0
-    (call,) = w.stored_calls()
+    (call,) = await w.stored_calls()
     # The bundle by hash and size, never its content; the input's other fields as they were.
     digest = {"sha256": record.extra["bundle_sha256"], "bytes": len(bundle)}
     assert call["input"] == {"repo": "acme/app", "branch": "agent/x", "bundle": digest}
@@ -506,7 +505,7 @@ async def test_what_git_says_is_redacted(world: Factory, unused_tcp_port: int) -
     assert (reply.status, reply.body["error"]) == (502, "upstream_error"), reply.body
     assert "denied for Basic [redacted]" in reply.body["message"]
     basic = base64.b64encode(f"x-access-token:{STATIC_SECRET}".encode()).decode()
-    for text in (json.dumps(reply.body), w.audit[-1].to_json(), *map(json.dumps, w.stored_calls())):
+    for text in (json.dumps(reply.body), w.audit[-1].to_json(), *map(json.dumps, (await w.stored_calls()))):
         assert STATIC_SECRET not in text and basic not in text
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import json
 import sqlite3
 import threading
@@ -21,7 +22,7 @@ import pytest
 from airlock.broker.bodies import MAX_REQUEST_BYTES
 from airlock.broker.github import AppCredential, Credential
 from airlock.broker.service import BrokerSettings
-from airlock.broker.store import StoreError
+from airlock.broker.store import Claimed, SqliteStore, StoreError
 from airlock.broker.tool_schemas import MAX_BODY, MAX_TITLE
 
 from broker_env import (
@@ -40,6 +41,17 @@ from broker_env import (
 )
 
 pytestmark = pytest.mark.tmpfs  # its stores (SQLite) on tmpfs: no fsync waits on a shared disk
+
+# What only a SQLite file does (a lock another connection holds, the store's own threads): those tests take no
+# PostgreSQL run.
+sqlite_only = pytest.mark.parametrize("broker_database", [None], ids=["sqlite"])
+
+
+@pytest.fixture(params=[None, pytest.param("postgresql", marks=pytest.mark.postgres)], ids=["sqlite", "postgresql"])
+def broker_database(request: pytest.FixtureRequest) -> str | None:
+    """Every test of the suite on both stores: a SQLite file of its own, and a fresh database of the test run's
+    PostgreSQL server."""
+    return None if request.param is None else str(request.getfixturevalue("postgres_database"))
 
 
 # --- creating pull requests -------------------------------------------------------------------------------------
@@ -68,10 +80,10 @@ async def test_creates_pull_request(make: Factory, credential: str) -> None:
     assert (record.decision, record.reason, record.code, record.extra["status"]) == ("allow", "created", "allowed", 201)
     assert record.extra["number"] == 1
     assert record.extra["head"] == "agent/fix-1" and record.extra["base"] == "main"
-    (call,) = h.brokered_calls()
+    (call,) = await h.brokered_calls()
     assert (call["tool"], call["sandbox"], call["status"], call["error"]) == ("create_pull_request", SANDBOX, 201, None)
     assert call["input"] == FIELDS | {"draft": True} and call["result"]["number"] == 1
-    h.assert_no_secrets()
+    await h.assert_no_secrets()
     h.assert_github_happy()
 
 
@@ -103,7 +115,7 @@ async def test_installation_token_is_cached(make: Factory) -> None:
     assert h.github.count("GET", "/installation") == 1
     assert h.github.pull_posts == 3
     assert {c["auth"] for c in h.github.calls if c["path"].endswith("/pulls")} == {f"token {h.github.tokens_issued[0]}"}
-    h.assert_no_secrets()
+    await h.assert_no_secrets()
 
 
 EXPIRIES = [
@@ -121,7 +133,7 @@ async def test_token_expiry_decides_caching(make: Factory, expires_at: Any, toke
         reply = await h.pr(token, {"head": head})
         assert reply.status == 201, reply.body
     assert h.github.count("POST", "/access_tokens") == token_calls
-    h.assert_no_secrets()
+    await h.assert_no_secrets()
 
 
 @pytest.mark.parametrize(
@@ -135,7 +147,7 @@ async def test_unreadable_token_expiry_is_502(make: Factory, expires_at: Any) ->
     assert "expires_at" in reply.body["message"]
     assert h.github.pull_posts == 0  # the token of a malformed answer is never used
     assert (h.audit[-1].decision, h.audit[-1].code, h.audit[-1].extra["status"]) == ("error", "upstream_invalid", 502)
-    h.assert_no_secrets()
+    await h.assert_no_secrets()
 
 
 async def test_installation_token_is_per_repository(make: Factory) -> None:
@@ -189,7 +201,7 @@ async def test_one_installation_token_however_the_repository_is_spelled(
     narrowings = [c["json"]["repositories"] for c in h.github.calls if c["path"].endswith("/access_tokens")]
     assert narrowings == [[granted.split("/")[1]]]
     assert {c["path"] for c in h.github.calls if c["path"].endswith("/pulls")} == {f"/repos/{granted}/pulls"}
-    h.assert_no_secrets()
+    await h.assert_no_secrets()
 
 
 async def test_installation_token_cache_ignores_case_also_when_a_token_is_rejected(make: Factory) -> None:
@@ -492,8 +504,7 @@ async def test_revoked_by_sandbox_is_401_for_tokens_issued_before(make: Factory)
         reply = await h.pr(revoked)
         assert reply.status == 401 and reply.body["error"] == "revoked_token"
     # A token minted after the revocation works (iat is whole seconds: move the revocation back instead of sleeping).
-    with contextlib.closing(sqlite3.connect(h.state / "broker.sqlite3")) as db, db:
-        db.execute("UPDATE revoked_sandbox SET revoked_at = revoked_at - 10")
+    await h.move_sandbox_revocations_back(10)
     assert (await h.pr(older)).status == 401
     assert (await h.pr(await h.token())).status == 201
     assert h.github.pull_posts == 1
@@ -771,9 +782,52 @@ ENDINGS = [
     pytest.param("create", {"title": "Other"}, "taken", None, 422, id="idempotency-conflict"),
     pytest.param("error", {}, "op-1", None, 502, id="upstream-error"),
     pytest.param("create", {"head": "agent/no-commits"}, "op-1", None, 422, id="upstream-validation"),
-    pytest.param("create", {}, "op-1", "idempotent_get", 503, id="idempotency-read-fails"),
-    pytest.param("create", {}, "op-1", "idempotent_put", 503, id="idempotency-write-fails"),
+    pytest.param("create", {}, "op-1", "claim", 503, id="idempotency-claim-fails"),
+    pytest.param("create", {}, "op-1", "settle", 503, id="idempotency-outcome-fails"),
 ]
+
+
+async def leave_a_claim(h: Harness, key: str, fields: dict[str, Any] | None = None) -> None:
+    """A claim of `key` left in the harness's store by a broker that died before it wrote the outcome."""
+    token = await h.token()
+    claims = h.broker.authority.verify(token)
+    request_hash = hashlib.sha256(json.dumps(["acme/app", _pr_fields(fields)], sort_keys=True).encode()).hexdigest()
+    dead = SqliteStore(h.state / "broker.sqlite3") if h.database is None else await open_postgres(h.database)
+    assert isinstance(await dead.claim(claims.sandbox, key, request_hash), Claimed)
+    await dead.close()
+
+
+async def open_postgres(url: str) -> Any:
+    from airlock.broker.pgstore import PostgresStore
+
+    return await PostgresStore.open(url)
+
+
+def _pr_fields(fields: dict[str, Any] | None) -> dict[str, Any]:
+    merged = FIELDS | (fields or {})
+    return {k: merged[k] for k in ("head", "base", "title", "body")} | {"draft": merged.get("draft", False)}
+
+
+async def test_a_claim_left_by_a_dead_broker_is_resolved_by_asking_github(make: Factory) -> None:
+    h = await make()
+    token = await h.token()
+    assert (await h.pr(token, key="op-0")).status == 201  # the pull request the dead broker's call made
+    h.github.calls.clear()
+    await leave_a_claim(h, "op-1")
+    reply = await h.pr(token, key="op-1")
+    assert reply.status == 201 and reply.body["number"] == 1, reply.body
+    assert h.github.pull_posts == 0 and h.github.count("GET", "/pulls") == 1  # looked, never created again
+    assert h.audit[-1].reason == "resolved an unfinished call"
+    again = await h.pr(token, key="op-1")
+    assert (again.status, again.body) == (201, reply.body)  # settled now: the outcome is replayed
+
+
+async def test_a_claim_left_by_a_dead_broker_acts_when_github_has_nothing(make: Factory) -> None:
+    h = await make()
+    await leave_a_claim(h, "op-1")
+    reply = await h.pr(await h.token(), key="op-1")
+    assert reply.status == 201 and reply.body["existing"] is False
+    assert h.github.count("GET", "/pulls") == 1 and h.github.pull_posts == 1 and len(h.github.pulls) == 1
 
 
 @pytest.mark.parametrize(("mode", "fields", "key", "failing", "status"), ENDINGS)
@@ -843,7 +897,7 @@ async def test_failed_authentications_are_limited_per_source(
     assert h.github.calls == []
     # Every call is audited; none reached a tool, so the call log has none.
     assert [r.extra["status"] for r in h.audit] == [status] * 3 + [429] * 3
-    assert h.brokered_calls() == []
+    assert (await h.brokered_calls()) == []
 
 
 async def test_flood_of_bad_tokens_is_cut_short_and_not_stored(make: Factory) -> None:
@@ -853,7 +907,7 @@ async def test_flood_of_bad_tokens_is_cut_short_and_not_stored(make: Factory) ->
     assert statuses[:20] == [401] * 20 and statuses[-1] == 429
     assert statuses.count(401) <= 22  # at most a refill or two while the flood lasts
     assert {r.body["error"] for r in replies if r.status == 429} == {"auth_rate_limited"}
-    assert len(h.audit) == 40 and h.brokered_calls() == []
+    assert len(h.audit) == 40 and (await h.brokered_calls()) == []
 
 
 async def test_valid_tokens_do_not_spend_the_failure_budget(make: Factory) -> None:
@@ -883,8 +937,8 @@ async def test_failed_authentication_budget_refills(make: Factory) -> None:
 
 STORE_FAILURES = [
     pytest.param("is_revoked", 0, id="revocation-list"),
-    pytest.param("idempotent_get", 0, id="idempotency-read"),
-    pytest.param("idempotent_put", 1, id="idempotency-write"),
+    pytest.param("claim", 0, id="idempotency-claim"),
+    pytest.param("settle", 1, id="idempotency-outcome"),
 ]
 
 
@@ -895,7 +949,7 @@ async def test_store_failure_is_503_never_success(make: Factory, operation: str,
     h.store.failing.add(operation)
     reply = await h.pr(token, key="op-1")
     assert reply.status == 503, reply.body
-    assert reply.body["error"] == "state_unavailable"
+    assert reply.body["error"] == "store_unavailable"
     assert h.github.pull_posts == upstream_calls
     assert h.audit[-1].decision == "error"
 
@@ -903,15 +957,15 @@ async def test_store_failure_is_503_never_success(make: Factory, operation: str,
 async def test_closed_store_is_503(make: Factory) -> None:
     h = await make()
     token = await h.token()
-    h.store.inner.close()
+    await h.store.inner.close()
     reply = await h.pr(token)
-    assert reply.status == 503 and reply.body["error"] == "state_unavailable"
+    assert reply.status == 503 and reply.body["error"] == "store_unavailable"
     assert h.github.calls == []
     assert len(h.audit) == 1  # still audited, though nothing could be looked up
 
 
 def break_call_log(h: Harness, monkeypatch: pytest.MonkeyPatch, operation: str) -> None:
-    def fail(*args: Any) -> Any:
+    async def fail(*args: Any) -> Any:
         raise StoreError(f"{operation}: disk on fire")
 
     monkeypatch.setattr(h.call_log, operation, fail)
@@ -924,9 +978,9 @@ async def test_a_call_that_cannot_be_logged_is_refused_before_it_acts(
     token = await h.token()
     break_call_log(h, monkeypatch, "begin")
     reply = await h.pr(token)
-    assert (reply.status, reply.body["error"]) == (503, "state_unavailable")
+    assert (reply.status, reply.body["error"]) == (503, "store_unavailable")
     assert h.github.calls == []  # nothing done that the log does not hold
-    assert (h.audit[-1].decision, h.audit[-1].code) == ("error", "state_unavailable")
+    assert (h.audit[-1].decision, h.audit[-1].code) == ("error", "store_unavailable")
 
 
 async def test_a_log_that_fails_after_the_tool_acted_does_not_undo_the_pull_request(
@@ -939,7 +993,7 @@ async def test_a_log_that_fails_after_the_tool_acted_does_not_undo_the_pull_requ
     reply = await h.pr(token)
     assert reply.status == 201
     assert h.audit[-1].decision == "allow"
-    (call,) = h.brokered_calls()
+    (call,) = await h.brokered_calls()
     assert call["status"] is None and call["input"]["head"] == "agent/fix-1"
     assert any("could not complete call" in r.getMessage() for r in caplog.records)
 
@@ -949,7 +1003,7 @@ async def test_admin_revocation_with_broken_store_is_503(make: Factory) -> None:
     h.store.failing.update({"revoke_token", "revoke_sandbox"})
     for body in ({"jti": "x"}, {"sandbox": SANDBOX}):
         reply = await h.admin_post("/v1/revocations", body)
-        assert reply.status == 503 and reply.body["error"] == "state_unavailable"
+        assert reply.status == 503 and reply.body["error"] == "store_unavailable"
 
 
 @contextlib.contextmanager
@@ -983,25 +1037,25 @@ class LoopWatch:
         return self.longest
 
 
+@sqlite_only
 async def test_a_locked_store_never_stalls_the_event_loop(make: Factory) -> None:
     h = await make()
     token = await h.token()
     with write_locked(h.state / "broker.sqlite3"):
         watch = LoopWatch()
         call = asyncio.create_task(h.pr(token, key="op-1"))
-        while h.github.pull_posts == 0 and not call.done():
-            await asyncio.sleep(0.01)
         # A store call that held the loop while it waited for the lock (up to its busy timeout, 5 s) would show as a
         # gap of seconds in the watch.
         await asyncio.sleep(0.3)
-        assert not call.done()  # it waits for the lock...
-        assert h.github.pull_posts == 1  # ...to record the pull request it made
+        assert not call.done()  # it waits for the lock, to claim its idempotency key...
+        assert h.github.pull_posts == 0  # ...before GitHub is asked anything
     reply = await call
     assert watch.stop() < 0.5  # the loop (the proxy's and DNS's too) ran all along
     assert reply.status == 201, reply.body
-    assert h.idempotency_records() and h.brokered_calls()
+    assert h.idempotency_records() and (await h.brokered_calls())
 
 
+@sqlite_only
 async def test_a_store_locked_longer_than_its_timeout_is_503(make: Factory, caplog: pytest.LogCaptureFixture) -> None:
     h = await make(busy_timeout=0.3)
     token = await h.token()
@@ -1010,27 +1064,26 @@ async def test_a_store_locked_longer_than_its_timeout_is_503(make: Factory, capl
         reply = await h.pr(token)
         revoked = await h.admin_post("/v1/revocations", {"jti": "some-jti"})
     assert watch.stop() < 0.2
-    assert (reply.status, reply.body["error"]) == (503, "state_unavailable"), reply.body
-    assert (revoked.status, revoked.body["error"]) == (503, "state_unavailable")
+    assert (reply.status, reply.body["error"]) == (503, "store_unavailable"), reply.body
+    assert (revoked.status, revoked.body["error"]) == (503, "store_unavailable")
     assert (h.audit[-1].decision, h.audit[-1].extra["status"]) == ("error", 503)
-    assert h.github.pull_posts == 1  # made upstream, but its result could not be recorded: refused, not claimed
+    assert h.github.pull_posts == 0  # its idempotency key could not be claimed: GitHub was never asked
     assert any("broker state unavailable" in r.getMessage() for r in caplog.records)
     assert_quiet_log(caplog)
 
 
+@sqlite_only
 async def test_store_calls_never_run_on_the_event_loop_thread(make: Factory, monkeypatch: pytest.MonkeyPatch) -> None:
     h = await make()
     loop_thread = threading.get_ident()
     threads: list[int] = []
-    for name in ("is_revoked", "idempotent_get", "idempotent_put", "revoke_token"):
-        method = getattr(h.store.inner, name)
-        h.store.wrapped[name] = lambda *a, _m=method, **k: threads.append(threading.get_ident()) or _m(*a, **k)
-    for name in ("begin", "finish"):
-        method = getattr(h.call_log, name)
-        monkeypatch.setattr(h.call_log, name, lambda *a, _m=method: threads.append(threading.get_ident()) or _m(*a))
+    for sqlite_file in (h.store.inner, h.call_log):  # every statement of either file goes through its `_run`
+        run = sqlite_file._run
+        monkeypatch.setattr(sqlite_file, "_run", lambda *a, _m=run: threads.append(threading.get_ident()) or _m(*a))
     assert (await h.pr(await h.token())).status == 201
     assert (await h.admin_post("/v1/revocations", {"jti": "j"})).status == 200
-    assert len(threads) == 6 and loop_thread not in threads
+    # issued, revoked?, claim, creator recorded, settled, call begun and ended, was issued?, revoked
+    assert len(threads) >= 9 and loop_thread not in threads
 
 
 # --- credentials never leave ------------------------------------------------------------------------------------
@@ -1048,7 +1101,7 @@ async def test_credential_echoed_by_upstream_is_redacted(make: Factory, credenti
     assert "[redacted]" in reply.body["message"]
     assert "[redacted]" in h.audit[-1].reason
     assert shape is None or {len(t) > 500 for t in h.github.tokens_issued} == {shape == "jwt"}
-    h.assert_no_secrets()
+    await h.assert_no_secrets()
 
 
 async def test_app_jwt_echoed_by_upstream_is_redacted(make: Factory) -> None:
@@ -1058,7 +1111,7 @@ async def test_app_jwt_echoed_by_upstream_is_redacted(make: Factory) -> None:
     assert reply.status == 502, reply.body
     assert h.github.app_jwts, "the App JWT was sent"
     assert "[redacted]" in reply.body["message"]
-    h.assert_no_secrets()
+    await h.assert_no_secrets()
 
 
 @pytest.mark.parametrize("credential", ["static", "app-lookup"])
@@ -1077,7 +1130,7 @@ async def test_no_credential_in_any_response_or_record(make: Factory, credential
         await h._reply(response)
     h.github.mode = "error"
     await h.pr(token, {"head": "agent/late"})
-    h.assert_no_secrets()
+    await h.assert_no_secrets()
     # Nor does the sandbox token itself appear in what is audited (only its jti).
     for record in h.audit:
         assert token not in record.to_json()
@@ -1099,7 +1152,7 @@ async def test_credentials_echoed_in_every_field_of_a_success_are_redacted(make:
         assert "[redacted]" in reply.headers["Location"] and reply.headers["Location"] == reply.body["url"]
     assert "[redacted]" in existing.body["url"] and "[redacted]" in existing.body["html_url"]
     assert h.idempotency_records() and all("[redacted]" in body for body in h.idempotency_records())
-    h.assert_no_secrets()
+    await h.assert_no_secrets()
 
 
 async def test_installation_tokens_replaced_after_a_401_stay_secret(make: Factory) -> None:
@@ -1117,7 +1170,7 @@ async def test_installation_tokens_replaced_after_a_401_stay_secret(make: Factor
     assert failed.status == 502 and "[redacted]" in failed.body["message"]
     for text in (json.dumps(reply.body), json.dumps(reply.headers), json.dumps(failed.body)):
         assert first not in text and h.github.tokens_issued[1] not in text
-    h.assert_no_secrets()
+    await h.assert_no_secrets()
 
 
 async def test_installation_tokens_replaced_at_refresh_stay_secret(make: Factory) -> None:
@@ -1129,7 +1182,7 @@ async def test_installation_tokens_replaced_at_refresh_stay_secret(make: Factory
     h.github.mode = "echo-everywhere"
     assert (await h.pr(token, {"head": "agent/echo"})).status == 201
     assert len(h.github.tokens_issued) == 4
-    h.assert_no_secrets()
+    await h.assert_no_secrets()
 
 
 async def test_every_request_is_audited_once(make: Factory) -> None:
@@ -1137,7 +1190,7 @@ async def test_every_request_is_audited_once(make: Factory) -> None:
     token = await h.token()
     replies = [await h.pr(token), await h.pr(None), await h.pr(token, {"repo": "acme/other"}), await h.pr(token)]
     assert len(h.audit) == len(replies)
-    assert len(h.brokered_calls()) == 3  # not the call without a token (see test_failed_authentications_…)
+    assert len(await h.brokered_calls()) == 3  # not the call without a token (see test_failed_authentications_…)
     assert [r.extra["status"] for r in h.audit] == [r.status for r in replies]
     assert [r.decision for r in h.audit] == ["allow", "deny", "deny", "allow"]
     jti = jwt.decode(token, options={"verify_signature": False})["jti"]
@@ -1272,7 +1325,7 @@ async def test_revoking_an_id_the_broker_never_issued_says_so_and_revokes_it_any
     h = await make(serves=[SANDBOX])
     reply = await h.admin_post("/v1/revocations", {"jti": "no-such-jti"})
     assert reply.status == 200 and reply.body == {"revoked": {"jti": "no-such-jti"}, "known": False}
-    assert h.store.is_revoked("no-such-jti", SANDBOX, int(time.time()))  # fail closed: it can never be used
+    assert await h.store.is_revoked("no-such-jti", SANDBOX, int(time.time()))  # fail closed: it can never be used
     reply = await h.admin_post("/v1/revocations", {"sandbox": "nobody-here"})
     assert reply.body == {"revoked": {"sandbox": "nobody-here"}, "known": False}
     reply = await h.admin_post("/v1/revocations", {"sandbox": SANDBOX})

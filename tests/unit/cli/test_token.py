@@ -49,8 +49,7 @@ def admin_listener(tmp_path: Path) -> Iterator[Path]:
         thread.join(10)
         loop.run_until_complete(runner.cleanup())
         loop.close()
-        broker.close()
-        store.close()
+        store.close_now()
 
 
 @pytest.mark.parametrize("where", [["--state-dir", "state"], ["--admin", "./state/admin.sock"]])

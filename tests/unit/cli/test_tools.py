@@ -18,7 +18,7 @@ from aiohttp.test_utils import TestServer
 from airlock.broker.calllog import CallLog
 
 # The broker harness and its fake GitHub (broker_env.py), shared with the broker's own tests.
-from broker_env import (  # noqa: F401 - app_key, credentials and make are fixtures
+from broker_env import (  # noqa: F401 - app_key, broker_database, credentials and make are fixtures
     FIELDS,
     LOOPBACK,
     SANDBOX,
@@ -27,6 +27,7 @@ from broker_env import (  # noqa: F401 - app_key, credentials and make are fixtu
     FakeGitHub,
     Harness,
     app_key,
+    broker_database,
     credentials,
     make,
 )
@@ -125,8 +126,8 @@ async def test_a_push_is_replayed_only_with_its_bundle(make: Factory, tmp_path: 
     digest = hashlib.sha256(bundle).hexdigest()
     kept = {"repo": "acme/app", "branch": "agent/x", "bundle": {"sha256": digest, "bytes": len(bundle)}}
     result = {"sha": "1" * 40, "ref": "refs/heads/agent/x", "previous": None}
-    call_id = h.call_log.begin(SANDBOX, "push_branch", "jti-1", "req-1", [PUSH_GRANT], kept)
-    h.call_log.finish(call_id, 200, result, None, None, 80.0)
+    call_id = await h.call_log.begin(SANDBOX, "push_branch", "jti-1", "req-1", [PUSH_GRANT], kept)
+    await h.call_log.finish(call_id, 200, result, None, None, 80.0)
     replay = ("tools", "replay", "--sandbox", SANDBOX, "--api", "http://127.0.0.1:9", "--call-log",
               str(h.state / "calls"), "--github-token-env", "REPLAY_TOKEN", "--json")  # fmt: skip
     status, out, err = await airlock(*replay)
@@ -166,23 +167,23 @@ def test_reading_the_call_log_imports_no_broker_machinery(tmp_path: Path) -> Non
     and aiohttp are a running broker's, and a third of a second to import."""
     import subprocess
 
-    CallLog.in_directory(tmp_path / "calls").close()
+    CallLog.in_directory(tmp_path / "calls").close_now()
     done = subprocess.run([sys.executable, "-c", READ_THE_LOG, str(tmp_path / "calls")], capture_output=True, text=True)
     assert (done.returncode, done.stdout, done.stderr) == (0, "[]\n", "")
 
 
-def test_call_log_rows_and_filters(tmp_path: Path) -> None:
+async def test_call_log_rows_and_filters(tmp_path: Path) -> None:
     log = CallLog.in_directory(tmp_path / "calls")
     try:
         assert (tmp_path / "calls").stat().st_mode & 0o777 == 0o700
         assert {p.name: p.stat().st_mode & 0o777 for p in (tmp_path / "calls").iterdir()} == {
             "calls.sqlite3": 0o600, "calls.sqlite3-wal": 0o600, "calls.sqlite3-shm": 0o600,
         }  # fmt: skip
-        first = log.begin("a", "t", "j1", "r1", [], {"x": 1})
-        second = log.begin("b", "t", "j2", "r2", [], None)
-        log.finish(second, 403, None, "outside_grant", "no", 1.5)
-        assert [(c.id, c.sandbox, c.status) for c in log.calls()] == [(first, "a", None), (second, "b", 403)]
-        assert [c.id for c in log.calls("b")] == [second]
-        assert log.calls(since=4102444800.0) == []
+        first = await log.begin("a", "t", "j1", "r1", [], {"x": 1})
+        second = await log.begin("b", "t", "j2", "r2", [], None)
+        await log.finish(second, 403, None, "outside_grant", "no", 1.5)
+        assert [(c.id, c.sandbox, c.status) for c in await log.calls()] == [(first, "a", None), (second, "b", 403)]
+        assert [c.id for c in await log.calls("b")] == [second]
+        assert await log.calls(since=4102444800.0) == []
     finally:
-        log.close()
+        await log.close()

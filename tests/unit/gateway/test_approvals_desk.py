@@ -26,19 +26,9 @@ from airlock.gateway.approval_desk import Approvals
 from airlock.gateway.approval_routes import approval_routes
 from airlock.gateway.approval_writer import PolicyWriter
 from airlock.gateway.errors import ApprovalError
-from airlock.policy import Decision, LivePolicy, Policy, Sandbox, SandboxRegistry, decide, parse_policy
+from airlock.policy import Decision, LivePolicy, Policy, Sandbox, SandboxRegistry, decide
 
-POLICY_TEXT = """\
-version: 1
-profiles:
-  default:
-    on_unlisted: ask  # hold it
-    allow:
-      - host: listed.test
-"""
-POLICY = parse_policy(POLICY_TEXT, "p.yaml")
-SANDBOX = Sandbox("sbx", "default", ipaddress.ip_network("10.9.0.2/32"))
-LIVE = LivePolicy(POLICY, SandboxRegistry([SANDBOX]))
+from approvals_env import LIVE, POLICY, POLICY_TEXT, SANDBOX
 
 
 def _ask(desk: Approvals, host: str = "new.test", port: int = 443) -> asyncio.Future[Decision]:
@@ -93,7 +83,7 @@ async def test_the_webhook_gets_each_pending_request_and_never_holds_the_decisio
         assert payload["id"] == approval and payload["target"] == "hooked.test:443"
         assert (payload["sandbox"], payload["kind"], payload["client"]) == ("sbx", "connect", "10.9.0.2")
         assert payload["expires_at"] - payload["asked_at"] == pytest.approx(60, abs=0.01)
-        desk.deny(approval, "bob")
+        await desk.deny(approval, "bob")
         assert not (await asyncio.wait_for(held, 1)).allow  # the hanging webhook held nothing
     finally:
         await desk.close()
@@ -206,7 +196,7 @@ async def test_a_held_request_is_told_in_one_line_with_the_command_that_answers_
     try:
         held = _ask(desk)
         approval = await _until_pending(desk)
-        desk.deny(approval, "alice")
+        await desk.deny(approval, "alice")
         await held
     finally:
         await desk.close()
