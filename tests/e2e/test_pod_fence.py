@@ -2,7 +2,7 @@
 gateway (`airlock gateway` on loopback, as its own UID) and the agent (another UID, no capabilities) share it, as a
 pod's containers do, and its only link leads to the fake internet.
 
-    ns <p>-pod (10.252.0.2/30, default route) --veth-- ns <p>-net (10.252.0.1/30 + the fake-internet addresses)
+    ns <p>-pod (10.252.0.2/30, fd00:a1::2/64, default routes) --veth-- ns <p>-net (10.252.0.1/30 + the fake internet)
 
 The net namespace routes nowhere else, so even the default route ends inside the test's namespaces.
 """
@@ -24,6 +24,7 @@ from gateway_proc import AIRLOCK, E2E_POLICY
 from topology import DNS_SERVER, FAKE_ADDRS, FakeNet, Topology
 
 POD_IP, POD_PEER_IP = "10.252.0.2", "10.252.0.1"
+POD_IP6, POD_PEER_IP6 = "fd00:a1::2", "fd00:a1::1"  # the link's only IPv6 (the net namespace has IPv6 off)
 ALLOWED_IP, EVIL_IP = "192.0.2.10", "203.0.113.66"
 GATEWAY_UID, AGENT_UID = 65534, 1  # nobody, daemon: unprivileged users every Debian has
 PROXY, TRANSPARENT, DNS, BROKER, ADMIN = 3128, 3129, 5353, 8080, 8081
@@ -48,8 +49,8 @@ try:
         socket.create_connection((host, port), timeout=3).close()
         print("connected")
     elif kind == "udp":
-        s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM); s.settimeout(3); s.connect((host, port))
-        s.send(b"x"); s.recv(100); print("answered")
+        s = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_DGRAM)
+        s.settimeout(3); s.connect((host, port)); s.send(b"x"); s.recv(100); print("answered")
     elif kind == "ping":
         s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM, socket.IPPROTO_ICMP); s.settimeout(3)
         s.sendto(struct.pack("!BBHHH", 8, 0, 0, 0, 1) + b"airlock", (host, 0)); s.recv(100); print("reply")
@@ -97,12 +98,14 @@ class Pod:
             ["ip", "-n", self.name, "link", "set", self.link, "up"],
             ["ip", "-n", net, "link", "set", self.peer, "up"],
             ["ip", "-n", self.name, "route", "add", "default", "via", POD_PEER_IP, "dev", self.link],
+            ["ip", "-n", self.name, "-6", "addr", "add", f"{POD_IP6}/64", "dev", self.link, "nodad"],
+            ["ip", "-n", self.name, "-6", "route", "add", "default", "via", POD_PEER_IP6, "dev", self.link],
             # What a pod's agent could do unfenced: ping (ICMP datagram sockets, open to every group here).
             ["ip", "netns", "exec", self.name, "sysctl", "-q", "-w", "net.ipv4.ping_group_range=0 2147483647",
-             "net.ipv6.conf.all.disable_ipv6=1", "net.ipv4.ip_forward=0"],
+             "net.ipv4.ip_forward=0"],
         ):  # fmt: skip
             subprocess.run(argv, check=True, capture_output=True, timeout=30)
-        for destination in (*FAKE_ADDRS, "8.8.8.8", "1.1.1.1"):
+        for destination in (*FAKE_ADDRS, "8.8.8.8", "1.1.1.1", POD_PEER_IP6, "2001:4860::8888"):
             route = subprocess.run(["ip", "-n", self.name, "route", "get", destination], capture_output=True, text=True)
             assert re.search(rf"\bdev {self.link}\b", route.stdout), route.stdout  # a test-owned link only
 
@@ -199,6 +202,13 @@ def test_udp_to_any_address_is_refused_at_once(pod: Pod, udp_echo: int, host: st
     started = time.monotonic()
     assert pod.probe("udp", host, udp_echo) in ("ECONNREFUSED", "EPERM")
     assert time.monotonic() - started < 2  # refused, not timed out
+
+
+@pytest.mark.parametrize("kind", ["tcp", "udp"])
+def test_ipv6_is_refused_at_once(pod: Pod, kind: str) -> None:
+    started = time.monotonic()
+    assert pod.probe(kind, "2001:4860::8888", 443) in ("ECONNREFUSED", "EPERM")
+    assert time.monotonic() - started < 2  # refused, not left to time out on a link that leads nowhere
 
 
 def test_ping_fails(pod: Pod) -> None:
