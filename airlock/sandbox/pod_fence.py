@@ -34,11 +34,10 @@ class PodFence:
 
     def ruleset(self) -> str:
         """The table as `nft -s list table` prints it (stateless: counters without their counts)."""
-        gateway = [f"meta skuid {self.gateway_uid} accept", f"meta mark 0x{GATEWAY_SOCKET_MARK:08x} accept"]
-        return _table(
-            [rule.replace("accept", "return") for rule in gateway] + self._redirects(),
-            gateway + self._filters(),
-        )
+        return _table(self._gateways("return") + self._redirects(), self._gateways("accept") + self._filters())
+
+    def _gateways(self, verdict: str) -> list[str]:
+        return [f"meta skuid {self.gateway_uid} {verdict}", f"meta mark 0x{GATEWAY_SOCKET_MARK:08x} {verdict}"]
 
     def _redirects(self) -> list[str]:
         tcp = f"meta nfproto ipv4 meta l4proto tcp counter redirect to :{self.transparent_port}"
@@ -64,9 +63,6 @@ class PodFence:
         """Load the fence in this process's network namespace, replacing any earlier one in the same transaction."""
         nft(["-f", "-"], f"table inet {TABLE}\ndelete table inet {TABLE}\n{self.ruleset()}")
 
-    def matches(self) -> bool:
-        return installed() == self.ruleset()
-
 
 def installed() -> str | None:
     """The pod fence in place in this network namespace (as `ruleset()` writes it), None without one."""
@@ -81,7 +77,7 @@ def installed() -> str | None:
 def _table(redirects: list[str], filters: list[str]) -> str:
     # The redirect happens at dstnat; the filter comes after it (priority filter) and so sees where a redirected
     # packet now goes. Its `oifname` is still the route's before the redirect: redirected packets are told by
-    # their conntrack status instead.
+    # their conntrack status instead. (-100 is dstnat, a name nft 1.0 accepts at prerouting only.)
     return f"""table inet {TABLE} {{
 \tchain intercept {{
 \t\ttype nat hook output priority -100; policy accept;
