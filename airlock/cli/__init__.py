@@ -30,6 +30,7 @@ GROUPS = {
     "approvals": ("list, approve or deny requests held for a person (gateway admin listener)", "airlock.cli.approvals"),
     "tools": ("read the record of brokered calls, or replay a sandbox's calls", "airlock.cli.tools"),
     "reap": ("remove expired sandboxes and leftovers of crashed runs", "airlock.cli.reap"),
+    "fence": ("install or check the pod fence in this network namespace (an init container's)", "airlock.cli.fence"),
     "run": ("run a command in a sandbox whose only network is the gateway", "airlock.cli.run"),
 }
 

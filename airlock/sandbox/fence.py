@@ -115,7 +115,7 @@ table inet {self.table} {{
         """Load the fence; refused (FenceError) when a table of this name exists, which is never replaced: it may
         be another live sandbox's fence."""
         try:
-            _nft(["-f", "-"], self.ruleset(), netns_cmd)
+            nft(["-f", "-"], self.ruleset(), netns_cmd)
         except FenceError as e:
             if "File exists" in str(e):
                 raise FenceError(
@@ -126,7 +126,7 @@ table inet {self.table} {{
 
     def remove(self, netns_cmd: list[str] | None = None) -> None:
         with contextlib.suppress(FenceError):  # absent already
-            _nft(["delete", "table", "inet", self.table], None, netns_cmd)
+            nft(["delete", "table", "inet", self.table], None, netns_cmd)
 
 
 def interception(iface: str, gateway_ip: str, intercept: Interception | None) -> tuple[list[str], str]:
@@ -239,7 +239,7 @@ def load_inner_refusal(
 ) -> None:
     """`inner_refusal()` loaded in the namespace `netns_cmd` enters (whose rate limit `unlimited_unreachable()`
     has lifted), or without it in this thread's."""
-    _nft(["-f", "-"], inner_refusal(table, gateway_ip, udp_ports, intercept), netns_cmd)
+    nft(["-f", "-"], inner_refusal(table, gateway_ip, udp_ports, intercept), netns_cmd)
 
 
 def inner_refusal(table: str, gateway_ip: str, udp_ports: tuple[int, ...], intercept: Interception) -> str:
@@ -282,8 +282,9 @@ def _sysctl_path(name: str) -> Path:
     return Path("/proc/sys", *name.split("."))
 
 
-def _nft(args: list[str], stdin: str | None, netns_cmd: list[str] | None) -> None:
-    _tool(["nft", *args], stdin, netns_cmd)
+def nft(args: list[str], stdin: str | None = None, netns_cmd: list[str] | None = None) -> str:
+    """Run nft (in the namespace `netns_cmd` enters, else this thread's); its output. FenceError when it fails."""
+    return _tool(["nft", *args], stdin, netns_cmd)
 
 
 def _tool(argv: list[str], stdin: str | None, netns_cmd: list[str] | None) -> str:

@@ -1,0 +1,274 @@
+"""The pod fence (`airlock fence --pod`) with real nft, in a network namespace that stands in for a pod: the
+gateway (`airlock gateway` on loopback, as its own UID) and the agent (another UID, no capabilities) share it, as a
+pod's containers do, and its only link leads to the fake internet.
+
+    ns <p>-pod (10.252.0.2/30, fd00:a1::2/64, default routes) --veth-- ns <p>-net (10.252.0.1/30 + the fake internet)
+
+The net namespace routes nowhere else, so even the default route ends inside the test's namespaces.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from gateway_proc import AIRLOCK, E2E_POLICY
+from topology import DNS_SERVER, FAKE_ADDRS, FakeNet, Topology
+
+POD_IP, POD_PEER_IP = "10.252.0.2", "10.252.0.1"
+POD_IP6, POD_PEER_IP6 = "fd00:a1::2", "fd00:a1::1"  # the link's only IPv6 (the net namespace has IPv6 off)
+ALLOWED_IP, EVIL_IP = "192.0.2.10", "203.0.113.66"
+GATEWAY_UID, AGENT_UID = 65534, 1  # nobody, daemon: unprivileged users every Debian has
+PROXY, TRANSPARENT, DNS, BROKER, ADMIN = 3128, 3129, 5353, 8080, 8081
+UDP_ECHO = 4433
+FENCE = ("fence", "--pod", "--gateway-uid", str(GATEWAY_UID), "--dns-port", str(DNS),
+         "--gateway-port", str(BROKER), "--gateway-port", str(ADMIN))  # fmt: skip
+# The gateway's interpreter lives under root's home (mode 0700): the gateway's UID is given the one capability to
+# traverse it. The agent runs the system's python, without any capability.
+GATEWAY_USER = ["setpriv", f"--reuid={GATEWAY_UID}", f"--regid={GATEWAY_UID}", "--clear-groups",
+                "--inh-caps=+dac_read_search", "--ambient-caps=+dac_read_search", "--"]  # fmt: skip
+AGENT_USER = ["setpriv", f"--reuid={AGENT_UID}", f"--regid={AGENT_UID}", "--clear-groups", "--inh-caps=-all",
+              "--bounding-set=-all", "--no-new-privs", "--"]  # fmt: skip
+
+# What the agent tries, with the standard library only; prints one word: what it got.
+PROBE = r"""
+import errno, socket, struct, sys
+kind, host, port = sys.argv[1], sys.argv[2], int(sys.argv[3])
+def err(e):
+    return "timeout" if isinstance(e, TimeoutError) else errno.errorcode.get(e.errno, str(e))
+try:
+    if kind == "tcp":
+        socket.create_connection((host, port), timeout=3).close()
+        print("connected")
+    elif kind == "udp":
+        s = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_DGRAM)
+        s.settimeout(3); s.connect((host, port)); s.send(b"x"); s.recv(100); print("answered")
+    elif kind == "ping":
+        s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM, socket.IPPROTO_ICMP); s.settimeout(3)
+        s.sendto(struct.pack("!BBHHH", 8, 0, 0, 0, 1) + b"airlock", (host, 0)); s.recv(100); print("reply")
+    elif kind == "dns":
+        name = sys.argv[4]
+        query = struct.pack("!HHHHHH", 0x4242, 0x100, 1, 0, 0, 0)
+        query += b"".join(bytes([len(p)]) + p.encode() for p in name.split(".")) + b"\0" + struct.pack("!HH", 1, 1)
+        s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM); s.settimeout(3); s.connect((host, port))
+        s.send(query); reply = s.recv(4096)
+        print(["NOERROR", "FORMERR", "SERVFAIL", "NXDOMAIN", "NOTIMP", "REFUSED"][reply[3] & 0xF])
+except OSError as e:
+    print(err(e))
+"""
+ECHO = r"""
+import select, socket, sys
+socks = [socket.socket(socket.AF_INET, socket.SOCK_DGRAM) for _ in sys.argv[2:]]
+for sock, address in zip(socks, sys.argv[2:]):
+    sock.bind((address, int(sys.argv[1])))
+print("ready", flush=True)
+while True:
+    for sock in select.select(socks, [], [])[0]:
+        sock.sendto(*sock.recvfrom(100))
+"""
+
+
+class Pod:
+    """The pod's network namespace, its link to the fake internet and its gateway (started with `start_gateway`)."""
+
+    def __init__(self, topology: Topology) -> None:
+        self.topology = topology
+        self.name = f"{topology.prefix}-pod"
+        self.link, self.peer = f"{topology.prefix}-pp", f"{topology.prefix}-pn"
+        self.state = Path(tempfile.mkdtemp(prefix=f"{topology.prefix}-pod-"))  # writable by the gateway's UID
+        os.chown(self.state, GATEWAY_UID, GATEWAY_UID)
+        self.gateway: subprocess.Popen[bytes] | None = None
+
+    def create(self) -> None:
+        subprocess.run(["ip", "netns", "add", self.name], check=True, capture_output=True)
+        net = self.topology.net
+        for argv in (
+            ["ip", "-n", self.name, "link", "set", "lo", "up"],
+            ["ip", "-n", self.name, "link", "add", self.link, "type", "veth", "peer", "name", self.peer, "netns", net],
+            ["ip", "-n", self.name, "addr", "add", f"{POD_IP}/30", "dev", self.link],
+            ["ip", "-n", net, "addr", "add", f"{POD_PEER_IP}/30", "dev", self.peer],
+            ["ip", "-n", self.name, "link", "set", self.link, "up"],
+            ["ip", "-n", net, "link", "set", self.peer, "up"],
+            ["ip", "-n", self.name, "route", "add", "default", "via", POD_PEER_IP, "dev", self.link],
+            ["ip", "-n", self.name, "-6", "addr", "add", f"{POD_IP6}/64", "dev", self.link, "nodad"],
+            ["ip", "-n", self.name, "-6", "route", "add", "default", "via", POD_PEER_IP6, "dev", self.link],
+            # What a pod's agent could do unfenced: ping (ICMP datagram sockets, open to every group here).
+            ["ip", "netns", "exec", self.name, "sysctl", "-q", "-w", "net.ipv4.ping_group_range=0 2147483647",
+             "net.ipv4.ip_forward=0"],
+        ):  # fmt: skip
+            subprocess.run(argv, check=True, capture_output=True, timeout=30)
+        for destination in (*FAKE_ADDRS, "8.8.8.8", "1.1.1.1", POD_PEER_IP6, "2001:4860::8888"):
+            route = subprocess.run(["ip", "-n", self.name, "route", "get", destination], capture_output=True, text=True)
+            assert re.search(rf"\bdev {self.link}\b", route.stdout), route.stdout  # a test-owned link only
+
+    def destroy(self) -> None:
+        self.stop_gateway()
+        subprocess.run(["ip", "netns", "delete", self.name], check=False, capture_output=True)  # the veth with it
+        subprocess.run(["rm", "-rf", str(self.state)], check=False)
+
+    def run(self, argv: list[str], timeout: float = 30) -> subprocess.CompletedProcess[str]:
+        cmd = ["ip", "netns", "exec", self.name, *argv]
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=False)
+
+    def fence(self, *options: str) -> subprocess.CompletedProcess[str]:
+        return self.run([AIRLOCK, *FENCE, *options])
+
+    def agent(self, *argv: str) -> subprocess.CompletedProcess[str]:
+        return self.run([*AGENT_USER, *argv])
+
+    def probe(self, kind: str, host: str, port: int, *rest: str, user: list[str] = AGENT_USER) -> str:
+        return self.run([*user, "/usr/bin/python3", "-I", "-c", PROBE, kind, host, str(port), *rest]).stdout.strip()
+
+    def start_gateway(self, timeout: float = 30) -> None:
+        log = self.state / "gateway.log"
+        argv = [
+            "ip", "netns", "exec", self.name, *GATEWAY_USER, AIRLOCK, "gateway", "--policy", str(E2E_POLICY),
+            "--listen", "127.0.0.1", "--upstream-dns", DNS_SERVER, "--state-dir", str(self.state / "state"),
+            "--audit", str(self.state / "audit.jsonl"), "--proxy-port", str(PROXY), "--transparent-port",
+            str(TRANSPARENT), "--dns-port", str(DNS), "--broker-port", str(BROKER), "--admin", f"127.0.0.1:{ADMIN}",
+        ]  # fmt: skip
+        with log.open("wb") as out:
+            self.gateway = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.monotonic() + timeout
+        while "proxy on" not in log.read_text(errors="replace"):
+            assert self.gateway.poll() is None and time.monotonic() < deadline, log.read_text(errors="replace")
+            time.sleep(0.05)
+
+    def stop_gateway(self, sig: int = signal.SIGTERM) -> None:
+        if self.gateway is not None and self.gateway.poll() is None:
+            self.gateway.send_signal(sig)
+            try:
+                self.gateway.wait(15)
+            except subprocess.TimeoutExpired:
+                self.gateway.kill()
+                self.gateway.wait()
+
+
+@pytest.fixture(scope="module")
+def pod(topology: Topology, fakenet: FakeNet) -> Iterator[Pod]:
+    """The pod, fenced (as an init container would, before anything runs in it), its gateway started."""
+    made = Pod(topology)
+    try:
+        made.create()
+        installed = made.fence()
+        assert installed.returncode == 0, installed.stderr
+        made.start_gateway()
+        yield made
+    finally:
+        made.destroy()
+
+
+def test_direct_tcp_to_an_address_not_allowed_reaches_nothing(pod: Pod, fakenet: FakeNet) -> None:
+    pinned = pod.agent("curl", "-sS", "--max-time", "10", "-w", "%{http_code}", f"http://{EVIL_IP}/")
+    assert pinned.stdout.endswith("403") and '"code": "not_allowlisted"' in pinned.stdout, pinned
+    assert fakenet.total_connections() == 0
+
+
+def test_an_allowed_host_is_reached_through_the_redirect(pod: Pod, fakenet: FakeNet) -> None:
+    plain = pod.agent("curl", "-sS", "--max-time", "10", "--resolve", f"allowed.test:80:{ALLOWED_IP}",
+                      "http://allowed.test/hello")  # fmt: skip
+    assert plain.stdout == f"fakenet {ALLOWED_IP}:80 host=allowed.test path=/hello\n", plain.stderr
+    assert fakenet.connections(ALLOWED_IP, 80) == 1  # the gateway's own connection: its UID's traffic passes
+    proxied = pod.agent("curl", "-sS", "--max-time", "10", "--proxy", f"http://127.0.0.1:{PROXY}",
+                        "http://allowed.test/proxied")  # fmt: skip
+    assert proxied.stdout == f"fakenet {ALLOWED_IP}:80 host=allowed.test path=/proxied\n", proxied.stderr
+
+
+@pytest.fixture(scope="module")
+def udp_echo(topology: Topology, fakenet: FakeNet) -> Iterator[int]:
+    """A UDP echo on every address of the fake internet, port UDP_ECHO: what an unfenced agent would hear."""
+    # One socket per address: a reply comes from the address that was dialled, or a connected socket ignores it.
+    echo = ["/usr/bin/python3", "-I", "-c", ECHO, str(UDP_ECHO), ALLOWED_IP, EVIL_IP, DNS_SERVER]
+    proc = topology.popen(topology.net, echo, stdout=subprocess.PIPE)
+    assert proc.stdout is not None and proc.stdout.readline() == b"ready\n"
+    try:
+        yield UDP_ECHO
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+@pytest.mark.parametrize("host", [ALLOWED_IP, EVIL_IP, DNS_SERVER, "8.8.8.8"])
+def test_udp_to_any_address_is_refused_at_once(pod: Pod, udp_echo: int, host: str) -> None:
+    assert pod.probe("udp", ALLOWED_IP, udp_echo, user=GATEWAY_USER) == "answered"  # the gateway's UDP passes
+    started = time.monotonic()
+    assert pod.probe("udp", host, udp_echo) in ("ECONNREFUSED", "EPERM")
+    assert time.monotonic() - started < 2  # refused, not timed out
+
+
+@pytest.mark.parametrize("kind", ["tcp", "udp"])
+def test_ipv6_is_refused_at_once(pod: Pod, kind: str) -> None:
+    started = time.monotonic()
+    assert pod.probe(kind, "2001:4860::8888", 443) in ("ECONNREFUSED", "EPERM")
+    assert time.monotonic() - started < 2  # refused, not left to time out on a link that leads nowhere
+
+
+def test_ping_fails(pod: Pod) -> None:
+    assert pod.probe("ping", "127.0.0.1", 0) == "reply"  # the agent may ping: the fence, not the sysctl, refuses
+    assert pod.probe("ping", ALLOWED_IP, 0) in ("EPERM", "ECONNREFUSED")
+
+
+@pytest.mark.parametrize("resolver", [DNS_SERVER, "8.8.8.8", "127.0.0.53"])
+def test_dns_to_any_resolver_is_answered_by_the_gateway(pod: Pod, fakenet: FakeNet, resolver: str) -> None:
+    assert pod.probe("dns", resolver, 53, "unlisted.example") == "REFUSED"
+    assert fakenet.dns_queries("unlisted.example") == 0  # nothing forwarded
+    assert pod.probe("dns", resolver, 53, "allowed.test") == "NOERROR"
+
+
+@pytest.mark.parametrize("port", [BROKER, ADMIN, TRANSPARENT, DNS])
+def test_the_gateways_own_ports_are_refused_to_the_agent_by_loopback(pod: Pod, port: int) -> None:
+    assert pod.probe("tcp", "127.0.0.1", port, user=GATEWAY_USER) == "connected"  # they listen: the gateway's own
+    assert pod.probe("tcp", "127.0.0.1", port) == "ECONNREFUSED"
+    assert pod.probe("tcp", POD_IP, port) == "ECONNREFUSED"  # the pod's address is its loopback too
+    assert pod.probe("tcp", "127.0.0.1", PROXY) == "connected"  # the proxy port is the one it may dial
+
+
+def test_the_pods_own_loopback_stays_open_to_the_agent(pod: Pod) -> None:
+    server = ["/usr/bin/python3", "-I", "-c", "import socket, time; s = socket.create_server(('127.0.0.1', 4000));"
+              "print('ready', flush=True); s.accept(); time.sleep(1)"]  # fmt: skip
+    with subprocess.Popen(["ip", "netns", "exec", pod.name, *AGENT_USER, *server], stdout=subprocess.PIPE) as proc:
+        try:
+            assert proc.stdout is not None and proc.stdout.readline() == b"ready\n"
+            assert pod.probe("tcp", "127.0.0.1", 4000) == "connected"
+        finally:
+            proc.kill()
+
+
+def test_check_says_whether_the_fence_in_place_is_the_one_asked_for(pod: Pod) -> None:
+    assert pod.fence("--check").returncode == 0
+    assert pod.fence().returncode == 0  # installed again: still one table, the same
+    tables = pod.run(["nft", "list", "tables"]).stdout
+    assert tables.count("airlock_pod") == 1, tables
+    check = pod.fence("--check")
+    assert check.returncode == 0 and "redirect to :3129" in check.stdout, check
+    assert pod.fence("--check", "--proxy-port", "3000").returncode == 1  # not what this command would install
+    changed = pod.run(
+        ["nft", "insert", "rule", "inet", "airlock_pod", "egress", "meta", "skuid", str(AGENT_UID), "accept"]
+    )
+    assert changed.returncode == 0, changed.stderr
+    try:
+        assert pod.fence("--check").returncode == 1
+    finally:
+        assert pod.fence().returncode == 0
+    assert pod.fence("--check").returncode == 0
+
+
+def test_with_the_gateway_dead_nothing_of_the_agents_reaches_anything(pod: Pod, fakenet: FakeNet) -> None:
+    pod.stop_gateway(signal.SIGKILL)
+    try:
+        assert pod.probe("tcp", ALLOWED_IP, 80) == "ECONNREFUSED"  # the redirect lands on a closed loopback port
+        assert pod.probe("tcp", "1.1.1.1", 443) == "ECONNREFUSED"
+        assert pod.probe("dns", DNS_SERVER, 53, "allowed.test") == "ECONNREFUSED"
+        assert pod.probe("udp", ALLOWED_IP, 443) in ("ECONNREFUSED", "EPERM")
+        assert fakenet.total_connections() == 0 and fakenet.dns_queries("allowed.test") == 0
+    finally:
+        pod.start_gateway()
+    assert pod.probe("tcp", ALLOWED_IP, 80) == "connected"  # restarted, the gateway serves the pod again
