@@ -4,17 +4,14 @@ backend's twin is in test_docker.py."""
 
 from __future__ import annotations
 
-import base64
-import hashlib
-import io
 import shutil
 import subprocess
 import tempfile
-import zipfile
 from pathlib import Path
 
 import pytest
 
+import fakeregistry
 from syscalls import expected_in_a_sandbox, probe_argv, results
 from topology import FakeNet, Topology
 
@@ -75,22 +72,9 @@ def test_no_raw_sockets_and_no_mounts(run_in_gw):
 
 
 def _wheel(folder: Path) -> Path:
-    """A pure-Python wheel built by hand (no build tools): module `airlockdemo`."""
-    files = {
-        "airlockdemo.py": b"ANSWER = 42\n",
-        "airlockdemo-1.0.dist-info/METADATA": b"Metadata-Version: 2.1\nName: airlockdemo\nVersion: 1.0\n",
-        "airlockdemo-1.0.dist-info/WHEEL": b"Wheel-Version: 1.0\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
-    }
-    record = io.StringIO()
-    for name, data in files.items():
-        digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
-        record.write(f"{name},sha256={digest},{len(data)}\n")
-    record.write("airlockdemo-1.0.dist-info/RECORD,,\n")
+    """The fake registry's hand-built wheel (module `airlockdemo`), as a file in `folder`."""
     path = folder / "airlockdemo-1.0-py3-none-any.whl"
-    with zipfile.ZipFile(path, "w") as wheel:
-        for name, data in files.items():
-            wheel.writestr(name, data)
-        wheel.writestr("airlockdemo-1.0.dist-info/RECORD", record.getvalue())
+    path.write_bytes(fakeregistry.wheel())
     return path
 
 
