@@ -128,6 +128,7 @@ profiles:
         inject:
           - {header: Authorization, value: "Bearer {secret:model_api}"}
 """
+NOT_YET = "version: 1\nprofiles:\n  default:\n    allow:\n      - host: other.test\n        ports: [443]\n"
 SECRET = "sk-airlock-inputs-5b1d9e3f7a2c4680"
 # The sandbox replaces the folder of the secret's file with one holding a value of its choice, says so, then asks
 # the inspected host until a reload inspects it.
@@ -145,7 +146,7 @@ def test_a_secret_is_read_once_at_start_never_again_from_a_folder_the_sandbox_re
     secret.write_text(SECRET + "\n")
     secret.chmod(0o600)  # root's: the sandbox reads nothing of it (and it is hidden there anyway)
     policy = tmp_path / "policy.yaml"
-    policy.write_text(E2E_POLICY.read_text())  # nothing inspected yet: no secret is needed at start
+    policy.write_text(NOT_YET)  # allowed.test not allowed yet: no request reaches it before the reload
     argv = [
         AIRLOCK, "run", "--policy", str(policy), "--upstream-dns", DNS_SERVER, "--upstream-ca", str(test_ca.ca_cert),
         "--sandbox-id", f"{topology.prefix}sec", "--secret", f"model_api=file:{secret}", "--",
@@ -158,7 +159,9 @@ def test_a_secret_is_read_once_at_start_never_again_from_a_folder_the_sandbox_re
     while not (project / "swapped").exists():
         assert launcher.poll() is None and time.monotonic() < deadline, launcher.communicate()
         time.sleep(0.05)
-    policy.write_text(INSPECTED)  # the operator's edit: the reload makes the gateway inject the secret
+    edit = tmp_path / "policy.yaml.new"
+    edit.write_text(INSPECTED)
+    edit.replace(policy)  # the operator's edit, whole at once: the reload makes the gateway inject the secret
     stdout, stderr = launcher.communicate(timeout=60)
     assert launcher.returncode == 0 and "INSPECTED" in stdout, stderr
     seen = [r for r in fakenet.http_requests() if r["target"] == "/headers"]
