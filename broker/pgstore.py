@@ -50,7 +50,16 @@ from psycopg.types.json import Json
 from psycopg_pool import AsyncConnectionPool
 
 from .calllog import LoggedCall
-from .store import CLAIM_STALE_SECONDS, Claimed, ClaimState, Held, Settled, StoreError
+from .store import (
+    CLAIM_STALE_SECONDS,
+    OUTCOME_KEEP_SECONDS,
+    PRUNE_EVERY_SECONDS,
+    Claimed,
+    ClaimState,
+    Held,
+    Settled,
+    StoreError,
+)
 
 log = logging.getLogger("airlock.broker")
 # The pool logs each failed connection attempt (several lines each); the store says once that the database is
@@ -110,6 +119,10 @@ _MIGRATIONS = (
     );
     CREATE INDEX approval_grant_target ON approval_grant (sandbox, host);
     """,
+    # Settled outcomes are forgotten a day after their claim: found by age without reading the whole table.
+    """
+    CREATE INDEX idempotency_settled_age ON idempotency (claimed_at) WHERE status IS NOT NULL;
+    """,
 )
 
 
@@ -166,6 +179,7 @@ class PostgresStore:
         self._watcher: asyncio.Task[None] | None = None
         self._syncing = asyncio.Lock()  # one read of the revocations at a time: callers that find it stale wait for it
         self._closed = False
+        self._pruned = 0.0  # when outcomes past OUTCOME_KEEP_SECONDS were last forgotten
 
     @classmethod
     async def open(cls, url: str, password: str | None = None, replica: bool = True) -> PostgresStore:
@@ -192,6 +206,7 @@ class PostgresStore:
                 (time.time(), socket.gethostname(), os.getpid()),
             )
             store.replica = int(rows[0][0])
+            await store._forget_dead_replicas()
             store.owner = str(store.replica)
             store._watcher = asyncio.create_task(store._watch(), name="airlock-broker-store-watch")
             store._watcher.add_done_callback(_said_if_failed)
@@ -220,6 +235,18 @@ class PostgresStore:
                 await conn.execute(script)
                 await conn.execute("INSERT INTO schema_version VALUES (%s)", (number,))
                 log.info("broker database %s: schema migrated to version %d", self.url, number)
+
+    async def _forget_dead_replicas(self) -> None:
+        """The rows of replicas that hold no liveness lock (ended, or killed) and started over a minute ago (one
+        that started since may not hold its lock yet): nothing reads them but a person, and each start adds one.
+        Their claims need no row: a claim whose owner holds no lock reads as abandoned either way."""
+        await self._rows(
+            "DELETE FROM broker_replica r WHERE r.id <> %s AND r.started < %s AND NOT EXISTS ("
+            " SELECT 1 FROM pg_locks l WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 2"
+            " AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())"
+            " AND l.classid::bigint = %s AND l.objid::bigint = r.id)",
+            (self.replica, time.time() - 60, LIVENESS_LOCK),
+        )
 
     # --- the dedicated connection: liveness lock, notifications, the revocations' copy ------------------------------
 
@@ -337,10 +364,16 @@ class PostgresStore:
     async def claim(self, scope: str, key: str, request_hash: str) -> ClaimState:
         if not self._alive.is_set():  # another replica would read this claim as abandoned at once
             raise StoreError(f"the broker's database {self.url}: this replica's liveness session is down")
+        now = time.time()
+        if now - self._pruned > PRUNE_EVERY_SECONDS:
+            self._pruned = now
+            await self._rows(
+                "DELETE FROM idempotency WHERE status IS NOT NULL AND claimed_at < %s", (now - OUTCOME_KEEP_SECONDS,)
+            )
         inserted = await self._rows(
             "INSERT INTO idempotency (scope, key, request_hash, owner, claimed_at) VALUES (%s, %s, %s, %s, %s) "
             "ON CONFLICT DO NOTHING RETURNING 1",
-            (scope, key, request_hash, self.replica, time.time()),
+            (scope, key, request_hash, self.replica, now),
         )
         if inserted:
             return Claimed()

@@ -33,6 +33,10 @@ STORE_THREADS = 4  # each with its own SQLite connection: reads go on while a wr
 # A claim older than this is abandoned even if its owner lives (its outcome could not be written, say): longer than
 # any action runs (GitHub's timeout, a few calls in a row).
 CLAIM_STALE_SECONDS = 120.0
+# A settled outcome is kept this long after its claim, then forgotten (else the table grows with every call): a key
+# sent again after that acts again, as a new one would (GitHub still holds one open pull request per head and base).
+OUTCOME_KEEP_SECONDS = 24 * 3600.0
+PRUNE_EVERY_SECONDS = 60.0  # how often a store looks for outcomes past OUTCOME_KEEP_SECONDS (on a claim)
 
 
 class StoreError(Exception):
@@ -214,6 +218,7 @@ class SqliteStore(SqliteFile):
         # Only this process uses the file: a claim of any other run of it was left by a broker that died.
         self.owner = new_owner()
         self.approvals = None  # one gateway's file: its approvals are its own
+        self._pruned = 0.0  # when outcomes past OUTCOME_KEEP_SECONDS were last forgotten
 
     async def revoke_token(self, jti: str, expires_at: int) -> None:
         await self._sql("INSERT OR REPLACE INTO revoked_token VALUES (?, ?)", jti, expires_at)
@@ -246,10 +251,15 @@ class SqliteStore(SqliteFile):
 
     async def claim(self, scope: str, key: str, request_hash: str) -> ClaimState:
         def claim() -> ClaimState:
+            now = time.time()
+            if now - self._pruned > PRUNE_EVERY_SECONDS:
+                self._pruned = now
+                self._run("DELETE FROM idempotency WHERE status IS NOT NULL AND claimed_at < ?",
+                          (now - OUTCOME_KEEP_SECONDS,))  # fmt: skip
             inserted = self._run(
                 "INSERT INTO idempotency (scope, key, request_hash, owner, claimed_at) VALUES (?, ?, ?, ?, ?) "
                 "ON CONFLICT DO NOTHING RETURNING 1",
-                (scope, key, request_hash, self.owner, time.time()),
+                (scope, key, request_hash, self.owner, now),
             )
             if inserted:
                 return Claimed()

@@ -101,18 +101,31 @@ async def test_replicas_opening_together_migrate_once(postgres_database: str) ->
     stores = await asyncio.gather(*(PostgresStore.open(postgres_database) for _ in range(4)))
     try:
         with psycopg.connect(postgres_database) as conn:
-            assert conn.execute("SELECT version FROM schema_version ORDER BY version").fetchall() == [(1,), (2,)]
+            assert conn.execute("SELECT version FROM schema_version ORDER BY version").fetchall() == [(1,), (2,), (3,)]
         assert len({s.replica for s in stores}) == 4
     finally:
         for store in stores:
             await store.close()
 
 
+async def test_a_replica_that_ended_is_forgotten_by_the_next_to_start(
+    replica: Replicas, postgres_database: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    a, b = await replica(), await replica()
+    await a.close()  # ended: its liveness lock is gone; b lives
+    started = time.time()
+    monkeypatch.setattr(time, "time", lambda: started + 61)  # both started over a minute ago
+    c = await replica()
+    with psycopg.connect(postgres_database) as conn:
+        rows = conn.execute("SELECT id FROM broker_replica ORDER BY id").fetchall()
+    assert rows == [(b.replica,), (c.replica,)]
+
+
 async def test_a_schema_newer_than_this_airlock_is_refused(postgres_database: str) -> None:
     await (await PostgresStore.open(postgres_database)).close()
     with psycopg.connect(postgres_database, autocommit=True) as conn:
         conn.execute("INSERT INTO schema_version VALUES (99)")
-    with pytest.raises(StoreError, match=r"schema version 99, newer than this airlock's \(2\)"):
+    with pytest.raises(StoreError, match=r"schema version 99, newer than this airlock's \(3\)"):
         await PostgresStore.open(postgres_database)
 
 

@@ -17,7 +17,15 @@ from typing import Any
 
 import pytest
 
-from airlock.broker.store import BrokerStore, Claimed, Held, Settled, SqliteStore, StoreError
+from airlock.broker.store import (
+    OUTCOME_KEEP_SECONDS,
+    BrokerStore,
+    Claimed,
+    Held,
+    Settled,
+    SqliteStore,
+    StoreError,
+)
 
 pytestmark = pytest.mark.tmpfs  # its stores (SQLite) on tmpfs: no fsync waits on a shared disk
 
@@ -127,6 +135,20 @@ async def test_an_idempotency_key_is_claimed_once_and_settled_once(store: Broker
     assert await store.claim("sbx-1", "key-1", "hash-2") == Settled("hash-1", 201, body)  # the caller compares
     await store.settle("sbx-1", "key-1", 200, {"number": 8})  # no longer claimed: nothing changes
     assert await store.claim("sbx-1", "key-1", "hash-1") == Settled("hash-1", 201, body)
+
+
+async def test_a_settled_outcome_is_forgotten_a_day_after_its_claim_and_a_held_claim_never(
+    store: BrokerStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    assert await store.claim("sbx-1", "settled", "h") == Claimed()
+    await store.settle("sbx-1", "settled", 201, {"number": 1})
+    assert await store.claim("sbx-1", "held", "h") == Claimed()  # never settled: its caller died, say
+    assert await store.claim("sbx-1", "settled", "h") == Settled("h", 201, {"number": 1})
+    later = time.time() + OUTCOME_KEEP_SECONDS + 120
+    monkeypatch.setattr(time, "time", lambda: later)
+    assert await store.claim("sbx-1", "another", "h") == Claimed()  # a claim looks for outcomes past their day
+    assert await store.claim("sbx-1", "settled", "h2") == Claimed()  # forgotten: the key acts again
+    assert isinstance(await store.claim("sbx-1", "held", "h"), Held)  # a claim is resolved, never forgotten
 
 
 async def test_a_released_claim_may_be_claimed_again(store: BrokerStore) -> None:
@@ -241,8 +263,8 @@ async def test_a_file_of_the_first_schema_keeps_its_outcomes(db_path: Path) -> N
         db.executescript(
             "CREATE TABLE idempotency (scope TEXT NOT NULL, key TEXT NOT NULL, request_hash TEXT NOT NULL,"
             " status INTEGER NOT NULL, body TEXT NOT NULL, created REAL NOT NULL, PRIMARY KEY (scope, key));"
-            " INSERT INTO idempotency VALUES ('sbx-1', 'key-1', 'hash-1', 201, '{\"number\": 1}', 0);"
-        )
+            f" INSERT INTO idempotency VALUES ('sbx-1', 'key-1', 'hash-1', 201, '{{\"number\": 1}}', {time.time()});"
+        )  # an outcome of today's: a day later it would be forgotten
     store = SqliteStore(db_path)
     try:
         assert await store.claim("sbx-1", "key-1", "hash-1") == Settled("hash-1", 201, {"number": 1})
