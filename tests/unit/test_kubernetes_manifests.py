@@ -69,6 +69,11 @@ def sandbox_pods(objects: list[Obj]) -> Iterator[tuple[str, Obj]]:
     yield "SandboxTemplate", the(objects, "SandboxTemplate", "airlock-sandbox")["spec"]["podTemplate"]
 
 
+def all_pods(objects: list[Obj]) -> list[tuple[str, Obj]]:
+    """The sandbox pod templates and the broker's."""
+    return [*sandbox_pods(objects), ("Deployment", the(objects, "Deployment", "airlock-broker")["spec"]["template"])]
+
+
 def container(spec: Obj, name: str) -> Obj:
     found = [c for c in spec.get("initContainers", []) + spec["containers"] if c["name"] == name]
     assert len(found) == 1, name
@@ -142,10 +147,7 @@ def agent_has_airlock_seccomp(objects: list[Obj]) -> list[str]:
 
 def every_container_has_limits(objects: list[Obj]) -> list[str]:
     wrong = []
-    for where, pod in [
-        *sandbox_pods(objects),
-        ("Deployment", the(objects, "Deployment", "airlock-broker")["spec"]["template"]),
-    ]:
+    for where, pod in all_pods(objects):
         for c in pod["spec"].get("initContainers", []) + pod["spec"]["containers"]:
             limits = c.get("resources", {}).get("limits", {})
             if not {"cpu", "memory"} <= limits.keys():
@@ -332,10 +334,9 @@ def no_secret_is_committed(objects: list[Obj]) -> list[str]:
 
 def images_are_airlocks_version(objects: list[Obj]) -> list[str]:
     image = re.compile(rf"(?:[a-z0-9.-]+/)?airlock:{re.escape(VERSION)}(?:@sha256:[0-9a-f]{{64}})?")
-    pods = [*sandbox_pods(objects), ("Deployment", the(objects, "Deployment", "airlock-broker")["spec"]["template"])]
     return [
         f"{where}: {c['name']} runs {c['image']}, not airlock:{VERSION}"
-        for where, pod in pods
+        for where, pod in all_pods(objects)
         for c in pod["spec"].get("initContainers", []) + pod["spec"]["containers"]
         if c["name"] != "agent" and not image.fullmatch(c["image"])
     ]
