@@ -51,6 +51,9 @@ class PodFence:
         redirected = (self.transparent_port, *((self.dns_port,) if self.dns_port else ()))
         closed = _port_set((*redirected, *self.gateway_ports))
         return [
+            # A connection the fence let through stays open to its end: the last ACK of a gateway's own client (its
+            # `airlock status`), sent by a socket in TIME_WAIT that no longer has a UID, is let through too.
+            'oifname "lo" ct state established accept',
             f"ip daddr 127.0.0.1 th dport {_port_set(redirected)} ct status dnat accept",
             f'oifname "lo" tcp dport {self.proxy_port} accept',
             f'oifname "lo" meta l4proto {{ tcp, udp }} th dport {closed} counter reject',
