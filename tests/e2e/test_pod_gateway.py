@@ -204,8 +204,8 @@ def fetch(pod_gateway: PodGateway, host: str, ip: str, path: str = "/") -> tuple
     return agent_curl(pod_gateway, "--resolve", f"{host}:80:{ip}", f"http://{host}{path}")
 
 
-def call_tool(pod_gateway: PodGateway, *headers: str) -> tuple[int, dict[str, Any]]:
-    args = ["-X", "POST", "-H", "Content-Type: application/json", "-d", json.dumps(FIELDS)]
+def call_tool(pod_gateway: PodGateway, *headers: str, head: str = "agent/pod-1") -> tuple[int, dict[str, Any]]:
+    args = ["-X", "POST", "-H", "Content-Type: application/json", "-d", json.dumps(FIELDS | {"head": head})]
     for header in headers:
         args += ["-H", header]
     status, body = agent_curl(pod_gateway, *args, f"{RELAY}/v1/tools/create_pull_request")
@@ -302,12 +302,17 @@ def test_a_call_carries_the_pods_token_in_place_of_the_agents(
     pod_gateway: PodGateway, central_broker: CentralBroker, fake_github: FakeGitHub
 ) -> None:
     set_token(pod_gateway, central_broker.token())  # the orchestrator hands the token in once the pod has its IP
-    status, body = call_tool(pod_gateway, "Authorization: Bearer bogus-agent-token", "Cookie: session=agent")
+    status, body = call_tool(pod_gateway)  # the agent sends no token: it has none
     assert (status, body["number"]) == (201, 1), body
     assert [p["head"] for p in fake_github.prs()] == ["agent/pod-1"]
-    wait_for(lambda: any(r["decision"] == "allow" for r in central_broker.audit()))
-    (called,) = [r for r in central_broker.audit() if r["decision"] == "allow"]
-    assert (called["sandbox"], called["client"]) == (SANDBOX, POD_IP)  # the pod's address, its token's --source
+    # A credential of its own, whatever it is, is not what the broker gets.
+    headers = ("Authorization: Bearer bogus-agent-token", "Cookie: session=agent")
+    status, body = call_tool(pod_gateway, *headers, head="agent/pod-2")
+    assert (status, body["number"]) == (201, 2), body
+    assert [p["head"] for p in fake_github.prs()] == ["agent/pod-1", "agent/pod-2"]
+    wait_for(lambda: sum(r["decision"] == "allow" for r in central_broker.audit()) == 2)
+    called = [r for r in central_broker.audit() if r["decision"] == "allow"]
+    assert {(r["sandbox"], r["client"]) for r in called} == {(SANDBOX, POD_IP)}  # the pod's address: the token's
     relayed = [r for r in pod_gateway.audit() if r["kind"] == "broker"]
     assert (relayed[-1]["sandbox"], relayed[-1]["method"], relayed[-1]["path"], relayed[-1]["status"]) == (
         SANDBOX, "POST", "/v1/tools/create_pull_request", 201,
@@ -358,10 +363,10 @@ def test_a_token_taken_away_stops_the_calls(
     pod_gateway: PodGateway, central_broker: CentralBroker, fake_github: FakeGitHub
 ) -> None:
     set_token(pod_gateway, central_broker.token())
-    assert call_tool(pod_gateway)[0] in (200, 201)
+    assert call_tool(pod_gateway, head="agent/pod-3")[0] == 201
     made = len(fake_github.prs())
     set_token(pod_gateway, "")
-    status, body = call_tool(pod_gateway)
+    status, body = call_tool(pod_gateway, head="agent/pod-4")
     assert (status, body["error"]) == (503, "broker_token_unavailable"), body
     assert len(fake_github.prs()) == made
 
