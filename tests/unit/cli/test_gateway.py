@@ -6,6 +6,8 @@ from __future__ import annotations
 import ipaddress
 
 import pytest
+import yaml
+from repo_files import REPO
 
 from airlock import cli
 from airlock.cli import build_parser
@@ -109,3 +111,21 @@ def test_without_pod_dns_stays_on_port_53() -> None:
     args = build_parser(["gateway"]).parse_args(["gateway", "--listen", "127.0.0.1"])
     check_host_options(args)
     assert args.dns_port == 53 and args.admin is None  # STATE_DIR/admin.sock
+
+
+def test_the_sandbox_pods_sidecar_and_fence_are_commands_airlock_takes(monkeypatch: pytest.MonkeyPatch) -> None:
+    # deploy/kubernetes/base/sandbox-pod.yaml: the sidecar's arguments, with the pod's name in $HOSTNAME.
+    spec = yaml.safe_load((REPO / "deploy" / "kubernetes" / "base" / "sandbox-pod.yaml").read_text())
+    init = {c["name"]: c for c in spec["template"]["spec"]["initContainers"]}
+    monkeypatch.setenv("HOSTNAME", "airlock-sandbox-x7k2p")
+    config = pod(init["airlock-gateway"]["args"])
+    fence = build_parser(["fence"]).parse_args(init["airlock-fence"]["args"])
+    assert (
+        config.relay is not None and config.trust_dir is not None and config.sandboxes[0].id == "airlock-sandbox-x7k2p"
+    )
+    assert (fence.proxy_port, fence.transparent_port, fence.dns_port) == (
+        config.proxy_port, config.transparent_port, config.dns_port
+    )  # fmt: skip
+    admin_port = int(str(config.admin).rpartition(":")[2])
+    assert fence.gateway_port == [admin_port] and config.relay.port not in fence.gateway_port
+    assert int(fence.gateway_uid) == init["airlock-gateway"]["securityContext"]["runAsUser"]
