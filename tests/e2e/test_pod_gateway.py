@@ -234,6 +234,8 @@ def test_the_pod_is_one_sandbox_on_the_sidecars_default_ports(pod_gateway: PodGa
     assert {r["sandbox"] for r in decided} == {SANDBOX} and {r["client"] for r in decided} <= {POD_IP, "127.0.0.1"}
     status = pod.run([*GATEWAY_USER, AIRLOCK, "status", "--admin", f"127.0.0.1:{ADMIN}"])
     assert status.returncode == 0 and SANDBOX in status.stdout, status
+    ready = pod.run([*GATEWAY_USER, "curl", "-sS", f"http://127.0.0.1:{ADMIN}/readyz"])  # proxy, DNS, relay: up
+    assert json.loads(ready.stdout) == {"ready": True, "problems": {}}, ready
 
 
 # --- policy reload from the ConfigMap ----------------------------------------------------------------------------
