@@ -20,8 +20,9 @@ from pathlib import Path
 
 import pytest
 
+from airlock.verify.topology import DNS_SERVER, FAKE_ADDRS, FakeNet, Topology
+
 from gateway_proc import AIRLOCK, E2E_POLICY
-from topology import DNS_SERVER, FAKE_ADDRS, FakeNet, Topology
 
 POD_IP, POD_PEER_IP = "10.252.0.2", "10.252.0.1"
 POD_IP6, POD_PEER_IP6 = "fd00:a1::2", "fd00:a1::1"  # the link's only IPv6 (the net namespace has IPv6 off)
