@@ -1,0 +1,393 @@
+"""The probe `airlock verify` runs inside its sandbox: each attempt its checks name, made once. What an attempt
+saw is kept for the record only; the checks judge by what reached the fake internet and the host.
+
+Standard library alone, and no import of airlock: it runs under the system's python3 in the sandbox
+(`python3 -I -c SOURCE CONFIG`). It writes, in its working directory, `airlock-verify/probe.json` (each attempt it
+made: what it saw) and `airlock-verify/*.bin` (every byte it could read of what the gateway keeps from it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import json
+import os
+import socket
+import ssl
+import struct
+import subprocess
+import sys
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from functools import partial
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+TIMEOUT = 3.0
+OUT = Path("airlock-verify")
+READ_LIMIT = 1 << 20  # bytes of one file
+# Threads count against --pids (256 by default): a dozen attempts at once, each with up to 8 actions.
+OUTER_WORKERS, INNER_WORKERS = 12, 8
+_DUMPING = threading.Lock()  # one writer at a time, so that no file's bytes interleave with another's
+
+# The addresses of the fake internet the attempts dial where no name leads (airlock.verify.topology.FAKE_ADDRS).
+ALLOWED_ADDR = "192.0.2.10"
+CANARY_ADDR = "203.0.113.66"
+OTHER_ADDR = "198.51.100.10"
+DNS_ADDR = "192.0.2.53"
+METADATA = "169.254.169.254"
+# 169.254.169.254 as a URL may also spell it: decimal, hex, octal, mixed, IPv4-mapped IPv6, short forms.
+METADATA_SPELLINGS = (
+    "2852039166",
+    "0xa9fea9fe",
+    "0251.0376.0251.0376",
+    "0xa9.0xfe.0xa9.0xfe",
+    "169.254.43518",
+    "[::ffff:169.254.169.254]",
+    "[::ffff:a9fe:a9fe]",
+)
+
+Attempt = Callable[[dict[str, Any]], str]
+
+
+def _outcome(action: Callable[[], str]) -> str:
+    """What an attempt saw, as one short line; an error is an outcome like any other."""
+    try:
+        return action()
+    except (OSError, ValueError) as e:
+        return f"{type(e).__name__}: {e}"
+
+
+def _proxy() -> tuple[str, int]:
+    url = urlsplit(os.environ.get("HTTPS_PROXY") or os.environ.get("HTTP_PROXY") or "http://127.0.0.1:3128")
+    return url.hostname or "127.0.0.1", url.port or 3128
+
+
+def _first_line(sock: socket.socket) -> str:
+    data = b""
+    while b"\r\n" not in data and len(data) < 4096:
+        chunk = sock.recv(4096)
+        if not chunk:
+            break
+        data += chunk
+    return data.split(b"\r\n", 1)[0].decode("latin-1") or "closed without an answer"
+
+
+def _connect(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.settimeout(TIMEOUT)
+    try:
+        sock.connect((host, port))
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+def tunnel(host: str, port: int) -> tuple[socket.socket, str]:
+    """A CONNECT through the gateway's proxy: the socket and the proxy's status line."""
+    sock = _connect(*_proxy())
+    sock.sendall(f"CONNECT {host}:{port} HTTP/1.1\r\nHost: {host}:{port}\r\n\r\n".encode())
+    return sock, _first_line(sock)
+
+
+def tls_get(sock: socket.socket, sni: str, host: str, path: str) -> str:
+    """A GET over TLS on `sock` with this SNI and Host; the answer's status line (the probe trusts any
+    certificate: what it checks is where its bytes go, not whom it talks to)."""
+    context = ssl.create_default_context()
+    context.check_hostname, context.verify_mode = False, ssl.CERT_NONE
+    with context.wrap_socket(sock, server_hostname=sni) as tls:
+        tls.sendall(f"GET {path} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n".encode())
+        return _first_line(tls)
+
+
+def connect_only(host: str, port: int) -> str:
+    sock, status = tunnel(host, port)
+    sock.close()
+    return f"CONNECT {host}:{port}: {status}"
+
+
+def connect_then_tls(host: str, port: int, sni: str, path: str) -> str:
+    sock, status = tunnel(host, port)
+    with sock:
+        if " 200" not in status:
+            return f"CONNECT {host}:{port}: {status}"
+        return f"CONNECT {host}:{port}: {status}; TLS {sni}: {tls_get(sock, sni, host, path)}"
+
+
+def proxy_get(url: str, host: str) -> str:
+    """A plain-HTTP request through the proxy for `url`, whose Host header says `host`."""
+    with _connect(*_proxy()) as sock:
+        sock.sendall(f"GET {url} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n".encode())
+        return f"GET {url} (Host {host}) via proxy: {_first_line(sock)}"
+
+
+def direct(host: str, port: int, payload: bytes) -> str:
+    """`payload` sent to host:port without the proxy."""
+    with _connect(host, port) as sock:
+        sock.sendall(payload)
+        return f"{host}:{port} direct: {_first_line(sock)}"
+
+
+def resolve(name: str) -> list[str]:
+    return sorted({str(info[4][0]) for info in socket.getaddrinfo(name, 443, proto=socket.IPPROTO_TCP)})
+
+
+def dns_question(name: str) -> bytes:
+    labels = b"".join(bytes([len(part)]) + part.encode() for part in name.split("."))
+    return struct.pack(">HHHHHH", 0x4A4C, 0x0100, 1, 0, 0, 0) + labels + b"\0" + struct.pack(">HH", 1, 1)
+
+
+def dns_udp(server: str, name: str) -> str:
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        sock.settimeout(TIMEOUT)
+        sock.sendto(dns_question(name), (server, 53))
+        return f"DNS/UDP {server}: {len(sock.recv(4096))} bytes back"
+
+
+def dns_tcp(server: str, name: str) -> str:
+    question = dns_question(name)
+    with _connect(server, 53) as sock:
+        sock.sendall(struct.pack(">H", len(question)) + question)
+        return f"DNS/TCP {server}: {len(sock.recv(4096))} bytes back"
+
+
+def each(*actions: Callable[[], str]) -> str:
+    """The actions' outcomes, side by side (a blackholed one costs its timeout once, not once per action)."""
+    with ThreadPoolExecutor(max_workers=INNER_WORKERS) as pool:
+        return "; ".join(pool.map(_outcome, actions))
+
+
+# --------------------------------------------------------------------------------------------------- network
+
+
+def reach(config: dict[str, Any]) -> str:
+    path = f"/airlock-verify/{config['nonce']}/reach"
+    return each(*(lambda host=host: connect_then_tls(host, 443, host, path) for host in config["allowed"]))
+
+
+def front_address(config: dict[str, Any]) -> str:
+    """The front host's address as the sandbox's DNS answers it (the fake internet's allowed upstream if not)."""
+    try:
+        return resolve(config["front"])[0]
+    except (OSError, IndexError):
+        return ALLOWED_ADDR
+
+
+def direct_tcp(config: dict[str, Any]) -> str:
+    return _outcome(lambda: direct(front_address(config), 22, b"SSH-2.0-airlock-verify\r\n"))
+
+
+def udp(config: dict[str, Any]) -> str:
+    def send(address: str) -> str:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+            sock.sendto(b"airlock-verify", (address, 9999))
+            return f"UDP {address}:9999 sent"
+
+    return each(*(lambda a=a: send(a) for a in (front_address(config), CANARY_ADDR)))
+
+
+def icmp(config: dict[str, Any]) -> str:
+    echo = struct.pack(">BBHHH", 8, 0, 0xF7FF, 0, 0)  # type 8 (echo request), checksum precomputed for id/seq 0
+
+    def ping_socket(kind: int) -> str:
+        with socket.socket(socket.AF_INET, kind, socket.IPPROTO_ICMP) as sock:
+            sock.sendto(echo, (front_address(config), 0))
+            return f"ICMP echo sent ({'raw' if kind == socket.SOCK_RAW else 'datagram'} socket)"
+
+    def ping_program() -> str:
+        argv = ["ping", "-c", "1", "-W", "1", front_address(config)]
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=5, check=False)
+        return f"ping: exit {done.returncode}"
+
+    return each(lambda: ping_socket(socket.SOCK_DGRAM), lambda: ping_socket(socket.SOCK_RAW), ping_program)
+
+
+def ipv6(config: dict[str, Any]) -> str:
+    payload = b"airlock-verify\r\n"
+    return each(lambda: direct("2001:db8::10", 80, payload), lambda: direct(f"::ffff:{OTHER_ADDR}", 22, payload))
+
+
+def dns_other_resolver(config: dict[str, Any]) -> str:
+    name = f"r-{config['nonce']}.{config['canary']}"
+    return each(
+        lambda: dns_udp(DNS_ADDR, name), lambda: dns_tcp(DNS_ADDR, name),
+        lambda: dns_udp("8.8.8.8", name), lambda: dns_tcp("1.1.1.1", name),
+    )  # fmt: skip
+
+
+def dns_unlisted(config: dict[str, Any]) -> str:
+    name = f"u-{config['nonce']}.{config['canary']}"
+    return each(lambda: f"resolved {resolve(name)}", lambda: f"resolved {resolve('u2-' + name)} (again)")
+
+
+def metadata_literal(config: dict[str, Any]) -> str:
+    return each(
+        lambda: proxy_get(f"http://{METADATA}/latest/meta-data/", METADATA),
+        lambda: connect_then_tls(METADATA, 80, METADATA, "/"),
+        lambda: direct(METADATA, 80, b"GET /latest/meta-data/ HTTP/1.1\r\nHost: 169.254.169.254\r\n\r\n"),
+    )
+
+
+def metadata_spellings(config: dict[str, Any]) -> str:
+    attempts: list[Callable[[], str]] = []
+    for spelling in METADATA_SPELLINGS:
+        attempts.append(partial(proxy_get, f"http://{spelling}:8080/latest/meta-data/", f"{spelling}:8080"))
+        attempts.append(partial(connect_only, spelling, 8080))
+    attempts.append(partial(direct, f"::ffff:{METADATA}", 8080, b"GET / HTTP/1.1\r\nHost: metadata\r\n\r\n"))
+    return each(*attempts)
+
+
+def metadata_name(config: dict[str, Any]) -> str:
+    alias = config["metadata_alias"]
+    path = f"/airlock-verify/{config['nonce']}/metadata"
+
+    def direct_by_name() -> str:
+        return "; ".join(_outcome(partial(direct, address, 443, b"\x16\x03\x01")) for address in resolve(alias))
+
+    return each(lambda: connect_then_tls(alias, 443, alias, path), direct_by_name)
+
+
+def connect_denied(config: dict[str, Any]) -> str:
+    path = f"/airlock-verify/{config['nonce']}/denied"
+    return each(*(lambda n=name: connect_then_tls(n, 443, n, path) for name in config["canaries"]))
+
+
+def sni_fronting(config: dict[str, Any]) -> str:
+    front, canary = config["front"], config["canaries"][0]
+    path = f"/airlock-verify/{config['nonce']}/sni"
+
+    def transparent() -> str:
+        with _connect(front_address(config), 443) as sock:
+            return f"direct TLS SNI {canary}: {tls_get(sock, canary, canary, path)}"
+
+    return each(lambda: connect_then_tls(front, 443, canary, path), transparent)
+
+
+def host_fronting(config: dict[str, Any]) -> str:
+    front, canary = config["front"], config["canaries"][0]
+    path = f"/airlock-verify/{config['nonce']}/host"
+    request = f"GET {path} HTTP/1.1\r\nHost: {canary}\r\nConnection: close\r\n\r\n".encode()
+    return each(
+        lambda: proxy_get(f"http://{front}{path}", canary),
+        lambda: proxy_get(path, canary),
+        lambda: direct(front_address(config), 80, request),
+    )
+
+
+def other_port(config: dict[str, Any]) -> str:
+    front = config["front"]
+    path = f"/airlock-verify/{config['nonce']}/port"
+    return each(partial(connect_then_tls, front, 8443, front, path), partial(connect_only, front, 9999))
+
+
+# --------------------------------------------------------------------------------------------------- files
+
+
+def write(path: str, text: str) -> str:
+    Path(path).write_text(text)
+    return f"wrote {path}"
+
+
+def write_inside(config: dict[str, Any]) -> str:
+    return _outcome(lambda: write(f"inside-{config['nonce']}", config["nonce"]))
+
+
+def write_outside(config: dict[str, Any]) -> str:
+    nonce = config["nonce"]
+    return each(
+        lambda: write(f"{config['outside']}/direct-{nonce}", nonce),
+        lambda: write(f"/tmp/airlock-verify-{nonce}", nonce),
+    )
+
+
+def write_symlink(config: dict[str, Any]) -> str:
+    def through_link() -> str:
+        os.symlink(config["outside"], f"link-{config['nonce']}")
+        return write(f"link-{config['nonce']}/symlink-{config['nonce']}", config["nonce"])
+
+    return _outcome(through_link)
+
+
+def write_proc_root(config: dict[str, Any]) -> str:
+    nonce, outside = config["nonce"], config["outside"]
+    return each(
+        lambda: write(f"/proc/self/root{outside}/procroot-{nonce}", nonce),
+        lambda: write(f"/proc/1/root{outside}/proc1-{nonce}", nonce),
+    )
+
+
+# --------------------------------------------------------------------------------------------------- secrets
+
+
+def read_all(patterns: list[str], into: str) -> str:
+    """Every file the patterns find (folders walked), appended to `into` as far as it could be read."""
+    found, read = 0, 0
+    for pattern in patterns:
+        for top in glob.glob(pattern):
+            for path in [top] if os.path.isfile(top) else _walk(top):
+                found += 1
+                with contextlib.suppress(OSError), open(path, "rb") as f, _DUMPING, (OUT / into).open("ab") as dump:
+                    dump.write(f.read(READ_LIMIT))
+                    read += 1
+    return f"{read} of {found} files read"
+
+
+def _walk(top: str) -> list[str]:
+    return [os.path.join(folder, name) for folder, _, names in os.walk(top) for name in names]
+
+
+def read_state(config: dict[str, Any]) -> str:
+    return read_all(config["gateway_paths"], "state.bin")
+
+
+def read_secret(config: dict[str, Any]) -> str:
+    env = json.dumps(dict(os.environ)).encode()
+    (OUT / "env.json").write_bytes(env)
+    return f"{read_all([config['secret_file'], '/proc/self/environ'], 'secret.bin')}; environment kept"
+
+
+def read_host_env(config: dict[str, Any]) -> str:
+    return read_all(["/proc/*/environ", "/proc/*/cmdline"], "host.bin")
+
+
+ATTEMPTS: dict[str, Attempt] = {
+    "reach": reach,
+    "direct-tcp": direct_tcp,
+    "udp": udp,
+    "icmp": icmp,
+    "ipv6": ipv6,
+    "dns-other-resolver": dns_other_resolver,
+    "dns-unlisted": dns_unlisted,
+    "metadata-literal": metadata_literal,
+    "metadata-spellings": metadata_spellings,
+    "metadata-name": metadata_name,
+    "connect-denied": connect_denied,
+    "sni-fronting": sni_fronting,
+    "host-fronting": host_fronting,
+    "other-port": other_port,
+    "write-inside": write_inside,
+    "write-outside": write_outside,
+    "write-symlink": write_symlink,
+    "write-proc-root": write_proc_root,
+    "read-state": read_state,
+    "read-secret": read_secret,
+    "read-host-env": read_host_env,
+}
+
+
+def main(argv: list[str]) -> int:
+    config = json.loads(argv[1])
+    OUT.mkdir()
+    names = [name for name in config["attempts"] if name in ATTEMPTS]
+    with ThreadPoolExecutor(max_workers=OUTER_WORKERS) as pool:
+        seen = dict(zip(names, pool.map(lambda name: _outcome(lambda: ATTEMPTS[name](config)), names), strict=True))
+    (OUT / "probe.json").write_text(json.dumps(seen, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))

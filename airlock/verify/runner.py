@@ -1,0 +1,242 @@
+"""One `airlock verify` run: its own fake internet, one real sandbox through `airlock run` with the user's policy
+and options running every probe, the evidence gathered outside it, the verdicts.
+
+The fake internet is private network namespaces of a per-run prefix (`airlock.verify.topology`), never linked to
+the host's interfaces; `airlock run` runs inside its gateway namespace (where everything it dials lands in the
+fake internet or nowhere), with the host's cgroups mounted there as a host run sees them. The gateway resolves
+through the fake DNS upstream and trusts only the fake internet's CA. Everything made here is removed at the end,
+and only the processes started here are stopped.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from airlock.errors import AirlockError
+from airlock.policy import SANDBOX_LINK_NETWORKS
+from airlock.sandbox import cgroups
+from airlock.sandbox.fence import NETNS_TABLE_PREFIX
+from airlock.sandbox.netns import resolve_user
+
+from . import probe
+from .ca import FakeCA, make_fake_ca
+from .checks import PLACEHOLDER_VAR, SECRET_NAME, Check, Evidence, Outcome, error, judge
+from .hostcgroups import with_host_cgroups
+from .targets import UNLISTED, Targets
+from .topology import DNS_SERVER, FAKE_ADDRS, FakeNet, Topology, new_prefix
+
+RUN_TIMEOUT = 60  # seconds the sandbox may take (`airlock run --timeout`): the probe needs a few
+HOST_CANARY_VAR = "AIRLOCK_VERIFY_HOST_CANARY"
+# Never routed from the gateway namespace: checked before anything runs there, as the tests check theirs.
+REAL_ADDRESSES = ("8.8.8.8", "1.1.1.1", "10.0.0.1", "192.168.1.1")
+
+
+class VerifyError(AirlockError):
+    """The fake internet or the sandbox could not be set up: nothing could be judged."""
+
+
+@dataclass(frozen=True)
+class Area:
+    """The run's folders on the host: `private` root's alone (the CA, the secret, the launcher's temporary state
+    directory), `work` the sandbox's working directory, `outside` a folder its user could write on the host."""
+
+    base: Path
+    private: Path
+    work: Path
+    outside: Path
+    tmp: Path  # TMPDIR of `airlock run`: where its temporary state directory is made
+
+    @classmethod
+    @contextlib.contextmanager
+    def made(cls, user: str | None) -> Iterator[Area]:
+        base = Path(tempfile.mkdtemp(prefix="airlock-verify-", dir="/var/tmp"))
+        try:
+            base.chmod(0o755)
+            area = cls(base, base / "private", base / "work", base / "outside", base / "private" / "tmp")
+            area.private.mkdir(mode=0o700)
+            area.tmp.mkdir(mode=0o700)
+            area.work.mkdir(mode=0o755)
+            pw = resolve_user(user)
+            os.chown(area.work, pw.pw_uid, pw.pw_gid)
+            area.outside.mkdir()
+            area.outside.chmod(0o1777)  # only the sandbox's isolation keeps its user from writing here
+            yield area
+        finally:
+            shutil.rmtree(base, ignore_errors=True)
+
+
+@dataclass(frozen=True)
+class Request:
+    """What to verify: the policy file (None: the packaged default), the profile's targets, the options passed to
+    `airlock run` as given (profile, isolation, limits, grants), the checks."""
+
+    policy_path: str
+    targets: Targets
+    run_options: list[str]
+    checks: tuple[Check, ...]
+    user: str | None = None
+
+
+def verify(request: Request) -> list[Outcome]:
+    nonce = secrets.token_hex(6)
+    with _sigterm_as_interrupt(), Area.made(request.user) as area:
+        ca = make_fake_ca(area.private / "ca", request.targets.names())
+        topology = Topology(new_prefix(), sandbox=False)
+        try:
+            _build(topology)
+            net = FakeNet(ca.leaf_cert, ca.leaf_key, zone=request.targets.zone())
+            try:
+                net.start(topology, area.private / "fakenet")
+                return _verify_in(topology, net, ca, area, request, nonce)
+            finally:
+                net.stop()
+        finally:
+            topology.destroy()
+            (Path("/tmp") / f"airlock-verify-{nonce}").unlink(missing_ok=True)  # a weakened run's write
+
+
+@contextlib.contextmanager
+def _sigterm_as_interrupt() -> Iterator[None]:
+    """SIGTERM (a CI job's timeout, `kill`) as ^C: the fake internet and the run's folders are removed either way."""
+
+    def interrupt(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _build(topology: Topology) -> None:
+    try:
+        topology.create()
+        for destination in (*FAKE_ADDRS, *REAL_ADDRESSES):
+            topology.assert_route_inside(topology.gw, destination)
+    except (RuntimeError, AssertionError, OSError) as e:
+        raise VerifyError(f"the fake internet could not be built: {e}") from None
+    _count_packets(topology)
+
+
+def _verify_in(topology: Topology, net: FakeNet, ca: FakeCA, area: Area, request: Request, nonce: str) -> list[Outcome]:
+    sandbox_id = f"{topology.prefix}v"
+    secret_value, host_canary = f"verify-secret-{secrets.token_hex(16)}", f"verify-host-{secrets.token_hex(16)}"
+    secret_file = area.private / "secret"
+    secret_file.touch(mode=0o600)
+    secret_file.write_text(secret_value)
+    config = _probe_config(request, area, nonce, secret_file)
+    argv = [
+        sys.executable, "-I", "-m", "airlock", "run", "--policy", request.policy_path,
+        "--upstream-dns", DNS_SERVER, "--upstream-ca", str(ca.ca_cert), "--sandbox-id", sandbox_id,
+        "--workdir", str(area.work), "--secret", f"{SECRET_NAME}=file:{secret_file}",
+        "--placeholder-env", f"{PLACEHOLDER_VAR}={SECRET_NAME}", "--git-identity", "none", "--quiet",
+        "--timeout", str(RUN_TIMEOUT), *request.run_options,
+        "--", "python3", "-I", "-c", Path(probe.__file__).read_text(), json.dumps(config),
+    ]  # fmt: skip
+    env = os.environ | {HOST_CANARY_VAR: host_canary, "TMPDIR": str(area.tmp)}
+    try:
+        done = topology.run(topology.gw, with_host_cgroups(argv), timeout=RUN_TIMEOUT + 60, env=env)
+    except subprocess.TimeoutExpired:
+        raise VerifyError(f"the sandbox did not end within {RUN_TIMEOUT + 60} seconds") from None
+    evidence = Evidence(
+        nonce, request.targets, _probe_record(area), net.stats(), _packets(topology), area.work, area.outside,
+        Path("/tmp") / f"airlock-verify-{nonce}",
+        {
+            "the fake internet's CA key": ca.ca_key.read_bytes(), "the --secret": secret_value.encode(),
+            "the host's environment": host_canary.encode(),
+        },
+        _leftovers(topology, sandbox_id, area),
+    )  # fmt: skip
+    if not evidence.probe:
+        why = (done.stderr.strip().splitlines() or [f"exit {done.returncode}"])[-1]
+        return [judge(c, evidence) if c.attempt is None else error(c, f"the sandbox ran no probe: {why}")
+                for c in request.checks]  # fmt: skip
+    return [judge(check, evidence) for check in request.checks]
+
+
+def _probe_config(request: Request, area: Area, nonce: str, secret_file: Path) -> dict[str, Any]:
+    targets = request.targets
+    return {
+        "nonce": nonce,
+        "attempts": [c.attempt for c in request.checks if c.attempt and c.needs(targets) is None],
+        "allowed": list(targets.allowed), "front": targets.front, "canaries": list(targets.canaries),
+        "canary": UNLISTED, "metadata_alias": targets.metadata_alias, "outside": str(area.outside),
+        "gateway_paths": [str(area.private), "/run/airlock", "/var/lib/airlock", "/tmp/airlock-run-*"],
+        "secret_file": str(secret_file),
+    }  # fmt: skip
+
+
+def _probe_record(area: Area) -> dict[str, str]:
+    """What the probe says it attempted (shown beside the verdicts; an attempt missing is a check not run)."""
+    record = area.work / "airlock-verify" / "probe.json"
+    try:
+        seen = json.loads(record.read_text())
+    except (OSError, ValueError):
+        return {}
+    return {str(k): str(v) for k, v in seen.items()} if isinstance(seen, dict) else {}
+
+
+# --------------------------------------------------------------------------------------------------- packets
+
+_COUNTERS = ("from_sandbox", "icmp_echo", "ipv6_frames")
+
+
+def _counter_table(topology: Topology) -> str:
+    return f"{topology.prefix}_verify"
+
+
+def _count_packets(topology: Topology) -> None:
+    """Counters on the ingress of the fake internet's link (before any address or protocol handling, so that even
+    IPv6 it has turned off is counted): what came from a sandbox's own address (it went past the gateway), ICMP
+    echo requests, IPv6."""
+    pool = ", ".join(str(network) for network in SANDBOX_LINK_NETWORKS)
+    rules = f"""table netdev {_counter_table(topology)} {{
+        {"; ".join(f"counter {name} {{}}" for name in _COUNTERS)}
+        chain ingress {{
+            type filter hook ingress device "{topology.net_if}" priority 0; policy accept;
+            ip saddr {{ {pool} }} counter name from_sandbox
+            icmp type echo-request counter name icmp_echo
+            meta protocol ip6 counter name ipv6_frames
+        }}
+    }}"""
+    done = topology.run(topology.net, ["nft", "-f", "-"], input=rules)
+    if done.returncode != 0:
+        raise VerifyError(f"the fake internet's packet counters could not be set: {done.stderr.strip()}")
+
+
+def _packets(topology: Topology) -> dict[str, int]:
+    done = topology.run(topology.net, ["nft", "-j", "list", "counters", "table", "netdev", _counter_table(topology)])
+    if done.returncode != 0:
+        raise VerifyError(f"the fake internet's packet counters could not be read: {done.stderr.strip()}")
+    found = [item["counter"] for item in json.loads(done.stdout)["nftables"] if "counter" in item]
+    return {str(c["name"]): int(c["packets"]) for c in found}
+
+
+# --------------------------------------------------------------------------------------------------- leftovers
+
+
+def _leftovers(topology: Topology, sandbox_id: str, area: Area) -> dict[str, list[str]]:
+    """What of the run's sandbox is still there, by kind."""
+    namespaces = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=False).stdout
+    tables = topology.run(topology.gw, ["nft", "list", "tables"]).stdout.split("\n")
+    links = topology.run(topology.gw, ["ip", "-o", "link"]).stdout.split("\n")
+    return {
+        "namespace": [f"airlock-{sandbox_id}"] if f"airlock-{sandbox_id}" in namespaces.split() else [],
+        "fence": [line.strip() for line in tables if f"{NETNS_TABLE_PREFIX}{sandbox_id}" in line]
+        + [line.split(":")[1].strip() for line in links if f"alh{sandbox_id}" in line],
+        "cgroup": [str(p / sandbox_id) for p, _ in cgroups.host_parents().values() if (p / sandbox_id).exists()],
+        "state-dir": [str(p) for p in area.tmp.iterdir()],
+    }
