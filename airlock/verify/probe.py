@@ -105,9 +105,13 @@ def tls_get(sock: socket.socket, sni: str, host: str, path: str) -> str:
 
 
 def connect_only(host: str, port: int) -> str:
+    """A CONNECT that, once open, sends a line of its own (a gateway may wait for the first bytes to judge them)."""
     sock, status = tunnel(host, port)
-    sock.close()
-    return f"CONNECT {host}:{port}: {status}"
+    with sock:
+        if " 200" not in status:
+            return f"CONNECT {host}:{port}: {status}"
+        sock.sendall(b"airlock-verify\r\n")
+        return f"CONNECT {host}:{port}: {status}; then {_first_line(sock)}"
 
 
 def connect_then_tls(host: str, port: int, sni: str, path: str) -> str:

@@ -1,0 +1,130 @@
+"""`airlock verify`'s verdicts as a user reads them: the matrix, the JSON (valid under
+docs/verify-report.schema.json), the JUnit XML, the exit code; how a check is judged when its attempt is missing or
+the policy gives it nothing to try; the targets a policy gives the fake internet."""
+
+from __future__ import annotations
+
+import json
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import pytest
+from jsonschema import Draft202012Validator
+
+from airlock.cli import verify as cli_verify
+from airlock.cli.common import load_policy_file
+from airlock.policy import parse_policy
+from airlock.verify import checks, report
+from airlock.verify.checks import CHECKS, Evidence, Outcome, judge
+from airlock.verify.targets import UNLISTED, Targets, targets
+
+ROOT = Path(__file__).resolve().parents[3]
+SCHEMA = Draft202012Validator(json.loads((ROOT / "docs" / "verify-report.schema.json").read_text()))
+RUN = report.Run("netns", "/etc/airlock/policy.yaml", "default", "auto", 12.34)
+BY_ID = {check.id: check for check in CHECKS}
+
+
+def _outcomes(*results: tuple[str, checks.Result]) -> list[Outcome]:
+    return [Outcome(BY_ID[name], result, f"evidence of {name}", "what the probe saw") for name, result in results]
+
+
+def _evidence(tmp_path: Path, probe: dict[str, str], **stats: object) -> Evidence:
+    counters = {"connections": {}, "udp": {}, "dns_log": [], "sni": [], "http": []} | stats
+    alias_targets = Targets(("pypi.org",), (UNLISTED,), "github.com")
+    return Evidence("n0nce", alias_targets, probe, counters, {}, tmp_path, tmp_path, tmp_path / "tmp", {})
+
+
+def test_the_matrix_shows_each_check_its_result_and_evidence():
+    text = report.matrix(_outcomes(("udp", "held"), ("metadata-name", "failed"), ("write-inside", "error")))
+    lines = text.splitlines()
+    assert lines[0].split() == ["check", "result", "must", "/", "evidence"]
+    assert lines[1].split()[:2] == ["network/udp", "held"] and lines[2].strip() == "evidence: evidence of udp"
+    assert lines[3].split()[:2] == ["network/metadata-name", "FAILED"]
+    assert lines[5].split()[:2] == ["files/write-inside", "ERROR"]
+    assert lines[-1] == "1 held, 1 failed, 1 error"
+
+
+@pytest.mark.parametrize(
+    ("results", "code"),
+    [
+        ((("udp", "held"), ("icmp", "held"), ("metadata-name", "n/a")), 0),
+        ((("udp", "held"), ("icmp", "failed")), 1),
+        ((("udp", "failed"), ("icmp", "error")), 2),  # a check that could not run outweighs one that failed
+        ((), 2),  # nothing verified is not a pass
+    ],
+)
+def test_the_exit_code_is_0_only_when_every_check_that_applies_held(results, code):
+    assert report.exit_code(_outcomes(*results)) == code
+
+
+def test_the_json_is_valid_under_its_schema_and_says_each_verdict():
+    outcomes = _outcomes(("udp", "held"), ("icmp", "failed"), ("write-inside", "error"), ("metadata-name", "n/a"))
+    verdicts = report.as_json(RUN, outcomes)
+    SCHEMA.validate(verdicts)
+    assert verdicts["exit_code"] == 2 and verdicts["summary"] == {"held": 1, "failed": 1, "error": 1, "n/a": 1}
+    assert verdicts["checks"][1] == {
+        "group": "network", "id": "icmp", "must": BY_ID["icmp"].must, "result": "failed",
+        "evidence": "evidence of icmp", "probe": "what the probe saw",
+    }  # fmt: skip
+
+
+def test_the_schema_refuses_a_result_it_does_not_know():
+    verdicts = report.as_json(RUN, _outcomes(("udp", "held")))
+    verdicts["checks"][0]["result"] = "passed"
+    assert not SCHEMA.is_valid(verdicts)
+
+
+def test_the_junit_xml_has_a_suite_per_group_and_a_failure_or_error_per_check_that_did_not_hold():
+    outcomes = _outcomes(("udp", "held"), ("icmp", "failed"), ("write-inside", "error"), ("metadata-name", "n/a"))
+    root = ET.fromstring(report.as_junit(RUN, outcomes))
+    assert (root.get("tests"), root.get("failures"), root.get("errors"), root.get("skipped")) == ("4", "1", "1", "1")
+    suites = {suite.get("name"): suite for suite in root}
+    assert list(suites) == ["airlock verify network", "airlock verify files"]
+    cases = {case.get("name"): case for suite in root for case in suite}
+    assert cases["icmp"].find("failure").get("message") == "evidence of icmp"
+    assert cases["write-inside"].find("error") is not None and cases["metadata-name"].find("skipped") is not None
+    assert cases["udp"].find("failure") is None and cases["udp"].get("classname") == "airlock.verify.network"
+
+
+def test_a_check_whose_attempt_the_probe_did_not_make_is_an_error_not_a_pass(tmp_path: Path):
+    outcome = judge(BY_ID["udp"], _evidence(tmp_path, probe={}))
+    assert (outcome.result, outcome.evidence) == ("error", "the probe made no such attempt: the check could not run")
+
+
+def test_a_check_is_judged_by_what_reached_the_fake_internet_not_by_what_the_probe_saw(tmp_path: Path):
+    probe = {"metadata-name": "CONNECT github.com:443: HTTP/1.1 403 Forbidden"}
+    reached = _evidence(tmp_path, probe, connections={"169.254.169.254:443": 2})
+    outcome = judge(BY_ID["metadata-name"], reached)
+    assert (outcome.result, outcome.evidence) == ("failed", "2 connections at 169.254.169.254:443")
+    assert judge(BY_ID["metadata-name"], _evidence(tmp_path, probe)).result == "held"
+
+
+def test_a_check_the_policy_gives_nothing_to_try_is_not_applicable(tmp_path: Path):
+    evidence = _evidence(tmp_path, probe={})
+    lone = Evidence(**{**evidence.__dict__, "targets": Targets(("pypi.org",), (UNLISTED,), None)})
+    outcome = judge(BY_ID["metadata-name"], lone)
+    assert outcome.result == "n/a" and "two hosts" in outcome.evidence
+
+
+def test_the_default_policy_gives_each_allowed_host_an_upstream_and_each_denied_name_a_canary():
+    found = targets(load_policy_file(None).profile())
+    assert found.allowed == (
+        "pypi.org", "files.pythonhosted.org", "github.com", "api.github.com", "codeload.github.com",
+        "objects.githubusercontent.com",
+    )  # fmt: skip
+    assert found.metadata_alias == "raw.githubusercontent.com"
+    assert found.canaries == (UNLISTED, "gist.github.com", "gist.githubusercontent.com")
+    assert found.zone()["raw.githubusercontent.com"] == [("A", "169.254.169.254")]
+
+
+def test_a_wildcard_rule_is_tried_as_a_name_under_it_and_an_allowed_canary_is_no_canary():
+    policy = parse_policy(
+        "version: 1\ndefault_profile: p\nprofiles:\n  p:\n    allow:\n      - host: '*.airlock-verify.example'\n",
+        "p.yaml",
+    )
+    found = targets(policy.profile())
+    assert found.allowed == ("airlock-verify.airlock-verify.example",) and found.canaries == ()
+
+
+def test_the_command_line_offers_the_groups_the_checks_have():
+    assert cli_verify.GROUPS == checks.GROUPS == tuple(dict.fromkeys(check.group for check in CHECKS))
