@@ -14,7 +14,7 @@ from .common import NeedsRoot, UsageError, absolute, default_policy_path, load_p
 from .option_bounds import check_limits
 
 LIMITS = ("cpus", "memory", "pids", "nofile", "nproc")
-GROUPS = ("network", "files", "secrets", "destruction")  # airlock.verify.checks.GROUPS, light for --help
+GROUPS = ("network", "files", "secrets", "privilege", "destruction")  # airlock.verify.checks.GROUPS, light for --help
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -11,13 +11,51 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from .probe import ALLOWED_ADDR, CANARY_ADDR, METADATA, OTHER_ADDR
+from .probe import ALLOWED_ADDR, CANARY_ADDR, CHILD, METADATA, OTHER_ADDR
+from .processes import NAMESPACES, Process, descendants
 from .targets import UNLISTED, Targets
 
 Result = Literal["held", "failed", "error", "n/a"]
-GROUPS = ("network", "files", "secrets", "destruction")
+GROUPS = ("network", "files", "secrets", "privilege", "destruction")
+MARKED_PROGRAMS = ("setuid-sleep", "capability-sleep")  # copies of sleep, setuid root / with file capabilities
+# The probe's command line: these words, its source and configuration, the mark. How the host finds its process
+# (the launcher's own, bubblewrap's, carry the whole command line too, but do not start with it).
+PROBE_ARGV, PROBE_MARK = ("python3", "-I", "-c"), "airlock-verify-probe"
+# What a descriptor links to when it is a kernel object the sandbox must not make.
+KERNEL_OBJECTS = ("anon_inode:[io_uring]", "anon_inode:bpf-map", "anon_inode:bpf-prog", "anon_inode:[userfaultfd]",
+                  "anon_inode:[perf_event]")  # fmt: skip
 PLACEHOLDER_VAR, SECRET_NAME = "AIRLOCK_VERIFY_SECRET", "verify"
 PLACEHOLDER = f"airlock-placeholder-{SECRET_NAME}"
+
+
+class NotJudged(Exception):
+    """The evidence a check needs is not there: the check could not run."""
+
+
+@dataclass(frozen=True)
+class Sandboxed:
+    """The sandbox's processes as the host saw them while the probe's children held what they got."""
+
+    processes: list[Process]
+    raw_sockets: int  # raw and packet sockets open in its network namespace
+
+    def probe(self) -> Process:
+        found = next((p for p in self.processes if p.cmdline[:3] == PROBE_ARGV and p.marked(PROBE_MARK)), None)
+        if found is None:
+            raise NotJudged("the probe's process was not among the sandbox's: nothing to judge")
+        return found
+
+    def tree(self) -> list[Process]:
+        """The probe and everything it started."""
+        return descendants(self.processes, self.probe())
+
+    def children(self, *kinds: str) -> list[Process]:
+        """The probe's holding children of these kinds; NotJudged when one is missing (it died: its step unseen)."""
+        found = [p for p in self.processes for kind in kinds if p.marked(f"{CHILD}-{kind}")]
+        missing = [kind for kind in kinds if not any(p.marked(f"{CHILD}-{kind}") for p in found)]
+        if missing:
+            raise NotJudged(f"the probe's {', '.join(missing)} child was not seen: its step could not be judged")
+        return found
 
 
 @dataclass(frozen=True)
@@ -34,6 +72,7 @@ class Evidence:
     host_tmp: Path  # what the probe's write to /tmp would be on the host's /tmp
     secrets: dict[str, bytes]  # what the sandbox must never hold: name -> its bytes
     leftovers: dict[str, list[str]] = field(default_factory=dict)  # destruction: kind -> what is left
+    sandboxed: Sandboxed = field(default_factory=lambda: Sandboxed([], 0))
 
     def connections(self, address: str, port: int) -> int:
         return int(self.stats["connections"].get(f"{address}:{port}", 0))
@@ -77,7 +116,10 @@ def judge(check: Check, evidence: Evidence) -> Outcome:
     seen = evidence.probe.get(check.attempt) if check.attempt else None
     if check.attempt and seen is None:
         return Outcome(check, "error", "the probe made no such attempt: the check could not run")
-    held, why = check.judge(evidence)
+    try:
+        held, why = check.judge(evidence)
+    except NotJudged as e:
+        return Outcome(check, "error", str(e), seen)
     return Outcome(check, "held" if held else "failed", why, seen)
 
 
@@ -199,6 +241,61 @@ def _nothing_left(kind: str) -> Judge:
     return judged
 
 
+def _no_root(ev: Evidence) -> tuple[bool, str]:
+    tree = ev.sandboxed.tree()
+    marked = [p for p in tree if p.cmdline[:1] and Path(p.cmdline[0]).name in MARKED_PROGRAMS]
+    if not marked:
+        raise NotJudged("the marked programs' processes were not seen")
+    rooted = [p.pid for p in tree if 0 in p.ids()]
+    gained = [p.pid for p in marked if int(p.status.get("CapPrm", "0"), 16) or int(p.status.get("CapEff", "0"), 16)]
+    why = (
+        f"{len(marked)} marked programs ran; processes with a root ID: {len(rooted)}, with capabilities: {len(gained)}"
+    )
+    return not rooted and not gained, why
+
+
+def _locked(ev: Evidence) -> tuple[bool, str]:
+    tree = ev.sandboxed.tree()
+    loose = [p.pid for p in tree if p.status.get("NoNewPrivs") != "1" or p.status.get("Seccomp") != "2"]
+    capable = [p.pid for p in tree if any(int(p.status.get(c, "0"), 16) for c in ("CapEff", "CapPrm", "CapAmb"))]
+    why = f"of the probe's {len(tree)} processes: {len(loose)} without no-new-privs and seccomp, {len(capable)} capable"
+    return not loose and not capable, why
+
+
+def _same_namespaces(ev: Evidence) -> tuple[bool, str]:
+    own = ev.sandboxed.probe().namespaces
+    children = ev.sandboxed.children("userns", "netns", "mountns")
+    moved = sorted({name for p in children for name in NAMESPACES if p.namespaces[name] != own[name]})
+    return (
+        not moved,
+        f"new namespaces beside the probe's: {', '.join(moved) or 'none'}",
+    )
+
+
+def _not_mounted(ev: Evidence) -> tuple[bool, str]:
+    ev.sandboxed.children("mount")
+    mounted = [p.pid for p in ev.sandboxed.tree() if any(f"mnt-{ev.nonce}" in m for m in p.mount_points)]
+    return not mounted, f"{len(mounted)} of the probe's processes see a mount on its mount point"
+
+
+def _not_traced(ev: Evidence) -> tuple[bool, str]:
+    ev.sandboxed.children("ptrace")
+    traced = [p.pid for p in ev.sandboxed.processes if p.status.get("TracerPid", "0") != "0"]
+    return not traced, f"{len(traced)} of the sandbox's processes traced"
+
+
+def _no_raw_sockets(ev: Evidence) -> tuple[bool, str]:
+    ev.sandboxed.children("raw-socket", "packet-socket")
+    n = ev.sandboxed.raw_sockets
+    return n == 0, f"{n} raw or packet sockets in the sandbox's network namespace"
+
+
+def _no_kernel_objects(ev: Evidence) -> tuple[bool, str]:
+    children = ev.sandboxed.children("io_uring", "bpf", "userfaultfd", "perf_event")
+    held = sorted({link for p in children for link in p.descriptors if link in KERNEL_OBJECTS})
+    return not held, f"descriptors the probe's children hold: {', '.join(held) or 'none of io_uring, bpf, ...'}"
+
+
 def _front(targets: Targets) -> str | None:
     return None if targets.front else "the profile allows no host on port 443"
 
@@ -257,6 +354,16 @@ CHECKS: tuple[Check, ...] = (
           "read-secret"),
     Check("secrets", "host-environment", "the host's environment stays out", _secrets_unread(("the host's "
           "environment",)), "read-host-env"),
+    Check("privilege", "setuid", "a setuid-root or file-capability program gains nothing: no root ID, no capability",
+          _no_root, "setuid"),
+    Check("privilege", "no-new-privs", "every process of the probe runs with no-new-privs, seccomp, no capability",
+          _locked, "setuid"),
+    Check("privilege", "namespaces", "no new user, network or mount namespace", _same_namespaces, "namespaces"),
+    Check("privilege", "mount", "no mount", _not_mounted, "mount"),
+    Check("privilege", "ptrace", "no process traced (PTRACE_TRACEME)", _not_traced, "ptrace"),
+    Check("privilege", "raw-sockets", "no raw or packet socket", _no_raw_sockets, "raw-sockets"),
+    Check("privilege", "kernel-objects", "no io_uring, bpf map, userfaultfd or perf event", _no_kernel_objects,
+          "kernel-objects"),
     Check("destruction", "namespace", "no network namespace of the run is left", _nothing_left("namespace")),
     Check("destruction", "fence", "no nftables table or link of the run is left", _nothing_left("fence")),
     Check("destruction", "cgroup", "no cgroup of the run is left", _nothing_left("cgroup")),

@@ -18,6 +18,7 @@ import struct
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
@@ -358,6 +359,79 @@ def read_host_env(config: dict[str, Any]) -> str:
     return read_all(["/proc/*/environ", "/proc/*/cmdline"], "host.bin")
 
 
+# --------------------------------------------------------------------------------------------------- privilege
+
+CHILD = "airlock-verify-child"  # in each holding child's argv: how the checks find it among the host's processes
+RELEASE = OUT / "release"  # made by `airlock verify` once it has looked at the sandbox's processes
+READY = OUT / "ready"  # made here once every attempt is made (and each holding child has made its own)
+HOLD_LIMIT = 30.0  # seconds a child (and the probe) waits for the release
+# A child makes one escalation step, says what it got, and holds what it got (a namespace, a socket, a descriptor,
+# a tracer) until released: the host then sees the sandbox's processes as the step left them.
+_CHILD = """
+import ctypes, os, socket, sys, time
+libc = ctypes.CDLL(None, use_errno=True)
+libc.syscall.restype = ctypes.c_long
+def check(got):
+    if got < 0:
+        raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()))
+    return got
+def call(number, *args):  # whole registers, as libc passes them
+    return check(libc.syscall(ctypes.c_long(number), *[ctypes.c_long(a) if isinstance(a, int) else a for a in args]))
+held = []
+try:
+    exec(sys.argv[3])
+    print("got it", flush=True)
+except Exception as e:  # what it got, whatever it was
+    print(f"{type(e).__name__}: {e}", flush=True)
+deadline = time.monotonic() + float(sys.argv[4])
+while not os.path.exists(sys.argv[1]) and time.monotonic() < deadline:
+    time.sleep(0.05)
+"""
+_ZEROS = "ctypes.create_string_buffer(256)"
+# kind -> the step (Python, with `call`, `held` and the config's syscall numbers as `nr`)
+STEPS = {
+    "userns": "check(libc.unshare(0x10000000))",  # CLONE_NEWUSER
+    "netns": "check(libc.unshare(0x40000000))",  # CLONE_NEWNET
+    "mountns": "check(libc.unshare(0x00020000))",  # CLONE_NEWNS
+    "mount": "check(libc.mount(b'none', MNT, b'tmpfs', 0, None))",
+    "ptrace": "call(nr['ptrace'], 0, 0, 0, 0)",  # PTRACE_TRACEME: its parent would trace it
+    "raw-socket": "held.append(socket.socket(socket.AF_INET, socket.SOCK_RAW, socket.IPPROTO_ICMP))",
+    "packet-socket": "held.append(socket.socket(socket.AF_PACKET, socket.SOCK_RAW, 0x0300))",  # ETH_P_ALL
+    "io_uring": f"held.append(call(nr['io_uring_setup'], 1, {_ZEROS}))",
+    "bpf": "held.append(call(nr['bpf'], 0, ctypes.create_string_buffer(struct.pack('<IIII', 2, 4, 8, 1), 72), 72))",
+    "userfaultfd": "held.append(call(nr['userfaultfd'], 1))",  # UFFD_USER_MODE_ONLY
+    "perf_event": "held.append(call(nr['perf_event_open'], ctypes.create_string_buffer(struct.pack('<II', 1, 128), "
+    "128), 0, -1, -1, 0))",  # a software counter (cpu-clock) of this process
+}
+
+
+def hold(kind: str, config: dict[str, Any]) -> str:
+    """A child of the probe that takes one escalation step and holds it until released; what it got."""
+    prelude = f"import struct\nnr = {config['syscalls']!r}\nMNT = {config['mount_point'].encode()!r}\n"
+    argv = [sys.executable, "-I", "-c", _CHILD, str(RELEASE.absolute()), f"{CHILD}-{kind}", prelude + STEPS[kind]]
+    child = subprocess.Popen([*argv, str(HOLD_LIMIT)], stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True)
+    assert child.stdout is not None
+    return f"{kind}: {child.stdout.readline().strip() or f'ended ({child.wait()})'}"
+
+
+def holding(*kinds: str) -> Attempt:
+    def attempt(config: dict[str, Any]) -> str:
+        return "; ".join(_outcome(partial(hold, kind, config)) for kind in kinds)
+
+    return attempt
+
+
+def run_marked(config: dict[str, Any]) -> str:
+    """The host's setuid-root and file-capability copies of sleep, run: with no new privileges allowed, neither
+    may gain anything (the host sees their processes' IDs and capabilities)."""
+
+    def start(path: str) -> str:
+        subprocess.Popen([path, str(HOLD_LIMIT)], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
+        return f"started {path}"
+
+    return each(*(partial(start, path) for path in config["marked_programs"]))
+
+
 ATTEMPTS: dict[str, Attempt] = {
     "reach": reach,
     "direct-tcp": direct_tcp,
@@ -380,16 +454,29 @@ ATTEMPTS: dict[str, Attempt] = {
     "read-state": read_state,
     "read-secret": read_secret,
     "read-host-env": read_host_env,
+    "setuid": run_marked,
+    "namespaces": holding("userns", "netns", "mountns"),
+    "mount": holding("mount"),
+    "ptrace": holding("ptrace"),
+    "raw-sockets": holding("raw-socket", "packet-socket"),
+    "kernel-objects": holding("io_uring", "bpf", "userfaultfd", "perf_event"),
 }
+HOLDING = {"setuid", "namespaces", "mount", "ptrace", "raw-sockets", "kernel-objects"}
 
 
 def main(argv: list[str]) -> int:
     config = json.loads(argv[1])
     OUT.mkdir()
     names = [name for name in config["attempts"] if name in ATTEMPTS]
+    Path(config["mount_point"]).mkdir()
     with ThreadPoolExecutor(max_workers=OUTER_WORKERS) as pool:
         seen = dict(zip(names, pool.map(lambda name: _outcome(lambda: ATTEMPTS[name](config)), names), strict=True))
     (OUT / "probe.json").write_text(json.dumps(seen, indent=1))
+    READY.touch()
+    if HOLDING & set(names):  # the host looks at what the children hold, then releases them
+        deadline = time.monotonic() + HOLD_LIMIT
+        while not RELEASE.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
     return 0
 
 

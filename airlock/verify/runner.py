@@ -16,9 +16,11 @@ import os
 import secrets
 import shutil
 import signal
+import struct
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,16 +31,34 @@ from airlock.policy import SANDBOX_LINK_NETWORKS
 from airlock.sandbox import cgroups
 from airlock.sandbox.fence import NETNS_TABLE_PREFIX
 from airlock.sandbox.netns import resolve_user
+from airlock.sandbox.seccomp import syscall_number
 
 from . import probe
 from .ca import FakeCA, make_fake_ca
-from .checks import PLACEHOLDER_VAR, SECRET_NAME, Check, Evidence, Outcome, error, judge
+from .checks import (
+    MARKED_PROGRAMS,
+    PLACEHOLDER_VAR,
+    PROBE_ARGV,
+    PROBE_MARK,
+    SECRET_NAME,
+    Check,
+    Evidence,
+    NotJudged,
+    Outcome,
+    Sandboxed,
+    error,
+    judge,
+)
+from .control import stop_proc
 from .hostcgroups import with_host_cgroups
+from .processes import raw_sockets, sandbox_processes
 from .targets import UNLISTED, Targets
 from .topology import DNS_SERVER, FAKE_ADDRS, FakeNet, Topology, new_prefix
 
+SLEEP = shutil.which("sleep") or "/bin/sleep"
 RUN_TIMEOUT = 60  # seconds the sandbox may take (`airlock run --timeout`): the probe needs a few
 HOST_CANARY_VAR = "AIRLOCK_VERIFY_HOST_CANARY"
+SYSCALLS = ("ptrace", "io_uring_setup", "bpf", "userfaultfd", "perf_event_open")
 # Never routed from the gateway namespace: checked before anything runs there, as the tests check theirs.
 REAL_ADDRESSES = ("8.8.8.8", "1.1.1.1", "10.0.0.1", "192.168.1.1")
 
@@ -57,6 +77,7 @@ class Area:
     work: Path
     outside: Path
     tmp: Path  # TMPDIR of `airlock run`: where its temporary state directory is made
+    programs: Path  # copies of sleep marked setuid-root and with file capabilities (the setuid check runs them)
 
     @classmethod
     @contextlib.contextmanager
@@ -64,7 +85,7 @@ class Area:
         base = Path(tempfile.mkdtemp(prefix="airlock-verify-", dir="/var/tmp"))
         try:
             base.chmod(0o755)
-            area = cls(base, base / "private", base / "work", base / "outside", base / "private" / "tmp")
+            area = cls(base, base / "private", base / "work", base / "outside", base / "private" / "tmp", base / "bin")
             area.private.mkdir(mode=0o700)
             area.tmp.mkdir(mode=0o700)
             area.work.mkdir(mode=0o755)
@@ -72,9 +93,27 @@ class Area:
             os.chown(area.work, pw.pw_uid, pw.pw_gid)
             area.outside.mkdir()
             area.outside.chmod(0o1777)  # only the sandbox's isolation keeps its user from writing here
+            _marked_programs(area.programs)
             yield area
         finally:
             shutil.rmtree(base, ignore_errors=True)
+
+
+def _marked_programs(folder: Path) -> None:
+    """sleep, setuid root; and sleep with file capabilities (CAP_SETUID, CAP_NET_RAW, CAP_SYS_ADMIN permitted and
+    effective) where the filesystem keeps them. Harmless programs whatever they run with: the check is whether the
+    sandbox's processes get what the marks promise."""
+    folder.mkdir(mode=0o755)
+    setuid = folder / MARKED_PROGRAMS[0]
+    shutil.copy(SLEEP, setuid)
+    setuid.chmod(0o4755)
+    marked = folder / MARKED_PROGRAMS[1]
+    shutil.copy(SLEEP, marked)
+    capabilities = (1 << 7) | (1 << 13) | (1 << 21)
+    with contextlib.suppress(OSError):  # a filesystem without extended attributes: the setuid copy alone
+        os.setxattr(marked, "security.capability", struct.pack("<IIIII", 0x02000001, capabilities, 0, 0, 0))
+        return
+    marked.unlink()
 
 
 @dataclass(frozen=True)
@@ -144,13 +183,10 @@ def _verify_in(topology: Topology, net: FakeNet, ca: FakeCA, area: Area, request
         "--workdir", str(area.work), "--secret", f"{SECRET_NAME}=file:{secret_file}",
         "--placeholder-env", f"{PLACEHOLDER_VAR}={SECRET_NAME}", "--git-identity", "none", "--quiet",
         "--timeout", str(RUN_TIMEOUT), *request.run_options,
-        "--", "python3", "-I", "-c", Path(probe.__file__).read_text(), json.dumps(config),
+        "--", *PROBE_ARGV, Path(probe.__file__).read_text(), json.dumps(config), PROBE_MARK,
     ]  # fmt: skip
     env = os.environ | {HOST_CANARY_VAR: host_canary, "TMPDIR": str(area.tmp)}
-    try:
-        done = topology.run(topology.gw, with_host_cgroups(argv), timeout=RUN_TIMEOUT + 60, env=env)
-    except subprocess.TimeoutExpired:
-        raise VerifyError(f"the sandbox did not end within {RUN_TIMEOUT + 60} seconds") from None
+    processes, returncode, stderr = _run_watched(topology, with_host_cgroups(argv), env, area, sandbox_id)
     evidence = Evidence(
         nonce, request.targets, _probe_record(area), net.stats(), _packets(topology), area.work, area.outside,
         Path("/tmp") / f"airlock-verify-{nonce}",
@@ -158,24 +194,53 @@ def _verify_in(topology: Topology, net: FakeNet, ca: FakeCA, area: Area, request
             "the fake internet's CA key": ca.ca_key.read_bytes(), "the --secret": secret_value.encode(),
             "the host's environment": host_canary.encode(),
         },
-        _leftovers(topology, sandbox_id, area),
+        _leftovers(topology, sandbox_id, area), processes,
     )  # fmt: skip
     if not evidence.probe:
-        why = (done.stderr.strip().splitlines() or [f"exit {done.returncode}"])[-1]
+        why = (stderr.strip().splitlines() or [f"exit {returncode}"])[-1]
         return [judge(c, evidence) if c.attempt is None else error(c, f"the sandbox ran no probe: {why}")
                 for c in request.checks]  # fmt: skip
     return [judge(check, evidence) for check in request.checks]
+
+
+def _run_watched(
+    topology: Topology, argv: list[str], env: dict[str, str], area: Area, sandbox_id: str
+) -> tuple[Sandboxed, int, str]:
+    """`airlock run` to its end; once the probe is ready, the sandbox's processes as the host sees them, and then
+    the probe's children released. Its exit code and stderr."""
+    ready, release = area.work / "airlock-verify" / "ready", area.work / "airlock-verify" / "release"
+    seen = Sandboxed([], 0)
+    with (area.private / "run.err").open("w+") as stderr:
+        proc = topology.popen(topology.gw, argv, env=env, stdout=subprocess.DEVNULL, stderr=stderr)
+        deadline = time.monotonic() + RUN_TIMEOUT + 60
+        while proc.poll() is None and not ready.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if ready.exists():
+            found = sandbox_processes(sandbox_id)
+            seen = Sandboxed(found, 0)
+            with contextlib.suppress(NotJudged):  # no probe seen: its checks say so
+                seen = Sandboxed(found, raw_sockets(seen.probe().pid))
+            release.touch()
+        try:
+            proc.wait(max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            stop_proc(proc)
+            raise VerifyError(f"the sandbox did not end within {RUN_TIMEOUT + 60} seconds") from None
+        stderr.seek(0)
+        return seen, proc.returncode, stderr.read()
 
 
 def _probe_config(request: Request, area: Area, nonce: str, secret_file: Path) -> dict[str, Any]:
     targets = request.targets
     return {
         "nonce": nonce,
-        "attempts": [c.attempt for c in request.checks if c.attempt and c.needs(targets) is None],
+        "attempts": list(dict.fromkeys(c.attempt for c in request.checks if c.attempt and c.needs(targets) is None)),
         "allowed": list(targets.allowed), "front": targets.front, "canaries": list(targets.canaries),
         "canary": UNLISTED, "metadata_alias": targets.metadata_alias, "outside": str(area.outside),
         "gateway_paths": [str(area.private), "/run/airlock", "/var/lib/airlock", "/tmp/airlock-run-*"],
-        "secret_file": str(secret_file),
+        "secret_file": str(secret_file), "mount_point": f"airlock-verify/mnt-{nonce}",
+        "marked_programs": [str(p) for p in sorted(area.programs.iterdir())],
+        "syscalls": {name: syscall_number(name) for name in SYSCALLS},
     }  # fmt: skip
 
 

@@ -1,6 +1,7 @@
 """`airlock verify`'s verdicts as a user reads them: the matrix, the JSON (valid under
 docs/verify-report.schema.json), the JUnit XML, the exit code; how a check is judged when its attempt is missing or
-the policy gives it nothing to try; the targets a policy gives the fake internet."""
+the policy gives it nothing to try; the privilege checks' judgement of the processes the host sees; the targets a
+policy gives the fake internet."""
 
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ from airlock.cli import verify as cli_verify
 from airlock.cli.common import load_policy_file
 from airlock.policy import parse_policy
 from airlock.verify import checks, report
-from airlock.verify.checks import CHECKS, Evidence, Outcome, judge
+from airlock.verify.checks import CHECKS, PROBE_ARGV, PROBE_MARK, Evidence, Outcome, Sandboxed, judge
+from airlock.verify.processes import NAMESPACES, Process
 from airlock.verify.targets import UNLISTED, Targets, targets
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -128,3 +130,36 @@ def test_a_wildcard_rule_is_tried_as_a_name_under_it_and_an_allowed_canary_is_no
 
 def test_the_command_line_offers_the_groups_the_checks_have():
     assert cli_verify.GROUPS == checks.GROUPS == tuple(dict.fromkeys(check.group for check in CHECKS))
+
+
+def _process(pid: int, ppid: int, cmdline: tuple[str, ...], **status: str) -> Process:
+    base = {"Uid": "65534\t65534\t65534\t65534", "Gid": "65534\t65534\t65534\t65534", "CapEff": "0" * 16,
+            "CapPrm": "0" * 16, "CapAmb": "0" * 16, "NoNewPrivs": "1", "Seccomp": "2", "TracerPid": "0"}  # fmt: skip
+    namespaces = {name: f"{name}:[1]" for name in NAMESPACES}
+    return Process(pid, ppid, cmdline, base | status, namespaces, (), ())
+
+
+PROBE = _process(10, 9, (*PROBE_ARGV, "source", "{}", PROBE_MARK))
+LAUNCHER = _process(9, 1, ("bwrap", *PROBE.cmdline), Uid="0\t0\t0\t0", Seccomp="0")  # the launcher's, not judged
+
+
+@pytest.mark.parametrize(
+    ("sleeper", "result"),
+    [
+        (_process(11, 10, ("/var/tmp/x/bin/setuid-sleep", "30")), "held"),
+        (_process(11, 10, ("/var/tmp/x/bin/setuid-sleep", "30"), Uid="65534\t0\t0\t0"), "failed"),
+        (_process(11, 10, ("/var/tmp/x/bin/capability-sleep", "30"), CapPrm="0000000000202080"), "failed"),
+    ],
+    ids=["nothing-gained", "root-gained", "capabilities-gained"],
+)
+def test_the_setuid_check_judges_by_the_ids_and_capabilities_the_host_sees(tmp_path: Path, sleeper, result):
+    evidence = _evidence(tmp_path, {"setuid": "started"})
+    seen = Evidence(**{**evidence.__dict__, "sandboxed": Sandboxed([LAUNCHER, PROBE, sleeper], 0)})
+    assert judge(BY_ID["setuid"], seen).result == result
+
+
+def test_a_privilege_check_whose_child_was_not_seen_is_an_error(tmp_path: Path):
+    evidence = _evidence(tmp_path, {"namespaces": "userns: PermissionError"})
+    seen = Evidence(**{**evidence.__dict__, "sandboxed": Sandboxed([LAUNCHER, PROBE], 0)})
+    outcome = judge(BY_ID["namespaces"], seen)
+    assert outcome.result == "error" and "child was not seen" in outcome.evidence
