@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from .probe import ALLOWED_ADDR, CANARY_ADDR, CHILD, METADATA, OTHER_ADDR
+from .probe import ALLOWED_ADDR, CANARY_ADDR, CHILD, DNS_ADDR, METADATA, OTHER_ADDR
 from .processes import NAMESPACES, Process, descendants
 from .targets import UNLISTED, Targets
 
@@ -317,13 +317,15 @@ CHECKS: tuple[Check, ...] = (
           "reach", _front),
     Check("network", "direct-tcp", "raw TCP to an allowed host's address, past the proxy, reaches nothing",
           _and(_none_at((ALLOWED_ADDR, 22)), _packets("from_sandbox", "sandbox-addressed")), "direct-tcp", _front),
-    Check("network", "udp", "UDP datagrams reach nothing", _and(_udp, _packets("from_sandbox", "sandbox-addressed")),
-          "udp"),
+    Check("network", "udp", "UDP datagrams (QUIC too) reach nothing",
+          _and(_udp, _packets("from_sandbox", "sandbox-addressed")), "udp"),
     Check("network", "icmp", "ICMP echo reaches nothing", _packets("icmp_echo", "ICMP echo"), "icmp"),
     Check("network", "ipv6", "IPv6 (and IPv4-mapped IPv6) reaches nothing",
           _and(_none_at((OTHER_ADDR, 22)), _packets("ipv6_frames", "IPv6")), "ipv6"),
     Check("network", "dns-other-resolver", "DNS sent to another resolver is never forwarded upstream",
           _no_queries("r"), "dns-other-resolver"),
+    Check("network", "dns-encrypted", "DNS over TLS (853) and over HTTPS to another resolver reach nothing",
+          _none_at((DNS_ADDR, 853), (CANARY_ADDR, 853), (CANARY_ADDR, 8443)), "dns-encrypted"),
     Check("network", "dns-unlisted", f"an unlisted name ({UNLISTED}) is never asked upstream", _no_queries("u"),
           "dns-unlisted"),
     Check("network", "metadata-literal", f"{METADATA} by literal (proxy, CONNECT, direct) reaches nothing",

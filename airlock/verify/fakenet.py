@@ -47,6 +47,7 @@ HTTPS_PORTS = (443, 8443)
 H2_PORT = 9443  # HTTPS that speaks HTTP/2 where the client offers it (ALPN), else HTTP/1.1
 ECHO_PORT = 22
 CANARY_PORT = 9999  # TCP, and the UDP canary's
+DOT_PORT = 853  # DNS over TLS: a canary too (no fake upstream answers DNS there)
 DNS_ADDR = "192.0.2.53"
 IDLE_TIMEOUT = 60.0
 MAX_LOG = 10_000  # per list; counters stay exact, only the detailed logs are capped
@@ -640,7 +641,7 @@ async def serve(args: argparse.Namespace) -> None:
     tls = https(make_tls_context(args.cert, args.key, stats))
     handlers: list[tuple[int, Handler]] = [(p, http) for p in HTTP_PORTS] + [(p, tls) for p in HTTPS_PORTS]
     handlers.append((H2_PORT, https(make_tls_context(args.cert, args.key, stats, ("h2", "http/1.1")))))
-    handlers += [(ECHO_PORT, echo), (CANARY_PORT, canary)]
+    handlers += [(ECHO_PORT, echo), (CANARY_PORT, canary), (DOT_PORT, canary)]
     servers = []
     for port, handler in handlers:
 

@@ -50,6 +50,9 @@ METADATA_SPELLINGS = (
     "[::ffff:a9fe:a9fe]",
 )
 
+# The first bytes of a QUIC v1 Initial (long header, version 1), padded as clients pad it to 1200 bytes.
+QUIC_INITIAL = b"\xc3\x00\x00\x00\x01\x08" + bytes(8) + b"\x00\x00\x44\xd0" + bytes(1182)
+
 Attempt = Callable[[dict[str, Any]], str]
 
 
@@ -95,7 +98,7 @@ def tunnel(host: str, port: int) -> tuple[socket.socket, str]:
     return sock, _first_line(sock)
 
 
-def tls_get(sock: socket.socket, sni: str, host: str, path: str) -> str:
+def tls_get(sock: socket.socket, sni: str | None, host: str, path: str) -> str:
     """A GET over TLS on `sock` with this SNI and Host; the answer's status line (the probe trusts any
     certificate: what it checks is where its bytes go, not whom it talks to)."""
     context = ssl.create_default_context()
@@ -135,6 +138,12 @@ def direct(host: str, port: int, payload: bytes) -> str:
     with _connect(host, port) as sock:
         sock.sendall(payload)
         return f"{host}:{port} direct: {_first_line(sock)}"
+
+
+def direct_tls(host: str, port: int, sni: str | None) -> str:
+    """TLS (this SNI, or none) to host:port without the proxy."""
+    with _connect(host, port) as sock:
+        return f"{host}:{port} direct TLS {sni}: {tls_get(sock, sni, sni or host, '/')}"
 
 
 def resolve(name: str) -> list[str]:
@@ -187,12 +196,16 @@ def direct_tcp(config: dict[str, Any]) -> str:
 
 
 def udp(config: dict[str, Any]) -> str:
-    def send(address: str) -> str:
+    def send(address: str, port: int, payload: bytes) -> str:
         with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
-            sock.sendto(b"airlock-verify", (address, 9999))
-            return f"UDP {address}:9999 sent"
+            sock.sendto(payload, (address, port))
+            return f"UDP {address}:{port} sent"
 
-    return each(*(lambda a=a: send(a) for a in (front_address(config), CANARY_ADDR)))
+    front = front_address(config)
+    return each(
+        partial(send, front, 9999, b"airlock-verify"), partial(send, CANARY_ADDR, 9999, b"airlock-verify"),
+        partial(send, front, 443, QUIC_INITIAL), partial(send, CANARY_ADDR, 443, QUIC_INITIAL),
+    )  # fmt: skip
 
 
 def icmp(config: dict[str, Any]) -> str:
@@ -224,6 +237,19 @@ def dns_other_resolver(config: dict[str, Any]) -> str:
     )  # fmt: skip
 
 
+def dns_encrypted(config: dict[str, Any]) -> str:
+    """DNS over TLS to the fake upstream resolver and to the canary, directly and by CONNECT; DNS over HTTPS to the
+    canary by its address."""
+    path = f"/airlock-verify/{config['nonce']}/dns-query?dns=AAABAAABAAAAAAAAB2V4YW1wbGUDY29tAAABAAE"
+    return each(
+        partial(direct_tls, DNS_ADDR, 853, "dns.airlock-verify.example"),
+        partial(direct_tls, CANARY_ADDR, 853, None),
+        partial(connect_then_tls, DNS_ADDR, 853, "dns.airlock-verify.example", "/"),
+        partial(connect_then_tls, CANARY_ADDR, 8443, CANARY_ADDR, path),
+        partial(proxy_get, f"https://{CANARY_ADDR}:8443{path}", f"{CANARY_ADDR}:8443"),
+    )
+
+
 def dns_unlisted(config: dict[str, Any]) -> str:
     name = f"u-{config['nonce']}.{config['canary']}"
     return each(lambda: f"resolved {resolve(name)}", lambda: f"resolved {resolve('u2-' + name)} (again)")
@@ -251,7 +277,7 @@ def metadata_name(config: dict[str, Any]) -> str:
     path = f"/airlock-verify/{config['nonce']}/metadata"
 
     def direct_by_name() -> str:
-        return "; ".join(_outcome(partial(direct, address, 443, b"\x16\x03\x01")) for address in resolve(alias))
+        return "; ".join(_outcome(partial(direct_tls, address, 443, alias)) for address in resolve(alias))
 
     return each(lambda: connect_then_tls(alias, 443, alias, path), direct_by_name)
 
@@ -440,6 +466,7 @@ ATTEMPTS: dict[str, Attempt] = {
     "ipv6": ipv6,
     "dns-other-resolver": dns_other_resolver,
     "dns-unlisted": dns_unlisted,
+    "dns-encrypted": dns_encrypted,
     "metadata-literal": metadata_literal,
     "metadata-spellings": metadata_spellings,
     "metadata-name": metadata_name,

@@ -137,7 +137,7 @@ def verify(request: Request) -> list[Outcome]:
             _build(topology)
             net = FakeNet(ca.leaf_cert, ca.leaf_key, zone=request.targets.zone())
             try:
-                net.start(topology, area.private / "fakenet")
+                _start(net, topology, area)
                 return _verify_in(topology, net, ca, area, request, nonce)
             finally:
                 net.stop()
@@ -158,6 +158,13 @@ def _sigterm_as_interrupt() -> Iterator[None]:
         yield
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def _start(net: FakeNet, topology: Topology, area: Area) -> None:
+    try:
+        net.start(topology, area.private / "fakenet")
+    except RuntimeError as e:
+        raise VerifyError(f"the fake internet's servers could not start: {e}") from None
 
 
 def _build(topology: Topology) -> None:

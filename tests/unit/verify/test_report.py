@@ -163,3 +163,11 @@ def test_a_privilege_check_whose_child_was_not_seen_is_an_error(tmp_path: Path):
     seen = Evidence(**{**evidence.__dict__, "sandboxed": Sandboxed([LAUNCHER, PROBE], 0)})
     outcome = judge(BY_ID["namespaces"], seen)
     assert outcome.result == "error" and "child was not seen" in outcome.evidence
+
+
+def test_the_listing_names_each_check_of_the_groups_asked_for_and_what_must_happen():
+    lines = report.listing(checks.selected(["privilege", "destruction"])).splitlines()
+    assert [line.split()[0] for line in lines] == [
+        f"{check.group}/{check.id}" for check in CHECKS if check.group in ("privilege", "destruction")
+    ]
+    assert lines[0].endswith(BY_ID["setuid"].must)
