@@ -81,7 +81,7 @@ class Area:
 
     @classmethod
     @contextlib.contextmanager
-    def made(cls, user: str | None) -> Iterator[Area]:
+    def made(cls) -> Iterator[Area]:
         base = Path(tempfile.mkdtemp(prefix="airlock-verify-", dir="/var/tmp"))
         try:
             base.chmod(0o755)
@@ -89,7 +89,7 @@ class Area:
             area.private.mkdir(mode=0o700)
             area.tmp.mkdir(mode=0o700)
             area.work.mkdir(mode=0o755)
-            pw = resolve_user(user)
+            pw = resolve_user(None)  # whom `airlock run` runs the command as: the sudo caller, else nobody
             os.chown(area.work, pw.pw_uid, pw.pw_gid)
             area.outside.mkdir()
             area.outside.chmod(0o1777)  # only the sandbox's isolation keeps its user from writing here
@@ -118,19 +118,18 @@ def _marked_programs(folder: Path) -> None:
 
 @dataclass(frozen=True)
 class Request:
-    """What to verify: the policy file (None: the packaged default), the profile's targets, the options passed to
+    """What to verify: the policy file, the targets its profile gives the fake internet, the options passed to
     `airlock run` as given (profile, isolation, limits, grants), the checks."""
 
     policy_path: str
     targets: Targets
     run_options: list[str]
     checks: tuple[Check, ...]
-    user: str | None = None
 
 
 def verify(request: Request) -> list[Outcome]:
     nonce = secrets.token_hex(6)
-    with _sigterm_as_interrupt(), Area.made(request.user) as area:
+    with _sigterm_as_interrupt(), Area.made() as area:
         ca = make_fake_ca(area.private / "ca", request.targets.names())
         topology = Topology(new_prefix(), sandbox=False)
         try:
@@ -143,7 +142,12 @@ def verify(request: Request) -> list[Outcome]:
                 net.stop()
         finally:
             topology.destroy()
-            (Path("/tmp") / f"airlock-verify-{nonce}").unlink(missing_ok=True)  # a weakened run's write
+            _host_tmp(nonce).unlink(missing_ok=True)  # what a weakened run wrote there
+
+
+def _host_tmp(nonce: str) -> Path:
+    """Where the probe's write to its /tmp lands on the host's /tmp if the sandbox's /tmp is not its own."""
+    return Path("/tmp") / f"airlock-verify-{nonce}"
 
 
 @contextlib.contextmanager
@@ -196,7 +200,7 @@ def _verify_in(topology: Topology, net: FakeNet, ca: FakeCA, area: Area, request
     processes, returncode, stderr = _run_watched(topology, with_host_cgroups(argv), env, area, sandbox_id)
     evidence = Evidence(
         nonce, request.targets, _probe_record(area), net.stats(), _packets(topology), area.work, area.outside,
-        Path("/tmp") / f"airlock-verify-{nonce}",
+        _host_tmp(nonce),
         {
             "the fake internet's CA key": ca.ca_key.read_bytes(), "the --secret": secret_value.encode(),
             "the host's environment": host_canary.encode(),

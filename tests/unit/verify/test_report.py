@@ -171,3 +171,9 @@ def test_the_listing_names_each_check_of_the_groups_asked_for_and_what_must_happ
         f"{check.group}/{check.id}" for check in CHECKS if check.group in ("privilege", "destruction")
     ]
     assert lines[0].endswith(BY_ID["setuid"].must)
+
+
+def test_the_page_of_verify_tells_how_each_check_is_judged():
+    page = (ROOT / "docs" / "verify.md").read_text()
+    rows = {line.split("|")[1].strip().strip("`") for line in page.splitlines() if line.startswith("| `")}
+    assert rows == {f"{check.group}/{check.id}" for check in CHECKS}
