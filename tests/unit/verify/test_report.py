@@ -15,7 +15,7 @@ from jsonschema import Draft202012Validator
 from airlock.cli import verify as cli_verify
 from airlock.cli.common import load_policy_file
 from airlock.policy import parse_policy
-from airlock.verify import checks, report
+from airlock.verify import checks, probe, report
 from airlock.verify.checks import CHECKS, PROBE_ARGV, PROBE_MARK, Evidence, Outcome, Sandboxed, judge
 from airlock.verify.processes import NAMESPACES, Process
 from airlock.verify.targets import UNLISTED, Targets, targets
@@ -177,3 +177,105 @@ def test_the_page_of_verify_tells_how_each_check_is_judged():
     page = (ROOT / "docs" / "verify.md").read_text()
     rows = {line.split("|")[1].strip().strip("`") for line in page.splitlines() if line.startswith("| `")}
     assert rows == {f"{check.group}/{check.id}" for check in CHECKS}
+
+
+# --------------------------------------------------------------------------------------------------- every check fails
+
+KINDS = ("userns", "netns", "mountns", "mount", "ptrace", "raw-socket", "packet-socket", "io_uring", "bpf",
+         "userfaultfd", "perf_event")  # fmt: skip
+
+
+REACHED = [{"host": "pypi.org", "target": "/airlock-verify/n0nce/reach", "tls": True}]
+
+
+def _child(kind: str, **fields: object) -> Process:
+    """A holding child of the probe, as the host sees it (`fields` replace its namespaces, descriptors, mounts)."""
+    child = _process(20 + KINDS.index(kind), 10, ("python3", "-I", "-c", "child", f"{probe.CHILD}-{kind}"))
+    return Process(**{**child.__dict__, **fields})
+
+
+def _holding(
+    tmp_path: Path, children: dict[str, Process] | None = None, sleeper: dict[str, str] | None = None, **changes: object
+) -> Evidence:
+    """Evidence on which every check holds, but for `changes` (Evidence's fields; fakenet's under `stats_`), the
+    `children` given in place of the probe's own and the marked program's `sleeper` status."""
+    work, outside = tmp_path / "work", tmp_path / "outside"
+    (work / "airlock-verify").mkdir(parents=True, exist_ok=True)
+    outside.mkdir(exist_ok=True)
+    (work / "inside-n0nce").write_text("n0nce")
+    (work / "airlock-verify" / "env.json").write_text(json.dumps({"AIRLOCK_VERIFY_SECRET": checks.PLACEHOLDER}))
+    stats = {"connections": {}, "udp": {}, "dns_log": [], "sni": ["pypi.org"], "http": REACHED}
+    stats |= {key.removeprefix("stats_"): value for key, value in changes.items() if key.startswith("stats_")}
+    kids = {kind: _child(kind) for kind in KINDS} | (children or {})
+    marked = _process(12, 10, ("/var/tmp/x/bin/setuid-sleep", "30"), **(sleeper or {}))
+    evidence = Evidence(
+        "n0nce", Targets(("pypi.org",), (UNLISTED,), "github.com"), {c.attempt: "tried" for c in CHECKS if c.attempt},
+        stats, {"from_sandbox": 0, "icmp_echo": 0, "ipv6_frames": 0}, work, outside, tmp_path / "host-tmp",
+        {"the --secret": b"s3cret", "the host's environment": b"h0st", "the fake internet's CA key": b"k3y"},
+        {}, Sandboxed([LAUNCHER, PROBE, marked, *kids.values()], 0),
+    )  # fmt: skip
+    return Evidence(**{**evidence.__dict__, **{k: v for k, v in changes.items() if not k.startswith("stats_")}})
+
+
+def _written(tmp_path: Path, name: str, data: bytes) -> Path:
+    (tmp_path / "work" / "airlock-verify").mkdir(parents=True, exist_ok=True)
+    (tmp_path / "work" / "airlock-verify" / name).write_bytes(data)
+    return tmp_path
+
+
+def _outside(tmp_path: Path, name: str) -> Path:
+    (tmp_path / "outside").mkdir(parents=True, exist_ok=True)
+    (tmp_path / "outside" / f"{name}-n0nce").write_text("n0nce")
+    return tmp_path
+
+
+BREAKS = {  # check -> the evidence a setup that breaks it leaves
+    "allowed-host-reached": lambda t: _holding(t, stats_http=[]),
+    "direct-tcp": lambda t: _holding(t, stats_connections={"192.0.2.10:22": 1}),
+    "udp": lambda t: _holding(t, stats_udp={"9999": 1}),
+    "icmp": lambda t: _holding(t, packets={"icmp_echo": 1}),
+    "ipv6": lambda t: _holding(t, packets={"ipv6_frames": 3}),
+    "dns-other-resolver": lambda t: _holding(t, stats_dns_log=[{"qname": f"r-n0nce.{UNLISTED}"}]),
+    "dns-encrypted": lambda t: _holding(t, stats_connections={"192.0.2.53:853": 1}),
+    "dns-unlisted": lambda t: _holding(t, stats_dns_log=[{"qname": f"u-n0nce.{UNLISTED}"}]),
+    "metadata-literal": lambda t: _holding(t, stats_connections={"169.254.169.254:80": 1}),
+    "metadata-spellings": lambda t: _holding(t, stats_connections={"169.254.169.254:8080": 1}),
+    "metadata-name": lambda t: _holding(t, stats_connections={"169.254.169.254:443": 1}),
+    "connect-denied": lambda t: _holding(t, stats_connections={"203.0.113.66:443": 1}),
+    "sni-fronting": lambda t: _holding(t, stats_sni=[UNLISTED]),
+    "host-fronting": lambda t: _holding(
+        t, stats_http=[*REACHED, {"host": f"{UNLISTED}:80", "target": "/", "tls": False}]
+    ),
+    "other-port": lambda t: _holding(t, stats_connections={"192.0.2.10:9999": 1}),
+    "write-inside": lambda t: _holding(t, workdir=t / "elsewhere"),
+    "write-outside": lambda t: _holding(_outside(t, "direct")),
+    "write-symlink": lambda t: _holding(_outside(t, "symlink")),
+    "write-proc-root": lambda t: _holding(_outside(t, "proc1")),
+    "gateway-state": lambda t: _holding(_written(t, "state.bin", b"-----BEGIN PRIVATE KEY-----")),
+    "secret-placeholder": lambda t: _holding(_written(t, "secret.bin", b"s3cret")),
+    "host-environment": lambda t: _holding(_written(t, "host.bin", b"HOME=/root h0st")),
+    "setuid": lambda t: _holding(t, sleeper={"Uid": "65534\t0\t0\t0"}),
+    "no-new-privs": lambda t: _holding(t, sleeper={"Seccomp": "0"}),
+    "namespaces": lambda t: _holding(t, {"userns": _child("userns", namespaces=PROBE.namespaces | {"user": "u:[2]"})}),
+    "mount": lambda t: _holding(t, {"mount": _child("mount", mount_points=("/w/airlock-verify/mnt-n0nce",))}),
+    "ptrace": lambda t: _holding(t, sleeper={"TracerPid": "10"}),
+    "raw-sockets": lambda t: _holding(t, sandboxed=Sandboxed(_holding(t).sandboxed.processes, 1)),
+    "kernel-objects": lambda t: _holding(t, {"io_uring": _child("io_uring", descriptors=("anon_inode:[io_uring]",))}),
+    "namespace": lambda t: _holding(t, leftovers={"namespace": ["airlock-alx1v"]}),
+    "fence": lambda t: _holding(t, leftovers={"fence": ["table inet airlock_n_alx1v"]}),
+    "cgroup": lambda t: _holding(t, leftovers={"cgroup": ["/sys/fs/cgroup/airlock/alx1v"]}),
+    "state-dir": lambda t: _holding(t, leftovers={"state-dir": ["/var/tmp/x/private/tmp/airlock-run-1"]}),
+}
+
+
+def test_every_check_holds_on_evidence_of_a_sound_setup(tmp_path: Path):
+    evidence = _holding(tmp_path)
+    assert {check.id: judge(check, evidence).result for check in CHECKS} == {check.id: "held" for check in CHECKS}
+
+
+@pytest.mark.parametrize("check", CHECKS, ids=lambda check: check.id)
+def test_every_check_fails_on_the_evidence_a_setup_that_breaks_it_leaves(tmp_path: Path, check: checks.Check):
+    broken = BREAKS[check.id](tmp_path)
+    assert judge(check, broken).result == "failed"
+    others = [other.id for other in CHECKS if other.group == check.group and judge(other, broken).result != "held"]
+    assert others == [check.id]  # the evidence of one break fails that check alone in its group
