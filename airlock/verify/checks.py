@@ -17,6 +17,8 @@ from .targets import UNLISTED, Targets
 
 Result = Literal["held", "failed", "error", "n/a"]
 GROUPS = ("network", "files", "secrets", "privilege", "destruction")
+# Ports of the gateway's namespace no gateway of airlock's listens on: ssh, docker's API, a canary's.
+GATEWAY_CANARY_PORTS = (22, 2375, 9999)
 MARKED_PROGRAMS = ("setuid-sleep", "capability-sleep")  # copies of sleep, setuid root / with file capabilities
 # The probe's command line: these words, its source and configuration, the mark. How the host finds its process
 # (the launcher's own, bubblewrap's, carry the whole command line too, but do not start with it).
@@ -73,6 +75,7 @@ class Evidence:
     secrets: dict[str, bytes]  # what the sandbox must never hold: name -> its bytes
     leftovers: dict[str, list[str]] = field(default_factory=dict)  # destruction: kind -> what is left
     sandboxed: Sandboxed = field(default_factory=lambda: Sandboxed([], 0))
+    gateway_canaries: dict[str, Any] = field(default_factory=lambda: {"connections": {}, "udp": {}})
 
     def connections(self, address: str, port: int) -> int:
         return int(self.stats["connections"].get(f"{address}:{port}", 0))
@@ -183,6 +186,13 @@ def _no_sni(ev: Evidence) -> tuple[bool, str]:
 def _no_host(ev: Evidence) -> tuple[bool, str]:
     fronted = [r for r in ev.stats["http"] if (r["host"] or "").partition(":")[0].lower() in ev.targets.canaries]
     return not fronted, f"{len(fronted)} requests upstream carried a canary's Host"
+
+
+def _gateway_ports(ev: Evidence) -> tuple[bool, str]:
+    tcp = sum(int(n) for n in ev.gateway_canaries["connections"].values())
+    udp = sum(int(n) for n in ev.gateway_canaries["udp"].values())
+    ports = ", ".join(map(str, GATEWAY_CANARY_PORTS))
+    return tcp + udp == 0, f"the canaries on the gateway namespace's ports {ports}: {tcp} connections, {udp} datagrams"
 
 
 def _file(path: Callable[[Evidence], Path], present: bool) -> Judge:
@@ -342,6 +352,8 @@ CHECKS: tuple[Check, ...] = (
           _no_host, "host-fronting", lambda t: _front(t) or _canary(t)),
     Check("network", "other-port", "another port of an allowed host (8443, 9999) reaches nothing",
           _none_at((ALLOWED_ADDR, 8443), (ALLOWED_ADDR, 9999)), "other-port", _front),
+    Check("network", "gateway-ports", "the gateway's other ports and its other address answer nothing",
+          _gateway_ports, "gateway-ports"),
     Check("files", "write-inside", "a file written in the working directory is on the host",
           _file(lambda ev: ev.workdir / f"inside-{ev.nonce}", True), "write-inside"),
     Check("files", "write-outside", "a file written outside the working directory (and in /tmp) is not on the host",

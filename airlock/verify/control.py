@@ -116,9 +116,9 @@ class ControlledFake:
         self.control = workdir / f"{self.name}.sock"  # unix sockets are path-based, so they cross network namespaces
         return self.control
 
-    def _launch(self, topology: Topology | None, argv: list[Any], timeout: float) -> None:
-        """Start the script with `argv` after the common flags (in the topology's `net` namespace, or without one
-        here, on loopback), wait for its READY, ping it."""
+    def _launch(self, topology: Topology | None, argv: list[Any], timeout: float, ns: str | None = None) -> None:
+        """Start the script with `argv` after the common flags (in the topology's namespace `ns`, by default its
+        `net`, or without a topology here, on loopback), wait for its READY, ping it."""
         assert self.workdir is not None and self.control is not None, "call _prepare first"
         workdir = self.workdir
         argv = [*self.program(), "--control", self.control, "--cert", self.cert, "--key", self.key, *argv]
@@ -126,7 +126,8 @@ class ControlledFake:
             if topology is None:
                 self.proc = subprocess.Popen(argv, stdout=out, stderr=err, stdin=subprocess.DEVNULL)
             else:
-                self.proc = topology.popen(topology.net, argv, stdout=out, stderr=err, stdin=subprocess.DEVNULL)
+                where = ns or topology.net
+                self.proc = topology.popen(where, argv, stdout=out, stderr=err, stdin=subprocess.DEVNULL)
         deadline = time.monotonic() + timeout
         while b"READY" not in (workdir / "stdout.log").read_bytes():
             if self.proc.poll() is not None or time.monotonic() > deadline:

@@ -29,6 +29,7 @@ import threading
 import traceback
 from collections import Counter
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, quote, urlsplit
@@ -636,12 +637,18 @@ def commands(stats: Stats) -> Commands:
 # --------------------------------------------------------------------------------------------------- main
 
 
-async def serve(args: argparse.Namespace) -> None:
-    stats = Stats()
+def internet(args: argparse.Namespace, stats: Stats) -> list[tuple[int, Handler]]:
+    """The fake internet's TCP listeners: HTTP, HTTPS (HTTP/2 on H2_PORT), echo, the canaries."""
     tls = https(make_tls_context(args.cert, args.key, stats))
     handlers: list[tuple[int, Handler]] = [(p, http) for p in HTTP_PORTS] + [(p, tls) for p in HTTPS_PORTS]
     handlers.append((H2_PORT, https(make_tls_context(args.cert, args.key, stats, ("h2", "http/1.1")))))
-    handlers += [(ECHO_PORT, echo), (CANARY_PORT, canary), (DOT_PORT, canary)]
+    return [*handlers, (ECHO_PORT, echo), (CANARY_PORT, canary), (DOT_PORT, canary)]
+
+
+async def serve(args: argparse.Namespace) -> None:
+    """The fake internet; with --canaries only TCP and UDP canaries on those ports (no DNS, no TLS)."""
+    stats = Stats()
+    handlers = [(port, canary) for port in args.canaries] if args.canaries else internet(args, stats)
     servers = []
     for port, handler in handlers:
 
@@ -651,15 +658,20 @@ async def serve(args: argparse.Namespace) -> None:
         # reuse_port lets fakegithub.py bind one fake address's :443 too; the kernel prefers its specific bind.
         servers.append(await asyncio.start_server(on_client, args.bind, port, reuse_address=True, reuse_port=True))
     loop = asyncio.get_running_loop()
-    udp, _ = await loop.create_datagram_endpoint(lambda: UdpCanary(stats, CANARY_PORT), (args.bind, CANARY_PORT))
-    dns_servers = start_dns(stats, args.dns_addr, args.zone_default_ttl, ZONE | read_zone(args.zone))
+    udp = []
+    for port in args.canaries or (CANARY_PORT,):
+        endpoint, _ = await loop.create_datagram_endpoint(partial(UdpCanary, stats, port), (args.bind, port))
+        udp.append(endpoint)
+    zone = ZONE | read_zone(args.zone)
+    dns_servers = [] if args.canaries else start_dns(stats, args.dns_addr, args.zone_default_ttl, zone)
     servers.append(await start_control(args.control, commands(stats), log))
 
     await serve_until_signalled()
 
     for server in servers:
         server.close()
-    udp.close()
+    for endpoint in udp:
+        endpoint.close()
     for dns_server in dns_servers:
         dns_server.stop()
         dns_server.server.server_close()
@@ -673,6 +685,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--key", type=Path, required=True, help="leaf private key (PEM)")
     parser.add_argument("--zone-default-ttl", type=int, default=0, help="TTL of zone records (rebind is always 0)")
     parser.add_argument("--zone", type=Path, help="JSON {name: [[type, value]]}: names added to the zone")
+    parser.add_argument(
+        "--canaries", type=lambda text: tuple(int(port) for port in text.split(",")), default=(),
+        help="PORT,...: only TCP and UDP canaries on these ports (a namespace beside the fake internet's)",
+    )  # fmt: skip
     parser.add_argument("--bind", default="0.0.0.0", help="address of the TCP listeners")
     parser.add_argument("--dns-addr", default=DNS_ADDR, help="address of the authoritative DNS server")
     # Tests hold a thousand tunnels and more through the gateway: each is a connection here too.

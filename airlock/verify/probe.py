@@ -195,16 +195,17 @@ def direct_tcp(config: dict[str, Any]) -> str:
     return _outcome(lambda: direct(front_address(config), 22, b"SSH-2.0-airlock-verify\r\n"))
 
 
-def udp(config: dict[str, Any]) -> str:
-    def send(address: str, port: int, payload: bytes) -> str:
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
-            sock.sendto(payload, (address, port))
-            return f"UDP {address}:{port} sent"
+def datagram(address: str, port: int, payload: bytes) -> str:
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        sock.sendto(payload, (address, port))
+        return f"UDP {address}:{port} sent"
 
+
+def udp(config: dict[str, Any]) -> str:
     front = front_address(config)
     return each(
-        partial(send, front, 9999, b"airlock-verify"), partial(send, CANARY_ADDR, 9999, b"airlock-verify"),
-        partial(send, front, 443, QUIC_INITIAL), partial(send, CANARY_ADDR, 443, QUIC_INITIAL),
+        partial(datagram, front, 9999, b"airlock-verify"), partial(datagram, CANARY_ADDR, 9999, b"airlock-verify"),
+        partial(datagram, front, 443, QUIC_INITIAL), partial(datagram, CANARY_ADDR, 443, QUIC_INITIAL),
     )  # fmt: skip
 
 
@@ -313,6 +314,16 @@ def other_port(config: dict[str, Any]) -> str:
     front = config["front"]
     path = f"/airlock-verify/{config['nonce']}/port"
     return each(partial(connect_then_tls, front, 8443, front, path), partial(connect_only, front, 9999))
+
+
+def gateway_ports(config: dict[str, Any]) -> str:
+    """TCP and UDP to the gateway's address on ports it does not serve, and to its address on the other side."""
+    actions: list[Callable[[], str]] = []
+    for address in (_proxy()[0], config["gateway_other_address"]):
+        for port in config["gateway_ports"]:
+            actions.append(partial(direct, address, port, b"airlock-verify\r\n"))
+            actions.append(partial(datagram, address, port, b"airlock-verify"))
+    return each(*actions)
 
 
 # --------------------------------------------------------------------------------------------------- files
@@ -474,6 +485,7 @@ ATTEMPTS: dict[str, Attempt] = {
     "sni-fronting": sni_fronting,
     "host-fronting": host_fronting,
     "other-port": other_port,
+    "gateway-ports": gateway_ports,
     "write-inside": write_inside,
     "write-outside": write_outside,
     "write-symlink": write_symlink,

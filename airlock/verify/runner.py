@@ -36,6 +36,7 @@ from airlock.sandbox.seccomp import syscall_number
 from . import probe
 from .ca import FakeCA, make_fake_ca
 from .checks import (
+    GATEWAY_CANARY_PORTS,
     MARKED_PROGRAMS,
     PLACEHOLDER_VAR,
     PROBE_ARGV,
@@ -53,7 +54,7 @@ from .control import stop_proc
 from .hostcgroups import with_host_cgroups
 from .processes import raw_sockets, sandbox_processes
 from .targets import UNLISTED, Targets
-from .topology import DNS_SERVER, FAKE_ADDRS, FakeNet, Topology, new_prefix
+from .topology import DNS_SERVER, FAKE_ADDRS, GW_OUTSIDE_IP, Canaries, FakeNet, Topology, new_prefix
 
 SLEEP = shutil.which("sleep") or "/bin/sleep"
 RUN_TIMEOUT = 60  # seconds the sandbox may take (`airlock run --timeout`): the probe needs a few
@@ -135,11 +136,13 @@ def verify(request: Request) -> list[Outcome]:
         try:
             _build(topology)
             net = FakeNet(ca.leaf_cert, ca.leaf_key, zone=request.targets.zone())
+            canaries = Canaries(ca.leaf_cert, ca.leaf_key, GATEWAY_CANARY_PORTS)
             try:
-                _start(net, topology, area)
-                return _verify_in(topology, net, ca, area, request, nonce)
+                _start(net, canaries, topology, area)
+                return _verify_in(topology, net, canaries, ca, area, request, nonce)
             finally:
                 net.stop()
+                canaries.stop()
         finally:
             topology.destroy()
             _host_tmp(nonce).unlink(missing_ok=True)  # what a weakened run wrote there
@@ -164,9 +167,12 @@ def _sigterm_as_interrupt() -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous)
 
 
-def _start(net: FakeNet, topology: Topology, area: Area) -> None:
+def _start(net: FakeNet, canaries: Canaries, topology: Topology, area: Area) -> None:
+    """The fake internet's servers, and canaries on other ports of the gateway's namespace (where a program of
+    the host beside the gateway would listen)."""
     try:
         net.start(topology, area.private / "fakenet")
+        canaries.start_in(topology, topology.gw, area.private / "canaries")
     except RuntimeError as e:
         raise VerifyError(f"the fake internet's servers could not start: {e}") from None
 
@@ -181,7 +187,9 @@ def _build(topology: Topology) -> None:
     _count_packets(topology)
 
 
-def _verify_in(topology: Topology, net: FakeNet, ca: FakeCA, area: Area, request: Request, nonce: str) -> list[Outcome]:
+def _verify_in(
+    topology: Topology, net: FakeNet, canaries: Canaries, ca: FakeCA, area: Area, request: Request, nonce: str
+) -> list[Outcome]:
     sandbox_id = f"{topology.prefix}v"
     secret_value, host_canary = f"verify-secret-{secrets.token_hex(16)}", f"verify-host-{secrets.token_hex(16)}"
     secret_file = area.private / "secret"
@@ -205,7 +213,7 @@ def _verify_in(topology: Topology, net: FakeNet, ca: FakeCA, area: Area, request
             "the fake internet's CA key": ca.ca_key.read_bytes(), "the --secret": secret_value.encode(),
             "the host's environment": host_canary.encode(),
         },
-        _leftovers(topology, sandbox_id, area), processes,
+        _leftovers(topology, sandbox_id, area), processes, canaries.stats(),
     )  # fmt: skip
     if not evidence.probe:
         why = (stderr.strip().splitlines() or [f"exit {returncode}"])[-1]
@@ -252,6 +260,7 @@ def _probe_config(request: Request, area: Area, nonce: str, secret_file: Path) -
         "secret_file": str(secret_file), "mount_point": f"airlock-verify/mnt-{nonce}",
         "marked_programs": [str(p) for p in sorted(area.programs.iterdir())],
         "syscalls": {name: syscall_number(name) for name in SYSCALLS},
+        "gateway_ports": list(GATEWAY_CANARY_PORTS), "gateway_other_address": GW_OUTSIDE_IP,
     }  # fmt: skip
 
 

@@ -374,3 +374,23 @@ class FakeNet(ControlledFake):
         """Requests seen (optionally only those sent to "ip:port"): line, host, headers, client, tls, sni, ..."""
         requests: list[dict[str, Any]] = self.stats()["http"]
         return [r for r in requests if dst is None or r["dst"] == dst]
+
+
+class Canaries(FakeNet):
+    """`airlock.verify.fakenet` with canaries alone: TCP and UDP listeners on `ports` of every address of a
+    namespace beside the fake internet (the gateway's, for `airlock verify`), counting what reaches them."""
+
+    name = "canaries"
+
+    def __init__(self, cert: Path, key: Path, ports: tuple[int, ...]) -> None:
+        super().__init__(cert, key)
+        self.ports = ports
+
+    def start_in(self, topology: Topology, ns: str, workdir: Path, timeout: float = 20) -> Self:
+        self._prepare(workdir)
+        self._launch(topology, ["--canaries", ",".join(map(str, self.ports))], timeout, ns=ns)
+        return self
+
+    def connections_on(self, port: int) -> int:
+        """Connections to `port`, whatever address of the namespace they were sent to."""
+        return sum(int(n) for dst, n in self.stats()["connections"].items() if dst.endswith(f":{port}"))

@@ -247,6 +247,7 @@ BREAKS = {  # check -> the evidence a setup that breaks it leaves
         t, stats_http=[*REACHED, {"host": f"{UNLISTED}:80", "target": "/", "tls": False}]
     ),
     "other-port": lambda t: _holding(t, stats_connections={"192.0.2.10:9999": 1}),
+    "gateway-ports": lambda t: _holding(t, gateway_canaries={"connections": {"10.231.0.1:22": 1}, "udp": {}}),
     "write-inside": lambda t: _holding(t, workdir=t / "elsewhere"),
     "write-outside": lambda t: _holding(_outside(t, "direct")),
     "write-symlink": lambda t: _holding(_outside(t, "symlink")),
