@@ -355,14 +355,6 @@ class FakeNet(ControlledFake):
         stats = self.stats()
         return int(stats["dns"].get(name, 0) if qtype is None else stats["dns_typed"].get(f"{name} {qtype}", 0))
 
-    def udp_datagrams(self, port: int) -> int:
-        """Datagrams the UDP canary on `port` received, whatever fake address they were sent to."""
-        return int(self.stats()["udp"].get(str(port), 0))
-
-    def dns_log(self) -> list[dict[str, str]]:
-        """Every query the fake DNS upstream received: qname, qtype, proto, client (capped like the other logs)."""
-        return list(self.stats()["dns_log"])
-
     def snis(self) -> list[str | None]:
         return list(self.stats()["sni"])
 
@@ -390,7 +382,3 @@ class Canaries(FakeNet):
         self._prepare(workdir)
         self._launch(topology, ["--canaries", ",".join(map(str, self.ports))], timeout, ns=ns)
         return self
-
-    def connections_on(self, port: int) -> int:
-        """Connections to `port`, whatever address of the namespace they were sent to."""
-        return sum(int(n) for dst, n in self.stats()["connections"].items() if dst.endswith(f":{port}"))
