@@ -55,6 +55,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey 
 from airlock.broker.grants import parse_grant  # noqa: E402
 from airlock.broker.tokens import FileKeys, JwksKeys, TokenAuthority  # noqa: E402
 from airlock.runs import RUNS_ENV  # noqa: E402
+from airlock.verify.ca import make_fake_ca  # noqa: E402
 
 import common  # noqa: E402
 import pg  # noqa: E402
@@ -62,7 +63,6 @@ from common import fmt, percentile  # noqa: E402
 from fakegithub_client import FakeGitHub, make_app_key, new_static_token  # noqa: E402
 from fleet import AUDIENCE, GRANT, SANDBOX, SOURCE, Replica, free_port  # noqa: E402
 from pg import PostgresServer  # noqa: E402
-from testca import make_test_ca  # noqa: E402
 
 FIELDS = {"repo": "acme/app", "base": "main", "title": "bench", "body": "bench"}
 CALLS_PER_TOKEN = 8
@@ -163,7 +163,7 @@ async def column(
 
 
 async def run(args: Any, workdir: Path) -> str:
-    ca = make_test_ca(workdir / "ca")
+    ca = make_fake_ca(workdir / "ca")
     github = FakeGitHub(ca.leaf_cert, ca.leaf_key, static_token=new_static_token())
     github.static_token_path = workdir / "static-token"
     github.static_token_path.write_text(f"{github.static_token}\n")

@@ -25,9 +25,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from control import stop_proc
-from testca import TestCA, make_test_ca
-from topology import GW_IP, FakeNet, Topology
+from airlock.verify.ca import FakeCA, make_fake_ca
+from airlock.verify.control import stop_proc
+from airlock.verify.topology import GW_IP, FakeNet, Topology
 
 REPO = Path(__file__).resolve().parent.parent
 CLK_TCK = os.sysconf("SC_CLK_TCK")
@@ -207,7 +207,7 @@ def stop_all(procs: list[Any]) -> None:
 
 
 @contextlib.contextmanager
-def fake_internet(workdir: Path, **fakenet: Any) -> Iterator[tuple[Topology, FakeNet, TestCA, list[Any]]]:
+def fake_internet(workdir: Path, **fakenet: Any) -> Iterator[tuple[Topology, FakeNet, FakeCA, list[Any]]]:
     """The e2e topology (sbx ─ gw ─ net namespaces), a test CA in workdir/ca, fakenet in the `net` namespace
     (`fakenet`: FakeNet's options) and a list for what the caller starts (anything with a stop() method). On the way
     out, also on an error or a KeyboardInterrupt: what is in the list is stopped, last first, then fakenet, then
@@ -217,7 +217,7 @@ def fake_internet(workdir: Path, **fakenet: Any) -> Iterator[tuple[Topology, Fak
     procs: list[Any] = []
     try:
         topo.create()
-        ca = make_test_ca(workdir / "ca")
+        ca = make_fake_ca(workdir / "ca")
         net = FakeNet(ca.leaf_cert, ca.leaf_key, **fakenet).start(topo, workdir / "fakenet")
         yield topo, net, ca, procs
     finally:

@@ -2,7 +2,7 @@
 
     sudo .venv/bin/python -P bench/dns.py [--duration 8] [--window 64] [--generator auto|dnsperf|python]
 
-Both servers run in the gateway namespace of tests/e2e/topology.py and forward to the fake authoritative server
+Both servers run in the gateway namespace of airlock/verify/topology.py and forward to the fake authoritative server
 192.0.2.53 in the `net` namespace (zone TTL 3600 s, so nothing expires during the run):
 
 - airlock: `airlock gateway` (tests/e2e/gateway_proc.py: e2e policy, audit log to a file, sandbox 10.254.0.2/32)
@@ -56,11 +56,12 @@ sys.path.append(str(REPO / "bench"))
 
 from dnslib import QTYPE, RCODE, DNSRecord  # noqa: E402
 
+from airlock.verify.topology import DNS_SERVER, GW_IP, FakeNet, Topology  # noqa: E402
+
 import common  # noqa: E402
 from common import cpu_seconds, fmt, percentile, ratio  # noqa: E402
 from gateway_proc import GatewayProcess  # noqa: E402
 from netclient import in_netns  # noqa: E402
-from topology import DNS_SERVER, GW_IP, FakeNet, Topology  # noqa: E402
 
 DNSMASQ = "/usr/sbin/dnsmasq"
 AIRLOCK_PORT = 53

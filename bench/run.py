@@ -12,7 +12,7 @@
    rules that say `inspect: true` (alone, with an injected header, with `http:` sub-rules too) vs a bare `mitmdump`
    intercepting with its own CA, and vs passthrough; the large download of 2. through an inspected rule too.
 
-All traffic stays inside the network namespaces of tests/e2e/topology.py (sandbox ─ gateway ─ fake internet, no
+All traffic stays inside the network namespaces of airlock/verify/topology.py (sandbox ─ gateway ─ fake internet, no
 link to the host's network); every process is started here and stopped by PID, the namespaces are deleted at the
 end. Needs root, `wrk` and `curl` (apt-get install -y wrk curl).
 """
@@ -36,10 +36,11 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tests" / "e2e"))
 sys.path.append(str(REPO / "bench"))
 
+from airlock.verify.topology import GW_IP, FakeNet, Topology  # noqa: E402
+
 import common  # noqa: E402
 from common import HOST, UPSTREAM_IP, Mitmdump, cpu_seconds, fmt, ratio  # noqa: E402
 from gateway_proc import GatewayProcess  # noqa: E402
-from topology import GW_IP, FakeNet, Topology  # noqa: E402
 
 AIRLOCK_PORT = 3128  # and the gateway's transparent listener on 3129: the bare ones stay clear of both
 BARE_HTTP_PORT = 3140

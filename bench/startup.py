@@ -13,13 +13,13 @@ The warm-up writes the .pyc files (PYTHONDONTWRITEBYTECODE is dropped for it), a
 else every run would compile airlock's own modules again.
 
 `airlock run -- true` needs root and builds a sandbox (namespace, veth, nftables fence, embedded gateway,
-watchdog): it runs inside the gateway namespace of the end-to-end topology (tests/e2e/topology.py), never in the
+watchdog): it runs inside the gateway namespace of the end-to-end topology (airlock/verify/topology.py), never in the
 host's network, with `--upstream-dns` pointing into the (empty) fake internet — `true` asks nothing — from a
 scratch working directory that is no git repository. The interpreter rows run in that namespace too, so every row
 pays `ip netns exec` alike. The namespaces are deleted at the end, also on Ctrl-C or SIGTERM.
 
 `ip netns exec` hides the host's cgroups, so the run row first mounts them again in its private mount namespace
-(tests/e2e/hostcgroups.py), which a run on the host never does; the row "the host's cgroups mounted, then `true`"
+(airlock/verify/hostcgroups.py), which a run on the host never does; the row "the host's cgroups mounted, then `true`"
 measures that alone, and the run's verdict is on its median less that one's (shown beside it).
 
 Targets (issue 10): `airlock run -- true` under 400 ms, `airlock --help` under 60 ms, on the 2-CPU machine. Then
@@ -44,10 +44,11 @@ sys.path.append(str(REPO / "bench"))
 
 import limits  # noqa: E402
 
+from airlock.verify.hostcgroups import with_host_cgroups  # noqa: E402
+from airlock.verify.topology import DNS_SERVER, Topology  # noqa: E402
+
 import common  # noqa: E402
 from common import fmt, percentile  # noqa: E402
-from hostcgroups import with_host_cgroups  # noqa: E402
-from topology import DNS_SERVER, Topology  # noqa: E402
 
 TARGETS_MS = {"airlock --help": 60.0, "airlock run -- true": 400.0}
 RUN = "airlock run -- true"

@@ -10,7 +10,7 @@ idle, then send one more request on every held tunnel (each must answer 200) and
 process has grown). The airlock gateway runs as the e2e tests run it (e2e policy, audit log to a file), with
 `--max-tunnels N --max-connections N+64`.
 
-All traffic stays inside the network namespaces of tests/e2e/topology.py; every process is started here and
+All traffic stays inside the network namespaces of airlock/verify/topology.py; every process is started here and
 stopped by PID, the namespaces are deleted at the end. Needs root.
 """
 
@@ -26,11 +26,12 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tests" / "e2e"))
 sys.path.append(str(REPO / "bench"))
 
+from airlock.verify.topology import GW_IP  # noqa: E402
+
 import common  # noqa: E402
 from common import HOST, Mitmdump, cpu_seconds, fmt  # noqa: E402
 from gateway_proc import GatewayProcess  # noqa: E402
 from netclient import HeldTunnels, raise_open_file_limit  # noqa: E402
-from topology import GW_IP  # noqa: E402
 
 AIRLOCK_PORT = 3128
 BARE_PASS_PORT = 3130

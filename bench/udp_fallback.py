@@ -4,7 +4,7 @@
 
 The fence refuses UDP that is not DNS with ICMP port-unreachable, so a QUIC client (HTTP/3) falls back to TCP at
 once instead of after its handshake timeout. Measured from inside the sandbox namespace of the end-to-end topology
-(tests/e2e/topology.py: nothing leaves the test namespaces), with the fence of `airlock run` on the gateway side
+(airlock/verify/topology.py: nothing leaves the test namespaces), with the fence of `airlock run` on the gateway side
 of the link, a default route to it, and the refusal inside the sandbox's namespace, as `airlock run` sets up:
 
 - Python: a connected UDP socket sends a 1200-byte QUIC v1 Initial; the time until `recv` raises
@@ -47,12 +47,12 @@ import docker  # noqa: E402
 from airlock.sandbox.docker import DockerSandbox  # noqa: E402
 from airlock.sandbox.fence import Fence, Interception, refuse_udp_inside  # noqa: E402
 from airlock.sandbox.netns import NETNS_DIR  # noqa: E402
+from airlock.verify.topology import GW_IP, Topology  # noqa: E402
 
 import common  # noqa: E402
 from common import fmt, percentile  # noqa: E402
 from dockerenv import DockerDaemon, docker_problem  # noqa: E402
 from netclient import in_netns  # noqa: E402
-from topology import GW_IP, Topology  # noqa: E402
 
 BUILD_TEST_IMAGE = REPO / "scripts" / "build-test-image"
 

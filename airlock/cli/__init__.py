@@ -32,6 +32,7 @@ GROUPS = {
     "reap": ("remove expired sandboxes and leftovers of crashed runs", "airlock.cli.reap"),
     "fence": ("install or check the pod fence in this network namespace (an init container's)", "airlock.cli.fence"),
     "run": ("run a command in a sandbox whose only network is the gateway", "airlock.cli.run"),
+    "verify": ("check a sandbox in a fake internet of its own: the evaluation matrix", "airlock.cli.verify"),
 }
 
 

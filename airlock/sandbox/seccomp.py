@@ -101,12 +101,17 @@ def _build() -> bytes:
 
 
 def _add(f: Any, action: int, name: str, *args: Any) -> None:
-    import pyseccomp as sc
-
-    number = sc.resolve_syscall(sc.Arch.NATIVE, name)
+    number = syscall_number(name)
     if number == -1:  # __NR_SCMP_ERROR: no architecture libseccomp knows has this call
         return
     f.add_rule(action, number, *args)
+
+
+def syscall_number(name: str) -> int:
+    """This host's number of the call `name`, from libseccomp's table (-1: no architecture it knows has it)."""
+    import pyseccomp as sc
+
+    return int(sc.resolve_syscall(sc.Arch.NATIVE, name))
 
 
 def _bits(flags: int) -> list[int]:

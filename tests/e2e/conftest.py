@@ -19,13 +19,13 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from airlock.sandbox.cgroups import host_parents
 from airlock.sandbox.fence import NETNS_TABLE_PREFIX, Fence, Interception
+from airlock.verify.ca import FakeCA, make_fake_ca
+from airlock.verify.hostcgroups import with_host_cgroups
+from airlock.verify.topology import DNS_SERVER, FAKE_ADDRS, GW_IP, FakeNet, Topology
 
 from dockerenv import DockerDaemon, DockerEnv, docker_problem
 from fakegithub_client import FakeGitHub, make_app_key, new_static_token
 from gateway_proc import AIRLOCK, E2E_POLICY, GatewayProcess
-from hostcgroups import with_host_cgroups
-from testca import TestCA, make_test_ca
-from topology import DNS_SERVER, FAKE_ADDRS, GW_IP, FakeNet, Topology
 
 FAKE_GITHUB_APP_ID = 4242
 FAKE_GITHUB_INSTALLATION_ID = 777
@@ -67,12 +67,12 @@ def topology(privileged: None) -> Iterator[Topology]:
 
 
 @pytest.fixture(scope="session")
-def test_ca(tmp_path_factory: pytest.TempPathFactory) -> TestCA:
-    return make_test_ca(tmp_path_factory.mktemp("ca"))
+def test_ca(tmp_path_factory: pytest.TempPathFactory) -> FakeCA:
+    return make_fake_ca(tmp_path_factory.mktemp("ca"))
 
 
 @pytest.fixture(scope="session")
-def fakenet(topology: Topology, test_ca: TestCA, tmp_path_factory: pytest.TempPathFactory) -> Iterator[FakeNet]:
+def fakenet(topology: Topology, test_ca: FakeCA, tmp_path_factory: pytest.TempPathFactory) -> Iterator[FakeNet]:
     net = FakeNet(test_ca.leaf_cert, test_ca.leaf_key).start(topology, tmp_path_factory.mktemp("fakenet"))
     try:
         yield net
@@ -88,7 +88,7 @@ def _fresh_fakenet_counters(request: pytest.FixtureRequest) -> None:
 
 
 @pytest.fixture(scope="session")
-def fake_github(topology: Topology, test_ca: TestCA, tmp_path_factory: pytest.TempPathFactory) -> Iterator[FakeGitHub]:
+def fake_github(topology: Topology, test_ca: FakeCA, tmp_path_factory: pytest.TempPathFactory) -> Iterator[FakeGitHub]:
     """The fake GitHub API on 192.0.2.20:443 (api.github.test). The App's private key is at `.app_key_path`
     (PEM, 0600), the classic token at `.static_token_path`; `.app_id` and `.installation_id` go with them."""
     workdir = tmp_path_factory.mktemp("fakegithub")
@@ -140,7 +140,7 @@ def fence(topology: Topology) -> Iterator[Fence]:
 
 
 @pytest.fixture(scope="session")
-def broker_args(fake_github: FakeGitHub, fakenet: FakeNet, test_ca: TestCA) -> tuple[str, ...]:
+def broker_args(fake_github: FakeGitHub, fakenet: FakeNet, test_ca: FakeCA) -> tuple[str, ...]:
     """The gateway's broker, as a GitHub App installed on acme/*, talking to the fake GitHub API (whose name
     fakenet's DNS serves)."""
     return (

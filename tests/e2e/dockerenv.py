@@ -40,7 +40,7 @@ from typing import Any
 
 import docker
 
-from topology import Topology, _alive, _stop_pid
+from airlock.verify.topology import Topology, alive, stop_pid
 
 IMAGE_REPO = "airlock-test"
 # Networks created without an explicit subnet come from here (instead of docker's 172.17-31/192.168 pools);
@@ -210,7 +210,7 @@ class DockerDaemon:
                 self._client.close()
             self._client = None
         for pid in self._daemon_pids():
-            _stop_pid(pid, wait=20)  # dockerd stops its containerd before exiting
+            stop_pid(pid, wait=20)  # dockerd stops its containerd before exiting
         if self.proc is not None:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 self.proc.wait(5)
@@ -283,7 +283,7 @@ class DockerDaemon:
     def _kill_leftovers(self) -> None:
         for pid in self.our_processes():
             with contextlib.suppress(Exception):
-                _stop_pid(pid, wait=5)
+                stop_pid(pid, wait=5)
         for cg in self.cgroup_dirs():
             for procs in cg.rglob("cgroup.procs"):
                 with contextlib.suppress(OSError):
@@ -333,7 +333,7 @@ class DockerDaemon:
             subprocess.run(["ip", "-n", gw, "link", "del", dev], capture_output=True, check=False, timeout=15)
 
     def alive(self) -> bool:
-        return any(_alive(pid) for pid in self._daemon_pids())
+        return any(alive(pid) for pid in self._daemon_pids())
 
     def __enter__(self) -> DockerDaemon:
         return self.start()

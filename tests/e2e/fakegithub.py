@@ -60,7 +60,8 @@ from typing import Any
 import jwt
 from aiohttp import web
 
-from control import Commands, serve_until_signalled, start_control
+from airlock.verify.control import Commands, serve_until_signalled, start_control
+
 from fakegit import Repos, http_backend
 
 API_URL = "https://api.github.test"

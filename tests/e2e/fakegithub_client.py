@@ -17,9 +17,10 @@ import jwt
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import rsa
 
-from control import ControlledFake
+from airlock.verify.control import ControlledFake
+from airlock.verify.topology import Topology
+
 from netclient import Reply
-from topology import Topology
 
 GITHUB_IP = "192.0.2.20"
 GITHUB_HOST = "api.github.test"

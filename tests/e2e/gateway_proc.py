@@ -21,8 +21,7 @@ from jsonschema import Draft202012Validator
 from airlock.gateway import Gateway
 from airlock.gateway.config import GatewayConfig
 from airlock.policy import Sandbox, load_policy
-
-from topology import DNS_SERVER, GW_IP, SBX_IP, Topology
+from airlock.verify.topology import DNS_SERVER, GW_IP, SBX_IP, Topology
 
 AIRLOCK = str(Path(sys.executable).parent / "airlock")
 AUDIT_SCHEMA = Draft202012Validator(

@@ -17,8 +17,9 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from airlock.verify.topology import FAKE_ADDRS, Topology
+
 from gateway_proc import AIRLOCK
-from topology import FAKE_ADDRS, Topology
 
 POD_IP, POD_PEER_IP = "10.252.0.2", "10.252.0.1"
 POD_IP6, POD_PEER_IP6 = "fd00:a1::2", "fd00:a1::1"  # the link's only IPv6 (the net namespace has IPv6 off)

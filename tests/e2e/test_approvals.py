@@ -15,8 +15,9 @@ import time
 from pathlib import Path
 from typing import IO, Any
 
+from airlock.verify.topology import DNS_SERVER, GW_IP, FakeNet, Topology
+
 from gateway_proc import AIRLOCK, PROXY, GatewayProcess
-from topology import DNS_SERVER, GW_IP, FakeNet, Topology
 
 EVIL_IP = "203.0.113.66"  # evil.test: listed by no rule of the policy below
 PROXY_URL = f"http://{PROXY[0]}:{PROXY[1]}"

@@ -12,11 +12,11 @@ from pathlib import Path
 from typing import Any
 
 from airlock.policy import load_policy
+from airlock.verify.ca import FakeCA
+from airlock.verify.topology import GW_IP, FakeNet, Topology
 
 from gateway_proc import E2E_POLICY, PROXY, GatewayProcess, assert_audit_schema
 from netclient import connect_tunnel, in_netns, proxy_http, tls_get
-from testca import TestCA
-from topology import GW_IP, FakeNet, Topology
 
 KINDS = {"http", "connect", "dns", "broker", "policy"}
 
@@ -39,7 +39,7 @@ def _wait_for(gw: GatewayProcess, found: Any, timeout: float = 5) -> list[dict[s
 
 
 def test_every_kind_of_audit_line_matches_the_published_schema(
-    topology: Topology, fakenet: FakeNet, own_gateway, test_ca: TestCA, tmp_path: Path
+    topology: Topology, fakenet: FakeNet, own_gateway, test_ca: FakeCA, tmp_path: Path
 ):
     policy_path = tmp_path / "live.yaml"
     policy_path.write_text(E2E_POLICY.read_text())

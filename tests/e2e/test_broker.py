@@ -25,12 +25,12 @@ from cryptography.hazmat.primitives import serialization
 from dnslib import RCODE, DNSRecord
 
 from airlock.broker.tokens import KeyRing
+from airlock.verify.topology import DNS_SERVER, GW_IP, Topology
 
 from fakegithub_client import FakeGitHub
 from gateway_proc import AIRLOCK, E2E_POLICY, PROXY, GatewayProcess
 from netclient import Reply, in_netns, proxy_http
 from pg import PostgresServer
-from topology import DNS_SERVER, GW_IP, Topology
 
 BROKER = (GW_IP, 8080)
 BROKER_URL = f"http://{GW_IP}:8080"  # the audience of the gateway's tokens

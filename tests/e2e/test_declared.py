@@ -13,9 +13,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+from airlock.verify.topology import GW_IP
+
 from gateway_proc import AIRLOCK, E2E_POLICY, GatewayProcess
 from netclient import in_netns
-from topology import GW_IP
 
 SECRET = "tkt_e2e_" + "Zq8" * 10
 TOOLS = """

@@ -15,9 +15,10 @@ import time
 import pytest
 from dnslib import QTYPE, RCODE, DNSRecord
 
+from airlock.verify.topology import DNS_SERVER, GW_IP, FakeNet, Topology
+
 from gateway_proc import AIRLOCK, E2E_POLICY, POLICIES, PROXY, GatewayProcess
 from netclient import in_netns, proxy_http
-from topology import DNS_SERVER, GW_IP, FakeNet, Topology
 
 ALLOWED_IP = "192.0.2.10"
 

@@ -27,11 +27,11 @@ from airlock.sandbox import docker as docker_backend
 from airlock.sandbox.docker import LABEL, DockerSandbox, Limits, fence_table
 from airlock.sandbox.docker_reaper import remove_sandbox
 from airlock.sandbox.fence import Fence
+from airlock.verify.topology import DNS_SERVER, GW_OUTSIDE_IP, FakeNet, Topology
 
 from gateway_proc import AIRLOCK, E2E_POLICY
 from netclient import SENDER, ForeignListeners, in_netns
 from syscalls import expected_in_a_sandbox, probe_argv, results
-from topology import DNS_SERVER, GW_OUTSIDE_IP, FakeNet, Topology
 
 ALLOWED_IP = "192.0.2.10"
 _ids = itertools.count()

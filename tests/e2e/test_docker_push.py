@@ -22,12 +22,12 @@ from airlock.launch.docker_launcher import launch
 from airlock.policy import load_policy
 from airlock.sandbox import docker as docker_backend
 from airlock.sandbox.docker import LABEL
+from airlock.verify.ca import FakeCA
+from airlock.verify.topology import DNS_SERVER, FakeNet, Topology
 
 from fakegithub_client import FakeGitHub
 from gateway_proc import E2E_POLICY
 from netclient import in_netns
-from testca import TestCA
-from topology import DNS_SERVER, FakeNet, Topology
 
 SOURCE = "/src/app"  # where the project is mounted in the container, read-only
 # The docker backend mounts host folders read-only: the agent works in a clone of its own, in the container's /tmp.
@@ -52,7 +52,7 @@ def test_an_agent_in_a_docker_sandbox_pushes_its_commits_and_opens_a_pull_reques
     fakenet: FakeNet,
     docker_env: Any,
     fake_github: FakeGitHub,
-    test_ca: TestCA,
+    test_ca: FakeCA,
     project: Path,
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,

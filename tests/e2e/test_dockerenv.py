@@ -13,8 +13,9 @@ import docker
 import pytest
 from docker.types import IPAMConfig, IPAMPool
 
+from airlock.verify.topology import FakeNet, Topology, alive
+
 from dockerenv import DockerDaemon, DockerEnv
-from topology import FakeNet, Topology, _alive
 
 SMOKE_SUBNET = "10.239.0.0/24"
 SMOKE_GATEWAY = "10.239.0.1"
@@ -171,7 +172,7 @@ def test_stop_leaves_nothing_behind(
         daemon.stop()
     assert not daemon.alive()
     assert daemon.our_processes() == []
-    assert not [pid for pid in [*pids, container_pid] if _alive(pid)]
+    assert not [pid for pid in [*pids, container_pid] if alive(pid)]
     assert daemon.cgroup_dirs() == []
     assert list(Path("/sys/fs/cgroup").glob(f"*/{name}")) == []
     assert not daemon.data_root.exists() and not daemon.exec_root.exists() and not daemon.sock.exists()

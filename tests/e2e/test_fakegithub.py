@@ -18,11 +18,12 @@ import pytest
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import rsa
 
+from airlock.verify.ca import FakeCA
+from airlock.verify.topology import FakeNet, Topology
+
 from fakegit import IDENTITY
 from fakegithub_client import GITHUB_IP, FakeGitHub, github_request
 from netclient import Reply, in_netns
-from testca import TestCA
-from topology import FakeNet, Topology
 
 APP_PR = "/repos/acme/app/pulls"
 NARROW = {"repositories": ["app"], "permissions": {"pull_requests": "write"}}
@@ -36,7 +37,7 @@ JWT_BAD_IAT = "'Issued at' claim ('iat') must be an Integer representing the tim
 
 
 @pytest.fixture
-def gh(topology: Topology, fake_github: FakeGitHub, test_ca: TestCA) -> Any:
+def gh(topology: Topology, fake_github: FakeGitHub, test_ca: FakeCA) -> Any:
     """call(method, path, token=None, scheme="token", body=None, ...) from inside gw."""
     topology.assert_route_inside(topology.gw, GITHUB_IP)
 
@@ -485,7 +486,7 @@ def test_fail_status(gh: Any, fake_github: FakeGitHub) -> None:
 # ------------------------------------------------------------------------------------------- harness
 
 
-def test_coexists_with_fakenet(topology: Topology, fakenet: FakeNet, fake_github: FakeGitHub, test_ca: TestCA) -> None:
+def test_coexists_with_fakenet(topology: Topology, fakenet: FakeNet, fake_github: FakeGitHub, test_ca: FakeCA) -> None:
     assert topology.dns_query(topology.gw, "api.github.test").values() == [GITHUB_IP]
     topology.assert_route_inside(topology.gw, GITHUB_IP)
     # The test leaf covers the name and the address; fakegithub, not fakenet, owns 192.0.2.20:443.
@@ -524,7 +525,7 @@ GIT_URL = "https://github.test/acme"
 
 
 @pytest.fixture
-def git_gw(topology: Topology, test_ca: TestCA, tmp_path: Path) -> Any:
+def git_gw(topology: Topology, test_ca: FakeCA, tmp_path: Path) -> Any:
     """git(*args, token=None) in the gateway namespace against the fake's git host, with a clean environment."""
     topology.assert_route_inside(topology.gw, GITHUB_IP)
 

@@ -26,10 +26,11 @@ import pytest
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
+from airlock.verify.ca import FakeCA
+
 from fakegithub_client import FakeGitHub, make_app_key, new_static_token
 from fleet import SANDBOX, Replica, airlock, free_port
 from pg import PostgresServer
-from testca import TestCA
 
 pytestmark = pytest.mark.postgres
 
@@ -38,7 +39,7 @@ PULLS = "/v1/tools/create_pull_request"
 
 
 @pytest.fixture(scope="module")
-def github(test_ca: TestCA, tmp_path_factory: pytest.TempPathFactory) -> Iterator[FakeGitHub]:
+def github(test_ca: FakeCA, tmp_path_factory: pytest.TempPathFactory) -> Iterator[FakeGitHub]:
     """The fake GitHub API on 127.0.0.1 (no namespace: the replicas reach it on loopback), static-token mode."""
     workdir = tmp_path_factory.mktemp("fleet-github")
     public_pem = make_app_key(workdir / "app.pem")
@@ -55,7 +56,7 @@ def github(test_ca: TestCA, tmp_path_factory: pytest.TempPathFactory) -> Iterato
 
 @pytest.fixture
 async def fleet(
-    github: FakeGitHub, test_ca: TestCA, postgres_database: str, tmp_path: Path
+    github: FakeGitHub, test_ca: FakeCA, postgres_database: str, tmp_path: Path
 ) -> AsyncIterator[tuple[Replica, Replica]]:
     github.reset()
     key = tmp_path / "signing-key.pem"

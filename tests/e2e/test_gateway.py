@@ -16,11 +16,11 @@ import pytest
 from airlock.dns.upstream import ResolverUnavailable
 from airlock.gateway import Gateway
 from airlock.policy import parse_policy
+from airlock.verify.ca import FakeCA
+from airlock.verify.topology import GW_IP, SBX_IP, FakeNet, Topology
 
 from gateway_proc import AIRLOCK, E2E_POLICY, PROXY, e2e_gateway_config, gateway_in_thread
 from netclient import ForeignListeners, in_netns, proxy_http, tcp_probe, tls_get
-from testca import TestCA
-from topology import GW_IP, SBX_IP, FakeNet, Topology
 
 ALLOWED_IP = "192.0.2.10"
 AUDIT_FIELDS = {
@@ -191,7 +191,7 @@ def test_connect_timeout_closes_a_hanging_upstream(topology: Topology, fakenet: 
     assert elapsed < 10, elapsed  # mitmproxy alone would wait for the kernel's SYN retries (minutes)
 
 
-def test_tunnel_cap_per_sandbox(topology: Topology, fakenet: FakeNet, own_gateway, test_ca: TestCA):
+def test_tunnel_cap_per_sandbox(topology: Topology, fakenet: FakeNet, own_gateway, test_ca: FakeCA):
     own_gateway(extra=("--max-tunnels", "2"))
 
     def three_tunnels() -> list[int]:
@@ -212,7 +212,7 @@ def test_tunnel_cap_per_sandbox(topology: Topology, fakenet: FakeNet, own_gatewa
     assert in_netns(topology.sbx, tls_get, PROXY, "allowed.test:443", "allowed.test", test_ca.ca_cert).status == 200
 
 
-def test_two_hundred_concurrent_tunnels_complete(topology: Topology, fakenet: FakeNet, gateway, test_ca: TestCA):
+def test_two_hundred_concurrent_tunnels_complete(topology: Topology, fakenet: FakeNet, gateway, test_ca: FakeCA):
     async def one(context: ssl.SSLContext, i: int) -> bytes:
         reader, writer = await asyncio.open_connection(*PROXY)
         writer.write(b"CONNECT allowed.test:443 HTTP/1.1\r\nHost: allowed.test:443\r\n\r\n")
@@ -236,7 +236,7 @@ def test_two_hundred_concurrent_tunnels_complete(topology: Topology, fakenet: Fa
     assert fakenet.connections(ALLOWED_IP, 443) == 200
 
 
-def test_every_decision_writes_one_audit_line(topology: Topology, fakenet: FakeNet, own_gateway, test_ca: TestCA):
+def test_every_decision_writes_one_audit_line(topology: Topology, fakenet: FakeNet, own_gateway, test_ca: FakeCA):
     gw = own_gateway()
     allowed = in_netns(topology.sbx, proxy_http, PROXY, "http://allowed.test/a?secret=1")
     denied = in_netns(topology.sbx, proxy_http, PROXY, "http://evil.test/b")
@@ -310,7 +310,7 @@ def inproc_gateway(topology: Topology, fakenet: FakeNet, own_gateway, tmp_path: 
 
 @pytest.mark.parametrize("fault", [RuntimeError("resolver bug"), ResolverUnavailable("upstream down")])
 def test_a_fault_inside_the_addon_denies(
-    topology: Topology, fakenet: FakeNet, inproc_gateway: Gateway, test_ca: TestCA, fault: Exception
+    topology: Topology, fakenet: FakeNet, inproc_gateway: Gateway, test_ca: FakeCA, fault: Exception
 ):
     async def broken(name: str):
         raise fault
@@ -325,7 +325,7 @@ def test_a_fault_inside_the_addon_denies(
 
 @pytest.mark.parametrize("resolver_breaks", [False, True])
 def test_enforcement_point_holds_when_the_early_hooks_do_nothing(
-    topology: Topology, fakenet: FakeNet, inproc_gateway: Gateway, test_ca: TestCA, resolver_breaks: bool
+    topology: Topology, fakenet: FakeNet, inproc_gateway: Gateway, test_ca: FakeCA, resolver_breaks: bool
 ):
     """mitmproxy swallows addon exceptions; if an early hook ever let a request through, `server_connect`
     must still judge it. Disable the early hooks and check that it does, also when the resolver raises."""
@@ -393,7 +393,7 @@ def test_connection_cap_per_sandbox(topology: Topology, fakenet: FakeNet, own_ga
 
 
 def test_failed_upstream_connects_leave_no_per_connection_state(
-    topology: Topology, fakenet: FakeNet, inproc_gateway: Gateway, test_ca: TestCA
+    topology: Topology, fakenet: FakeNet, inproc_gateway: Gateway, test_ca: FakeCA
 ):
     # Each upstream connection is remembered (resolved addresses, logical name, connect timer) until it ends:
     # refused and timed-out connects end too, and must not leave an entry behind each.

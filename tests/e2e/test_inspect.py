@@ -14,9 +14,10 @@ from typing import Any
 
 import pytest
 
+from airlock.verify.ca import FakeCA
+from airlock.verify.topology import FakeNet, Topology
+
 from gateway_proc import PROXY, GatewayProcess
-from testca import TestCA
-from topology import FakeNet, Topology
 
 PROXY_URL = f"http://{PROXY[0]}:{PROXY[1]}"
 SECRET = "sk-airlock-e2e-7f3a9c0d5e1b2468ace0"
@@ -196,7 +197,7 @@ def test_a_placeholder_sent_to_another_host_is_refused_and_audited(
 
 
 def test_hosts_without_inspect_still_see_the_clients_own_tls(
-    topology: Topology, fakenet: FakeNet, inspecting: GatewayProcess, test_ca: TestCA
+    topology: Topology, fakenet: FakeNet, inspecting: GatewayProcess, test_ca: FakeCA
 ) -> None:
     # other.test passes through: the client verifies fakenet's own certificate, never the gateway's.
     passed = topology.curl(topology.sbx, "-x", PROXY_URL, "--cacert", str(test_ca.ca_cert), "https://other.test/")
@@ -260,7 +261,7 @@ cat "$SECRET_FILE" 2>&1 | head -c 200; echo
 
 
 def test_run_sandbox_clients_trust_the_gateway_ca_and_never_hold_the_secret(
-    run_in_gw, fakenet: FakeNet, test_ca: TestCA, tmp_path: Path
+    run_in_gw, fakenet: FakeNet, test_ca: FakeCA, tmp_path: Path
 ) -> None:
     policy, secret = policy_and_secret(tmp_path, POLICY)
     result = run_in_gw(

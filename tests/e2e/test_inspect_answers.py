@@ -22,9 +22,10 @@ from pathlib import Path
 import pytest
 from test_inspect import SECRET, curl, gateway_ca, header_values, policy_and_secret, upstream_requests
 
+from airlock.verify.topology import FakeNet, Topology
+
 from gateway_proc import PROXY, GatewayProcess
 from netclient import exchange, in_netns, tls_tunnel
-from topology import FakeNet, Topology
 
 POLICY = """\
 version: 1

@@ -18,10 +18,11 @@ import pytest
 from test_inspect import SECRET, curl, gateway_ca, gateway_with_secret, header_values, upstream_requests
 from test_transparent import routed_sbx  # noqa: F401 - a fixture: sbx routed through the fence
 
+from airlock.verify.ca import FakeCA
+from airlock.verify.topology import FakeNet, Topology
+
 from gateway_proc import AIRLOCK, PROXY, GatewayProcess
 from netclient import exchange, h2_request, http_replies, in_netns, tls_tunnel, websocket_session
-from testca import TestCA
-from topology import FakeNet, Topology
 
 POLICY = """\
 version: 1
@@ -306,7 +307,7 @@ def test_an_inspected_host_by_ip_literal_or_a_denied_name_beside_an_inspected_wi
 
 
 def test_a_client_that_pins_the_upstreams_own_ca_fails_closed(
-    topology: Topology, fakenet: FakeNet, attacked: GatewayProcess, test_ca: TestCA
+    topology: Topology, fakenet: FakeNet, attacked: GatewayProcess, test_ca: FakeCA
 ) -> None:
     # The client trusts only the CA that really signed fakenet's certificate: the gateway's leaf fails it, and no
     # fallback hands it the upstream's own TLS.

@@ -9,9 +9,9 @@ import time
 from pathlib import Path
 
 from airlock.sandbox.cgroups import host_parents
+from airlock.verify.topology import DNS_SERVER, Topology
 
 from gateway_proc import AIRLOCK, E2E_POLICY
-from topology import DNS_SERVER, Topology
 
 
 def test_fork_bomb_stops_at_the_pids_limit_and_the_host_stays_responsive(run_in_gw, topology: Topology):

@@ -15,9 +15,10 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from airlock.verify.topology import GW_IP, Topology
+
 from gateway_proc import PROXY, GatewayProcess
 from netclient import connect_tunnel, in_netns, proxy_http
-from topology import GW_IP, Topology
 
 BROKER = (GW_IP, 8080)
 

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from airlock.verify.topology import DNS_SERVER, FakeNet, Topology
+
 from gateway_proc import E2E_POLICY
 from pod import (
     ADMIN,
@@ -27,7 +29,6 @@ from pod import (
     TRANSPARENT,
     Pod,
 )
-from topology import DNS_SERVER, FakeNet, Topology
 
 ECHO = r"""
 import select, socket, sys

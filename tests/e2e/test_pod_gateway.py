@@ -23,13 +23,13 @@ from typing import Any
 import pytest
 
 from airlock.policy import load_policy
+from airlock.verify.ca import FakeCA
+from airlock.verify.topology import DNS_SERVER, FakeNet, Topology
 
 from fakegithub_client import GITHUB_IP, FakeGitHub
 from fleet import airlock
 from gateway_proc import AIRLOCK
 from pod import ADMIN, ALLOWED_IP, BROKER, DNS, GATEWAY_UID, GATEWAY_USER, POD_IP, POD_PEER_IP, Pod
-from testca import TestCA
-from topology import DNS_SERVER, FakeNet, Topology
 
 SANDBOX = "agent-pod-7"
 OTHER_IP = "198.51.100.10"  # other.test
@@ -77,7 +77,7 @@ class PodGateway:
     """The pod with `airlock gateway --pod`, its ConfigMap, its token file and its trust directory: a root-owned
     tree the agent may walk, the token in it the gateway UID's alone (mode 0600), the trust directory the gateway's."""
 
-    def __init__(self, topology: Topology, test_ca: TestCA) -> None:
+    def __init__(self, topology: Topology, test_ca: FakeCA) -> None:
         self.volumes = Path(tempfile.mkdtemp(prefix=f"{topology.prefix}-podvol-"))
         self.volumes.chmod(0o755)
         (self.volumes / "config").mkdir(mode=0o755)
@@ -133,7 +133,7 @@ def wait_for(condition: Any, timeout: float = 10) -> None:
 
 
 @pytest.fixture(scope="module")
-def pod_gateway(topology: Topology, fakenet: FakeNet, test_ca: TestCA) -> Iterator[PodGateway]:
+def pod_gateway(topology: Topology, fakenet: FakeNet, test_ca: FakeCA) -> Iterator[PodGateway]:
     """The pod fenced (as its init container would), then its sidecar started, with every port its default."""
     made = PodGateway(topology, test_ca)
     try:
@@ -181,7 +181,7 @@ class CentralBroker:
 
 @pytest.fixture(scope="module")
 def central_broker(
-    pod_gateway: PodGateway, topology: Topology, fake_github: FakeGitHub, test_ca: TestCA,
+    pod_gateway: PodGateway, topology: Topology, fake_github: FakeGitHub, test_ca: FakeCA,
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[CentralBroker]:  # fmt: skip
     broker = CentralBroker(topology, fake_github, test_ca.ca_cert, tmp_path_factory.mktemp("central-broker"))

@@ -20,10 +20,11 @@ from pathlib import Path
 import pytest
 from dnslib import RCODE, DNSRecord
 
+from airlock.verify.ca import FakeCA
+from airlock.verify.topology import GW_IP, SBX_IP, FakeNet, Topology
+
 from gateway_proc import PROXY, GatewayProcess, e2e_gateway_config, gateway_in_thread
 from netclient import HeldTunnels, in_netns, proxy_http, raise_open_file_limit, tls_get
-from testca import TestCA
-from topology import GW_IP, SBX_IP, FakeNet, Topology
 
 ALLOWED_IP = "192.0.2.10"
 BROKER = (GW_IP, 8080)
@@ -49,7 +50,7 @@ def stopped_audit(gw: GatewayProcess) -> list[dict]:
 
 
 def test_a_thousand_concurrent_tunnels_work_with_the_defaults(
-    topology: Topology, fakenet: FakeNet, own_gateway, test_ca: TestCA, tmp_path: Path, caplog: pytest.LogCaptureFixture
+    topology: Topology, fakenet: FakeNet, own_gateway, test_ca: FakeCA, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ):
     # A common default: 1,024 open files (soft), a high hard limit. The gateway raises the soft limit itself.
     config = e2e_gateway_config(tmp_path)
@@ -73,7 +74,7 @@ def test_a_thousand_concurrent_tunnels_work_with_the_defaults(
 
 
 def test_tunnels_beyond_the_cap_get_429_and_a_summary_not_a_line_each(
-    topology: Topology, fakenet: FakeNet, own_gateway, test_ca: TestCA
+    topology: Topology, fakenet: FakeNet, own_gateway, test_ca: FakeCA
 ):
     gw = own_gateway(extra=("--max-tunnels", "50"))
     held = HeldTunnels(topology.sbx, PROXY, "allowed.test:443", str(test_ca.ca_cert))
@@ -100,7 +101,7 @@ def announced_caps(gw: GatewayProcess) -> tuple[int, int]:
 
 
 def test_a_small_open_file_limit_gives_smaller_caps_and_refusals_beyond_them(
-    topology: Topology, fakenet: FakeNet, own_gateway, test_ca: TestCA
+    topology: Topology, fakenet: FakeNet, own_gateway, test_ca: FakeCA
 ):
     gw = own_gateway(nofile=(512, 512))
     connections, tunnels = announced_caps(gw)

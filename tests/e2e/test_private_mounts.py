@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from topology import Topology
+from airlock.verify.topology import Topology
 
 NOBODY = pwd.getpwnam("nobody")  # run as root without sudo, the sandboxed command runs as nobody
 STAT = "%U:%G %a %n"

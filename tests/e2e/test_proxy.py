@@ -12,10 +12,11 @@ import time
 
 import pytest
 
+from airlock.verify.ca import FakeCA
+from airlock.verify.topology import FakeNet, Topology
+
 from gateway_proc import PROXY, GatewayProcess
 from netclient import connect_tunnel, in_netns, proxy_http, raw_request, tls_get
-from testca import TestCA
-from topology import FakeNet, Topology
 
 ALLOWED_IP = "192.0.2.10"
 EVIL_IP = "203.0.113.66"
@@ -102,7 +103,7 @@ def test_allowed_plain_http_returns_the_real_body(topology: Topology, fakenet: F
 
 
 def test_allowed_connect_tls_returns_the_real_body(
-    topology: Topology, fakenet: FakeNet, gateway: GatewayProcess, test_ca: TestCA
+    topology: Topology, fakenet: FakeNet, gateway: GatewayProcess, test_ca: FakeCA
 ):
     result = topology.curl(topology.sbx, "-x", PROXY_URL, "--cacert", test_ca.ca_cert, "https://allowed.test/tls")
     assert result.returncode == 0, result.stderr
@@ -183,7 +184,7 @@ def test_cname_to_internal_is_denied(topology: Topology, fakenet: FakeNet, gatew
 
 
 def test_rebinding_name_never_reaches_the_internal_host(
-    topology: Topology, fakenet: FakeNet, own_gateway, test_ca: TestCA
+    topology: Topology, fakenet: FakeNet, own_gateway, test_ca: FakeCA
 ):
     # No cache floor: every lookup goes upstream, so the answers alternate public/internal (TTL 0).
     own_gateway(extra=("--dns-min-ttl", "0"))
@@ -209,7 +210,7 @@ def test_mixed_answer_drops_the_internal_address(topology: Topology, fakenet: Fa
 
 
 def test_connect_with_mismatched_sni_is_closed(
-    topology: Topology, fakenet: FakeNet, gateway: GatewayProcess, test_ca: TestCA
+    topology: Topology, fakenet: FakeNet, gateway: GatewayProcess, test_ca: FakeCA
 ):
     reply = in_netns(topology.sbx, tls_get, PROXY, "allowed.test:443", "evil.test", test_ca.ca_cert)
     assert reply.error is not None and reply.extra["connect_status"] == 200, reply
@@ -220,7 +221,7 @@ def test_connect_with_mismatched_sni_is_closed(
 
 
 def test_connect_without_sni_to_a_name_is_closed(
-    topology: Topology, fakenet: FakeNet, gateway: GatewayProcess, test_ca: TestCA
+    topology: Topology, fakenet: FakeNet, gateway: GatewayProcess, test_ca: FakeCA
 ):
     reply = in_netns(topology.sbx, tls_get, PROXY, "allowed.test:443", None, test_ca.ca_cert)
     assert reply.error is not None
@@ -268,7 +269,7 @@ def test_host_header_fronting_is_denied(topology: Topology, fakenet: FakeNet, ga
 
 
 def test_cidr_rule_opens_the_named_internal_service_on_its_port_only(
-    topology: Topology, fakenet: FakeNet, gateway: GatewayProcess, test_ca: TestCA
+    topology: Topology, fakenet: FakeNet, gateway: GatewayProcess, test_ca: FakeCA
 ):
     ok = in_netns(topology.sbx, tls_get, PROXY, "svc.internal.test:443", "svc.internal.test", test_ca.ca_cert)
     assert ok.status == 200 and ok.body.startswith(f"fakenet {SERVICE_IP}:443".encode()), ok

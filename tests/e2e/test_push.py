@@ -20,12 +20,12 @@ from typing import Any
 import pytest
 
 from airlock.sandbox.workdir import QUARANTINE_ROOT
+from airlock.verify.topology import GW_IP, Topology
 
 from fakegit import IDENTITY
 from fakegithub_client import FakeGitHub
 from gateway_proc import AIRLOCK, GatewayProcess
 from netclient import in_netns
-from topology import GW_IP, Topology
 
 BROKER = (GW_IP, 8080)
 PUSH_GRANT = "push_branch:acme/app:head=agent/*"

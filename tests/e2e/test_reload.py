@@ -11,10 +11,10 @@ import time
 from pathlib import Path
 
 from airlock.policy import load_policy
+from airlock.verify.topology import DNS_SERVER, FakeNet, Topology
 
 from gateway_proc import AIRLOCK, E2E_POLICY, PROXY, assert_audit_schema
 from netclient import connect_tunnel, in_netns, proxy_http
-from topology import DNS_SERVER, FakeNet, Topology
 
 NEW_RULE = "    allow:\n      - host: evil.test\n        ports: [80]\n"
 BAD_POLICY = "version: 1\nprofiles:\n  default:\n    allow:\n      - host: '*'\n"

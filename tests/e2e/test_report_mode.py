@@ -10,9 +10,10 @@ from pathlib import Path
 
 import pytest
 
+from airlock.verify.ca import FakeCA
+from airlock.verify.topology import GW_IP, FakeNet, Topology
+
 from gateway_proc import AIRLOCK, PROXY, GatewayProcess
-from testca import TestCA
-from topology import GW_IP, FakeNet, Topology
 
 EVIL_IP = "203.0.113.66"  # evil.test: listed by no rule of the policy below
 PROXY_URL = f"http://{PROXY[0]}:{PROXY[1]}"
@@ -43,7 +44,7 @@ def _curl(topology: Topology, *args: str) -> tuple[str, str]:
 
 
 def test_an_unlisted_host_is_reached_and_audited_as_report(
-    topology: Topology, fakenet: FakeNet, gw: GatewayProcess, test_ca: TestCA
+    topology: Topology, fakenet: FakeNet, gw: GatewayProcess, test_ca: FakeCA
 ):
     status, body = _curl(topology, "http://evil.test/canary")
     assert (status, body) == ("200", f"fakenet {EVIL_IP}:80 host=evil.test path=/canary")

@@ -21,11 +21,11 @@ import pytest
 from airlock.sandbox.cgroups import host_parents
 from airlock.sandbox.fence import NETNS_TABLE_PREFIX
 from airlock.sandbox.netns import NetnsSandbox
+from airlock.verify.hostcgroups import with_host_cgroups
+from airlock.verify.topology import DNS_SERVER, FakeNet, Topology
 
 from gateway_proc import AIRLOCK, E2E_POLICY
-from hostcgroups import with_host_cgroups
 from netclient import GATEWAY_PORTS, SENDER, ForeignListeners, in_netns
-from topology import DNS_SERVER, FakeNet, Topology
 
 ALLOWED_IP = "192.0.2.10"
 _counter = itertools.count()

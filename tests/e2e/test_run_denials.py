@@ -9,8 +9,9 @@ import subprocess
 import time
 from pathlib import Path
 
+from airlock.verify.topology import DNS_SERVER, FakeNet, Topology
+
 from gateway_proc import AIRLOCK, E2E_POLICY, assert_audit_schema
-from topology import DNS_SERVER, FakeNet, Topology
 
 DENIED_LINE = (
     "airlock: denied evil.test:443 — evil.test:443 is not in the allowlist "

@@ -15,10 +15,11 @@ from pathlib import Path
 
 import pytest
 
+from airlock.verify.ca import FakeCA
+from airlock.verify.hostcgroups import with_host_cgroups
+from airlock.verify.topology import DNS_SERVER, FakeNet, Topology
+
 from gateway_proc import AIRLOCK, E2E_POLICY
-from hostcgroups import with_host_cgroups
-from testca import TestCA
-from topology import DNS_SERVER, FakeNet, Topology
 
 EVIL = ("203.0.113.66", 80)  # evil.test: in no policy of these tests
 ALLOW_EVIL = "version: 1\\nprofiles:\\n  default:\\n    allow:\\n      - host: evil.test\\n        ports: [80]\\n"
@@ -93,7 +94,7 @@ def test_the_sandbox_cannot_send_the_audit_log_into_a_folder_of_its_choice(
 
 @pytest.mark.parametrize("option", ["--state-dir", "--call-log", "--upstream-ca"])
 def test_every_input_the_gateway_uses_while_the_sandbox_runs_is_refused_where_the_sandbox_could_swap_it(
-    run_in_gw, project: Path, test_ca: TestCA, option: str
+    run_in_gw, project: Path, test_ca: FakeCA, option: str
 ):
     folder = _users_folder(project / "gateway")
     if option == "--upstream-ca":
@@ -140,7 +141,7 @@ SWAP_SECRET = (
 
 
 def test_a_secret_is_read_once_at_start_never_again_from_a_folder_the_sandbox_replaced(
-    topology: Topology, fakenet: FakeNet, test_ca: TestCA, project: Path, tmp_path: Path
+    topology: Topology, fakenet: FakeNet, test_ca: FakeCA, project: Path, tmp_path: Path
 ):
     secret = _users_folder(project / "keys") / "model_api"
     secret.write_text(SECRET + "\n")

@@ -1,7 +1,7 @@
 """The tools an agent uses, in `airlock run`, as its user's shell has them: `git commit` with the invoker's identity,
 `npm install` from the registry (the starter policy's `npm` profile; a cache npm can write, per run or kept with
 `--cache`), and a command the sandbox cannot find refused before anything starts. Real git, node and npm against
-the fake internet's registry (fakeregistry.py)."""
+the fake internet's registry (airlock/verify/registry.py)."""
 
 from __future__ import annotations
 
@@ -15,10 +15,9 @@ from pathlib import Path
 import pytest
 
 from airlock.cli.common import default_policy_path
-
-from fakeregistry import NPM_PACKAGE
-from testca import TestCA
-from topology import FakeNet, Topology
+from airlock.verify.ca import FakeCA
+from airlock.verify.registry import NPM_PACKAGE
+from airlock.verify.topology import FakeNet, Topology
 
 NOBODY = 65534
 
@@ -78,7 +77,7 @@ NPM_INSTALL = f"npm install --no-audit --no-fund --no-update-notifier {NPM_PACKA
 NPM_INSTALL += f'node -e \'console.log("answer", require("{NPM_PACKAGE}"))\''
 
 
-def _npm_options(topology: Topology, test_ca: TestCA, folder: Path, *extra: str) -> tuple[str, ...]:
+def _npm_options(topology: Topology, test_ca: FakeCA, folder: Path, *extra: str) -> tuple[str, ...]:
     """The starter policy's npm profile, and the fake internet's CA for npm (npm 11 reads no NODE_EXTRA_CA_CERTS:
     its own `cafile`); the command runs as `daemon`, whose home exists and is read-only in the sandbox, as a real
     user's is."""
@@ -92,7 +91,7 @@ def _npm_options(topology: Topology, test_ca: TestCA, folder: Path, *extra: str)
 
 
 def test_npm_installs_from_the_registry_with_the_npm_profile(
-    run_in_gw, topology: Topology, fakenet: FakeNet, test_ca: TestCA, folder: Path
+    run_in_gw, topology: Topology, fakenet: FakeNet, test_ca: FakeCA, folder: Path
 ):
     result = run_in_gw("sh", "-c", NPM_INSTALL, cwd=folder, timeout=120,
                        options=_npm_options(topology, test_ca, folder))  # fmt: skip
@@ -103,7 +102,7 @@ def test_npm_installs_from_the_registry_with_the_npm_profile(
 
 
 def test_npm_keeps_its_cache_across_runs_in_the_cache_folder(
-    run_in_gw, topology: Topology, fakenet: FakeNet, test_ca: TestCA, folder: Path, tmp_path: Path
+    run_in_gw, topology: Topology, fakenet: FakeNet, test_ca: FakeCA, folder: Path, tmp_path: Path
 ):
     work, cache = folder / "work", Path(tempfile.mkdtemp(prefix=f"{topology.prefix}-cache-", dir="/var/tmp"))
     work.mkdir(mode=0o777)

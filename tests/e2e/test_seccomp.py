@@ -11,9 +11,10 @@ from pathlib import Path
 
 import pytest
 
-import fakeregistry
+from airlock.verify import registry
+from airlock.verify.topology import FakeNet, Topology
+
 from syscalls import expected_in_a_sandbox, probe_argv, results
-from topology import FakeNet, Topology
 
 # Calls an unprivileged process makes successfully on a host without the filter, whatever its sysctls say.
 UNFILTERED_OK = {"ptrace", "clone3", "personality", "keyctl", "kcmp", "name_to_handle_at", "clock_adjtime"}
@@ -74,7 +75,7 @@ def test_no_raw_sockets_and_no_mounts(run_in_gw):
 def _wheel(folder: Path) -> Path:
     """The fake registry's hand-built wheel (module `airlockdemo`), as a file in `folder`."""
     path = folder / "airlockdemo-1.0-py3-none-any.whl"
-    path.write_bytes(fakeregistry.wheel())
+    path.write_bytes(registry.wheel())
     return path
 
 

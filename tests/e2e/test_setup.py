@@ -17,10 +17,10 @@ from pathlib import Path
 import pytest
 
 from airlock.sandbox.netns import has_namespace
+from airlock.verify.hostcgroups import with_host_cgroups
+from airlock.verify.topology import DNS_SERVER, FakeNet, Topology
 
 from gateway_proc import E2E_POLICY
-from hostcgroups import with_host_cgroups
-from topology import DNS_SERVER, FakeNet, Topology
 
 ROOT = Path(__file__).resolve().parents[2]
 SECURE_PATH = "/usr/sbin:/usr/bin:/sbin:/bin"

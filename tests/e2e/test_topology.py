@@ -7,8 +7,8 @@ import subprocess
 
 import pytest
 
-from testca import TestCA
-from topology import FAKE_ADDRS, GW_ROUTES, FakeNet, Topology
+from airlock.verify.ca import FakeCA
+from airlock.verify.topology import FAKE_ADDRS, GW_ROUTES, FakeNet, Topology
 
 ALLOWED = "192.0.2.10"
 
@@ -36,7 +36,7 @@ def test_http_from_gw(topology: Topology, fakenet: FakeNet) -> None:
     assert (req["line"], req["host"], req["client"]) == ("GET /x HTTP/1.1", ALLOWED, topology.gw_outside_ip)
 
 
-def test_https_from_gw_records_sni(topology: Topology, fakenet: FakeNet, test_ca: TestCA) -> None:
+def test_https_from_gw_records_sni(topology: Topology, fakenet: FakeNet, test_ca: FakeCA) -> None:
     topology.assert_route_inside(topology.gw, ALLOWED)
     res = topology.curl(
         topology.gw,

@@ -19,11 +19,11 @@ import pytest
 
 from airlock.sandbox.fence import Interception, refuse_udp_inside
 from airlock.sandbox.netns import NETNS_DIR
+from airlock.verify.ca import FakeCA
+from airlock.verify.topology import GW_IP, FakeNet, Topology
 
 from gateway_proc import GatewayProcess
 from netclient import in_netns, raw_request, tcp_probe
-from testca import TestCA
-from topology import GW_IP, FakeNet, Topology
 
 ALLOWED_IP = "192.0.2.10"
 EVIL_IP = "203.0.113.66"
@@ -95,7 +95,7 @@ def _audit_line(gateway: GatewayProcess, since: int, host: str, kind: str, code:
 
 
 def test_curl_ignoring_the_proxy_reaches_an_allowed_host(
-    routed_sbx: Topology, fakenet: FakeNet, gateway: GatewayProcess, test_ca: TestCA, audit_for
+    routed_sbx: Topology, fakenet: FakeNet, gateway: GatewayProcess, test_ca: FakeCA, audit_for
 ):
     plain = sbx(routed_sbx, "curl", "-sS", "--noproxy", "*", "--max-time", "10", "http://allowed.test/hello")
     assert plain.stdout == f"fakenet {ALLOWED_IP}:80 host=allowed.test path=/hello\n", plain.stderr
@@ -108,7 +108,7 @@ def test_curl_ignoring_the_proxy_reaches_an_allowed_host(
 
 
 def test_curl_ignoring_the_proxy_gets_nothing_of_a_denied_host(
-    routed_sbx: Topology, fakenet: FakeNet, gateway: GatewayProcess, test_ca: TestCA, audit_for
+    routed_sbx: Topology, fakenet: FakeNet, gateway: GatewayProcess, test_ca: FakeCA, audit_for
 ):
     unresolved = sbx(routed_sbx, "curl", "-sS", "--noproxy", "*", "--max-time", "5", "http://evil.test/")
     assert unresolved.returncode == 6  # the gateway's DNS refused the name: curl cannot resolve it
@@ -137,7 +137,7 @@ def node_fetch(topology: Topology, url: str, ca: Path | None = None) -> str:
 
 
 def test_node_fetch_reaches_an_allowed_host_and_nothing_of_a_denied_one(
-    routed_sbx: Topology, fakenet: FakeNet, gateway: GatewayProcess, test_ca: TestCA
+    routed_sbx: Topology, fakenet: FakeNet, gateway: GatewayProcess, test_ca: FakeCA
 ):
     assert (
         node_fetch(routed_sbx, "http://allowed.test/node")
@@ -212,7 +212,7 @@ def tls_to(address: tuple[str, int], sni: str | None, ca: Path, path: str = "/",
 
 
 def test_the_dialled_address_is_never_the_upstream(
-    routed_sbx: Topology, fakenet: FakeNet, gateway: GatewayProcess, test_ca: TestCA, audit_for
+    routed_sbx: Topology, fakenet: FakeNet, gateway: GatewayProcess, test_ca: FakeCA, audit_for
 ):
     # Dial evil.test's address with allowed.test's name: the gateway connects to allowed.test's own address.
     body = in_netns(routed_sbx.sbx, tls_to, (EVIL_IP, 443), "allowed.test", test_ca.ca_cert, "/lie")
@@ -226,7 +226,7 @@ def test_the_dialled_address_is_never_the_upstream(
 
 
 def test_fronting_through_transparent_mode_is_denied(
-    routed_sbx: Topology, fakenet: FakeNet, gateway: GatewayProcess, test_ca: TestCA, audit_for
+    routed_sbx: Topology, fakenet: FakeNet, gateway: GatewayProcess, test_ca: FakeCA, audit_for
 ):
     fronted = [
         b"GET http://evil.test/ HTTP/1.1\r\nHost: allowed.test\r\n\r\n",  # a request target the server reads first
@@ -262,7 +262,7 @@ def test_encrypted_client_hello_through_transparent_mode_is_refused(
     ],
 )
 def test_allowlisted_names_that_resolve_inside_are_denied(
-    routed_sbx: Topology, fakenet: FakeNet, gateway: GatewayProcess, test_ca: TestCA, name: str, code: str
+    routed_sbx: Topology, fakenet: FakeNet, gateway: GatewayProcess, test_ca: FakeCA, name: str, code: str
 ):
     pinned = ("--resolve", f"{name}:80:{ALLOWED_IP}")
     reply = sbx(routed_sbx, "curl", "-sS", "--noproxy", "*", *pinned, "-w", "%{http_code}", f"http://{name}/")
@@ -348,7 +348,7 @@ def test_dig_at_an_address_where_no_resolver_runs_is_answered_by_the_gateway(
 
 
 def test_dns_over_tls_to_an_unlisted_host_is_denied_like_any_host(
-    routed_sbx: Topology, fakenet: FakeNet, gateway: GatewayProcess, test_ca: TestCA, audit_for
+    routed_sbx: Topology, fakenet: FakeNet, gateway: GatewayProcess, test_ca: FakeCA, audit_for
 ):
     assert in_netns(routed_sbx.sbx, tls_to, (EVIL_IP, 853), "dns.evil.test", test_ca.ca_cert).startswith("closed")
     dot = sbx(routed_sbx, "dig", "+tls", f"@{NO_RESOLVER}", "+tries=1", "+time=3", "allowed.test")

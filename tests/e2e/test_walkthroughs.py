@@ -28,12 +28,13 @@ from typing import Any
 
 import pytest
 
+from airlock.verify.ca import FakeCA
+from airlock.verify.hostcgroups import with_host_cgroups
+from airlock.verify.topology import DNS_SERVER, FakeNet, Topology
+
 from fakegithub_client import FakeGitHub
 from gateway_proc import AIRLOCK, assert_audit_schema
-from hostcgroups import with_host_cgroups
 from readme import walkthrough, walkthroughs
-from testca import TestCA
-from topology import DNS_SERVER, FakeNet, Topology
 
 REPO = Path(__file__).resolve().parents[2]
 NOBODY = 65534
@@ -111,7 +112,7 @@ class Desk:
 
 
 @pytest.fixture
-def desk_factory(topology: Topology, fakenet: FakeNet, fake_github: FakeGitHub, test_ca: TestCA) -> Iterator[Any]:
+def desk_factory(topology: Topology, fakenet: FakeNet, fake_github: FakeGitHub, test_ca: FakeCA) -> Iterator[Any]:
     root = Path(tempfile.mkdtemp(prefix=f"{topology.prefix}-walk-", dir="/var/tmp"))
     root.chmod(0o755)  # the way to the agent's working directory, as to a checkout in a home
     desks: list[Desk] = []

@@ -20,9 +20,9 @@ from pathlib import Path
 import pytest
 
 from airlock.sandbox.workdir import QUARANTINE_ROOT
+from airlock.verify.topology import DNS_SERVER, Topology
 
 from gateway_proc import AIRLOCK, E2E_POLICY
-from topology import DNS_SERVER, Topology
 
 NOBODY = pwd.getpwnam("nobody")  # run as root without sudo, the sandboxed command runs as nobody
 HOST_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/nonexistent", "LC_ALL": "C"}

@@ -1,7 +1,7 @@
 """The unit tests sit in folders that mirror the packages (policy/, proxy/, dns/, broker/, audit/, gateway/,
-sandbox/, launch/, inspection/, cli/); tests of the project as a whole (packaging, the setup script, the README's
-commands, the reason codes, how the suite runs, the Kubernetes manifests) sit here at the top. The helper modules
-they share sit here too (addon_env.py, approvals_env.py, broker_env.py, decide_cases.py, policy_text.py,
+sandbox/, launch/, inspection/, verify/, cli/); tests of the project as a whole (packaging, the setup script, the
+README's commands, the reason codes, how the suite runs, the Kubernetes manifests) sit here at the top. The helper
+modules they share sit here too (addon_env.py, approvals_env.py, broker_env.py, decide_cases.py, policy_text.py,
 repo_files.py, tasks.py): this folder is put on sys.path so that a test in any folder imports them by name, the repo
 root stays off it because its dns/ would shadow dnspython. A fixture only one folder's tests use is in that folder's
 conftest.py.

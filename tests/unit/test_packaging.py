@@ -1,5 +1,6 @@
 """The package builds as pyproject.toml lays it out, without setuptools warning about that layout (every folder
-Python would import is a listed package), and the wheel holds the data files airlock reads."""
+Python would import is a listed package), and the wheel holds the data files airlock reads and `airlock verify`'s
+fake internet."""
 
 from __future__ import annotations
 
@@ -28,3 +29,4 @@ def test_the_wheel_builds_without_a_warning_and_holds_the_data(tmp_path: Path):
     (wheel,) = (tmp_path / "dist").glob("airlock-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
     assert {"airlock/sandbox/data/docker-seccomp-default.json", "airlock/configs/default.yaml"} <= set(names)
+    assert {"airlock/verify/fakenet.py", "airlock/verify/probe.py", "airlock/cli/verify.py"} <= set(names)

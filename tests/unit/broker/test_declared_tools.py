@@ -35,7 +35,7 @@ from airlock.broker.tool_schemas import TOOLS
 from airlock.policy import IPAddress, Policy, Profile, Rule, parse_policy, vet
 
 sys.path.insert(0, str(E2E))
-from testca import TestCA, make_test_ca  # the e2e tests' throwaway CA, for a real TLS upstream
+from airlock.verify.ca import FakeCA, make_fake_ca  # the e2e tests' throwaway CA, for a real TLS upstream
 
 pytestmark = pytest.mark.tmpfs  # its stores (SQLite) on tmpfs: no fsync waits on a shared disk
 
@@ -135,8 +135,8 @@ Factory = Callable[..., Awaitable[Harness]]
 
 
 @pytest.fixture(scope="module")
-def test_ca(tmp_path_factory: pytest.TempPathFactory) -> TestCA:
-    return make_test_ca(tmp_path_factory.mktemp("ca"))
+def test_ca(tmp_path_factory: pytest.TempPathFactory) -> FakeCA:
+    return make_fake_ca(tmp_path_factory.mktemp("ca"))
 
 
 def loopback_profile(port: int) -> Profile:
@@ -146,7 +146,7 @@ def loopback_profile(port: int) -> Profile:
 
 
 @pytest.fixture
-async def make(tmp_path: Path, test_ca: TestCA) -> AsyncIterator[Factory]:
+async def make(tmp_path: Path, test_ca: FakeCA) -> AsyncIterator[Factory]:
     async with contextlib.AsyncExitStack() as stack:
         upstream = Upstream()
         app = web.Application()
@@ -315,7 +315,7 @@ async def test_https_upstream_on_an_internal_address_needs_a_cidr_rule(make: Fac
 
 
 async def test_https_untrusted_certificate_is_refused(make: Factory, tmp_path: Path) -> None:
-    other = make_test_ca(tmp_path / "other-ca")
+    other = make_fake_ca(tmp_path / "other-ca")
     h = await make(HTTPS_TOOLS.replace('ca: "{ca}"', f'ca: "{other.ca_cert}"'))
     status, body = await h.call("lookup_ticket", {"ticket_id": "T-1"})
     assert (status, body["error"]) == (502, "upstream_unreachable")

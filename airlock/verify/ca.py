@@ -1,7 +1,8 @@
 """A throwaway certificate authority for the fake internet's TLS upstreams.
 
-The CA signs one leaf that covers every fake upstream name and IP, so fakenet needs a single certificate and
-the gateway under test is told to trust only this CA for upstream TLS.
+The CA signs one leaf that covers every fake upstream name and IP (and the names `make_fake_ca` is given: the
+hosts a policy allows, for `airlock verify`), so fakenet needs a single certificate and the gateway under test is
+told to trust only this CA for upstream TLS.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ LEAF_DNS_NAMES = (
     "*.internal.test",
     "api.github.test",
     "github.test",
-    # the walk-throughs of README.md and docs/, typed as printed (fakeregistry.py)
+    # the walk-throughs of README.md and docs/, typed as printed (registry.py)
     "pypi.org",
     "files.pythonhosted.org",
     "registry.npmjs.org",
@@ -38,20 +39,18 @@ LEAF_IPS = ("192.0.2.10", "192.0.2.20", "198.51.100.10", "203.0.113.66", "10.1.2
 
 
 @dataclass(frozen=True)
-class TestCA:
+class FakeCA:
     ca_cert: Path
     ca_key: Path
     ca_pem: Path  # key + cert in one file (the layout mitmproxy expects for its own CA)
     leaf_cert: Path
     leaf_key: Path
 
-    __test__ = False  # not a pytest test class despite the name
-
 
 def _name(common_name: str) -> x509.Name:
     return x509.Name(
         [
-            x509.NameAttribute(NameOID.ORGANIZATION_NAME, "airlock e2e"),
+            x509.NameAttribute(NameOID.ORGANIZATION_NAME, "airlock fake internet"),
             x509.NameAttribute(NameOID.COMMON_NAME, common_name),
         ]
     )
@@ -79,7 +78,7 @@ def _builder(subject: x509.Name, issuer: x509.Name, public_key: ec.EllipticCurve
 
 def _make_ca() -> tuple[ec.EllipticCurvePrivateKey, x509.Certificate]:
     key = ec.generate_private_key(ec.SECP256R1())
-    name = _name("airlock e2e test CA")
+    name = _name("airlock fake internet CA")
     cert = (
         _builder(name, name, key.public_key())
         .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
@@ -103,10 +102,10 @@ def _make_ca() -> tuple[ec.EllipticCurvePrivateKey, x509.Certificate]:
 
 
 def _make_leaf(
-    ca_key: ec.EllipticCurvePrivateKey, ca_cert: x509.Certificate
+    ca_key: ec.EllipticCurvePrivateKey, ca_cert: x509.Certificate, names: tuple[str, ...]
 ) -> tuple[ec.EllipticCurvePrivateKey, x509.Certificate]:
     key = ec.generate_private_key(ec.SECP256R1())
-    sans: list[x509.GeneralName] = [x509.DNSName(n) for n in LEAF_DNS_NAMES]
+    sans: list[x509.GeneralName] = [x509.DNSName(n) for n in dict.fromkeys((*LEAF_DNS_NAMES, *names))]
     sans += [x509.IPAddress(ipaddress.ip_address(ip)) for ip in LEAF_IPS]
     cert = (
         _builder(_name(LEAF_DNS_NAMES[0]), ca_cert.subject, key.public_key())
@@ -122,13 +121,14 @@ def _make_leaf(
     return key, cert
 
 
-def make_test_ca(directory: Path) -> TestCA:
-    """Write a fresh CA and leaf (EC P-256) into `directory` and return their paths."""
+def make_fake_ca(directory: Path, names: tuple[str, ...] = ()) -> FakeCA:
+    """Write a fresh CA and leaf (EC P-256; `names` besides the fake internet's own) into `directory` and return
+    their paths."""
     directory.mkdir(parents=True, exist_ok=True)
     ca_key, ca_cert = _make_ca()
-    leaf_key, leaf_cert = _make_leaf(ca_key, ca_cert)
+    leaf_key, leaf_cert = _make_leaf(ca_key, ca_cert, names)
     ca_cert_pem = ca_cert.public_bytes(serialization.Encoding.PEM)
-    paths = TestCA(
+    paths = FakeCA(
         ca_cert=directory / "ca.crt",
         ca_key=directory / "ca.key",
         ca_pem=directory / "ca.pem",

@@ -1,5 +1,5 @@
-"""What fakenet.py and fakegithub.py share: the JSON-lines control socket (server and client side), the READY
-handshake and stopping by PID.
+"""What the fake internet's servers share (fakenet here, the tests' fake GitHub): the JSON-lines control socket
+(server and client side), the READY handshake and stopping by PID.
 
 Server side (in the fake's own process): start_control() serves one JSON object per line, {"cmd": ...} in, one
 answer out; "ping" is answered here, every other command by the fake's `commands` function. serve_until_signalled()
@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from topology import Topology
+    from .topology import Topology
 
 # cmd, the whole request -> the answer, or None for an unknown command
 Commands = Callable[[Any, dict[str, Any]], dict[str, Any] | None]
@@ -94,11 +94,11 @@ def stop_proc(proc: subprocess.Popen[Any], wait: float = 3.0) -> None:
 
 
 class ControlledFake:
-    """Client for a fake server script (`script`, called `name` in messages) run in the topology's `net`
-    namespace with --control, --cert and --key."""
+    """Client for a fake server (the program `program()` names, called `name` in messages) run in the topology's
+    `net` namespace with --control, --cert and --key."""
 
     name: str
-    script: Path
+    script: Path  # the server's script, unless `program()` names it otherwise
 
     def __init__(self, cert: Path, key: Path) -> None:
         self.cert, self.key = cert, key
@@ -106,23 +106,28 @@ class ControlledFake:
         self.control: Path | None = None
         self.workdir: Path | None = None
 
+    def program(self) -> list[str]:
+        """The argv that starts the server, before its options."""
+        return [sys.executable, str(self.script)]
+
     def _prepare(self, workdir: Path) -> Path:
         workdir.mkdir(parents=True, exist_ok=True)
         self.workdir = workdir
         self.control = workdir / f"{self.name}.sock"  # unix sockets are path-based, so they cross network namespaces
         return self.control
 
-    def _launch(self, topology: Topology | None, argv: list[Any], timeout: float) -> None:
-        """Start the script with `argv` after the common flags (in the topology's `net` namespace, or without one
-        here, on loopback), wait for its READY, ping it."""
+    def _launch(self, topology: Topology | None, argv: list[Any], timeout: float, ns: str | None = None) -> None:
+        """Start the script with `argv` after the common flags (in the topology's namespace `ns`, by default its
+        `net`, or without a topology here, on loopback), wait for its READY, ping it."""
         assert self.workdir is not None and self.control is not None, "call _prepare first"
         workdir = self.workdir
-        argv = [sys.executable, self.script, "--control", self.control, "--cert", self.cert, "--key", self.key, *argv]
+        argv = [*self.program(), "--control", self.control, "--cert", self.cert, "--key", self.key, *argv]
         with (workdir / "stdout.log").open("wb") as out, (workdir / "stderr.log").open("wb") as err:
             if topology is None:
                 self.proc = subprocess.Popen(argv, stdout=out, stderr=err, stdin=subprocess.DEVNULL)
             else:
-                self.proc = topology.popen(topology.net, argv, stdout=out, stderr=err, stdin=subprocess.DEVNULL)
+                where = ns or topology.net
+                self.proc = topology.popen(where, argv, stdout=out, stderr=err, stdin=subprocess.DEVNULL)
         deadline = time.monotonic() + timeout
         while b"READY" not in (workdir / "stdout.log").read_bytes():
             if self.proc.poll() is not None or time.monotonic() > deadline:
@@ -149,7 +154,7 @@ class ControlledFake:
             sock.connect(str(self.control))
             sock.sendall(json.dumps({"cmd": cmd, **kw}).encode() + b"\n")
             with sock.makefile("rb") as reader:
-                answer = json.loads(reader.readline())
+                answer: dict[str, Any] = json.loads(reader.readline())
         if "error" in answer:
             raise RuntimeError(f"{self.name} {cmd}: {answer['error']}")
         return answer

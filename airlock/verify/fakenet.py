@@ -1,14 +1,16 @@
-"""The fake internet: HTTP/HTTPS/TCP upstreams and an authoritative DNS server that count what reaches them.
+"""The fake internet: HTTP/HTTPS/TCP upstreams, a UDP canary and an authoritative DNS server that count what reaches
+them.
 
-Run inside the `<prefix>-net` namespace (see topology.FakeNet):
+Run inside the `<prefix>-net` namespace (see airlock.verify.topology.FakeNet):
 
-    python fakenet.py --control /path/ctl.sock --cert leaf.crt --key leaf.key --zone-default-ttl 0
+    python -P -m airlock.verify.fakenet --control /path/ctl.sock --cert leaf.crt --key leaf.key [--zone FILE]
 
 Every TCP listener binds 0.0.0.0, so each fake-internet address answers on every port; a connection is
-attributed to the address it was *sent to* (getsockname), which is what lets a denial test assert
-"203.0.113.66:443 saw zero connections". The control socket is a filesystem unix socket, reachable from the host
-namespace, speaking one JSON object per line: {"cmd": "ping" | "stats" | "reset"}. Prints READY on stdout once
-everything is bound.
+attributed to the address it was *sent to* (getsockname), which is what lets a denial check assert
+"203.0.113.66:443 saw zero connections". `--zone` adds names to the DNS zone (JSON: {name: [[type, value]]}),
+as `airlock verify` gives each host a policy allows a fake upstream. The control socket is a filesystem unix
+socket, reachable from the host namespace, speaking one JSON object per line: {"cmd": "ping" | "stats" | "reset"}.
+Prints READY on stdout once everything is bound.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import threading
 import traceback
 from collections import Counter
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, quote, urlsplit
@@ -37,14 +40,15 @@ import h2.events
 from dnslib import AAAA, CNAME, NS, QTYPE, RCODE, RR, SOA, TXT, A, DNSRecord
 from dnslib.server import BaseResolver, DNSHandler, DNSLogger, DNSServer
 
-import fakeregistry
-from control import Commands, serve_until_signalled, start_control
+from airlock.verify import registry
+from airlock.verify.control import Commands, serve_until_signalled, start_control
 
 HTTP_PORTS = (80, 8080)
 HTTPS_PORTS = (443, 8443)
 H2_PORT = 9443  # HTTPS that speaks HTTP/2 where the client offers it (ALPN), else HTTP/1.1
 ECHO_PORT = 22
-CANARY_PORT = 9999
+CANARY_PORT = 9999  # TCP, and the UDP canary's
+DOT_PORT = 853  # DNS over TLS: a canary too (no fake upstream answers DNS there)
 DNS_ADDR = "192.0.2.53"
 IDLE_TIMEOUT = 60.0
 MAX_LOG = 10_000  # per list; counters stay exact, only the detailed logs are capped
@@ -76,8 +80,8 @@ ZONE: dict[str, list[tuple[str, str]]] = {
     "api.github.test": [("A", "192.0.2.20")],  # fakegithub.py
     "refused6.allowed.test": [("A", "192.0.2.10")],  # its AAAA questions are REFUSED (REFUSED_AAAA)
     "github.test": [("A", "192.0.2.20")],  # fakegithub.py's git smart HTTP
-    # the hosts of the docs' walk-throughs, under their real names: registries (fakeregistry.py), a model API
-    **{host: [("A", "192.0.2.10")] for host in (*fakeregistry.REGISTRY_HOSTS, "api.model.example")},
+    # the hosts of the docs' walk-throughs, under their real names: registries (registry.py), a model API
+    **{host: [("A", "192.0.2.10")] for host in (*registry.REGISTRY_HOSTS, "api.model.example")},
 }
 REFUSED_AAAA = {"refused6.allowed.test"}  # an upstream that refuses AAAA, as some do
 RDATA = {"A": A, "AAAA": AAAA, "CNAME": CNAME, "NS": NS, "TXT": TXT}
@@ -100,6 +104,7 @@ class Stats:
     bytes_in: Counter[str] = field(default_factory=Counter)
     dns: Counter[str] = field(default_factory=Counter)
     dns_typed: Counter[str] = field(default_factory=Counter)
+    udp: Counter[str] = field(default_factory=Counter)  # datagrams by port
     rebind: Counter[str] = field(default_factory=Counter)
     logs: dict[str, list[Any]] = field(default_factory=dict)
     dropped: Counter[str] = field(default_factory=Counter)
@@ -115,6 +120,10 @@ class Stats:
         with self.lock:
             self.connections[dst] += 1
             self._append("accepts", {"dst": dst, "client": client})
+
+    def datagram(self, port: int) -> None:
+        with self.lock:
+            self.udp[str(port)] += 1
 
     def received(self, dst: str, n: int) -> None:
         with self.lock:
@@ -141,6 +150,7 @@ class Stats:
                 "bytes_in": dict(self.bytes_in),
                 "dns": dict(self.dns),
                 "dns_typed": dict(self.dns_typed),
+                "udp": dict(self.udp),
                 "dns_log": list(self.logs.get("dns_log", [])),
                 "accepts": list(self.logs.get("accepts", [])),
                 "sni": list(self.logs.get("sni", [])),
@@ -157,6 +167,7 @@ class Stats:
                 self.bytes_in,
                 self.dns,
                 self.dns_typed,
+                self.udp,
                 self.rebind,
                 self.dropped,
             ):
@@ -167,10 +178,11 @@ class Stats:
 # --------------------------------------------------------------------------------------------------- DNS
 
 
-class ZoneResolver(BaseResolver):
-    def __init__(self, stats: Stats, ttl: int) -> None:
+class ZoneResolver(BaseResolver):  # type: ignore[misc]  # dnslib's, untyped
+    def __init__(self, stats: Stats, ttl: int, zone: dict[str, list[tuple[str, str]]]) -> None:
         self.stats = stats
         self.ttl = ttl
+        self.zone = zone
 
     def resolve(self, request: DNSRecord, handler: DNSHandler) -> DNSRecord:
         reply = request.reply()  # authoritative answer, question echoed with the client's case
@@ -195,11 +207,11 @@ class ZoneResolver(BaseResolver):
         if name == REBIND_NAME:
             # Odd A queries get the public address, even ones the internal one; TTL 0 so nothing caches it.
             return [("A", REBIND_PUBLIC if nth % 2 == 1 else REBIND_INTERNAL, 0)]
-        if name in ZONE:
-            return [(rtype, value, self.ttl) for rtype, value in ZONE[name]]
+        if name in self.zone:
+            return [(rtype, value, self.ttl) for rtype, value in self.zone[name]]
         if name.endswith("." + WILDCARD_PARENT):
             return [("A", WILDCARD_IP, self.ttl)]  # so exfil-style names resolve like a real wildcard zone
-        if any(known.endswith("." + name) for known in ZONE):
+        if any(known.endswith("." + name) for known in self.zone):
             return []  # empty non-terminal, e.g. internal.test: NODATA, not NXDOMAIN
         return None
 
@@ -220,8 +232,17 @@ class ZoneResolver(BaseResolver):
         return RR("test", QTYPE.SOA, rdata=SOA("ns.test", "hostmaster.test", (1, 3600, 600, 86400, 0)), ttl=self.ttl)
 
 
-def start_dns(stats: Stats, address: str, ttl: int) -> list[DNSServer]:
-    resolver = ZoneResolver(stats, ttl)
+def read_zone(path: Path | None) -> dict[str, list[tuple[str, str]]]:
+    """The names `--zone` adds: {name: [[type, value]]} in JSON."""
+    if path is None:
+        return {}
+    return {
+        name.lower(): [(rtype, value) for rtype, value in rrs] for name, rrs in json.loads(path.read_text()).items()
+    }
+
+
+def start_dns(stats: Stats, address: str, ttl: int, zone: dict[str, list[tuple[str, str]]]) -> list[DNSServer]:
+    resolver = ZoneResolver(stats, ttl, zone)
     logger = DNSLogger("error", prefix=False, logf=log)
     servers = [DNSServer(resolver, address=address, port=53, tcp=tcp, logger=logger) for tcp in (False, True)]
     for server in servers:
@@ -290,6 +311,16 @@ async def echo(conn: Conn) -> None:
 
 async def canary(conn: Conn) -> None:
     await conn.send(b"canary\n")
+
+
+class UdpCanary(asyncio.DatagramProtocol):
+    """Counts every datagram that reaches its port (on any fake address): nothing of a sandbox's may."""
+
+    def __init__(self, stats: Stats, port: int) -> None:
+        self.stats, self.port = stats, port
+
+    def datagram_received(self, data: bytes, addr: tuple[str | Any, int]) -> None:
+        self.stats.datagram(self.port)
 
 
 # --------------------------------------------------------------------------------------------------- HTTP
@@ -382,7 +413,7 @@ async def respond(conn: Conn, req: Request) -> None:
         return
     if url.path.startswith("/leak/"):
         return await leak(conn, req, url.path.removeprefix("/leak/"))
-    if served := fakeregistry.answer(req.header("host"), url.path):
+    if served := registry.answer(req.header("host"), url.path):
         content_type, body = served
     elif url.path == "/headers":
         body = json.dumps(req.headers).encode()
@@ -606,12 +637,18 @@ def commands(stats: Stats) -> Commands:
 # --------------------------------------------------------------------------------------------------- main
 
 
-async def serve(args: argparse.Namespace) -> None:
-    stats = Stats()
+def internet(args: argparse.Namespace, stats: Stats) -> list[tuple[int, Handler]]:
+    """The fake internet's TCP listeners: HTTP, HTTPS (HTTP/2 on H2_PORT), echo, the canaries."""
     tls = https(make_tls_context(args.cert, args.key, stats))
     handlers: list[tuple[int, Handler]] = [(p, http) for p in HTTP_PORTS] + [(p, tls) for p in HTTPS_PORTS]
     handlers.append((H2_PORT, https(make_tls_context(args.cert, args.key, stats, ("h2", "http/1.1")))))
-    handlers += [(ECHO_PORT, echo), (CANARY_PORT, canary)]
+    return [*handlers, (ECHO_PORT, echo), (CANARY_PORT, canary), (DOT_PORT, canary)]
+
+
+async def serve(args: argparse.Namespace) -> None:
+    """The fake internet; with --canaries only TCP and UDP canaries on those ports (no DNS, no TLS)."""
+    stats = Stats()
+    handlers = [(port, canary) for port in args.canaries] if args.canaries else internet(args, stats)
     servers = []
     for port, handler in handlers:
 
@@ -620,13 +657,21 @@ async def serve(args: argparse.Namespace) -> None:
 
         # reuse_port lets fakegithub.py bind one fake address's :443 too; the kernel prefers its specific bind.
         servers.append(await asyncio.start_server(on_client, args.bind, port, reuse_address=True, reuse_port=True))
-    dns_servers = start_dns(stats, args.dns_addr, args.zone_default_ttl)
+    loop = asyncio.get_running_loop()
+    udp = []
+    for port in args.canaries or (CANARY_PORT,):
+        endpoint, _ = await loop.create_datagram_endpoint(partial(UdpCanary, stats, port), (args.bind, port))
+        udp.append(endpoint)
+    zone = ZONE | read_zone(args.zone)
+    dns_servers = [] if args.canaries else start_dns(stats, args.dns_addr, args.zone_default_ttl, zone)
     servers.append(await start_control(args.control, commands(stats), log))
 
     await serve_until_signalled()
 
     for server in servers:
         server.close()
+    for endpoint in udp:
+        endpoint.close()
     for dns_server in dns_servers:
         dns_server.stop()
         dns_server.server.server_close()
@@ -639,6 +684,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--cert", type=Path, required=True, help="leaf certificate (PEM) for the TLS ports")
     parser.add_argument("--key", type=Path, required=True, help="leaf private key (PEM)")
     parser.add_argument("--zone-default-ttl", type=int, default=0, help="TTL of zone records (rebind is always 0)")
+    parser.add_argument("--zone", type=Path, help="JSON {name: [[type, value]]}: names added to the zone")
+    parser.add_argument(
+        "--canaries", type=lambda text: tuple(int(port) for port in text.split(",")), default=(),
+        help="PORT,...: only TCP and UDP canaries on these ports (a namespace beside the fake internet's)",
+    )  # fmt: skip
     parser.add_argument("--bind", default="0.0.0.0", help="address of the TCP listeners")
     parser.add_argument("--dns-addr", default=DNS_ADDR, help="address of the authoritative DNS server")
     # Tests hold a thousand tunnels and more through the gateway: each is a connection here too.

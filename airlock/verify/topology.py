@@ -1,7 +1,11 @@
-"""Three network namespaces that stand in for sandbox, gateway and internet, plus the fakenet client.
+"""Network namespaces that stand in for sandbox, gateway and internet, plus the fakenet client: the fake internet
+`airlock verify` and the end-to-end tests build alike.
 
     ns <p>-sbx --veth-- ns <p>-gw --veth-- ns <p>-net
     10.254.0.2/30       10.254.0.1/30 | 10.253.0.1/30       10.253.0.2/30 + fake-internet addresses
+
+Without `sandbox` (what `airlock verify` builds: its sandboxes are the launcher's own, made inside <p>-gw) there is
+no <p>-sbx.
 
 Safety model: every interface is created directly inside a namespace of this run (`ip -n NS link add ...
 peer ... netns OTHER`), so nothing is ever attached to the host namespace; gw only has explicit routes towards
@@ -27,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Self
 
-from control import ControlledFake, stop_proc
+from .control import ControlledFake, stop_proc
 
 SBX_IP = "10.254.0.2"
 GW_IP = "10.254.0.1"
@@ -75,7 +79,7 @@ def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
     return proc
 
 
-def _alive(pid: int) -> bool:
+def alive(pid: int) -> bool:
     try:
         state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
     except (OSError, IndexError):
@@ -83,14 +87,14 @@ def _alive(pid: int) -> bool:
     return state not in ("Z", "X")  # a zombie is already dead, only waiting for its parent
 
 
-def _stop_pid(pid: int, wait: float = 3.0) -> None:
+def stop_pid(pid: int, wait: float = 3.0) -> None:
     """SIGTERM, then SIGKILL if it lingers; only ever called for PIDs this run started."""
     with contextlib.suppress(ProcessLookupError):
         os.kill(pid, signal.SIGTERM)
         deadline = time.monotonic() + wait
-        while _alive(pid) and time.monotonic() < deadline:
+        while alive(pid) and time.monotonic() < deadline:
             time.sleep(0.05)
-        if _alive(pid):
+        if alive(pid):
             os.kill(pid, signal.SIGKILL)
 
 
@@ -123,7 +127,7 @@ class Topology:
     gw_outside_ip = GW_OUTSIDE_IP
     net_ip = NET_IP
 
-    def __init__(self, prefix: str | None = None) -> None:
+    def __init__(self, prefix: str | None = None, sandbox: bool = True) -> None:
         self.prefix = prefix or new_prefix()
         if not _PREFIX_RE.match(self.prefix):
             raise ValueError(f"bad prefix {self.prefix!r}: want [a-z][a-z0-9]{{1,10}}")
@@ -131,17 +135,20 @@ class Topology:
         self.sbx, self.gw, self.net = f"{p}-sbx", f"{p}-gw", f"{p}-net"
         self.sbx_if, self.gw_sbx_if = f"{p}-sg", f"{p}-gs"  # sbx <-> gw
         self.gw_net_if, self.net_if = f"{p}-gn", f"{p}-ng"  # gw <-> net
+        self.with_sandbox = sandbox
         self._devices = {
             self.sbx: {self.sbx_if, "lo"},
-            self.gw: {self.gw_sbx_if, self.gw_net_if, "lo"},
+            self.gw: {self.gw_sbx_if, self.gw_net_if, "lo"} if sandbox else {self.gw_net_if, "lo"},
             self.net: {self.net_if, "lo"},
         }
+        if not sandbox:
+            del self._devices[self.sbx]
         self._owned: list[str] = []  # namespaces this object created, in creation order
         self._procs: list[subprocess.Popen[Any]] = []
 
     @property
-    def namespaces(self) -> tuple[str, str, str]:
-        return self.sbx, self.gw, self.net
+    def namespaces(self) -> tuple[str, ...]:
+        return (self.sbx, self.gw, self.net) if self.with_sandbox else (self.gw, self.net)
 
     # ------------------------------------------------------------------------------------------- lifecycle
 
@@ -162,36 +169,11 @@ class Topology:
             self._owned.append(ns)
             self._sysctl(ns)
             _ip("-n", ns, "link", "set", "lo", "up")
-        _ip(
-            "-n",
-            self.sbx,
-            "link",
-            "add",
-            self.sbx_if,
-            "type",
-            "veth",
-            "peer",
-            "name",
-            self.gw_sbx_if,
-            "netns",
-            self.gw,
-        )
-        _ip(
-            "-n",
-            self.gw,
-            "link",
-            "add",
-            self.gw_net_if,
-            "type",
-            "veth",
-            "peer",
-            "name",
-            self.net_if,
-            "netns",
-            self.net,
-        )
-        self._addr_up(self.sbx, self.sbx_if, f"{SBX_IP}/30")
-        self._addr_up(self.gw, self.gw_sbx_if, f"{GW_IP}/30")
+        if self.with_sandbox:
+            self._veth(self.sbx, self.sbx_if, self.gw_sbx_if, self.gw)
+            self._addr_up(self.sbx, self.sbx_if, f"{SBX_IP}/30")
+            self._addr_up(self.gw, self.gw_sbx_if, f"{GW_IP}/30")
+        self._veth(self.gw, self.gw_net_if, self.net_if, self.net)
         self._addr_up(self.gw, self.gw_net_if, f"{GW_OUTSIDE_IP}/30")
         self._addr_up(self.net, self.net_if, f"{NET_IP}/30")
         for addr in FAKE_ADDRS:
@@ -231,6 +213,11 @@ class Topology:
             raise RuntimeError(f"sysctl in {ns} failed: {proc.stderr.strip()}")
 
     @staticmethod
+    def _veth(ns: str, dev: str, peer: str, peer_ns: str) -> None:
+        """A veth pair made inside `ns`, its peer moved straight into `peer_ns`: never an end in the host's."""
+        _ip("-n", ns, "link", "add", dev, "type", "veth", "peer", "name", peer, "netns", peer_ns)
+
+    @staticmethod
     def _addr_up(ns: str, dev: str, cidr: str) -> None:
         _ip("-n", ns, "addr", "add", cidr, "dev", dev)
         _ip("-n", ns, "link", "set", dev, "up")
@@ -246,7 +233,7 @@ class Topology:
             pids = _ip("netns", "pids", ns, check=False).stdout.split()
             for pid in pids:
                 with contextlib.suppress(Exception):
-                    _stop_pid(int(pid))
+                    stop_pid(int(pid))
             _ip("netns", "delete", ns, check=False)
         self._owned.clear()
         atexit.unregister(self.destroy)
@@ -299,7 +286,7 @@ class Topology:
         if proc.returncode != 0:
             raise RuntimeError(f"dns query {name} {qtype} @{server} from {ns} failed: {proc.stderr.strip()}")
         data = json.loads(proc.stdout)
-        return DnsAnswer(data["rcode"], [tuple(r) for r in data["records"]])  # type: ignore[misc]
+        return DnsAnswer(data["rcode"], [(name, rtype, value, ttl) for name, rtype, value, ttl in data["records"]])
 
     # ------------------------------------------------------------------------------------------- safety
 
@@ -324,18 +311,27 @@ class Topology:
 
 
 class FakeNet(ControlledFake):
-    """Client for fakenet.py running in the topology's `net` namespace."""
+    """Client for `airlock.verify.fakenet` running in the topology's `net` namespace. `zone` adds names to its DNS
+    zone ({name: [(type, value)]}), e.g. the hosts a policy allows."""
 
     name = "fakenet"
-    script = Path(__file__).with_name("fakenet.py")
 
-    def __init__(self, cert: Path, key: Path, zone_default_ttl: int = 0) -> None:
+    def __init__(
+        self, cert: Path, key: Path, zone_default_ttl: int = 0, zone: dict[str, list[tuple[str, str]]] | None = None
+    ) -> None:
         super().__init__(cert, key)
         self.ttl = zone_default_ttl
+        self.zone = zone or {}
+
+    def program(self) -> list[str]:
+        # -P: the working directory (often a checkout, whose dns/ would shadow dnspython) stays off sys.path.
+        return [sys.executable, "-P", "-m", "airlock.verify.fakenet"]
 
     def start(self, topology: Topology, workdir: Path, timeout: float = 20) -> Self:
         self._prepare(workdir)
-        self._launch(topology, ["--zone-default-ttl", str(self.ttl)], timeout)
+        zone = workdir / "zone.json"
+        zone.write_text(json.dumps(self.zone))
+        self._launch(topology, ["--zone-default-ttl", str(self.ttl), "--zone", zone], timeout)
         return self
 
     def stats(self) -> dict[str, Any]:
@@ -345,27 +341,44 @@ class FakeNet(ControlledFake):
         self._call("reset")
 
     def connections(self, ip: str, port: int) -> int:
-        return self.stats()["connections"].get(f"{ip}:{port}", 0)
+        return int(self.stats()["connections"].get(f"{ip}:{port}", 0))
 
     def bytes_in(self, ip: str, port: int) -> int:
         """Application bytes received (decrypted on TLS ports)."""
-        return self.stats()["bytes_in"].get(f"{ip}:{port}", 0)
+        return int(self.stats()["bytes_in"].get(f"{ip}:{port}", 0))
 
     def total_connections(self) -> int:
-        return sum(self.stats()["connections"].values())
+        return sum(int(n) for n in self.stats()["connections"].values())
 
     def dns_queries(self, name: str, qtype: str | None = None) -> int:
         name = name.rstrip(".").lower()
         stats = self.stats()
-        return stats["dns"].get(name, 0) if qtype is None else stats["dns_typed"].get(f"{name} {qtype}", 0)
+        return int(stats["dns"].get(name, 0) if qtype is None else stats["dns_typed"].get(f"{name} {qtype}", 0))
 
     def snis(self) -> list[str | None]:
-        return self.stats()["sni"]
+        return list(self.stats()["sni"])
 
     def ws_messages(self) -> list[dict[str, Any]]:
         """Websocket messages /ws received (and echoed): dst, opcode, payload."""
-        return self.stats()["ws"]
+        return list(self.stats()["ws"])
 
     def http_requests(self, dst: str | None = None) -> list[dict[str, Any]]:
         """Requests seen (optionally only those sent to "ip:port"): line, host, headers, client, tls, sni, ..."""
-        return [r for r in self.stats()["http"] if dst is None or r["dst"] == dst]
+        requests: list[dict[str, Any]] = self.stats()["http"]
+        return [r for r in requests if dst is None or r["dst"] == dst]
+
+
+class Canaries(FakeNet):
+    """`airlock.verify.fakenet` with canaries alone: TCP and UDP listeners on `ports` of every address of a
+    namespace beside the fake internet (the gateway's, for `airlock verify`), counting what reaches them."""
+
+    name = "canaries"
+
+    def __init__(self, cert: Path, key: Path, ports: tuple[int, ...]) -> None:
+        super().__init__(cert, key)
+        self.ports = ports
+
+    def start_in(self, topology: Topology, ns: str, workdir: Path, timeout: float = 20) -> Self:
+        self._prepare(workdir)
+        self._launch(topology, ["--canaries", ",".join(map(str, self.ports))], timeout, ns=ns)
+        return self

@@ -1,9 +1,9 @@
-"""The host's cgroup hierarchies inside the test's gateway namespace.
+"""The host's cgroup hierarchies inside the fake internet's gateway namespace.
 
 `ip netns exec` gives each command a private mount namespace with a fresh /sys, in which the host's cgroup mounts
 (under /sys/fs/cgroup) are gone. A launcher run on a host sees them: `with_host_cgroups()` mounts the same
 hierarchies again in that private mount namespace (mounting a v1 hierarchy with the controllers it already has
-attaches the existing one, and the unified hierarchy is one per host), so `airlock run` in the test sees the
+attaches the existing one, and the unified hierarchy is one per host), so `airlock run` in that namespace sees the
 host's cgroups as it would outside. Nothing propagates back: `ip netns exec` makes the namespace a slave."""
 
 from __future__ import annotations

@@ -1,0 +1,82 @@
+"""`airlock verify`: the sandbox evaluation matrix. A real sandbox, launched by `airlock run` with the given policy
+and options inside a fake internet of its own, runs every probe; each check is judged by evidence outside the
+sandbox (airlock/verify/). Exit 0 only when every check held, 1 when one failed, 2 when one could not run."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from airlock.sandbox.limits import DEFAULT_CPUS, DEFAULT_MEMORY, DEFAULT_NOFILE, DEFAULT_NPROC, DEFAULT_PIDS
+
+from .common import NeedsRoot, UsageError, absolute, default_policy_path, load_policy_file
+from .option_bounds import check_limits
+
+LIMITS = ("cpus", "memory", "pids", "nofile", "nproc")
+GROUPS = ("network", "files", "secrets", "privilege", "destruction")  # airlock.verify.checks.GROUPS, light for --help
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--backend", choices=("netns",), default="netns", help="the sandbox backend verified")
+    parser.add_argument(
+        "--policy", type=absolute, metavar="FILE", help="policy file (default: the packaged configs/default.yaml)"
+    )
+    parser.add_argument("--profile", metavar="P", help="the profile the sandbox runs with")
+    parser.add_argument("--grant", action="append", metavar="G", help="as `airlock run --grant` (repeatable)")
+    parser.add_argument(
+        "--isolation", choices=("auto", "bwrap", "none"), default="auto",
+        help="as `airlock run --isolation` (none: a weakened run, whose file checks fail)",
+    )  # fmt: skip
+    parser.add_argument("--cpus", type=float, help=f"as `airlock run` (default {DEFAULT_CPUS:g})")
+    parser.add_argument("--memory", help=f"as `airlock run` (default {DEFAULT_MEMORY})")
+    parser.add_argument("--pids", type=int, help=f"as `airlock run` (default {DEFAULT_PIDS})")
+    parser.add_argument("--nofile", type=int, help=f"as `airlock run` (default {DEFAULT_NOFILE})")
+    parser.add_argument("--nproc", type=int, help=f"as `airlock run` (default {DEFAULT_NPROC})")
+    parser.add_argument("--only", action="append", choices=GROUPS, metavar="GROUP", help=f"one of {', '.join(GROUPS)}")
+    parser.add_argument("--list", action="store_true", help="list the checks and exit")
+    parser.add_argument("--json", type=absolute, metavar="FILE", help="the verdicts as JSON (docs/verify.md)")
+    parser.add_argument("--junit", type=absolute, metavar="FILE", help="the verdicts as JUnit XML")
+    needs = NeedsRoot("it builds a fake internet of network namespaces and runs a sandbox in it")
+    parser.set_defaults(func=cmd_verify, needs_root=needs)
+
+
+def run_options(args: argparse.Namespace) -> list[str]:
+    """The options `airlock run` is given as they were given here."""
+    options = ["--isolation", args.isolation] + (["--profile", args.profile] if args.profile else [])
+    options += [word for grant in args.grant or [] for word in ("--grant", grant)]
+    return options + [
+        word for name in LIMITS if getattr(args, name) is not None for word in (f"--{name}", str(getattr(args, name)))
+    ]
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    from airlock.verify import checks, report
+
+    chosen = checks.selected(args.only)
+    if args.list:
+        print(report.listing(chosen))
+        return 0
+    check_limits(args)
+    from airlock.verify.runner import Request, verify
+    from airlock.verify.targets import targets
+
+    policy = load_policy_file(args.policy)
+    try:
+        profile = policy.profile(args.profile)
+    except KeyError as e:
+        raise UsageError(str(e.args[0])) from None
+    path = args.policy or str(default_policy_path())
+    print(f"airlock: verifying {path} (profile {profile.name}, isolation {args.isolation})", file=sys.stderr)
+    started = time.monotonic()
+    outcomes = verify(Request(path, targets(profile), run_options(args), chosen))
+    run = report.Run(args.backend, path, profile.name, args.isolation, time.monotonic() - started)
+    print(report.matrix(outcomes))
+    if args.json:
+        report.write_json(args.json, run, outcomes)
+    if args.junit:
+        report.write_junit(args.junit, run, outcomes)
+    code = report.exit_code(outcomes)
+    if code == report.EXIT_ERROR:
+        print("airlock: error: a check could not run (see ERROR above): nothing is verified", file=sys.stderr)
+    return code

@@ -1,0 +1,389 @@
+"""The checks of `airlock verify`: what must happen, and how it is judged by evidence outside the sandbox — what
+reached the fake internet (connections and bytes per address, SNIs, HTTP requests, the DNS upstream's query log,
+packets counted where the fake internet's link comes in), what is on the host's disk, what is left of the
+sandbox after it. The probe's own account of an attempt is shown beside the verdict, never the verdict; an
+attempt the probe left no record of makes its check an error, not a pass."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from .probe import ALLOWED_ADDR, CANARY_ADDR, CHILD, DNS_ADDR, METADATA, OTHER_ADDR
+from .processes import NAMESPACES, Process, descendants
+from .targets import UNLISTED, Targets
+
+Result = Literal["held", "failed", "error", "n/a"]
+GROUPS = ("network", "files", "secrets", "privilege", "destruction")
+# Ports of the gateway's namespace no gateway of airlock's listens on: ssh, docker's API, a canary's.
+GATEWAY_CANARY_PORTS = (22, 2375, 9999)
+MARKED_PROGRAMS = ("setuid-sleep", "capability-sleep")  # copies of sleep, setuid root / with file capabilities
+# The probe's command line: these words, its source and configuration, the mark. How the host finds its process
+# (the launcher's own, bubblewrap's, carry the whole command line too, but do not start with it).
+PROBE_ARGV, PROBE_MARK = ("python3", "-I", "-c"), "airlock-verify-probe"
+# What a descriptor links to when it is a kernel object the sandbox must not make.
+KERNEL_OBJECTS = ("anon_inode:[io_uring]", "anon_inode:bpf-map", "anon_inode:bpf-prog", "anon_inode:[userfaultfd]",
+                  "anon_inode:[perf_event]")  # fmt: skip
+PLACEHOLDER_VAR, SECRET_NAME = "AIRLOCK_VERIFY_SECRET", "verify"
+PLACEHOLDER = f"airlock-placeholder-{SECRET_NAME}"
+
+
+class NotJudged(Exception):
+    """The evidence a check needs is not there: the check could not run."""
+
+
+@dataclass(frozen=True)
+class Sandboxed:
+    """The sandbox's processes as the host saw them while the probe's children held what they got."""
+
+    processes: list[Process]
+    raw_sockets: int  # raw and packet sockets open in its network namespace
+
+    def probe(self) -> Process:
+        found = next((p for p in self.processes if p.cmdline[:3] == PROBE_ARGV and p.marked(PROBE_MARK)), None)
+        if found is None:
+            raise NotJudged("the probe's process was not among the sandbox's: nothing to judge")
+        return found
+
+    def tree(self) -> list[Process]:
+        """The probe and everything it started."""
+        return descendants(self.processes, self.probe())
+
+    def children(self, *kinds: str) -> list[Process]:
+        """The probe's holding children of these kinds; NotJudged when one is missing (it died: its step unseen)."""
+        found = [p for p in self.processes for kind in kinds if p.marked(f"{CHILD}-{kind}")]
+        missing = [kind for kind in kinds if not any(p.marked(f"{CHILD}-{kind}") for p in found)]
+        if missing:
+            raise NotJudged(f"the probe's {', '.join(missing)} child was not seen: its step could not be judged")
+        return found
+
+
+@dataclass(frozen=True)
+class Evidence:
+    """Everything the checks judge by, gathered outside the sandbox once the run is over."""
+
+    nonce: str
+    targets: Targets
+    probe: dict[str, str]  # attempt -> what the probe saw (absent: it made no such attempt)
+    stats: dict[str, Any]  # fakenet's counters and logs
+    packets: dict[str, int]  # counted where the fake internet's link comes in: from_sandbox, icmp_echo, ipv6_frames
+    workdir: Path
+    outside: Path  # a folder the sandbox's user may write on the host, outside the working directory
+    host_tmp: Path  # what the probe's write to /tmp would be on the host's /tmp
+    secrets: dict[str, bytes]  # what the sandbox must never hold: name -> its bytes
+    leftovers: dict[str, list[str]] = field(default_factory=dict)  # destruction: kind -> what is left
+    sandboxed: Sandboxed = field(default_factory=lambda: Sandboxed([], 0))
+    gateway_canaries: dict[str, Any] = field(default_factory=lambda: {"connections": {}, "udp": {}})
+
+    def connections(self, address: str, port: int) -> int:
+        return int(self.stats["connections"].get(f"{address}:{port}", 0))
+
+    def queries_with(self, label: str) -> list[str]:
+        return [entry["qname"] for entry in self.stats["dns_log"] if label in entry["qname"]]
+
+    def written(self) -> bytes:
+        """Every byte the sandbox left in its working directory."""
+        return b"".join(p.read_bytes() for p in sorted(self.workdir.rglob("*")) if p.is_file() and not p.is_symlink())
+
+    def held_secrets(self) -> list[str]:
+        written = self.written()
+        return [name for name, value in self.secrets.items() if value and value in written]
+
+
+Judge = Callable[[Evidence], tuple[bool, str]]
+
+
+@dataclass(frozen=True)
+class Check:
+    group: str
+    id: str
+    must: str
+    judge: Judge
+    attempt: str | None = None  # the probe's attempt the check judges (None: judged from outside alone)
+    needs: Callable[[Targets], str | None] = lambda targets: None  # why it cannot apply to this policy, if not
+
+
+@dataclass(frozen=True)
+class Outcome:
+    check: Check
+    result: Result
+    evidence: str
+    probe: str | None = None  # what the probe saw
+
+
+def judge(check: Check, evidence: Evidence) -> Outcome:
+    if (missing := check.needs(evidence.targets)) is not None:
+        return Outcome(check, "n/a", missing)
+    seen = evidence.probe.get(check.attempt) if check.attempt else None
+    if check.attempt and seen is None:
+        return Outcome(check, "error", "the probe made no such attempt: the check could not run")
+    try:
+        held, why = check.judge(evidence)
+    except NotJudged as e:
+        return Outcome(check, "error", str(e), seen)
+    return Outcome(check, "held" if held else "failed", why, seen)
+
+
+def error(check: Check, why: str) -> Outcome:
+    return Outcome(check, "error", why)
+
+
+# --------------------------------------------------------------------------------------------------- judges
+
+
+def _none_at(*targets: tuple[str, int]) -> Judge:
+    def judged(ev: Evidence) -> tuple[bool, str]:
+        counts = {f"{address}:{port}": ev.connections(address, port) for address, port in targets}
+        return sum(counts.values()) == 0, ", ".join(f"{n} connections at {where}" for where, n in counts.items())
+
+    return judged
+
+
+def _and(*judges: Judge) -> Judge:
+    def judged(ev: Evidence) -> tuple[bool, str]:
+        results = [j(ev) for j in judges]
+        return all(held for held, _ in results), "; ".join(why for _, why in results)
+
+    return judged
+
+
+def _packets(kind: str, what: str) -> Judge:
+    def judged(ev: Evidence) -> tuple[bool, str]:
+        n = ev.packets.get(kind, 0)
+        return n == 0, f"{n} {what} packets reached the fake internet"
+
+    return judged
+
+
+def _reached(ev: Evidence) -> tuple[bool, str]:
+    path = f"/airlock-verify/{ev.nonce}/reach"
+    arrived = {r["host"] for r in ev.stats["http"] if r["target"] == path and r["tls"]}
+    missing = [host for host in ev.targets.allowed if host not in arrived]
+    got = f"{len(ev.targets.allowed) - len(missing)} of {len(ev.targets.allowed)} allowed hosts' requests arrived"
+    return not missing, got + (f" (not {', '.join(missing)})" if missing else "")
+
+
+def _udp(ev: Evidence) -> tuple[bool, str]:
+    n = int(ev.stats["udp"].get("9999", 0))
+    return n == 0, f"{n} datagrams at the UDP canary"
+
+
+def _no_queries(label: str) -> Judge:
+    def judged(ev: Evidence) -> tuple[bool, str]:
+        asked = ev.queries_with(f"{label}-{ev.nonce}")
+        return not asked, f"the upstream resolver's log: {len(asked)} queries for the probe's names"
+
+    return judged
+
+
+def _no_sni(ev: Evidence) -> tuple[bool, str]:
+    fronted = [sni for sni in ev.stats["sni"] if sni in ev.targets.canaries]
+    return not fronted, f"{len(fronted)} TLS handshakes upstream named a canary in their SNI"
+
+
+def _no_host(ev: Evidence) -> tuple[bool, str]:
+    fronted = [r for r in ev.stats["http"] if (r["host"] or "").partition(":")[0].lower() in ev.targets.canaries]
+    return not fronted, f"{len(fronted)} requests upstream carried a canary's Host"
+
+
+def _gateway_ports(ev: Evidence) -> tuple[bool, str]:
+    tcp = sum(int(n) for n in ev.gateway_canaries["connections"].values())
+    udp = sum(int(n) for n in ev.gateway_canaries["udp"].values())
+    ports = ", ".join(map(str, GATEWAY_CANARY_PORTS))
+    return tcp + udp == 0, f"the canaries on the gateway namespace's ports {ports}: {tcp} connections, {udp} datagrams"
+
+
+def _file(path: Callable[[Evidence], Path], present: bool) -> Judge:
+    def judged(ev: Evidence) -> tuple[bool, str]:
+        where = path(ev)
+        there = where.exists() and where.read_text() == ev.nonce
+        return there == present, f"{where} {'is' if there else 'is not'} on the host"
+
+    return judged
+
+
+def _none_on_host(*names: str) -> Judge:
+    def judged(ev: Evidence) -> tuple[bool, str]:
+        found = [
+            str(ev.outside / f"{name}-{ev.nonce}") for name in names if (ev.outside / f"{name}-{ev.nonce}").exists()
+        ]
+        return not found, f"on the host outside the working directory: {', '.join(found) or 'nothing'}"
+
+    return judged
+
+
+def _outside_and_tmp(ev: Evidence) -> tuple[bool, str]:
+    held, why = _none_on_host("direct")(ev)
+    in_tmp = ev.host_tmp.exists()
+    return held and not in_tmp, f"{why}; {ev.host_tmp} {'is' if in_tmp else 'is not'} on the host"
+
+
+def _state_unread(ev: Evidence) -> tuple[bool, str]:
+    copied = ev.workdir / "airlock-verify" / "state.bin"
+    size = copied.stat().st_size if copied.exists() else 0
+    keys = ev.written().count(b"PRIVATE KEY-----")
+    return size == 0 and keys == 0, f"{size} bytes of the gateway's files copied out, {keys} private keys among them"
+
+
+def _secrets_unread(names: tuple[str, ...]) -> Judge:
+    def judged(ev: Evidence) -> tuple[bool, str]:
+        held = [name for name in ev.held_secrets() if name in names]
+        return not held, f"in what the sandbox wrote: {', '.join(held) or 'none of ' + ', '.join(names)}"
+
+    return judged
+
+
+def _placeholder(ev: Evidence) -> tuple[bool, str]:
+    env = ev.workdir / "airlock-verify" / "env.json"
+    seen = env.read_text() if env.exists() else ""
+    has = f'"{PLACEHOLDER_VAR}": "{PLACEHOLDER}"' in seen
+    held, why = _secrets_unread(("the --secret",))(ev)
+    return has and held, f"{PLACEHOLDER_VAR} {'is' if has else 'is not'} its placeholder in the sandbox; {why}"
+
+
+def _nothing_left(kind: str) -> Judge:
+    def judged(ev: Evidence) -> tuple[bool, str]:
+        left = ev.leftovers.get(kind, [])
+        return not left, f"left: {', '.join(left)}" if left else "nothing left"
+
+    return judged
+
+
+def _no_root(ev: Evidence) -> tuple[bool, str]:
+    tree = ev.sandboxed.tree()
+    marked = [p for p in tree if p.cmdline[:1] and Path(p.cmdline[0]).name in MARKED_PROGRAMS]
+    if not marked:
+        raise NotJudged("the marked programs' processes were not seen")
+    rooted = [p.pid for p in tree if 0 in p.ids()]
+    gained = [p.pid for p in marked if int(p.status.get("CapPrm", "0"), 16) or int(p.status.get("CapEff", "0"), 16)]
+    why = (
+        f"{len(marked)} marked programs ran; processes with a root ID: {len(rooted)}, with capabilities: {len(gained)}"
+    )
+    return not rooted and not gained, why
+
+
+def _locked(ev: Evidence) -> tuple[bool, str]:
+    tree = ev.sandboxed.tree()
+    loose = [p.pid for p in tree if p.status.get("NoNewPrivs") != "1" or p.status.get("Seccomp") != "2"]
+    capable = [p.pid for p in tree if any(int(p.status.get(c, "0"), 16) for c in ("CapEff", "CapPrm", "CapAmb"))]
+    why = f"of the probe's {len(tree)} processes: {len(loose)} without no-new-privs and seccomp, {len(capable)} capable"
+    return not loose and not capable, why
+
+
+def _same_namespaces(ev: Evidence) -> tuple[bool, str]:
+    own = ev.sandboxed.probe().namespaces
+    children = ev.sandboxed.children("userns", "netns", "mountns")
+    moved = sorted({name for p in children for name in NAMESPACES if p.namespaces[name] != own[name]})
+    return (
+        not moved,
+        f"new namespaces beside the probe's: {', '.join(moved) or 'none'}",
+    )
+
+
+def _not_mounted(ev: Evidence) -> tuple[bool, str]:
+    ev.sandboxed.children("mount")
+    mounted = [p.pid for p in ev.sandboxed.tree() if any(f"mnt-{ev.nonce}" in m for m in p.mount_points)]
+    return not mounted, f"{len(mounted)} of the probe's processes see a mount on its mount point"
+
+
+def _not_traced(ev: Evidence) -> tuple[bool, str]:
+    ev.sandboxed.children("ptrace")
+    traced = [p.pid for p in ev.sandboxed.processes if p.status.get("TracerPid", "0") != "0"]
+    return not traced, f"{len(traced)} of the sandbox's processes traced"
+
+
+def _no_raw_sockets(ev: Evidence) -> tuple[bool, str]:
+    ev.sandboxed.children("raw-socket", "packet-socket")
+    n = ev.sandboxed.raw_sockets
+    return n == 0, f"{n} raw or packet sockets in the sandbox's network namespace"
+
+
+def _no_kernel_objects(ev: Evidence) -> tuple[bool, str]:
+    children = ev.sandboxed.children("io_uring", "bpf", "userfaultfd", "perf_event")
+    held = sorted({link for p in children for link in p.descriptors if link in KERNEL_OBJECTS})
+    return not held, f"descriptors the probe's children hold: {', '.join(held) or 'none of io_uring, bpf, ...'}"
+
+
+def _front(targets: Targets) -> str | None:
+    return None if targets.front else "the profile allows no host on port 443"
+
+
+def _alias(targets: Targets) -> str | None:
+    return (
+        None
+        if targets.metadata_alias
+        else "needs two hosts the profile allows on port 443 (one answers 169.254.169.254)"
+    )
+
+
+def _canary(targets: Targets) -> str | None:
+    return None if targets.canaries else "the profile opens every name the check would try"
+
+
+CHECKS: tuple[Check, ...] = (
+    Check("network", "allowed-host-reached", "a request to each allowed host arrives at its upstream", _reached,
+          "reach", _front),
+    Check("network", "direct-tcp", "raw TCP to an allowed host's address, past the proxy, reaches nothing",
+          _and(_none_at((ALLOWED_ADDR, 22)), _packets("from_sandbox", "sandbox-addressed")), "direct-tcp", _front),
+    Check("network", "udp", "UDP datagrams (QUIC too) reach nothing",
+          _and(_udp, _packets("from_sandbox", "sandbox-addressed")), "udp"),
+    Check("network", "icmp", "ICMP echo reaches nothing", _packets("icmp_echo", "ICMP echo"), "icmp"),
+    Check("network", "ipv6", "IPv6 (and IPv4-mapped IPv6) reaches nothing",
+          _and(_none_at((OTHER_ADDR, 22)), _packets("ipv6_frames", "IPv6")), "ipv6"),
+    Check("network", "dns-other-resolver", "DNS sent to another resolver is never forwarded upstream",
+          _no_queries("r"), "dns-other-resolver"),
+    Check("network", "dns-encrypted", "DNS over TLS (853) and over HTTPS to another resolver reach nothing",
+          _none_at((DNS_ADDR, 853), (CANARY_ADDR, 853), (CANARY_ADDR, 8443)), "dns-encrypted"),
+    Check("network", "dns-unlisted", f"an unlisted name ({UNLISTED}) is never asked upstream", _no_queries("u"),
+          "dns-unlisted"),
+    Check("network", "metadata-literal", f"{METADATA} by literal (proxy, CONNECT, direct) reaches nothing",
+          _none_at((METADATA, 80)), "metadata-literal"),
+    Check("network", "metadata-spellings", "169.254.169.254 spelt decimal, hex, octal, short, IPv4-mapped IPv6 "
+          "reaches nothing", _none_at((METADATA, 8080)), "metadata-spellings"),
+    Check("network", "metadata-name", "an allowed name that resolves to 169.254.169.254 reaches nothing",
+          _none_at((METADATA, 443)), "metadata-name", _alias),
+    Check("network", "connect-denied", "CONNECT to a denied or unlisted name reaches nothing",
+          _none_at((CANARY_ADDR, 443)), "connect-denied", _canary),
+    Check("network", "sni-fronting", "TLS naming a denied name in its SNI, to an allowed host, never leaves",
+          _no_sni, "sni-fronting", lambda t: _front(t) or _canary(t)),
+    Check("network", "host-fronting", "HTTP whose Host names a denied name, to an allowed host, never leaves",
+          _no_host, "host-fronting", lambda t: _front(t) or _canary(t)),
+    Check("network", "other-port", "another port of an allowed host (8443, 9999) reaches nothing",
+          _none_at((ALLOWED_ADDR, 8443), (ALLOWED_ADDR, 9999)), "other-port", _front),
+    Check("network", "gateway-ports", "the gateway's other ports and its other address answer nothing",
+          _gateway_ports, "gateway-ports"),
+    Check("files", "write-inside", "a file written in the working directory is on the host",
+          _file(lambda ev: ev.workdir / f"inside-{ev.nonce}", True), "write-inside"),
+    Check("files", "write-outside", "a file written outside the working directory (and in /tmp) is not on the host",
+          _outside_and_tmp, "write-outside"),
+    Check("files", "write-symlink", "a write through a symlink out of the working directory is not on the host",
+          _none_on_host("symlink"), "write-symlink"),
+    Check("files", "write-proc-root", "a write through /proc/self/root and /proc/1/root is not on the host",
+          _none_on_host("procroot", "proc1"), "write-proc-root"),
+    Check("secrets", "gateway-state", "the gateway's state directory and keys, and the fake internet's CA key, "
+          "are unreadable", _and(_state_unread, _secrets_unread(("the fake internet's CA key",))), "read-state"),
+    Check("secrets", "secret-placeholder", "a --secret is only its placeholder in the sandbox", _placeholder,
+          "read-secret"),
+    Check("secrets", "host-environment", "the host's environment stays out", _secrets_unread(("the host's "
+          "environment",)), "read-host-env"),
+    Check("privilege", "setuid", "a setuid-root or file-capability program gains nothing: no root ID, no capability",
+          _no_root, "setuid"),
+    Check("privilege", "no-new-privs", "every process of the probe runs with no-new-privs, seccomp, no capability",
+          _locked, "setuid"),
+    Check("privilege", "namespaces", "no new user, network or mount namespace", _same_namespaces, "namespaces"),
+    Check("privilege", "mount", "no mount", _not_mounted, "mount"),
+    Check("privilege", "ptrace", "no process traced (PTRACE_TRACEME)", _not_traced, "ptrace"),
+    Check("privilege", "raw-sockets", "no raw or packet socket", _no_raw_sockets, "raw-sockets"),
+    Check("privilege", "kernel-objects", "no io_uring, bpf map, userfaultfd or perf event", _no_kernel_objects,
+          "kernel-objects"),
+    Check("destruction", "namespace", "no network namespace of the run is left", _nothing_left("namespace")),
+    Check("destruction", "fence", "no nftables table or link of the run is left", _nothing_left("fence")),
+    Check("destruction", "cgroup", "no cgroup of the run is left", _nothing_left("cgroup")),
+    Check("destruction", "state-dir", "no state directory of the run is left", _nothing_left("state-dir")),
+)  # fmt: skip
+
+
+def selected(groups: list[str] | None) -> tuple[Check, ...]:
+    return tuple(check for check in CHECKS if not groups or check.group in groups)

@@ -1,0 +1,327 @@
+"""One `airlock verify` run: its own fake internet, one real sandbox through `airlock run` with the user's policy
+and options running every probe, the evidence gathered outside it, the verdicts.
+
+The fake internet is private network namespaces of a per-run prefix (`airlock.verify.topology`), never linked to
+the host's interfaces; `airlock run` runs inside its gateway namespace (where everything it dials lands in the
+fake internet or nowhere), with the host's cgroups mounted there as a host run sees them. The gateway resolves
+through the fake DNS upstream and trusts only the fake internet's CA. Everything made here is removed at the end,
+and only the processes started here are stopped.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import secrets
+import shutil
+import signal
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from airlock.errors import AirlockError
+from airlock.policy import SANDBOX_LINK_NETWORKS
+from airlock.sandbox import cgroups
+from airlock.sandbox.fence import NETNS_TABLE_PREFIX
+from airlock.sandbox.netns import resolve_user
+from airlock.sandbox.seccomp import syscall_number
+
+from . import probe
+from .ca import FakeCA, make_fake_ca
+from .checks import (
+    GATEWAY_CANARY_PORTS,
+    MARKED_PROGRAMS,
+    PLACEHOLDER_VAR,
+    PROBE_ARGV,
+    PROBE_MARK,
+    SECRET_NAME,
+    Check,
+    Evidence,
+    NotJudged,
+    Outcome,
+    Sandboxed,
+    error,
+    judge,
+)
+from .control import stop_proc
+from .hostcgroups import with_host_cgroups
+from .processes import raw_sockets, sandbox_processes
+from .targets import UNLISTED, Targets
+from .topology import DNS_SERVER, FAKE_ADDRS, GW_OUTSIDE_IP, Canaries, FakeNet, Topology, new_prefix
+
+SLEEP = shutil.which("sleep") or "/bin/sleep"
+RUN_TIMEOUT = 60  # seconds the sandbox may take (`airlock run --timeout`): the probe needs a few
+HOST_CANARY_VAR = "AIRLOCK_VERIFY_HOST_CANARY"
+SYSCALLS = ("ptrace", "io_uring_setup", "bpf", "userfaultfd", "perf_event_open")
+# Never routed from the gateway namespace: checked before anything runs there, as the tests check theirs.
+REAL_ADDRESSES = ("8.8.8.8", "1.1.1.1", "10.0.0.1", "192.168.1.1")
+
+
+class VerifyError(AirlockError):
+    """The fake internet or the sandbox could not be set up: nothing could be judged."""
+
+
+@dataclass(frozen=True)
+class Area:
+    """The run's folders on the host: `private` root's alone (the CA, the secret, the launcher's temporary state
+    directory), `work` the sandbox's working directory, `outside` a folder its user could write on the host."""
+
+    base: Path
+    private: Path
+    work: Path
+    outside: Path
+    tmp: Path  # TMPDIR of `airlock run`: where its temporary state directory is made
+    programs: Path  # copies of sleep marked setuid-root and with file capabilities (the setuid check runs them)
+
+    @classmethod
+    @contextlib.contextmanager
+    def made(cls) -> Iterator[Area]:
+        base = Path(tempfile.mkdtemp(prefix="airlock-verify-", dir="/var/tmp"))
+        try:
+            base.chmod(0o755)
+            area = cls(base, base / "private", base / "work", base / "outside", base / "private" / "tmp", base / "bin")
+            area.private.mkdir(mode=0o700)
+            area.tmp.mkdir(mode=0o700)
+            area.work.mkdir(mode=0o755)
+            pw = resolve_user(None)  # whom `airlock run` runs the command as: the sudo caller, else nobody
+            os.chown(area.work, pw.pw_uid, pw.pw_gid)
+            area.outside.mkdir()
+            area.outside.chmod(0o1777)  # only the sandbox's isolation keeps its user from writing here
+            _marked_programs(area.programs)
+            yield area
+        finally:
+            shutil.rmtree(base, ignore_errors=True)
+
+
+def _marked_programs(folder: Path) -> None:
+    """sleep, setuid root; and sleep with file capabilities (CAP_SETUID, CAP_NET_RAW, CAP_SYS_ADMIN permitted and
+    effective) where the filesystem keeps them. Harmless programs whatever they run with: the check is whether the
+    sandbox's processes get what the marks promise."""
+    folder.mkdir(mode=0o755)
+    setuid = folder / MARKED_PROGRAMS[0]
+    shutil.copy(SLEEP, setuid)
+    setuid.chmod(0o4755)
+    marked = folder / MARKED_PROGRAMS[1]
+    shutil.copy(SLEEP, marked)
+    capabilities = (1 << 7) | (1 << 13) | (1 << 21)
+    with contextlib.suppress(OSError):  # a filesystem without extended attributes: the setuid copy alone
+        os.setxattr(marked, "security.capability", struct.pack("<IIIII", 0x02000001, capabilities, 0, 0, 0))
+        return
+    marked.unlink()
+
+
+@dataclass(frozen=True)
+class Request:
+    """What to verify: the policy file, the targets its profile gives the fake internet, the options passed to
+    `airlock run` as given (profile, isolation, limits, grants), the checks."""
+
+    policy_path: str
+    targets: Targets
+    run_options: list[str]
+    checks: tuple[Check, ...]
+
+
+def verify(request: Request) -> list[Outcome]:
+    nonce = secrets.token_hex(6)
+    with _sigterm_as_interrupt(), Area.made() as area:
+        ca = make_fake_ca(area.private / "ca", request.targets.names())
+        topology = Topology(new_prefix(), sandbox=False)
+        try:
+            _build(topology)
+            net = FakeNet(ca.leaf_cert, ca.leaf_key, zone=request.targets.zone())
+            canaries = Canaries(ca.leaf_cert, ca.leaf_key, GATEWAY_CANARY_PORTS)
+            try:
+                _start(net, canaries, topology, area)
+                return _verify_in(topology, net, canaries, ca, area, request, nonce)
+            finally:
+                net.stop()
+                canaries.stop()
+        finally:
+            topology.destroy()
+            _host_tmp(nonce).unlink(missing_ok=True)  # what a weakened run wrote there
+
+
+def _host_tmp(nonce: str) -> Path:
+    """Where the probe's write to its /tmp lands on the host's /tmp if the sandbox's /tmp is not its own."""
+    return Path("/tmp") / f"airlock-verify-{nonce}"
+
+
+@contextlib.contextmanager
+def _sigterm_as_interrupt() -> Iterator[None]:
+    """SIGTERM (a CI job's timeout, `kill`) as ^C: the fake internet and the run's folders are removed either way."""
+
+    def interrupt(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _start(net: FakeNet, canaries: Canaries, topology: Topology, area: Area) -> None:
+    """The fake internet's servers, and canaries on other ports of the gateway's namespace (where a program of
+    the host beside the gateway would listen)."""
+    try:
+        net.start(topology, area.private / "fakenet")
+        canaries.start_in(topology, topology.gw, area.private / "canaries")
+    except RuntimeError as e:
+        raise VerifyError(f"the fake internet's servers could not start: {e}") from None
+
+
+def _build(topology: Topology) -> None:
+    try:
+        topology.create()
+        for destination in (*FAKE_ADDRS, *REAL_ADDRESSES):
+            topology.assert_route_inside(topology.gw, destination)
+    except (RuntimeError, AssertionError, OSError) as e:
+        raise VerifyError(f"the fake internet could not be built: {e}") from None
+    _count_packets(topology)
+
+
+def _verify_in(
+    topology: Topology, net: FakeNet, canaries: Canaries, ca: FakeCA, area: Area, request: Request, nonce: str
+) -> list[Outcome]:
+    sandbox_id = f"{topology.prefix}v"
+    secret_value, host_canary = f"verify-secret-{secrets.token_hex(16)}", f"verify-host-{secrets.token_hex(16)}"
+    secret_file = area.private / "secret"
+    secret_file.touch(mode=0o600)
+    secret_file.write_text(secret_value)
+    config = _probe_config(request, area, nonce, secret_file)
+    argv = [
+        sys.executable, "-I", "-m", "airlock", "run", "--policy", request.policy_path,
+        "--upstream-dns", DNS_SERVER, "--upstream-ca", str(ca.ca_cert), "--sandbox-id", sandbox_id,
+        "--workdir", str(area.work), "--secret", f"{SECRET_NAME}=file:{secret_file}",
+        "--placeholder-env", f"{PLACEHOLDER_VAR}={SECRET_NAME}", "--git-identity", "none", "--quiet",
+        "--timeout", str(RUN_TIMEOUT), *request.run_options,
+        "--", *PROBE_ARGV, Path(probe.__file__).read_text(), json.dumps(config), PROBE_MARK,
+    ]  # fmt: skip
+    env = os.environ | {HOST_CANARY_VAR: host_canary, "TMPDIR": str(area.tmp)}
+    processes, returncode, stderr = _run_watched(topology, with_host_cgroups(argv), env, area, sandbox_id)
+    evidence = Evidence(
+        nonce, request.targets, _probe_record(area), net.stats(), _packets(topology), area.work, area.outside,
+        _host_tmp(nonce),
+        {
+            "the fake internet's CA key": ca.ca_key.read_bytes(), "the --secret": secret_value.encode(),
+            "the host's environment": host_canary.encode(),
+        },
+        _leftovers(topology, sandbox_id, area), processes, canaries.stats(),
+    )  # fmt: skip
+    if not evidence.probe:
+        why = (stderr.strip().splitlines() or [f"exit {returncode}"])[-1]
+        return [judge(c, evidence) if c.attempt is None else error(c, f"the sandbox ran no probe: {why}")
+                for c in request.checks]  # fmt: skip
+    return [judge(check, evidence) for check in request.checks]
+
+
+def _run_watched(
+    topology: Topology, argv: list[str], env: dict[str, str], area: Area, sandbox_id: str
+) -> tuple[Sandboxed, int, str]:
+    """`airlock run` to its end; once the probe is ready, the sandbox's processes as the host sees them, and then
+    the probe's children released. Its exit code and stderr."""
+    ready, release = area.work / "airlock-verify" / "ready", area.work / "airlock-verify" / "release"
+    seen = Sandboxed([], 0)
+    with (area.private / "run.err").open("w+") as stderr:
+        proc = topology.popen(topology.gw, argv, env=env, stdout=subprocess.DEVNULL, stderr=stderr)
+        deadline = time.monotonic() + RUN_TIMEOUT + 60
+        while proc.poll() is None and not ready.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if ready.exists():
+            found = sandbox_processes(sandbox_id)
+            seen = Sandboxed(found, 0)
+            with contextlib.suppress(NotJudged):  # no probe seen: its checks say so
+                seen = Sandboxed(found, raw_sockets(seen.probe().pid))
+            release.touch()
+        try:
+            proc.wait(max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            stop_proc(proc)
+            raise VerifyError(f"the sandbox did not end within {RUN_TIMEOUT + 60} seconds") from None
+        stderr.seek(0)
+        return seen, proc.returncode, stderr.read()
+
+
+def _probe_config(request: Request, area: Area, nonce: str, secret_file: Path) -> dict[str, Any]:
+    targets = request.targets
+    return {
+        "nonce": nonce,
+        "attempts": list(dict.fromkeys(c.attempt for c in request.checks if c.attempt and c.needs(targets) is None)),
+        "allowed": list(targets.allowed), "front": targets.front, "canaries": list(targets.canaries),
+        "canary": UNLISTED, "metadata_alias": targets.metadata_alias, "outside": str(area.outside),
+        "gateway_paths": [str(area.private), "/run/airlock", "/var/lib/airlock", "/tmp/airlock-run-*"],
+        "secret_file": str(secret_file), "mount_point": f"airlock-verify/mnt-{nonce}",
+        "marked_programs": [str(p) for p in sorted(area.programs.iterdir())],
+        "syscalls": {name: syscall_number(name) for name in SYSCALLS},
+        "gateway_ports": list(GATEWAY_CANARY_PORTS), "gateway_other_address": GW_OUTSIDE_IP,
+    }  # fmt: skip
+
+
+def _probe_record(area: Area) -> dict[str, str]:
+    """What the probe says it attempted (shown beside the verdicts; an attempt missing is a check not run)."""
+    record = area.work / "airlock-verify" / "probe.json"
+    try:
+        seen = json.loads(record.read_text())
+    except (OSError, ValueError):
+        return {}
+    return {str(k): str(v) for k, v in seen.items()} if isinstance(seen, dict) else {}
+
+
+# --------------------------------------------------------------------------------------------------- packets
+
+_COUNTERS = ("from_sandbox", "icmp_echo", "ipv6_frames")
+
+
+def _counter_table(topology: Topology) -> str:
+    return f"{topology.prefix}_verify"
+
+
+def _count_packets(topology: Topology) -> None:
+    """Counters on the ingress of the fake internet's link (before any address or protocol handling, so that even
+    IPv6 it has turned off is counted): what came from a sandbox's own address (it went past the gateway), ICMP
+    echo requests, IPv6."""
+    pool = ", ".join(str(network) for network in SANDBOX_LINK_NETWORKS)
+    rules = f"""table netdev {_counter_table(topology)} {{
+        {"; ".join(f"counter {name} {{}}" for name in _COUNTERS)}
+        chain ingress {{
+            type filter hook ingress device "{topology.net_if}" priority 0; policy accept;
+            ip saddr {{ {pool} }} counter name from_sandbox
+            icmp type echo-request counter name icmp_echo
+            meta protocol ip6 counter name ipv6_frames
+        }}
+    }}"""
+    done = topology.run(topology.net, ["nft", "-f", "-"], input=rules)
+    if done.returncode != 0:
+        raise VerifyError(f"the fake internet's packet counters could not be set: {done.stderr.strip()}")
+
+
+def _packets(topology: Topology) -> dict[str, int]:
+    done = topology.run(topology.net, ["nft", "-j", "list", "counters", "table", "netdev", _counter_table(topology)])
+    if done.returncode != 0:
+        raise VerifyError(f"the fake internet's packet counters could not be read: {done.stderr.strip()}")
+    found = [item["counter"] for item in json.loads(done.stdout)["nftables"] if "counter" in item]
+    return {str(c["name"]): int(c["packets"]) for c in found}
+
+
+# --------------------------------------------------------------------------------------------------- leftovers
+
+
+def _leftovers(topology: Topology, sandbox_id: str, area: Area) -> dict[str, list[str]]:
+    """What of the run's sandbox is still there, by kind."""
+    namespaces = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=False).stdout
+    tables = topology.run(topology.gw, ["nft", "list", "tables"]).stdout.split("\n")
+    links = topology.run(topology.gw, ["ip", "-o", "link"]).stdout.split("\n")
+    return {
+        "namespace": [f"airlock-{sandbox_id}"] if f"airlock-{sandbox_id}" in namespaces.split() else [],
+        "fence": [line.strip() for line in tables if f"{NETNS_TABLE_PREFIX}{sandbox_id}" in line]
+        + [line.split(":")[1].strip() for line in links if f"alh{sandbox_id}" in line],
+        "cgroup": [str(p / sandbox_id) for p, _ in cgroups.host_parents().values() if (p / sandbox_id).exists()],
+        "state-dir": [str(p) for p in area.tmp.iterdir()],
+    }

@@ -1,0 +1,102 @@
+"""`airlock verify` end to end, as a user runs it on the host: its own fake internet, a real sandbox in it, the
+matrix. It holds on the default setup, and fails exactly the checks a weakened setup breaks: without filesystem
+isolation the file checks, with a policy that opens more ports of an allowed host the other-port check. A check
+that could not run is an error (exit 2), never a pass."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+from jsonschema import Draft202012Validator
+
+from airlock.verify.checks import CHECKS
+
+from gateway_proc import AIRLOCK
+
+NOT_RUN = "a check could not run (see ERROR above): nothing is verified"
+SCHEMA = Draft202012Validator(
+    json.loads((Path(__file__).resolve().parents[2] / "docs" / "verify-report.schema.json").read_text())
+)
+OPEN_PORTS_POLICY = """\
+version: 1
+default_profile: default
+profiles:
+  default:
+    allow:
+      - host: pypi.org
+        ports: [443, 8443, 9999]
+        tunnel: true
+      - host: files.pythonhosted.org
+"""
+
+
+def _verify(tmp_path: Path, *options: str) -> tuple[subprocess.CompletedProcess[str], dict]:
+    report = tmp_path / "verify.json"
+    argv = [AIRLOCK, "verify", "--json", str(report), *options]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=180, check=False)
+    verdicts = json.loads(report.read_text()) if report.exists() else {}
+    return done, verdicts
+
+
+def _results(verdicts: dict) -> dict[str, str]:
+    return {check["id"]: check["result"] for check in verdicts["checks"]}
+
+
+def _leftover_folders() -> set[Path]:
+    return set(Path("/var/tmp").glob("airlock-verify-*"))
+
+
+def test_verify_holds_every_check_on_the_default_setup(tmp_path: Path):
+    before = _leftover_folders()
+    junit = tmp_path / "verify.xml"
+    done, verdicts = _verify(tmp_path, "--junit", str(junit))
+    assert done.returncode == 0, done.stdout + done.stderr
+    SCHEMA.validate(verdicts)
+    assert _results(verdicts) == {check.id: "held" for check in CHECKS}
+    assert verdicts["summary"] == {"held": len(CHECKS), "failed": 0, "error": 0, "n/a": 0}
+    for check in CHECKS:  # the matrix names each check and its verdict
+        assert f"{check.group}/{check.id}" in done.stdout
+    suites = ET.parse(junit).getroot()
+    assert (suites.get("tests"), suites.get("failures"), suites.get("errors")) == (str(len(CHECKS)), "0", "0")
+    assert _leftover_folders() == before
+
+
+def test_verify_without_filesystem_isolation_fails_exactly_the_file_checks(tmp_path: Path):
+    done, verdicts = _verify(tmp_path, "--isolation", "none", "--only", "files", "--only", "secrets")
+    assert done.returncode == 1, done.stdout + done.stderr
+    SCHEMA.validate(verdicts)
+    failed = {check for check, result in _results(verdicts).items() if result != "held"}
+    assert failed == {"write-outside", "write-symlink", "write-proc-root"}, done.stdout
+    assert "FAILED" in done.stdout
+
+
+def test_verify_with_a_policy_that_opens_other_ports_fails_the_other_port_check(tmp_path: Path):
+    policy = tmp_path / "open-ports.yaml"
+    policy.write_text(OPEN_PORTS_POLICY)
+    done, verdicts = _verify(tmp_path, "--policy", str(policy), "--only", "network")
+    assert done.returncode == 1, done.stdout + done.stderr
+    results = _results(verdicts)
+    assert {check for check, result in results.items() if result != "held"} == {"other-port"}, done.stdout
+    other = next(check for check in verdicts["checks"] if check["id"] == "other-port")
+    assert other["evidence"] == "1 connections at 192.0.2.10:8443, 1 connections at 192.0.2.10:9999"
+
+
+def test_verify_reports_a_check_that_could_not_run_as_an_error(tmp_path: Path):
+    # Four processes: the probe cannot start its threads, so it attempts nothing and nothing may pass.
+    done, verdicts = _verify(tmp_path, "--pids", "4", "--only", "files")
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert set(_results(verdicts).values()) == {"error"}
+    assert done.stderr.splitlines()[-1] == f"airlock: error: {NOT_RUN}"
+
+
+def test_verify_refuses_a_policy_that_would_open_metadata_before_building_anything(tmp_path: Path):
+    policy = tmp_path / "metadata.yaml"
+    policy.write_text(OPEN_PORTS_POLICY + "      - cidr: 169.254.169.254/32\n        ports: [80]\n")
+    done, verdicts = _verify(tmp_path, "--policy", str(policy))
+    assert (done.returncode, verdicts) == (2, {})
+    assert done.stderr == (
+        f"{policy}:10: cidr '169.254.169.254/32' covers cloud metadata / link-local addresses, which never open\n"
+    )

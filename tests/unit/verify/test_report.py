@@ -1,0 +1,282 @@
+"""`airlock verify`'s verdicts as a user reads them: the matrix, the JSON (valid under
+docs/verify-report.schema.json), the JUnit XML, the exit code; how a check is judged when its attempt is missing or
+the policy gives it nothing to try; the privilege checks' judgement of the processes the host sees; the targets a
+policy gives the fake internet."""
+
+from __future__ import annotations
+
+import json
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import pytest
+from jsonschema import Draft202012Validator
+
+from airlock.cli import verify as cli_verify
+from airlock.cli.common import load_policy_file
+from airlock.policy import parse_policy
+from airlock.verify import checks, probe, report
+from airlock.verify.checks import CHECKS, PROBE_ARGV, PROBE_MARK, Evidence, Outcome, Sandboxed, judge
+from airlock.verify.processes import NAMESPACES, Process
+from airlock.verify.targets import UNLISTED, Targets, targets
+
+ROOT = Path(__file__).resolve().parents[3]
+SCHEMA = Draft202012Validator(json.loads((ROOT / "docs" / "verify-report.schema.json").read_text()))
+RUN = report.Run("netns", "/etc/airlock/policy.yaml", "default", "auto", 12.34)
+BY_ID = {check.id: check for check in CHECKS}
+
+
+def _outcomes(*results: tuple[str, checks.Result]) -> list[Outcome]:
+    return [Outcome(BY_ID[name], result, f"evidence of {name}", "what the probe saw") for name, result in results]
+
+
+def _evidence(tmp_path: Path, probe: dict[str, str], **stats: object) -> Evidence:
+    counters = {"connections": {}, "udp": {}, "dns_log": [], "sni": [], "http": []} | stats
+    alias_targets = Targets(("pypi.org",), (UNLISTED,), "github.com")
+    return Evidence("n0nce", alias_targets, probe, counters, {}, tmp_path, tmp_path, tmp_path / "tmp", {})
+
+
+def test_the_matrix_shows_each_check_its_result_and_evidence():
+    text = report.matrix(_outcomes(("udp", "held"), ("metadata-name", "failed"), ("write-inside", "error")))
+    lines = text.splitlines()
+    assert lines[0].split() == ["check", "result", "must", "/", "evidence"]
+    assert lines[1].split()[:2] == ["network/udp", "held"] and lines[2].strip() == "evidence: evidence of udp"
+    assert lines[3].split()[:2] == ["network/metadata-name", "FAILED"]
+    assert lines[5].split()[:2] == ["files/write-inside", "ERROR"]
+    assert lines[-1] == "1 held, 1 failed, 1 error"
+
+
+@pytest.mark.parametrize(
+    ("results", "code"),
+    [
+        ((("udp", "held"), ("icmp", "held"), ("metadata-name", "n/a")), 0),
+        ((("udp", "held"), ("icmp", "failed")), 1),
+        ((("udp", "failed"), ("icmp", "error")), 2),  # a check that could not run outweighs one that failed
+        ((), 2),  # nothing verified is not a pass
+    ],
+)
+def test_the_exit_code_is_0_only_when_every_check_that_applies_held(results, code):
+    assert report.exit_code(_outcomes(*results)) == code
+
+
+def test_the_json_is_valid_under_its_schema_and_says_each_verdict():
+    outcomes = _outcomes(("udp", "held"), ("icmp", "failed"), ("write-inside", "error"), ("metadata-name", "n/a"))
+    verdicts = report.as_json(RUN, outcomes)
+    SCHEMA.validate(verdicts)
+    assert verdicts["exit_code"] == 2 and verdicts["summary"] == {"held": 1, "failed": 1, "error": 1, "n/a": 1}
+    assert verdicts["checks"][1] == {
+        "group": "network", "id": "icmp", "must": BY_ID["icmp"].must, "result": "failed",
+        "evidence": "evidence of icmp", "probe": "what the probe saw",
+    }  # fmt: skip
+
+
+def test_the_schema_refuses_a_result_it_does_not_know():
+    verdicts = report.as_json(RUN, _outcomes(("udp", "held")))
+    verdicts["checks"][0]["result"] = "passed"
+    assert not SCHEMA.is_valid(verdicts)
+
+
+def test_the_junit_xml_has_a_suite_per_group_and_a_failure_or_error_per_check_that_did_not_hold():
+    outcomes = _outcomes(("udp", "held"), ("icmp", "failed"), ("write-inside", "error"), ("metadata-name", "n/a"))
+    root = ET.fromstring(report.as_junit(RUN, outcomes))
+    assert (root.get("tests"), root.get("failures"), root.get("errors"), root.get("skipped")) == ("4", "1", "1", "1")
+    suites = {suite.get("name"): suite for suite in root}
+    assert list(suites) == ["airlock verify network", "airlock verify files"]
+    cases = {case.get("name"): case for suite in root for case in suite}
+    assert cases["icmp"].find("failure").get("message") == "evidence of icmp"
+    assert cases["write-inside"].find("error") is not None and cases["metadata-name"].find("skipped") is not None
+    assert cases["udp"].find("failure") is None and cases["udp"].get("classname") == "airlock.verify.network"
+
+
+def test_a_check_whose_attempt_the_probe_did_not_make_is_an_error_not_a_pass(tmp_path: Path):
+    outcome = judge(BY_ID["udp"], _evidence(tmp_path, probe={}))
+    assert (outcome.result, outcome.evidence) == ("error", "the probe made no such attempt: the check could not run")
+
+
+def test_a_check_is_judged_by_what_reached_the_fake_internet_not_by_what_the_probe_saw(tmp_path: Path):
+    probe = {"metadata-name": "CONNECT github.com:443: HTTP/1.1 403 Forbidden"}
+    reached = _evidence(tmp_path, probe, connections={"169.254.169.254:443": 2})
+    outcome = judge(BY_ID["metadata-name"], reached)
+    assert (outcome.result, outcome.evidence) == ("failed", "2 connections at 169.254.169.254:443")
+    assert judge(BY_ID["metadata-name"], _evidence(tmp_path, probe)).result == "held"
+
+
+def test_a_check_the_policy_gives_nothing_to_try_is_not_applicable(tmp_path: Path):
+    evidence = _evidence(tmp_path, probe={})
+    lone = Evidence(**{**evidence.__dict__, "targets": Targets(("pypi.org",), (UNLISTED,), None)})
+    outcome = judge(BY_ID["metadata-name"], lone)
+    assert outcome.result == "n/a" and "two hosts" in outcome.evidence
+
+
+def test_the_default_policy_gives_each_allowed_host_an_upstream_and_each_denied_name_a_canary():
+    found = targets(load_policy_file(None).profile())
+    assert found.allowed == (
+        "pypi.org", "files.pythonhosted.org", "github.com", "api.github.com", "codeload.github.com",
+        "objects.githubusercontent.com",
+    )  # fmt: skip
+    assert found.metadata_alias == "raw.githubusercontent.com"
+    assert found.canaries == (UNLISTED, "gist.github.com", "gist.githubusercontent.com")
+    assert found.zone()["raw.githubusercontent.com"] == [("A", "169.254.169.254")]
+
+
+def test_a_wildcard_rule_is_tried_as_a_name_under_it_and_an_allowed_canary_is_no_canary():
+    policy = parse_policy(
+        "version: 1\ndefault_profile: p\nprofiles:\n  p:\n    allow:\n      - host: '*.airlock-verify.example'\n",
+        "p.yaml",
+    )
+    found = targets(policy.profile())
+    assert found.allowed == ("airlock-verify.airlock-verify.example",) and found.canaries == ()
+
+
+def test_the_command_line_offers_the_groups_the_checks_have():
+    assert cli_verify.GROUPS == checks.GROUPS == tuple(dict.fromkeys(check.group for check in CHECKS))
+
+
+def _process(pid: int, ppid: int, cmdline: tuple[str, ...], **status: str) -> Process:
+    base = {"Uid": "65534\t65534\t65534\t65534", "Gid": "65534\t65534\t65534\t65534", "CapEff": "0" * 16,
+            "CapPrm": "0" * 16, "CapAmb": "0" * 16, "NoNewPrivs": "1", "Seccomp": "2", "TracerPid": "0"}  # fmt: skip
+    namespaces = {name: f"{name}:[1]" for name in NAMESPACES}
+    return Process(pid, ppid, cmdline, base | status, namespaces, (), ())
+
+
+PROBE = _process(10, 9, (*PROBE_ARGV, "source", "{}", PROBE_MARK))
+LAUNCHER = _process(9, 1, ("bwrap", *PROBE.cmdline), Uid="0\t0\t0\t0", Seccomp="0")  # the launcher's, not judged
+
+
+@pytest.mark.parametrize(
+    ("sleeper", "result"),
+    [
+        (_process(11, 10, ("/var/tmp/x/bin/setuid-sleep", "30")), "held"),
+        (_process(11, 10, ("/var/tmp/x/bin/setuid-sleep", "30"), Uid="65534\t0\t0\t0"), "failed"),
+        (_process(11, 10, ("/var/tmp/x/bin/capability-sleep", "30"), CapPrm="0000000000202080"), "failed"),
+    ],
+    ids=["nothing-gained", "root-gained", "capabilities-gained"],
+)
+def test_the_setuid_check_judges_by_the_ids_and_capabilities_the_host_sees(tmp_path: Path, sleeper, result):
+    evidence = _evidence(tmp_path, {"setuid": "started"})
+    seen = Evidence(**{**evidence.__dict__, "sandboxed": Sandboxed([LAUNCHER, PROBE, sleeper], 0)})
+    assert judge(BY_ID["setuid"], seen).result == result
+
+
+def test_a_privilege_check_whose_child_was_not_seen_is_an_error(tmp_path: Path):
+    evidence = _evidence(tmp_path, {"namespaces": "userns: PermissionError"})
+    seen = Evidence(**{**evidence.__dict__, "sandboxed": Sandboxed([LAUNCHER, PROBE], 0)})
+    outcome = judge(BY_ID["namespaces"], seen)
+    assert outcome.result == "error" and "child was not seen" in outcome.evidence
+
+
+def test_the_listing_names_each_check_of_the_groups_asked_for_and_what_must_happen():
+    lines = report.listing(checks.selected(["privilege", "destruction"])).splitlines()
+    assert [line.split()[0] for line in lines] == [
+        f"{check.group}/{check.id}" for check in CHECKS if check.group in ("privilege", "destruction")
+    ]
+    assert lines[0].endswith(BY_ID["setuid"].must)
+
+
+def test_the_page_of_verify_tells_how_each_check_is_judged():
+    page = (ROOT / "docs" / "verify.md").read_text()
+    rows = {line.split("|")[1].strip().strip("`") for line in page.splitlines() if line.startswith("| `")}
+    assert rows == {f"{check.group}/{check.id}" for check in CHECKS}
+
+
+# --------------------------------------------------------------------------------------------------- every check fails
+
+KINDS = ("userns", "netns", "mountns", "mount", "ptrace", "raw-socket", "packet-socket", "io_uring", "bpf",
+         "userfaultfd", "perf_event")  # fmt: skip
+
+
+REACHED = [{"host": "pypi.org", "target": "/airlock-verify/n0nce/reach", "tls": True}]
+
+
+def _child(kind: str, **fields: object) -> Process:
+    """A holding child of the probe, as the host sees it (`fields` replace its namespaces, descriptors, mounts)."""
+    child = _process(20 + KINDS.index(kind), 10, ("python3", "-I", "-c", "child", f"{probe.CHILD}-{kind}"))
+    return Process(**{**child.__dict__, **fields})
+
+
+def _holding(
+    tmp_path: Path, children: dict[str, Process] | None = None, sleeper: dict[str, str] | None = None, **changes: object
+) -> Evidence:
+    """Evidence on which every check holds, but for `changes` (Evidence's fields; fakenet's under `stats_`), the
+    `children` given in place of the probe's own and the marked program's `sleeper` status."""
+    work, outside = tmp_path / "work", tmp_path / "outside"
+    (work / "airlock-verify").mkdir(parents=True, exist_ok=True)
+    outside.mkdir(exist_ok=True)
+    (work / "inside-n0nce").write_text("n0nce")
+    (work / "airlock-verify" / "env.json").write_text(json.dumps({"AIRLOCK_VERIFY_SECRET": checks.PLACEHOLDER}))
+    stats = {"connections": {}, "udp": {}, "dns_log": [], "sni": ["pypi.org"], "http": REACHED}
+    stats |= {key.removeprefix("stats_"): value for key, value in changes.items() if key.startswith("stats_")}
+    kids = {kind: _child(kind) for kind in KINDS} | (children or {})
+    marked = _process(12, 10, ("/var/tmp/x/bin/setuid-sleep", "30"), **(sleeper or {}))
+    evidence = Evidence(
+        "n0nce", Targets(("pypi.org",), (UNLISTED,), "github.com"), {c.attempt: "tried" for c in CHECKS if c.attempt},
+        stats, {"from_sandbox": 0, "icmp_echo": 0, "ipv6_frames": 0}, work, outside, tmp_path / "host-tmp",
+        {"the --secret": b"s3cret", "the host's environment": b"h0st", "the fake internet's CA key": b"k3y"},
+        {}, Sandboxed([LAUNCHER, PROBE, marked, *kids.values()], 0),
+    )  # fmt: skip
+    return Evidence(**{**evidence.__dict__, **{k: v for k, v in changes.items() if not k.startswith("stats_")}})
+
+
+def _written(tmp_path: Path, name: str, data: bytes) -> Path:
+    (tmp_path / "work" / "airlock-verify").mkdir(parents=True, exist_ok=True)
+    (tmp_path / "work" / "airlock-verify" / name).write_bytes(data)
+    return tmp_path
+
+
+def _outside(tmp_path: Path, name: str) -> Path:
+    (tmp_path / "outside").mkdir(parents=True, exist_ok=True)
+    (tmp_path / "outside" / f"{name}-n0nce").write_text("n0nce")
+    return tmp_path
+
+
+BREAKS = {  # check -> the evidence a setup that breaks it leaves
+    "allowed-host-reached": lambda t: _holding(t, stats_http=[]),
+    "direct-tcp": lambda t: _holding(t, stats_connections={"192.0.2.10:22": 1}),
+    "udp": lambda t: _holding(t, stats_udp={"9999": 1}),
+    "icmp": lambda t: _holding(t, packets={"icmp_echo": 1}),
+    "ipv6": lambda t: _holding(t, packets={"ipv6_frames": 3}),
+    "dns-other-resolver": lambda t: _holding(t, stats_dns_log=[{"qname": f"r-n0nce.{UNLISTED}"}]),
+    "dns-encrypted": lambda t: _holding(t, stats_connections={"192.0.2.53:853": 1}),
+    "dns-unlisted": lambda t: _holding(t, stats_dns_log=[{"qname": f"u-n0nce.{UNLISTED}"}]),
+    "metadata-literal": lambda t: _holding(t, stats_connections={"169.254.169.254:80": 1}),
+    "metadata-spellings": lambda t: _holding(t, stats_connections={"169.254.169.254:8080": 1}),
+    "metadata-name": lambda t: _holding(t, stats_connections={"169.254.169.254:443": 1}),
+    "connect-denied": lambda t: _holding(t, stats_connections={"203.0.113.66:443": 1}),
+    "sni-fronting": lambda t: _holding(t, stats_sni=[UNLISTED]),
+    "host-fronting": lambda t: _holding(
+        t, stats_http=[*REACHED, {"host": f"{UNLISTED}:80", "target": "/", "tls": False}]
+    ),
+    "other-port": lambda t: _holding(t, stats_connections={"192.0.2.10:9999": 1}),
+    "gateway-ports": lambda t: _holding(t, gateway_canaries={"connections": {"10.231.0.1:22": 1}, "udp": {}}),
+    "write-inside": lambda t: _holding(t, workdir=t / "elsewhere"),
+    "write-outside": lambda t: _holding(_outside(t, "direct")),
+    "write-symlink": lambda t: _holding(_outside(t, "symlink")),
+    "write-proc-root": lambda t: _holding(_outside(t, "proc1")),
+    "gateway-state": lambda t: _holding(_written(t, "state.bin", b"-----BEGIN PRIVATE KEY-----")),
+    "secret-placeholder": lambda t: _holding(_written(t, "secret.bin", b"s3cret")),
+    "host-environment": lambda t: _holding(_written(t, "host.bin", b"HOME=/root h0st")),
+    "setuid": lambda t: _holding(t, sleeper={"Uid": "65534\t0\t0\t0"}),
+    "no-new-privs": lambda t: _holding(t, sleeper={"Seccomp": "0"}),
+    "namespaces": lambda t: _holding(t, {"userns": _child("userns", namespaces=PROBE.namespaces | {"user": "u:[2]"})}),
+    "mount": lambda t: _holding(t, {"mount": _child("mount", mount_points=("/w/airlock-verify/mnt-n0nce",))}),
+    "ptrace": lambda t: _holding(t, sleeper={"TracerPid": "10"}),
+    "raw-sockets": lambda t: _holding(t, sandboxed=Sandboxed(_holding(t).sandboxed.processes, 1)),
+    "kernel-objects": lambda t: _holding(t, {"io_uring": _child("io_uring", descriptors=("anon_inode:[io_uring]",))}),
+    "namespace": lambda t: _holding(t, leftovers={"namespace": ["airlock-alx1v"]}),
+    "fence": lambda t: _holding(t, leftovers={"fence": ["table inet airlock_n_alx1v"]}),
+    "cgroup": lambda t: _holding(t, leftovers={"cgroup": ["/sys/fs/cgroup/airlock/alx1v"]}),
+    "state-dir": lambda t: _holding(t, leftovers={"state-dir": ["/var/tmp/x/private/tmp/airlock-run-1"]}),
+}
+
+
+def test_every_check_holds_on_evidence_of_a_sound_setup(tmp_path: Path):
+    evidence = _holding(tmp_path)
+    assert {check.id: judge(check, evidence).result for check in CHECKS} == {check.id: "held" for check in CHECKS}
+
+
+@pytest.mark.parametrize("check", CHECKS, ids=lambda check: check.id)
+def test_every_check_fails_on_the_evidence_a_setup_that_breaks_it_leaves(tmp_path: Path, check: checks.Check):
+    broken = BREAKS[check.id](tmp_path)
+    assert judge(check, broken).result == "failed"
+    others = [other.id for other in CHECKS if other.group == check.group and judge(other, broken).result != "held"]
+    assert others == [check.id]  # the evidence of one break fails that check alone in its group
