@@ -282,7 +282,7 @@ def _check_headers(request: web.Request) -> None:
     # DNS rebinding: a web page's script reaching the broker under a name of its own. The only origin the broker
     # would serve a page from is its own address, as the sandbox dialled it.
     origin = request.headers.get("Origin")
-    if origin is not None and origin != _own_origin(request):
+    if origin is not None and origin != own_origin(request):
         raise RpcError(INVALID_REQUEST, 403, "bad_origin", "requests from a web origin are refused")
     if not _accepts_json(request.headers.get("Accept", "*/*")):
         raise RpcError(INVALID_REQUEST, 406, "not_acceptable", "answers are application/json; accept it")
@@ -406,7 +406,8 @@ def _may_be_large(request: web.Request, limit: int) -> bool:
     return limit > MAX_REQUEST_BYTES and (declared is None or declared > MAX_REQUEST_BYTES)
 
 
-def _own_origin(request: web.Request) -> str | None:
+def own_origin(request: web.Request) -> str | None:
+    """The origin the broker is dialled at (its socket's address): the only one a page it served would have."""
     sockname = request.transport.get_extra_info("sockname") if request.transport else None
     if not sockname:
         return None

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import ipaddress
 import logging
+import os
 import signal
 import socket
 import ssl
@@ -16,8 +18,15 @@ from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
 from airlock.dns.upstream import parse_server
-from airlock.gateway.config import BrokerConfig, BrokerConfigError, GatewayConfig, admin_endpoint, parse_secret
-from airlock.gateway.reload import log_reload
+from airlock.gateway.config import (
+    BrokerConfig,
+    BrokerConfigError,
+    GatewayConfig,
+    RelayConfig,
+    admin_endpoint,
+    parse_secret,
+)
+from airlock.gateway.reload import PolicyWatcher, log_reload
 from airlock.policy import Policy, Sandbox, format_host_port
 from airlock.runs import registered
 
@@ -84,7 +93,7 @@ def add_gateway_options(parser: argparse.ArgumentParser) -> None:
     add_broker_options(parser)
     parser.add_argument("--dns-min-ttl", type=int, default=5, metavar="S", help="shortest time an answer is cached")
     parser.add_argument(
-        "--approval-webhook", type=webhook_url, metavar="URL",
+        "--approval-webhook", type=http_url, metavar="URL",
         help="post each request held for approval (on_unlisted: ask) to URL as JSON",
     )  # fmt: skip
     parser.add_argument(
@@ -176,10 +185,32 @@ def broker_config(
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_gateway_options(parser)
-    parser.add_argument("--listen", required=True, metavar="ADDR")
+    parser.add_argument("--listen", metavar="ADDR", help="the address to listen on (required, but with --pod)")
     parser.add_argument("--sandbox", action="append", metavar="ID=CIDR[:PROFILE]", help="repeatable")
     parser.add_argument("--audit-stdout", action="store_true")
-    parser.set_defaults(func=cmd_gateway)
+    pod = parser.add_argument_group("the gateway sidecar of a Kubernetes pod (docs/kubernetes.md)")
+    pod.add_argument(
+        "--pod", action="store_true",
+        help="one sandbox, the pod: on 127.0.0.1, DNS on 5353, admin on 127.0.0.1:8081, no broker of its own; the "
+        "policy file reloaded when it changes",
+    )  # fmt: skip
+    pod.add_argument("--sandbox-id", metavar="ID", help="the pod's sandbox id (default: $HOSTNAME, the pod's name)")
+    pod.add_argument(
+        "--broker-url", type=http_url, metavar="URL", help="the central broker, relayed to the agent on --broker-port"
+    )
+    pod.add_argument(
+        "--broker-token-file", type=absolute, metavar="FILE", help="the pod's broker token (read again as it changes)"
+    )
+    pod.add_argument("--trust-dir", type=absolute, metavar="DIR", help="where ca-bundle.pem is kept for the agent")
+    # Its default depends on --pod (check_pod_options, check_host_options): None says "not given".
+    parser.set_defaults(func=cmd_gateway, dns_port=None)
+
+
+# What --pod changes, unless the option is given: a non-root sidecar cannot bind port 53 (the fence's --dns-port
+# redirects 53 there), and its admin listener is a loopback port the fence refuses the agent (--gateway-port).
+POD_LISTEN = "127.0.0.1"  # where the pod fence redirects
+POD_DNS_PORT, POD_ADMIN = 5353, "127.0.0.1:8081"
+POD_ONLY = ("sandbox_id", "broker_url", "broker_token_file", "trust_dir")
 
 
 def gateway_config(args: argparse.Namespace, policy: Policy, listen: str, sandboxes: list[Sandbox]) -> GatewayConfig:
@@ -232,8 +263,8 @@ def admin_address(text: str) -> str:
     return str(endpoint) if isinstance(endpoint, Path) else text
 
 
-def webhook_url(text: str) -> str:
-    """`--approval-webhook`: an http(s) URL with a host (where the gateway host posts; never the sandbox's side)."""
+def http_url(text: str) -> str:
+    """`--approval-webhook`, `--broker-url`: an http(s) URL with a host (what the gateway itself dials)."""
     parts = urlsplit(text)
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise argparse.ArgumentTypeError(f"{text!r} is not an http:// or https:// URL")
@@ -289,6 +320,10 @@ def sandboxes(specs: list[str], profile: str | None, policy: Policy) -> list[San
 
 def cmd_gateway(args: argparse.Namespace) -> int:
     check_limits(args)
+    if args.pod:
+        check_pod_options(args)
+    else:
+        check_host_options(args)
     try:  # before the state directory exists; a name would be resolved differently by each listener
         ipaddress.ip_address(args.listen)
     except ValueError:
@@ -296,15 +331,61 @@ def cmd_gateway(args: argparse.Namespace) -> int:
     local_address(args.listen)
     # A service: its INFO lines (listening, a policy reloaded) are what its operator reads, -v or not.
     logging.getLogger("airlock").setLevel(logging.INFO)
-    args.state_dir = args.state_dir or DEFAULT_STATE_DIR
     policy = load_policy_file(args.policy)
-    config = gateway_config(args, policy, args.listen, sandboxes(args.sandbox or [], args.profile, policy))
-    return asyncio.run(serve(config))
+    if args.pod:  # its state lives as long as the sidecar (a non-root one could not make DEFAULT_STATE_DIR)
+        config = pod_config(args, policy)
+    else:
+        args.state_dir = args.state_dir or DEFAULT_STATE_DIR
+        config = gateway_config(args, policy, args.listen, sandboxes(args.sandbox or [], args.profile, policy))
+    return asyncio.run(serve(config, watch=args.pod and args.policy is not None))
 
 
-async def serve(config: GatewayConfig) -> int:
+def check_host_options(args: argparse.Namespace) -> None:
+    """Without --pod: --listen given, and none of the pod's options."""
+    for name in POD_ONLY:
+        if getattr(args, name) is not None:
+            raise UsageError(f"--{name.replace('_', '-')} is an option of --pod")
+    if args.listen is None:
+        raise UsageError("the following arguments are required: --listen (or --pod)")
+    args.dns_port = 53 if args.dns_port is None else args.dns_port
+
+
+def check_pod_options(args: argparse.Namespace) -> None:
+    """With --pod: the options that do not fit a pod refused, the pod's defaults filled in where not given."""
+    if args.sandbox:
+        raise UsageError("--sandbox: with --pod the pod is the one sandbox (--sandbox-id names it)")
+    if args.listen not in (None, POD_LISTEN):
+        raise UsageError(f"--listen {args.listen}: with --pod the gateway listens on {POD_LISTEN}, where the fence "
+                         "redirects the pod's traffic")  # fmt: skip
+    args.listen = POD_LISTEN
+    args.sandbox_id = (args.sandbox_id if args.sandbox_id is not None else os.environ.get("HOSTNAME", "")).strip()
+    if not args.sandbox_id:
+        raise UsageError("--pod: no sandbox id: give --sandbox-id, or run where $HOSTNAME names the pod")
+    if (args.broker_url is None) != (args.broker_token_file is None):
+        raise UsageError("--broker-url and --broker-token-file go together: where the broker is, and the pod's token")
+    if args.broker_url is not None and not args.broker_port:
+        raise UsageError("--broker-port 0: the broker relay needs a port")
+    args.dns_port = POD_DNS_PORT if args.dns_port is None else args.dns_port
+    args.admin = args.admin or POD_ADMIN
+
+
+def pod_config(args: argparse.Namespace, policy: Policy) -> GatewayConfig:
+    """The pod's gateway: every client is the pod (the listener is on loopback: only the pod's own processes reach
+    it, the fence's redirected connections keeping the pod's address as their source); no broker of its own, the
+    central one relayed when --broker-url says where it is."""
+    name = args.profile or policy.default_profile
+    pod = [Sandbox(args.sandbox_id, name, ipaddress.ip_network(n)) for n in ("0.0.0.0/0", "::/0")]
+    relay = None
+    if args.broker_url is not None:
+        relay = RelayConfig(args.broker_url, args.broker_token_file, args.broker_port, args.broker_max_connections)
+    args.broker_port = 0
+    config = gateway_config(args, policy, POD_LISTEN, pod)
+    return dataclasses.replace(config, relay=relay, trust_dir=args.trust_dir)
+
+
+async def serve(config: GatewayConfig, *, watch: bool = False) -> int:
     """Run until SIGTERM (exit 0) or SIGINT (130); SIGHUP reloads the policy file (off the event loop), SIGUSR1
-    reopens the audit file."""
+    reopens the audit file; with `watch`, the policy reloads when its file changes (a ConfigMap updated)."""
     from airlock.gateway import Gateway
 
     gateway = Gateway(config)
@@ -314,18 +395,23 @@ async def serve(config: GatewayConfig) -> int:
     reloads: set[asyncio.Task[None]] = set()
     loop.add_signal_handler(signal.SIGHUP, reload_policy, gateway, reloads)
     loop.add_signal_handler(signal.SIGUSR1, gateway.reopen_audit)
+    watcher = PolicyWatcher(config.policy.source, gateway.reload_policy, gateway.tell_reload)
     try:
         await gateway.start()
         dns = f", DNS on port {config.dns_port}" if config.dns_port else ""
         transparent = f", transparent on port {config.transparent_port}" if config.transparent_port else ""
+        relay = f", broker relay on port {config.relay.port} to {config.relay.url}" if config.relay else ""
         where = format_host_port(config.listen, config.proxy_port)
         print(
-            f"airlock gateway: proxy on {where}{transparent}{dns}, admin on {gateway.admin.address}",
+            f"airlock gateway: proxy on {where}{transparent}{dns}{relay}, admin on {gateway.admin.address}",
             file=sys.stderr, flush=True,
         )  # fmt: skip
+        if watch:
+            watcher.start()
         with registered(gateway.admin.address, config.policy.source, "airlock gateway"):
             signum = await stopped
     finally:
+        await watcher.stop()
         await gateway.stop()
     if signum == signal.SIGINT:
         print("airlock: interrupted", file=sys.stderr)

@@ -61,6 +61,17 @@ class BrokerConfig:
     audience: str | None = None  # the URL its clients reach it at (every replica's the same); None: from its listener
 
 
+@dataclass(frozen=True)
+class RelayConfig:
+    """A pod's broker relay (`airlock gateway --pod --broker-url`): the sandbox surface of the central broker at `url`,
+    served on the gateway's listen address, each request carrying the pod's token read from `token_file`."""
+
+    url: str
+    token_file: str
+    port: int = 8080
+    max_connections_per_client: int = 32
+
+
 @dataclass
 class GatewayConfig:
     policy: Policy  # the policy to start with; the one in force is `Gateway.live.current.policy`
@@ -92,6 +103,8 @@ class GatewayConfig:
     # name no file there. None: nothing to judge (docker's sandboxes write no host path; `airlock gateway`'s are
     # its operator's).
     sandbox_reach: Reach | None = None
+    relay: RelayConfig | None = None  # a pod's broker relay, in place of a broker of its own
+    trust_dir: str | None = None  # where the trust bundle is published as ca-bundle.pem (a pod's shared volume)
 
 
 def broker_url(listen: str, port: int) -> str:

@@ -32,7 +32,7 @@ from airlock.gateway.reload import PolicyReloader, Reloaded, ReloadTeller
 from airlock.gateway.startup.preload import loaded, preload_admin, preload_proxy
 from airlock.gateway.status_report import gateway_status, readiness
 from airlock.inspection.inspector import Inspector
-from airlock.policy import LivePolicy, Policy, PolicyError
+from airlock.policy import LivePolicy, Policy, PolicyError, format_host_port
 from airlock.sandbox.fence import mark_listeners
 from airlock.sandbox.reach import policy_files
 
@@ -144,6 +144,12 @@ class Gateway:
             except (OSError, ValueError, StoreError, TokenError) as e:
                 raise GatewayError(f"broker could not start: {e}") from e
             parts.admin.mount(self.broker.admin_app())
+        if parts.relay is not None:
+            try:
+                await parts.relay.start(config.listen)
+            except OSError as e:
+                where = format_host_port(config.listen, parts.relay.config.port)
+                raise GatewayError(f"broker relay could not listen on {where}: {e.strerror or e}") from e
         try:
             parts.admin.listen()
         except OSError as e:
@@ -193,7 +199,8 @@ class Gateway:
         these ports; without the privilege to mark them, no airlock fence lets anything reach this gateway."""
         config = self.config
         try:
-            ports = (config.proxy_port, config.transparent_port, config.dns_port, config.broker.port)
+            relay = config.relay.port if config.relay is not None else 0
+            ports = (config.proxy_port, config.transparent_port, config.dns_port, config.broker.port, relay)
             mark_listeners(config.listen, [p for p in ports if p])
         except OSError as e:
             log.warning("listening sockets not marked (%s): an airlock fence keeps sandboxes from them", e)
@@ -290,6 +297,8 @@ class Gateway:
         await parts.admin.stop()
         if parts.broker is not None:
             await parts.broker.stop()
+        if parts.relay is not None:
+            await parts.relay.stop()
         await parts.approvals.close()
         parts.proxy.flush_refusals()
         if parts.notices is not None:

@@ -35,6 +35,7 @@ from airlock.inspection.secrets import SecretValues
 from airlock.policy import LivePolicy, Policy, SandboxRegistry
 
 if TYPE_CHECKING:
+    from airlock.gateway.broker_relay import BrokerRelay
     from airlock.gateway.broker_runtime import BrokerRuntime
 
 
@@ -77,6 +78,7 @@ class GatewayParts:
     auditing: GatewayAudit  # what proxy, DNS and broker write their audit lines with (`emit`)
     admin: AdminApp
     broker: BrokerRuntime | None  # before the approvals: a fleet's store shares them
+    relay: BrokerRelay | None  # a pod's relay to the central broker, in place of a broker of its own
     approvals: Approvals
     inspector: Inspector
     answered: AnsweredAddresses  # what the DNS answered each sandbox: names for connections without one
@@ -118,11 +120,12 @@ def build_parts(config: GatewayConfig, put_approved: Callable[[Policy], None]) -
     # Before the desk: gateways on one PostgreSQL store share their approvals through it (opened when the broker
     # starts, so the desk asks for them each time).
     broker = _broker(config, state.path, live, resolver, auditing, secrets)
+    relay = _relay(config, live, auditing)
     approvals = Approvals(
         auditing.emit, config.approval_webhook, writer, admin=admin_address(admin.endpoint),
         shared=broker.shared_approvals if broker is not None else lambda: None,
     )  # fmt: skip
-    inspector = Inspector(state.path, secrets)
+    inspector = Inspector(state.path, secrets, Path(config.trust_dir) if config.trust_dir else None)
     answered = AnsweredAddresses()
     dns = None
     if config.dns_port:
@@ -135,8 +138,8 @@ def build_parts(config: GatewayConfig, put_approved: Callable[[Policy], None]) -
     )  # fmt: skip
     proxy = ProxyRuntime(config, caps, state.path, providers)
     return GatewayParts(
-        secrets, caps, metrics, resolver, audit, notices, state, own, live, auditing, admin, broker, approvals,
-        inspector, answered, dns, proxy,
+        secrets, caps, metrics, resolver, audit, notices, state, own, live, auditing, admin, broker, relay,
+        approvals, inspector, answered, dns, proxy,
     )  # fmt: skip
 
 
@@ -163,3 +166,19 @@ def _broker(
     from airlock.gateway.broker_runtime import BrokerRuntime
 
     return BrokerRuntime(config.broker, state_dir, live, resolver, auditing.emit, config.upstream_ca, secrets)
+
+
+def _relay(config: GatewayConfig, live: LivePolicy, auditing: GatewayAudit) -> BrokerRelay | None:
+    if config.relay is None:
+        return None
+    from airlock.gateway.broker_relay import BrokerRelay  # aiohttp and the broker's MCP module: with a relay only
+
+    def identify(client: str) -> str:
+        try:
+            sandbox = live.current.registry.identify(client)
+        except ValueError:  # no peer address
+            sandbox = None
+        return sandbox.id if sandbox is not None else "-"
+
+    timeouts = (config.connect_timeout, config.idle_timeout)
+    return BrokerRelay(config.relay, auditing.emit, identify, config.upstream_ca, timeouts)

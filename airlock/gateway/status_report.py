@@ -25,6 +25,9 @@ def readiness(
         checks["dns"] = None if dns_up else f"the DNS server is not listening on {config.listen}:{config.dns_port}"
     if config.broker.port:
         checks["broker"] = None if broker_running else "the broker is not running"
+    if config.relay is not None:
+        relaying = parts.relay is not None and parts.relay.listening
+        checks["broker_relay"] = None if relaying else f"the broker relay is not listening on port {config.relay.port}"
     return checks
 
 

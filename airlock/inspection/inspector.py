@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING
 
-from airlock.inspection.trust import SANDBOX_BUNDLE, trust_env, write_trust_bundle
+from airlock.inspection.trust import SANDBOX_BUNDLE, publish_trust_bundle, trust_env, write_trust_bundle
 from airlock.policy import Policy
 
 if TYPE_CHECKING:
@@ -32,13 +32,16 @@ log = logging.getLogger("airlock.gateway")
 
 
 class Inspector:
-    """The CAs and secrets of one gateway. `secrets` are the values of its `--secret`s, by name."""
+    """The CAs and secrets of one gateway. `secrets` are the values of its `--secret`s, by name; `trust_dir`, a
+    directory shared with the sandbox (a pod's volume), receives the trust bundle as it changes."""
 
-    def __init__(self, state_dir: Path, secrets: Mapping[str, str]) -> None:
+    def __init__(self, state_dir: Path, secrets: Mapping[str, str], trust_dir: Path | None = None) -> None:
         self._directory = state_dir / "ca"
         self.secrets = dict(secrets)
         self.generations: list[GatewayCA] = []
         self.bundle: Path | None = None  # the combined trust bundle, once a CA exists
+        self.trust_dir = trust_dir
+        self._published = False
 
     def injected(self, policy: Policy) -> dict[str, str]:
         """The values of the secrets this policy injects (`problems` has said none is missing)."""
@@ -55,12 +58,20 @@ class Inspector:
         """Follow the policy put in force: a new CA generation when it inspects a host no generation permits."""
         hosts = policy.inspected_hosts()
         if not hosts or all(any(ca.permits(host) for ca in self.generations) for host in hosts):
+            if not self._published:  # the first policy inspects nothing: the file exists all the same
+                self._publish()
             return
         from airlock.inspection.ca import GatewayCA
 
         self.generations.append(GatewayCA.create(self._directory / str(len(self.generations) + 1), hosts))
         self.bundle = write_trust_bundle(self._directory / "trust", [ca.cert_pem for ca in self.generations])
         log.info("gateway CA %d made for %d inspected hosts", len(self.generations), len(hosts))
+        self._publish()
+
+    def _publish(self) -> None:
+        if self.trust_dir is not None:
+            publish_trust_bundle(self.trust_dir, self.bundle)
+            self._published = True
 
     @property
     def active(self) -> bool:

@@ -20,6 +20,7 @@ from airlock.inspection import InspectionError
 from airlock.inspection.files import open_private_directory, read_regular_file, replace_file
 
 SYSTEM_BUNDLE = Path("/etc/ssl/certs/ca-certificates.crt")
+PUBLISHED_BUNDLE = "ca-bundle.pem"  # its name in a directory the bundle is published to (`publish_trust_bundle`)
 SANDBOX_BUNDLE = PurePosixPath("/etc/ssl/certs/ca-certificates.crt")  # where the backends bind the bundle
 MAX_SYSTEM_BUNDLE = 16 * 1024 * 1024  # Debian's is ~220 KB
 # OpenSSL and Python's ssl, requests, curl, Node (added to its own store), pip, git, the AWS SDKs and CLI.
@@ -42,9 +43,7 @@ def write_trust_bundle(directory: Path, ca_pems: Sequence[bytes], system_bundle:
     if not ca_pems:
         raise InspectionError("a trust bundle needs the gateway CA")
     ca = b"".join(_one_certificate(pem) for pem in ca_pems)
-    system = _system_certificates(system_bundle)
-    separator = b"\n" if system and not system.endswith(b"\n") else b""
-    bundle = system + separator + ca
+    bundle = _with_system_certificates(ca, system_bundle)
     name = f"ca-certificates-{hashlib.sha256(ca).hexdigest()[:16]}.crt"
     fd = open_private_directory(directory)
     try:
@@ -54,6 +53,25 @@ def write_trust_bundle(directory: Path, ca_pems: Sequence[bytes], system_bundle:
     finally:
         os.close(fd)
     return directory / name
+
+
+def publish_trust_bundle(directory: Path, bundle: Path | None, system_bundle: Path = SYSTEM_BUNDLE) -> None:
+    """`bundle` (a file `write_trust_bundle` wrote) copied to `directory`/ca-bundle.pem, 0644, replaced whole; with
+    none yet (nothing inspected), the system's CAs alone: a client pointed at the file from the start finds one.
+    `directory` is shared (a pod's volume the agent mounts read-only): it must exist, is never made private, and only
+    certificates ever go there."""
+    try:
+        if bundle is not None:
+            data = read_regular_file(bundle, MAX_SYSTEM_BUNDLE * 2)
+        else:
+            data = _with_system_certificates(b"", system_bundle)
+        fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            replace_file(fd, PUBLISHED_BUNDLE, data, 0o644)
+        finally:
+            os.close(fd)
+    except OSError as e:
+        raise InspectionError(f"cannot publish the trust bundle to {directory}: {e.strerror or e}") from None
 
 
 def system_trust_store() -> str | None:
@@ -81,6 +99,12 @@ def _one_certificate(pem: bytes) -> bytes:
     if len(found) != 1:
         raise InspectionError("the gateway CA for the trust bundle must be exactly one PEM certificate")
     return found[0].public_bytes(serialization.Encoding.PEM)
+
+
+def _with_system_certificates(ca: bytes, system_bundle: Path) -> bytes:
+    system = _system_certificates(system_bundle)
+    separator = b"\n" if system and ca and not system.endswith(b"\n") else b""
+    return system + separator + ca
 
 
 def _system_certificates(path: Path) -> bytes:
