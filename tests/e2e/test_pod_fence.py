@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from gateway_proc import AIRLOCK, E2E_POLICY
+from netclient import AGENT_PROBE
 from topology import DNS_SERVER, FAKE_ADDRS, FakeNet, Topology
 
 POD_IP, POD_PEER_IP = "10.252.0.2", "10.252.0.1"
@@ -38,32 +39,6 @@ GATEWAY_USER = ["setpriv", f"--reuid={GATEWAY_UID}", f"--regid={GATEWAY_UID}", "
 AGENT_USER = ["setpriv", f"--reuid={AGENT_UID}", f"--regid={AGENT_UID}", "--clear-groups", "--inh-caps=-all",
               "--bounding-set=-all", "--no-new-privs", "--"]  # fmt: skip
 
-# What the agent tries, with the standard library only; prints one word: what it got.
-PROBE = r"""
-import errno, socket, struct, sys
-kind, host, port = sys.argv[1], sys.argv[2], int(sys.argv[3])
-def err(e):
-    return "timeout" if isinstance(e, TimeoutError) else errno.errorcode.get(e.errno, str(e))
-try:
-    if kind == "tcp":
-        socket.create_connection((host, port), timeout=3).close()
-        print("connected")
-    elif kind == "udp":
-        s = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_DGRAM)
-        s.settimeout(3); s.connect((host, port)); s.send(b"x"); s.recv(100); print("answered")
-    elif kind == "ping":
-        s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM, socket.IPPROTO_ICMP); s.settimeout(3)
-        s.sendto(struct.pack("!BBHHH", 8, 0, 0, 0, 1) + b"airlock", (host, 0)); s.recv(100); print("reply")
-    elif kind == "dns":
-        name = sys.argv[4]
-        query = struct.pack("!HHHHHH", 0x4242, 0x100, 1, 0, 0, 0)
-        query += b"".join(bytes([len(p)]) + p.encode() for p in name.split(".")) + b"\0" + struct.pack("!HH", 1, 1)
-        s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM); s.settimeout(3); s.connect((host, port))
-        s.send(query); reply = s.recv(4096)
-        print(["NOERROR", "FORMERR", "SERVFAIL", "NXDOMAIN", "NOTIMP", "REFUSED"][reply[3] & 0xF])
-except OSError as e:
-    print(err(e))
-"""
 ECHO = r"""
 import select, socket, sys
 socks = [socket.socket(socket.AF_INET, socket.SOCK_DGRAM) for _ in sys.argv[2:]]
@@ -125,7 +100,8 @@ class Pod:
         return self.run([*AGENT_USER, *argv])
 
     def probe(self, kind: str, host: str, port: int, *rest: str, user: list[str] = AGENT_USER) -> str:
-        return self.run([*user, "/usr/bin/python3", "-I", "-c", PROBE, kind, host, str(port), *rest]).stdout.strip()
+        argv = [*user, "/usr/bin/python3", "-I", "-c", AGENT_PROBE, kind, host, str(port), *rest]
+        return self.run(argv).stdout.strip()
 
     def start_gateway(self, timeout: float = 30) -> None:
         log = self.state / "gateway.log"
