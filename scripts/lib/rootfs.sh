@@ -19,6 +19,15 @@ rootfs_need_root() {
     exit 1
 }
 
+# Take the cache's build lock (held until the script and every child of it exit: a build killed half-way keeps it
+# until its last process is gone), then remove what builds killed before left: under the lock none is running.
+rootfs_lock() {
+    mkdir -p "$CACHE"
+    exec 9>"$CACHE/.build.lock"
+    flock 9
+    rm -rf --one-file-system "$CACHE"/.build-*
+}
+
 rootfs_mirror() {
     local suite=$1 site
     if [[ -n ${AIRLOCK_DEBIAN_MIRROR:-} ]]; then

@@ -27,6 +27,9 @@ from netclient import AGENT_PROBE
 from podspec import Node, check_pod, load_pod_spec, run_argv, volume_commands
 from topology import DNS_SERVER, FAKE_ADDRS, FakeNet, Topology
 
+# The first test's setup may build airlock's image (scripts/build-image: a minute cold, more on a busy machine; CI
+# builds it ahead, and an unchanged tree imports at once).
+pytestmark = pytest.mark.timeout(600)
 SPEC = Path(__file__).resolve().parents[2] / "deploy" / "kubernetes" / "base" / "sandbox-pod.yaml"
 POD_SUBNET, POD_ROUTER = "10.251.0.0/24", "10.251.0.1"
 ALLOWED_IP, EVIL_IP, METADATA_IP = "192.0.2.10", "203.0.113.66", "169.254.169.254"
@@ -118,6 +121,8 @@ class DockerPod:
         """The pod's namespace has lo and eth0 alone, and everything it dials leaves by eth0, towards net."""
         links = self.nsenter("ip", "-o", "link").stdout
         assert sorted(line.split(": ")[1].split("@")[0] for line in links.splitlines()) == ["eth0", "lo"], links
+        eth0 = self.nsenter("ip", "-d", "-o", "link", "show", "eth0").stdout
+        assert " macvlan mode bridge " in eth0, eth0  # a child of <p>-gn: its frames go to the net namespace alone
         for destination in (*FAKE_ADDRS, "8.8.8.8", "1.1.1.1", "10.254.0.1", "10.253.0.1"):
             route = self.nsenter("ip", "route", "get", destination).stdout
             assert re.search(rf"(via {POD_ROUTER} )?dev eth0\b", route), route
