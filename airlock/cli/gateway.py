@@ -26,7 +26,7 @@ from airlock.gateway.config import (
     admin_endpoint,
     parse_secret,
 )
-from airlock.gateway.reload import PolicyWatcher, log_reload
+from airlock.gateway.reload import PolicyWatcher, Signature, file_signature, log_reload
 from airlock.policy import Policy, Sandbox, format_host_port
 from airlock.runs import registered
 
@@ -331,13 +331,15 @@ def cmd_gateway(args: argparse.Namespace) -> int:
     local_address(args.listen)
     # A service: its INFO lines (listening, a policy reloaded) are what its operator reads, -v or not.
     logging.getLogger("airlock").setLevel(logging.INFO)
+    # A pod's policy file (a ConfigMap) is watched from the moment it is read: an update meanwhile is not missed.
+    watch = file_signature(args.policy) if args.pod and args.policy is not None else None
     policy = load_policy_file(args.policy)
     if args.pod:  # its state lives as long as the sidecar (a non-root one could not make DEFAULT_STATE_DIR)
         config = pod_config(args, policy)
     else:
         args.state_dir = args.state_dir or DEFAULT_STATE_DIR
         config = gateway_config(args, policy, args.listen, sandboxes(args.sandbox or [], args.profile, policy))
-    return asyncio.run(serve(config, watch=args.pod and args.policy is not None))
+    return asyncio.run(serve(config, watch))
 
 
 def check_host_options(args: argparse.Namespace) -> None:
@@ -378,14 +380,15 @@ def pod_config(args: argparse.Namespace, policy: Policy) -> GatewayConfig:
     relay = None
     if args.broker_url is not None:
         relay = RelayConfig(args.broker_url, args.broker_token_file, args.broker_port, args.broker_max_connections)
-    args.broker_port = 0
     config = gateway_config(args, policy, POD_LISTEN, pod)
-    return dataclasses.replace(config, relay=relay, trust_dir=args.trust_dir)
+    no_broker = dataclasses.replace(config.broker, port=0)  # --broker-port is the relay's
+    return dataclasses.replace(config, broker=no_broker, relay=relay, trust_dir=args.trust_dir)
 
 
-async def serve(config: GatewayConfig, *, watch: bool = False) -> int:
+async def serve(config: GatewayConfig, watch: Signature | None = None) -> int:
     """Run until SIGTERM (exit 0) or SIGINT (130); SIGHUP reloads the policy file (off the event loop), SIGUSR1
-    reopens the audit file; with `watch`, the policy reloads when its file changes (a ConfigMap updated)."""
+    reopens the audit file; with `watch` (the policy file's signature when it was read), the policy reloads when
+    its file changes (a ConfigMap updated)."""
     from airlock.gateway import Gateway
 
     gateway = Gateway(config)
@@ -395,7 +398,7 @@ async def serve(config: GatewayConfig, *, watch: bool = False) -> int:
     reloads: set[asyncio.Task[None]] = set()
     loop.add_signal_handler(signal.SIGHUP, reload_policy, gateway, reloads)
     loop.add_signal_handler(signal.SIGUSR1, gateway.reopen_audit)
-    watcher = PolicyWatcher(config.policy.source, gateway.reload_policy, gateway.tell_reload)
+    watcher = PolicyWatcher(config.policy.source, gateway.reload_policy, gateway.tell_reload, watch)
     try:
         await gateway.start()
         dns = f", DNS on port {config.dns_port}" if config.dns_port else ""
@@ -406,7 +409,7 @@ async def serve(config: GatewayConfig, *, watch: bool = False) -> int:
             f"airlock gateway: proxy on {where}{transparent}{dns}{relay}, admin on {gateway.admin.address}",
             file=sys.stderr, flush=True,
         )  # fmt: skip
-        if watch:
+        if watch is not None:
             watcher.start()
         with registered(gateway.admin.address, config.policy.source, "airlock gateway"):
             signum = await stopped

@@ -169,7 +169,10 @@ class ReloadTeller:
         self._approved = outcome.policy_hash
 
 
-def _signature(path: str) -> tuple[int, int, int, int] | None:
+type Signature = tuple[int, int, int, int]
+
+
+def file_signature(path: str) -> Signature | None:
     """What changes when the file does: inode and device (an editor's rename), size, modification time."""
     try:
         st = os.stat(path)
@@ -180,24 +183,33 @@ def _signature(path: str) -> tuple[int, int, int, int] | None:
 
 class PolicyWatcher:
     """Reloads the policy when its file changes: looked at every `POLL` seconds (no inotify needed), read once it
-    has stayed unchanged for `DEBOUNCE` seconds; a file that vanished is waited for (an editor's save)."""
+    has stayed unchanged for `DEBOUNCE` seconds; a file that vanished is waited for (an editor's save). `read_as`:
+    the file's signature when the policy in force was read (a change before watching starts is not missed); by
+    default, the file as it is when watching starts."""
 
-    def __init__(self, path: str, reload: Callable[[], Awaitable[Reloaded]], tell: Callable[[Reloaded], None]):
+    def __init__(
+        self,
+        path: str,
+        reload: Callable[[], Awaitable[Reloaded]],
+        tell: Callable[[Reloaded], None],
+        read_as: Signature | None = None,
+    ) -> None:
         self.path, self._reload, self._tell = path, reload, tell
+        self._read_as = read_as
         self._task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._watch())
 
     async def _watch(self) -> None:
-        seen = _signature(self.path)
+        seen = self._read_as or file_signature(self.path)
         while True:
             await asyncio.sleep(POLL)
-            now = _signature(self.path)
+            now = file_signature(self.path)
             if now == seen or now is None:
                 continue
             await asyncio.sleep(DEBOUNCE)
-            if _signature(self.path) != now:
+            if file_signature(self.path) != now:
                 continue  # still being written: judged at a later look
             seen = now
             try:

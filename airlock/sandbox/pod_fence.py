@@ -8,7 +8,8 @@ CAP_NET_ADMIN, which nothing else in the pod holds). Of everyone else's, TCP is 
 transparent listener on loopback and DNS (UDP and TCP port 53, to any address, loopback's too) to its resolver;
 any other UDP, ICMP and IPv6 beyond loopback is refused at once. The pod's own loopback stays open (an agent's
 test server, say), except the gateway's ports: its transparent and DNS listeners are reached only through the
-redirect and its other ports (broker, admin) not at all; only its proxy port answers.
+redirect and its other ports (broker, admin) not at all; only its proxy port answers. A loopback connection once
+let through is let through to its end (its last ACK may leave from a socket in TIME_WAIT, which has no UID).
 
 Fail closed by construction: with the gateway gone, the redirect lands on a closed loopback port and the client
 hears a reset. One table, `TABLE`, replaced atomically (`nft -f -`), so a fence is whole or absent, and installing
@@ -51,6 +52,9 @@ class PodFence:
         redirected = (self.transparent_port, *((self.dns_port,) if self.dns_port else ()))
         closed = _port_set((*redirected, *self.gateway_ports))
         return [
+            # A connection the fence let through stays open to its end: the last ACK of a gateway's own client (its
+            # `airlock status`), sent by a socket in TIME_WAIT that no longer has a UID, is let through too.
+            'oifname "lo" ct state established accept',
             f"ip daddr 127.0.0.1 th dport {_port_set(redirected)} ct status dnat accept",
             f'oifname "lo" tcp dport {self.proxy_port} accept',
             f'oifname "lo" meta l4proto {{ tcp, udp }} th dport {closed} counter reject',

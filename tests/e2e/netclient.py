@@ -22,42 +22,6 @@ from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
-# What a sandboxed agent tries, with the standard library only (any python3 runs it: `python3 -I -c AGENT_PROBE
-# KIND HOST PORT [NAME]`); prints one word: what it got. tls: a TLS handshake naming NAME (the SNI), unverified.
-AGENT_PROBE = r"""
-import errno, socket, struct, sys
-kind, host, port = sys.argv[1], sys.argv[2], int(sys.argv[3])
-def err(e):
-    return "timeout" if isinstance(e, TimeoutError) else errno.errorcode.get(e.errno, str(e))
-try:
-    if kind == "tcp":
-        socket.create_connection((host, port), timeout=3).close()
-        print("connected")
-    elif kind == "udp":
-        s = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_DGRAM)
-        s.settimeout(3); s.connect((host, port)); s.send(b"x"); s.recv(100); print("answered")
-    elif kind == "ping":
-        s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM, socket.IPPROTO_ICMP); s.settimeout(3)
-        s.sendto(struct.pack("!BBHHH", 8, 0, 0, 0, 1) + b"airlock", (host, 0)); s.recv(100); print("reply")
-    elif kind == "dns":
-        name = sys.argv[4]
-        query = struct.pack("!HHHHHH", 0x4242, 0x100, 1, 0, 0, 0)
-        query += b"".join(bytes([len(p)]) + p.encode() for p in name.split(".")) + b"\0" + struct.pack("!HH", 1, 1)
-        s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM); s.settimeout(3); s.connect((host, port))
-        s.send(query); reply = s.recv(4096)
-        print(["NOERROR", "FORMERR", "SERVFAIL", "NXDOMAIN", "NOTIMP", "REFUSED"][reply[3] & 0xF])
-    elif kind == "tls":
-        import ssl
-        context = ssl.create_default_context(); context.check_hostname = False; context.verify_mode = ssl.CERT_NONE
-        try:
-            with context.wrap_socket(socket.create_connection((host, port), timeout=3), server_hostname=sys.argv[4]):
-                print("handshake")
-        except ssl.SSLError as e:  # an OSError whose errno is the TLS library's, not the kernel's
-            print("tls", e.reason)
-except OSError as e:
-    print(err(e))
-"""
-
 
 def in_netns[T](ns: str, fn: Callable[..., T], *args: Any) -> T:
     box: dict[str, Any] = {}

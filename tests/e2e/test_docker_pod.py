@@ -23,7 +23,7 @@ import pytest
 
 from dockerenv import DockerEnv
 from gateway_proc import AIRLOCK, E2E_POLICY
-from netclient import AGENT_PROBE
+from pod import PROBE
 from podspec import Node, check_pod, load_pod_spec, run_argv, volume_commands
 from topology import DNS_SERVER, FAKE_ADDRS, FakeNet, Topology
 
@@ -184,7 +184,7 @@ class DockerPod:
 
     def probe(self, kind: str, host: str, port: int, *rest: str, container: str = "agent") -> str:
         python = GATEWAY_PYTHON if container == "airlock-gateway" else "python3"
-        argv = ["exec", self.container(container), python, "-I", "-c", AGENT_PROBE, kind, host, str(port), *rest]
+        argv = ["exec", self.container(container), python, "-I", "-c", PROBE, kind, host, str(port), *rest]
         return docker(self.env, *argv, check=False).stdout.strip()
 
     def curl(self, *args: str) -> subprocess.CompletedProcess[str]:
@@ -308,7 +308,9 @@ def test_cloud_metadata_is_refused_by_address_and_by_name(pod: DockerPod, fakene
 
 def test_sni_and_host_fronting_are_refused(pod: DockerPod, fakenet: FakeNet) -> None:
     mark = pod.audit_mark()
-    assert pod.probe("tls", ALLOWED_IP, 443, "evil.test") != "handshake"  # an allowed address, another name
+    # An allowed address, another name in the TLS handshake (curl's SNI is the URL's host, --resolve its address).
+    sni = pod.curl("--noproxy", "*", "--insecure", "--resolve", f"evil.test:443:{ALLOWED_IP}", "https://evil.test/")
+    assert sni.returncode != 0 and sni.stdout == "", sni
     host = pod.curl("--noproxy", "*", "-o", "/dev/null", "-w", "%{http_code}", "-H", "Host: evil.test",
                     f"http://{ALLOWED_IP}/")  # fmt: skip
     proxied = pod.curl("-o", "/dev/null", "-w", "%{http_code}", "-H", "Host: evil.test", "http://allowed.test/")

@@ -1,43 +1,33 @@
-"""The pod fence (`airlock fence --pod`) with real nft, in a network namespace that stands in for a pod: the
+"""The pod fence (`airlock fence --pod`) with real nft, in a network namespace that stands in for a pod (pod.py): the
 gateway (`airlock gateway` on loopback, as its own UID) and the agent (another UID, no capabilities) share it, as a
-pod's containers do, and its only link leads to the fake internet.
-
-    ns <p>-pod (10.252.0.2/30, fd00:a1::2/64, default routes) --veth-- ns <p>-net (10.252.0.1/30 + the fake internet)
-
-The net namespace routes nowhere else, so even the default route ends inside the test's namespaces.
-"""
+pod's containers do, and its only link leads to the fake internet."""
 
 from __future__ import annotations
 
-import os
-import re
 import signal
 import subprocess
-import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from gateway_proc import AIRLOCK, E2E_POLICY
-from netclient import AGENT_PROBE
-from topology import DNS_SERVER, FAKE_ADDRS, FakeNet, Topology
-
-POD_IP, POD_PEER_IP = "10.252.0.2", "10.252.0.1"
-POD_IP6, POD_PEER_IP6 = "fd00:a1::2", "fd00:a1::1"  # the link's only IPv6 (the net namespace has IPv6 off)
-ALLOWED_IP, EVIL_IP = "192.0.2.10", "203.0.113.66"
-GATEWAY_UID, AGENT_UID = 65534, 1  # nobody, daemon: unprivileged users every Debian has
-PROXY, TRANSPARENT, DNS, BROKER, ADMIN = 3128, 3129, 5353, 8080, 8081
-UDP_ECHO = 4433
-FENCE = ("fence", "--pod", "--gateway-uid", str(GATEWAY_UID), "--dns-port", str(DNS),
-         "--gateway-port", str(BROKER), "--gateway-port", str(ADMIN))  # fmt: skip
-# The gateway's interpreter lives under root's home (mode 0700): the gateway's UID is given the one capability to
-# traverse it. The agent runs the system's python, without any capability.
-GATEWAY_USER = ["setpriv", f"--reuid={GATEWAY_UID}", f"--regid={GATEWAY_UID}", "--clear-groups",
-                "--inh-caps=+dac_read_search", "--ambient-caps=+dac_read_search", "--"]  # fmt: skip
-AGENT_USER = ["setpriv", f"--reuid={AGENT_UID}", f"--regid={AGENT_UID}", "--clear-groups", "--inh-caps=-all",
-              "--bounding-set=-all", "--no-new-privs", "--"]  # fmt: skip
+from gateway_proc import E2E_POLICY
+from pod import (
+    ADMIN,
+    AGENT_UID,
+    AGENT_USER,
+    ALLOWED_IP,
+    BROKER,
+    DNS,
+    EVIL_IP,
+    GATEWAY_USER,
+    POD_IP,
+    PROXY,
+    TRANSPARENT,
+    Pod,
+)
+from topology import DNS_SERVER, FakeNet, Topology
 
 ECHO = r"""
 import select, socket, sys
@@ -49,89 +39,22 @@ while True:
     for sock in select.select(socks, [], [])[0]:
         sock.sendto(*sock.recvfrom(100))
 """
+UDP_ECHO = 4433
 
 
-class Pod:
-    """The pod's network namespace, its link to the fake internet and its gateway (started with `start_gateway`)."""
-
-    def __init__(self, topology: Topology) -> None:
-        self.topology = topology
-        self.name = f"{topology.prefix}-pod"
-        self.link, self.peer = f"{topology.prefix}-pp", f"{topology.prefix}-pn"
-        self.state = Path(tempfile.mkdtemp(prefix=f"{topology.prefix}-pod-"))  # writable by the gateway's UID
-        os.chown(self.state, GATEWAY_UID, GATEWAY_UID)
-        self.gateway: subprocess.Popen[bytes] | None = None
-
-    def create(self) -> None:
-        subprocess.run(["ip", "netns", "add", self.name], check=True, capture_output=True)
-        net = self.topology.net
-        for argv in (
-            ["ip", "-n", self.name, "link", "set", "lo", "up"],
-            ["ip", "-n", self.name, "link", "add", self.link, "type", "veth", "peer", "name", self.peer, "netns", net],
-            ["ip", "-n", self.name, "addr", "add", f"{POD_IP}/30", "dev", self.link],
-            ["ip", "-n", net, "addr", "add", f"{POD_PEER_IP}/30", "dev", self.peer],
-            ["ip", "-n", self.name, "link", "set", self.link, "up"],
-            ["ip", "-n", net, "link", "set", self.peer, "up"],
-            ["ip", "-n", self.name, "route", "add", "default", "via", POD_PEER_IP, "dev", self.link],
-            ["ip", "-n", self.name, "-6", "addr", "add", f"{POD_IP6}/64", "dev", self.link, "nodad"],
-            ["ip", "-n", self.name, "-6", "route", "add", "default", "via", POD_PEER_IP6, "dev", self.link],
-            # What a pod's agent could do unfenced: ping (ICMP datagram sockets, open to every group here).
-            ["ip", "netns", "exec", self.name, "sysctl", "-q", "-w", "net.ipv4.ping_group_range=0 2147483647",
-             "net.ipv4.ip_forward=0"],
-        ):  # fmt: skip
-            subprocess.run(argv, check=True, capture_output=True, timeout=30)
-        for destination in (*FAKE_ADDRS, "8.8.8.8", "1.1.1.1", POD_PEER_IP6, "2001:4860::8888"):
-            route = subprocess.run(["ip", "-n", self.name, "route", "get", destination], capture_output=True, text=True)
-            assert re.search(rf"\bdev {self.link}\b", route.stdout), route.stdout  # a test-owned link only
-
-    def destroy(self) -> None:
-        self.stop_gateway()
-        subprocess.run(["ip", "netns", "delete", self.name], check=False, capture_output=True)  # the veth with it
-        subprocess.run(["rm", "-rf", str(self.state)], check=False)
-
-    def run(self, argv: list[str], timeout: float = 30) -> subprocess.CompletedProcess[str]:
-        cmd = ["ip", "netns", "exec", self.name, *argv]
-        return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=False)
-
-    def fence(self, *options: str) -> subprocess.CompletedProcess[str]:
-        return self.run([AIRLOCK, *FENCE, *options])
-
-    def agent(self, *argv: str) -> subprocess.CompletedProcess[str]:
-        return self.run([*AGENT_USER, *argv])
-
-    def probe(self, kind: str, host: str, port: int, *rest: str, user: list[str] = AGENT_USER) -> str:
-        argv = [*user, "/usr/bin/python3", "-I", "-c", AGENT_PROBE, kind, host, str(port), *rest]
-        return self.run(argv).stdout.strip()
-
-    def start_gateway(self, timeout: float = 30) -> None:
-        log = self.state / "gateway.log"
-        argv = [
-            "ip", "netns", "exec", self.name, *GATEWAY_USER, AIRLOCK, "gateway", "--policy", str(E2E_POLICY),
-            "--listen", "127.0.0.1", "--upstream-dns", DNS_SERVER, "--state-dir", str(self.state / "state"),
-            "--audit", str(self.state / "audit.jsonl"), "--proxy-port", str(PROXY), "--transparent-port",
-            str(TRANSPARENT), "--dns-port", str(DNS), "--broker-port", str(BROKER), "--admin", f"127.0.0.1:{ADMIN}",
-        ]  # fmt: skip
-        with log.open("wb") as out:
-            self.gateway = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-        deadline = time.monotonic() + timeout
-        while "proxy on" not in log.read_text(errors="replace"):
-            assert self.gateway.poll() is None and time.monotonic() < deadline, log.read_text(errors="replace")
-            time.sleep(0.05)
-
-    def stop_gateway(self, sig: int = signal.SIGTERM) -> None:
-        if self.gateway is not None and self.gateway.poll() is None:
-            self.gateway.send_signal(sig)
-            try:
-                self.gateway.wait(15)
-            except subprocess.TimeoutExpired:
-                self.gateway.kill()
-                self.gateway.wait()
+def host_gateway(state: Path) -> list[str]:
+    """`airlock gateway` on the pod's loopback with the fence's ports, as any launcher of its own would run it."""
+    return [
+        "--policy", str(E2E_POLICY), "--listen", "127.0.0.1", "--upstream-dns", DNS_SERVER, "--state-dir",
+        str(state / "state"), "--audit", str(state / "audit.jsonl"), "--proxy-port", str(PROXY), "--transparent-port",
+        str(TRANSPARENT), "--dns-port", str(DNS), "--broker-port", str(BROKER), "--admin", f"127.0.0.1:{ADMIN}",
+    ]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
 def pod(topology: Topology, fakenet: FakeNet) -> Iterator[Pod]:
     """The pod, fenced (as an init container would, before anything runs in it), its gateway started."""
-    made = Pod(topology)
+    made = Pod(topology, host_gateway)
     try:
         made.create()
         installed = made.fence()
@@ -205,6 +128,16 @@ def test_the_gateways_own_ports_are_refused_to_the_agent_by_loopback(pod: Pod, p
     assert pod.probe("tcp", "127.0.0.1", port) == "ECONNREFUSED"
     assert pod.probe("tcp", POD_IP, port) == "ECONNREFUSED"  # the pod's address is its loopback too
     assert pod.probe("tcp", "127.0.0.1", PROXY) == "connected"  # the proxy port is the one it may dial
+
+
+def test_the_gateways_own_connection_to_its_admin_port_closes_cleanly(pod: Pod) -> None:
+    # Its last ACK leaves from a socket in TIME_WAIT, which has no UID: refused, it would leave the admin
+    # listener's end retransmitting its FIN (LAST-ACK) for minutes, the pod's namespace alive with it.
+    assert pod.probe("tcp", "127.0.0.1", ADMIN, user=GATEWAY_USER) == "connected"
+    deadline = time.monotonic() + 5
+    while (left := pod.run(["ss", "-Htn", "state", "last-ack"]).stdout.strip()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert left == ""
 
 
 def test_the_pods_own_loopback_stays_open_to_the_agent(pod: Pod) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import os
 import sys
 import threading
 from pathlib import Path
@@ -101,3 +102,23 @@ async def test_the_watcher_reloads_once_a_changed_file_has_settled(tmp_path: Pat
     await watcher.stop()
     assert calls == [GOOD + "# 4\n"]
     assert told == [f"airlock: policy reloaded from {path} (sha256:new)"]
+
+
+async def test_a_change_between_the_read_and_the_watch_is_reloaded(tmp_path: Path) -> None:
+    # A ConfigMap swapped while the gateway starts: watched from the file as it was read, the change is seen.
+    path = tmp_path / "p.yaml"
+    path.write_text(GOOD)
+    read_as = reload_module.file_signature(str(path))
+    (tmp_path / "new.yaml").write_text(GOOD + "# new\n")
+    os.replace(tmp_path / "new.yaml", path)
+    calls: list[str] = []
+
+    async def reload() -> reload_module.Reloaded:
+        calls.append(path.read_text())
+        return reload_module.Reloaded(str(path), "sha256:new", "sha256:old")
+
+    watcher = reload_module.PolicyWatcher(str(path), reload, lambda outcome: None, read_as)
+    watcher.start()
+    await asyncio.sleep(reload_module.DEBOUNCE + 3 * reload_module.POLL)
+    await watcher.stop()
+    assert calls == [GOOD + "# new\n"]

@@ -22,7 +22,7 @@ import pytest
 from airlock.cli.common import default_policy_path
 from airlock.gateway import Gateway, GatewayError, proxy_runtime
 from airlock.gateway import core as gateway_module
-from airlock.gateway.config import GatewayConfig
+from airlock.gateway.config import GatewayConfig, RelayConfig
 from airlock.inspection.secrets import SecretSource
 from airlock.policy import PolicyError, Sandbox, load_policy, parse_policy
 from airlock.sandbox.fence import GATEWAY_SOCKET_MARK
@@ -111,6 +111,21 @@ async def _reply(port: int, meanwhile: Callable[[], Awaitable[None]]) -> bytes:
 
 def test_a_gateway_not_started_is_not_ready(config: GatewayConfig) -> None:
     assert Gateway(config).readiness()["policy"] == "no policy in force"
+
+
+async def test_a_pods_gateway_is_ready_once_its_broker_relay_listens(config: GatewayConfig, tmp_path: Path) -> None:
+    with socket.socket() as probe:
+        probe.bind((LOCALHOST, 0))
+        port = int(probe.getsockname()[1])
+    relay = RelayConfig("http://broker.example:8080", str(tmp_path / "token"), port)
+    gateway = Gateway(dataclasses.replace(config, relay=relay))
+    assert gateway.readiness()["broker_relay"] == f"the broker relay is not listening on port {relay.port}"
+    await gateway.start()
+    try:
+        assert gateway.readiness()["broker_relay"] is None
+    finally:
+        await gateway.stop()
+    assert gateway.readiness()["broker_relay"] is not None
 
 
 async def test_a_client_that_comes_while_mitmproxy_loads_waits_and_is_decided_by_the_addon(

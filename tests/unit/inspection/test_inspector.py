@@ -3,12 +3,15 @@ that permits a host, one trust bundle per generation holding every generation, s
 
 from __future__ import annotations
 
+import stat
 from pathlib import Path
 
 import pytest
 from cryptography import x509
 
+from airlock.inspection import InspectionError
 from airlock.inspection.inspector import Inspector
+from airlock.inspection.trust import SYSTEM_BUNDLE
 from airlock.policy import Policy, parse_policy
 
 
@@ -50,6 +53,32 @@ def test_a_reload_that_inspects_a_new_host_adds_a_generation_and_keeps_the_old_o
     assert new.cert not in x509.load_pem_x509_certificates(first_bundle.read_bytes())
     with pytest.raises(KeyError):
         inspector.store_entry("plain.example")  # never inspected: no generation may sign it
+
+
+def test_the_trust_dir_holds_the_bundle_as_it_changes_and_never_a_key(tmp_path: Path) -> None:
+    shared = tmp_path / "shared"
+    shared.mkdir(mode=0o755)
+    inspector = Inspector(tmp_path / "state", {}, shared)
+    plain = parse_policy("version: 1\nprofiles:\n  default:\n    allow:\n      - host: plain.example\n")
+    inspector.apply(plain)  # nothing inspected yet: the system's CAs, so a client pointed at the file finds one
+    published = shared / "ca-bundle.pem"
+    assert published.read_bytes() == SYSTEM_BUNDLE.read_bytes()
+    inspector.apply(policy("api.example"))
+    assert inspector.bundle is not None and published.read_bytes() == inspector.bundle.read_bytes()
+    inspector.apply(policy("api.example", "new.example"))  # a reload that inspects one more host
+    assert published.read_bytes() == inspector.bundle.read_bytes()
+    assert all(ca.cert in x509.load_pem_x509_certificates(published.read_bytes()) for ca in inspector.generations)
+    assert [f.name for f in shared.iterdir()] == ["ca-bundle.pem"] and b"PRIVATE" not in published.read_bytes()
+    assert stat.S_IMODE(published.stat().st_mode) == 0o644 and stat.S_IMODE(shared.stat().st_mode) == 0o755
+
+
+def test_a_trust_dir_that_is_a_symlink_or_missing_is_an_error(tmp_path: Path) -> None:
+    (tmp_path / "real").mkdir()
+    (tmp_path / "link").symlink_to("real")
+    for given in (tmp_path / "link", tmp_path / "absent"):
+        with pytest.raises(InspectionError, match=f"cannot publish the trust bundle to {given}"):
+            Inspector(tmp_path / "state", {}, given).apply(policy("api.example"))
+    assert list((tmp_path / "real").iterdir()) == []
 
 
 def test_a_policy_injecting_a_secret_the_gateway_lacks_is_refused_and_the_values_are_only_those_used(

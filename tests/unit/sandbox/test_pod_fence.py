@@ -64,6 +64,7 @@ def test_rules_of_the_options(fence: PodFence, intercept: list[str], egress: lis
     assert chains(fence) == (
         [rule.format("return") for rule in GATEWAY] + intercept,
         [rule.format("accept") for rule in GATEWAY]
+        + ['oifname "lo" ct state established accept']
         + egress
         + ['oifname "lo" accept', "meta l4proto tcp counter reject with tcp reset", "counter reject"],
     )
