@@ -125,7 +125,7 @@ class DockerPod:
         assert " macvlan mode bridge " in eth0, eth0  # a child of <p>-gn: its frames go to the net namespace alone
         for destination in (*FAKE_ADDRS, "8.8.8.8", "1.1.1.1", "10.254.0.1", "10.253.0.1"):
             route = self.nsenter("ip", "route", "get", destination).stdout
-            assert re.search(rf"(via {POD_ROUTER} )?dev eth0\b", route), route
+            assert re.search(r"\bdev eth0\b", route), route
 
     def nsenter(self, *argv: str) -> subprocess.CompletedProcess[str]:
         pid = docker(self.env, "inspect", "--format={{.State.Pid}}", self.pause).stdout.strip()
