@@ -31,6 +31,7 @@ GROUPS = {
     "tools": ("read the record of brokered calls, or replay a sandbox's calls", "airlock.cli.tools"),
     "reap": ("remove expired sandboxes and leftovers of crashed runs", "airlock.cli.reap"),
     "fence": ("install or check the pod fence in this network namespace (an init container's)", "airlock.cli.fence"),
+    "seccomp-profile": ("print the agent's seccomp profile (docker's and the kubelet's JSON)", "airlock.cli.seccomp"),
     "run": ("run a command in a sandbox whose only network is the gateway", "airlock.cli.run"),
     "verify": ("check a sandbox in a fake internet of its own: the evaluation matrix", "airlock.cli.verify"),
 }

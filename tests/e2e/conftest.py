@@ -208,6 +208,7 @@ def shared_gateway_stopped(gateway: GatewayProcess) -> Iterator[None]:
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 BUILD_TEST_IMAGE = REPO_ROOT / "scripts" / "build-test-image"
+BUILD_IMAGE = REPO_ROOT / "scripts" / "build-image"
 
 
 def _docker_unavailable(problem: str) -> None:
@@ -241,6 +242,20 @@ def docker_env(topology: Topology, tmp_path_factory: pytest.TempPathFactory) -> 
             yield DockerEnv(daemon.host, image, daemon.client(), daemon.env(), daemon, tarball)
         finally:
             daemon.stop()
+
+
+@pytest.fixture(scope="session")
+def airlock_image(docker_env: DockerEnv) -> str:
+    """airlock's own image (airlock:<version>), imported into the session's daemon by scripts/build-image, which
+    builds it unless its cache has this tree's (.ci/run builds it ahead of the tests)."""
+    build = subprocess.run(
+        [str(BUILD_IMAGE), "--import"], capture_output=True, text=True, timeout=900, check=False,
+        stdin=subprocess.DEVNULL, env={**os.environ, **docker_env.env},
+    )  # fmt: skip
+    lines = build.stdout.split()
+    if build.returncode != 0 or len(lines) != 2:
+        pytest.fail(f"scripts/build-image failed ({build.returncode}):\n{build.stderr[-4000:]}", pytrace=False)
+    return lines[1]
 
 
 @pytest.fixture
