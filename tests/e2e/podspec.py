@@ -13,7 +13,8 @@ What it translates (the fields of a container and of the pod that the sandbox po
   volumes, each with its own size limit);
 - volumes: emptyDir (a docker volume on tmpfs, shared by the pod's containers, mode 0777 as an emptyDir is; its
   sizeLimit a hard size, stricter than the kubelet's eviction; without medium Memory too, for the same reason),
-  configMap and secret (files the node provides, in a folder bind-mounted read-only; secret's defaultMode);
+  configMap and secret (files the node provides, in a folder bind-mounted read-only; secret's defaultMode; an
+  optional one the node lacks is an empty folder);
 - the pod's automountServiceAccountToken and enableServiceLinks false, shareProcessNamespace false (docker's
   default: a PID namespace per container), restartPolicy Never (the containers' default).
 
@@ -113,14 +114,14 @@ def _empty_dir(docker_name: str, options: Mapping[str, Any]) -> list[str]:
 
 
 def _files(name: str, kind: str, source: Mapping[str, Any], node: Node) -> Path:
-    _known(f"{kind} volume {name}", source, {"name", "secretName", "defaultMode"})
+    _known(f"{kind} volume {name}", source, {"name", "secretName", "defaultMode", "optional"})
     ref = source.get("secretName" if kind == "secret" else "name")
-    if ref not in node.files:
+    if ref not in node.files and not source.get("optional", False):
         raise PodSpecError(f"{kind} volume {name}: the node has no {kind} {ref!r}")
     folder = node.files_dir / name
     folder.mkdir(parents=True)
     folder.chmod(0o755)
-    for key, content in node.files[ref].items():
+    for key, content in node.files.get(ref, {}).items():  # an optional one the node lacks: an empty folder
         (folder / key).write_text(content)
         (folder / key).chmod(source.get("defaultMode", 0o644))
     return folder
