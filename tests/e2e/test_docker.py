@@ -233,7 +233,7 @@ def test_inspected_hosts_work_through_the_containers_trust_store_and_it_never_ho
         line = next(line for line in out.splitlines() if line.startswith(client + " "))
         assert '"Authorization", "Bearer ****' in line, (client, out, result.stderr)
     assert "git 0" in out or "git 128" in out
-    assert "airlock e2e" in next(line for line in out.splitlines() if line.startswith("passthrough "))
+    assert "airlock fake internet" in next(line for line in out.splitlines() if line.startswith("passthrough "))
     assert "SSL_CERT_FILE=/etc/ssl/certs/ca-certificates.crt" in out
     assert DOCKER_SECRET not in out and DOCKER_SECRET not in result.stderr
     seen = [
