@@ -86,11 +86,7 @@ sys.path.append(str(REPO / "bench"))
 from airlock.broker.grants import parse_grant  # noqa: E402
 from airlock.broker.store import SqliteStore  # noqa: E402
 from airlock.broker.tokens import KeyRing, TokenAuthority  # noqa: E402
-from airlock.verify.topology import GW_IP, Topology  # noqa: E402
-
-import common  # noqa: E402
-from common import CLK_TCK, cpu_seconds, fmt, percentile  # noqa: E402
-from fakegithub_client import (  # noqa: E402
+from airlock.verify.github import (  # noqa: E402
     ACCEPT,
     API_VERSION,
     GITHUB_HOST,
@@ -99,6 +95,10 @@ from fakegithub_client import (  # noqa: E402
     FakeGitHub,
     make_app_key,
 )
+from airlock.verify.topology import GW_IP, Topology  # noqa: E402
+
+import common  # noqa: E402
+from common import CLK_TCK, cpu_seconds, fmt, percentile  # noqa: E402
 from gateway_proc import GatewayProcess  # noqa: E402
 from netclient import in_netns  # noqa: E402
 

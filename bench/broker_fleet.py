@@ -56,11 +56,11 @@ from airlock.broker.grants import parse_grant  # noqa: E402
 from airlock.broker.tokens import FileKeys, JwksKeys, TokenAuthority  # noqa: E402
 from airlock.runs import RUNS_ENV  # noqa: E402
 from airlock.verify.ca import make_fake_ca  # noqa: E402
+from airlock.verify.github import FakeGitHub, make_app_key, new_static_token  # noqa: E402
 
 import common  # noqa: E402
 import pg  # noqa: E402
 from common import fmt, percentile  # noqa: E402
-from fakegithub_client import FakeGitHub, make_app_key, new_static_token  # noqa: E402
 from fleet import AUDIENCE, GRANT, SANDBOX, SOURCE, Replica, free_port  # noqa: E402
 from pg import PostgresServer  # noqa: E402
 

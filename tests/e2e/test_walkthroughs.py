@@ -29,10 +29,10 @@ from typing import Any
 import pytest
 
 from airlock.verify.ca import FakeCA
+from airlock.verify.github import FakeGitHub
 from airlock.verify.hostcgroups import with_host_cgroups
 from airlock.verify.topology import DNS_SERVER, FakeNet, Topology
 
-from fakegithub_client import FakeGitHub
 from gateway_proc import AIRLOCK, assert_audit_schema
 from readme import walkthrough, walkthroughs
 
