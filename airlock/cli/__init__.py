@@ -33,6 +33,7 @@ GROUPS = {
     "fence": ("install or check the pod fence in this network namespace (an init container's)", "airlock.cli.fence"),
     "run": ("run a command in a sandbox whose only network is the gateway", "airlock.cli.run"),
     "verify": ("check a sandbox in a fake internet of its own: the evaluation matrix", "airlock.cli.verify"),
+    "demo": ("a walk-through of the docs in a fake internet of its own, fake GitHub included", "airlock.cli.demo"),
 }
 
 

@@ -81,7 +81,8 @@ ZONE: dict[str, list[tuple[str, str]]] = {
     "refused6.allowed.test": [("A", "192.0.2.10")],  # its AAAA questions are REFUSED (REFUSED_AAAA)
     "github.test": [("A", "192.0.2.20")],  # airlock.verify.fakegithub: git smart HTTP
     # the hosts of the docs' walk-throughs, under their real names: registries (registry.py), a model API
-    **{host: [("A", "192.0.2.10")] for host in (*registry.REGISTRY_HOSTS, "api.model.example")},
+    **{host: [("A", "192.0.2.10")] for host in registry.REGISTRY_HOSTS},
+    "api.model.example": [("A", "192.0.2.30")],  # airlock.verify.fakemodel
 }
 REFUSED_AAAA = {"refused6.allowed.test"}  # an upstream that refuses AAAA, as some do
 RDATA = {"A": A, "AAAA": AAAA, "CNAME": CNAME, "NS": NS, "TXT": TXT}
