@@ -4,7 +4,7 @@ process the demo started) inside the fake internet's gateway namespace.
 - the checkout: `configs/` (the packaged policies), `.venv/bin/airlock` (this airlock, whose `run` is handed the fake
   internet's resolver and GitHub API, and a sandbox id of the demo's prefix), what the walk-throughs say the reader
   has: `app` (a clone of acme/app the sandbox's user owns, with the agents in it), `app.pem` (the App's key),
-  `keys.yaml`;
+  `keys.yaml`, `ask.yaml`;
 - the host: an `/etc` layer holding the fake internet's CA among the system's and `/etc/airlock/model_api.key`, a
   private `/tmp`, and a git identity in `$HOME/.gitconfig`.
 Nothing here reaches the host's network: the gateway namespace's only routes lead into the fake internet."""
@@ -92,6 +92,7 @@ class Desk:
         name, email = IDENTITY
         (self.home / ".gitconfig").write_text(f"[user]\n\tname = {name}\n\temail = {email}\n")
         (self.checkout / "keys.yaml").write_text(BLOCKS["api-key/policy"])
+        (self.checkout / "ask.yaml").write_text(BLOCKS["approvals/policy"])
         self._write_shell()
         return self
 

@@ -59,6 +59,24 @@ cp configs/default.yaml team.yaml
 .venv/bin/airlock policy check team.new.yaml && cp team.new.yaml team.yaml
 # the run prints "airlock: policy reloaded from /…/team.yaml (sha256:…)" within a second; the next try: reached
 """,
+    "approvals/policy": r"""version: 1
+profiles:
+  default:
+    on_unlisted: ask                  # hold what no rule lists, for a person to answer
+    ask_timeout: 120
+    allow:
+      - host: pypi.org
+""",
+    "approvals/run": r"""# 1. The agent's run:
+.venv/bin/airlock run --policy ask.yaml --state-dir /tmp/al --workdir app -- \
+     sh -c 'curl -fsS https://pkg.example/simple/ >/dev/null && echo reached'
+# airlock: sandbox … asks for pkg.example:443 (connect), held 120 s for an answer: /…/airlock approvals approve 3f9c… --admin /tmp/al/admin.sock (or deny)
+""",
+    "approvals/answer": r"""# 2. In another terminal, while the run waits: what is held, then the answer (ID: the one listed). `--scope policy`
+#    writes {host: pkg.example, ports: [443]} into ask.yaml and reloads; the run goes on: reached
+.venv/bin/airlock approvals list --state-dir /tmp/al
+.venv/bin/airlock approvals approve ID --scope policy --state-dir /tmp/al
+""",
 }
 # The agent of the key walk-through: any program whose SDK sends the key it was given.
 AGENT_PY = """import os, urllib.request
@@ -105,5 +123,14 @@ WALKTHROUGHS = {
             Step("in a second demo shell, while the first waits", "denied/add-rule"),
         ),
         "the first shell's run prints the policy reloaded, then `reached`",
+    ),
+    "approvals": Walkthrough(
+        "approvals: a person answers",
+        "docs/policy.md#walk-through-approvals--a-person-answers",
+        (
+            Step("in the demo's shell (ask.yaml is the policy)", "approvals/run"),
+            Step("in a second demo shell, while the first waits (ID: the one listed)", "approvals/answer"),
+        ),
+        "the rule written into ask.yaml, the policy reloaded, and `reached` in the first shell",
     ),
 }

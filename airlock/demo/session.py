@@ -10,6 +10,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import TextIO
 
+from airlock.verify.topology import DNS_SERVER
+
 from .desk import Desk
 from .guide import BLOCKS, WALKTHROUGHS, Walkthrough
 from .world import World, world
@@ -36,9 +38,10 @@ api.model.example. Its files are in {demo.root}.
 
     sudo {desk.shell}
 
-   It starts in {desk.checkout}: app (a clone of acme/app, with the agents app/agent.sh and
-   app/agent.py), app.pem (the App's key), keys.yaml, configs/, and .venv/bin/airlock (this airlock; its `run` is
-   given --upstream-dns and --github-api of the fake internet).
+   It starts in {desk.checkout}:
+   app (a clone of acme/app, with the agents app/agent.sh and app/agent.py), app.pem (the App's key), keys.yaml,
+   ask.yaml, configs/, and .venv/bin/airlock (this airlock; its `run` is given the fake internet's resolver and
+   GitHub API: --upstream-dns {DNS_SERVER} --github-api {demo.github.api_url}).
 {steps}
 What you should see: {chosen.after}.
 

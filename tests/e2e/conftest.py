@@ -217,9 +217,9 @@ def _docker_unavailable(problem: str) -> None:
     pytest.skip(f"needs docker.io + debootstrap: {problem}")
 
 
-@pytest.fixture(scope="session")
-def docker_env(topology: Topology, tmp_path_factory: pytest.TempPathFactory) -> Iterator[DockerEnv]:
-    """A dockerd of this run inside the gateway namespace, with the sandbox test image imported.
+@contextlib.contextmanager
+def docker_env_in(topology: Topology, workdir: Path) -> Iterator[DockerEnv]:
+    """A dockerd inside the gateway namespace of `topology`, with the sandbox test image imported.
 
     The image is built (or reused from its cache) by scripts/build-test-image; .ci/run builds it ahead of the
     tests, so here it is normally instant."""
@@ -232,7 +232,7 @@ def docker_env(topology: Topology, tmp_path_factory: pytest.TempPathFactory) -> 
     if build.returncode != 0 or not build.stdout.strip():
         pytest.fail(f"scripts/build-test-image failed ({build.returncode}):\n{build.stderr[-4000:]}", pytrace=False)
     tarball = Path(build.stdout.strip().splitlines()[-1])
-    daemon = DockerDaemon(topology, tmp_path_factory.mktemp("docker"))
+    daemon = DockerDaemon(topology, workdir)
     atexit.register(daemon.stop)  # start() registers too; stop() is idempotent and unregisters itself
     with _sigterm_as_interrupt():
         try:
@@ -241,6 +241,19 @@ def docker_env(topology: Topology, tmp_path_factory: pytest.TempPathFactory) -> 
             yield DockerEnv(daemon.host, image, daemon.client(), daemon.env(), daemon, tarball)
         finally:
             daemon.stop()
+
+
+@pytest.fixture(scope="session")
+def docker_env(topology: Topology, tmp_path_factory: pytest.TempPathFactory) -> Iterator[DockerEnv]:
+    """A dockerd of this run inside the gateway namespace, with the sandbox test image imported."""
+    with docker_env_in(topology, tmp_path_factory.mktemp("docker")) as env:
+        yield env
+
+
+@pytest.fixture(scope="session")
+def docker_env_factory() -> Callable[[Topology, Path], contextlib.AbstractContextManager[DockerEnv]]:
+    """docker_env_in: a dockerd in the gateway namespace of another topology than the session's (the demo's)."""
+    return docker_env_in
 
 
 @pytest.fixture
