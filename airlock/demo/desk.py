@@ -24,6 +24,7 @@ from typing import Self
 from airlock.verify.hostcgroups import with_host_cgroups
 from airlock.verify.topology import Topology
 
+from . import DemoError
 from .guide import AGENT_PY, BLOCKS
 
 NOBODY = 65534
@@ -66,7 +67,7 @@ class Desk:
         self.holder = topology.popen(topology.gw, argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         if self.holder.stdout is None or self.holder.stdout.readline() != "ready\n":
             self.holder.kill()
-            raise RuntimeError(f"the demo's mount namespace could not be made: {self.holder.communicate()[1]}")
+            raise DemoError(f"the demo's mount namespace could not be made: {self.holder.communicate()[1].strip()}")
         env = {k: v for k, v in os.environ.items() if not k.startswith(("SUDO_", "GIT_"))}
         self.env = env | {"HOME": str(self.home)} | extra_env
         self.shell = root / "shell"
@@ -100,7 +101,9 @@ class Desk:
         """`app`, the agent's working directory: a clone of `bare` that the sandbox's user (nobody) owns, with the
         walk-throughs' agents in it; and the App's key beside it."""
         app = self.checkout / "app"
-        subprocess.run(["git", "clone", "-q", bare, str(app)], check=True, env=self.env, capture_output=True)
+        cloned = subprocess.run(["git", "clone", "-q", bare, str(app)], env=self.env, capture_output=True, text=True)
+        if cloned.returncode != 0:
+            raise DemoError(f"the clone of acme/app failed: {cloned.stderr.strip()}")
         (app / "agent.sh").write_text(BLOCKS["pull-request/agent"])
         (app / "agent.sh").chmod(0o755)
         (app / "agent.py").write_text(AGENT_PY)

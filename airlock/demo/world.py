@@ -18,21 +18,17 @@ from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
-from airlock.errors import AirlockError
 from airlock.verify.ca import FakeCA, make_fake_ca
 from airlock.verify.github import FakeGitHub, make_app_key
 from airlock.verify.topology import DNS_SERVER, FAKE_ADDRS, FakeModel, FakeNet, Topology, new_prefix
 
+from . import DemoError
 from .desk import Desk, Wiring
 
 APP_ID = 4242  # as the pull-request walk-through types it
 INSTALLATION_ID = 777
 # Never routed from the gateway namespace: checked before anything runs there, as `airlock verify` checks.
 REAL_ADDRESSES = ("8.8.8.8", "1.1.1.1", "10.0.0.1", "192.168.1.1")
-
-
-class DemoError(AirlockError):
-    """The demo's world could not be built."""
 
 
 @dataclass(frozen=True)
