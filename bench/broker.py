@@ -12,7 +12,7 @@ next to the same call made straight to the fake GitHub, one run, one table.
    too: no JWT library can verify faster than that on the machine. `--skip-e2e` runs this part alone, without
    root.
 2. End to end, in the namespaces of airlock/verify/topology.py: fakenet (its DNS serves api.github.test), the fake
-   GitHub API (tests/e2e/fakegithub.py, a GitHub App with a fresh RSA key, installed on acme/*) and
+   GitHub API (airlock/verify/fakegithub.py, a GitHub App with a fresh RSA key, installed on acme/*) and
    `airlock gateway` with the broker in App mode pointed at it (tests/e2e/gateway_proc.py; the flags are printed).
    One client library for every series, `http.client` with one keep-alive connection each; every call is
    sequential and timed from sending the request to having read the whole response:
