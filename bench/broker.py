@@ -12,7 +12,7 @@ next to the same call made straight to the fake GitHub, one run, one table.
    too: no JWT library can verify faster than that on the machine. `--skip-e2e` runs this part alone, without
    root.
 2. End to end, in the namespaces of airlock/verify/topology.py: fakenet (its DNS serves api.github.test), the fake
-   GitHub API (tests/e2e/fakegithub.py, a GitHub App with a fresh RSA key, installed on acme/*) and
+   GitHub API (airlock/verify/fakegithub.py, a GitHub App with a fresh RSA key, installed on acme/*) and
    `airlock gateway` with the broker in App mode pointed at it (tests/e2e/gateway_proc.py; the flags are printed).
    One client library for every series, `http.client` with one keep-alive connection each; every call is
    sequential and timed from sending the request to having read the whole response:
@@ -86,11 +86,7 @@ sys.path.append(str(REPO / "bench"))
 from airlock.broker.grants import parse_grant  # noqa: E402
 from airlock.broker.store import SqliteStore  # noqa: E402
 from airlock.broker.tokens import KeyRing, TokenAuthority  # noqa: E402
-from airlock.verify.topology import GW_IP, Topology  # noqa: E402
-
-import common  # noqa: E402
-from common import CLK_TCK, cpu_seconds, fmt, percentile  # noqa: E402
-from fakegithub_client import (  # noqa: E402
+from airlock.verify.github import (  # noqa: E402
     ACCEPT,
     API_VERSION,
     GITHUB_HOST,
@@ -99,6 +95,10 @@ from fakegithub_client import (  # noqa: E402
     FakeGitHub,
     make_app_key,
 )
+from airlock.verify.topology import GW_IP, Topology  # noqa: E402
+
+import common  # noqa: E402
+from common import CLK_TCK, cpu_seconds, fmt, percentile  # noqa: E402
 from gateway_proc import GatewayProcess  # noqa: E402
 from netclient import in_netns  # noqa: E402
 

@@ -6,7 +6,7 @@ PostgreSQL, one replica and two, in one run; and token verification per second t
 
 Everything is on loopback and started here, stopped by PID at the end (Ctrl-C and SIGTERM too): a PostgreSQL
 server of its own on a unix socket in a temporary folder (tests/pg.py: as the `postgres` user, fsync off), the
-fake GitHub (tests/e2e/fakegithub.py, static-token mode, TLS with a throwaway CA) and `airlock broker` replicas
+fake GitHub (airlock/verify/fakegithub.py, static-token mode, TLS with a throwaway CA) and `airlock broker` replicas
 (tests/e2e/fleet.py), one signing key for all. Needs root (the database server runs as `postgres`).
 
 Columns, each a fresh store: **sqlite, 1 replica** (`--store sqlite:///…`, the default of one gateway),
@@ -56,11 +56,11 @@ from airlock.broker.grants import parse_grant  # noqa: E402
 from airlock.broker.tokens import FileKeys, JwksKeys, TokenAuthority  # noqa: E402
 from airlock.runs import RUNS_ENV  # noqa: E402
 from airlock.verify.ca import make_fake_ca  # noqa: E402
+from airlock.verify.github import FakeGitHub, make_app_key, new_static_token  # noqa: E402
 
 import common  # noqa: E402
 import pg  # noqa: E402
 from common import fmt, percentile  # noqa: E402
-from fakegithub_client import FakeGitHub, make_app_key, new_static_token  # noqa: E402
 from fleet import AUDIENCE, GRANT, SANDBOX, SOURCE, Replica, free_port  # noqa: E402
 from pg import PostgresServer  # noqa: E402
 

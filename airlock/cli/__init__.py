@@ -34,6 +34,7 @@ GROUPS = {
     "seccomp-profile": ("print the agent's seccomp profile (docker's and the kubelet's JSON)", "airlock.cli.seccomp"),
     "run": ("run a command in a sandbox whose only network is the gateway", "airlock.cli.run"),
     "verify": ("check a sandbox in a fake internet of its own: the evaluation matrix", "airlock.cli.verify"),
+    "demo": ("a walk-through of the docs in a fake internet of its own, fake GitHub included", "airlock.cli.demo"),
 }
 
 

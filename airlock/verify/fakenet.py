@@ -77,11 +77,12 @@ ZONE: dict[str, list[tuple[str, str]]] = {
     "svc.internal.test": [("A", "10.1.2.4")],
     "v6.allowed.test": [("AAAA", "2001:db8::10"), ("A", "192.0.2.10")],
     "txt.allowed.test": [("TXT", "hello")],
-    "api.github.test": [("A", "192.0.2.20")],  # fakegithub.py
+    "api.github.test": [("A", "192.0.2.20")],  # airlock.verify.fakegithub
     "refused6.allowed.test": [("A", "192.0.2.10")],  # its AAAA questions are REFUSED (REFUSED_AAAA)
-    "github.test": [("A", "192.0.2.20")],  # fakegithub.py's git smart HTTP
+    "github.test": [("A", "192.0.2.20")],  # airlock.verify.fakegithub: git smart HTTP
     # the hosts of the docs' walk-throughs, under their real names: registries (registry.py), a model API
-    **{host: [("A", "192.0.2.10")] for host in (*registry.REGISTRY_HOSTS, "api.model.example")},
+    **{host: [("A", "192.0.2.10")] for host in registry.REGISTRY_HOSTS},
+    "api.model.example": [("A", "192.0.2.30")],  # airlock.verify.fakemodel
 }
 REFUSED_AAAA = {"refused6.allowed.test"}  # an upstream that refuses AAAA, as some do
 RDATA = {"A": A, "AAAA": AAAA, "CNAME": CNAME, "NS": NS, "TXT": TXT}
@@ -655,7 +656,7 @@ async def serve(args: argparse.Namespace) -> None:
         async def on_client(r: asyncio.StreamReader, w: asyncio.StreamWriter, h: Handler = handler) -> None:
             await guarded(h, stats, r, w)
 
-        # reuse_port lets fakegithub.py bind one fake address's :443 too; the kernel prefers its specific bind.
+        # reuse_port lets the fake GitHub bind one fake address's :443 too; the kernel prefers its specific bind.
         servers.append(await asyncio.start_server(on_client, args.bind, port, reuse_address=True, reuse_port=True))
     loop = asyncio.get_running_loop()
     udp = []

@@ -51,6 +51,7 @@ FAKE_ADDRS = {
     "192.0.2.10": "allowed.test",
     "192.0.2.11": "second public upstream",
     "192.0.2.20": "fake GitHub API (api.github.test)",
+    "192.0.2.30": "fake model API (api.model.example)",
     "192.0.2.53": "authoritative DNS for test.",
     "198.51.100.10": "other.test",
     "203.0.113.66": "evil.test",
@@ -382,3 +383,30 @@ class Canaries(FakeNet):
         self._prepare(workdir)
         self._launch(topology, ["--canaries", ",".join(map(str, self.ports))], timeout, ns=ns)
         return self
+
+
+class FakeModel(ControlledFake):
+    """Client for `airlock.verify.fakemodel` (api.model.example) in the topology's `net` namespace: it tells
+    whether the Authorization it got is `Bearer <the text of api_key_file>`."""
+
+    name = "fakemodel"
+
+    def __init__(self, cert: Path, key: Path, api_key_file: Path) -> None:
+        super().__init__(cert, key)
+        self.api_key_file = api_key_file
+
+    def program(self) -> list[str]:
+        return [sys.executable, "-P", "-m", "airlock.verify.fakemodel"]
+
+    def start(self, topology: Topology, workdir: Path, timeout: float = 20) -> Self:
+        self._prepare(workdir)
+        self._launch(topology, ["--api-key-file", self.api_key_file], timeout)
+        return self
+
+    def requests(self) -> list[dict[str, Any]]:
+        """What it was sent: method, path, authorization (as received), real (whether it held the key)."""
+        requests: list[dict[str, Any]] = self._call("stats")["requests"]
+        return requests
+
+    def reset(self) -> None:
+        self._call("reset")

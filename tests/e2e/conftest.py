@@ -20,11 +20,11 @@ sys.path.insert(0, str(Path(__file__).parent))
 from airlock.sandbox.cgroups import host_parents
 from airlock.sandbox.fence import NETNS_TABLE_PREFIX, Fence, Interception
 from airlock.verify.ca import FakeCA, make_fake_ca
+from airlock.verify.github import FakeGitHub, make_app_key, new_static_token
 from airlock.verify.hostcgroups import with_host_cgroups
 from airlock.verify.topology import DNS_SERVER, FAKE_ADDRS, GW_IP, FakeNet, Topology
 
 from dockerenv import DockerDaemon, DockerEnv, docker_problem
-from fakegithub_client import FakeGitHub, make_app_key, new_static_token
 from gateway_proc import AIRLOCK, E2E_POLICY, GatewayProcess
 
 FAKE_GITHUB_APP_ID = 4242
@@ -218,9 +218,9 @@ def _docker_unavailable(problem: str) -> None:
     pytest.skip(f"needs docker.io + debootstrap: {problem}")
 
 
-@pytest.fixture(scope="session")
-def docker_env(topology: Topology, tmp_path_factory: pytest.TempPathFactory) -> Iterator[DockerEnv]:
-    """A dockerd of this run inside the gateway namespace, with the sandbox test image imported.
+@contextlib.contextmanager
+def docker_env_in(topology: Topology, workdir: Path) -> Iterator[DockerEnv]:
+    """A dockerd inside the gateway namespace of `topology`, with the sandbox test image imported.
 
     The image is built (or reused from its cache) by scripts/build-test-image; .ci/run builds it ahead of the
     tests, so here it is normally instant."""
@@ -233,7 +233,7 @@ def docker_env(topology: Topology, tmp_path_factory: pytest.TempPathFactory) -> 
     if build.returncode != 0 or not build.stdout.strip():
         pytest.fail(f"scripts/build-test-image failed ({build.returncode}):\n{build.stderr[-4000:]}", pytrace=False)
     tarball = Path(build.stdout.strip().splitlines()[-1])
-    daemon = DockerDaemon(topology, tmp_path_factory.mktemp("docker"))
+    daemon = DockerDaemon(topology, workdir)
     atexit.register(daemon.stop)  # start() registers too; stop() is idempotent and unregisters itself
     with _sigterm_as_interrupt():
         try:
@@ -242,6 +242,19 @@ def docker_env(topology: Topology, tmp_path_factory: pytest.TempPathFactory) -> 
             yield DockerEnv(daemon.host, image, daemon.client(), daemon.env(), daemon, tarball)
         finally:
             daemon.stop()
+
+
+@pytest.fixture(scope="session")
+def docker_env(topology: Topology, tmp_path_factory: pytest.TempPathFactory) -> Iterator[DockerEnv]:
+    """A dockerd of this run inside the gateway namespace, with the sandbox test image imported."""
+    with docker_env_in(topology, tmp_path_factory.mktemp("docker")) as env:
+        yield env
+
+
+@pytest.fixture(scope="session")
+def docker_env_factory() -> Callable[[Topology, Path], contextlib.AbstractContextManager[DockerEnv]]:
+    """docker_env_in: a dockerd in the gateway namespace of another topology than the session's (the demo's)."""
+    return docker_env_in
 
 
 @pytest.fixture(scope="session")

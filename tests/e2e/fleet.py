@@ -1,5 +1,5 @@
 """A fleet for the tests: `airlock broker` replicas as processes of their own on loopback, sharing one PostgreSQL
-database and one signing key, in front of one fake GitHub (fakegithub.py, run here on loopback), each minted
+database and one signing key, in front of one fake GitHub (airlock.verify.fakegithub, run here on loopback), each minted
 tokens through by `airlock token issue --admin <its socket>`."""
 
 from __future__ import annotations

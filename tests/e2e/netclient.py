@@ -1,5 +1,5 @@
 """Clients that act from inside a test namespace, for what curl cannot express (forged SNI, Host fronting,
-keep-alive counts, many concurrent tunnels).
+keep-alive counts, many concurrent tunnels, a request to the fake GitHub with headers of its own).
 
 A network namespace is per thread: `in_netns` runs a function in a fresh thread that has joined the namespace,
 so sockets it opens live there, while the test itself stays in the host namespace.
@@ -20,7 +20,10 @@ import threading
 import time
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
+
+from airlock.verify.github import ACCEPT, API_VERSION, GITHUB_HOST, GITHUB_IP
 
 
 def in_netns[T](ns: str, fn: Callable[..., T], *args: Any) -> T:
@@ -531,3 +534,48 @@ def h2_request(sock: ssl.SSLSocket, headers: list[tuple[str, str]], timeout: flo
                 return Reply(status, {}, body, error=f"connection terminated ({event.error_code!r})")
         with contextlib.suppress(OSError):
             sock.sendall(conn.data_to_send())
+
+
+def github_request(
+    ca_file: str | Path,
+    method: str,
+    path: str,
+    token: str | None = None,
+    scheme: str = "token",
+    body: Any = None,
+    raw_body: bytes | None = None,
+    headers: dict[str, str] | None = None,
+    timeout: float = 10,
+    address: tuple[str, int] = (GITHUB_IP, 443),
+) -> Reply:
+    """One HTTPS request to the fake from the calling thread's namespace (use in_netns), verified against ca_file
+    for api.github.test, with GitHub's usual headers (headers override; a None value drops one)."""
+    all_headers: dict[str, str | None] = {
+        "Accept": ACCEPT,
+        "X-GitHub-Api-Version": API_VERSION,
+        "User-Agent": "airlock-e2e",
+    }
+    if token is not None:
+        all_headers["Authorization"] = f"{scheme} {token}"
+    all_headers.update(headers or {})
+    data = raw_body if raw_body is not None else (json.dumps(body).encode() if body is not None else None)
+    if data is not None:
+        all_headers.setdefault("Content-Type", "application/json")
+        all_headers["Content-Length"] = str(len(data))
+    context = ssl.create_default_context(cafile=str(ca_file))
+    conn = http.client.HTTPSConnection(GITHUB_HOST, address[1], timeout=timeout, context=context)
+    try:
+        # Connect by address: names of the fake internet only resolve through fakenet, never the host's resolver.
+        raw = socket.create_connection(address, timeout=timeout)
+        conn.sock = context.wrap_socket(raw, server_hostname=GITHUB_HOST)
+        conn.putrequest(method, path, skip_accept_encoding=True)
+        for name, value in all_headers.items():
+            if value is not None:
+                conn.putheader(name, value)
+        conn.endheaders(data)
+        response = conn.getresponse()
+        return Reply(response.status, dict(response.getheaders()), response.read())
+    except (OSError, http.client.HTTPException) as e:
+        return Reply(0, {}, error=f"{type(e).__name__}: {e}")
+    finally:
+        conn.close()

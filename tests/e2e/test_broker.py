@@ -25,9 +25,9 @@ from cryptography.hazmat.primitives import serialization
 from dnslib import RCODE, DNSRecord
 
 from airlock.broker.tokens import KeyRing
+from airlock.verify.github import FakeGitHub
 from airlock.verify.topology import DNS_SERVER, GW_IP, Topology
 
-from fakegithub_client import FakeGitHub
 from gateway_proc import AIRLOCK, E2E_POLICY, PROXY, GatewayProcess
 from netclient import Reply, in_netns, proxy_http
 from pg import PostgresServer

@@ -23,9 +23,9 @@ from airlock.policy import load_policy
 from airlock.sandbox import docker as docker_backend
 from airlock.sandbox.docker import LABEL
 from airlock.verify.ca import FakeCA
+from airlock.verify.github import FakeGitHub
 from airlock.verify.topology import DNS_SERVER, FakeNet, Topology
 
-from fakegithub_client import FakeGitHub
 from gateway_proc import E2E_POLICY
 from netclient import in_netns
 

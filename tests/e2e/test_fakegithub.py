@@ -19,11 +19,11 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import rsa
 
 from airlock.verify.ca import FakeCA
+from airlock.verify.fakegit import IDENTITY
+from airlock.verify.github import GITHUB_IP, FakeGitHub
 from airlock.verify.topology import FakeNet, Topology
 
-from fakegit import IDENTITY
-from fakegithub_client import GITHUB_IP, FakeGitHub, github_request
-from netclient import Reply, in_netns
+from netclient import Reply, github_request, in_netns
 
 APP_PR = "/repos/acme/app/pulls"
 NARROW = {"repositories": ["app"], "permissions": {"pull_requests": "write"}}

@@ -27,8 +27,8 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from airlock.verify.ca import FakeCA
+from airlock.verify.github import FakeGitHub, make_app_key, new_static_token
 
-from fakegithub_client import FakeGitHub, make_app_key, new_static_token
 from fleet import SANDBOX, Replica, airlock, free_port
 from pg import PostgresServer
 

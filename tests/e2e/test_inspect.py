@@ -278,7 +278,7 @@ def test_run_sandbox_clients_trust_the_gateway_ca_and_never_hold_the_secret(
         assert '"Authorization", "Bearer ****' in line, (client, out, result.stderr)
     assert "git 128" in out or "git 0" in out  # fakenet answers text, not a repository: but TLS and HTTP went through
     passthrough = next(line for line in out.splitlines() if line.startswith("passthrough "))
-    assert "airlock fake internet" in passthrough  # other.test is not inspected: the client sees fakenet's own certificate
+    assert "airlock fake internet" in passthrough  # other.test is not inspected: fakenet's own certificate
     assert f"SSL_CERT_FILE={'/etc/ssl/certs/ca-certificates.crt'}" in out
     assert "MODEL_API_KEY=airlock-placeholder-model_api" in out
     assert SECRET not in out and SECRET not in result.stderr

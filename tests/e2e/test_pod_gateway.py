@@ -24,9 +24,9 @@ import pytest
 
 from airlock.policy import load_policy
 from airlock.verify.ca import FakeCA
+from airlock.verify.github import GITHUB_IP, FakeGitHub
 from airlock.verify.topology import DNS_SERVER, FakeNet, Topology
 
-from fakegithub_client import GITHUB_IP, FakeGitHub
 from fleet import airlock
 from gateway_proc import AIRLOCK
 from pod import ADMIN, ALLOWED_IP, BROKER, DNS, GATEWAY_UID, GATEWAY_USER, POD_IP, POD_PEER_IP, Pod

@@ -20,10 +20,10 @@ from typing import Any
 import pytest
 
 from airlock.sandbox.workdir import QUARANTINE_ROOT
+from airlock.verify.fakegit import IDENTITY
+from airlock.verify.github import FakeGitHub
 from airlock.verify.topology import GW_IP, Topology
 
-from fakegit import IDENTITY
-from fakegithub_client import FakeGitHub
 from gateway_proc import AIRLOCK, GatewayProcess
 from netclient import in_netns
 

@@ -1,7 +1,7 @@
 """The fake GitHub's git side: bare repositories with a known base commit, served by `git http-backend` (CGI).
 
-Used by fakegithub.py, which authenticates each request first. Every repository is reset to one commit on `main`
-(README.md "# owner/name", fixed author, committer and dates: the same sha every run), with
+Used by airlock.verify.fakegithub, which authenticates each request first. Every repository is reset to one commit
+on `main` (README.md "# owner/name", fixed author, committer and dates: the same sha every run), with
 `receive.fsckObjects` on as on GitHub. Git here never reads a system or global configuration.
 """
 

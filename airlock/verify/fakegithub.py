@@ -1,9 +1,10 @@
 """A faithful fake of the GitHub REST API (v3) for the broker: App JWT → installation token → pull requests.
 
-Run inside the `<prefix>-net` namespace (see fakegithub_client.FakeGitHub):
+Run inside the `<prefix>-net` namespace (see airlock.verify.github.FakeGitHub):
 
-    python fakegithub.py --control /path/ctl.sock --cert leaf.crt --key leaf.key --listen 192.0.2.20 --port 443 \
-        --app-id 4242 --app-public-key app.pub.pem --installation-id 777 --owner acme [--static-token ghp_...]
+    python -P -m airlock.verify.fakegithub --control /path/ctl.sock --cert leaf.crt --key leaf.key \
+        --listen 192.0.2.20 --port 443 --app-id 4242 --app-public-key app.pub.pem --installation-id 777 \
+        --owner acme [--static-token ghp_...]
 
 What it models, as GitHub does it (status codes, error bodies {"message", "documentation_url", "status"}):
 - App authentication: `Authorization: Bearer <JWT>` signed RS256 with the App's key; iss = app id, iat at most 60 s
@@ -25,8 +26,8 @@ What it models, as GitHub does it (status codes, error bodies {"message", "docum
   as on GitHub. Creating on `hang` (or with the `hang` setting) sleeps `hang_seconds` (60) before answering.
 - No User-Agent: 403 (GitHub requires one); an unsupported X-GitHub-Api-Version: 400.
 - Git smart HTTP on the web host (https://github.test/{owner}/{repo}.git, `git http-backend` behind it, see
-  fakegit.py): Basic auth (any user, the token as password) or `token`/`Bearer`; no credential 401 with a Basic
-  challenge, a repo the token does not cover 404, fetching needs `contents: read`, pushing `contents: write` (403
+  airlock.verify.fakegit): Basic auth (any user, the token as password) or `token`/`Bearer`; no credential 401 with a
+  Basic challenge, a repo the token does not cover 404, fetching needs `contents: read`, pushing `contents: write` (403
   otherwise). Every push is recorded with the credential that made it and the refs after it.
 
 Every request is recorded (method, path, query, auth scheme, the raw credential and what it is, body, status). The
@@ -61,8 +62,7 @@ import jwt
 from aiohttp import web
 
 from airlock.verify.control import Commands, serve_until_signalled, start_control
-
-from fakegit import Repos, http_backend
+from airlock.verify.fakegit import Repos, http_backend
 
 API_URL = "https://api.github.test"
 WEB_HOST = "github.test"
@@ -463,11 +463,26 @@ def _integer(value: Any) -> bool:
 
 def verify_app_jwt(state: State, value: str | None) -> dict[str, Any]:
     """The claims of a valid App JWT, else ApiError 401 with GitHub's message for what is wrong."""
+    claims = _signed_claims(state, value)
+    now = time.time()
+    iat: Any = claims.get("iat")
+    exp: Any = claims.get("exp")
+    if not _integer(iat) or iat > now + JWT_IAT_SKEW:
+        raise ApiError(401, JWT_BAD_IAT)
+    if not _integer(exp) or exp <= now:
+        raise ApiError(401, JWT_BAD_EXP)
+    if exp - iat > JWT_MAX_LIFETIME or exp - now > JWT_MAX_LIFETIME:
+        raise ApiError(401, JWT_EXP_TOO_FAR)
+    return claims
+
+
+def _signed_claims(state: State, value: str | None) -> dict[str, Any]:
+    """The claims of a JWT this App signed (its issuer checked first, as GitHub looks the key up by it)."""
     if not value or not looks_like_jwt(value):
         raise ApiError(401, JWT_UNDECODABLE)
     try:
         header = jwt.get_unverified_header(value)
-        claims = jwt.decode(value, options={"verify_signature": False})
+        claims: dict[str, Any] = jwt.decode(value, options={"verify_signature": False})
     except jwt.PyJWTError:
         raise ApiError(401, JWT_UNDECODABLE) from None
     if header.get("alg") != "RS256":
@@ -483,18 +498,13 @@ def verify_app_jwt(state: State, value: str | None) -> dict[str, Any]:
         raise ApiError(401, JWT_UNDECODABLE)  # GitHub looks the key up by iss: another app's key never verifies
     try:
         # Only the signature here; GitHub's own claim checks (and messages) follow.
-        skip = ("verify_exp", "verify_iat", "verify_nbf", "verify_aud", "verify_iss", "verify_sub", "verify_jti")
-        jwt.decode(value, state.public_key, algorithms=["RS256"], options=dict.fromkeys(skip, False))
+        skip: jwt.types.Options = {
+            "verify_exp": False, "verify_iat": False, "verify_nbf": False, "verify_aud": False, "verify_iss": False,
+            "verify_sub": False, "verify_jti": False,
+        }  # fmt: skip
+        jwt.decode(value, state.public_key, algorithms=["RS256"], options=skip)
     except jwt.PyJWTError:
         raise ApiError(401, JWT_UNDECODABLE) from None
-    now = time.time()
-    iat, exp = claims.get("iat"), claims.get("exp")
-    if not _integer(iat) or iat > now + JWT_IAT_SKEW:
-        raise ApiError(401, JWT_BAD_IAT)
-    if not _integer(exp) or exp <= now:
-        raise ApiError(401, JWT_BAD_EXP)
-    if exp - iat > JWT_MAX_LIFETIME or exp - now > JWT_MAX_LIFETIME:
-        raise ApiError(401, JWT_EXP_TOO_FAR)
     return claims
 
 

@@ -1,14 +1,12 @@
-"""Client for fakegithub.py (the fake GitHub REST API) running in the topology's `net` namespace, plus an HTTPS
-client for calling it from inside a test namespace (run it through netclient.in_netns)."""
+"""Client for the fake GitHub (airlock.verify.fakegithub: its REST API and git smart HTTP) running in the topology's
+`net` namespace, and the App key it is started with."""
 
 from __future__ import annotations
 
-import http.client
 import json
 import secrets
-import socket
-import ssl
 import string
+import sys
 import time
 from pathlib import Path
 from typing import Any, Self
@@ -19,8 +17,6 @@ from cryptography.hazmat.primitives.asymmetric import rsa
 
 from airlock.verify.control import ControlledFake
 from airlock.verify.topology import Topology
-
-from netclient import Reply
 
 GITHUB_IP = "192.0.2.20"
 GITHUB_HOST = "api.github.test"
@@ -46,11 +42,10 @@ def make_app_key(path: Path) -> str:
 
 
 class FakeGitHub(ControlledFake):
-    """Client for fakegithub.py. After start(): app_id, installation_id, owner, static_token (and, when the fixture
-    made one, app_key_path / static_token_path) describe the App the broker is configured with."""
+    """Client for airlock.verify.fakegithub. After start(): app_id, installation_id, owner, static_token (and, when
+    the fixture made one, app_key_path / static_token_path) describe the App the broker is configured with."""
 
     name = "fakegithub"
-    script = Path(__file__).with_name("fakegithub.py")
     ip = GITHUB_IP
     port = 443
     host = GITHUB_HOST
@@ -72,6 +67,10 @@ class FakeGitHub(ControlledFake):
         self.app_key_path = app_key_path
         self.app_id: int | None = None
         self.installation_id: int | None = None
+
+    def program(self) -> list[str]:
+        # -P: the working directory (often a checkout, whose dns/ would shadow dnspython) stays off sys.path.
+        return [sys.executable, "-P", "-m", "airlock.verify.fakegithub"]
 
     def start(
         self,
@@ -120,6 +119,10 @@ class FakeGitHub(ControlledFake):
         """calls, prs, tokens (issued installation tokens), connections (TCP accepts) and settings."""
         return self._call("stats")
 
+    def _records(self, name: str) -> list[dict[str, Any]]:
+        records: list[dict[str, Any]] = self.stats()[name]
+        return records
+
     def reset(self) -> None:
         """Forget calls, PRs and tokens; settings back to their defaults."""
         self._call("reset")
@@ -127,11 +130,12 @@ class FakeGitHub(ControlledFake):
     def set(self, **settings: Any) -> dict[str, Any]:
         """Change behaviour: hang, hang_after_create, hang_seconds, fail_status, token_fail_status, token_ttl,
         check_runs."""
-        return self._call("set", **settings)["settings"]
+        settings_now: dict[str, Any] = self._call("set", **settings)["settings"]
+        return settings_now
 
     def expire_tokens(self) -> int:
         """Make every installation token issued so far expired; returns how many."""
-        return self._call("expire_tokens")["expired"]
+        return int(self._call("expire_tokens")["expired"])
 
     # ------------------------------------------------------------------------------------------- views
 
@@ -140,32 +144,33 @@ class FakeGitHub(ControlledFake):
         static | unknown | None), body, status, response, hung, user_agent, accept, api_version, client."""
         return [
             c
-            for c in self.stats()["calls"]
+            for c in self._records("calls")
             if (path_prefix is None or c["path"].startswith(path_prefix)) and (method is None or c["method"] == method)
         ]
 
     def prs(self) -> list[dict[str, Any]]:
         """PRs created: repo, number, title, head, base, body, draft, state, user, token, credential, html_url, url."""
-        return self.stats()["prs"]
+        return self._records("prs")
 
     def comments(self) -> list[dict[str, Any]]:
         """Comments posted on pull requests: repo, number, id, body, user, credential, permissions, repositories."""
-        return self.stats()["comments"]
+        return self._records("comments")
 
     def tokens(self) -> list[dict[str, Any]]:
         """Installation tokens issued: token, permissions, repositories (None = all), expires_at, revoked, ..."""
-        return self.stats()["tokens"]
+        return self._records("tokens")
 
     def connections(self) -> int:
-        return self.stats()["connections"]
+        return int(self.stats()["connections"])
 
     def git(self) -> dict[str, dict[str, Any]]:
         """The bare repositories by name (app, other, hang): path, and refs (refname → sha)."""
-        return self.stats()["git"]
+        repos: dict[str, dict[str, Any]] = self.stats()["git"]
+        return repos
 
     def pushes(self) -> list[dict[str, Any]]:
         """git pushes received: repo, status, credential, token, permissions, repositories, refs after."""
-        return self.stats()["pushes"]
+        return self._records("pushes")
 
     # ------------------------------------------------------------------------------------------- helpers
 
@@ -182,48 +187,3 @@ class FakeGitHub(ControlledFake):
 def new_static_token() -> str:
     """A classic-PAT-shaped token: ghp_ and 36 alphanumerics."""
     return "ghp_" + "".join(secrets.choice(string.ascii_letters + string.digits) for _ in range(36))
-
-
-def github_request(
-    ca_file: str | Path,
-    method: str,
-    path: str,
-    token: str | None = None,
-    scheme: str = "token",
-    body: Any = None,
-    raw_body: bytes | None = None,
-    headers: dict[str, str] | None = None,
-    timeout: float = 10,
-    address: tuple[str, int] = (GITHUB_IP, 443),
-) -> Reply:
-    """One HTTPS request to the fake from the calling thread's namespace (use in_netns), verified against ca_file
-    for api.github.test, with GitHub's usual headers (headers override; a None value drops one)."""
-    all_headers: dict[str, str | None] = {
-        "Accept": ACCEPT,
-        "X-GitHub-Api-Version": API_VERSION,
-        "User-Agent": "airlock-e2e",
-    }
-    if token is not None:
-        all_headers["Authorization"] = f"{scheme} {token}"
-    all_headers.update(headers or {})
-    data = raw_body if raw_body is not None else (json.dumps(body).encode() if body is not None else None)
-    if data is not None:
-        all_headers.setdefault("Content-Type", "application/json")
-        all_headers["Content-Length"] = str(len(data))
-    context = ssl.create_default_context(cafile=str(ca_file))
-    conn = http.client.HTTPSConnection(GITHUB_HOST, address[1], timeout=timeout, context=context)
-    try:
-        # Connect by address: names of the fake internet only resolve through fakenet, never the host's resolver.
-        raw = socket.create_connection(address, timeout=timeout)
-        conn.sock = context.wrap_socket(raw, server_hostname=GITHUB_HOST)
-        conn.putrequest(method, path, skip_accept_encoding=True)
-        for name, value in all_headers.items():
-            if value is not None:
-                conn.putheader(name, value)
-        conn.endheaders(data)
-        response = conn.getresponse()
-        return Reply(response.status, dict(response.getheaders()), response.read())
-    except (OSError, http.client.HTTPException) as e:
-        return Reply(0, {}, error=f"{type(e).__name__}: {e}")
-    finally:
-        conn.close()
