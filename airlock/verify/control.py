@@ -59,6 +59,19 @@ async def serve_control(
         writer.close()
 
 
+def listening_socket(address: str, port: int) -> socket.socket:
+    """A fake's own listener on one address of the fake internet. fakenet listens on 0.0.0.0 with SO_REUSEPORT;
+    binding a specific address with it too is allowed, and the kernel prefers the more specific listener, so the
+    fake answers its address while it runs."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    sock.bind((address, port))
+    sock.listen(128)
+    sock.setblocking(False)
+    return sock
+
+
 async def start_control(
     path: Path, commands: Commands, log: Callable[[str], None], json_default: Callable[[Any], Any] | None = None
 ) -> asyncio.Server:

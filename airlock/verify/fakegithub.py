@@ -46,7 +46,6 @@ import hashlib
 import itertools
 import json
 import secrets
-import socket
 import ssl
 import string
 import sys
@@ -61,7 +60,7 @@ from typing import Any
 import jwt
 from aiohttp import web
 
-from airlock.verify.control import Commands, serve_until_signalled, start_control
+from airlock.verify.control import Commands, listening_socket, serve_until_signalled, start_control
 from airlock.verify.fakegit import Repos, http_backend
 
 API_URL = "https://api.github.test"
@@ -1084,18 +1083,6 @@ def commands(state: State) -> Commands:
         return None
 
     return answer
-
-
-def listening_socket(address: str, port: int) -> socket.socket:
-    # fakenet listens on 0.0.0.0:443 with SO_REUSEPORT; binding the specific address with it too is allowed, and
-    # the kernel prefers the more specific listener, so this process answers 192.0.2.20:443 while it runs.
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-    sock.bind((address, port))
-    sock.listen(128)
-    sock.setblocking(False)
-    return sock
 
 
 async def serve(args: argparse.Namespace) -> None:

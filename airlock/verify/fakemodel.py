@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import hmac
-import socket
 import ssl
 import sys
 from pathlib import Path
@@ -26,7 +25,7 @@ from typing import Any
 
 from aiohttp import web
 
-from airlock.verify.control import Commands, serve_until_signalled, start_control
+from airlock.verify.control import Commands, listening_socket, serve_until_signalled, start_control
 
 MODEL_HOST = "api.model.example"
 MODEL_IP = "192.0.2.30"
@@ -60,17 +59,6 @@ def commands(requests: list[dict[str, Any]]) -> Commands:
         return None
 
     return reply
-
-
-def listening_socket(address: str, port: int) -> socket.socket:
-    # fakenet listens on 0.0.0.0:443 with SO_REUSEPORT; the kernel prefers this more specific listener.
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-    sock.bind((address, port))
-    sock.listen(128)
-    sock.setblocking(False)
-    return sock
 
 
 async def serve(args: argparse.Namespace) -> None:
