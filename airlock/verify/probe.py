@@ -469,6 +469,97 @@ def run_marked(config: dict[str, Any]) -> str:
     return each(*(partial(start, path) for path in config["marked_programs"]))
 
 
+# --------------------------------------------------------------------------------------------------- resources
+
+FILL = "airlock-verify-fill-{nonce}"  # the /tmp fill's file name
+# Busy until it has had its CPU time; holding memory until killed; forking until refused, each fork waiting to be
+# killed.
+_BURN = """
+import sys, time
+end = time.monotonic() + 4 * float(sys.argv[1])  # a host too busy to give it the time: it gives up
+while time.process_time() < float(sys.argv[1]) and time.monotonic() < end:
+    pass
+"""
+_HOG = """
+import sys
+with open("/proc/self/oom_score_adj", "w") as f:  # the one the kernel kills first, whatever else is running
+    f.write("1000")
+held, chunk = [], 16 << 20
+while len(held) * chunk < int(sys.argv[1]):
+    held.append(b"\\1" * chunk)  # written, not only reserved: every page counted
+print(f"held {len(held) * chunk} bytes", flush=True)
+"""
+_BOMB = """
+import os, sys, time
+forks = 0
+try:
+    while forks < int(sys.argv[1]):
+        if os.fork() == 0:
+            time.sleep(60)
+            os._exit(0)
+        forks += 1
+    print(f"{forks} forks", flush=True)
+except OSError as e:
+    print(f"{forks} forks, then {e.strerror}", flush=True)
+"""
+_AFTER = "import sys\nwith open(sys.argv[1], 'w') as f:\n    f.write(sys.argv[2])"  # a process after the bomb
+
+
+def _child(kind: str, source: str, *args: str) -> subprocess.Popen[str]:
+    argv = [sys.executable, "-I", "-c", source, *args, f"{CHILD}-{kind}"]
+    return subprocess.Popen(argv, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True, start_new_session=True)
+
+
+def burn_cpu(config: dict[str, Any]) -> str:
+    """More processes busy at once than the CPU quota gives time to: the kernel throttles the sandbox's group."""
+    burners = [_child("cpu", _BURN, str(config["burn_seconds"])) for _ in range(config["burners"])]
+    exits = [p.wait() for p in burners]
+    return f"{len(burners)} processes each busy for {config['burn_seconds']}s of CPU: exits {exits}"
+
+
+def hog_memory(config: dict[str, Any]) -> str:
+    """A child that writes more memory than the limit: the kernel kills it (-9), the probe goes on."""
+    hog = _child("memory", _HOG, str(config["hog_bytes"]))
+    assert hog.stdout is not None
+    said = hog.stdout.read().strip()
+    return f"a child writing {config['hog_bytes']} bytes: exit {hog.wait()}{f' ({said})' if said else ''}"
+
+
+def fork_bomb(config: dict[str, Any]) -> str:
+    """A child forking past the pids limit, its forks then killed; then the sandbox must still start a process."""
+    bomb = _child("fork-bomb", _BOMB, str(config["bomb_forks"]))
+    assert bomb.stdout is not None
+    said = bomb.stdout.readline().strip() or "nothing"
+    with contextlib.suppress(OSError):
+        os.killpg(bomb.pid, 9)
+    bomb.wait()
+    deadline = time.monotonic() + 10
+    while True:  # the killed forks are reaped by the sandbox's init: until then their slots stay taken
+        try:
+            after = subprocess.run([sys.executable, "-I", "-c", _AFTER, str(OUT / "after-bomb"), config["nonce"]])
+            return f"the bomb: {said}; then a new process: exit {after.returncode}"
+        except OSError as e:
+            if time.monotonic() > deadline:
+                return f"the bomb: {said}; then no new process: {e}"
+            time.sleep(0.1)
+
+
+def fill_tmp(config: dict[str, Any]) -> str:
+    """/tmp written until it refuses or the fill is as large as asked (kept there for the host to see)."""
+    path, written, chunk = Path("/tmp") / FILL.format(nonce=config["nonce"]), 0, b"\0" * (1 << 20)
+    try:
+        with path.open("wb") as f:
+            while written < config["tmp_fill"]:
+                written += f.write(chunk)
+                f.flush()
+    except OSError as e:
+        return f"wrote {written} bytes to {path}, then {type(e).__name__}: {e}"
+    return f"wrote {written} bytes to {path}"
+
+
+# Made one at a time once every other attempt is made: each takes the whole sandbox to one of its limits.
+RESOURCES: dict[str, Attempt] = {"cpu": burn_cpu, "memory": hog_memory, "fork-bomb": fork_bomb, "tmp-fill": fill_tmp}
+
 ATTEMPTS: dict[str, Attempt] = {
     "reach": reach,
     "direct-tcp": direct_tcp,
@@ -510,9 +601,10 @@ def main(argv: list[str]) -> int:
     Path(config["mount_point"]).mkdir()
     with ThreadPoolExecutor(max_workers=OUTER_WORKERS) as pool:
         seen = dict(zip(names, pool.map(lambda name: _outcome(lambda: ATTEMPTS[name](config)), names), strict=True))
+    seen |= {name: _outcome(partial(RESOURCES[name], config)) for name in config["attempts"] if name in RESOURCES}
     (OUT / "probe.json").write_text(json.dumps(seen, indent=1))
     READY.touch()
-    if HOLDING & set(names):  # the host looks at what the children hold, then releases them
+    if (HOLDING | set(RESOURCES)) & set(seen):  # the host looks at what the children hold, then releases them
         deadline = time.monotonic() + HOLD_LIMIT
         while not RELEASE.exists() and time.monotonic() < deadline:
             time.sleep(0.05)

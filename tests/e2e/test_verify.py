@@ -1,7 +1,7 @@
 """`airlock verify` end to end, as a user runs it on the host: its own fake internet, a real sandbox in it, the
 matrix. It holds on the default setup, and fails exactly the checks a weakened setup breaks: without filesystem
-isolation the file checks, with a policy that opens more ports of an allowed host the other-port check. A check
-that could not run is an error (exit 2), never a pass."""
+isolation the file checks and the /tmp fill, with a policy that opens more ports of an allowed host the other-port
+check. A check that could not run is an error (exit 2), never a pass."""
 
 from __future__ import annotations
 
@@ -45,6 +45,11 @@ def _results(verdicts: dict) -> dict[str, str]:
     return {check["id"]: check["result"] for check in verdicts["checks"]}
 
 
+# A CPU quota this shared test host still lets the sandbox exceed when it is busy: at the default 1 CPU a host busy
+# with other work may never give the sandbox a quota's worth, and the cpu check then says it could not judge.
+QUOTA = ("--cpus", "0.25")
+
+
 def _leftover_folders() -> set[Path]:
     return set(Path("/var/tmp").glob("airlock-verify-*"))
 
@@ -52,7 +57,7 @@ def _leftover_folders() -> set[Path]:
 def test_verify_holds_every_check_on_the_default_setup(tmp_path: Path):
     before = _leftover_folders()
     junit = tmp_path / "verify.xml"
-    done, verdicts = _verify(tmp_path, "--junit", str(junit))
+    done, verdicts = _verify(tmp_path, "--junit", str(junit), *QUOTA)
     assert done.returncode == 0, done.stdout + done.stderr
     SCHEMA.validate(verdicts)
     assert _results(verdicts) == {check.id: "held" for check in CHECKS}
@@ -64,12 +69,16 @@ def test_verify_holds_every_check_on_the_default_setup(tmp_path: Path):
     assert _leftover_folders() == before
 
 
-def test_verify_without_filesystem_isolation_fails_exactly_the_file_checks(tmp_path: Path):
-    done, verdicts = _verify(tmp_path, "--isolation", "none", "--only", "files", "--only", "secrets")
+def test_verify_without_filesystem_isolation_fails_exactly_the_file_checks_and_the_tmp_fill(tmp_path: Path):
+    groups = ("--only", "files", "--only", "secrets", "--only", "resources")
+    done, verdicts = _verify(tmp_path, "--isolation", "none", *groups, *QUOTA)
     assert done.returncode == 1, done.stdout + done.stderr
     SCHEMA.validate(verdicts)
     failed = {check for check, result in _results(verdicts).items() if result != "held"}
-    assert failed == {"write-outside", "write-symlink", "write-proc-root"}, done.stdout
+    assert failed == {"write-outside", "write-symlink", "write-proc-root", "tmp-fill"}, done.stdout
+    fill = next(check for check in verdicts["checks"] if check["id"] == "tmp-fill")
+    assert fill["evidence"].startswith("the sandbox's /tmp is the host's /tmp")
+    assert not list(Path("/tmp").glob("airlock-verify-fill-*")), "the fill is removed from the host's /tmp"
     assert "FAILED" in done.stdout
 
 
