@@ -45,7 +45,7 @@ class Usage:
 
 def cgroup_counters(sandbox_id: str) -> dict[str, int]:
     """Each counter of the sandbox's groups the host keeps."""
-    found = {}
+    found: dict[str, int] = {}
     for controller, (parent, version) in cgroups.host_parents().items():
         found |= group_counters(parent / sandbox_id, version, controller)
     return found
