@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 from airlock.sandbox.limits import DEFAULT_CPUS, DEFAULT_MEMORY, DEFAULT_PIDS, memory_bytes
 
-from .probe import ALLOWED_ADDR, CANARY_ADDR, CHILD, DNS_ADDR, METADATA, OTHER_ADDR
+from .probe import ALLOWED_ADDR, CANARY_ADDR, CHILD, DNS_ADDR, INTERNAL_ADDR, METADATA, OTHER_ADDR
 from .processes import NAMESPACES, Process, descendants
 from .targets import UNLISTED, Targets
 from .usage import Usage
@@ -38,6 +38,9 @@ BURN_SECONDS = 0.6
 HOG_MARGIN, MEMORY_CAP = 64 << 20, 2 << 30
 BOMB_MARGIN, PIDS_CAP = 64, 1024
 TMP_FILL = 32 << 20
+# Seconds between the rebinding name's requests: longer than the gateway caches an answer of TTL 0 (its
+# --dns-min-ttl, 5 by default), so that the second is judged on the internal answer.
+REBIND_WAIT = 6.0
 TIMEOUT_GIVEN, TIMEOUT_GRACE = 2.0, 15.0  # `airlock run --timeout` of the timeout check; seconds it may take beyond
 
 
@@ -228,6 +231,15 @@ def _no_sni(ev: Evidence) -> tuple[bool, str]:
 def _no_host(ev: Evidence) -> tuple[bool, str]:
     fronted = [r for r in ev.stats["http"] if (r["host"] or "").partition(":")[0].lower() in ev.targets.canaries]
     return not fronted, f"{len(fronted)} requests upstream carried a canary's Host"
+
+
+def _not_rebound(ev: Evidence) -> tuple[bool, str]:
+    name = ev.targets.rebind
+    asked = [e for e in ev.stats["dns_log"] if e["qname"] == name and e["qtype"] in ("A", "ANY")]
+    held, why = _none_at((INTERNAL_ADDR, 443), (INTERNAL_ADDR, 80))(ev)
+    if len(asked) < 2 and held:
+        raise NotJudged(f"the gateway asked for {name} {len(asked)} times: it never had the internal answer")
+    return held, f"the gateway asked for {name} {len(asked)} times (the second answer internal); {why}"
 
 
 def _gateway_ports(ev: Evidence) -> tuple[bool, str]:
@@ -426,6 +438,10 @@ def _alias(targets: Targets, limits: Limits) -> str | None:
     )
 
 
+def _rebind(targets: Targets, limits: Limits) -> str | None:
+    return None if targets.rebind else "needs three hosts the profile allows on port 443 (one rebinds)"
+
+
 def _canary(targets: Targets, limits: Limits) -> str | None:
     return None if targets.canaries else "the profile opens every name the check would try"
 
@@ -452,6 +468,8 @@ CHECKS: tuple[Check, ...] = (
           "reaches nothing", _none_at((METADATA, 8080)), "metadata-spellings"),
     Check("network", "metadata-name", "an allowed name that resolves to 169.254.169.254 reaches nothing",
           _none_at((METADATA, 443)), "metadata-name", _alias),
+    Check("network", "dns-rebinding", "an allowed name that rebinds to an internal address never reaches it",
+          _not_rebound, "dns-rebinding", _rebind),
     Check("network", "connect-denied", "CONNECT to a denied or unlisted name reaches nothing",
           _none_at((CANARY_ADDR, 443)), "connect-denied", _canary),
     Check("network", "sni-fronting", "TLS naming a denied name in its SNI, to an allowed host, never leaves",

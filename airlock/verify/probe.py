@@ -39,6 +39,7 @@ CANARY_ADDR = "203.0.113.66"
 OTHER_ADDR = "198.51.100.10"
 DNS_ADDR = "192.0.2.53"
 METADATA = "169.254.169.254"
+INTERNAL_ADDR = "10.1.2.3"  # an internal host no rule opens (a rebinding name's second answer)
 # 169.254.169.254 as a URL may also spell it: decimal, hex, octal, mixed, IPv4-mapped IPv6, short forms.
 METADATA_SPELLINGS = (
     "2852039166",
@@ -281,6 +282,16 @@ def metadata_name(config: dict[str, Any]) -> str:
         return "; ".join(_outcome(partial(direct_tls, address, 443, alias)) for address in resolve(alias))
 
     return each(lambda: connect_then_tls(alias, 443, alias, path), direct_by_name)
+
+
+def dns_rebinding(config: dict[str, Any]) -> str:
+    """The rebinding name through the proxy: once while it answers its public address, then again once the
+    gateway's cache of that answer is over (it answers an internal address from then on)."""
+    name, path = config["rebind"], f"/airlock-verify/{config['nonce']}/rebind"
+    first = _outcome(partial(connect_then_tls, name, 443, name, path))
+    time.sleep(config["rebind_wait"])
+    then = each(partial(connect_then_tls, name, 443, name, path), partial(proxy_get, f"http://{name}{path}", name))
+    return f"first: {first}; after {config['rebind_wait']}s: {then}"
 
 
 def connect_denied(config: dict[str, Any]) -> str:
@@ -572,6 +583,7 @@ ATTEMPTS: dict[str, Attempt] = {
     "metadata-literal": metadata_literal,
     "metadata-spellings": metadata_spellings,
     "metadata-name": metadata_name,
+    "dns-rebinding": dns_rebinding,
     "connect-denied": connect_denied,
     "sni-fronting": sni_fronting,
     "host-fronting": host_fronting,

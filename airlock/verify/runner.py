@@ -44,6 +44,7 @@ from .checks import (
     PLACEHOLDER_VAR,
     PROBE_ARGV,
     PROBE_MARK,
+    REBIND_WAIT,
     SECRET_NAME,
     TIMEOUT_GIVEN,
     TIMEOUT_GRACE,
@@ -318,7 +319,8 @@ def _probe_config(request: Request, area: Area, nonce: str, secret_file: Path) -
             c.attempt for c in request.checks if c.attempt and c.needs(targets, request.limits) is None
         )),
         "allowed": list(targets.allowed), "front": targets.front, "canaries": list(targets.canaries),
-        "canary": UNLISTED, "metadata_alias": targets.metadata_alias, "outside": str(area.outside),
+        "canary": UNLISTED, "metadata_alias": targets.metadata_alias, "rebind": targets.rebind,
+        "rebind_wait": REBIND_WAIT, "outside": str(area.outside),
         "gateway_paths": [str(area.private), "/run/airlock", "/var/lib/airlock", "/tmp/airlock-run-*"],
         "secret_file": str(secret_file), "mount_point": f"airlock-verify/mnt-{nonce}",
         "marked_programs": [str(p) for p in sorted(area.programs.iterdir())],

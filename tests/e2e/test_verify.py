@@ -30,6 +30,20 @@ profiles:
         ports: [443, 8443, 9999]
         tunnel: true
       - host: files.pythonhosted.org
+      - host: github.com
+"""
+# Opens the internal address the fake DNS rebinds an allowed name to.
+INTERNAL_POLICY = """\
+version: 1
+default_profile: default
+profiles:
+  default:
+    allow:
+      - host: pypi.org
+      - host: files.pythonhosted.org
+      - host: github.com
+      - cidr: 10.1.2.0/24
+        ports: [80, 443]
 """
 
 
@@ -93,6 +107,17 @@ def test_verify_with_a_policy_that_opens_other_ports_fails_the_other_port_check(
     assert other["evidence"] == "1 connections at 192.0.2.10:8443, 1 connections at 192.0.2.10:9999"
 
 
+def test_verify_with_a_policy_that_opens_the_internal_network_fails_the_rebinding_check(tmp_path: Path):
+    policy = tmp_path / "internal.yaml"
+    policy.write_text(INTERNAL_POLICY)
+    done, verdicts = _verify(tmp_path, "--policy", str(policy), "--only", "network")
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert {check for check, result in _results(verdicts).items() if result != "held"} == {"dns-rebinding"}
+    rebinding = next(check for check in verdicts["checks"] if check["id"] == "dns-rebinding")
+    assert "the gateway asked for files.pythonhosted.org 2 times" in rebinding["evidence"], rebinding
+    assert "0 connections at 10.1.2.3:443" not in rebinding["evidence"]
+
+
 def test_verify_reports_a_check_that_could_not_run_as_an_error(tmp_path: Path):
     # Four processes: the probe cannot start its threads, so it attempts nothing and nothing may pass.
     done, verdicts = _verify(tmp_path, "--pids", "4", "--only", "files")
@@ -107,5 +132,5 @@ def test_verify_refuses_a_policy_that_would_open_metadata_before_building_anythi
     done, verdicts = _verify(tmp_path, "--policy", str(policy))
     assert (done.returncode, verdicts) == (2, {})
     assert done.stderr == (
-        f"{policy}:10: cidr '169.254.169.254/32' covers cloud metadata / link-local addresses, which never open\n"
+        f"{policy}:11: cidr '169.254.169.254/32' covers cloud metadata / link-local addresses, which never open\n"
     )

@@ -124,9 +124,10 @@ def test_the_default_policy_gives_each_allowed_host_an_upstream_and_each_denied_
     found = targets(load_policy_file(None).profile())
     assert found.allowed == (
         "pypi.org", "files.pythonhosted.org", "github.com", "api.github.com", "codeload.github.com",
-        "objects.githubusercontent.com",
     )  # fmt: skip
     assert found.metadata_alias == "raw.githubusercontent.com"
+    assert found.rebind == "objects.githubusercontent.com"
+    assert found.zone()["objects.githubusercontent.com"] == [("REBIND", "192.0.2.10 10.1.2.3")]
     assert found.canaries == (UNLISTED, "gist.github.com", "gist.githubusercontent.com")
     assert found.zone()["raw.githubusercontent.com"] == [("A", "169.254.169.254")]
 
@@ -198,6 +199,7 @@ KINDS = ("userns", "netns", "mountns", "mount", "ptrace", "raw-socket", "packet-
 
 
 REACHED = [{"host": "pypi.org", "target": "/airlock-verify/n0nce/reach", "tls": True}]
+REBOUND = [{"qname": "api.github.com", "qtype": "A"}] * 2  # the gateway asked twice: the second answer internal
 LIMITS = Limits(1.0, 512 << 20, 256, host_cpus=2)
 COUNTERS = {  # the sandbox's cgroup once the resource attempts are made, at the default limits
     "cpu_quota": 100_000, "cpu_period": 100_000, "nr_throttled": 9, "throttled_usec": 800_000, "oom_kill": 1,
@@ -227,12 +229,13 @@ def _holding(
     (work / "inside-n0nce").write_text("n0nce")
     (work / "airlock-verify" / "after-bomb").write_text("n0nce")
     (work / "airlock-verify" / "env.json").write_text(json.dumps({"AIRLOCK_VERIFY_SECRET": checks.PLACEHOLDER}))
-    stats = {"connections": {}, "udp": {}, "dns_log": [], "sni": ["pypi.org"], "http": REACHED}
+    stats = {"connections": {}, "udp": {}, "dns_log": REBOUND, "sni": ["pypi.org"], "http": REACHED}
     stats |= {key.removeprefix("stats_"): value for key, value in changes.items() if key.startswith("stats_")}
     kids = {kind: _child(kind) for kind in KINDS} | (children or {})
     marked = _process(12, 10, ("/var/tmp/x/bin/setuid-sleep", "30"), **(sleeper or {}))
     evidence = Evidence(
-        "n0nce", Targets(("pypi.org",), (UNLISTED,), "github.com"), {c.attempt: "tried" for c in CHECKS if c.attempt},
+        "n0nce", Targets(("pypi.org",), (UNLISTED,), "github.com", "api.github.com"),
+        {c.attempt: "tried" for c in CHECKS if c.attempt},
         stats, {"from_sandbox": 0, "icmp_echo": 0, "ipv6_frames": 0}, work, outside, tmp_path / "host-tmp",
         {"the --secret": b"s3cret", "the host's environment": b"h0st", "the fake internet's CA key": b"k3y"},
         {}, Sandboxed([LAUNCHER, PROBE, marked, *kids.values()], 0), limits=LIMITS,
@@ -259,12 +262,13 @@ BREAKS = {  # check -> the evidence a setup that breaks it leaves
     "udp": lambda t: _holding(t, stats_udp={"9999": 1}),
     "icmp": lambda t: _holding(t, packets={"icmp_echo": 1}),
     "ipv6": lambda t: _holding(t, packets={"ipv6_frames": 3}),
-    "dns-other-resolver": lambda t: _holding(t, stats_dns_log=[{"qname": f"r-n0nce.{UNLISTED}"}]),
+    "dns-other-resolver": lambda t: _holding(t, stats_dns_log=[*REBOUND, {"qname": f"r-n0nce.{UNLISTED}"}]),
     "dns-encrypted": lambda t: _holding(t, stats_connections={"192.0.2.53:853": 1}),
-    "dns-unlisted": lambda t: _holding(t, stats_dns_log=[{"qname": f"u-n0nce.{UNLISTED}"}]),
+    "dns-unlisted": lambda t: _holding(t, stats_dns_log=[*REBOUND, {"qname": f"u-n0nce.{UNLISTED}"}]),
     "metadata-literal": lambda t: _holding(t, stats_connections={"169.254.169.254:80": 1}),
     "metadata-spellings": lambda t: _holding(t, stats_connections={"169.254.169.254:8080": 1}),
     "metadata-name": lambda t: _holding(t, stats_connections={"169.254.169.254:443": 1}),
+    "dns-rebinding": lambda t: _holding(t, stats_connections={"10.1.2.3:443": 1}),
     "connect-denied": lambda t: _holding(t, stats_connections={"203.0.113.66:443": 1}),
     "sni-fronting": lambda t: _holding(t, stats_sni=[UNLISTED]),
     "host-fronting": lambda t: _holding(
@@ -312,6 +316,11 @@ def test_every_check_fails_on_the_evidence_a_setup_that_breaks_it_leaves(tmp_pat
 
 
 # --------------------------------------------------------------------------------------------------- resources
+
+
+def test_the_rebinding_check_cannot_judge_a_gateway_that_asked_once(tmp_path: Path):
+    outcome = judge(BY_ID["dns-rebinding"], _holding(tmp_path, stats_dns_log=REBOUND[:1]))
+    assert outcome.result == "error" and "never had the internal answer" in outcome.evidence
 
 
 def test_the_cpu_check_cannot_judge_a_quota_a_busy_host_never_let_the_sandbox_reach(tmp_path: Path):
