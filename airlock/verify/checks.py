@@ -77,6 +77,8 @@ class Sandboxed:
 
     processes: list[Process]
     raw_sockets: int  # raw and packet sockets open in its network namespace
+    keys: tuple[int, int] | None = None  # the keys of the sandbox's user the kernel counted before the run, and then
+    sockets: tuple[str, ...] = ()  # the host's docker socket paths that are a socket in the probe's view of them
 
     def probe(self) -> Process:
         found = next((p for p in self.processes if p.cmdline[:3] == PROBE_ARGV and p.marked(PROBE_MARK)), None)
@@ -116,6 +118,7 @@ class Evidence:
     limits: Limits = field(default_factory=Limits)
     usage: Usage = field(default_factory=Usage)
     timed: TimedRun | None = None  # the timeout check's run (None: it did not run)
+    docker_socket_connections: int | None = None  # at the host's socket canary (None: the host has its own socket)
 
     def counter(self, name: str) -> int:
         if name not in self.usage.counters:
@@ -426,6 +429,20 @@ def _pids_capped(targets: Targets, limits: Limits) -> str | None:
     return f"--pids above {PIDS_CAP}: more forks than the probe may make" if limits.pids > PIDS_CAP else None
 
 
+def _no_keys(ev: Evidence) -> tuple[bool, str]:
+    ev.sandboxed.children("add_key", "keyctl")
+    if ev.sandboxed.keys is None:
+        raise NotJudged("the kernel's count of the sandbox user's keys (/proc/key-users) could not be read")
+    before, held = ev.sandboxed.keys
+    return held <= before, f"the sandbox user's keys: {before} before the run, {held} while the probe's children held"
+
+
+def _no_docker_socket(ev: Evidence) -> tuple[bool, str]:
+    n, seen = ev.docker_socket_connections, ev.sandboxed.sockets
+    counted = "the host's own socket (its connections not counted)" if n is None else f"{n} connections at its canary"
+    return not n and not seen, f"a socket in the sandbox's view at: {', '.join(seen) or 'neither path'}; {counted}"
+
+
 def _front(targets: Targets, limits: Limits) -> str | None:
     return None if targets.front else "the profile allows no host on port 443"
 
@@ -494,6 +511,8 @@ CHECKS: tuple[Check, ...] = (
           "read-secret"),
     Check("secrets", "host-environment", "the host's environment stays out", _secrets_unread(("the host's "
           "environment",)), "read-host-env"),
+    Check("secrets", "service-account", "a Kubernetes service-account token on the host is not readable",
+          _secrets_unread(("the service-account token",)), "read-service-account"),
     Check("privilege", "setuid", "a setuid-root or file-capability program gains nothing: no root ID, no capability",
           _no_root, "setuid"),
     Check("privilege", "no-new-privs", "every process of the probe runs with no-new-privs, seccomp, no capability",
@@ -504,6 +523,9 @@ CHECKS: tuple[Check, ...] = (
     Check("privilege", "raw-sockets", "no raw or packet socket", _no_raw_sockets, "raw-sockets"),
     Check("privilege", "kernel-objects", "no io_uring, bpf map, userfaultfd or perf event", _no_kernel_objects,
           "kernel-objects"),
+    Check("privilege", "keyctl", "no kernel key made (add_key, keyctl)", _no_keys, "keyring"),
+    Check("privilege", "docker-socket", "no docker socket of the host is reachable", _no_docker_socket,
+          "docker-socket"),
     Check("resources", "cpu", "CPU-bound processes beyond --cpus are throttled", _throttled, "cpu", _below_host),
     Check("resources", "memory", "a process writing more than --memory is killed, the run goes on", _oom_killed,
           "memory", _memory_capped),

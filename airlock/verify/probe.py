@@ -403,6 +403,24 @@ def read_secret(config: dict[str, Any]) -> str:
     return f"{read_all([config['secret_file'], '/proc/self/environ'], 'secret.bin')}; environment kept"
 
 
+def read_service_account_token(config: dict[str, Any]) -> str:
+    tokens = [f"{root}/secrets/kubernetes.io/serviceaccount/token" for root in ("/var/run", "/run")]
+    return read_all(tokens, "service-account.bin")
+
+
+def docker_socket(config: dict[str, Any]) -> str:
+    """The docker engine's API on its unix socket, at both of its usual paths."""
+
+    def ask(path: str) -> str:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+            sock.settimeout(TIMEOUT)
+            sock.connect(path)
+            sock.sendall(b"GET /version HTTP/1.0\r\n\r\n")
+            return f"{path}: {_first_line(sock)}"
+
+    return each(*(partial(ask, path) for path in ("/var/run/docker.sock", "/run/docker.sock")))
+
+
 def read_host_env(config: dict[str, Any]) -> str:
     return read_all(["/proc/*/environ", "/proc/*/cmdline"], "host.bin")
 
@@ -448,6 +466,8 @@ STEPS = {
     "io_uring": f"held.append(call(nr['io_uring_setup'], 1, {_ZEROS}))",
     "bpf": "held.append(call(nr['bpf'], 0, ctypes.create_string_buffer(struct.pack('<IIII', 2, 4, 8, 1), 72), 72))",
     "userfaultfd": "held.append(call(nr['userfaultfd'], 1))",  # UFFD_USER_MODE_ONLY
+    "add_key": "held.append(call(nr['add_key'], b'user', b'airlock-verify', b'key', 3, -2))",  # the process keyring
+    "keyctl": "held.append(call(nr['keyctl'], 1, b'airlock-verify'))",  # KEYCTL_JOIN_SESSION_KEYRING: a new one
     "perf_event": "held.append(call(nr['perf_event_open'], ctypes.create_string_buffer(struct.pack('<II', 1, 128), "
     "128), 0, -1, -1, 0))",  # a software counter (cpu-clock) of this process
 }
@@ -596,14 +616,17 @@ ATTEMPTS: dict[str, Attempt] = {
     "read-state": read_state,
     "read-secret": read_secret,
     "read-host-env": read_host_env,
+    "read-service-account": read_service_account_token,
+    "docker-socket": docker_socket,
     "setuid": run_marked,
     "namespaces": holding("userns", "netns", "mountns"),
     "mount": holding("mount"),
     "ptrace": holding("ptrace"),
     "raw-sockets": holding("raw-socket", "packet-socket"),
     "kernel-objects": holding("io_uring", "bpf", "userfaultfd", "perf_event"),
+    "keyring": holding("add_key", "keyctl"),
 }
-HOLDING = {"setuid", "namespaces", "mount", "ptrace", "raw-sockets", "kernel-objects"}
+HOLDING = {"setuid", "namespaces", "mount", "ptrace", "raw-sockets", "kernel-objects", "keyring"}
 
 
 def main(argv: list[str]) -> int:

@@ -60,8 +60,9 @@ from .checks import (
     judge,
 )
 from .control import stop_proc
+from .hostcanaries import host_canaries
 from .hostcgroups import with_host_cgroups
-from .processes import raw_sockets, read_process, sandbox_processes
+from .processes import raw_sockets, read_process, sandbox_processes, sockets_in_view, user_keys
 from .targets import UNLISTED, Targets
 from .topology import DNS_SERVER, FAKE_ADDRS, GW_OUTSIDE_IP, Canaries, FakeNet, Topology, new_prefix
 from .usage import Usage, cgroup_counters, sandbox_tmp
@@ -69,7 +70,8 @@ from .usage import Usage, cgroup_counters, sandbox_tmp
 SLEEP = shutil.which("sleep") or "/bin/sleep"
 RUN_TIMEOUT = 60  # seconds the sandbox may take (`airlock run --timeout`): the probe needs a few
 HOST_CANARY_VAR = "AIRLOCK_VERIFY_HOST_CANARY"
-SYSCALLS = ("ptrace", "io_uring_setup", "bpf", "userfaultfd", "perf_event_open")
+SYSCALLS = ("ptrace", "io_uring_setup", "bpf", "userfaultfd", "perf_event_open", "add_key", "keyctl")
+DOCKER_SOCKETS = ("/var/run/docker.sock", "/run/docker.sock")  # where the probe tries the docker engine's API
 # Never routed from the gateway namespace: checked before anything runs there, as the tests check theirs.
 REAL_ADDRESSES = ("8.8.8.8", "1.1.1.1", "10.0.0.1", "192.168.1.1")
 
@@ -214,17 +216,19 @@ def _verify_in(
         "--", *PROBE_ARGV, Path(probe.__file__).read_text(), json.dumps(config), PROBE_MARK,
     ]  # fmt: skip
     env = os.environ | {HOST_CANARY_VAR: host_canary, "TMPDIR": str(area.tmp)}
-    watched = _run_watched(topology, with_host_cgroups(argv), env, area, sandbox_id, probe.FILL.format(nonce=nonce))
+    with host_canaries() as on_host:
+        watched = _run_watched(topology, with_host_cgroups(argv), env, area, sandbox_id, probe.FILL.format(nonce=nonce))
+        socket_connections = on_host.connections
     timed = _timed_run(topology, request, ca, area, nonce) if any(c.id == "timeout" for c in request.checks) else None
     evidence = Evidence(
         nonce, request.targets, _probe_record(area), net.stats(), _packets(topology), area.work, area.outside,
         _host_tmp(nonce),
         {
             "the fake internet's CA key": ca.ca_key.read_bytes(), "the --secret": secret_value.encode(),
-            "the host's environment": host_canary.encode(),
+            "the host's environment": host_canary.encode(), "the service-account token": on_host.token,
         },
         _leftovers(topology, sandbox_id, area), watched.sandboxed, canaries.stats(), request.limits, watched.usage,
-        timed,
+        timed, socket_connections,
     )  # fmt: skip
     if not evidence.probe:
         why = (watched.stderr.strip().splitlines() or [f"exit {watched.returncode}"])[-1]
@@ -257,9 +261,11 @@ def _run_watched(
     topology: Topology, argv: list[str], env: dict[str, str], area: Area, sandbox_id: str, fill: str
 ) -> Watched:
     """`airlock run` to its end; once the probe is ready, the sandbox's processes and cgroup counters and its /tmp
-    as the host sees them, and then the probe's children released."""
+    as the host sees them (and the keys the kernel counts for its user), and then the probe's children released."""
     ready, release = area.work / "airlock-verify" / "ready", area.work / "airlock-verify" / "release"
     seen, usage = Sandboxed([], 0), Usage()
+    uid = resolve_user(None).pw_uid
+    keys_before = user_keys(uid)
     with (area.private / "run.err").open("w+") as stderr:
         proc = topology.popen(topology.gw, argv, env=env, stdout=subprocess.DEVNULL, stderr=stderr)
         deadline = time.monotonic() + RUN_TIMEOUT + 60
@@ -269,9 +275,11 @@ def _run_watched(
             found = sandbox_processes(sandbox_id)
             seen = Sandboxed(found, 0)
             usage = Usage(cgroup_counters(sandbox_id))
+            keys_held = user_keys(uid)
+            keys = None if keys_before is None or keys_held is None else (keys_before, keys_held)
             with contextlib.suppress(NotJudged):  # no probe seen: its checks say so
                 pid = seen.probe().pid
-                seen = Sandboxed(found, raw_sockets(pid))
+                seen = Sandboxed(found, raw_sockets(pid), keys, sockets_in_view(pid, DOCKER_SOCKETS))
                 usage = Usage(usage.counters, *sandbox_tmp(pid, fill))
             release.touch()
         try:

@@ -1,7 +1,8 @@
 """`airlock verify` end to end, as a user runs it on the host: its own fake internet, a real sandbox in it, the
 matrix. It holds on the default setup, and fails exactly the checks a weakened setup breaks: without filesystem
-isolation the file checks and the /tmp fill, with a policy that opens more ports of an allowed host the other-port
-check. A check that could not run is an error (exit 2), never a pass."""
+isolation the file checks, the /tmp fill and what bubblewrap hides (a pod's token, the docker socket), with a
+policy that opens more ports of an allowed host the other-port check, with one that opens the internal network
+the rebinding check. A check that could not run is an error (exit 2), never a pass."""
 
 from __future__ import annotations
 
@@ -64,6 +65,10 @@ def _results(verdicts: dict) -> dict[str, str]:
 QUOTA = ("--cpus", "0.25")
 
 
+def _host_canary_paths() -> list[bool]:
+    return [Path(p).exists() for p in ("/run/docker.sock", "/run/secrets", "/run/secrets/kubernetes.io")]
+
+
 def _leftover_folders() -> set[Path]:
     return set(Path("/var/tmp").glob("airlock-verify-*"))
 
@@ -83,16 +88,21 @@ def test_verify_holds_every_check_on_the_default_setup(tmp_path: Path):
     assert _leftover_folders() == before
 
 
-def test_verify_without_filesystem_isolation_fails_exactly_the_file_checks_and_the_tmp_fill(tmp_path: Path):
-    groups = ("--only", "files", "--only", "secrets", "--only", "resources")
+def test_verify_without_filesystem_isolation_fails_exactly_the_checks_of_what_bubblewrap_hides(tmp_path: Path):
+    groups = ("--only", "files", "--only", "secrets", "--only", "privilege", "--only", "resources")
+    canaries_before = _host_canary_paths()
     done, verdicts = _verify(tmp_path, "--isolation", "none", *groups, *QUOTA)
     assert done.returncode == 1, done.stdout + done.stderr
     SCHEMA.validate(verdicts)
     failed = {check for check, result in _results(verdicts).items() if result != "held"}
-    assert failed == {"write-outside", "write-symlink", "write-proc-root", "tmp-fill"}, done.stdout
+    hidden = {"service-account", "docker-socket"}  # the pod's token and the docker socket, in sight
+    assert failed == {"write-outside", "write-symlink", "write-proc-root", "tmp-fill", *hidden}, done.stdout
+    socket = next(check for check in verdicts["checks"] if check["id"] == "docker-socket")
+    assert socket["evidence"].endswith("2 connections at its canary")
     fill = next(check for check in verdicts["checks"] if check["id"] == "tmp-fill")
     assert fill["evidence"].startswith("the sandbox's /tmp is the host's /tmp")
     assert not list(Path("/tmp").glob("airlock-verify-fill-*")), "the fill is removed from the host's /tmp"
+    assert _host_canary_paths() == canaries_before  # the host canaries too
     assert "FAILED" in done.stdout
 
 

@@ -6,6 +6,7 @@ policy gives the fake internet."""
 from __future__ import annotations
 
 import json
+import os
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
@@ -15,7 +16,7 @@ from jsonschema import Draft202012Validator
 from airlock.cli import verify as cli_verify
 from airlock.cli.common import load_policy_file
 from airlock.policy import parse_policy
-from airlock.verify import checks, probe, report, usage
+from airlock.verify import checks, probe, processes, report, usage
 from airlock.verify.checks import (
     CHECKS,
     PROBE_ARGV,
@@ -195,7 +196,7 @@ def test_the_page_of_verify_tells_how_each_check_is_judged():
 # --------------------------------------------------------------------------------------------------- every check fails
 
 KINDS = ("userns", "netns", "mountns", "mount", "ptrace", "raw-socket", "packet-socket", "io_uring", "bpf",
-         "userfaultfd", "perf_event")  # fmt: skip
+         "userfaultfd", "perf_event", "add_key", "keyctl")  # fmt: skip
 
 
 REACHED = [{"host": "pypi.org", "target": "/airlock-verify/n0nce/reach", "tls": True}]
@@ -206,6 +207,10 @@ COUNTERS = {  # the sandbox's cgroup once the resource attempts are made, at the
     "memory_peak": 512 << 20, "memory_max": 512 << 20, "memory_now": 40 << 20, "pids_refused": 1, "pids_now": 3,
     "pids_max": 256,
 }  # fmt: skip
+
+
+def _with(sandboxed: Sandboxed, **fields: object) -> Sandboxed:
+    return Sandboxed(**{**sandboxed.__dict__, **fields})
 
 
 def _counted(tmp_path: Path, **counters: int) -> Evidence:
@@ -237,9 +242,11 @@ def _holding(
         "n0nce", Targets(("pypi.org",), (UNLISTED,), "github.com", "api.github.com"),
         {c.attempt: "tried" for c in CHECKS if c.attempt},
         stats, {"from_sandbox": 0, "icmp_echo": 0, "ipv6_frames": 0}, work, outside, tmp_path / "host-tmp",
-        {"the --secret": b"s3cret", "the host's environment": b"h0st", "the fake internet's CA key": b"k3y"},
-        {}, Sandboxed([LAUNCHER, PROBE, marked, *kids.values()], 0), limits=LIMITS,
+        {"the --secret": b"s3cret", "the host's environment": b"h0st", "the fake internet's CA key": b"k3y",
+         "the service-account token": b"t0ken"},
+        {}, Sandboxed([LAUNCHER, PROBE, marked, *kids.values()], 0, keys=(2, 2)), limits=LIMITS,
         usage=Usage(COUNTERS, tmp_own=True, tmp_fill=TMP_FILL), timed=TimedRun(124, 2.9, []),
+        docker_socket_connections=0,
     )  # fmt: skip
     return Evidence(**{**evidence.__dict__, **{k: v for k, v in changes.items() if not k.startswith("stats_")}})
 
@@ -283,13 +290,16 @@ BREAKS = {  # check -> the evidence a setup that breaks it leaves
     "gateway-state": lambda t: _holding(_written(t, "state.bin", b"-----BEGIN PRIVATE KEY-----")),
     "secret-placeholder": lambda t: _holding(_written(t, "secret.bin", b"s3cret")),
     "host-environment": lambda t: _holding(_written(t, "host.bin", b"HOME=/root h0st")),
+    "service-account": lambda t: _holding(_written(t, "service-account.bin", b"t0ken")),
     "setuid": lambda t: _holding(t, sleeper={"Uid": "65534\t0\t0\t0"}),
     "no-new-privs": lambda t: _holding(t, sleeper={"Seccomp": "0"}),
     "namespaces": lambda t: _holding(t, {"userns": _child("userns", namespaces=PROBE.namespaces | {"user": "u:[2]"})}),
     "mount": lambda t: _holding(t, {"mount": _child("mount", mount_points=("/w/airlock-verify/mnt-n0nce",))}),
     "ptrace": lambda t: _holding(t, sleeper={"TracerPid": "10"}),
-    "raw-sockets": lambda t: _holding(t, sandboxed=Sandboxed(_holding(t).sandboxed.processes, 1)),
+    "raw-sockets": lambda t: _holding(t, sandboxed=_with(_holding(t).sandboxed, raw_sockets=1)),
     "kernel-objects": lambda t: _holding(t, {"io_uring": _child("io_uring", descriptors=("anon_inode:[io_uring]",))}),
+    "keyctl": lambda t: _holding(t, sandboxed=_with(_holding(t).sandboxed, keys=(2, 3))),  # a key made
+    "docker-socket": lambda t: _holding(t, docker_socket_connections=1),
     "cpu": lambda t: _counted(t, cpu_quota=-1, nr_throttled=0),  # no quota: never throttled
     "memory": lambda t: _counted(t, oom_kill=0, memory_peak=600 << 20),  # the hog held more than the limit
     "fork-bomb": lambda t: _counted(t, pids_refused=0, pids_max=-1),  # no limit: the bomb ran to its own cap
@@ -321,6 +331,33 @@ def test_every_check_fails_on_the_evidence_a_setup_that_breaks_it_leaves(tmp_pat
 def test_the_rebinding_check_cannot_judge_a_gateway_that_asked_once(tmp_path: Path):
     outcome = judge(BY_ID["dns-rebinding"], _holding(tmp_path, stats_dns_log=REBOUND[:1]))
     assert outcome.result == "error" and "never had the internal answer" in outcome.evidence
+
+
+@pytest.mark.parametrize(
+    ("connections", "seen", "result"),
+    [(None, (), "held"), (None, ("/run/docker.sock",), "failed"), (0, ("/var/run/docker.sock",), "failed")],
+    ids=["hosts-own-hidden", "hosts-own-in-view", "canary-in-view"],
+)
+def test_the_docker_socket_check_judges_the_sandboxs_view_of_a_socket_it_cannot_count(
+    tmp_path: Path, connections, seen, result
+):
+    evidence = _holding(tmp_path, docker_socket_connections=connections)
+    evidence = Evidence(**{**evidence.__dict__, "sandboxed": _with(evidence.sandboxed, sockets=seen)})
+    assert judge(BY_ID["docker-socket"], evidence).result == result
+
+
+def test_the_keyctl_check_cannot_judge_without_the_kernels_count_of_keys(tmp_path: Path):
+    evidence = _holding(tmp_path, sandboxed=_with(_holding(tmp_path).sandboxed, keys=None))
+    assert judge(BY_ID["keyctl"], evidence).result == "error"
+
+
+def test_a_path_in_the_sandboxs_view_follows_its_symlinks_inside_its_root(tmp_path: Path):
+    root = Path(f"/proc/{os.getpid()}/root")
+    (tmp_path / "run").mkdir()
+    (tmp_path / "var").mkdir()
+    (tmp_path / "var" / "run").symlink_to("../run")
+    assert processes.in_root(os.getpid(), f"{tmp_path}/var/run/x") == f"{root}{tmp_path}/run/x"
+    assert processes.in_root(os.getpid(), "/var/run/docker.sock") == f"{root}{Path('/var/run').resolve()}/docker.sock"
 
 
 def test_the_cpu_check_cannot_judge_a_quota_a_busy_host_never_let_the_sandbox_reach(tmp_path: Path):
