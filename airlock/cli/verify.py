@@ -81,7 +81,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     started = time.monotonic()
     limits = Limits(
         args.cpus or DEFAULT_CPUS, memory_bytes(args.memory or DEFAULT_MEMORY), args.pids or DEFAULT_PIDS,
-        len(os.sched_getaffinity(0)),
+        len(os.sched_getaffinity(0)), args.nproc or DEFAULT_NPROC,
     )  # fmt: skip
     outcomes = verify(Request(path, targets(profile), run_options(args), chosen, limits))
     run = report.Run(args.backend, path, profile.name, args.isolation, time.monotonic() - started)

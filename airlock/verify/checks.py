@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from airlock.sandbox.limits import DEFAULT_CPUS, DEFAULT_MEMORY, DEFAULT_PIDS, memory_bytes
+from airlock.sandbox.limits import DEFAULT_CPUS, DEFAULT_MEMORY, DEFAULT_NPROC, DEFAULT_PIDS, memory_bytes
 
 from .probe import ALLOWED_ADDR, CANARY_ADDR, CHILD, DNS_ADDR, INTERNAL_ADDR, METADATA, OTHER_ADDR
 from .processes import NAMESPACES, Process, descendants
@@ -52,6 +52,7 @@ class Limits:
     memory: int = memory_bytes(DEFAULT_MEMORY)
     pids: int = DEFAULT_PIDS
     host_cpus: int = 1
+    nproc: int = DEFAULT_NPROC
 
     def burners(self) -> int:
         """Processes busy at once: more than the quota gives time to, no more than the host runs at once."""
@@ -426,7 +427,11 @@ def _memory_capped(targets: Targets, limits: Limits) -> str | None:
 
 
 def _pids_capped(targets: Targets, limits: Limits) -> str | None:
-    return f"--pids above {PIDS_CAP}: more forks than the probe may make" if limits.pids > PIDS_CAP else None
+    if limits.pids > PIDS_CAP:
+        return f"--pids above {PIDS_CAP}: more forks than the probe may make"
+    if limits.nproc <= limits.pids + BOMB_MARGIN:  # the user's process count (all its processes) stops it first
+        return f"--nproc {limits.nproc} stops the bomb before --pids {limits.pids} could"
+    return None
 
 
 def _no_keys(ev: Evidence) -> tuple[bool, str]:

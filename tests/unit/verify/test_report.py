@@ -375,6 +375,7 @@ def test_the_cpu_check_fails_a_quota_other_than_the_one_asked_for(tmp_path: Path
         ("cpu", Limits(2.0, 512 << 20, 256, host_cpus=2), "every CPU this host has"),
         ("memory", Limits(1.0, 4 << 30, 256, host_cpus=2), "--memory above 2048 MiB"),
         ("fork-bomb", Limits(1.0, 512 << 20, 4096, host_cpus=2), "--pids above 1024"),
+        ("fork-bomb", Limits(1.0, 512 << 20, 256, host_cpus=2, nproc=300), "--nproc 300 stops the bomb"),
     ],
 )
 def test_a_resource_check_beyond_what_the_probe_may_take_is_not_applicable(tmp_path: Path, check, limits, why):
