@@ -7,6 +7,7 @@ the rebinding check. A check that could not run is an error (exit 2), never a pa
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import xml.etree.ElementTree as ET
 from pathlib import Path
@@ -126,6 +127,15 @@ def test_verify_with_a_policy_that_opens_the_internal_network_fails_the_rebindin
     rebinding = next(check for check in verdicts["checks"] if check["id"] == "dns-rebinding")
     assert "the gateway asked for files.pythonhosted.org 2 times" in rebinding["evidence"], rebinding
     assert "0 connections at 10.1.2.3:443" not in rebinding["evidence"]
+
+
+def test_verify_says_a_resource_check_beyond_what_its_probe_may_take_is_not_applicable(tmp_path: Path):
+    every_cpu = str(len(os.sched_getaffinity(0)))
+    done, verdicts = _verify(tmp_path, "--only", "resources", "--cpus", every_cpu, "--memory", "4g", "--pids", "2000")
+    assert done.returncode == 0, done.stdout + done.stderr
+    results = _results(verdicts)
+    assert results == {"cpu": "n/a", "memory": "n/a", "fork-bomb": "n/a", "tmp-fill": "held", "timeout": "held"}
+    assert "n/a" in done.stdout and verdicts["summary"]["n/a"] == 3
 
 
 def test_verify_reports_a_check_that_could_not_run_as_an_error(tmp_path: Path):
