@@ -310,9 +310,12 @@ def _timed_run(topology: Topology, request: Request, ca: FakeCA, area: Area, non
         stop_proc(proc)
         raise VerifyError("the run with --timeout did not end") from None
     seconds = time.monotonic() - started
-    running = [f"process {pid}" for pid in _pids() if (p := read_process(pid)) is not None and p.marked(mark)]
+    running = [pid for pid in _pids() if (p := read_process(pid)) is not None and p.marked(mark)]
+    for pid in running:  # judged left over; started by this run, so stopped by it
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
     left = [f"{kind} {what}" for kind, found in _leftovers(topology, sandbox_id, area).items() for what in found]
-    return TimedRun(returncode, seconds, running + left)
+    return TimedRun(returncode, seconds, [f"process {pid}" for pid in running] + left)
 
 
 def _pids() -> list[int]:
