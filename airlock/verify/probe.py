@@ -12,6 +12,7 @@ import contextlib
 import glob
 import json
 import os
+import signal
 import socket
 import ssl
 import struct
@@ -562,7 +563,7 @@ def fork_bomb(config: dict[str, Any]) -> str:
     assert bomb.stdout is not None
     said = bomb.stdout.readline().strip() or "nothing"
     with contextlib.suppress(OSError):
-        os.killpg(bomb.pid, 9)
+        os.killpg(bomb.pid, signal.SIGKILL)
     bomb.wait()
     deadline = time.monotonic() + 10
     while True:  # the killed forks are reaped by the sandbox's init: until then their slots stay taken
