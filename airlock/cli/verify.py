@@ -5,16 +5,25 @@ sandbox (airlock/verify/). Exit 0 only when every check held, 1 when one failed,
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 
-from airlock.sandbox.limits import DEFAULT_CPUS, DEFAULT_MEMORY, DEFAULT_NOFILE, DEFAULT_NPROC, DEFAULT_PIDS
+from airlock.sandbox.limits import (
+    DEFAULT_CPUS,
+    DEFAULT_MEMORY,
+    DEFAULT_NOFILE,
+    DEFAULT_NPROC,
+    DEFAULT_PIDS,
+    memory_bytes,
+)
 
 from .common import NeedsRoot, UsageError, absolute, default_policy_path, load_policy_file
 from .option_bounds import check_limits
 
 LIMITS = ("cpus", "memory", "pids", "nofile", "nproc")
-GROUPS = ("network", "files", "secrets", "privilege", "destruction")  # airlock.verify.checks.GROUPS, light for --help
+# airlock.verify.checks.GROUPS, light for --help
+GROUPS = ("network", "files", "secrets", "privilege", "resources", "destruction")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -58,6 +67,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
         print(report.listing(chosen))
         return 0
     check_limits(args)
+    from airlock.verify.checks import Limits
     from airlock.verify.runner import Request, verify
     from airlock.verify.targets import targets
 
@@ -69,7 +79,11 @@ def cmd_verify(args: argparse.Namespace) -> int:
     path = args.policy or str(default_policy_path())
     print(f"airlock: verifying {path} (profile {profile.name}, isolation {args.isolation})", file=sys.stderr)
     started = time.monotonic()
-    outcomes = verify(Request(path, targets(profile), run_options(args), chosen))
+    limits = Limits(
+        args.cpus or DEFAULT_CPUS, memory_bytes(args.memory or DEFAULT_MEMORY), args.pids or DEFAULT_PIDS,
+        len(os.sched_getaffinity(0)), args.nproc or DEFAULT_NPROC,
+    )  # fmt: skip
+    outcomes = verify(Request(path, targets(profile), run_options(args), chosen, limits))
     run = report.Run(args.backend, path, profile.name, args.isolation, time.monotonic() - started)
     print(report.matrix(outcomes))
     if args.json:

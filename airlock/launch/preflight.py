@@ -129,11 +129,15 @@ def refuse_inputs_in_reach(reach: Reach, config: GatewayConfig) -> None:
 
 def hidden_paths(isolate_fs: bool, user: pwd.struct_passwd, credentials: list[str]) -> list[Path]:
     """The paths bubblewrap hides from the command: the gateway's credentials, the usual ones in the user's home,
-    and host services that would run commands outside the sandbox. Without bubblewrap nothing can be hidden:
+    the host's own credentials every user may read (a pod's service-account token), and host services that would
+    run commands outside the sandbox. Without bubblewrap nothing can be hidden:
     refuse to start while the command's user could read or change a gateway credential, or has a session whose
     services (systemd --user, rootless docker, dbus) it could ask to run something on the host's network."""
     if isolate_fs:
-        return host_paths.credential_paths(user, credentials) + host_paths.host_service_paths()
+        return [
+            *host_paths.credential_paths(user, credentials), *host_paths.host_secret_paths(),
+            *host_paths.host_service_paths(),
+        ]  # fmt: skip
     for path in host_paths.credential_paths(user, credentials):
         if exposed := host_paths.accessible_by(path, user):
             raise SandboxError(

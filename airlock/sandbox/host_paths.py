@@ -77,6 +77,15 @@ def host_service_paths() -> list[Path]:
     return existing_paths(Path(p) for p in HOST_SERVICES)
 
 
+# Credentials of the host's own that every user of it may read: a Kubernetes pod's service-account token (a pod
+# mounts it readable by all), with which the sandbox would act as the pod towards the cluster.
+HOST_SECRETS = ("/run/secrets/kubernetes.io", "/var/run/secrets/kubernetes.io")
+
+
+def host_secret_paths() -> list[Path]:
+    return existing_paths(Path(p) for p in HOST_SECRETS)
+
+
 def user_session(user: pwd.struct_passwd) -> Path | None:
     """The user's runtime directory when it has a login session (systemd --user, dbus, agents live there)."""
     path = Path("/run/user") / str(user.pw_uid)

@@ -6,17 +6,21 @@ attempt the probe left no record of makes its check an error, not a pass."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from .probe import ALLOWED_ADDR, CANARY_ADDR, CHILD, DNS_ADDR, METADATA, OTHER_ADDR
+from airlock.sandbox.limits import DEFAULT_CPUS, DEFAULT_MEMORY, DEFAULT_NPROC, DEFAULT_PIDS, memory_bytes
+
+from .probe import ALLOWED_ADDR, CANARY_ADDR, CHILD, DNS_ADDR, INTERNAL_ADDR, METADATA, OTHER_ADDR
 from .processes import NAMESPACES, Process, descendants
 from .targets import UNLISTED, Targets
+from .usage import Usage
 
 Result = Literal["held", "failed", "error", "n/a"]
-GROUPS = ("network", "files", "secrets", "privilege", "destruction")
+GROUPS = ("network", "files", "secrets", "privilege", "resources", "destruction")
 # Ports of the gateway's namespace no gateway of airlock's listens on: ssh, docker's API, a canary's.
 GATEWAY_CANARY_PORTS = (22, 2375, 9999)
 MARKED_PROGRAMS = ("setuid-sleep", "capability-sleep")  # copies of sleep, setuid root / with file capabilities
@@ -28,6 +32,40 @@ KERNEL_OBJECTS = ("anon_inode:[io_uring]", "anon_inode:bpf-map", "anon_inode:bpf
                   "anon_inode:[perf_event]")  # fmt: skip
 PLACEHOLDER_VAR, SECRET_NAME = "AIRLOCK_VERIFY_SECRET", "verify"
 PLACEHOLDER = f"airlock-placeholder-{SECRET_NAME}"
+# What the resource attempts ask of the sandbox: CPU-bound seconds, memory and forks beyond the limits (up to caps
+# that keep the host safe whatever the limits are), a /tmp fill.
+BURN_SECONDS = 0.6
+HOG_MARGIN, MEMORY_CAP = 64 << 20, 2 << 30
+BOMB_MARGIN, PIDS_CAP = 64, 1024
+TMP_FILL = 32 << 20
+# Seconds between the rebinding name's requests: longer than the gateway caches an answer of TTL 0 (its
+# --dns-min-ttl, 5 by default), so that the second is judged on the internal answer.
+REBIND_WAIT = 6.0
+TIMEOUT_GIVEN, TIMEOUT_GRACE = 2.0, 15.0  # `airlock run --timeout` of the timeout check; seconds it may take beyond
+
+
+@dataclass(frozen=True)
+class Limits:
+    """The limits the sandbox runs with (`airlock run`'s defaults unless given), and this host's CPUs."""
+
+    cpus: float = DEFAULT_CPUS
+    memory: int = memory_bytes(DEFAULT_MEMORY)
+    pids: int = DEFAULT_PIDS
+    host_cpus: int = 1
+    nproc: int = DEFAULT_NPROC
+
+    def burners(self) -> int:
+        """Processes busy at once: more than the quota gives time to, no more than the host runs at once."""
+        return min(math.ceil(self.cpus) + 1, self.host_cpus)
+
+
+@dataclass(frozen=True)
+class TimedRun:
+    """The separate short run of the timeout check: its exit code, how long it took, what of it was left."""
+
+    returncode: int
+    seconds: float
+    left: list[str]
 
 
 class NotJudged(Exception):
@@ -40,6 +78,8 @@ class Sandboxed:
 
     processes: list[Process]
     raw_sockets: int  # raw and packet sockets open in its network namespace
+    keys: tuple[int, int] | None = None  # the keys of the sandbox's user the kernel counted before the run, and then
+    sockets: tuple[str, ...] = ()  # the host's docker socket paths that are a socket in the probe's view of them
 
     def probe(self) -> Process:
         found = next((p for p in self.processes if p.cmdline[:3] == PROBE_ARGV and p.marked(PROBE_MARK)), None)
@@ -76,6 +116,15 @@ class Evidence:
     leftovers: dict[str, list[str]] = field(default_factory=dict)  # destruction: kind -> what is left
     sandboxed: Sandboxed = field(default_factory=lambda: Sandboxed([], 0))
     gateway_canaries: dict[str, Any] = field(default_factory=lambda: {"connections": {}, "udp": {}})
+    limits: Limits = field(default_factory=Limits)
+    usage: Usage = field(default_factory=Usage)
+    timed: TimedRun | None = None  # the timeout check's run (None: it did not run)
+    docker_socket_connections: int | None = None  # at the host's socket canary (None: the host has its own socket)
+
+    def counter(self, name: str) -> int:
+        if name not in self.usage.counters:
+            raise NotJudged(f"the sandbox's cgroup had no {name} counter to read")
+        return self.usage.counters[name]
 
     def connections(self, address: str, port: int) -> int:
         return int(self.stats["connections"].get(f"{address}:{port}", 0))
@@ -102,7 +151,7 @@ class Check:
     must: str
     judge: Judge
     attempt: str | None = None  # the probe's attempt the check judges (None: judged from outside alone)
-    needs: Callable[[Targets], str | None] = lambda targets: None  # why it cannot apply to this policy, if not
+    needs: Callable[[Targets, Limits], str | None] = lambda targets, limits: None  # why it cannot apply here, if not
 
 
 @dataclass(frozen=True)
@@ -114,7 +163,7 @@ class Outcome:
 
 
 def judge(check: Check, evidence: Evidence) -> Outcome:
-    if (missing := check.needs(evidence.targets)) is not None:
+    if (missing := check.needs(evidence.targets, evidence.limits)) is not None:
         return Outcome(check, "n/a", missing)
     seen = evidence.probe.get(check.attempt) if check.attempt else None
     if check.attempt and seen is None:
@@ -186,6 +235,15 @@ def _no_sni(ev: Evidence) -> tuple[bool, str]:
 def _no_host(ev: Evidence) -> tuple[bool, str]:
     fronted = [r for r in ev.stats["http"] if (r["host"] or "").partition(":")[0].lower() in ev.targets.canaries]
     return not fronted, f"{len(fronted)} requests upstream carried a canary's Host"
+
+
+def _not_rebound(ev: Evidence) -> tuple[bool, str]:
+    name = ev.targets.rebind
+    asked = [e for e in ev.stats["dns_log"] if e["qname"] == name and e["qtype"] in ("A", "ANY")]
+    held, why = _none_at((INTERNAL_ADDR, 443), (INTERNAL_ADDR, 80))(ev)
+    if len(asked) < 2 and held:
+        raise NotJudged(f"the gateway asked for {name} {len(asked)} times: it never had the internal answer")
+    return held, f"the gateway asked for {name} {len(asked)} times (the second answer internal); {why}"
 
 
 def _gateway_ports(ev: Evidence) -> tuple[bool, str]:
@@ -306,11 +364,95 @@ def _no_kernel_objects(ev: Evidence) -> tuple[bool, str]:
     return not held, f"descriptors the probe's children hold: {', '.join(held) or 'none of io_uring, bpf, ...'}"
 
 
-def _front(targets: Targets) -> str | None:
+def _throttled(ev: Evidence) -> tuple[bool, str]:
+    quota, period = ev.counter("cpu_quota"), ev.counter("cpu_period")
+    n, usec = ev.counter("nr_throttled"), ev.counter("throttled_usec")
+    given = f"{quota / period:g} CPUs" if quota > 0 < period else "none"
+    why = f"the sandbox's CPU quota: {given} (--cpus {ev.limits.cpus:g}); throttled in {n} periods ({usec / 1e6:.2f}s)"
+    if quota > 0 < period and abs(quota / period - ev.limits.cpus) < 0.01 and n == 0:
+        raise NotJudged(f"{why}: the host, busy, gave the sandbox less CPU than its quota: nothing to throttle")
+    return n > 0 and quota > 0 < period and abs(quota / period - ev.limits.cpus) < 0.01, why
+
+
+def _oom_killed(ev: Evidence) -> tuple[bool, str]:
+    kills, peak = ev.counter("oom_kill"), ev.counter("memory_peak")
+    held = kills > 0 and peak <= ev.limits.memory
+    return held, f"{kills} processes killed out of memory; at most {peak >> 20} MiB in use of {ev.limits.memory >> 20}"
+
+
+def _pids_held(ev: Evidence) -> tuple[bool, str]:
+    refused, limit, now = ev.counter("pids_refused"), ev.counter("pids_max"), ev.counter("pids_now")
+    after = ev.workdir / "airlock-verify" / "after-bomb"
+    answered = after.exists() and after.read_text() == ev.nonce
+    held = refused > 0 and limit == ev.limits.pids and now < limit and answered
+    why = f"{refused} forks refused at pids.max {limit} (--pids {ev.limits.pids}); {now} tasks at the end"
+    return held, why + ("; a process started after it" if answered else "; no process started after it")
+
+
+def _tmp_bounded(ev: Evidence) -> tuple[bool, str]:
+    own, fill, charged = ev.usage.tmp_own, ev.usage.tmp_fill, ev.counter("memory_now")
+    if own is None:
+        raise NotJudged("the sandbox's /tmp could not be seen from the host")
+    on_host = ev.host_tmp.with_name(f"airlock-verify-fill-{ev.nonce}").exists()
+    held = own and fill == TMP_FILL and charged >= TMP_FILL and not on_host
+    where = "its own filesystem" if own else "the host's /tmp"
+    return held, (
+        f"the sandbox's /tmp is {where}; the fill there: {fill} bytes; {charged >> 20} MiB charged to its memory "
+        f"group; {'on' if on_host else 'not on'} the host's /tmp"
+    )
+
+
+def _stopped(ev: Evidence) -> tuple[bool, str]:
+    if ev.timed is None:
+        raise NotJudged("the run with --timeout did not run")
+    t = ev.timed
+    held = t.returncode == 124 and t.seconds < TIMEOUT_GIVEN + TIMEOUT_GRACE and not t.left
+    return held, (
+        f"--timeout {TIMEOUT_GIVEN:g}: exit {t.returncode} after {t.seconds:.1f}s; "
+        f"left: {', '.join(t.left) or 'nothing'}"
+    )
+
+
+def _below_host(targets: Targets, limits: Limits) -> str | None:
+    return (
+        f"--cpus {limits.cpus:g} is every CPU this host has: a quota of the whole host throttles nothing"
+        if limits.cpus >= limits.host_cpus
+        else None
+    )
+
+
+def _memory_capped(targets: Targets, limits: Limits) -> str | None:
+    too_much = limits.memory > MEMORY_CAP
+    return f"--memory above {MEMORY_CAP >> 20} MiB: more than the probe may take" if too_much else None
+
+
+def _pids_capped(targets: Targets, limits: Limits) -> str | None:
+    if limits.pids > PIDS_CAP:
+        return f"--pids above {PIDS_CAP}: more forks than the probe may make"
+    if limits.nproc <= limits.pids + BOMB_MARGIN:  # the user's process count (all its processes) stops it first
+        return f"--nproc {limits.nproc} stops the bomb before --pids {limits.pids} could"
+    return None
+
+
+def _no_keys(ev: Evidence) -> tuple[bool, str]:
+    ev.sandboxed.children("add_key", "keyctl")
+    if ev.sandboxed.keys is None:
+        raise NotJudged("the kernel's count of the sandbox user's keys (/proc/key-users) could not be read")
+    before, held = ev.sandboxed.keys
+    return held <= before, f"the sandbox user's keys: {before} before the run, {held} while the probe's children held"
+
+
+def _no_docker_socket(ev: Evidence) -> tuple[bool, str]:
+    n, seen = ev.docker_socket_connections, ev.sandboxed.sockets
+    counted = "the host's own socket (its connections not counted)" if n is None else f"{n} connections at its canary"
+    return not n and not seen, f"a socket in the sandbox's view at: {', '.join(seen) or 'neither path'}; {counted}"
+
+
+def _front(targets: Targets, limits: Limits) -> str | None:
     return None if targets.front else "the profile allows no host on port 443"
 
 
-def _alias(targets: Targets) -> str | None:
+def _alias(targets: Targets, limits: Limits) -> str | None:
     return (
         None
         if targets.metadata_alias
@@ -318,7 +460,11 @@ def _alias(targets: Targets) -> str | None:
     )
 
 
-def _canary(targets: Targets) -> str | None:
+def _rebind(targets: Targets, limits: Limits) -> str | None:
+    return None if targets.rebind else "needs three hosts the profile allows on port 443 (one rebinds)"
+
+
+def _canary(targets: Targets, limits: Limits) -> str | None:
     return None if targets.canaries else "the profile opens every name the check would try"
 
 
@@ -344,12 +490,14 @@ CHECKS: tuple[Check, ...] = (
           "reaches nothing", _none_at((METADATA, 8080)), "metadata-spellings"),
     Check("network", "metadata-name", "an allowed name that resolves to 169.254.169.254 reaches nothing",
           _none_at((METADATA, 443)), "metadata-name", _alias),
+    Check("network", "dns-rebinding", "an allowed name that rebinds to an internal address never reaches it",
+          _not_rebound, "dns-rebinding", _rebind),
     Check("network", "connect-denied", "CONNECT to a denied or unlisted name reaches nothing",
           _none_at((CANARY_ADDR, 443)), "connect-denied", _canary),
     Check("network", "sni-fronting", "TLS naming a denied name in its SNI, to an allowed host, never leaves",
-          _no_sni, "sni-fronting", lambda t: _front(t) or _canary(t)),
+          _no_sni, "sni-fronting", lambda t, lim: _front(t, lim) or _canary(t, lim)),
     Check("network", "host-fronting", "HTTP whose Host names a denied name, to an allowed host, never leaves",
-          _no_host, "host-fronting", lambda t: _front(t) or _canary(t)),
+          _no_host, "host-fronting", lambda t, lim: _front(t, lim) or _canary(t, lim)),
     Check("network", "other-port", "another port of an allowed host (8443, 9999) reaches nothing",
           _none_at((ALLOWED_ADDR, 8443), (ALLOWED_ADDR, 9999)), "other-port", _front),
     Check("network", "gateway-ports", "the gateway's other ports and its other address answer nothing",
@@ -368,6 +516,8 @@ CHECKS: tuple[Check, ...] = (
           "read-secret"),
     Check("secrets", "host-environment", "the host's environment stays out", _secrets_unread(("the host's "
           "environment",)), "read-host-env"),
+    Check("secrets", "service-account", "a Kubernetes service-account token on the host is not readable",
+          _secrets_unread(("the service-account token",)), "read-service-account"),
     Check("privilege", "setuid", "a setuid-root or file-capability program gains nothing: no root ID, no capability",
           _no_root, "setuid"),
     Check("privilege", "no-new-privs", "every process of the probe runs with no-new-privs, seccomp, no capability",
@@ -378,6 +528,17 @@ CHECKS: tuple[Check, ...] = (
     Check("privilege", "raw-sockets", "no raw or packet socket", _no_raw_sockets, "raw-sockets"),
     Check("privilege", "kernel-objects", "no io_uring, bpf map, userfaultfd or perf event", _no_kernel_objects,
           "kernel-objects"),
+    Check("privilege", "keyctl", "no kernel key made (add_key, keyctl)", _no_keys, "keyring"),
+    Check("privilege", "docker-socket", "no docker socket of the host is reachable", _no_docker_socket,
+          "docker-socket"),
+    Check("resources", "cpu", "CPU-bound processes beyond --cpus are throttled", _throttled, "cpu", _below_host),
+    Check("resources", "memory", "a process writing more than --memory is killed, the run goes on", _oom_killed,
+          "memory", _memory_capped),
+    Check("resources", "fork-bomb", "a fork bomb is held at --pids and the sandbox still starts a process",
+          _pids_held, "fork-bomb", _pids_capped),
+    Check("resources", "tmp-fill", "a /tmp fill stays in the sandbox's own /tmp, charged to its --memory",
+          _tmp_bounded, "tmp-fill"),
+    Check("resources", "timeout", "--timeout stops the run (exit 124) and leaves nothing of it", _stopped),
     Check("destruction", "namespace", "no network namespace of the run is left", _nothing_left("namespace")),
     Check("destruction", "fence", "no nftables table or link of the run is left", _nothing_left("fence")),
     Check("destruction", "cgroup", "no cgroup of the run is left", _nothing_left("cgroup")),

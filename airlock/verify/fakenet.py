@@ -8,7 +8,8 @@ Run inside the `<prefix>-net` namespace (see airlock.verify.topology.FakeNet):
 Every TCP listener binds 0.0.0.0, so each fake-internet address answers on every port; a connection is
 attributed to the address it was *sent to* (getsockname), which is what lets a denial check assert
 "203.0.113.66:443 saw zero connections". `--zone` adds names to the DNS zone (JSON: {name: [[type, value]]}),
-as `airlock verify` gives each host a policy allows a fake upstream. The control socket is a filesystem unix
+as `airlock verify` gives each host a policy allows a fake upstream (type REBIND, value "A1 A2": the first A
+query answered A1, every later one A2). The control socket is a filesystem unix
 socket, reachable from the host namespace, speaking one JSON object per line: {"cmd": "ping" | "stats" | "reset"}.
 Prints READY on stdout once everything is bound.
 """
@@ -208,6 +209,10 @@ class ZoneResolver(BaseResolver):  # type: ignore[misc]  # dnslib's, untyped
         if name == REBIND_NAME:
             # Odd A queries get the public address, even ones the internal one; TTL 0 so nothing caches it.
             return [("A", REBIND_PUBLIC if nth % 2 == 1 else REBIND_INTERNAL, 0)]
+        if name in self.zone and self.zone[name][:1] and self.zone[name][0][0] == "REBIND":
+            # "REBIND first then": the first A query gets the first address, every later one the second; TTL 0.
+            first, then = self.zone[name][0][1].split()
+            return [("A", first if nth == 1 else then, 0)]
         if name in self.zone:
             return [(rtype, value, self.ttl) for rtype, value in self.zone[name]]
         if name.endswith("." + WILDCARD_PARENT):

@@ -12,6 +12,7 @@ import contextlib
 import glob
 import json
 import os
+import signal
 import socket
 import ssl
 import struct
@@ -39,6 +40,7 @@ CANARY_ADDR = "203.0.113.66"
 OTHER_ADDR = "198.51.100.10"
 DNS_ADDR = "192.0.2.53"
 METADATA = "169.254.169.254"
+INTERNAL_ADDR = "10.1.2.3"  # an internal host no rule opens (a rebinding name's second answer)
 # 169.254.169.254 as a URL may also spell it: decimal, hex, octal, mixed, IPv4-mapped IPv6, short forms.
 METADATA_SPELLINGS = (
     "2852039166",
@@ -283,6 +285,16 @@ def metadata_name(config: dict[str, Any]) -> str:
     return each(lambda: connect_then_tls(alias, 443, alias, path), direct_by_name)
 
 
+def dns_rebinding(config: dict[str, Any]) -> str:
+    """The rebinding name through the proxy: once while it answers its public address, then again once the
+    gateway's cache of that answer is over (it answers an internal address from then on)."""
+    name, path = config["rebind"], f"/airlock-verify/{config['nonce']}/rebind"
+    first = _outcome(partial(connect_then_tls, name, 443, name, path))
+    time.sleep(config["rebind_wait"])
+    then = each(partial(connect_then_tls, name, 443, name, path), partial(proxy_get, f"http://{name}{path}", name))
+    return f"first: {first}; after {config['rebind_wait']}s: {then}"
+
+
 def connect_denied(config: dict[str, Any]) -> str:
     path = f"/airlock-verify/{config['nonce']}/denied"
     return each(*(lambda n=name: connect_then_tls(n, 443, n, path) for name in config["canaries"]))
@@ -392,6 +404,24 @@ def read_secret(config: dict[str, Any]) -> str:
     return f"{read_all([config['secret_file'], '/proc/self/environ'], 'secret.bin')}; environment kept"
 
 
+def read_service_account_token(config: dict[str, Any]) -> str:
+    tokens = [f"{root}/secrets/kubernetes.io/serviceaccount/token" for root in ("/var/run", "/run")]
+    return read_all(tokens, "service-account.bin")
+
+
+def docker_socket(config: dict[str, Any]) -> str:
+    """The docker engine's API on its unix socket, at both of its usual paths."""
+
+    def ask(path: str) -> str:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+            sock.settimeout(TIMEOUT)
+            sock.connect(path)
+            sock.sendall(b"GET /version HTTP/1.0\r\n\r\n")
+            return f"{path}: {_first_line(sock)}"
+
+    return each(*(partial(ask, path) for path in ("/var/run/docker.sock", "/run/docker.sock")))
+
+
 def read_host_env(config: dict[str, Any]) -> str:
     return read_all(["/proc/*/environ", "/proc/*/cmdline"], "host.bin")
 
@@ -437,6 +467,8 @@ STEPS = {
     "io_uring": f"held.append(call(nr['io_uring_setup'], 1, {_ZEROS}))",
     "bpf": "held.append(call(nr['bpf'], 0, ctypes.create_string_buffer(struct.pack('<IIII', 2, 4, 8, 1), 72), 72))",
     "userfaultfd": "held.append(call(nr['userfaultfd'], 1))",  # UFFD_USER_MODE_ONLY
+    "add_key": "held.append(call(nr['add_key'], b'user', b'airlock-verify', b'key', 3, -2))",  # the process keyring
+    "keyctl": "held.append(call(nr['keyctl'], 1, b'airlock-verify'))",  # KEYCTL_JOIN_SESSION_KEYRING: a new one
     "perf_event": "held.append(call(nr['perf_event_open'], ctypes.create_string_buffer(struct.pack('<II', 1, 128), "
     "128), 0, -1, -1, 0))",  # a software counter (cpu-clock) of this process
 }
@@ -469,6 +501,97 @@ def run_marked(config: dict[str, Any]) -> str:
     return each(*(partial(start, path) for path in config["marked_programs"]))
 
 
+# --------------------------------------------------------------------------------------------------- resources
+
+FILL = "airlock-verify-fill-{nonce}"  # the /tmp fill's file name
+# Busy until it has had its CPU time; holding memory until killed; forking until refused, each fork waiting to be
+# killed.
+_BURN = """
+import sys, time
+end = time.monotonic() + 4 * float(sys.argv[1])  # a host too busy to give it the time: it gives up
+while time.process_time() < float(sys.argv[1]) and time.monotonic() < end:
+    pass
+"""
+_HOG = """
+import sys
+with open("/proc/self/oom_score_adj", "w") as f:  # the one the kernel kills first, whatever else is running
+    f.write("1000")
+held, chunk = [], 16 << 20
+while len(held) * chunk < int(sys.argv[1]):
+    held.append(b"\\1" * chunk)  # written, not only reserved: every page counted
+print(f"held {len(held) * chunk} bytes", flush=True)
+"""
+_BOMB = """
+import os, sys, time
+forks = 0
+try:
+    while forks < int(sys.argv[1]):
+        if os.fork() == 0:
+            time.sleep(60)
+            os._exit(0)
+        forks += 1
+    print(f"{forks} forks", flush=True)
+except OSError as e:
+    print(f"{forks} forks, then {e.strerror}", flush=True)
+"""
+_AFTER = "import sys\nwith open(sys.argv[1], 'w') as f:\n    f.write(sys.argv[2])"  # a process after the bomb
+
+
+def _child(kind: str, source: str, *args: str) -> subprocess.Popen[str]:
+    argv = [sys.executable, "-I", "-c", source, *args, f"{CHILD}-{kind}"]
+    return subprocess.Popen(argv, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True, start_new_session=True)
+
+
+def burn_cpu(config: dict[str, Any]) -> str:
+    """More processes busy at once than the CPU quota gives time to: the kernel throttles the sandbox's group."""
+    burners = [_child("cpu", _BURN, str(config["burn_seconds"])) for _ in range(config["burners"])]
+    exits = [p.wait() for p in burners]
+    return f"{len(burners)} processes each busy for {config['burn_seconds']}s of CPU: exits {exits}"
+
+
+def hog_memory(config: dict[str, Any]) -> str:
+    """A child that writes more memory than the limit: the kernel kills it (-9), the probe goes on."""
+    hog = _child("memory", _HOG, str(config["hog_bytes"]))
+    assert hog.stdout is not None
+    said = hog.stdout.read().strip()
+    return f"a child writing {config['hog_bytes']} bytes: exit {hog.wait()}{f' ({said})' if said else ''}"
+
+
+def fork_bomb(config: dict[str, Any]) -> str:
+    """A child forking past the pids limit, its forks then killed; then the sandbox must still start a process."""
+    bomb = _child("fork-bomb", _BOMB, str(config["bomb_forks"]))
+    assert bomb.stdout is not None
+    said = bomb.stdout.readline().strip() or "nothing"
+    with contextlib.suppress(OSError):
+        os.killpg(bomb.pid, signal.SIGKILL)
+    bomb.wait()
+    deadline = time.monotonic() + 10
+    while True:  # the killed forks are reaped by the sandbox's init: until then their slots stay taken
+        try:
+            after = subprocess.run([sys.executable, "-I", "-c", _AFTER, str(OUT / "after-bomb"), config["nonce"]])
+            return f"the bomb: {said}; then a new process: exit {after.returncode}"
+        except OSError as e:
+            if time.monotonic() > deadline:
+                return f"the bomb: {said}; then no new process: {e}"
+            time.sleep(0.1)
+
+
+def fill_tmp(config: dict[str, Any]) -> str:
+    """/tmp written until it refuses or the fill is as large as asked (kept there for the host to see)."""
+    path, written, chunk = Path("/tmp") / FILL.format(nonce=config["nonce"]), 0, b"\0" * (1 << 20)
+    try:
+        with path.open("wb") as f:
+            while written < config["tmp_fill"]:
+                written += f.write(chunk)
+                f.flush()
+    except OSError as e:
+        return f"wrote {written} bytes to {path}, then {type(e).__name__}: {e}"
+    return f"wrote {written} bytes to {path}"
+
+
+# Made one at a time once every other attempt is made: each takes the whole sandbox to one of its limits.
+RESOURCES: dict[str, Attempt] = {"cpu": burn_cpu, "memory": hog_memory, "fork-bomb": fork_bomb, "tmp-fill": fill_tmp}
+
 ATTEMPTS: dict[str, Attempt] = {
     "reach": reach,
     "direct-tcp": direct_tcp,
@@ -481,6 +604,7 @@ ATTEMPTS: dict[str, Attempt] = {
     "metadata-literal": metadata_literal,
     "metadata-spellings": metadata_spellings,
     "metadata-name": metadata_name,
+    "dns-rebinding": dns_rebinding,
     "connect-denied": connect_denied,
     "sni-fronting": sni_fronting,
     "host-fronting": host_fronting,
@@ -493,14 +617,17 @@ ATTEMPTS: dict[str, Attempt] = {
     "read-state": read_state,
     "read-secret": read_secret,
     "read-host-env": read_host_env,
+    "read-service-account": read_service_account_token,
+    "docker-socket": docker_socket,
     "setuid": run_marked,
     "namespaces": holding("userns", "netns", "mountns"),
     "mount": holding("mount"),
     "ptrace": holding("ptrace"),
     "raw-sockets": holding("raw-socket", "packet-socket"),
     "kernel-objects": holding("io_uring", "bpf", "userfaultfd", "perf_event"),
+    "keyring": holding("add_key", "keyctl"),
 }
-HOLDING = {"setuid", "namespaces", "mount", "ptrace", "raw-sockets", "kernel-objects"}
+HOLDING = {"setuid", "namespaces", "mount", "ptrace", "raw-sockets", "kernel-objects", "keyring"}
 
 
 def main(argv: list[str]) -> int:
@@ -510,9 +637,10 @@ def main(argv: list[str]) -> int:
     Path(config["mount_point"]).mkdir()
     with ThreadPoolExecutor(max_workers=OUTER_WORKERS) as pool:
         seen = dict(zip(names, pool.map(lambda name: _outcome(lambda: ATTEMPTS[name](config)), names), strict=True))
+    seen |= {name: _outcome(partial(RESOURCES[name], config)) for name in config["attempts"] if name in RESOURCES}
     (OUT / "probe.json").write_text(json.dumps(seen, indent=1))
     READY.touch()
-    if HOLDING & set(names):  # the host looks at what the children hold, then releases them
+    if (HOLDING | set(RESOURCES)) & set(seen):  # the host looks at what the children hold, then releases them
         deadline = time.monotonic() + HOLD_LIMIT
         while not RELEASE.exists() and time.monotonic() < deadline:
             time.sleep(0.05)

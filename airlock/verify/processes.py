@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -84,3 +85,46 @@ def raw_sockets(pid: int) -> int:
         with contextlib.suppress(OSError):
             count += len(Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:])
     return count
+
+
+def user_keys(uid: int) -> int | None:
+    """How many keys the kernel counts for `uid` (/proc/key-users), None if it cannot be read."""
+    try:
+        lines = Path("/proc/key-users").read_text().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        owner, _, counts = line.partition(":")
+        if owner.strip() == str(uid):
+            return int(counts.split()[1].split("/")[0])
+    return 0
+
+
+def sockets_in_view(pid: int, paths: tuple[str, ...]) -> tuple[str, ...]:
+    """Those of `paths` that are a socket as `pid` sees them (through its root, its own symlinks followed there)."""
+    found = []
+    for path in paths:
+        with contextlib.suppress(OSError):
+            if stat.S_ISSOCK(os.stat(in_root(pid, path)).st_mode):
+                found.append(path)
+    return tuple(found)
+
+
+def in_root(pid: int, path: str, hops: int = 40) -> str:
+    """`path` as the host reaches what `pid` sees there: /proc/PID/root followed by the path with each symlink
+    resolved inside that root (an absolute link is relative to it, not to the host's /). OSError if too deep."""
+    root, done, todo = f"/proc/{pid}/root", "", [part for part in path.split("/") if part]
+    while todo:
+        part = todo.pop(0)
+        candidate = f"{done}/{part}"
+        if os.path.islink(root + candidate):
+            if (hops := hops - 1) < 0:
+                raise OSError(f"too many symlinks in {path}")
+            target = os.readlink(root + candidate)
+            todo = [p for p in target.split("/") if p] + todo
+            done = "" if target.startswith("/") else done
+        elif part == "..":
+            done = done.rsplit("/", 1)[0]
+        else:
+            done = candidate
+    return root + done

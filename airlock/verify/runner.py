@@ -36,30 +36,42 @@ from airlock.sandbox.seccomp import syscall_number
 from . import probe
 from .ca import FakeCA, make_fake_ca
 from .checks import (
+    BOMB_MARGIN,
+    BURN_SECONDS,
     GATEWAY_CANARY_PORTS,
+    HOG_MARGIN,
     MARKED_PROGRAMS,
     PLACEHOLDER_VAR,
     PROBE_ARGV,
     PROBE_MARK,
+    REBIND_WAIT,
     SECRET_NAME,
+    TIMEOUT_GIVEN,
+    TIMEOUT_GRACE,
+    TMP_FILL,
     Check,
     Evidence,
+    Limits,
     NotJudged,
     Outcome,
     Sandboxed,
+    TimedRun,
     error,
     judge,
 )
 from .control import stop_proc
+from .hostcanaries import host_canaries
 from .hostcgroups import with_host_cgroups
-from .processes import raw_sockets, sandbox_processes
+from .processes import raw_sockets, read_process, sandbox_processes, sockets_in_view, user_keys
 from .targets import UNLISTED, Targets
 from .topology import DNS_SERVER, FAKE_ADDRS, GW_OUTSIDE_IP, Canaries, FakeNet, Topology, new_prefix
+from .usage import Usage, cgroup_counters, sandbox_tmp
 
 SLEEP = shutil.which("sleep") or "/bin/sleep"
 RUN_TIMEOUT = 60  # seconds the sandbox may take (`airlock run --timeout`): the probe needs a few
 HOST_CANARY_VAR = "AIRLOCK_VERIFY_HOST_CANARY"
-SYSCALLS = ("ptrace", "io_uring_setup", "bpf", "userfaultfd", "perf_event_open")
+SYSCALLS = ("ptrace", "io_uring_setup", "bpf", "userfaultfd", "perf_event_open", "add_key", "keyctl")
+DOCKER_SOCKETS = ("/var/run/docker.sock", "/run/docker.sock")  # where the probe tries the docker engine's API
 # Never routed from the gateway namespace: checked before anything runs there, as the tests check theirs.
 REAL_ADDRESSES = ("8.8.8.8", "1.1.1.1", "10.0.0.1", "192.168.1.1")
 
@@ -126,6 +138,7 @@ class Request:
     targets: Targets
     run_options: list[str]
     checks: tuple[Check, ...]
+    limits: Limits
 
 
 def verify(request: Request) -> list[Outcome]:
@@ -146,6 +159,7 @@ def verify(request: Request) -> list[Outcome]:
         finally:
             topology.destroy()
             _host_tmp(nonce).unlink(missing_ok=True)  # what a weakened run wrote there
+            (Path("/tmp") / probe.FILL.format(nonce=nonce)).unlink(missing_ok=True)
 
 
 def _host_tmp(nonce: str) -> Path:
@@ -197,38 +211,61 @@ def _verify_in(
     secret_file.write_text(secret_value)
     config = _probe_config(request, area, nonce, secret_file)
     argv = [
-        sys.executable, "-I", "-m", "airlock", "run", "--policy", request.policy_path,
-        "--upstream-dns", DNS_SERVER, "--upstream-ca", str(ca.ca_cert), "--sandbox-id", sandbox_id,
-        "--workdir", str(area.work), "--secret", f"{SECRET_NAME}=file:{secret_file}",
-        "--placeholder-env", f"{PLACEHOLDER_VAR}={SECRET_NAME}", "--git-identity", "none", "--quiet",
-        "--timeout", str(RUN_TIMEOUT), *request.run_options,
+        *_run_argv(request, ca, area, sandbox_id, RUN_TIMEOUT), "--secret", f"{SECRET_NAME}=file:{secret_file}",
+        "--placeholder-env", f"{PLACEHOLDER_VAR}={SECRET_NAME}",
         "--", *PROBE_ARGV, Path(probe.__file__).read_text(), json.dumps(config), PROBE_MARK,
     ]  # fmt: skip
     env = os.environ | {HOST_CANARY_VAR: host_canary, "TMPDIR": str(area.tmp)}
-    processes, returncode, stderr = _run_watched(topology, with_host_cgroups(argv), env, area, sandbox_id)
+    with host_canaries() as on_host:
+        watched = _run_watched(topology, with_host_cgroups(argv), env, area, sandbox_id, probe.FILL.format(nonce=nonce))
+        socket_connections = on_host.connections
+    timed = _timed_run(topology, request, ca, area, nonce) if any(c.id == "timeout" for c in request.checks) else None
     evidence = Evidence(
         nonce, request.targets, _probe_record(area), net.stats(), _packets(topology), area.work, area.outside,
         _host_tmp(nonce),
         {
             "the fake internet's CA key": ca.ca_key.read_bytes(), "the --secret": secret_value.encode(),
-            "the host's environment": host_canary.encode(),
+            "the host's environment": host_canary.encode(), "the service-account token": on_host.token,
         },
-        _leftovers(topology, sandbox_id, area), processes, canaries.stats(),
+        _leftovers(topology, sandbox_id, area), watched.sandboxed, canaries.stats(), request.limits, watched.usage,
+        timed, socket_connections,
     )  # fmt: skip
     if not evidence.probe:
-        why = (stderr.strip().splitlines() or [f"exit {returncode}"])[-1]
+        why = (watched.stderr.strip().splitlines() or [f"exit {watched.returncode}"])[-1]
         return [judge(c, evidence) if c.attempt is None else error(c, f"the sandbox ran no probe: {why}")
                 for c in request.checks]  # fmt: skip
     return [judge(check, evidence) for check in request.checks]
 
 
+def _run_argv(request: Request, ca: FakeCA, area: Area, sandbox_id: str, timeout: float) -> list[str]:
+    """`airlock run` in the fake internet with the user's policy and options (the command to follow)."""
+    return [
+        sys.executable, "-I", "-m", "airlock", "run", "--policy", request.policy_path,
+        "--upstream-dns", DNS_SERVER, "--upstream-ca", str(ca.ca_cert), "--sandbox-id", sandbox_id,
+        "--workdir", str(area.work), "--git-identity", "none", "--quiet", "--timeout", f"{timeout:g}",
+        *request.run_options,
+    ]  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Watched:
+    """What the host saw of the sandbox while the probe was held at its end, and how `airlock run` ended."""
+
+    sandboxed: Sandboxed
+    usage: Usage
+    returncode: int
+    stderr: str
+
+
 def _run_watched(
-    topology: Topology, argv: list[str], env: dict[str, str], area: Area, sandbox_id: str
-) -> tuple[Sandboxed, int, str]:
-    """`airlock run` to its end; once the probe is ready, the sandbox's processes as the host sees them, and then
-    the probe's children released. Its exit code and stderr."""
+    topology: Topology, argv: list[str], env: dict[str, str], area: Area, sandbox_id: str, fill: str
+) -> Watched:
+    """`airlock run` to its end; once the probe is ready, the sandbox's processes and cgroup counters and its /tmp
+    as the host sees them (and the keys the kernel counts for its user), and then the probe's children released."""
     ready, release = area.work / "airlock-verify" / "ready", area.work / "airlock-verify" / "release"
-    seen = Sandboxed([], 0)
+    seen, usage = Sandboxed([], 0), Usage()
+    uid = resolve_user(None).pw_uid
+    keys_before = user_keys(uid)
     with (area.private / "run.err").open("w+") as stderr:
         proc = topology.popen(topology.gw, argv, env=env, stdout=subprocess.DEVNULL, stderr=stderr)
         deadline = time.monotonic() + RUN_TIMEOUT + 60
@@ -237,8 +274,13 @@ def _run_watched(
         if ready.exists():
             found = sandbox_processes(sandbox_id)
             seen = Sandboxed(found, 0)
+            usage = Usage(cgroup_counters(sandbox_id))
+            keys_held = user_keys(uid)
+            keys = None if keys_before is None or keys_held is None else (keys_before, keys_held)
             with contextlib.suppress(NotJudged):  # no probe seen: its checks say so
-                seen = Sandboxed(found, raw_sockets(seen.probe().pid))
+                pid = seen.probe().pid
+                seen = Sandboxed(found, raw_sockets(pid), keys, sockets_in_view(pid, DOCKER_SOCKETS))
+                usage = Usage(usage.counters, *sandbox_tmp(pid, fill))
             release.touch()
         try:
             proc.wait(max(1.0, deadline - time.monotonic()))
@@ -246,21 +288,58 @@ def _run_watched(
             stop_proc(proc)
             raise VerifyError(f"the sandbox did not end within {RUN_TIMEOUT + 60} seconds") from None
         stderr.seek(0)
-        return seen, proc.returncode, stderr.read()
+        return Watched(seen, usage, proc.returncode, stderr.read())
+
+
+def _timed_run(topology: Topology, request: Request, ca: FakeCA, area: Area, nonce: str) -> TimedRun:
+    """A second, short `airlock run` whose command (and a child of it) would sleep far beyond its --timeout: how
+    it ended, and what of it is left (its processes, found by the mark on their command lines; its namespace,
+    fence, cgroup)."""
+    sandbox_id, mark = f"{topology.prefix}t", f"airlock-verify-timeout-{nonce}"
+    sleeper = (
+        "import subprocess, sys, time\nsubprocess.Popen([sys.executable, '-c', 'import time; time.sleep(300)', "
+        "sys.argv[1]])\ntime.sleep(300)"
+    )
+    argv = [*_run_argv(request, ca, area, sandbox_id, TIMEOUT_GIVEN), "--", "python3", "-I", "-c", sleeper, mark]
+    started = time.monotonic()
+    proc = topology.popen(topology.gw, with_host_cgroups(argv), env=os.environ | {"TMPDIR": str(area.tmp)},
+                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    try:
+        returncode = proc.wait(TIMEOUT_GIVEN + TIMEOUT_GRACE + 30)
+    except subprocess.TimeoutExpired:
+        stop_proc(proc)
+        raise VerifyError("the run with --timeout did not end") from None
+    seconds = time.monotonic() - started
+    running = [pid for pid in _pids() if (p := read_process(pid)) is not None and p.marked(mark)]
+    for pid in running:  # judged left over; started by this run, so stopped by it
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
+    left = [f"{kind} {what}" for kind, found in _leftovers(topology, sandbox_id, area).items() for what in found]
+    return TimedRun(returncode, seconds, [f"process {pid}" for pid in running] + left)
+
+
+def _pids() -> list[int]:
+    return [int(entry.name) for entry in Path("/proc").iterdir() if entry.name.isdigit()]
 
 
 def _probe_config(request: Request, area: Area, nonce: str, secret_file: Path) -> dict[str, Any]:
     targets = request.targets
     return {
         "nonce": nonce,
-        "attempts": list(dict.fromkeys(c.attempt for c in request.checks if c.attempt and c.needs(targets) is None)),
+        "attempts": list(dict.fromkeys(
+            c.attempt for c in request.checks if c.attempt and c.needs(targets, request.limits) is None
+        )),
         "allowed": list(targets.allowed), "front": targets.front, "canaries": list(targets.canaries),
-        "canary": UNLISTED, "metadata_alias": targets.metadata_alias, "outside": str(area.outside),
+        "canary": UNLISTED, "metadata_alias": targets.metadata_alias, "rebind": targets.rebind,
+        "rebind_wait": REBIND_WAIT, "outside": str(area.outside),
         "gateway_paths": [str(area.private), "/run/airlock", "/var/lib/airlock", "/tmp/airlock-run-*"],
         "secret_file": str(secret_file), "mount_point": f"airlock-verify/mnt-{nonce}",
         "marked_programs": [str(p) for p in sorted(area.programs.iterdir())],
         "syscalls": {name: syscall_number(name) for name in SYSCALLS},
         "gateway_ports": list(GATEWAY_CANARY_PORTS), "gateway_other_address": GW_OUTSIDE_IP,
+        "burners": request.limits.burners(), "burn_seconds": BURN_SECONDS,
+        "hog_bytes": request.limits.memory + HOG_MARGIN, "bomb_forks": request.limits.pids + BOMB_MARGIN,
+        "tmp_fill": TMP_FILL,
     }  # fmt: skip
 
 

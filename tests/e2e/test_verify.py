@@ -1,11 +1,13 @@
 """`airlock verify` end to end, as a user runs it on the host: its own fake internet, a real sandbox in it, the
 matrix. It holds on the default setup, and fails exactly the checks a weakened setup breaks: without filesystem
-isolation the file checks, with a policy that opens more ports of an allowed host the other-port check. A check
-that could not run is an error (exit 2), never a pass."""
+isolation the file checks, the /tmp fill and what bubblewrap hides (a pod's token, the docker socket), with a
+policy that opens more ports of an allowed host the other-port check, with one that opens the internal network
+the rebinding check. A check that could not run is an error (exit 2), never a pass."""
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import xml.etree.ElementTree as ET
 from pathlib import Path
@@ -30,6 +32,20 @@ profiles:
         ports: [443, 8443, 9999]
         tunnel: true
       - host: files.pythonhosted.org
+      - host: github.com
+"""
+# Opens the internal address the fake DNS rebinds an allowed name to.
+INTERNAL_POLICY = """\
+version: 1
+default_profile: default
+profiles:
+  default:
+    allow:
+      - host: pypi.org
+      - host: files.pythonhosted.org
+      - host: github.com
+      - cidr: 10.1.2.0/24
+        ports: [80, 443]
 """
 
 
@@ -45,6 +61,15 @@ def _results(verdicts: dict) -> dict[str, str]:
     return {check["id"]: check["result"] for check in verdicts["checks"]}
 
 
+# A CPU quota this shared test host still lets the sandbox exceed when it is busy: at the default 1 CPU a host busy
+# with other work may never give the sandbox a quota's worth, and the cpu check then says it could not judge.
+QUOTA = ("--cpus", "0.25")
+
+
+def _host_canary_paths() -> list[bool]:
+    return [Path(p).exists() for p in ("/run/docker.sock", "/run/secrets", "/run/secrets/kubernetes.io")]
+
+
 def _leftover_folders() -> set[Path]:
     return set(Path("/var/tmp").glob("airlock-verify-*"))
 
@@ -52,7 +77,7 @@ def _leftover_folders() -> set[Path]:
 def test_verify_holds_every_check_on_the_default_setup(tmp_path: Path):
     before = _leftover_folders()
     junit = tmp_path / "verify.xml"
-    done, verdicts = _verify(tmp_path, "--junit", str(junit))
+    done, verdicts = _verify(tmp_path, "--junit", str(junit), *QUOTA)
     assert done.returncode == 0, done.stdout + done.stderr
     SCHEMA.validate(verdicts)
     assert _results(verdicts) == {check.id: "held" for check in CHECKS}
@@ -64,12 +89,21 @@ def test_verify_holds_every_check_on_the_default_setup(tmp_path: Path):
     assert _leftover_folders() == before
 
 
-def test_verify_without_filesystem_isolation_fails_exactly_the_file_checks(tmp_path: Path):
-    done, verdicts = _verify(tmp_path, "--isolation", "none", "--only", "files", "--only", "secrets")
+def test_verify_without_filesystem_isolation_fails_exactly_the_checks_of_what_bubblewrap_hides(tmp_path: Path):
+    groups = ("--only", "files", "--only", "secrets", "--only", "privilege", "--only", "resources")
+    canaries_before = _host_canary_paths()
+    done, verdicts = _verify(tmp_path, "--isolation", "none", *groups, *QUOTA)
     assert done.returncode == 1, done.stdout + done.stderr
     SCHEMA.validate(verdicts)
     failed = {check for check, result in _results(verdicts).items() if result != "held"}
-    assert failed == {"write-outside", "write-symlink", "write-proc-root"}, done.stdout
+    hidden = {"service-account", "docker-socket"}  # the pod's token and the docker socket, in sight
+    assert failed == {"write-outside", "write-symlink", "write-proc-root", "tmp-fill", *hidden}, done.stdout
+    socket = next(check for check in verdicts["checks"] if check["id"] == "docker-socket")
+    assert socket["evidence"].endswith("2 connections at its canary")
+    fill = next(check for check in verdicts["checks"] if check["id"] == "tmp-fill")
+    assert fill["evidence"].startswith("the sandbox's /tmp is the host's /tmp")
+    assert not list(Path("/tmp").glob("airlock-verify-fill-*")), "the fill is removed from the host's /tmp"
+    assert _host_canary_paths() == canaries_before  # the host canaries too
     assert "FAILED" in done.stdout
 
 
@@ -82,6 +116,26 @@ def test_verify_with_a_policy_that_opens_other_ports_fails_the_other_port_check(
     assert {check for check, result in results.items() if result != "held"} == {"other-port"}, done.stdout
     other = next(check for check in verdicts["checks"] if check["id"] == "other-port")
     assert other["evidence"] == "1 connections at 192.0.2.10:8443, 1 connections at 192.0.2.10:9999"
+
+
+def test_verify_with_a_policy_that_opens_the_internal_network_fails_the_rebinding_check(tmp_path: Path):
+    policy = tmp_path / "internal.yaml"
+    policy.write_text(INTERNAL_POLICY)
+    done, verdicts = _verify(tmp_path, "--policy", str(policy), "--only", "network")
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert {check for check, result in _results(verdicts).items() if result != "held"} == {"dns-rebinding"}
+    rebinding = next(check for check in verdicts["checks"] if check["id"] == "dns-rebinding")
+    assert "the gateway asked for files.pythonhosted.org 2 times" in rebinding["evidence"], rebinding
+    assert "0 connections at 10.1.2.3:443" not in rebinding["evidence"]
+
+
+def test_verify_says_a_resource_check_beyond_what_its_probe_may_take_is_not_applicable(tmp_path: Path):
+    every_cpu = str(len(os.sched_getaffinity(0)))
+    done, verdicts = _verify(tmp_path, "--only", "resources", "--cpus", every_cpu, "--memory", "4g", "--pids", "2000")
+    assert done.returncode == 0, done.stdout + done.stderr
+    results = _results(verdicts)
+    assert results == {"cpu": "n/a", "memory": "n/a", "fork-bomb": "n/a", "tmp-fill": "held", "timeout": "held"}
+    assert "n/a" in done.stdout and verdicts["summary"]["n/a"] == 3
 
 
 def test_verify_reports_a_check_that_could_not_run_as_an_error(tmp_path: Path):
@@ -98,5 +152,5 @@ def test_verify_refuses_a_policy_that_would_open_metadata_before_building_anythi
     done, verdicts = _verify(tmp_path, "--policy", str(policy))
     assert (done.returncode, verdicts) == (2, {})
     assert done.stderr == (
-        f"{policy}:10: cidr '169.254.169.254/32' covers cloud metadata / link-local addresses, which never open\n"
+        f"{policy}:11: cidr '169.254.169.254/32' covers cloud metadata / link-local addresses, which never open\n"
     )

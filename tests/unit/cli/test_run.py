@@ -180,6 +180,12 @@ def test_host_services_are_hidden_where_they_exist(monkeypatch: pytest.MonkeyPat
     assert host_paths.host_service_paths() == [tmp_path / "user", tmp_path / "docker.sock"]
 
 
+def test_a_pods_service_account_token_is_hidden_where_it_exists(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
+    (tmp_path / "kubernetes.io" / "serviceaccount").mkdir(parents=True)
+    monkeypatch.setattr(host_paths, "HOST_SECRETS", (str(tmp_path / "kubernetes.io"), "/nope"))
+    assert tmp_path / "kubernetes.io" in hidden_paths(True, _user(tmp_path), [])
+
+
 def test_the_command_runs_without_supplementary_groups_and_with_masks(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:

@@ -6,6 +6,7 @@ policy gives the fake internet."""
 from __future__ import annotations
 
 import json
+import os
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
@@ -15,10 +16,22 @@ from jsonschema import Draft202012Validator
 from airlock.cli import verify as cli_verify
 from airlock.cli.common import load_policy_file
 from airlock.policy import parse_policy
-from airlock.verify import checks, probe, report
-from airlock.verify.checks import CHECKS, PROBE_ARGV, PROBE_MARK, Evidence, Outcome, Sandboxed, judge
+from airlock.verify import checks, probe, processes, report, usage
+from airlock.verify.checks import (
+    CHECKS,
+    PROBE_ARGV,
+    PROBE_MARK,
+    TMP_FILL,
+    Evidence,
+    Limits,
+    Outcome,
+    Sandboxed,
+    TimedRun,
+    judge,
+)
 from airlock.verify.processes import NAMESPACES, Process
 from airlock.verify.targets import UNLISTED, Targets, targets
+from airlock.verify.usage import Usage
 
 ROOT = Path(__file__).resolve().parents[3]
 SCHEMA = Draft202012Validator(json.loads((ROOT / "docs" / "verify-report.schema.json").read_text()))
@@ -112,9 +125,10 @@ def test_the_default_policy_gives_each_allowed_host_an_upstream_and_each_denied_
     found = targets(load_policy_file(None).profile())
     assert found.allowed == (
         "pypi.org", "files.pythonhosted.org", "github.com", "api.github.com", "codeload.github.com",
-        "objects.githubusercontent.com",
     )  # fmt: skip
     assert found.metadata_alias == "raw.githubusercontent.com"
+    assert found.rebind == "objects.githubusercontent.com"
+    assert found.zone()["objects.githubusercontent.com"] == [("REBIND", "192.0.2.10 10.1.2.3")]
     assert found.canaries == (UNLISTED, "gist.github.com", "gist.githubusercontent.com")
     assert found.zone()["raw.githubusercontent.com"] == [("A", "169.254.169.254")]
 
@@ -182,10 +196,25 @@ def test_the_page_of_verify_tells_how_each_check_is_judged():
 # --------------------------------------------------------------------------------------------------- every check fails
 
 KINDS = ("userns", "netns", "mountns", "mount", "ptrace", "raw-socket", "packet-socket", "io_uring", "bpf",
-         "userfaultfd", "perf_event")  # fmt: skip
+         "userfaultfd", "perf_event", "add_key", "keyctl")  # fmt: skip
 
 
 REACHED = [{"host": "pypi.org", "target": "/airlock-verify/n0nce/reach", "tls": True}]
+REBOUND = [{"qname": "api.github.com", "qtype": "A"}] * 2  # the gateway asked twice: the second answer internal
+LIMITS = Limits(1.0, 512 << 20, 256, host_cpus=2)
+COUNTERS = {  # the sandbox's cgroup once the resource attempts are made, at the default limits
+    "cpu_quota": 100_000, "cpu_period": 100_000, "nr_throttled": 9, "throttled_usec": 800_000, "oom_kill": 1,
+    "memory_peak": 512 << 20, "memory_max": 512 << 20, "memory_now": 40 << 20, "pids_refused": 1, "pids_now": 3,
+    "pids_max": 256,
+}  # fmt: skip
+
+
+def _with(sandboxed: Sandboxed, **fields: object) -> Sandboxed:
+    return Sandboxed(**{**sandboxed.__dict__, **fields})
+
+
+def _counted(tmp_path: Path, **counters: int) -> Evidence:
+    return _holding(tmp_path, usage=Usage(COUNTERS | counters, tmp_own=True, tmp_fill=TMP_FILL))
 
 
 def _child(kind: str, **fields: object) -> Process:
@@ -203,16 +232,21 @@ def _holding(
     (work / "airlock-verify").mkdir(parents=True, exist_ok=True)
     outside.mkdir(exist_ok=True)
     (work / "inside-n0nce").write_text("n0nce")
+    (work / "airlock-verify" / "after-bomb").write_text("n0nce")
     (work / "airlock-verify" / "env.json").write_text(json.dumps({"AIRLOCK_VERIFY_SECRET": checks.PLACEHOLDER}))
-    stats = {"connections": {}, "udp": {}, "dns_log": [], "sni": ["pypi.org"], "http": REACHED}
+    stats = {"connections": {}, "udp": {}, "dns_log": REBOUND, "sni": ["pypi.org"], "http": REACHED}
     stats |= {key.removeprefix("stats_"): value for key, value in changes.items() if key.startswith("stats_")}
     kids = {kind: _child(kind) for kind in KINDS} | (children or {})
     marked = _process(12, 10, ("/var/tmp/x/bin/setuid-sleep", "30"), **(sleeper or {}))
     evidence = Evidence(
-        "n0nce", Targets(("pypi.org",), (UNLISTED,), "github.com"), {c.attempt: "tried" for c in CHECKS if c.attempt},
+        "n0nce", Targets(("pypi.org",), (UNLISTED,), "github.com", "api.github.com"),
+        {c.attempt: "tried" for c in CHECKS if c.attempt},
         stats, {"from_sandbox": 0, "icmp_echo": 0, "ipv6_frames": 0}, work, outside, tmp_path / "host-tmp",
-        {"the --secret": b"s3cret", "the host's environment": b"h0st", "the fake internet's CA key": b"k3y"},
-        {}, Sandboxed([LAUNCHER, PROBE, marked, *kids.values()], 0),
+        {"the --secret": b"s3cret", "the host's environment": b"h0st", "the fake internet's CA key": b"k3y",
+         "the service-account token": b"t0ken"},
+        {}, Sandboxed([LAUNCHER, PROBE, marked, *kids.values()], 0, keys=(2, 2)), limits=LIMITS,
+        usage=Usage(COUNTERS, tmp_own=True, tmp_fill=TMP_FILL), timed=TimedRun(124, 2.9, []),
+        docker_socket_connections=0,
     )  # fmt: skip
     return Evidence(**{**evidence.__dict__, **{k: v for k, v in changes.items() if not k.startswith("stats_")}})
 
@@ -235,12 +269,13 @@ BREAKS = {  # check -> the evidence a setup that breaks it leaves
     "udp": lambda t: _holding(t, stats_udp={"9999": 1}),
     "icmp": lambda t: _holding(t, packets={"icmp_echo": 1}),
     "ipv6": lambda t: _holding(t, packets={"ipv6_frames": 3}),
-    "dns-other-resolver": lambda t: _holding(t, stats_dns_log=[{"qname": f"r-n0nce.{UNLISTED}"}]),
+    "dns-other-resolver": lambda t: _holding(t, stats_dns_log=[*REBOUND, {"qname": f"r-n0nce.{UNLISTED}"}]),
     "dns-encrypted": lambda t: _holding(t, stats_connections={"192.0.2.53:853": 1}),
-    "dns-unlisted": lambda t: _holding(t, stats_dns_log=[{"qname": f"u-n0nce.{UNLISTED}"}]),
+    "dns-unlisted": lambda t: _holding(t, stats_dns_log=[*REBOUND, {"qname": f"u-n0nce.{UNLISTED}"}]),
     "metadata-literal": lambda t: _holding(t, stats_connections={"169.254.169.254:80": 1}),
     "metadata-spellings": lambda t: _holding(t, stats_connections={"169.254.169.254:8080": 1}),
     "metadata-name": lambda t: _holding(t, stats_connections={"169.254.169.254:443": 1}),
+    "dns-rebinding": lambda t: _holding(t, stats_connections={"10.1.2.3:443": 1}),
     "connect-denied": lambda t: _holding(t, stats_connections={"203.0.113.66:443": 1}),
     "sni-fronting": lambda t: _holding(t, stats_sni=[UNLISTED]),
     "host-fronting": lambda t: _holding(
@@ -255,13 +290,21 @@ BREAKS = {  # check -> the evidence a setup that breaks it leaves
     "gateway-state": lambda t: _holding(_written(t, "state.bin", b"-----BEGIN PRIVATE KEY-----")),
     "secret-placeholder": lambda t: _holding(_written(t, "secret.bin", b"s3cret")),
     "host-environment": lambda t: _holding(_written(t, "host.bin", b"HOME=/root h0st")),
+    "service-account": lambda t: _holding(_written(t, "service-account.bin", b"t0ken")),
     "setuid": lambda t: _holding(t, sleeper={"Uid": "65534\t0\t0\t0"}),
     "no-new-privs": lambda t: _holding(t, sleeper={"Seccomp": "0"}),
     "namespaces": lambda t: _holding(t, {"userns": _child("userns", namespaces=PROBE.namespaces | {"user": "u:[2]"})}),
     "mount": lambda t: _holding(t, {"mount": _child("mount", mount_points=("/w/airlock-verify/mnt-n0nce",))}),
     "ptrace": lambda t: _holding(t, sleeper={"TracerPid": "10"}),
-    "raw-sockets": lambda t: _holding(t, sandboxed=Sandboxed(_holding(t).sandboxed.processes, 1)),
+    "raw-sockets": lambda t: _holding(t, sandboxed=_with(_holding(t).sandboxed, raw_sockets=1)),
     "kernel-objects": lambda t: _holding(t, {"io_uring": _child("io_uring", descriptors=("anon_inode:[io_uring]",))}),
+    "keyctl": lambda t: _holding(t, sandboxed=_with(_holding(t).sandboxed, keys=(2, 3))),  # a key made
+    "docker-socket": lambda t: _holding(t, docker_socket_connections=1),
+    "cpu": lambda t: _counted(t, cpu_quota=-1, nr_throttled=0),  # no quota: never throttled
+    "memory": lambda t: _counted(t, oom_kill=0, memory_peak=600 << 20),  # the hog held more than the limit
+    "fork-bomb": lambda t: _counted(t, pids_refused=0, pids_max=-1),  # no limit: the bomb ran to its own cap
+    "tmp-fill": lambda t: _holding(t, usage=Usage(COUNTERS, tmp_own=False, tmp_fill=TMP_FILL)),  # the host's /tmp
+    "timeout": lambda t: _holding(t, timed=TimedRun(0, 301.0, ["process 4242"])),  # ran to its end, a child left
     "namespace": lambda t: _holding(t, leftovers={"namespace": ["airlock-alx1v"]}),
     "fence": lambda t: _holding(t, leftovers={"fence": ["table inet airlock_n_alx1v"]}),
     "cgroup": lambda t: _holding(t, leftovers={"cgroup": ["/sys/fs/cgroup/airlock/alx1v"]}),
@@ -280,3 +323,120 @@ def test_every_check_fails_on_the_evidence_a_setup_that_breaks_it_leaves(tmp_pat
     assert judge(check, broken).result == "failed"
     others = [other.id for other in CHECKS if other.group == check.group and judge(other, broken).result != "held"]
     assert others == [check.id]  # the evidence of one break fails that check alone in its group
+
+
+# --------------------------------------------------------------------------------------------------- resources
+
+
+def test_the_rebinding_check_cannot_judge_a_gateway_that_asked_once(tmp_path: Path):
+    outcome = judge(BY_ID["dns-rebinding"], _holding(tmp_path, stats_dns_log=REBOUND[:1]))
+    assert outcome.result == "error" and "never had the internal answer" in outcome.evidence
+
+
+@pytest.mark.parametrize(
+    ("connections", "seen", "result"),
+    [(None, (), "held"), (None, ("/run/docker.sock",), "failed"), (0, ("/var/run/docker.sock",), "failed")],
+    ids=["hosts-own-hidden", "hosts-own-in-view", "canary-in-view"],
+)
+def test_the_docker_socket_check_judges_the_sandboxs_view_of_a_socket_it_cannot_count(
+    tmp_path: Path, connections, seen, result
+):
+    evidence = _holding(tmp_path, docker_socket_connections=connections)
+    evidence = Evidence(**{**evidence.__dict__, "sandboxed": _with(evidence.sandboxed, sockets=seen)})
+    assert judge(BY_ID["docker-socket"], evidence).result == result
+
+
+def test_the_keyctl_check_cannot_judge_without_the_kernels_count_of_keys(tmp_path: Path):
+    evidence = _holding(tmp_path, sandboxed=_with(_holding(tmp_path).sandboxed, keys=None))
+    assert judge(BY_ID["keyctl"], evidence).result == "error"
+
+
+def test_a_path_in_the_sandboxs_view_follows_its_symlinks_inside_its_root(tmp_path: Path):
+    root = Path(f"/proc/{os.getpid()}/root")
+    (tmp_path / "run").mkdir()
+    (tmp_path / "var").mkdir()
+    (tmp_path / "var" / "run").symlink_to("../run")
+    assert processes.in_root(os.getpid(), f"{tmp_path}/var/run/x") == f"{root}{tmp_path}/run/x"
+    assert processes.in_root(os.getpid(), "/var/run/docker.sock") == f"{root}{Path('/var/run').resolve()}/docker.sock"
+
+
+def test_the_cpu_check_cannot_judge_a_quota_a_busy_host_never_let_the_sandbox_reach(tmp_path: Path):
+    outcome = judge(BY_ID["cpu"], _counted(tmp_path, nr_throttled=0))  # the quota is there, never reached
+    assert outcome.result == "error" and "less CPU than its quota" in outcome.evidence
+
+
+def test_the_cpu_check_fails_a_quota_other_than_the_one_asked_for(tmp_path: Path):
+    assert judge(BY_ID["cpu"], _counted(tmp_path, cpu_quota=200_000)).result == "failed"
+
+
+@pytest.mark.parametrize(
+    ("check", "limits", "why"),
+    [
+        ("cpu", Limits(2.0, 512 << 20, 256, host_cpus=2), "every CPU this host has"),
+        ("memory", Limits(1.0, 4 << 30, 256, host_cpus=2), "--memory above 2048 MiB"),
+        ("fork-bomb", Limits(1.0, 512 << 20, 4096, host_cpus=2), "--pids above 1024"),
+        ("fork-bomb", Limits(1.0, 512 << 20, 256, host_cpus=2, nproc=300), "--nproc 300 stops the bomb"),
+    ],
+)
+def test_a_resource_check_beyond_what_the_probe_may_take_is_not_applicable(tmp_path: Path, check, limits, why):
+    outcome = judge(BY_ID[check], _holding(tmp_path, limits=limits))
+    assert outcome.result == "n/a" and why in outcome.evidence
+
+
+def _without(evidence: Evidence, name: str) -> Evidence:
+    (evidence.workdir / "airlock-verify" / name).unlink()
+    return evidence
+
+
+@pytest.mark.parametrize(
+    "broken",
+    [
+        lambda t: _counted(t, pids_now=256),  # the bomb's forks still hold every slot at the end
+        lambda t: _without(_holding(t), "after-bomb"),  # no process started after the bomb
+    ],
+    ids=["forks-left", "no-process-after"],
+)
+def test_the_fork_bomb_check_fails_a_sandbox_that_does_not_answer_after_it(tmp_path: Path, broken):
+    assert judge(BY_ID["fork-bomb"], broken(tmp_path)).result == "failed"
+
+
+@pytest.mark.parametrize(
+    "timed", [TimedRun(124, 3.0, ["cgroup /sys/fs/cgroup/pids/airlock/alx1t"]), TimedRun(124, 40.0, []), None],
+    ids=["something-left", "too-slow", "not-run"],
+)  # fmt: skip
+def test_the_timeout_check_needs_the_run_stopped_in_time_and_nothing_left(tmp_path: Path, timed):
+    assert judge(BY_ID["timeout"], _holding(tmp_path, timed=timed)).result == ("error" if timed is None else "failed")
+
+
+def test_a_resource_counter_the_host_does_not_keep_makes_its_check_an_error(tmp_path: Path):
+    outcome = judge(BY_ID["memory"], _holding(tmp_path, usage=Usage({}, True, TMP_FILL)))
+    assert (outcome.result, outcome.evidence) == ("error", "the sandbox's cgroup had no oom_kill counter to read")
+
+
+@pytest.mark.parametrize(
+    ("version", "files", "expected"),
+    [
+        (2, {"cpu.max": "20000 100000\n", "cpu.stat": "usage_usec 9\nnr_throttled 7\nthrottled_usec 1500\n"},
+         {"cpu_quota": 20000, "cpu_period": 100000, "nr_throttled": 7, "throttled_usec": 1500}),
+        (1, {"cpu.cfs_quota_us": "-1\n", "cpu.cfs_period_us": "100000\n",
+             "cpu.stat": "nr_periods 3\nnr_throttled 2\nthrottled_time 5000000\n"},
+         {"cpu_quota": -1, "cpu_period": 100000, "nr_throttled": 2, "throttled_usec": 5000}),
+    ],
+    ids=["v2", "v1"],
+)  # fmt: skip
+def test_the_cgroup_counters_read_alike_under_v1_and_v2(tmp_path: Path, version, files, expected):
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+    assert usage.group_counters(tmp_path, version, "cpu") == expected
+
+
+def test_the_memory_and_pids_counters_read_from_their_v1_files(tmp_path: Path):
+    for name, text in {"memory.oom_control": "oom_kill_disable 0\nunder_oom 0\noom_kill 1\n",
+                       "memory.max_usage_in_bytes": "536870912\n", "memory.limit_in_bytes": "536870912\n",
+                       "memory.usage_in_bytes": "1000\n", "pids.events": "max 4\n", "pids.current": "3\n",
+                       "pids.max": "max\n"}.items():  # fmt: skip
+        (tmp_path / name).write_text(text)
+    assert usage.group_counters(tmp_path, 1, "memory") == {
+        "oom_kill": 1, "memory_peak": 512 << 20, "memory_max": 512 << 20, "memory_now": 1000,
+    }  # fmt: skip
+    assert usage.group_counters(tmp_path, 1, "pids") == {"pids_refused": 4, "pids_now": 3, "pids_max": -1}
