@@ -47,6 +47,8 @@ GW_ROUTES = (
     "169.254.169.254/32",
     "100.100.100.200/32",
 )
+# Real addresses a sandbox would try first: never routed from the gateway namespace (create_sealed checks it).
+REAL_ADDRESSES = ("8.8.8.8", "1.1.1.1", "10.0.0.1", "192.168.1.1")
 FAKE_ADDRS = {
     "192.0.2.10": "allowed.test",
     "192.0.2.11": "second public upstream",
@@ -294,6 +296,15 @@ class Topology:
     def _check_ns(self, ns: str) -> None:
         if ns not in self._owned:
             raise AssertionError(f"{ns!r} is not a live namespace of topology {self.prefix}")
+
+    def create_sealed(self) -> Self:
+        """create(), then the proof that nothing the gateway namespace dials leaves the machine: the route to every
+        fake address and to REAL_ADDRESSES stays on the topology's own devices (or there is none). Raises what
+        create() and assert_route_inside() raise; the caller says it in its own words."""
+        self.create()
+        for destination in (*FAKE_ADDRS, *REAL_ADDRESSES):
+            self.assert_route_inside(self.gw, destination)
+        return self
 
     def assert_route_inside(self, ns: str, dst: str) -> None:
         """Assert a packet from `ns` to `dst` leaves on a test-owned device, or has no route at all."""
