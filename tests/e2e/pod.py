@@ -126,7 +126,7 @@ class Pod:
     def probe(self, kind: str, host: str, port: int, *rest: str, user: list[str] = AGENT_USER) -> str:
         return self.run([*user, "/usr/bin/python3", "-I", "-c", PROBE, kind, host, str(port), *rest]).stdout.strip()
 
-    def start_gateway(self, timeout: float = 30) -> None:
+    def start_gateway(self, timeout: float = 30, poll: float = 0.05) -> None:
         log = self.state / "gateway.log"
         argv = ["ip", "netns", "exec", self.name, *GATEWAY_USER, AIRLOCK, "gateway", *self.gateway_options(self.state)]
         with log.open("wb") as out:
@@ -134,7 +134,7 @@ class Pod:
         deadline = time.monotonic() + timeout
         while "proxy on" not in log.read_text(errors="replace"):
             assert self.gateway.poll() is None and time.monotonic() < deadline, log.read_text(errors="replace")
-            time.sleep(0.05)
+            time.sleep(poll)
 
     def stop_gateway(self, sig: int = signal.SIGTERM) -> None:
         if self.gateway is not None and self.gateway.poll() is None:
