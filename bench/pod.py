@@ -159,7 +159,7 @@ def verdict(value: float, target: float, unit: str) -> str:
     return f"met ({fmt(value, 1)} {unit} ≤ {target:g})" if value <= target else f"**missed** ({fmt(value, 1)} {unit})"
 
 
-def fenced_pod(topo: Topology, poll: float = 0.05) -> Pod:
+def fenced_pod(topo: Topology) -> Pod:
     """A pod created, fenced and its sidecar started (destroy() it)."""
     pod = Pod(topo, sidecar_options)
     try:
@@ -168,7 +168,7 @@ def fenced_pod(topo: Topology, poll: float = 0.05) -> Pod:
         fenced = pod.fence()
         if fenced.returncode != 0:
             raise RuntimeError(f"airlock fence --pod: {fenced.stderr}")
-        pod.start_gateway(poll=poll)
+        pod.start_gateway()
     except BaseException:
         pod.destroy()
         raise
