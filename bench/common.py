@@ -16,12 +16,14 @@ import re
 import shlex
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
 import timeit
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -66,6 +68,14 @@ class OtherCpu:
 
     def seconds(self) -> float:
         return max(0.0, (machine_busy() - self.busy0) - (own_cpu() - self.own0))
+
+
+def rss_kib(pid: int) -> int:
+    """A process's resident memory (`VmRSS`), KiB."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    raise RuntimeError(f"no VmRSS for {pid}")
 
 
 def cpu_model() -> str:
@@ -135,6 +145,124 @@ def calibrate(fn: Any, budget_s: float, min_s: float) -> int:
     while (elapsed := timeit.timeit(fn, number=number)) < min_s:
         number *= 4
     return max(1, int(number * budget_s / elapsed))
+
+
+# ------------------------------------------------------------------------------------------------ HTTP load (wrk)
+
+
+# wrk's request to a proxy as if it were the server (or to the server itself); `done` prints one BENCH line of
+# numbers (http_round reads them). {close}: a header line that makes every request a new connection.
+WRK_LUA = """
+wrk.method = "GET"
+wrk.path = "{path}"
+wrk.headers["Host"] = "{host}"
+{close}
+local threads = {{}}
+function setup(thread) table.insert(threads, thread) end
+function init(args) ok = 0; other = 0 end
+function response(status, headers, body)
+  if status == 200 then ok = ok + 1 else other = other + 1 end
+end
+function done(summary, latency, requests)
+  local n_ok, n_other = 0, 0
+  for _, t in ipairs(threads) do n_ok = n_ok + t:get("ok"); n_other = n_other + t:get("other") end
+  local e = summary.errors
+  io.write(string.format("BENCH %.0f %.0f %.0f %.0f %.0f %.0f %.0f %.0f %.0f %.0f %.0f\\n",
+    summary.requests, summary.duration, n_ok, n_other, e.connect, e.read, e.write, e.status, e.timeout,
+    latency:percentile(50), latency:percentile(99)))
+end
+"""
+
+
+def wrk_script(path: str, host: str, new_connections: bool = False) -> str:
+    """The Lua script for `path` with `Host: host`; with `new_connections`, `Connection: close` on every request (wrk
+    opens a new connection for the next one)."""
+    close = 'wrk.headers["Connection"] = "close"' if new_connections else ""
+    return WRK_LUA.format(path=path, host=host, close=close)
+
+
+@dataclass
+class HttpRound:
+    ok: int
+    seconds: float
+    non200: int
+    socket_errors: int
+    p50_ms: float
+    p99_ms: float
+    cpu_s: float | None  # the proxy's CPU during the round (None for direct)
+    upstream_conns: int
+
+    @property
+    def rps(self) -> float:
+        return self.ok / self.seconds if self.seconds else 0.0
+
+
+@dataclass
+class HttpResult:
+    name: str
+    rounds: list[HttpRound]
+
+    @property
+    def rps(self) -> float:
+        return sum(r.ok for r in self.rounds) / sum(r.seconds for r in self.rounds)
+
+    @property
+    def p50_ms(self) -> float:
+        return statistics.median(r.p50_ms for r in self.rounds)
+
+    @property
+    def p99_ms(self) -> float:
+        return statistics.median(r.p99_ms for r in self.rounds)
+
+    @property
+    def cpu_us_per_req(self) -> float | None:
+        ok = sum(r.ok for r in self.rounds)
+        if not ok or any(r.cpu_s is None for r in self.rounds):
+            return None
+        return sum(r.cpu_s or 0.0 for r in self.rounds) / ok * 1e6
+
+    @property
+    def upstream_conns(self) -> int:
+        return max(r.upstream_conns for r in self.rounds)
+
+    @property
+    def non200(self) -> int:
+        return sum(r.non200 for r in self.rounds)
+
+    @property
+    def socket_errors(self) -> int:
+        return sum(r.socket_errors for r in self.rounds)
+
+
+def run_wrk(where: list[str], lua: Path, url: str, duration: float, connections: int) -> list[float]:
+    """wrk run with the command prefix `where` (`ip netns exec NS`, a user's `setpriv` after it): its BENCH line."""
+    argv = [*where, "wrk", "-t1", f"-c{connections}", f"-d{duration:g}s", "--timeout", "5s", "-s", str(lua), url]
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=duration + 60, check=False)
+    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("BENCH ")), None)
+    if proc.returncode != 0 or line is None:
+        raise RuntimeError(f"wrk failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
+    return [float(x) for x in line.split()[1:]]
+
+
+def http_round(
+    net: FakeNet, where: list[str], lua: Path, url: str, pid: int | None, duration: float, connections: int
+) -> HttpRound:
+    """One wrk round (run_wrk), with the CPU of the proxy `pid` and the upstream connections it opened."""
+    net.reset()
+    cpu0 = cpu_seconds(pid) if pid else 0.0
+    _requests, duration_us, ok, other, conn_e, read_e, write_e, _status_e, timeout_e, p50, p99 = run_wrk(
+        where, lua, url, duration, connections
+    )
+    return HttpRound(
+        ok=int(ok),
+        seconds=duration_us / 1e6,
+        non200=int(other),
+        socket_errors=int(conn_e + read_e + write_e + timeout_e),
+        p50_ms=p50 / 1000,
+        p99_ms=p99 / 1000,
+        cpu_s=cpu_seconds(pid) - cpu0 if pid else None,
+        upstream_conns=net.connections(UPSTREAM_IP, 80),
+    )
 
 
 # ------------------------------------------------------------------------------------------------ processes

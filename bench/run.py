@@ -39,7 +39,18 @@ sys.path.append(str(REPO / "bench"))
 from airlock.verify.topology import GW_IP, FakeNet, Topology  # noqa: E402
 
 import common  # noqa: E402
-from common import HOST, UPSTREAM_IP, Mitmdump, cpu_seconds, fmt, ratio  # noqa: E402
+from common import (  # noqa: E402
+    HOST,
+    UPSTREAM_IP,
+    HttpResult,
+    Mitmdump,
+    cpu_seconds,
+    fmt,
+    http_round,
+    ratio,
+    run_wrk,
+    wrk_script,
+)
 from gateway_proc import GatewayProcess  # noqa: E402
 
 AIRLOCK_PORT = 3128  # and the gateway's transparent listener on 3129: the bare ones stay clear of both
@@ -74,28 +85,6 @@ profiles:
 
 # wrk: the request line is `GET <PATH> HTTP/1.1` with `Host: allowed.test`; against a proxy PATH is the absolute
 # URL, so wrk talks to the proxy as if it were the server. Only status 200 counts as a success.
-WRK_LUA = """
-wrk.method = "GET"
-wrk.path = "{path}"
-wrk.headers["Host"] = "{host}"
-
-local threads = {{}}
-function setup(thread) table.insert(threads, thread) end
-function init(args) ok = 0; other = 0 end
-function response(status, headers, body)
-  if status == 200 then ok = ok + 1 else other = other + 1 end
-end
-function done(summary, latency, requests)
-  local n_ok, n_other = 0, 0
-  for _, t in ipairs(threads) do n_ok = n_ok + t:get("ok"); n_other = n_other + t:get("other") end
-  local e = summary.errors
-  io.write(string.format("BENCH %.0f %.0f %.0f %.0f %.0f %.0f %.0f %.0f %.0f %.0f %.0f\\n",
-    summary.requests, summary.duration, n_ok, n_other, e.connect, e.read, e.write, e.status, e.timeout,
-    latency:percentile(50), latency:percentile(99)))
-end
-"""
-
-
 # ------------------------------------------------------------------------------------------------ helpers
 
 
@@ -113,88 +102,6 @@ def bench_info() -> dict[str, str]:
 
 
 # ------------------------------------------------------------------------------------------------ 1. HTTP
-
-
-@dataclass
-class HttpRound:
-    ok: int
-    seconds: float
-    non200: int
-    socket_errors: int
-    p50_ms: float
-    p99_ms: float
-    cpu_s: float | None  # the proxy's CPU during the round (None for direct)
-    upstream_conns: int
-
-    @property
-    def rps(self) -> float:
-        return self.ok / self.seconds if self.seconds else 0.0
-
-
-@dataclass
-class HttpResult:
-    name: str
-    rounds: list[HttpRound]
-
-    @property
-    def rps(self) -> float:
-        return sum(r.ok for r in self.rounds) / sum(r.seconds for r in self.rounds)
-
-    @property
-    def p50_ms(self) -> float:
-        return statistics.median(r.p50_ms for r in self.rounds)
-
-    @property
-    def p99_ms(self) -> float:
-        return statistics.median(r.p99_ms for r in self.rounds)
-
-    @property
-    def cpu_us_per_req(self) -> float | None:
-        ok = sum(r.ok for r in self.rounds)
-        if not ok or any(r.cpu_s is None for r in self.rounds):
-            return None
-        return sum(r.cpu_s or 0.0 for r in self.rounds) / ok * 1e6
-
-    @property
-    def upstream_conns(self) -> int:
-        return max(r.upstream_conns for r in self.rounds)
-
-    @property
-    def non200(self) -> int:
-        return sum(r.non200 for r in self.rounds)
-
-    @property
-    def socket_errors(self) -> int:
-        return sum(r.socket_errors for r in self.rounds)
-
-
-def run_wrk(topo: Topology, ns: str, lua: Path, url: str, duration: float, connections: int) -> list[float]:
-    argv = ["wrk", "-t1", f"-c{connections}", f"-d{duration:g}s", "--timeout", "5s", "-s", lua, url]
-    proc = topo.run(ns, argv, timeout=duration + 60)
-    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("BENCH ")), None)
-    if proc.returncode != 0 or line is None:
-        raise RuntimeError(f"wrk failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
-    return [float(x) for x in line.split()[1:]]
-
-
-def http_round(
-    topo: Topology, net: FakeNet, ns: str, lua: Path, url: str, pid: int | None, args: argparse.Namespace
-) -> HttpRound:
-    net.reset()
-    cpu0 = cpu_seconds(pid) if pid else 0.0
-    _requests, duration_us, ok, other, conn_e, read_e, write_e, _status_e, timeout_e, p50, p99 = run_wrk(
-        topo, ns, lua, url, args.duration, args.connections
-    )
-    return HttpRound(
-        ok=int(ok),
-        seconds=duration_us / 1e6,
-        non200=int(other),
-        socket_errors=int(conn_e + read_e + write_e + timeout_e),
-        p50_ms=p50 / 1000,
-        p99_ms=p99 / 1000,
-        cpu_s=cpu_seconds(pid) - cpu0 if pid else None,
-        upstream_conns=net.connections(UPSTREAM_IP, 80),
-    )
 
 
 def check_http(topo: Topology, ns: str, curl_args: list[str]) -> None:
@@ -664,13 +571,14 @@ def http_benchmark(
     luas = {}
     for name, ns, url, path, _ in columns:
         luas[name] = workdir / f"wrk-{name.split()[0]}.lua"
-        luas[name].write_text(WRK_LUA.format(path=path, host=HOST))
-        run_wrk(topo, ns, luas[name], url, 1, args.connections)  # warm-up: connections, DNS cache, imports
+        luas[name].write_text(wrk_script(path, HOST))
+        run_wrk(topo.cmd(ns), luas[name], url, 1, args.connections)  # warm-up: connections, DNS cache, imports
     results = {name: HttpResult(name, []) for name, *_ in columns}
     for i in range(args.rounds):  # interleaved, so drift hits every column alike
         for name, ns, url, _, pid in columns:
             print(f"  http: {name} round {i + 1} ...", file=sys.stderr, flush=True)
-            results[name].rounds.append(http_round(topo, net, ns, luas[name], url, pid, args))
+            lua = luas[name]
+            results[name].rounds.append(http_round(net, topo.cmd(ns), lua, url, pid, args.duration, args.connections))
     return list(results.values())
 
 

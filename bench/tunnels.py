@@ -29,7 +29,7 @@ sys.path.append(str(REPO / "bench"))
 from airlock.verify.topology import GW_IP  # noqa: E402
 
 import common  # noqa: E402
-from common import HOST, Mitmdump, cpu_seconds, fmt  # noqa: E402
+from common import HOST, Mitmdump, cpu_seconds, fmt, rss_kib  # noqa: E402
 from gateway_proc import GatewayProcess  # noqa: E402
 from netclient import HeldTunnels, raise_open_file_limit  # noqa: E402
 
@@ -58,13 +58,6 @@ class Result:
     def fds_per_tunnel(self) -> float:
         a, b = self.samples[0], self.samples[-1]
         return (b.fds - a.fds) / (b.tunnels - a.tunnels)
-
-
-def rss_kib(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1])
-    raise RuntimeError(f"no VmRSS for {pid}")
 
 
 def sample(pid: int, tunnels: int) -> Sample:

@@ -58,6 +58,7 @@ from airlock.audit import AuditRecord
 from .bodies import MAX_REQUEST_BYTES, MAX_REQUEST_DEPTH, parsed, read_body
 from .calls import Tool, bounded
 from .errors import BrokerError, Result
+from .origin import own_origin
 from .redact import Redactor
 from .tokens import Claims
 
@@ -404,15 +405,6 @@ def _may_be_large(request: web.Request, limit: int) -> bool:
     """Whether the body may exceed the common limit: then it waits for one of the few large reads."""
     declared = request.content_length
     return limit > MAX_REQUEST_BYTES and (declared is None or declared > MAX_REQUEST_BYTES)
-
-
-def own_origin(request: web.Request) -> str | None:
-    """The origin the broker is dialled at (its socket's address): the only one a page it served would have."""
-    sockname = request.transport.get_extra_info("sockname") if request.transport else None
-    if not sockname:
-        return None
-    host, port = sockname[0], sockname[1]
-    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
 def _accepts_json(accept: str) -> bool:

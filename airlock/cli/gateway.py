@@ -30,6 +30,7 @@ from airlock.gateway.reload import PolicyWatcher, Signature, file_signature, log
 from airlock.policy import Policy, Sandbox, format_host_port
 from airlock.runs import registered
 
+from . import pod_ports
 from .common import (
     DEFAULT_STATE_DIR,
     EXIT_INTERRUPTED,
@@ -46,6 +47,7 @@ if TYPE_CHECKING:  # `airlock run` builds a config before its sandbox exists; th
     from airlock.inspection.secrets import SecretSource
 
 log = logging.getLogger("airlock")
+POD_ADMIN = f"{pod_ports.LISTEN}:{pod_ports.ADMIN_PORT}"  # --admin with --pod
 
 
 def add_gateway_options(parser: argparse.ArgumentParser) -> None:
@@ -53,9 +55,9 @@ def add_gateway_options(parser: argparse.ArgumentParser) -> None:
         "--policy", type=absolute, metavar="FILE", help="policy file (default: the packaged configs/default.yaml)"
     )
     parser.add_argument("--profile", metavar="P", help="profile for sandboxes that do not name one")
-    parser.add_argument("--proxy-port", type=int, default=3128, metavar="PORT")
+    parser.add_argument("--proxy-port", type=int, default=pod_ports.PROXY_PORT, metavar="PORT")
     parser.add_argument(
-        "--transparent-port", type=int, default=3129, metavar="PORT",
+        "--transparent-port", type=int, default=pod_ports.TRANSPARENT_PORT, metavar="PORT",
         help="where the fence redirects clients that ignore the proxy variables; 0 turns transparent mode off",
     )  # fmt: skip
     parser.add_argument("--upstream-dns", action="append", metavar="IP[:PORT]", help="repeatable")
@@ -78,7 +80,9 @@ def add_gateway_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dns-port", type=int, default=53, metavar="PORT", help="sandbox DNS; 0 turns it off")
     parser.add_argument("--dns-rate", type=float, default=100.0, metavar="QPS", help="DNS queries/s per sandbox")
     parser.add_argument("--state-dir", type=absolute, metavar="DIR", help="keys, broker state, admin socket")
-    parser.add_argument("--broker-port", type=int, default=8080, metavar="PORT", help="0 turns the broker off")
+    parser.add_argument(
+        "--broker-port", type=int, default=pod_ports.RELAY_PORT, metavar="PORT", help="0 turns the broker off"
+    )
     parser.add_argument(
         "--admin", "--broker-admin", dest="admin", type=admin_address, metavar="SOCKET|127.0.0.1:PORT",
         help="the admin listener (policy reload, status, tokens); default: STATE_DIR/admin.sock",
@@ -191,8 +195,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     pod = parser.add_argument_group("the gateway sidecar of a Kubernetes pod (docs/kubernetes.md)")
     pod.add_argument(
         "--pod", action="store_true",
-        help="one sandbox, the pod: on 127.0.0.1, DNS on 5353, admin on 127.0.0.1:8081, no broker of its own; the "
-        "policy file reloaded when it changes",
+        help=f"one sandbox, the pod: on {pod_ports.LISTEN}, DNS on {pod_ports.DNS_PORT}, admin on {POD_ADMIN}, no "
+        "broker of its own; the policy file reloaded when it changes",
     )  # fmt: skip
     pod.add_argument("--sandbox-id", metavar="ID", help="the pod's sandbox id (default: $HOSTNAME, the pod's name)")
     pod.add_argument(
@@ -206,10 +210,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.set_defaults(func=cmd_gateway, dns_port=None)
 
 
-# What --pod changes, unless the option is given: a non-root sidecar cannot bind port 53 (the fence's --dns-port
-# redirects 53 there), and its admin listener is a loopback port the fence refuses the agent (--gateway-port).
-POD_LISTEN = "127.0.0.1"  # where the pod fence redirects
-POD_DNS_PORT, POD_ADMIN = 5353, "127.0.0.1:8081"
 POD_ONLY = ("sandbox_id", "broker_url", "broker_token_file", "trust_dir")
 
 
@@ -356,10 +356,10 @@ def check_pod_options(args: argparse.Namespace) -> None:
     """With --pod: the options that do not fit a pod refused, the pod's defaults filled in where not given."""
     if args.sandbox:
         raise UsageError("--sandbox: with --pod the pod is the one sandbox (--sandbox-id names it)")
-    if args.listen not in (None, POD_LISTEN):
-        raise UsageError(f"--listen {args.listen}: with --pod the gateway listens on {POD_LISTEN}, where the fence "
-                         "redirects the pod's traffic")  # fmt: skip
-    args.listen = POD_LISTEN
+    if args.listen not in (None, pod_ports.LISTEN):
+        raise UsageError(f"--listen {args.listen}: with --pod the gateway listens on {pod_ports.LISTEN}, where the "
+                         "fence redirects the pod's traffic")  # fmt: skip
+    fill_pod_defaults(args)
     args.sandbox_id = (args.sandbox_id if args.sandbox_id is not None else os.environ.get("HOSTNAME", "")).strip()
     if not args.sandbox_id:
         raise UsageError("--pod: no sandbox id: give --sandbox-id, or run where $HOSTNAME names the pod")
@@ -367,7 +367,12 @@ def check_pod_options(args: argparse.Namespace) -> None:
         raise UsageError("--broker-url and --broker-token-file go together: where the broker is, and the pod's token")
     if args.broker_url is not None and not args.broker_port:
         raise UsageError("--broker-port 0: the broker relay needs a port")
-    args.dns_port = POD_DNS_PORT if args.dns_port is None else args.dns_port
+
+
+def fill_pod_defaults(args: argparse.Namespace) -> None:
+    """What --pod changes where the option is not given (pod_ports.py: the fence's defaults are the same)."""
+    args.listen = pod_ports.LISTEN
+    args.dns_port = pod_ports.DNS_PORT if args.dns_port is None else args.dns_port
     args.admin = args.admin or POD_ADMIN
 
 
@@ -380,7 +385,7 @@ def pod_config(args: argparse.Namespace, policy: Policy) -> GatewayConfig:
     relay = None
     if args.broker_url is not None:
         relay = RelayConfig(args.broker_url, args.broker_token_file, args.broker_port, args.broker_max_connections)
-    config = gateway_config(args, policy, POD_LISTEN, pod)
+    config = gateway_config(args, policy, pod_ports.LISTEN, pod)
     no_broker = dataclasses.replace(config.broker, port=0)  # --broker-port is the relay's
     return dataclasses.replace(config, broker=no_broker, relay=relay, trust_dir=args.trust_dir)
 

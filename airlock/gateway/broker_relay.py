@@ -28,7 +28,7 @@ import aiohttp
 from aiohttp import web
 
 from airlock.audit import AuditRecord
-from airlock.broker.mcp import own_origin
+from airlock.broker.origin import own_origin
 from airlock.gateway.broker_listener import HTTP_LOG, CappedConnections
 from airlock.gateway.config import RelayConfig
 from airlock.inspection.files import read_regular_file

@@ -171,7 +171,7 @@ def _broker(
 def _relay(config: GatewayConfig, live: LivePolicy, auditing: GatewayAudit) -> BrokerRelay | None:
     if config.relay is None:
         return None
-    from airlock.gateway.broker_relay import BrokerRelay  # aiohttp and the broker's MCP module: with a relay only
+    from airlock.gateway.broker_relay import BrokerRelay  # aiohttp's client: with a relay only
 
     def identify(client: str) -> str:
         try:

@@ -65,7 +65,7 @@ class GatewayProcess:
             *self.extra,
         ]  # fmt: skip
 
-    def start(self, timeout: float = 30) -> GatewayProcess:
+    def start(self, timeout: float = 30, poll: float = 0.05) -> GatewayProcess:
         self.audit_path.unlink(missing_ok=True)
         log = self.log_path.open("wb")
         self.proc = self.topology.popen(self.topology.gw, self.argv(), stdout=log, stderr=subprocess.STDOUT)
@@ -75,7 +75,7 @@ class GatewayProcess:
                 return self
             if self.proc.poll() is not None:
                 raise RuntimeError(f"gateway exited with {self.proc.returncode}:\n{self.log()}")
-            time.sleep(0.05)
+            time.sleep(poll)
         raise RuntimeError(f"gateway did not start in {timeout}s:\n{self.log()}")
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 15) -> int | None:

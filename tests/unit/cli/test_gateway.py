@@ -12,6 +12,7 @@ from repo_files import REPO
 from airlock import cli
 from airlock.cli import build_parser
 from airlock.cli.common import default_policy_path
+from airlock.cli.fence import pod_fence
 from airlock.cli.gateway import check_host_options, check_pod_options, pod_config
 from airlock.gateway.config import GatewayConfig, RelayConfig
 from airlock.policy import Sandbox, load_policy
@@ -119,7 +120,7 @@ def test_the_sandbox_pods_sidecar_and_fence_are_commands_airlock_takes(monkeypat
     init = {c["name"]: c for c in spec["template"]["spec"]["initContainers"]}
     monkeypatch.setenv("HOSTNAME", "airlock-sandbox-x7k2p")
     config = pod(init["airlock-gateway"]["args"])
-    fence = build_parser(["fence"]).parse_args(init["airlock-fence"]["args"])
+    fence = pod_fence(build_parser(["fence"]).parse_args(init["airlock-fence"]["args"]))
     assert (
         config.relay is not None and config.trust_dir is not None and config.sandboxes[0].id == "airlock-sandbox-x7k2p"
     )
@@ -127,5 +128,5 @@ def test_the_sandbox_pods_sidecar_and_fence_are_commands_airlock_takes(monkeypat
         config.proxy_port, config.transparent_port, config.dns_port
     )  # fmt: skip
     admin_port = int(str(config.admin).rpartition(":")[2])
-    assert fence.gateway_port == [admin_port] and config.relay.port not in fence.gateway_port
+    assert fence.gateway_ports == (admin_port,) and config.relay.port not in fence.gateway_ports
     assert int(fence.gateway_uid) == init["airlock-gateway"]["securityContext"]["runAsUser"]
