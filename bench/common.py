@@ -140,6 +140,41 @@ def calibrate(fn: Any, budget_s: float, min_s: float) -> int:
 # ------------------------------------------------------------------------------------------------ processes
 
 
+# wrk: the request line is `GET <PATH> HTTP/1.1` with `Host: allowed.test`; against a proxy PATH is the absolute
+# URL, so wrk talks to the proxy as if it were the server; `headers`: more lines such as
+# `wrk.headers["Connection"] = "close"` (then wrk opens a new connection for each request). Only status 200 counts
+# as a success.
+WRK_LUA = """
+wrk.method = "GET"
+wrk.path = "{path}"
+wrk.headers["Host"] = "{host}"
+{headers}
+local threads = {{}}
+function setup(thread) table.insert(threads, thread) end
+function init(args) ok = 0; other = 0 end
+function response(status, headers, body)
+  if status == 200 then ok = ok + 1 else other = other + 1 end
+end
+function done(summary, latency, requests)
+  local n_ok, n_other = 0, 0
+  for _, t in ipairs(threads) do n_ok = n_ok + t:get("ok"); n_other = n_other + t:get("other") end
+  local e = summary.errors
+  io.write(string.format("BENCH %.0f %.0f %.0f %.0f %.0f %.0f %.0f %.0f %.0f %.0f %.0f\\n",
+    summary.requests, summary.duration, n_ok, n_other, e.connect, e.read, e.write, e.status, e.timeout,
+    latency:percentile(50), latency:percentile(99)))
+end
+"""
+
+
+def run_wrk(topo: Topology, ns: str, lua: Path, url: str, duration: float, connections: int) -> list[float]:
+    argv = ["wrk", "-t1", f"-c{connections}", f"-d{duration:g}s", "--timeout", "5s", "-s", lua, url]
+    proc = topo.run(ns, argv, timeout=duration + 60)
+    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("BENCH ")), None)
+    if proc.returncode != 0 or line is None:
+        raise RuntimeError(f"wrk failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
+    return [float(x) for x in line.split()[1:]]
+
+
 class ListeningServer:
     """A server in the gateway namespace, ready once something listens on `port` (`ss_flags`: -Hltn for TCP,
     -Hlun for UDP); its output goes to `log_path`; stopped by PID."""

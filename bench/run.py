@@ -37,7 +37,7 @@ sys.path.insert(0, str(REPO / "tests" / "e2e"))
 sys.path.append(str(REPO / "bench"))
 
 import common  # noqa: E402
-from common import HOST, UPSTREAM_IP, Mitmdump, cpu_seconds, fmt, ratio  # noqa: E402
+from common import HOST, UPSTREAM_IP, WRK_LUA, Mitmdump, cpu_seconds, fmt, ratio, run_wrk  # noqa: E402
 from gateway_proc import GatewayProcess  # noqa: E402
 from topology import GW_IP, FakeNet, Topology  # noqa: E402
 
@@ -69,29 +69,6 @@ profiles:
       - host: allowed.test
         ports: [443]
         inspect: true{rule}
-"""
-
-# wrk: the request line is `GET <PATH> HTTP/1.1` with `Host: allowed.test`; against a proxy PATH is the absolute
-# URL, so wrk talks to the proxy as if it were the server. Only status 200 counts as a success.
-WRK_LUA = """
-wrk.method = "GET"
-wrk.path = "{path}"
-wrk.headers["Host"] = "{host}"
-
-local threads = {{}}
-function setup(thread) table.insert(threads, thread) end
-function init(args) ok = 0; other = 0 end
-function response(status, headers, body)
-  if status == 200 then ok = ok + 1 else other = other + 1 end
-end
-function done(summary, latency, requests)
-  local n_ok, n_other = 0, 0
-  for _, t in ipairs(threads) do n_ok = n_ok + t:get("ok"); n_other = n_other + t:get("other") end
-  local e = summary.errors
-  io.write(string.format("BENCH %.0f %.0f %.0f %.0f %.0f %.0f %.0f %.0f %.0f %.0f %.0f\\n",
-    summary.requests, summary.duration, n_ok, n_other, e.connect, e.read, e.write, e.status, e.timeout,
-    latency:percentile(50), latency:percentile(99)))
-end
 """
 
 
@@ -165,15 +142,6 @@ class HttpResult:
     @property
     def socket_errors(self) -> int:
         return sum(r.socket_errors for r in self.rounds)
-
-
-def run_wrk(topo: Topology, ns: str, lua: Path, url: str, duration: float, connections: int) -> list[float]:
-    argv = ["wrk", "-t1", f"-c{connections}", f"-d{duration:g}s", "--timeout", "5s", "-s", lua, url]
-    proc = topo.run(ns, argv, timeout=duration + 60)
-    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("BENCH ")), None)
-    if proc.returncode != 0 or line is None:
-        raise RuntimeError(f"wrk failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
-    return [float(x) for x in line.split()[1:]]
 
 
 def http_round(
@@ -663,7 +631,7 @@ def http_benchmark(
     luas = {}
     for name, ns, url, path, _ in columns:
         luas[name] = workdir / f"wrk-{name.split()[0]}.lua"
-        luas[name].write_text(WRK_LUA.format(path=path, host=HOST))
+        luas[name].write_text(WRK_LUA.format(path=path, host=HOST, headers=""))
         run_wrk(topo, ns, luas[name], url, 1, args.connections)  # warm-up: connections, DNS cache, imports
     results = {name: HttpResult(name, []) for name, *_ in columns}
     for i in range(args.rounds):  # interleaved, so drift hits every column alike
