@@ -11,7 +11,9 @@ per hook, four hooks per kept-alive request, a dozen per tunnel. Here:
   implements, is never walked;
 - a hook runs at once, where the layer asks for it, and the layer hears it is done as soon as the commands it gave
   with it are carried out: no task, unless the hook really waits (a name to resolve, an approval asked of a person),
-  and then its rest runs in a task, as in mitmproxy.
+  and then its rest runs in a task, as in mitmproxy;
+- what an event gives a connection to send goes in one write, where mitmproxy writes each piece (a response's
+  head, then its body): data is held back only until a command that is not data comes, so nothing is reordered.
 
 Every hook still runs in the addons' order, each fault is still logged and the next addon called, and the layer
 still hears of each hook only once it has run. The rest is mitmproxy 12's `ConnectionHandler.server_event` and
@@ -30,6 +32,7 @@ from typing import Any
 
 from mitmproxy import exceptions, flow, platform
 from mitmproxy.addonmanager import AddonManager, traverse
+from mitmproxy.connection import Connection
 from mitmproxy.master import Master
 from mitmproxy.proxy import commands, events, mode_specs
 from mitmproxy.proxy.mode_servers import ProxyConnectionHandler, ServerInstance
@@ -123,10 +126,12 @@ class ConnectionHandler(ProxyConnectionHandler):
             await self.server_event(events.HookCompleted(hook))
 
     async def server_event(self, event: events.Event) -> None:
-        """mitmproxy's, with each hook run where the layer asks for it and its completion handled next."""
+        """mitmproxy's, with each hook run where the layer asks for it and its completion handled next, and the
+        data for each connection sent in one write once nothing else is to be done first."""
         async with self._server_event_lock:
             # No `await` beyond this point.
             self.timeout_watchdog.register_activity()  # type: ignore[no-untyped-call]  # mitmproxy's is unannotated
+            unsent: dict[Connection, list[bytes]] = {}
             try:
                 pending = collections.deque([event])
                 while pending:
@@ -134,13 +139,27 @@ class ConnectionHandler(ProxyConnectionHandler):
                         if isinstance(command, commands.StartHook):
                             if (completed := self._start_hook(command)) is not None:
                                 pending.append(completed)  # after the layer has given every command it has now
+                        elif isinstance(command, commands.SendData) and command.connection in self.transports:
+                            unsent.setdefault(command.connection, []).append(command.data)
                         else:
+                            self._send(unsent)  # what was to be sent before this command, first
                             self._carry_out(command)
+                self._send(unsent)
             except Exception:
                 self.log("mitmproxy has crashed!", logging.ERROR, exc_info=True)
 
+    def _send(self, unsent: dict[Connection, list[bytes]]) -> None:
+        """The data each connection was to be sent, in one write each: a response's head and body in one segment
+        (one system call, one wake-up of the reader), where mitmproxy writes each piece as the layer gives it."""
+        for connection, pieces in unsent.items():
+            writer = self.transports[connection].writer
+            assert writer
+            if not writer.is_closing():
+                writer.write(pieces[0] if len(pieces) == 1 else b"".join(pieces))
+        unsent.clear()
+
     def _carry_out(self, command: commands.Command) -> None:
-        """Every command but a hook, as mitmproxy's `server_event` carries it out."""
+        """Every command but a hook and data to send, as mitmproxy's `server_event` carries it out."""
         if isinstance(command, commands.OpenConnection):
             assert command.connection not in self.transports
             handler = asyncio_utils.create_task(
@@ -159,12 +178,7 @@ class ConnectionHandler(ProxyConnectionHandler):
             )
             self.wakeup_timer.add(task)
         elif isinstance(command, commands.ConnectionCommand) and command.connection not in self.transports:
-            pass  # The connection has already been closed.
-        elif isinstance(command, commands.SendData):
-            writer = self.transports[command.connection].writer
-            assert writer
-            if not writer.is_closing():
-                writer.write(command.data)
+            pass  # The connection has already been closed (data for it too: `server_event`).
         elif isinstance(command, commands.CloseTcpConnection):
             self.close_connection(command.connection, command.half_close)
         elif isinstance(command, commands.CloseConnection):

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 from mitmproxy import exceptions, options
 from mitmproxy.master import Master
-from mitmproxy.proxy import events, layer, mode_specs
+from mitmproxy.proxy import commands, events, layer, mode_specs
 from mitmproxy.proxy.server_hooks import ClientConnectedHook
 from mitmproxy.test import tflow
 
@@ -103,14 +103,23 @@ class AsksOnce(layer.Layer):
 
 
 class Writer:
-    """What mitmproxy's handler reads of a client's stream when it is made."""
+    """What mitmproxy's handler reads of a client's stream when it is made, and what it writes to it."""
+
+    def __init__(self) -> None:
+        self.written: list[bytes] = []
 
     def get_extra_info(self, name: str, default: Any = None) -> Any:
         return {"peername": ("10.0.0.2", 40000), "sockname": ("10.0.0.1", 3128)}.get(name, default)
 
+    def write(self, data: bytes) -> None:
+        self.written.append(data)
 
-def handler(m: Master) -> tuple[ConnectionHandler, AsksOnce]:
-    h = ConnectionHandler(m, None, Writer(), mode_specs.ProxyMode.parse("regular"), Hooks(m.addons))
+    def is_closing(self) -> bool:
+        return False
+
+
+def handler(m: Master, writer: Writer | None = None) -> tuple[ConnectionHandler, AsksOnce]:
+    h = ConnectionHandler(m, None, writer or Writer(), mode_specs.ProxyMode.parse("regular"), Hooks(m.addons))
     h.layer = asks = AsksOnce(h.layer.context)
     return h, asks
 
@@ -139,3 +148,26 @@ async def test_a_hook_that_waits_finishes_in_a_task_and_the_layer_hears_it_then(
     assert calls == ["waiting waits", "waiting went on", "next addon"]
     assert asks.heard == ["hook done"]
     assert h.timeout_watchdog.can_timeout.is_set()
+
+
+class Sends(layer.Layer):
+    """A layer that gives the client a head and a body, then something else to do, then more data."""
+
+    def _handle_event(self, event: events.Event) -> layer.CommandGenerator[None]:
+        if isinstance(event, events.Start):
+            client = self.context.client
+            yield commands.SendData(client, b"HTTP/1.1 200 OK\r\n\r\n")
+            yield ClientConnectedHook(client)  # a hook runs in between: no command of the connection's
+            yield commands.SendData(client, b"body")
+            yield commands.Log("the data before this goes first")
+            yield commands.SendData(client, b"more")
+
+
+async def test_what_an_event_gives_a_connection_to_send_goes_in_one_write_up_to_the_next_other_command() -> None:
+    # mitmproxy's own handler writes each piece as the layer gives it: a response's head and body, two segments.
+    writer, calls = Writer(), []
+    h, _ = handler(master(Recorder("addon", calls)), writer)
+    h.layer = Sends(h.layer.context)
+    await h.server_event(events.Start())
+    assert writer.written == [b"HTTP/1.1 200 OK\r\n\r\nbody", b"more"]
+    assert calls == ["addon"]
