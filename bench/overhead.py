@@ -49,7 +49,7 @@ sys.path.insert(0, str(REPO / "tests" / "e2e"))
 sys.path.append(str(REPO / "bench"))
 
 import common  # noqa: E402
-from common import HOST, WRK_LUA, cpu_seconds, fmt, run_wrk  # noqa: E402
+from common import HOST, WRK_LUA, fmt, run_wrk, user_system_seconds  # noqa: E402
 from gateway_proc import AIRLOCK, GatewayProcess  # noqa: E402
 from topology import GW_IP, Topology  # noqa: E402
 
@@ -109,10 +109,14 @@ class Column:
     port: int
     pid: int
     cpu_s: list[float] = field(default_factory=list)  # per round
+    system_s: list[float] = field(default_factory=list)  # the part of it in the kernel
     units: list[int] = field(default_factory=list)
 
     def us_per_unit(self) -> float:
         return sum(self.cpu_s) / sum(self.units) * 1e6 if sum(self.units) else 0.0
+
+    def system_share(self) -> float:
+        return sum(self.system_s) / sum(self.cpu_s) if sum(self.cpu_s) else 0.0
 
     def round_us(self) -> list[float]:
         return [c / u * 1e6 for c, u in zip(self.cpu_s, self.units, strict=True) if u]
@@ -165,9 +169,11 @@ def measure(
         for load in loads:
             for column in results[load.name][:: 1 if i % 2 == 0 else -1]:
                 print(f"  {load.name}: {column.name} round {i + 1} ...", file=sys.stderr, flush=True)
-                cpu0 = cpu_seconds(column.pid)
+                user0, system0 = user_system_seconds(column.pid)
                 units = load.run(topo, workdir, column.port)
-                column.cpu_s.append(cpu_seconds(column.pid) - cpu0)
+                user, system = user_system_seconds(column.pid)
+                column.cpu_s.append(user - user0 + system - system0)
+                column.system_s.append(system - system0)
                 column.units.append(units)
     return results
 
@@ -252,13 +258,15 @@ def report(info: dict[str, str], command: str, args: argparse.Namespace, loads: 
     out = ["## airlock gateway overhead", "", common.machine_line(info), f"command: `{command}` ({elapsed:.0f} s)", ""]
     w = out.append
     names = [c.name for c in results[loads[0].name]]
-    w(f"{args.rounds} interleaved rounds per load; CPU: the gateway process's user + system time per unit served.\n")
+    w(f"{args.rounds} interleaved rounds per load; CPU: the gateway process's user + system time per unit served "
+      "(in the kernel: its system time's share of that).\n")  # fmt: skip
     header = " | ".join(f"{n} µs/unit (per round)" for n in names)
     w(f"| load | unit | {header} |" + (" baseline / this (median, range) |" if len(names) == 2 else ""))
     w("|---|---|" + "---:|" * len(names) + ("---:|" if len(names) == 2 else ""))
     for load in loads:
         columns = results[load.name]
-        cells = [f"{fmt(c.us_per_unit())} ({', '.join(fmt(x) for x in c.round_us())})" for c in columns]
+        cells = [f"{fmt(c.us_per_unit())} ({', '.join(fmt(x) for x in c.round_us())}; in the kernel "
+                 f"{c.system_share():.0%})" for c in columns]  # fmt: skip
         row = f"| {load.name} | {load.unit} | " + " | ".join(cells) + " |"
         if len(columns) == 2:
             ratios = [b / a for a, b in zip(columns[0].round_us(), columns[1].round_us(), strict=True)]
