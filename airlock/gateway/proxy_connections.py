@@ -132,27 +132,37 @@ class ConnectionHandler(ProxyConnectionHandler):
             # No `await` beyond this point.
             self.timeout_watchdog.register_activity()  # type: ignore[no-untyped-call]  # mitmproxy's is unannotated
             unsent: dict[Connection, list[bytes]] = {}
+            pending = collections.deque([event])
+            while pending:  # each event as mitmproxy's own call would take it: a crash in one ends that one alone
+                try:
+                    self._handle(pending.popleft(), pending, unsent)
+                except Exception:
+                    self.log("mitmproxy has crashed!", logging.ERROR, exc_info=True)
             try:
-                pending = collections.deque([event])
-                while pending:
-                    for command in self.layer.handle_event(pending.popleft()):
-                        if isinstance(command, commands.StartHook):
-                            if (completed := self._start_hook(command)) is not None:
-                                pending.append(completed)  # after the layer has given every command it has now
-                        elif isinstance(command, commands.SendData) and command.connection in self.transports:
-                            unsent.setdefault(command.connection, []).append(command.data)
-                        else:
-                            self._send(unsent)  # what was to be sent before this command, first
-                            self._carry_out(command)
-                self._send(unsent)
+                self._send(unsent)  # also what a layer gave before it crashed, as mitmproxy had written it
             except Exception:
                 self.log("mitmproxy has crashed!", logging.ERROR, exc_info=True)
+
+    def _handle(
+        self, event: events.Event, pending: collections.deque[events.Event], unsent: dict[Connection, list[bytes]]
+    ) -> None:
+        for command in self.layer.handle_event(event):
+            if isinstance(command, commands.StartHook):
+                if (completed := self._start_hook(command)) is not None:
+                    pending.append(completed)  # once the layer has given every command it has now
+            elif isinstance(command, commands.SendData) and command.connection in self.transports:
+                unsent.setdefault(command.connection, []).append(command.data)
+            else:
+                self._send(unsent)  # what was to be sent before this command, first
+                self._carry_out(command)
 
     def _send(self, unsent: dict[Connection, list[bytes]]) -> None:
         """The data each connection was to be sent, in one write each: a response's head and body in one segment
         (one system call, one wake-up of the reader), where mitmproxy writes each piece as the layer gives it."""
         for connection, pieces in unsent.items():
-            writer = self.transports[connection].writer
+            if (io := self.transports.get(connection)) is None:
+                continue  # closed meanwhile, as mitmproxy drops a command for a connection it no longer has
+            writer = io.writer
             assert writer
             if not writer.is_closing():
                 writer.write(pieces[0] if len(pieces) == 1 else b"".join(pieces))

@@ -171,3 +171,40 @@ async def test_what_an_event_gives_a_connection_to_send_goes_in_one_write_up_to_
     await h.server_event(events.Start())
     assert writer.written == [b"HTTP/1.1 200 OK\r\n\r\nbody", b"more"]
     assert calls == ["addon"]
+
+
+class Answers(layer.Layer):
+    """Gives the client a head, asks for a hook, then gives the body."""
+
+    def _handle_event(self, event: events.Event) -> layer.CommandGenerator[None]:
+        if isinstance(event, events.Start):
+            yield commands.SendData(self.context.client, b"head ")
+            yield ClientConnectedHook(self.context.client)
+            yield commands.SendData(self.context.client, b"body")
+
+
+class CrashesAfterItsChild(layer.Layer):
+    """A layer that goes on after its child asked for a hook, and fails (as mitmproxy's HTTP/1 reader does on an
+    upstream's trailers while the stream waits for its `responseheaders` hook)."""
+
+    def __init__(self, context: Any) -> None:
+        super().__init__(context)
+        self.child = Answers(context)
+
+    def _handle_event(self, event: events.Event) -> layer.CommandGenerator[None]:
+        yield from self.child.handle_event(event)
+        if isinstance(event, events.Start):
+            raise NotImplementedError("HTTP trailers are not implemented yet.")
+
+
+async def test_a_layer_that_fails_after_asking_for_a_hook_still_hears_the_hook_is_done(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # As with mitmproxy's own handler, whose hook ends in an event of its own: the answer still goes out.
+    writer = Writer()
+    h, _ = handler(master(Recorder("addon", [])), writer)
+    h.layer = CrashesAfterItsChild(h.layer.context)
+    with caplog.at_level(logging.ERROR):
+        await h.server_event(events.Start())
+    assert "mitmproxy has crashed!" in caplog.text
+    assert b"".join(writer.written) == b"head body"
