@@ -19,8 +19,8 @@ CPU is its process's user + system time (every thread) over the round, divided b
 served: unlike a rate it does not depend on how the CPUs were shared. Each round gives a ratio baseline / this;
 the report gives their median and range beside the µs per unit over all rounds.
 
-`--profile`: afterwards py-spy (`pip install py-spy`) samples this checkout's gateway during one more round of the
-keep-alive and of the new-tunnel load; the report gives the share of samples by area of the code (each sample goes
+`--profile`: afterwards py-spy (`pip install py-spy`) samples this checkout's gateway during one more round
+of each load; the report gives the share of samples by area of the code (each sample goes
 to its innermost frame outside Python's generic standard library: a `typing` call counts for whoever made it) and
 the top functions by own and by total time.
 
@@ -341,7 +341,7 @@ def main(argv: list[str] | None = None) -> int:
         ]
         results = measure(topo, workdir, loads, columns, args.rounds)
         if args.profile:
-            profiles = [profile_load(topo, workdir, load, columns[0], args.duration) for load in (loads[0], loads[2])]
+            profiles = [profile_load(topo, workdir, load, columns[0], args.duration) for load in loads]
     common.emit(report(info, command, args, loads, results, profiles, time.monotonic() - started), args.output)
     return 0
 
