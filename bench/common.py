@@ -43,8 +43,13 @@ HOST = "allowed.test"
 
 def cpu_seconds(pid: int) -> float:
     """User + system CPU of a process (all its threads) so far."""
+    return sum(user_system_seconds(pid))
+
+
+def user_system_seconds(pid: int) -> tuple[float, float]:
+    """User and system CPU of a process (all its threads) so far."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / CLK_TCK
+    return int(fields[11]) / CLK_TCK, int(fields[12]) / CLK_TCK
 
 
 def machine_busy() -> float:

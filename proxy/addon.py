@@ -30,9 +30,10 @@ from .tunnels import TunnelPolicy
 
 class Airlock:
     """The one addon mitmproxy dispatches to. Each hook is the fail-closed method of the object that owns its
-    concern, found by name on this object: mitmproxy walks its whole addon chain for every event (and for the
-    `update` event after each flow event), and each addon in the chain costs every event about 2 µs
-    (bench/dispatch.py); nothing sits between mitmproxy and the hook."""
+    concern, found by name on this object: nothing sits between mitmproxy and the hook. The gateway's connection
+    handler calls each hook's implementers directly (airlock/gateway/proxy_connections.py); mitmproxy's own addon
+    manager, which the gateway still uses for its lifecycle events, walks the whole chain for every event, each
+    addon in it costing every event about 2 µs (bench/dispatch.py)."""
 
     name = "airlock"
 

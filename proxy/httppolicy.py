@@ -89,9 +89,7 @@ class HttpPolicy:
             record.reason = f"{request.http_version} request without a Host header"
             record.code = ReasonCode.MISSING_HOST_HEADER
             return self._refuse(flow, record, None, 400)
-        outcome = await self.shared.evaluate(
-            state.sandbox, request.host, request.port, "http", flow.client_conn.peername[0]
-        )
+        outcome = await self.shared.judge_request(state, request.host, request.port, flow.client_conn.peername[0])
         outcome.fill(record)
         if outcome.decision.allow and (mismatch := _host_header_mismatch(flow, outcome.host)):
             record.decision, record.reason, record.code = "deny", mismatch, ReasonCode.HOST_MISMATCH

@@ -26,6 +26,7 @@ from airlock.policy import (
     LivePolicy,
     ReasonCode,
     Sandbox,
+    Snapshot,
     canonical_host,
     decide,
     decide_alias,
@@ -36,6 +37,7 @@ from airlock.policy import (
 from airlock.policy.held_requests import Asker
 
 MINTED_KEPT = 64  # installation tokens the scrubber keeps looking for
+KEPT_JUDGEMENT_S = 60.0  # the longest a kept-alive connection's requests reuse a judgement (a name's TTL: less)
 _UNKNOWN_SANDBOX = Decision(False, "connection from an address that belongs to no sandbox", ReasonCode.UNKNOWN_SANDBOX)
 
 
@@ -136,6 +138,7 @@ class ClientState:
     # Transparent mode: the address and port the sandbox dialled (a hint, never a connect target), once judged.
     original: tuple[str, int] | None = None
     inspected: bool = False  # the tunnel's TLS is terminated here: its rule says `inspect: true`
+    judged: Kept | None = None  # the last plain-HTTP request's allowed judgement, for the next on this connection
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,6 +153,19 @@ class Outcome:
         record.decision = self.decision.verdict
         record.reason, record.code, record.hint = self.decision.reason, self.decision.code, self.decision.hint
         record.decided_by(self.decision.rule)
+
+
+@dataclass(frozen=True, slots=True)
+class Kept:
+    """An allowed judgement of `target` under the policy snapshot in force then, good until `until` (monotonic)."""
+
+    target: tuple[str, int]
+    snapshot: Snapshot
+    until: float
+    outcome: Outcome
+
+    def holds(self, target: tuple[str, int], snapshot: Snapshot, now: float) -> bool:
+        return target == self.target and snapshot is self.snapshot and now < self.until
 
 
 def _timed(evaluate: Callable[..., Awaitable[Outcome]]) -> Callable[..., Awaitable[Outcome]]:
@@ -250,22 +266,44 @@ class Shared:
         """The whole judgement of one upstream target: canonicalize, decide (or ask a person), resolve, vet,
         choose; under one snapshot of the live policy, however long the resolution or the person takes. `kind` and
         `client` tell the person who asks for what."""
+        outcome, _ = await self._evaluate(sandbox, raw_host, port, kind, client)
+        return outcome
+
+    @_timed
+    async def judge_request(self, state: ClientState, raw_host: str, port: int, client: str) -> Outcome:
+        """`evaluate` of a plain-HTTP request's target: on a kept-alive connection, the previous request's allowed
+        judgement of the same target holds while the policy in force is the one it was made under (a reload judges
+        again), the name's resolution lasts (its TTL, at most KEPT_JUDGEMENT_S) and the audit log can be written;
+        a person's answer (`ask`) is never kept."""
+        target, snapshot = (raw_host, port), self.live.current
+        kept = state.judged
+        if kept is not None and kept.holds(target, snapshot, time.monotonic()) and not self.settings.audit_failure():
+            return kept.outcome
+        outcome, state.judged = await self._evaluate(state.sandbox, raw_host, port, "http", client)
+        return outcome
+
+    async def _evaluate(
+        self, sandbox: Sandbox | None, raw_host: str, port: int, kind: str, client: str
+    ) -> tuple[Outcome, Kept | None]:
+        """The judgement, and how it may be kept (None: not at all)."""
         if sandbox is None:
-            return Outcome(_UNKNOWN_SANDBOX, raw_host)
+            return Outcome(_UNKNOWN_SANDBOX, raw_host), None
         if (failure := self.settings.audit_failure()) is not None:
             reason = f"audit log unavailable ({failure}): no request is allowed until it can be written"
-            return Outcome(Decision(False, reason, ReasonCode.AUDIT_UNAVAILABLE), raw_host)
+            return Outcome(Decision(False, reason, ReasonCode.AUDIT_UNAVAILABLE), raw_host), None
         try:
             host = _target(raw_host, port)
         except HostError as e:
-            return Outcome(Decision(False, f"invalid host: {e}", ReasonCode.INVALID_HOST), raw_host)
+            return Outcome(Decision(False, f"invalid host: {e}", ReasonCode.INVALID_HOST), raw_host), None
         live = self.live.current
         profile = live.profile(sandbox)
         decision = decide(profile, host, port)
+        keep_for = KEPT_JUDGEMENT_S
         if not decision.allow and self.approvals is not None:
             decision = await self.approvals.decide(live, sandbox, host, port, decision, kind, client)
+            keep_for = 0.0  # a person's answer is theirs to give each time
         if not decision.allow:
-            return Outcome(decision, host)
+            return Outcome(decision, host), None
         if is_ip(host):
             addresses: tuple[IPAddress, ...] = (ipaddress.ip_address(host),)
         else:
@@ -273,16 +311,18 @@ class Shared:
                 answer = await self.resolver.resolve(host)
             except ResolveError as e:
                 failed = Decision(False, f"resolution failed: {e}", ReasonCode.RESOLVE_FAILED, decision.rule)
-                return Outcome(failed, host)
+                return Outcome(failed, host), None
             if denied := decide_alias(profile, answer.cnames, port):
-                return Outcome(denied, host, [str(a) for a in answer.addresses])
-            addresses = answer.addresses
+                return Outcome(denied, host, [str(a) for a in answer.addresses]), None
+            addresses, keep_for = answer.addresses, min(keep_for, answer.ttl)
         vetted = vet(profile, addresses, port, live.own.among(addresses))
         resolved = [str(a) for a in addresses]
         if not vetted.allowed:
-            return Outcome(refused_addresses(decision, vetted), host, resolved)
+            return Outcome(refused_addresses(decision, vetted), host, resolved), None
         chosen = min(vetted.allowed, key=lambda a: a.version)  # IPv4 first: the family most often routed
-        return Outcome(decision, host, resolved, str(chosen))
+        outcome = Outcome(decision, host, resolved, str(chosen))
+        kept = Kept((raw_host, port), live, time.monotonic() + keep_for, outcome) if keep_for > 0 else None
+        return outcome, kept
 
 
 def is_transparent(client: connection.Client) -> bool:

@@ -129,12 +129,16 @@ class ProxyRuntime:
         ports = " and ".join(str(port) for port in self.ports().values())
         if why := await _until_running(self._task, running.event):
             raise GatewayError(f"the proxy did not start on {config.listen} port {ports}: {why}")
-        # Every addon has seen `running`: connections are theirs from now on.
+        # Every addon has seen `running`: connections are theirs from now on, and the chain is complete.
+        from airlock.gateway.proxy_connections import Hooks, Listener  # after mitm: it imports mitmproxy's master
+
+        hooks = Hooks(master.addons)
         proxyserver = master.addons.get("proxyserver")  # type: ignore[no-untyped-call]
         for spec, listener in self.listeners.items():
             # SO_ORIGINAL_DST is read by the transparent one
             instance: ServerInstance[Any] = ServerInstance.make(spec, proxyserver)
-            server = await asyncio.start_server(instance.handle_stream, sock=listener, backlog=PROXY_BACKLOG)
+            serve = Listener(instance, master, hooks).handle_stream
+            server = await asyncio.start_server(serve, sock=listener, backlog=PROXY_BACKLOG)
             self.servers.append(server)
 
     def close_denied_tunnels(self) -> int:

@@ -43,6 +43,7 @@ class GatewayProcess:
         nofile: tuple[int, int] | None = None,
         audit_path: Path | None = None,
         verbose: bool = False,
+        airlock: str = AIRLOCK,
     ):
         self.topology = topology
         self.upstream_dns = upstream_dns
@@ -52,6 +53,7 @@ class GatewayProcess:
         self.nofile = nofile  # (soft, hard) RLIMIT_NOFILE to start the gateway with; None: inherited
         self.audit_path = audit_path or workdir / "audit.jsonl"
         self.verbose = verbose  # -v: its log has mitmproxy's INFO lines too
+        self.airlock = airlock  # the executable: another checkout's, for a benchmark's before and after
         self.log_path = workdir / "gateway.log"
         self.proc: subprocess.Popen[bytes] | None = None
 
@@ -59,7 +61,7 @@ class GatewayProcess:
         limit = ["prlimit", f"--nofile={self.nofile[0]}:{self.nofile[1]}", "--"] if self.nofile else []
         verbose = ["-v"] if self.verbose else []
         return [
-            *limit, AIRLOCK, *verbose, "gateway", "--policy", str(self.policy), "--listen", GW_IP,
+            *limit, self.airlock, *verbose, "gateway", "--policy", str(self.policy), "--listen", GW_IP,
             "--upstream-dns", self.upstream_dns, "--state-dir", str(self.workdir / "state"),
             "--audit", str(self.audit_path), "--sandbox", f"sbx={SBX_IP}/32",
             *self.extra,

@@ -4,6 +4,7 @@ taking an edited policy file without a restart. Real gateways, real sandboxes, t
 
 from __future__ import annotations
 
+import http.client
 import json
 import socket
 import subprocess
@@ -64,6 +65,41 @@ def test_the_gateway_reloads_through_its_admin_listener_and_its_status_shows_the
     gw.stop()
     reloads = [(r["code"], r["policy_hash"]) for r in gw.audit() if r["kind"] == "policy"]
     assert reloads == [("policy_loaded", good_hash), ("policy_refused", good_hash)]
+
+
+def test_a_kept_alive_connections_next_request_is_judged_by_the_policy_a_reload_put_in_force(
+    topology: Topology, fakenet: FakeNet, own_gateway, tmp_path: Path
+):
+    policy = tmp_path / "live.yaml"
+    policy.write_text(E2E_POLICY.read_text())
+    gw = own_gateway(policy)
+
+    def reload_without_allowed_test() -> None:
+        policy.write_text(E2E_POLICY.read_text().replace("      - host: allowed.test\n        ports: [80, 443]\n", ""))
+        result = _cli("policy", "reload", "--state-dir", str(gw.workdir / "state"))
+        assert result.returncode == 0, result.stderr
+
+    def on_one_connection() -> tuple[list[int], set[tuple[str, int]]]:
+        conn = http.client.HTTPConnection(*PROXY, timeout=10)
+        statuses, ends = [], set()
+        for path in ("/before", "/again", "reload", "/after"):
+            if path == "reload":
+                reload_without_allowed_test()
+                continue
+            conn.request("GET", f"http://allowed.test{path}")
+            ends.add(conn.sock.getsockname())  # the refusal closes the connection once answered
+            response = conn.getresponse()
+            response.read()
+            statuses.append(response.status)
+        conn.close()
+        return statuses, ends
+
+    statuses, ends = in_netns(topology.sbx, on_one_connection)
+    assert statuses == [200, 200, 403] and len(ends) == 1  # one kept-alive connection throughout
+    deadline = time.monotonic() + 5  # audit lines are written every 100 ms
+    while not (after := [r for r in gw.audit() if r.get("path") == "/after"]) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert [(r["decision"], r["code"]) for r in after] == [("deny", "not_allowlisted")]
 
 
 def _launch_run(topology: Topology, tmp_path: Path, policy: Path, script: str, *options: str) -> subprocess.Popen:

@@ -10,14 +10,22 @@ such request runs the real `__init__` in the stand-in, so every other user of mi
 whole. `mitmproxy.master` imports `mitmproxy.addons.termlog`: it, too, is imported only after the stand-in.
 
 `TlsConfig` below is mitmproxy's, but for the certificate authority it signs with: the gateway's own.
+
+mitmproxy checks the type of every field of every HTTP message it makes (`MessageData.__post_init__`, in a Python
+run without -O) with its options' general type walker, which formats its error message before it knows there is an
+error: the top function of a kept-alive request's profile. `check_message_fields` makes the same check with one
+`isinstance` per field, against the same types, and leaves a wrong value to mitmproxy's own check, which refuses it
+with its own words.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import importlib.util
 import sys
 import types
+import typing
 from typing import Any, Protocol
 
 ADDONS = "mitmproxy.addons"
@@ -51,11 +59,53 @@ def _defer_init(name: str) -> None:
 
 _defer_init(ADDONS)
 
-from mitmproxy import certs, options  # noqa: E402 - after the stand-in: mitmproxy.master imports an addon
+from mitmproxy import certs, http, options  # noqa: E402 - after the stand-in: mitmproxy.master imports an addon
 from mitmproxy.addons import core, disable_h2c, next_layer, tlsconfig  # noqa: E402
 from mitmproxy.addons.proxyserver import Proxyserver  # noqa: E402
 from mitmproxy.master import Master  # noqa: E402
 from mitmproxy.proxy.mode_servers import ServerInstance  # noqa: E402
+
+
+def _isinstance_types(typespec: Any) -> tuple[type, ...] | None:
+    """What `isinstance` must accept to agree with mitmproxy's `check_option_type` on this field type (an int is a
+    float there); None for a type it walks otherwise (sequences, tuples, Any)."""
+    if typespec is float:
+        return (float, int)
+    if isinstance(typespec, type) and typing.get_origin(typespec) is None:
+        return (typespec,)
+    if typing.get_origin(typespec) in (typing.Union, types.UnionType):
+        parts = [_isinstance_types(arg) for arg in typing.get_args(typespec)]
+        return None if any(p is None for p in parts) else tuple(t for p in parts if p for t in p)
+    return None
+
+
+def check_message_fields() -> None:
+    """mitmproxy's type check of each HTTP message's fields, one `isinstance` a field (the module docstring)."""
+    original = getattr(http.MessageData, "__post_init__", None)
+    if original is None:
+        return  # python -O: mitmproxy checks nothing
+    fields_by_class: dict[type, list[tuple[str, tuple[type, ...]]]] = {}
+    for cls in (http.RequestData, http.ResponseData):
+        fields_by_class[cls] = []
+        for field in dataclasses.fields(cls):
+            if (allowed := _isinstance_types(field.type)) is None:
+                return  # a type this check cannot make as mitmproxy does: mitmproxy's check stays
+            fields_by_class[cls].append((field.name, allowed))
+
+    def post_init(self: http.MessageData) -> None:
+        checks = fields_by_class.get(type(self))
+        if checks is not None:
+            for name, allowed in checks:
+                if not isinstance(getattr(self, name), allowed):
+                    break
+            else:
+                return
+        original(self)  # mitmproxy's own check: it refuses a wrong value in its own words
+
+    http.MessageData.__post_init__ = post_init  # type: ignore[method-assign]  # mitmproxy calls it for each message
+
+
+check_message_fields()
 
 
 class LeafIssuer(Protocol):

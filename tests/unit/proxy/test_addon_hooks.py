@@ -5,6 +5,7 @@ a fake resolver (tests/unit/addon_env.py); the audit sink is a list."""
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import json
 import logging
 from collections.abc import Iterator
@@ -30,6 +31,7 @@ from mitmproxy import http
 from mitmproxy.proxy.layers import TCPLayer
 
 from airlock.dns.upstream import Answer
+from airlock.policy import parse_policy
 from airlock.proxy.answers import DECISION_HEADER, REQUEST_ID_HEADER
 from airlock.proxy.tunnels import MeteredTunnel
 
@@ -187,6 +189,48 @@ async def test_the_tunnel_limit_answers_429() -> None:
 
 
 # --- plain HTTP ------------------------------------------------------------------------------------------------
+
+
+async def test_a_kept_alive_connections_next_request_to_the_same_host_is_not_judged_again() -> None:
+    gw = gateway()
+    conn = client()
+    flows = [request_flow("allowed.test", conn=conn) for _ in range(3)]
+    for flow in flows:
+        await gw.http.requestheaders(flow)
+        assert flow.response is None
+    assert gw.resolver.asked == ["allowed.test"]  # judged once: resolved once
+    other = request_flow("www.allowed.test", conn=conn)
+    await gw.http.requestheaders(other)
+    assert gw.resolver.asked == ["allowed.test", "www.allowed.test"]  # another target: judged
+
+
+async def test_after_a_reload_the_same_connections_next_request_is_judged_by_the_new_policy() -> None:
+    gw = gateway()
+    conn = client()
+    await gw.http.requestheaders(first := request_flow("allowed.test", conn=conn))
+    assert first.response is None
+    profile = "    allow:\n      - host: other.test\n"
+    gw.shared.live.replace(parse_policy(f"version: 1\nprofiles:\n  default:\n{profile}  strict:\n{profile}"))
+    await gw.http.requestheaders(after := request_flow("allowed.test", conn=conn))
+    assert denial(after.response)["code"] == "not_allowlisted"
+
+
+async def test_a_kept_judgement_allows_nothing_while_the_audit_log_cannot_be_written() -> None:
+    failure: list[str] = []
+    gw = gateway(audit_failure=lambda: failure[0] if failure else None)
+    conn = client()
+    await gw.http.requestheaders(request_flow("allowed.test", conn=conn))
+    failure.append("disk full")
+    await gw.http.requestheaders(refused := request_flow("allowed.test", conn=conn))
+    assert denial(refused.response)["code"] == "audit_unavailable"
+
+
+async def test_a_judgement_is_kept_no_longer_than_the_names_ttl() -> None:
+    gw = gateway({"allowed.test": Answer((ipaddress.ip_address("203.0.113.10"),), 0)})
+    conn = client()
+    for _ in range(2):
+        await gw.http.requestheaders(request_flow("allowed.test", conn=conn))
+    assert gw.resolver.asked == ["allowed.test", "allowed.test"]
 
 
 async def test_an_allowed_request_is_pinned_and_audited_once_answered() -> None:
