@@ -16,7 +16,7 @@ from airlock.sandbox.limits import DEFAULT_CPUS, DEFAULT_MEMORY, DEFAULT_NPROC, 
 
 from .probe import ALLOWED_ADDR, CANARY_ADDR, CHILD, DNS_ADDR, INTERNAL_ADDR, METADATA, OTHER_ADDR
 from .processes import NAMESPACES, Process, descendants
-from .targets import UNLISTED, BrokerTarget, Targets
+from .targets import HEAD_PREFIX, UNLISTED, BrokerTarget, Targets
 from .usage import Usage
 
 Result = Literal["held", "failed", "error", "n/a"]
@@ -117,7 +117,7 @@ class BrokerRecord:
     answers: dict[str, str] = field(default_factory=dict)
 
     def head(self, name: str) -> str:
-        return f"agent/airlock-verify-{self.nonce}-{name}"
+        return f"{HEAD_PREFIX}{self.nonce}-{name}"
 
     def pull_request(self, name: str, token: str | None = None, repo: str | None = None) -> dict[str, Any]:
         """The probe's create_pull_request call `name` (the repeat is the first again: its body and its key)."""

@@ -15,6 +15,7 @@ UNLISTED = "canary.airlock-verify.example"  # a name no policy of airlock's own 
 NO_GRANT = "no --grant create_pull_request:OWNER/REPO given: without a grant the sandbox holds no token, no broker runs"
 FAKE_REPOS = ("app", "other")  # what airlock.verify.fakegithub serves (besides `hang`, whose calls never answer)
 OUTSIDE_TOOL = "comment_on_pull_request"  # the tool the broker group tries outside the grants
+HEAD_PREFIX, FAKE_BASES = "agent/airlock-verify-", ("main", "release")  # branches the fake GitHub has (agent/* all)
 MAX_REACHED = 8  # allowed hosts the positive check reaches: enough to show the upstreams answer, quick with many
 
 
@@ -72,18 +73,23 @@ def targets(profile: Profile, grants: list[Grant] | None = None) -> Targets:
 
 
 def broker_target(grants: list[Grant]) -> BrokerTarget | str:
-    """The first create_pull_request grant on a repository the fake GitHub serves, or why there is none."""
+    """The first create_pull_request grant that admits a pull request the fake GitHub can make (on one of its
+    repositories, from a branch under `HEAD_PREFIX` into one of its bases), or why there is none."""
     granted = [g for g in grants if g.tool == "create_pull_request"]
     if not granted:
         return NO_GRANT
-    grant = next((g for g in granted if g.repo.split("/")[-1].lower() in FAKE_REPOS), None)
-    if grant is None:
+    served = [g for g in granted if g.repo.split("/")[-1].lower() in FAKE_REPOS]
+    if not served:
         return f"the fake GitHub serves only the repositories {', '.join(FAKE_REPOS)} (of any owner): grant one of them"
+    head = f"{HEAD_PREFIX}x"
+    found = next(((g, b) for g in served for b in FAKE_BASES if g.permits(g.tool, g.repo, b, head) is None), None)
+    if found is None:
+        return f"no create_pull_request grant admits a pull request from {HEAD_PREFIX}* into {' or '.join(FAKE_BASES)}"
+    grant, base = found
     owner = grant.repo.split("/")[0]
     pulls = {g.repo.lower() for g in granted}
     outside = next((f"{owner}/{name}" for name in FAKE_REPOS if f"{owner}/{name}".lower() not in pulls), None)
     tools = {g.tool for g in grants}
-    base = next((b for b in grant.base if not any(c in b for c in "*?[")), "main")
     return BrokerTarget(grant.repo, base, outside, None if OUTSIDE_TOOL in tools else OUTSIDE_TOOL)
 
 

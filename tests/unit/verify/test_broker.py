@@ -27,10 +27,10 @@ def _target(*grants: str) -> BrokerTarget | str:
 
 def test_a_pull_request_grant_gives_the_repository_and_what_lies_outside_the_grants():
     assert _target("create_pull_request:acme/app:base=release|main") == BrokerTarget(
-        "acme/app", "release", "acme/other", "comment_on_pull_request"
+        "acme/app", "main", "acme/other", "comment_on_pull_request"
     )
     assert _target("create_pull_request:acme/app:base=rel*") == BrokerTarget(
-        "acme/app", "main", "acme/other", "comment_on_pull_request"
+        "acme/app", "release", "acme/other", "comment_on_pull_request"
     )
     both = _target("create_pull_request:acme/app", "create_pull_request:acme/other", "comment_on_pull_request:acme/x")
     assert both == BrokerTarget("acme/app", "main", None, None)
@@ -42,6 +42,8 @@ def test_a_pull_request_grant_gives_the_repository_and_what_lies_outside_the_gra
         ((), NO_GRANT),
         (("push_branch:acme/app",), NO_GRANT),
         (("create_pull_request:acme/service",), "the fake GitHub serves only the repositories app, other"),
+        (("create_pull_request:acme/app:head=feature/*",), "no create_pull_request grant admits a pull request"),
+        (("create_pull_request:acme/app:base=develop",), "no create_pull_request grant admits a pull request"),
     ],
 )
 def test_without_a_pull_request_grant_it_serves_the_broker_group_is_not_applicable(tmp_path: Path, grants, why):
