@@ -23,7 +23,7 @@ from .option_bounds import check_limits
 
 LIMITS = ("cpus", "memory", "pids", "nofile", "nproc")
 # airlock.verify.checks.GROUPS, light for --help
-GROUPS = ("network", "files", "secrets", "privilege", "resources", "destruction")
+GROUPS = ("network", "files", "secrets", "privilege", "resources", "broker", "destruction")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -71,6 +71,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
     from airlock.verify.runner import Request, verify
     from airlock.verify.targets import targets
 
+    from .run import parse_grants
+
     policy = load_policy_file(args.policy)
     try:
         profile = policy.profile(args.profile)
@@ -83,7 +85,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
         args.cpus or DEFAULT_CPUS, memory_bytes(args.memory or DEFAULT_MEMORY), args.pids or DEFAULT_PIDS,
         len(os.sched_getaffinity(0)), args.nproc or DEFAULT_NPROC,
     )  # fmt: skip
-    outcomes = verify(Request(path, targets(profile), run_options(args), chosen, limits))
+    grants = parse_grants(args.grant or [], policy)
+    outcomes = verify(Request(path, targets(profile, grants), run_options(args), chosen, limits))
     run = report.Run(args.backend, path, profile.name, args.isolation, time.monotonic() - started)
     print(report.matrix(outcomes))
     if args.json:

@@ -16,11 +16,11 @@ from airlock.sandbox.limits import DEFAULT_CPUS, DEFAULT_MEMORY, DEFAULT_NPROC, 
 
 from .probe import ALLOWED_ADDR, CANARY_ADDR, CHILD, DNS_ADDR, INTERNAL_ADDR, METADATA, OTHER_ADDR
 from .processes import NAMESPACES, Process, descendants
-from .targets import UNLISTED, Targets
+from .targets import HEAD_PREFIX, UNLISTED, BrokerTarget, Targets
 from .usage import Usage
 
 Result = Literal["held", "failed", "error", "n/a"]
-GROUPS = ("network", "files", "secrets", "privilege", "resources", "destruction")
+GROUPS = ("network", "files", "secrets", "privilege", "resources", "broker", "destruction")
 # Ports of the gateway's namespace no gateway of airlock's listens on: ssh, docker's API, a canary's.
 GATEWAY_CANARY_PORTS = (22, 2375, 9999)
 MARKED_PROGRAMS = ("setuid-sleep", "capability-sleep")  # copies of sleep, setuid root / with file capabilities
@@ -101,6 +101,50 @@ class Sandboxed:
 
 
 @dataclass(frozen=True)
+class BrokerRecord:
+    """The broker group's three runs (`first` the sandbox killed mid-call and run again, `foreign` the one that
+    presents its token): the fake GitHub's records, the broker's audit lines, the first token's id, and what the
+    probes say each call answered."""
+
+    target: BrokerTarget
+    first: str
+    foreign: str
+    nonce: str
+    prs: list[dict[str, Any]] = field(default_factory=list)
+    comments: list[dict[str, Any]] = field(default_factory=list)
+    audit: dict[str, list[dict[str, Any]]] = field(default_factory=dict)  # per run: first, again, foreign
+    first_jti: str | None = None
+    answers: dict[str, str] = field(default_factory=dict)
+
+    def head(self, name: str) -> str:
+        return f"{HEAD_PREFIX}{self.nonce}-{name}"
+
+    def pull_request(self, name: str, token: str | None = None, repo: str | None = None) -> dict[str, Any]:
+        """The probe's create_pull_request call `name` (the repeat is the first again: its body and its key)."""
+        same = "first" if name == "repeat" else name
+        body = {"repo": repo or self.target.repo, "head": self.head(same), "base": self.target.base,
+                "title": f"airlock verify {same}"}  # fmt: skip
+        return {"name": name, "tool": "create_pull_request", "body": body, "key": f"verify-{self.nonce}-{same}",
+                "token": token}  # fmt: skip
+
+    def outside(self) -> list[dict[str, Any]]:
+        """The calls outside the grants: a pull request on another repository, a comment (another tool)."""
+        calls = [self.pull_request("other-repo", repo=self.target.outside_repo)] if self.target.outside_repo else []
+        if self.target.outside_tool:
+            body = {"repo": self.target.repo, "number": 1, "body": f"airlock verify {self.nonce}"}
+            calls.append({"name": "other-tool", "tool": self.target.outside_tool, "body": body, "key": None,
+                          "token": None})  # fmt: skip
+        return calls
+
+    def upstream(self, head: str) -> list[dict[str, Any]]:
+        return [pr for pr in self.prs if pr["head"] == head]
+
+    def audited(self, run: str, tool: str) -> list[dict[str, Any]]:
+        """The broker's audit lines of one run's calls of `tool`, in the order they were made."""
+        return [line for line in self.audit.get(run, []) if line.get("method") == tool]
+
+
+@dataclass(frozen=True)
 class Evidence:
     """Everything the checks judge by, gathered outside the sandbox once the run is over."""
 
@@ -120,6 +164,7 @@ class Evidence:
     usage: Usage = field(default_factory=Usage)
     timed: TimedRun | None = None  # the timeout check's run (None: it did not run)
     docker_socket_connections: int | None = None  # at the host's socket canary (None: the host has its own socket)
+    broker: BrokerRecord | None = None  # the broker group's runs (None: they did not run)
 
     def counter(self, name: str) -> int:
         if name not in self.usage.counters:
@@ -448,6 +493,80 @@ def _no_docker_socket(ev: Evidence) -> tuple[bool, str]:
     return not n and not seen, f"a socket in the sandbox's view at: {', '.join(seen) or 'neither path'}; {counted}"
 
 
+def _record(ev: Evidence) -> BrokerRecord:
+    if ev.broker is None:
+        raise NotJudged("the broker's runs did not run")
+    return ev.broker
+
+
+def _audited(lines: list[dict[str, Any]]) -> str:
+    """Audit lines as the evidence shows them: decision, status, code (and a refusal's reason)."""
+    return ", ".join(_line(line) for line in lines) or "no audit line"
+
+
+def _line(line: dict[str, Any]) -> str:
+    shown = f"{line.get('decision')} {line.get('extra', {}).get('status')} {line.get('code')}"
+    return f"{shown} ({line.get('reason')})" if line.get("decision") == "deny" and line.get("reason") else shown
+
+
+def _one_pull_request(ev: Evidence) -> tuple[bool, str]:
+    record = _record(ev)
+    made, again = record.upstream(record.head("first")), record.audited("again", "create_pull_request")
+    if not made:
+        raise NotJudged(f"the first call made no pull request upstream (it answered: {record.answers.get('first')})")
+    if not again:
+        raise NotJudged("the broker's audit has no repeat of the call: it was not made")
+    numbers = ", ".join(f"{pr['repo']}#{pr['number']}" for pr in made)
+    answered = record.answers.get("first", "nothing: killed mid-call")
+    return len(made) == 1, (
+        f"{len(made)} pull requests upstream from {record.head('first')} ({numbers}); the first call answered the "
+        f"sandbox {answered}; the repeat: {_audited(again[:1])}"
+    )
+
+
+def _denied(lines: list[dict[str, Any]]) -> bool:
+    return bool(lines) and all(line.get("decision") == "deny" for line in lines)
+
+
+def _outside_refused(ev: Evidence) -> tuple[bool, str]:
+    record, target = _record(ev), _record(ev).target
+    parts, held = [], True
+    if target.outside_repo:  # the second create_pull_request of the run, after the repeat
+        lines, made = record.audited("again", "create_pull_request")[1:], record.upstream(record.head("other-repo"))
+        held &= _denied(lines) and not made
+        parts.append(f"{target.outside_repo}: {_audited(lines)}, {len(made)} pull requests upstream")
+    if target.outside_tool:
+        lines = record.audited("again", target.outside_tool)
+        held &= _denied(lines) and not record.comments
+        parts.append(f"{target.outside_tool}: {_audited(lines)}, {len(record.comments)} comments upstream")
+    return held, "; ".join(parts)
+
+
+def _foreign_refused(ev: Evidence) -> tuple[bool, str]:
+    record = _record(ev)
+    if record.first_jti is None:
+        raise NotJudged("the first sandbox's token was not picked up: nothing to present from another")
+    lines, made = record.audited("foreign", "create_pull_request"), record.upstream(record.head("foreign"))
+    return _denied(lines) and not made, (
+        f"the first sandbox's token (jti {record.first_jti}) from {record.foreign}: {_audited(lines)}; "
+        f"{len(made)} pull requests upstream"
+    )
+
+
+def _granted(targets: Targets, limits: Limits) -> str | None:
+    return None if isinstance(targets.broker, BrokerTarget) else targets.broker
+
+
+def _outside(targets: Targets, limits: Limits) -> str | None:
+    if (why := _granted(targets, limits)) is not None:
+        return why
+    assert isinstance(targets.broker, BrokerTarget)
+    covered = targets.broker.outside_repo is None and targets.broker.outside_tool is None
+    return (
+        "the grants cover every repository the fake GitHub serves and every tool it is tried with" if covered else None
+    )
+
+
 def _front(targets: Targets, limits: Limits) -> str | None:
     return None if targets.front else "the profile allows no host on port 443"
 
@@ -539,6 +658,12 @@ CHECKS: tuple[Check, ...] = (
     Check("resources", "tmp-fill", "a /tmp fill stays in the sandbox's own /tmp, charged to its --memory",
           _tmp_bounded, "tmp-fill"),
     Check("resources", "timeout", "--timeout stops the run (exit 124) and leaves nothing of it", _stopped),
+    Check("broker", "idempotent-retry", "a pull request asked again with its Idempotency-Key, after the sandbox was "
+          "killed mid-call, is made once", _one_pull_request, needs=_granted),
+    Check("broker", "outside-grant", "a call outside the grant (another repository, another tool) is refused and "
+          "reaches nothing upstream", _outside_refused, needs=_outside),
+    Check("broker", "foreign-token", "a sandbox's token presented from another sandbox is refused", _foreign_refused,
+          needs=_granted),
     Check("destruction", "namespace", "no network namespace of the run is left", _nothing_left("namespace")),
     Check("destruction", "fence", "no nftables table or link of the run is left", _nothing_left("fence")),
     Check("destruction", "cgroup", "no cgroup of the run is left", _nothing_left("cgroup")),

@@ -34,6 +34,7 @@ from airlock.sandbox.netns import resolve_user
 from airlock.sandbox.seccomp import syscall_number
 
 from . import probe
+from .brokerruns import broker_runs
 from .ca import FakeCA, make_fake_ca
 from .checks import (
     BOMB_MARGIN,
@@ -49,6 +50,7 @@ from .checks import (
     TIMEOUT_GIVEN,
     TIMEOUT_GRACE,
     TMP_FILL,
+    BrokerRecord,
     Check,
     Evidence,
     Limits,
@@ -63,7 +65,7 @@ from .control import stop_proc
 from .hostcanaries import host_canaries
 from .hostcgroups import with_host_cgroups
 from .processes import raw_sockets, read_process, sandbox_processes, sockets_in_view, user_keys
-from .targets import UNLISTED, Targets
+from .targets import UNLISTED, BrokerTarget, Targets
 from .topology import DNS_SERVER, GW_OUTSIDE_IP, Canaries, FakeNet, Topology, new_prefix
 from .usage import Usage, cgroup_counters, sandbox_tmp
 
@@ -207,7 +209,7 @@ def _verify_in(
     secret_file.write_text(secret_value)
     config = _probe_config(request, area, nonce, secret_file)
     argv = [
-        *_run_argv(request, ca, area, sandbox_id, RUN_TIMEOUT), "--secret", f"{SECRET_NAME}=file:{secret_file}",
+        *_run_argv(request, ca, area.work, sandbox_id, RUN_TIMEOUT), "--secret", f"{SECRET_NAME}=file:{secret_file}",
         "--placeholder-env", f"{PLACEHOLDER_VAR}={SECRET_NAME}",
         "--", *PROBE_ARGV, Path(probe.__file__).read_text(), json.dumps(config), PROBE_MARK,
     ]  # fmt: skip
@@ -216,6 +218,7 @@ def _verify_in(
         watched = _run_watched(topology, with_host_cgroups(argv), env, area, sandbox_id, probe.FILL.format(nonce=nonce))
         socket_connections = on_host.connections
     timed = _timed_run(topology, request, ca, area, nonce) if any(c.id == "timeout" for c in request.checks) else None
+    broker = _broker_runs(topology, request, ca, area, nonce)
     evidence = Evidence(
         nonce, request.targets, _probe_record(area), net.stats(), _packets(topology), area.work, area.outside,
         _host_tmp(nonce),
@@ -223,8 +226,9 @@ def _verify_in(
             "the fake internet's CA key": ca.ca_key.read_bytes(), "the --secret": secret_value.encode(),
             "the host's environment": host_canary.encode(), "the service-account token": on_host.token,
         },
-        _leftovers(topology, sandbox_id, area), watched.sandboxed, canaries.stats(), request.limits, watched.usage,
-        timed, socket_connections,
+        _every_leftover(topology, area, [sandbox_id, *([broker.first, broker.foreign] if broker else [])]),
+        watched.sandboxed, canaries.stats(), request.limits, watched.usage,
+        timed, socket_connections, broker,
     )  # fmt: skip
     if not evidence.probe:
         why = (watched.stderr.strip().splitlines() or [f"exit {watched.returncode}"])[-1]
@@ -233,12 +237,12 @@ def _verify_in(
     return [judge(check, evidence) for check in request.checks]
 
 
-def _run_argv(request: Request, ca: FakeCA, area: Area, sandbox_id: str, timeout: float) -> list[str]:
+def _run_argv(request: Request, ca: FakeCA, work: Path, sandbox_id: str, timeout: float) -> list[str]:
     """`airlock run` in the fake internet with the user's policy and options (the command to follow)."""
     return [
         sys.executable, "-I", "-m", "airlock", "run", "--policy", request.policy_path,
         "--upstream-dns", DNS_SERVER, "--upstream-ca", str(ca.ca_cert), "--sandbox-id", sandbox_id,
-        "--workdir", str(area.work), "--git-identity", "none", "--quiet", "--timeout", f"{timeout:g}",
+        "--workdir", str(work), "--git-identity", "none", "--quiet", "--timeout", f"{timeout:g}",
         *request.run_options,
     ]  # fmt: skip
 
@@ -296,7 +300,7 @@ def _timed_run(topology: Topology, request: Request, ca: FakeCA, area: Area, non
         "import subprocess, sys, time\nsubprocess.Popen([sys.executable, '-c', 'import time; time.sleep(300)', "
         "sys.argv[1]])\ntime.sleep(300)"
     )
-    argv = [*_run_argv(request, ca, area, sandbox_id, TIMEOUT_GIVEN), "--", "python3", "-I", "-c", sleeper, mark]
+    argv = [*_run_argv(request, ca, area.work, sandbox_id, TIMEOUT_GIVEN), "--", "python3", "-I", "-c", sleeper, mark]
     started = time.monotonic()
     proc = topology.popen(topology.gw, with_host_cgroups(argv), env=os.environ | {"TMPDIR": str(area.tmp)},
                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
@@ -312,6 +316,24 @@ def _timed_run(topology: Topology, request: Request, ca: FakeCA, area: Area, non
             os.kill(pid, signal.SIGKILL)
     left = [f"{kind} {what}" for kind, found in _leftovers(topology, sandbox_id, area).items() for what in found]
     return TimedRun(returncode, seconds, [f"process {pid}" for pid in running] + left)
+
+
+def _broker_runs(topology: Topology, request: Request, ca: FakeCA, area: Area, nonce: str) -> BrokerRecord | None:
+    """The broker group's runs, when one of its checks applies (airlock.verify.brokerruns)."""
+    target = request.targets.broker
+    if not isinstance(target, BrokerTarget) or not any(c.group == "broker" for c in request.checks):
+        return None
+
+    def run_argv(sandbox_id: str, work: Path) -> list[str]:
+        return with_host_cgroups(_run_argv(request, ca, work, sandbox_id, RUN_TIMEOUT))
+
+    def left(sandbox_id: str) -> list[str]:
+        return [what for found in _leftovers(topology, sandbox_id, area).values() for what in found]
+
+    try:
+        return broker_runs(topology, ca.leaf_cert, ca.leaf_key, area.private, area.base, target, nonce, run_argv, left)
+    except RuntimeError as e:
+        raise VerifyError(f"the fake GitHub could not start: {e}") from None
 
 
 def _pids() -> list[int]:
@@ -386,6 +408,15 @@ def _packets(topology: Topology) -> dict[str, int]:
 
 
 # --------------------------------------------------------------------------------------------------- leftovers
+
+
+def _every_leftover(topology: Topology, area: Area, sandbox_ids: list[str]) -> dict[str, list[str]]:
+    """What of these sandboxes (the main one's, the broker group's, one of them killed) is still there, by kind."""
+    found: dict[str, list[str]] = {}
+    for sandbox_id in sandbox_ids:
+        for kind, what in _leftovers(topology, sandbox_id, area).items():
+            found[kind] = list(dict.fromkeys([*found.get(kind, []), *what]))  # the state directory is everyone's
+    return found
 
 
 def _leftovers(topology: Topology, sandbox_id: str, area: Area) -> dict[str, list[str]]:

@@ -6,12 +6,29 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from airlock.broker.grants import Grant
 from airlock.policy import Profile, decide
 
 from .probe import ALLOWED_ADDR, CANARY_ADDR, INTERNAL_ADDR, METADATA
 
 UNLISTED = "canary.airlock-verify.example"  # a name no policy of airlock's own lists
+NO_GRANT = "no --grant create_pull_request:OWNER/REPO given: without a grant the sandbox holds no token, no broker runs"
+FAKE_REPOS = ("app", "other")  # what airlock.verify.fakegithub serves (besides `hang`, whose calls never answer)
+OUTSIDE_TOOL = "comment_on_pull_request"  # the tool the broker group tries outside the grants
+HEAD_PREFIX, FAKE_BASES = "agent/airlock-verify-", ("main", "release")  # branches the fake GitHub has (agent/* all)
 MAX_REACHED = 8  # allowed hosts the positive check reaches: enough to show the upstreams answer, quick with many
+
+
+@dataclass(frozen=True)
+class BrokerTarget:
+    """What the broker group tries: the repository of a create_pull_request grant and its base branch, and what
+    lies outside the grants (a repository the fake GitHub serves that no create_pull_request grant names, a tool no
+    grant names; None: the grants cover it)."""
+
+    repo: str
+    base: str
+    outside_repo: str | None
+    outside_tool: str | None
 
 
 @dataclass(frozen=True)
@@ -20,6 +37,7 @@ class Targets:
     canaries: tuple[str, ...]  # the unlisted name, then the profile's denied names (those 443 stays shut for)
     metadata_alias: str | None  # an allowed name the fake DNS answers with the metadata address
     rebind: str | None = None  # an allowed name the fake DNS answers with a public address, then an internal one
+    broker: BrokerTarget | str = NO_GRANT  # what the broker group tries, or why it cannot
 
     @property
     def front(self) -> str | None:
@@ -41,7 +59,7 @@ class Targets:
         return (*self.allowed, *self.canaries, *[name for name in (self.metadata_alias, self.rebind) if name])
 
 
-def targets(profile: Profile) -> Targets:
+def targets(profile: Profile, grants: list[Grant] | None = None) -> Targets:
     """The allowed hosts (a wildcard rule's as a name under it) that port 443 opens, the denied names that no rule
     opens there; the last allowed host answers with the metadata address when there are two or more, the one before
     it rebinds when there are three or more."""
@@ -51,7 +69,28 @@ def targets(profile: Profile) -> Targets:
     canaries = [name for name in dict.fromkeys((UNLISTED, *denied)) if not decide(profile, name, 443).allow]
     alias = allowed.pop() if len(allowed) >= 2 else None
     rebind = allowed.pop() if len(allowed) >= 2 else None
-    return Targets(tuple(allowed[:MAX_REACHED]), tuple(canaries), alias, rebind)
+    return Targets(tuple(allowed[:MAX_REACHED]), tuple(canaries), alias, rebind, broker_target(grants or []))
+
+
+def broker_target(grants: list[Grant]) -> BrokerTarget | str:
+    """The first create_pull_request grant that admits a pull request the fake GitHub can make (on one of its
+    repositories, from a branch under `HEAD_PREFIX` into one of its bases), or why there is none."""
+    granted = [g for g in grants if g.tool == "create_pull_request"]
+    if not granted:
+        return NO_GRANT
+    served = [g for g in granted if g.repo.split("/")[-1].lower() in FAKE_REPOS]
+    if not served:
+        return f"the fake GitHub serves only the repositories {', '.join(FAKE_REPOS)} (of any owner): grant one of them"
+    head = f"{HEAD_PREFIX}x"
+    found = next(((g, b) for g in served for b in FAKE_BASES if g.permits(g.tool, g.repo, b, head) is None), None)
+    if found is None:
+        return f"no create_pull_request grant admits a pull request from {HEAD_PREFIX}* into {' or '.join(FAKE_BASES)}"
+    grant, base = found
+    owner = grant.repo.split("/")[0]
+    pulls = {g.repo.lower() for g in granted}
+    outside = next((f"{owner}/{name}" for name in FAKE_REPOS if f"{owner}/{name}".lower() not in pulls), None)
+    tools = {g.tool for g in grants}
+    return BrokerTarget(grant.repo, base, outside, None if OUTSIDE_TOOL in tools else OUTSIDE_TOOL)
 
 
 def _name(host: str) -> str:

@@ -1,8 +1,9 @@
 """`airlock verify` end to end, as a user runs it on the host: its own fake internet, a real sandbox in it, the
-matrix. It holds on the default setup, and fails exactly the checks a weakened setup breaks: without filesystem
-isolation the file checks, the /tmp fill and what bubblewrap hides (a pod's token, the docker socket), with a
-policy that opens more ports of an allowed host the other-port check, with one that opens the internal network
-the rebinding check. A check that could not run is an error (exit 2), never a pass."""
+matrix. It holds on the default setup (with a pull-request grant, for the broker's checks), and fails exactly the
+checks a weakened setup breaks: without filesystem isolation the file checks, the /tmp fill and what bubblewrap
+hides (a pod's token, the docker socket), with a policy that opens more ports of an allowed host the other-port
+check, with one that opens the internal network the rebinding check. A check that could not run is an error
+(exit 2), never a pass."""
 
 from __future__ import annotations
 
@@ -64,6 +65,7 @@ def _results(verdicts: dict) -> dict[str, str]:
 # A CPU quota this shared test host still lets the sandbox exceed when it is busy: at the default 1 CPU a host busy
 # with other work may never give the sandbox a quota's worth, and the cpu check then says it could not judge.
 QUOTA = ("--cpus", "0.25")
+GRANT = ("--grant", "create_pull_request:acme/app")  # the broker group's runs need a pull-request grant
 
 
 def _host_canary_paths() -> list[bool]:
@@ -77,7 +79,7 @@ def _leftover_folders() -> set[Path]:
 def test_verify_holds_every_check_on_the_default_setup(tmp_path: Path):
     before = _leftover_folders()
     junit = tmp_path / "verify.xml"
-    done, verdicts = _verify(tmp_path, "--junit", str(junit), *QUOTA)
+    done, verdicts = _verify(tmp_path, "--junit", str(junit), *GRANT, *QUOTA)
     assert done.returncode == 0, done.stdout + done.stderr
     SCHEMA.validate(verdicts)
     assert _results(verdicts) == {check.id: "held" for check in CHECKS}
@@ -87,6 +89,18 @@ def test_verify_holds_every_check_on_the_default_setup(tmp_path: Path):
     suites = ET.parse(junit).getroot()
     assert (suites.get("tests"), suites.get("failures"), suites.get("errors")) == (str(len(CHECKS)), "0", "0")
     assert _leftover_folders() == before
+    evidence = {check["id"]: check["evidence"] for check in verdicts["checks"]}
+    assert evidence["idempotent-retry"].startswith("1 pull requests upstream from agent/airlock-verify-")
+    assert "deny 403 outside_grant" in evidence["outside-grant"] and "0 comments upstream" in evidence["outside-grant"]
+    assert "deny 403 wrong_sandbox" in evidence["foreign-token"], evidence["foreign-token"]
+
+
+def test_verify_without_a_pull_request_grant_says_the_broker_group_does_not_apply(tmp_path: Path):
+    done, verdicts = _verify(tmp_path, "--only", "broker")
+    assert done.returncode == 0, done.stdout + done.stderr
+    SCHEMA.validate(verdicts)
+    assert set(_results(verdicts).values()) == {"n/a"} and verdicts["summary"]["n/a"] == 3
+    assert all(check["evidence"].startswith("no --grant create_pull_request") for check in verdicts["checks"])
 
 
 def test_verify_without_filesystem_isolation_fails_exactly_the_checks_of_what_bubblewrap_hides(tmp_path: Path):

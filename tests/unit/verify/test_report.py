@@ -22,6 +22,7 @@ from airlock.verify.checks import (
     PROBE_ARGV,
     PROBE_MARK,
     TMP_FILL,
+    BrokerRecord,
     Evidence,
     Limits,
     Outcome,
@@ -30,7 +31,7 @@ from airlock.verify.checks import (
     judge,
 )
 from airlock.verify.processes import NAMESPACES, Process
-from airlock.verify.targets import UNLISTED, Targets, targets
+from airlock.verify.targets import UNLISTED, BrokerTarget, Targets, targets
 from airlock.verify.usage import Usage
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -209,6 +210,29 @@ COUNTERS = {  # the sandbox's cgroup once the resource attempts are made, at the
 }  # fmt: skip
 
 
+BROKER_TARGET = BrokerTarget("acme/app", "main", "acme/other", "comment_on_pull_request")
+HEAD = "agent/airlock-verify-n0nce-"  # the broker probe's branches: HEAD + the call's name
+MADE = [{"repo": "acme/app", "number": 1, "head": f"{HEAD}first"}]  # the first call's pull request, made once
+
+
+def _audit(decision: str, status: int, code: str, tool: str = "create_pull_request", **extra: str) -> dict:
+    return {"kind": "broker", "method": tool, "decision": decision, "code": code, "extra": {"status": status, **extra}}
+
+
+AUDIT = {  # the broker's audit lines of the broker group's runs on a sound setup
+    "first": [],  # stopped mid-call: the line was never written
+    "again": [_audit("allow", 201, "allowed"), _audit("deny", 403, "outside_grant"),
+              _audit("deny", 403, "outside_grant", "comment_on_pull_request")],
+    "foreign": [_audit("deny", 403, "wrong_sandbox", jti="j1")],
+}  # fmt: skip
+
+
+def _broker(**fields: object) -> BrokerRecord:
+    """The broker group's record on a sound setup, but for `fields`."""
+    sound = BrokerRecord(BROKER_TARGET, "alx1b", "alx1f", "n0nce", MADE, [], AUDIT, "j1")
+    return BrokerRecord(**{**sound.__dict__, **fields})
+
+
 def _with(sandboxed: Sandboxed, **fields: object) -> Sandboxed:
     return Sandboxed(**{**sandboxed.__dict__, **fields})
 
@@ -239,14 +263,14 @@ def _holding(
     kids = {kind: _child(kind) for kind in KINDS} | (children or {})
     marked = _process(12, 10, ("/var/tmp/x/bin/setuid-sleep", "30"), **(sleeper or {}))
     evidence = Evidence(
-        "n0nce", Targets(("pypi.org",), (UNLISTED,), "github.com", "api.github.com"),
+        "n0nce", Targets(("pypi.org",), (UNLISTED,), "github.com", "api.github.com", BROKER_TARGET),
         {c.attempt: "tried" for c in CHECKS if c.attempt},
         stats, {"from_sandbox": 0, "icmp_echo": 0, "ipv6_frames": 0}, work, outside, tmp_path / "host-tmp",
         {"the --secret": b"s3cret", "the host's environment": b"h0st", "the fake internet's CA key": b"k3y",
          "the service-account token": b"t0ken"},
         {}, Sandboxed([LAUNCHER, PROBE, marked, *kids.values()], 0, keys=(2, 2)), limits=LIMITS,
         usage=Usage(COUNTERS, tmp_own=True, tmp_fill=TMP_FILL), timed=TimedRun(124, 2.9, []),
-        docker_socket_connections=0,
+        docker_socket_connections=0, broker=_broker(),
     )  # fmt: skip
     return Evidence(**{**evidence.__dict__, **{k: v for k, v in changes.items() if not k.startswith("stats_")}})
 
@@ -305,6 +329,21 @@ BREAKS = {  # check -> the evidence a setup that breaks it leaves
     "fork-bomb": lambda t: _counted(t, pids_refused=0, pids_max=-1),  # no limit: the bomb ran to its own cap
     "tmp-fill": lambda t: _holding(t, usage=Usage(COUNTERS, tmp_own=False, tmp_fill=TMP_FILL)),  # the host's /tmp
     "timeout": lambda t: _holding(t, timed=TimedRun(0, 301.0, ["process 4242"])),  # ran to its end, a child left
+    "idempotent-retry": lambda t: _holding(t, broker=_broker(prs=[*MADE, {**MADE[0], "number": 2}])),  # made twice
+    "outside-grant": lambda t: _holding(
+        t,
+        broker=_broker(  # another repository's pull request made
+            prs=[*MADE, {"repo": "acme/other", "number": 1, "head": f"{HEAD}other-repo"}],
+            audit=AUDIT | {"again": [_audit("allow", 201, "allowed"), *AUDIT["again"][::2]]},
+        ),
+    ),
+    "foreign-token": lambda t: _holding(
+        t,
+        broker=_broker(  # the stolen token took
+            prs=[*MADE, {"repo": "acme/app", "number": 2, "head": f"{HEAD}foreign"}],
+            audit=AUDIT | {"foreign": [_audit("allow", 201, "allowed", jti="j1")]},
+        ),
+    ),
     "namespace": lambda t: _holding(t, leftovers={"namespace": ["airlock-alx1v"]}),
     "fence": lambda t: _holding(t, leftovers={"fence": ["table inet airlock_n_alx1v"]}),
     "cgroup": lambda t: _holding(t, leftovers={"cgroup": ["/sys/fs/cgroup/airlock/alx1v"]}),
