@@ -2,6 +2,7 @@
 its memory, how soon a pod serves its agent, and what a request costs it.
 
     sudo .venv/bin/python -P bench/pod.py [--starts 9] [--tunnels 200] [--duration 5] [--rounds 2] [--output F]
+        [--baseline OTHER/.venv/bin/python]
 
 The pod is tests/e2e/pod.py's: one network namespace for the sidecar and the agent (two users), its one link to the
 fake internet, fenced by `airlock fence --pod --gateway-uid U` with no port option. The sidecar runs as
@@ -14,7 +15,9 @@ e2e policy, the fake internet's resolver upstream and its audit in a file.
    GET answered on each); KiB per tunnel from the warm-up to N.
 2. Start-up, medians of --starts pods, each a fresh namespace: the fence (`airlock fence --pod` run to its exit), the
    sidecar (its process started until it logs "proxy on": every listener up) and the agent's first allowed request
-   (plain HTTP through the fence's redirect, from a client already running as the agent's UID).
+   (plain HTTP through the fence's redirect, from a client already running as the agent's UID). With --baseline,
+   each round starts one more pod whose sidecar is the airlock of that environment (an older checkout's venv, say):
+   before and after in one run, on one load, judged by the sidecar's CPU to ready.
 3. Per request: wrk (one thread, --connections, small GETs; keep-alive, then `Connection: close`: a new connection
    each) as the agent through the fence's transparent redirect and through the explicit proxy, against a plain
    `airlock gateway` with the same policy through its proxy from the topology's sandbox namespace (the gateway
@@ -49,7 +52,7 @@ import common  # noqa: E402
 from common import HOST, UPSTREAM_IP, HttpResult, cpu_seconds, fmt, http_round, rss_kib, run_wrk, wrk_script  # noqa: E402
 from gateway_proc import E2E_POLICY, GatewayProcess  # noqa: E402
 from netclient import HeldTunnels  # noqa: E402
-from pod import AGENT_USER, GATEWAY_UID, POD_PEER_IP, Pod  # noqa: E402
+from pod import AGENT_USER, AIRLOCK, GATEWAY_UID, POD_PEER_IP, Pod  # noqa: E402
 
 TARGET_IDLE_MIB = 80
 TARGET_READY_MS = 1000
@@ -175,9 +178,9 @@ def fenced_pod(topo: Topology) -> Pod:
     return pod
 
 
-def one_start(topo: Topology, importtime: bool = False) -> tuple[Start, str]:
+def one_start(topo: Topology, importtime: bool = False, sidecar: str = AIRLOCK) -> tuple[Start, str]:
     """A fresh pod started, timed; and its sidecar's log (with `importtime`, its `-X importtime` lines too)."""
-    pod = Pod(topo, sidecar_options)
+    pod = Pod(topo, sidecar_options, sidecar=sidecar)
     agent: AgentClient | None = None
     try:
         pod.create()
@@ -327,12 +330,27 @@ def per_request(
 # ------------------------------------------------------------------------------------------------ report
 
 
+def baseline_lines(baseline: str | None, m: dict[str, float], base_starts: list[Start]) -> list[str]:
+    """With --baseline: its pods, started in the same rounds, next to this tree's."""
+    if not baseline:
+        return []
+    b = medians(base_starts)
+    return [
+        f"The same pods with the sidecar of `{baseline}`, in the same rounds: ready in {fmt(b['ready'], 1)} ms, "
+        f"{fmt(b['ready_cpu'])} CPU ms to ready, total {fmt(b['total'], 1)} ms; this tree's / the baseline's: ready "
+        f"{common.ratio(m['ready'], b['ready'])}, CPU {common.ratio(m['ready_cpu'], b['ready_cpu'])}, total "
+        f"{common.ratio(m['total'], b['total'])}.",
+        "",
+    ]
+
+
 def report(
-    info: dict[str, str], command: str, args: argparse.Namespace, memory: Memory, starts: list[Start],
-    plain_starts: list[tuple[float, float]], imports: list[tuple[str, float]], requests: dict[bool, list[HttpResult]],
-    others: str, elapsed: float,
+    info: dict[str, str], command: str, args: argparse.Namespace, memory: Memory,
+    pods: tuple[list[Start], list[Start]], plain_starts: list[tuple[float, float]], imports: list[tuple[str, float]],
+    requests: dict[bool, list[HttpResult]], others: str, elapsed: float,
 ) -> str:  # fmt: skip
     mib = 1024
+    starts, base_starts = pods
     m = medians(starts)
     plain_ms = statistics.median(ms for ms, _ in plain_starts)
     plain_cpu = statistics.median(cpu for _, cpu in plain_starts)
@@ -369,6 +387,7 @@ def report(
         f" ({fmt(plain_cpu)} CPU ms); the sidecar's ready / the plain gateway's: {common.ratio(m['ready'], plain_ms)}"
         f", CPU {common.ratio(m['ready_cpu'], plain_cpu)}.",
         "",
+        *baseline_lines(args.baseline, m, base_starts),
         "The sidecar's costliest imports, one more start with `-X importtime` (cumulative ms; mitmproxy's load in a "
         "thread of its own): " + ", ".join(f"`{name}` {fmt(ms)}" for name, ms in imports) + ".",
         "",
@@ -402,7 +421,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--duration", type=float, default=5, help="seconds per wrk round (default 5)")
     parser.add_argument("--rounds", type=int, default=2, help="wrk rounds per column (default 2)")
     parser.add_argument("--connections", type=int, default=8, help="wrk connections (default 8)")
+    parser.add_argument("--baseline", metavar="PYTHON", help="also start pods with the airlock of this python")
     args = common.parse_args(parser, argv)
+    if args.baseline and not (Path(args.baseline).parent / "airlock").is_file():
+        parser.error(f"--baseline {args.baseline}: no airlock beside it")
     if os.geteuid() != 0:
         parser.error("needs root for network namespaces")
     common.interrupt_on_sigterm()
@@ -414,11 +436,13 @@ def main(argv: list[str] | None = None) -> int:
     with common.scratch_dir("airlock-bench-pod-") as workdir:
         workdir.chmod(0o711)  # the agent's wrk reads its scripts here
         with common.fake_internet(workdir) as (topo, net, ca, procs):
-            starts, plain_starts = [], []
+            starts, plain_starts, base_starts = [], [], []
             for i in range(args.starts):  # interleaved with a plain gateway's, so drift hits both alike
                 print(f"  start {i + 1}/{args.starts} ...", file=sys.stderr, flush=True)
                 starts.append(one_start(topo)[0])
                 plain_starts.append(plain_start(topo, workdir / f"plain-{i}"))
+                if args.baseline:
+                    base_starts.append(one_start(topo, sidecar=str(Path(args.baseline).parent / "airlock"))[0])
             print("  one more start, its imports profiled ...", file=sys.stderr, flush=True)
             imports = top_imports(one_start(topo, importtime=True)[1], 8)
             pod = fenced_pod(topo)
@@ -434,7 +458,8 @@ def main(argv: list[str] | None = None) -> int:
     elapsed = time.monotonic() - started
     busy = others.seconds() / (elapsed * (os.cpu_count() or 1)) * 100
     other_line = f"other processes used {busy:.0f}% of the machine's CPU meanwhile"
-    text = report(info, command, args, memory, starts, plain_starts, imports, requests, other_line, elapsed)
+    text = report(info, command, args, memory, (starts, base_starts), plain_starts, imports, requests, other_line,
+                  elapsed)  # fmt: skip
     common.emit(text, args.output)
     return 0
 

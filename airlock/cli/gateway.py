@@ -27,6 +27,7 @@ from airlock.gateway.config import (
     parse_secret,
 )
 from airlock.gateway.reload import PolicyWatcher, Signature, file_signature, log_reload
+from airlock.gateway.startup.collection import paused_collection
 from airlock.policy import Policy, Sandbox, format_host_port
 from airlock.runs import registered
 
@@ -333,7 +334,8 @@ def cmd_gateway(args: argparse.Namespace) -> int:
     logging.getLogger("airlock").setLevel(logging.INFO)
     # A pod's policy file (a ConfigMap) is watched from the moment it is read: an update meanwhile is not missed.
     watch = file_signature(args.policy) if args.pod and args.policy is not None else None
-    policy = load_policy_file(args.policy)
+    with paused_collection():  # the policy is kept: its load needs no collection (startup/collection.py)
+        policy = load_policy_file(args.policy)
     if args.pod:  # its state lives as long as the sidecar (a non-root one could not make DEFAULT_STATE_DIR)
         config = pod_config(args, policy)
     else:
@@ -394,9 +396,10 @@ async def serve(config: GatewayConfig, watch: Signature | None = None) -> int:
     """Run until SIGTERM (exit 0) or SIGINT (130); SIGHUP reloads the policy file (off the event loop), SIGUSR1
     reopens the audit file; with `watch` (the policy file's signature when it was read), the policy reloads when
     its file changes (a ConfigMap updated)."""
-    from airlock.gateway import Gateway
+    with paused_collection():  # the gateway's own imports, and the gateway they build, are kept too
+        from airlock.gateway import Gateway
 
-    gateway = Gateway(config)
+        gateway = Gateway(config)
     # Handlers first: a signal that arrives while the gateway starts still stops it cleanly.
     stopped = signal_future(signal.SIGTERM, signal.SIGINT)
     loop = asyncio.get_running_loop()

@@ -118,7 +118,8 @@ class BrokerRelay:
         self.upstream_ca = upstream_ca
         self.url = config.url.rstrip("/")
         parts = urlsplit(self.url)
-        self._host, self._port = parts.hostname or "-", parts.port or (443 if parts.scheme == "https" else 80)
+        self._tls = parts.scheme == "https"
+        self._host, self._port = parts.hostname or "-", parts.port or (443 if self._tls else 80)
         connect, idle = timeouts
         self._timeout = aiohttp.ClientTimeout(total=None, sock_connect=connect, sock_read=idle)
         self._session: aiohttp.ClientSession | None = None
@@ -131,10 +132,9 @@ class BrokerRelay:
 
     async def start(self, listen: str) -> None:
         """Listen on `listen`:port (OSError if it cannot)."""
-        context = ssl.create_default_context(cafile=self.upstream_ca)
         # The bytes pass as the broker sent them (its Content-Encoding with them); no cookie is ever kept.
         self._session = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(ssl=context), timeout=self._timeout, auto_decompress=False,
+            connector=aiohttp.TCPConnector(ssl=self._context()), timeout=self._timeout, auto_decompress=False,
             cookie_jar=aiohttp.DummyCookieJar(),
         )  # fmt: skip
         app = web.Application()
@@ -145,6 +145,12 @@ class BrokerRelay:
         factory = CappedConnections(self._runner.server, self.config.max_connections_per_client)
         loop = asyncio.get_running_loop()
         self._server = await loop.create_server(factory, listen, self.config.port, reuse_address=True)
+
+    def _context(self) -> ssl.SSLContext | bool:
+        """An https broker's certificate verified against the system's CAs and `upstream_ca`. An http one (the
+        manifest's, in the cluster) is dialed without TLS: no context is made, whose CA bundle would cost every
+        pod's start some 30 ms of CPU; `True` is aiohttp's own verifying default, which the relay never uses."""
+        return ssl.create_default_context(cafile=self.upstream_ca) if self._tls else True
 
     async def stop(self) -> None:
         if self._server is not None:

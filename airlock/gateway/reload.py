@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import gc
 import logging
 import os
 from collections.abc import Awaitable, Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from airlock.gateway.startup.collection import paused_collection
 from airlock.gateway.startup.switching import prompt_switching
 from airlock.policy import Policy, PolicyError, load_policy
 from airlock.policy.fastload import release
@@ -122,20 +122,10 @@ def _release(box: list[Policy | None]) -> None:
 @contextlib.contextmanager
 def _loading() -> Iterator[None]:
     """While a policy loads in a thread, the event loop must not wait for it: the interpreter switches threads
-    more often, and the cycle collector does not run — the load makes a million objects, which would start full
-    collections that hold the GIL for a tenth of a second each. Afterwards, what exists then (the new policy
-    among it) is moved out of the collector's sight (gc.freeze): later collections do not walk it again. (The
-    price: a reference cycle that was garbage by then, made in the second or two of the reload, is never
-    collected; the policy itself holds no cycles and is freed when replaced, frozen or not.)"""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        with prompt_switching():
-            yield
-    finally:
-        if enabled:
-            gc.freeze()
-            gc.enable()
+    more often, and the cycle collector does not run (airlock/gateway/startup/collection.py: the load makes a million
+    objects, which would start full collections that hold the GIL for a tenth of a second each)."""
+    with prompt_switching(), paused_collection():
+        yield
 
 
 def log_reload(outcome: Reloaded) -> None:

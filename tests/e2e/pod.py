@@ -66,10 +66,15 @@ class Pod:
     """The pod's network namespace, its link to the fake internet and its gateway (started with `start_gateway`)."""
 
     def __init__(
-        self, topology: Topology, gateway: Callable[[Path], list[str]], fence: tuple[str, ...] = FENCE
+        self,
+        topology: Topology,
+        gateway: Callable[[Path], list[str]],
+        fence: tuple[str, ...] = FENCE,
+        sidecar: str = AIRLOCK,  # the `airlock` the sidecar runs (a benchmark's baseline: another environment's)
     ) -> None:
         self.topology = topology
         self.gateway_options = gateway  # `airlock gateway`'s options, given the pod's state directory
+        self.sidecar = sidecar
         self.fence_options = fence
         self.name = f"{topology.prefix}-pod"
         self.link, self.peer = f"{topology.prefix}-pp", f"{topology.prefix}-pn"
@@ -128,7 +133,8 @@ class Pod:
 
     def start_gateway(self, timeout: float = 30, poll: float = 0.05) -> None:
         log = self.state / "gateway.log"
-        argv = ["ip", "netns", "exec", self.name, *GATEWAY_USER, AIRLOCK, "gateway", *self.gateway_options(self.state)]
+        options = self.gateway_options(self.state)
+        argv = ["ip", "netns", "exec", self.name, *GATEWAY_USER, self.sidecar, "gateway", *options]
         with log.open("wb") as out:
             self.gateway = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.monotonic() + timeout

@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from airlock.gateway.errors import GatewayError
+from airlock.gateway.startup.collection import paused_collection
 from airlock.gateway.startup.switching import prompt_switching
 
 _preload: _Preload | None = None
@@ -64,8 +65,9 @@ def _import_late(preload: _Preload) -> None:
     for done in (preload.admin, preload.proxy):
         done.set_running_or_notify_cancel()  # running: a waiter that gives up cannot cancel it for everyone else
     # Meanwhile the other threads mostly wait on subprocesses, and each wakes to find this one holding the GIL: let
-    # them have it at once rather than after the default 5 ms.
-    with prompt_switching():
+    # them have it at once rather than after the default 5 ms. The imports make objects that stay: no collection
+    # walks them meanwhile (airlock/gateway/startup/collection.py).
+    with prompt_switching(), paused_collection():
         # The gateway's own modules first: the launcher needs them next, once the namespace exists. It imports them
         # itself then (waiting for this import if it is still under way), and so hears of any failure. Imported here,
         # in the function, because the gateway imports this module to start the thread.

@@ -184,6 +184,22 @@ async def test_a_broker_out_of_reach_is_502(relay: Relay) -> None:
     assert [(line.decision, line.code) for line in audit] == [("error", "broker_unreachable")]
 
 
+async def test_an_http_broker_is_relayed_with_no_tls_context_made(relay: Relay, tmp_path: Path) -> None:
+    """An http:// broker is dialed without TLS: the relay starts and relays without reading `upstream_ca` (a CA
+    bundle costs every pod's start some 30 ms of CPU to load), which here is no bundle at all."""
+    not_a_bundle = tmp_path / "not-a-bundle.pem"
+    not_a_bundle.write_text("no certificate here\n")
+    config, audit = RelayConfig(relay.upstream.url, str(relay.token), free_port()), list[AuditRecord]()
+    plain = BrokerRelay(config, audit.append, lambda client: "pod-1", str(not_a_bundle), (5.0, 30.0))
+    await plain.start("127.0.0.1")
+    try:
+        async with relay.http.get(f"http://127.0.0.1:{config.port}/v1/tools") as reply:
+            assert reply.status == 201
+    finally:
+        await plain.stop()
+    assert (relay.upstream.seen[0][:2], [line.decision for line in audit]) == (("GET", "/v1/tools"), ["allow"])
+
+
 def yarl_url(text: str) -> Any:
     import yarl
 
