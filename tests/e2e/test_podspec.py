@@ -50,7 +50,7 @@ def test_the_fence_runs_as_root_with_net_admin_alone(spec: dict[str, Any], node:
     argv = argv_of(spec, node, "airlock-fence")
     assert argv[:5] == ["run", "--name=p-airlock-fence", "--network=container:p-pause", "--pull=never", "--detach"]
     assert {"--user=0:0", "--security-opt=no-new-privileges", "--read-only", "--cap-drop=ALL", "--cap-add=NET_ADMIN",
-            "--cpu-shares=10", "--memory-reservation=33554432", "--cpus=0.2",
+            "--cpu-shares=10", "--memory-reservation=33554432", "--cpus=1",
             "--memory=67108864"} <= set(argv)  # fmt: skip
     image = argv.index("airlock:0.1.0")
     assert argv[image + 1 :][:3] == ["fence", "--pod", "--gateway-uid"] and "--restart=always" not in argv
