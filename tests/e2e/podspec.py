@@ -200,7 +200,7 @@ def _resources(name: str, resources: Mapping[str, Any], context: Mapping[str, An
     if "memory" in requests:
         argv.append(f"--memory-reservation={memory(requests['memory'])}")
     if "cpu" in limits:
-        argv.append(f"--cpus={cpu(limits['cpu'])}")
+        argv.append(f"--cpus={cpu(limits['cpu']):g}")
     if "memory" in limits:
         argv.append(f"--memory={memory(limits['memory'])}")
     if "ephemeral-storage" in limits and not context.get("readOnlyRootFilesystem"):
