@@ -74,7 +74,7 @@ def test_the_agent_is_hardened_and_runs_the_nodes_command(spec: dict[str, Any], 
     argv = argv_of(spec, node, "agent")
     assert {"--user=10002:10002", "--read-only", "--cap-drop=ALL", "--security-opt=no-new-privileges",
             f"--security-opt=seccomp={node.seccomp_root}/airlock/agent.json", "--workdir=/workspace",
-            "--env=HTTPS_PROXY=http://127.0.0.1:3128", "--memory=2147483648", "--cpus=2.0"} <= set(argv)  # fmt: skip
+            "--env=HTTPS_PROXY=http://127.0.0.1:3128", "--memory=2147483648", "--cpus=2"} <= set(argv)  # fmt: skip
     assert argv[-3:] == ["airlock-test:abc", "sleep", "infinity"]
     assert "--mount=type=volume,src=p-trust,dst=/var/run/airlock/trust,readonly" in argv
 
