@@ -10,7 +10,9 @@ state they share (`shared.py`); every hook fails closed (`failclosed.py`).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+
+from mitmproxy.proxy.server import ConnectionHandler
 
 from airlock.audit import AuditRecord
 from airlock.dns.answered import AnsweredAddresses
@@ -24,6 +26,7 @@ from .httppolicy import HttpPolicy
 from .identity import SandboxIdentity
 from .inspected_tunnels import Inspection
 from .shared import Credentials, GatewaySettings, GitTokens, Shared
+from .spliced_tunnels import Splicing
 from .transparent import TransparentPolicy
 from .tunnels import TunnelPolicy
 
@@ -36,17 +39,18 @@ class Airlock:
 
     name = "airlock"
 
-    def __init__(self, shared: Shared) -> None:
+    def __init__(self, shared: Shared, handlers: Mapping[str, ConnectionHandler]) -> None:
         self.shared = shared
         self.identity = identity = SandboxIdentity(shared)
+        self.splicing = splicing = Splicing(shared, handlers, then=identity.disconnected)
         self.audit = audit = HttpAudit(shared)
         self.inspection = inspection = Inspection(shared, then=audit.answered)
         self.http = http = HttpPolicy(shared, inspection)
-        self.tunnels = tunnels = TunnelPolicy(shared, inspection.http_layer)
+        self.tunnels = tunnels = TunnelPolicy(shared, inspection.http_layer, splicing)
         self.transparent = transparent = TransparentPolicy(shared, tunnels, inspection.http_layer)
         self.pinned = pinned = PinnedConnect(shared)
         self.client_connected = identity.client_connected
-        self.client_disconnected = identity.client_disconnected
+        self.client_disconnected = splicing.client_disconnected  # a spliced tunnel's counts first
         self.http_connect = http.http_connect
         self.requestheaders = http.requestheaders
         self.next_layer = transparent.next_layer
@@ -62,7 +66,7 @@ class Airlock:
 
     @property
     def concerns(self) -> tuple[object, ...]:
-        return self.identity, self.http, self.transparent, self.pinned, self.inspection, self.audit
+        return self.identity, self.splicing, self.http, self.transparent, self.pinned, self.inspection, self.audit
 
 
 def build_addon(
@@ -74,5 +78,9 @@ def build_addon(
     approvals: Asker | None = None,
     git_tokens: GitTokens | None = None,
     credentials: Credentials | None = None,
+    handlers: Mapping[str, ConnectionHandler] | None = None,
 ) -> Airlock:
-    return Airlock(Shared(live, resolver, emit, settings, answered, approvals, git_tokens, credentials))
+    """The addon; `handlers` are mitmproxy's connection handlers by client id (its proxyserver's), whose sockets
+    judged passthrough tunnels are spliced from (none given: no tunnel is spliced)."""
+    shared = Shared(live, resolver, emit, settings, answered, approvals, git_tokens, credentials)
+    return Airlock(shared, handlers if handlers is not None else {})
