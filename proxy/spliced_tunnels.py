@@ -30,7 +30,10 @@ from .splice_relay import RelayStopped, SplicedTunnel, SpliceRelay
 
 log = logging.getLogger("airlock.proxy")
 
-QUIET_TRIES = 200  # looks, QUIET_WAIT apart, for mitmproxy to have relayed all it read before the pause
+# Looks for mitmproxy to have relayed all it read before the pause: the first few at the event loop's next turns (the
+# reader that delivered the first bytes waits in `read` again by then), then QUIET_WAIT apart, for about a second.
+QUIET_TURNS = 8
+QUIET_TRIES = 200
 QUIET_WAIT = 0.005
 
 
@@ -98,12 +101,12 @@ class Splicing:
         for transport in transports:
             assert transport is not None
             transport.pause_reading()
-        for _ in range(QUIET_TRIES):
+        for attempt in range(QUIET_TRIES):
             if not self._may_splice(context):
                 break
             if all(_quiet(io) for io in ios) and self._take(handler, context, ticket, [_fileno(io) for io in ios]):
                 return
-            await asyncio.sleep(QUIET_WAIT)
+            await asyncio.sleep(0 if attempt < QUIET_TURNS else QUIET_WAIT)
         for transport in transports:
             assert transport is not None
             transport.resume_reading()
