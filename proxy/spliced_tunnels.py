@@ -117,7 +117,10 @@ class Splicing:
         return open_ and state is not None and state.denied is None
 
     def _take(self, handler: ConnectionHandler, context: Context, ticket: SpliceTicket, fds: list[int]) -> bool:
-        """Hand both sockets to the relay; False if the open-file limit leaves no descriptors to do it with."""
+        """Hand both sockets to the relay; False if the kernel relays as many as the open-file limit allows already,
+        or leaves no descriptors to do it with."""
+        if len(self.spliced) >= self.shared.settings.max_spliced:
+            return False
         spliced = _Spliced(handler, ticket)
         loop = asyncio.get_running_loop()
 
@@ -153,15 +156,17 @@ class Splicing:
         if spliced is None:
             return
         record = spliced.ticket.record
-        record.bytes_in = (record.bytes_in or 0) + tunnel.sent
-        record.bytes_out = (record.bytes_out or 0) + tunnel.received
-        if tunnel.error is not None and tunnel.error != "ended by the gateway":
-            log.info("airlock: spliced tunnel to %s ended: %s", record.host, tunnel.error)
-        spliced.timeout_held.close()
-        spliced.ended.set_result(None)
-        handler = spliced.handler
-        if handler.client in handler.transports and handler.client.state is not ConnectionState.CLOSED:
-            handler.close_connection(handler.client)
+        try:
+            record.bytes_in = (record.bytes_in or 0) + tunnel.sent
+            record.bytes_out = (record.bytes_out or 0) + tunnel.received
+            if tunnel.error is not None and tunnel.error != "ended by the gateway":
+                log.info("airlock: spliced tunnel to %s ended: %s", record.host, tunnel.error)
+        finally:  # whatever failed above, mitmproxy's connection closes and its books are kept
+            spliced.timeout_held.close()
+            spliced.ended.set_result(None)
+            handler = spliced.handler
+            if handler.client in handler.transports and handler.client.state is not ConnectionState.CLOSED:
+                handler.close_connection(handler.client)
 
     @fail_closed(nothing_to_deny)
     async def client_disconnected(self, client: connection.Client) -> None:
