@@ -4,15 +4,14 @@ Data flows one way: identify sandbox → canonicalize → decide → resolve →
 The early hooks (`http_connect`, `requestheaders`, `next_layer`) give the sandbox a clear answer;
 `server_connect` is the one enforcement point that every upstream connection passes, whatever the mode or layer,
 so it decides again from scratch and pins the vetted address. Each concern is its own module: `identity.py`,
-`httppolicy.py`, `transparent.py` (with `tunnels.py`), `inspection.py`, `connect.py`, `httpaudit.py`, over the
-state they share (`shared.py`); every hook fails closed (`failclosed.py`).
+`httppolicy.py`, `transparent.py` (with `tunnels.py`, and `spliced_tunnels.py` for what the kernel relays),
+`inspection.py`, `connect.py`, `httpaudit.py`, over the state they share (`shared.py`); every hook fails closed
+(`failclosed.py`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-
-from mitmproxy.proxy.server import ConnectionHandler
+from collections.abc import Callable
 
 from airlock.audit import AuditRecord
 from airlock.dns.answered import AnsweredAddresses
@@ -26,7 +25,7 @@ from .httppolicy import HttpPolicy
 from .identity import SandboxIdentity
 from .inspected_tunnels import Inspection
 from .shared import Credentials, GatewaySettings, GitTokens, Shared
-from .spliced_tunnels import Splicing
+from .spliced_tunnels import Handlers, Splicing
 from .transparent import TransparentPolicy
 from .tunnels import TunnelPolicy
 
@@ -39,7 +38,7 @@ class Airlock:
 
     name = "airlock"
 
-    def __init__(self, shared: Shared, handlers: Mapping[str, ConnectionHandler]) -> None:
+    def __init__(self, shared: Shared, handlers: Handlers) -> None:
         self.shared = shared
         self.identity = identity = SandboxIdentity(shared)
         self.splicing = splicing = Splicing(shared, handlers, then=identity.disconnected)
@@ -78,7 +77,7 @@ def build_addon(
     approvals: Asker | None = None,
     git_tokens: GitTokens | None = None,
     credentials: Credentials | None = None,
-    handlers: Mapping[str, ConnectionHandler] | None = None,
+    handlers: Handlers | None = None,
 ) -> Airlock:
     """The addon; `handlers` are mitmproxy's connection handlers by client id (its proxyserver's), whose sockets
     judged passthrough tunnels are spliced from (none given: no tunnel is spliced)."""

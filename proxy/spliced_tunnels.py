@@ -29,6 +29,8 @@ from .shared import Shared
 from .splice_relay import RelayStopped, SplicedTunnel, SpliceRelay
 
 log = logging.getLogger("airlock.proxy")
+# mitmproxy's connection handlers, as its proxyserver keeps them: by client connection id (its type says tuples too)
+type Handlers = Mapping[tuple[Any, ...] | str, ConnectionHandler]
 
 # Looks for mitmproxy to have relayed all it read before the pause: the first few at the event loop's next turns (the
 # reader that delivered the first bytes waits in `read` again by then), then QUIET_WAIT apart, for about a second.
@@ -61,7 +63,7 @@ class Splicing:
     def __init__(
         self,
         shared: Shared,
-        handlers: Mapping[str, ConnectionHandler],
+        handlers: Handlers,
         then: Callable[[connection.Client], None],
     ) -> None:
         self.shared, self.handlers, self.then = shared, handlers, then

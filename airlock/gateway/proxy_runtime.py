@@ -94,7 +94,7 @@ class ProxyRuntime:
 
     async def serve(self, git_tokens: GitTokens | None) -> None:
         """mitmproxy with the airlock addon, serving the listeners (mitmproxy and the addon imported by now)."""
-        from airlock.gateway.startup.mitm import Master, ServerInstance, options
+        from airlock.gateway.startup.mitm import Master, Proxyserver, ServerInstance, options
         from airlock.proxy.addon import build_addon
         from airlock.proxy.shared import Credentials, GatewaySettings, ScrubbedLog
 
@@ -117,8 +117,9 @@ class ProxyRuntime:
             timings=given.metrics,
         )
         credentials = Credentials.of(given.inspector.injected(given.live.current.policy))
-        essentials = _essential_addons(given.inspector)
-        handlers = essentials[1].connections  # the proxyserver's: spliced tunnels are taken from their sockets
+        proxyserver = Proxyserver()  # type: ignore[no-untyped-call]
+        essentials = _essential_addons(given.inspector, proxyserver)
+        handlers = proxyserver.connections  # by client id: spliced tunnels are taken from their handlers' sockets
         self.airlock = build_addon(
             given.live,
             given.resolver,
@@ -212,12 +213,11 @@ def _listen(host: str, port: int) -> socket.socket:
     return sock
 
 
-def _essential_addons(issuer: Inspector) -> tuple[Any, ...]:
+def _essential_addons(issuer: Inspector, proxyserver: object) -> tuple[object, ...]:
     """Only the addons a proxy needs: no script loader, replay, onboarding app (mitm.it), header or body rewriting —
     less to dispatch on every event, and nothing a request could reach but airlock's hooks."""
-    from airlock.gateway.startup.mitm import Proxyserver, TlsConfig, core, disable_h2c, next_layer
+    from airlock.gateway.startup.mitm import TlsConfig, core, disable_h2c, next_layer
 
-    proxyserver = Proxyserver()  # type: ignore[no-untyped-call]
     return core.Core(), proxyserver, next_layer.NextLayer(), TlsConfig(issuer), disable_h2c.DisableH2C()
 
 
