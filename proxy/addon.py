@@ -4,8 +4,9 @@ Data flows one way: identify sandbox → canonicalize → decide → resolve →
 The early hooks (`http_connect`, `requestheaders`, `next_layer`) give the sandbox a clear answer;
 `server_connect` is the one enforcement point that every upstream connection passes, whatever the mode or layer,
 so it decides again from scratch and pins the vetted address. Each concern is its own module: `identity.py`,
-`httppolicy.py`, `transparent.py` (with `tunnels.py`), `inspection.py`, `connect.py`, `httpaudit.py`, over the
-state they share (`shared.py`); every hook fails closed (`failclosed.py`).
+`httppolicy.py`, `transparent.py` (with `tunnels.py`, and `spliced_tunnels.py` for what the kernel relays),
+`inspection.py`, `connect.py`, `httpaudit.py`, over the state they share (`shared.py`); every hook fails closed
+(`failclosed.py`).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from .httppolicy import HttpPolicy
 from .identity import SandboxIdentity
 from .inspected_tunnels import Inspection
 from .shared import Credentials, GatewaySettings, GitTokens, Shared
+from .spliced_tunnels import Handlers, Splicing
 from .transparent import TransparentPolicy
 from .tunnels import TunnelPolicy
 
@@ -37,17 +39,18 @@ class Airlock:
 
     name = "airlock"
 
-    def __init__(self, shared: Shared) -> None:
+    def __init__(self, shared: Shared, handlers: Handlers) -> None:
         self.shared = shared
         self.identity = identity = SandboxIdentity(shared)
+        self.splicing = splicing = Splicing(shared, handlers, then=identity.disconnected)
         self.audit = audit = HttpAudit(shared)
         self.inspection = inspection = Inspection(shared, then=audit.answered)
         self.http = http = HttpPolicy(shared, inspection)
-        self.tunnels = tunnels = TunnelPolicy(shared, inspection.http_layer)
+        self.tunnels = tunnels = TunnelPolicy(shared, inspection.http_layer, splicing)
         self.transparent = transparent = TransparentPolicy(shared, tunnels, inspection.http_layer)
         self.pinned = pinned = PinnedConnect(shared)
         self.client_connected = identity.client_connected
-        self.client_disconnected = identity.client_disconnected
+        self.client_disconnected = splicing.client_disconnected  # a spliced tunnel's counts first
         self.http_connect = http.http_connect
         self.requestheaders = http.requestheaders
         self.next_layer = transparent.next_layer
@@ -63,7 +66,7 @@ class Airlock:
 
     @property
     def concerns(self) -> tuple[object, ...]:
-        return self.identity, self.http, self.transparent, self.pinned, self.inspection, self.audit
+        return self.identity, self.splicing, self.http, self.transparent, self.pinned, self.inspection, self.audit
 
 
 def build_addon(
@@ -75,5 +78,9 @@ def build_addon(
     approvals: Asker | None = None,
     git_tokens: GitTokens | None = None,
     credentials: Credentials | None = None,
+    handlers: Handlers | None = None,
 ) -> Airlock:
-    return Airlock(Shared(live, resolver, emit, settings, answered, approvals, git_tokens, credentials))
+    """The addon; `handlers` are mitmproxy's connection handlers by client id (its proxyserver's), whose sockets
+    judged passthrough tunnels are spliced from (none given: no tunnel is spliced)."""
+    shared = Shared(live, resolver, emit, settings, answered, approvals, git_tokens, credentials)
+    return Airlock(shared, handlers if handlers is not None else {})

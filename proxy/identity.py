@@ -46,7 +46,8 @@ class SandboxIdentity:
         state.counted = True
 
     @fail_closed(nothing_to_deny)
-    def client_disconnected(self, client: connection.Client) -> None:
+    def disconnected(self, client: connection.Client) -> None:
+        """A client connection has ended (after a spliced tunnel's relay: `Splicing.client_disconnected`)."""
         state = self.shared.clients.pop(client.id, None)
         if state is not None and state.counted and state.sandbox is not None:
             self.shared.connections[state.sandbox.id] -= 1

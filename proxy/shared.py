@@ -65,12 +65,14 @@ class NoTimings:
 @dataclass
 class GatewaySettings:
     connect_timeout: float = 10.0
+    idle_timeout: float = 300.0  # a tunnel that moved no byte for this long is closed (mitmproxy's tcp_timeout)
     # A flood of idle connections must not starve the gateway. The gateway derives these from its open-file
     # limit (airlock/gateway/capacity.py): each proxied connection holds two descriptors, the sandbox's and the
     # upstream.
     max_tunnels_per_sandbox: int = 3584
     max_connections_per_sandbox: int = 4096  # client connections; upstream connections are capped alike
     max_connections: int = 65536  # client connections of all sandboxes together; upstream ones alike
+    max_spliced: int = 1024  # tunnels relayed in the kernel at once (6 more descriptors each); others by mitmproxy
     # Why the audit log cannot be written, or None: while it cannot, every new request is denied (fail closed).
     audit_failure: Callable[[], str | None] = field(default=lambda: None)
     timings: Timings = field(default_factory=NoTimings)

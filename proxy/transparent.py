@@ -125,7 +125,7 @@ class TransparentPolicy:
         state.tunnel, state.tunnel_decision, state.started = record, outcome.decision, time.monotonic()
         if hello is not None and sni is not None and inspected_rule(outcome.decision) is not None:
             return intercept(nextlayer, state)
-        nextlayer.layer = MeteredTunnel(context, record)
+        nextlayer.layer = MeteredTunnel(context, record, self.tunnels.splicing)
 
     def _deny(self, nextlayer: layer.NextLayer, state: ClientState, code: ReasonCode, reason: str) -> None:
         """Refuse a connection whose first bytes already say no (before any name is judged): audited, closed."""

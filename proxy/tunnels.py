@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from mitmproxy.proxy import events, layer, layers
+from mitmproxy.connection import ConnectionState
+from mitmproxy.proxy import commands, events, layer, layers
 from mitmproxy.proxy.context import Context
 from mitmproxy.proxy.layers.http import HTTPMode
 from mitmproxy.proxy.layers.tcp import TcpMessageInjected
@@ -18,26 +19,41 @@ from airlock.policy import ReasonCode, decide, is_ip
 from .failclosed import fail_closed
 from .inspected_tunnels import inspected_rule, intercept
 from .shared import ClientState, Shared
+from .spliced_tunnels import SpliceTicket, Splicing
 from .tlsnames import ECH_EXTENSIONS, TlsNameError, hidden_name, server_name
 
 
 class MeteredTunnel(layers.TCPLayer):
-    """A passed-through tunnel (no flow, no per-chunk hooks) that counts the bytes it relays for the audit."""
+    """A passed-through tunnel (no flow, no per-chunk hooks) that counts the bytes it relays for the audit. Once
+    its first bytes have gone to the upstream, it asks `splicing` to relay the rest in the kernel; once spliced,
+    mitmproxy has nothing more to relay, and any event that still comes closes both connections (fail closed)."""
 
-    def __init__(self, context: Context, record: AuditRecord) -> None:
+    def __init__(self, context: Context, record: AuditRecord, splicing: Splicing) -> None:
         super().__init__(context, ignore=True)
-        self.record = record
+        self.record, self.splicing = record, splicing
+        self.ticket = SpliceTicket(record)
 
     @expect(  # type: ignore[no-untyped-call, untyped-decorator]  # mitmproxy's expect is unannotated
         events.DataReceived, events.ConnectionClosed, TcpMessageInjected
     )
     def relay_messages(self, event: events.Event) -> layer.CommandGenerator[None]:
+        if self.ticket.taken:
+            yield from self._close_both()
+            return
         if isinstance(event, events.DataReceived):
             if event.connection == self.context.client:
                 self.record.bytes_in = (self.record.bytes_in or 0) + len(event.data)
             else:
                 self.record.bytes_out = (self.record.bytes_out or 0) + len(event.data)
         yield from super().relay_messages(event)
+        if not self.ticket.requested and self.context.server.state is ConnectionState.OPEN:
+            self.splicing.hand_over(self.context, self.ticket)
+
+    def _close_both(self) -> layer.CommandGenerator[None]:
+        self._handle_event = self.done
+        for conn in (self.context.server, self.context.client):
+            if conn.state is not ConnectionState.CLOSED:
+                yield commands.CloseConnection(conn)
 
 
 class TunnelPolicy:
@@ -49,8 +65,10 @@ class TunnelPolicy:
     ever built for a tunnel: the ClientHello is read from the first bytes, and until it is complete the
     decision waits (`nextlayer.layer = None`)."""
 
-    def __init__(self, shared: Shared, http_layer: Callable[[Context, HTTPMode], layer.Layer]) -> None:
-        self.shared, self.http_layer = shared, http_layer
+    def __init__(
+        self, shared: Shared, http_layer: Callable[[Context, HTTPMode], layer.Layer], splicing: Splicing
+    ) -> None:
+        self.shared, self.http_layer, self.splicing = shared, http_layer, splicing
 
     def _deny_layer(self, nextlayer: layer.NextLayer) -> None:
         state = self.shared.client(nextlayer.context.client)
@@ -89,7 +107,7 @@ class TunnelPolicy:
         elif not (state.tunnel_decision and state.tunnel_decision.tunnel):
             reason = "tunnel carries something other than TLS and no rule allows a raw tunnel"
             self._deny(state, ReasonCode.NOT_TLS, reason)
-        nextlayer.layer = MeteredTunnel(nextlayer.context, state.tunnel)
+        nextlayer.layer = MeteredTunnel(nextlayer.context, state.tunnel, self.splicing)
 
 
 def may_be_tls(data: bytes) -> bool:

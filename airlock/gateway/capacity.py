@@ -20,6 +20,8 @@ log = logging.getLogger("airlock.gateway")
 RESERVED_FILES = 256
 RESERVED_FILES_PER_SANDBOX = 64
 FILES_PER_CONNECTION = 2  # the sandbox's socket and the upstream one
+# A tunnel relayed in the kernel (proxy/splice_relay.py) holds a duplicate of each socket and a pipe each way.
+FILES_PER_SPLICE = 6
 # Per sandbox, when the open-file limit allows it: 1,000 idle tunnels with room to spare, at about 38 KiB of
 # memory each (bench/tunnels.py). Tunnels get 7/8 of the connections, so that a client beyond the tunnel cap is
 # told so (429) instead of finding its connection closed.
@@ -36,6 +38,7 @@ class ConnectionCaps:
     total: int
     per_sandbox: int
     tunnels: int
+    spliced: int  # tunnels relayed in the kernel at once, in the descriptors the caps above leave (others: mitmproxy)
     notes: tuple[str, ...] = ()
 
 
@@ -82,7 +85,9 @@ def connection_caps(
     elif tunnels > per_sandbox:
         notes.append(f"--max-tunnels {tunnels} lowered to {per_sandbox}")
         tunnels = per_sandbox
-    return ConnectionCaps(open_files, total, per_sandbox, tunnels, tuple(notes))
+    sockets = FILES_PER_CONNECTION * min(total, per_sandbox * max(1, sandboxes))
+    spliced = min(total, max(0, open_files - reserved - sockets) // FILES_PER_SPLICE)
+    return ConnectionCaps(open_files, total, per_sandbox, tunnels, spliced, tuple(notes))
 
 
 def sandbox_count(sandboxes: Iterable[Sandbox]) -> int:
@@ -93,7 +98,7 @@ def announce(caps: ConnectionCaps, before: int, hard: int) -> None:
     raised = f", raised from {before}" if before != caps.open_files else ""
     summary = (
         f"open files {caps.open_files}{raised} (hard limit {hard}): at most {caps.total} proxied connections, "
-        f"{caps.per_sandbox} per sandbox, of which {caps.tunnels} tunnels"
+        f"{caps.per_sandbox} per sandbox, of which {caps.tunnels} tunnels; {caps.spliced} tunnels relayed in the kernel"
     )
     if caps.notes:
         why = "; ".join(caps.notes)

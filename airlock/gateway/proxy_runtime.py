@@ -94,7 +94,7 @@ class ProxyRuntime:
 
     async def serve(self, git_tokens: GitTokens | None) -> None:
         """mitmproxy with the airlock addon, serving the listeners (mitmproxy and the addon imported by now)."""
-        from airlock.gateway.startup.mitm import Master, ServerInstance, options
+        from airlock.gateway.startup.mitm import Master, Proxyserver, ServerInstance, options
         from airlock.proxy.addon import build_addon
         from airlock.proxy.shared import Credentials, GatewaySettings, ScrubbedLog
 
@@ -108,22 +108,35 @@ class ProxyRuntime:
         self._master = master = Master(opts)
         settings = GatewaySettings(
             connect_timeout=config.connect_timeout,
+            idle_timeout=config.idle_timeout,
             max_tunnels_per_sandbox=caps.tunnels,
+            max_spliced=caps.spliced,
             max_connections_per_sandbox=caps.per_sandbox,
             max_connections=caps.total,
             audit_failure=given.audit_failure,
             timings=given.metrics,
         )
         credentials = Credentials.of(given.inspector.injected(given.live.current.policy))
+        proxyserver = Proxyserver()  # type: ignore[no-untyped-call]
+        essentials = _essential_addons(given.inspector, proxyserver)
+        handlers = proxyserver.connections  # by client id: spliced tunnels are taken from their handlers' sockets
         self.airlock = build_addon(
-            given.live, given.resolver, given.emit, settings, given.answered, given.approvals, git_tokens, credentials
+            given.live,
+            given.resolver,
+            given.emit,
+            settings,
+            given.answered,
+            given.approvals,
+            git_tokens,
+            credentials,
+            handlers,
         )
         shared = self.airlock.shared
         self._scrubbed_log = ScrubbedLog(lambda: shared.credentials)
         MITMPROXY_LOG.addFilter(self._scrubbed_log)
         running = _Running()
         # mitmproxy's addon manager and options are untyped: the ignores below say no more than that.
-        master.addons.add(*_essential_addons(given.inspector), self.airlock, running)  # type: ignore[no-untyped-call]
+        master.addons.add(*essentials, self.airlock, running)  # type: ignore[no-untyped-call]
         opts.update(**_proxy_options(config))  # type: ignore[no-untyped-call]
         self._task = asyncio.create_task(master.run())
         ports = " and ".join(str(port) for port in self.ports().values())
@@ -167,6 +180,8 @@ class ProxyRuntime:
 
     async def stop(self) -> None:
         self.close_listeners()
+        if self.airlock is not None:
+            self.airlock.splicing.stop()  # the kernel relay's tunnels end with the gateway
         if self._master is not None:
             self._master.shutdown()  # type: ignore[no-untyped-call]
         if self._task is not None:
@@ -202,12 +217,11 @@ def _listen(host: str, port: int) -> socket.socket:
     return sock
 
 
-def _essential_addons(issuer: Inspector) -> tuple[object, ...]:
+def _essential_addons(issuer: Inspector, proxyserver: object) -> tuple[object, ...]:
     """Only the addons a proxy needs: no script loader, replay, onboarding app (mitm.it), header or body rewriting —
     less to dispatch on every event, and nothing a request could reach but airlock's hooks."""
-    from airlock.gateway.startup.mitm import Proxyserver, TlsConfig, core, disable_h2c, next_layer
+    from airlock.gateway.startup.mitm import TlsConfig, core, disable_h2c, next_layer
 
-    proxyserver = Proxyserver()  # type: ignore[no-untyped-call]
     return core.Core(), proxyserver, next_layer.NextLayer(), TlsConfig(issuer), disable_h2c.DisableH2C()
 
 

@@ -211,6 +211,16 @@ def tls_to(address: tuple[str, int], sni: str | None, ca: Path, path: str = "/",
     return data.partition(b"\r\n\r\n")[2].decode()
 
 
+def test_a_transparent_passthrough_tunnel_is_relayed_in_the_kernel_once_judged(
+    routed_sbx: Topology, fakenet: FakeNet, gateway: GatewayProcess, test_ca: FakeCA, audit_for
+):
+    size = 8 * 1024 * 1024
+    body = in_netns(routed_sbx.sbx, tls_to, (ALLOWED_IP, 443), "allowed.test", test_ca.ca_cert, f"/big?n={size}")
+    assert body == "x" * size
+    record = audit_for("allowed.test")
+    assert record["extra"]["relayed_by"] == "kernel" and record["bytes_out"] > size
+
+
 def test_the_dialled_address_is_never_the_upstream(
     routed_sbx: Topology, fakenet: FakeNet, gateway: GatewayProcess, test_ca: FakeCA, audit_for
 ):

@@ -47,6 +47,20 @@ def test_a_thousand_tunnels_fit_the_defaults_of_a_4096_hard_limit() -> None:
     assert connection_caps(4096, 1).tunnels >= 1000
 
 
+@pytest.mark.parametrize(
+    ("open_files", "sandboxes", "connections", "spliced"),
+    [(20000, 1, None, 1914), (524288, 1, None, 85962), (4096, 1, None, 0), (20000, 1, 100, 3246)],
+)
+def test_tunnels_relayed_in_the_kernel_fit_in_the_descriptors_the_caps_leave(
+    open_files: int, sandboxes: int, connections: int | None, spliced: int
+) -> None:
+    caps = connection_caps(open_files, sandboxes, connections)
+    assert caps.spliced == spliced  # beyond it, tunnels stay with the proxy's own relay
+    # every socket the caps allow, and six more descriptors for each spliced tunnel, still fit
+    sockets = 2 * min(caps.total, caps.per_sandbox * sandboxes)
+    assert sockets + 6 * caps.spliced + 256 + 64 * sandboxes <= open_files
+
+
 def test_a_limit_too_low_for_a_gateway_is_refused_with_one_line() -> None:
     with pytest.raises(GatewayError, match=r"open-file limit \(300\) is too low for a gateway: it needs at least 352"):
         connection_caps(300, 1)

@@ -132,7 +132,7 @@ async def test_an_allowed_connect_is_pinned_to_the_vetted_address_and_audited_on
     assert gw.resolver.asked == ["allowed.test"]  # the CONNECT's answer is the one connected to
     gw.pinned.server_connected(data)
     assert data.server.address == ("Allowed.Test", 443)  # its name again, for mitmproxy's connection reuse
-    gw.identity.client_disconnected(flow.client_conn)
+    gw.identity.disconnected(flow.client_conn)
     [record] = gw.records
     assert (record.kind, record.decision, record.host, record.port) == ("connect", "allow", "allowed.test", 443)
     assert (record.chosen_ip, record.resolved, record.rule_source) == ("203.0.113.10", ["203.0.113.10"], "p.yaml:5")
@@ -182,7 +182,7 @@ async def test_the_tunnel_limit_answers_429() -> None:
     assert "1 open tunnels" in str(denial(second.response, 429)["reason"])
     [record] = gw.records
     assert (record.decision, record.host) == ("deny", "www.allowed.test")
-    gw.identity.client_disconnected(first.client_conn)  # a slot is free again
+    gw.identity.disconnected(first.client_conn)  # a slot is free again
     third = connect_flow("www.allowed.test", 443)
     await gw.http.http_connect(third)
     assert third.response is None
@@ -464,7 +464,7 @@ async def test_a_refused_tunnel_opens_no_upstream_and_is_audited_as_denied() -> 
     await gw.pinned.server_connect(data)
     assert data.server.error is not None and data.server.error.startswith("airlock: TLS SNI 'evil.test'")
     assert data.server.address == ("allowed.test", 443)
-    gw.identity.client_disconnected(flow.client_conn)
+    gw.identity.disconnected(flow.client_conn)
     [record] = gw.records
     assert record.decision == "deny" and record.reason.startswith("TLS SNI 'evil.test'")
 
@@ -554,8 +554,8 @@ def test_the_connection_limit_refuses_the_next_and_frees_a_slot_on_close() -> No
     assert [c.error for c in conns[:2]] == [None, None]
     assert conns[2].error == "airlock: sandbox already has 2 connections open"
     assert [r.reason for r in gw.records] == ["sandbox already has 2 connections open"]
-    gw.identity.client_disconnected(conns[2])  # the refused one held no slot
-    gw.identity.client_disconnected(conns[0])
+    gw.identity.disconnected(conns[2])  # the refused one held no slot
+    gw.identity.disconnected(conns[0])
     assert gw.shared.connections["sbx"] == 1
     again = client()
     gw.identity.client_connected(again)

@@ -75,7 +75,7 @@ def test_bookkeeping_that_fails_after_the_decision_raises_nothing() -> None:
     flow = tflow.tflow(resp=True)
     state = identity.shared.client(flow.client_conn)  # type: ignore[attr-defined]
     state.tunnel = AuditRecord("connect", "sbx", "10.0.0.2", "allowed.test", 443, "allow", "allowed", "allowed")
-    identity.client_disconnected(flow.client_conn)  # type: ignore[attr-defined]  # emits the tunnel's line
+    identity.disconnected(flow.client_conn)  # type: ignore[attr-defined]  # emits the tunnel's line
     failed = tflow.tflow(err=True)
     failed.metadata["airlock"] = AuditRecord(
         "http", "sbx", "10.0.0.2", "allowed.test", 80, "allow", "allowed", "allowed"

@@ -1,0 +1,100 @@
+"""The kernel relay on real sockets (socket pairs, no network): both directions, half-closes passed on, the counts,
+the idle timeout, an end asked for by the gateway, and a reset that closes both sides."""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+from collections.abc import Iterator
+
+import pytest
+
+from airlock.proxy.splice_relay import SplicedTunnel, SpliceRelay
+
+
+class Pair:
+    """A tunnel between two socket pairs: `client` and `server` are the far ends the relay's two sockets face."""
+
+    def __init__(self, relay: SpliceRelay) -> None:
+        self.client, client_near = socket.socketpair()
+        self.server, server_near = socket.socketpair()
+        self.done = threading.Event()
+        self.tunnel = SplicedTunnel.of(client_near.fileno(), server_near.fileno(), lambda t: self.done.set())
+        client_near.close()  # the relay holds its own duplicates: what asyncio does with its own changes nothing
+        server_near.close()
+        for sock in (self.client, self.server):
+            sock.settimeout(5)
+        relay.add(self.tunnel)
+
+
+@pytest.fixture
+def relay() -> Iterator[SpliceRelay]:
+    relay = SpliceRelay(idle_timeout=60)
+    yield relay
+    relay.stop()
+
+
+def _read_all(sock: socket.socket) -> bytes:
+    data = b""
+    while chunk := sock.recv(1 << 20):
+        data += chunk
+    return data
+
+
+def test_both_directions_with_half_closes_and_counts(relay: SpliceRelay) -> None:
+    pair = Pair(relay)
+    up, down = os.urandom(3 * 1024 * 1024), os.urandom(5 * 1024 * 1024)
+    got: dict[str, bytes] = {}
+
+    def server() -> None:
+        pair.server.sendall(down)
+        got["up"] = _read_all(pair.server)  # until the client's half-close arrives
+        pair.server.sendall(b"tail")  # this direction still flows after the other one ended
+        pair.server.shutdown(socket.SHUT_WR)
+
+    def client() -> None:
+        pair.client.sendall(up)
+        pair.client.shutdown(socket.SHUT_WR)
+
+    threads = [threading.Thread(target=server), threading.Thread(target=client)]
+    for thread in threads:
+        thread.start()
+    received = _read_all(pair.client)
+    for thread in threads:
+        thread.join()
+    assert got["up"] == up and received == down + b"tail"
+    assert pair.done.wait(5)
+    assert (pair.tunnel.sent, pair.tunnel.received, pair.tunnel.error) == (len(up), len(down) + 4, None)
+
+
+def test_a_tunnel_idle_for_the_timeout_is_closed_both_ways() -> None:
+    relay = SpliceRelay(idle_timeout=0.5)
+    try:
+        pair = Pair(relay)
+        pair.client.sendall(b"hi")
+        assert pair.server.recv(2) == b"hi"
+        assert pair.done.wait(3) and pair.tunnel.error == "idle timeout"
+        assert pair.client.recv(1) == b"" and pair.server.recv(1) == b""
+    finally:
+        relay.stop()
+
+
+def test_the_gateway_ends_a_tunnel_and_a_reset_ends_both_sides(relay: SpliceRelay) -> None:
+    ended, reset = Pair(relay), Pair(relay)
+    relay.end(ended.tunnel)
+    assert ended.done.wait(3) and ended.tunnel.error == "ended by the gateway"
+    assert ended.client.recv(1) == b"" and ended.server.recv(1) == b""
+    reset.server.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+    reset.server.close()  # an abortive close
+    reset.client.sendall(b"x" * 100_000)
+    assert reset.done.wait(3) and reset.tunnel.error is not None
+    assert reset.client.recv(1) == b""
+
+
+def test_stopping_the_relay_ends_every_tunnel() -> None:
+    relay = SpliceRelay(idle_timeout=60)
+    pairs = [Pair(relay) for _ in range(3)]
+    relay.stop()
+    assert all(p.done.is_set() and p.client.recv(1) == b"" for p in pairs)
+    assert not relay.running
