@@ -26,9 +26,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import docker.errors
+
 from airlock.errors import AirlockError
 from airlock.policy import SANDBOX_LINK_NETWORKS
 from airlock.sandbox import cgroups
+from airlock.sandbox.docker import LABEL, bridge_name, fence_table, sandbox_token_dir
 from airlock.sandbox.fence import NETNS_TABLE_PREFIX
 from airlock.sandbox.netns import resolve_user
 from airlock.sandbox.seccomp import syscall_number
@@ -62,6 +65,7 @@ from .checks import (
     judge,
 )
 from .control import stop_proc
+from .dockerd import DockerDaemon
 from .hostcanaries import host_canaries
 from .hostcgroups import with_host_cgroups
 from .processes import raw_sockets, read_process, sandbox_processes, sockets_in_view, user_keys
@@ -132,13 +136,26 @@ def _marked_programs(folder: Path) -> None:
 @dataclass(frozen=True)
 class Request:
     """What to verify: the policy file, the targets its profile gives the fake internet, the options passed to
-    `airlock run` as given (profile, isolation, limits, grants), the checks."""
+    `airlock run` as given (profile, isolation, limits, grants), the checks; with `image_tarball` (a rootfs
+    tarball imported into a daemon of the run's own) the docker backend, else the netns one."""
 
     policy_path: str
     targets: Targets
     run_options: list[str]
     checks: tuple[Check, ...]
     limits: Limits
+    image_tarball: Path | None = None
+
+    @property
+    def backend(self) -> str:
+        return "netns" if self.image_tarball is None else "docker"
+
+    def attempts(self) -> list[str]:
+        """The probe's attempts the checks that apply to this run judge, each once."""
+        return list(dict.fromkeys(
+            c.attempt for c in self.checks
+            if c.attempt and c.not_applicable(self.targets, self.limits, self.backend) is None
+        ))  # fmt: skip
 
 
 def verify(request: Request) -> list[Outcome]:
@@ -152,6 +169,9 @@ def verify(request: Request) -> list[Outcome]:
             canaries = Canaries(ca.leaf_cert, ca.leaf_key, GATEWAY_CANARY_PORTS)
             try:
                 _start(net, canaries, topology, area)
+                if request.image_tarball is not None:
+                    with _docker_daemon(topology, area, request.image_tarball) as (daemon, image):
+                        return _verify_docker(topology, net, canaries, ca, area, request, nonce, daemon, image)
                 return _verify_in(topology, net, canaries, ca, area, request, nonce)
             finally:
                 net.stop()
@@ -208,8 +228,9 @@ def _verify_in(
     secret_file.touch(mode=0o600)
     secret_file.write_text(secret_value)
     config = _probe_config(request, area, nonce, secret_file)
+    where = ["--workdir", str(area.work)]
     argv = [
-        *_run_argv(request, ca, area.work, sandbox_id, RUN_TIMEOUT), "--secret", f"{SECRET_NAME}=file:{secret_file}",
+        *_run_argv(request, ca, where, sandbox_id, RUN_TIMEOUT), "--secret", f"{SECRET_NAME}=file:{secret_file}",
         "--placeholder-env", f"{PLACEHOLDER_VAR}={SECRET_NAME}",
         "--", *PROBE_ARGV, Path(probe.__file__).read_text(), json.dumps(config), PROBE_MARK,
     ]  # fmt: skip
@@ -237,13 +258,79 @@ def _verify_in(
     return [judge(check, evidence) for check in request.checks]
 
 
-def _run_argv(request: Request, ca: FakeCA, work: Path, sandbox_id: str, timeout: float) -> list[str]:
-    """`airlock run` in the fake internet with the user's policy and options (the command to follow)."""
+@contextlib.contextmanager
+def _docker_daemon(topology: Topology, area: Area, tarball: Path) -> Iterator[tuple[DockerDaemon, str]]:
+    """A docker daemon of the run's own in the gateway's namespace (its bridges, and so its containers, reach the
+    fake internet alone), with the image imported from `tarball`; stopped with all it made at the end."""
+    daemon = DockerDaemon(topology, area.private / "docker", name=f"{topology.prefix}-docker")
+    try:
+        try:
+            daemon.start()
+        except (RuntimeError, OSError) as e:
+            raise VerifyError(f"the run's docker daemon could not start: {e}") from None
+        try:
+            image = daemon.import_image(tarball)
+        except docker.errors.DockerException as e:
+            raise VerifyError(f"{tarball} could not be imported as the sandbox's image: {e}") from None
+        yield daemon, image
+    finally:
+        daemon.stop()
+
+
+def _verify_docker(
+    topology: Topology,
+    net: FakeNet,
+    canaries: Canaries,
+    ca: FakeCA,
+    area: Area,
+    request: Request,
+    nonce: str,
+    daemon: DockerDaemon,
+    image: str,
+) -> list[Outcome]:
+    """The docker backend's run: the probe in a container of `image`, its record back on the container's stdout;
+    judged by the fake internet's records and, for what is left, the daemon and the gateway's namespace."""
+    sandbox_id = f"{topology.prefix}v"
+    config = _probe_config(request, area, nonce, area.private / "secret") | {"record_on_stdout": True}
+    argv = [
+        *_run_argv(request, ca, ["--backend", "docker", "--image", image], sandbox_id, RUN_TIMEOUT),
+        "--", *PROBE_ARGV, Path(probe.__file__).read_text(), json.dumps(config), PROBE_MARK,
+    ]  # fmt: skip
+    env = os.environ | daemon.env() | {"TMPDIR": str(area.tmp)}
+    out, err = area.private / "run.out", area.private / "run.err"
+    with out.open("w+") as stdout, err.open("w+") as stderr:
+        proc = topology.popen(topology.gw, argv, env=env, stdout=stdout, stderr=stderr)
+        try:
+            returncode = proc.wait(RUN_TIMEOUT + 60)
+        except subprocess.TimeoutExpired:
+            stop_proc(proc)
+            raise VerifyError(f"the sandbox did not end within {RUN_TIMEOUT + 60} seconds") from None
+        record = _record_on_stdout(out.read_text(errors="replace"))
+    evidence = Evidence(
+        nonce, request.targets, record, net.stats(), _packets(topology), area.work, area.outside, _host_tmp(nonce),
+        {}, _docker_leftovers(topology, area, daemon, sandbox_id), gateway_canaries=canaries.stats(),
+        limits=request.limits, backend="docker",
+    )  # fmt: skip
+    if not record:
+        why = (err.read_text(errors="replace").strip().splitlines() or [f"exit {returncode}"])[-1]
+        return [judge(c, evidence) if c.attempt is None else error(c, f"the sandbox ran no probe: {why}")
+                for c in request.checks]  # fmt: skip
+    return [judge(check, evidence) for check in request.checks]
+
+
+def _record_on_stdout(output: str) -> dict[str, str]:
+    """What the probe says it attempted, from the line it printed after its mark (the container's stdout)."""
+    line = next((line for line in output.splitlines() if line.startswith(probe.RECORD_MARK)), None)
+    return _record(line.removeprefix(probe.RECORD_MARK) if line is not None else "")
+
+
+def _run_argv(request: Request, ca: FakeCA, where: list[str], sandbox_id: str, timeout: float) -> list[str]:
+    """`airlock run` in the fake internet with the user's policy and options (the command to follow); `where`: the
+    netns backend's --workdir, or the docker backend and its image."""
     return [
         sys.executable, "-I", "-m", "airlock", "run", "--policy", request.policy_path,
         "--upstream-dns", DNS_SERVER, "--upstream-ca", str(ca.ca_cert), "--sandbox-id", sandbox_id,
-        "--workdir", str(work), "--git-identity", "none", "--quiet", "--timeout", f"{timeout:g}",
-        *request.run_options,
+        *where, "--git-identity", "none", "--quiet", "--timeout", f"{timeout:g}", *request.run_options,
     ]  # fmt: skip
 
 
@@ -300,7 +387,8 @@ def _timed_run(topology: Topology, request: Request, ca: FakeCA, area: Area, non
         "import subprocess, sys, time\nsubprocess.Popen([sys.executable, '-c', 'import time; time.sleep(300)', "
         "sys.argv[1]])\ntime.sleep(300)"
     )
-    argv = [*_run_argv(request, ca, area.work, sandbox_id, TIMEOUT_GIVEN), "--", "python3", "-I", "-c", sleeper, mark]
+    where = ["--workdir", str(area.work)]
+    argv = [*_run_argv(request, ca, where, sandbox_id, TIMEOUT_GIVEN), "--", "python3", "-I", "-c", sleeper, mark]
     started = time.monotonic()
     proc = topology.popen(topology.gw, with_host_cgroups(argv), env=os.environ | {"TMPDIR": str(area.tmp)},
                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
@@ -325,7 +413,7 @@ def _broker_runs(topology: Topology, request: Request, ca: FakeCA, area: Area, n
         return None
 
     def run_argv(sandbox_id: str, work: Path) -> list[str]:
-        return with_host_cgroups(_run_argv(request, ca, work, sandbox_id, RUN_TIMEOUT))
+        return with_host_cgroups(_run_argv(request, ca, ["--workdir", str(work)], sandbox_id, RUN_TIMEOUT))
 
     def left(sandbox_id: str) -> list[str]:
         return [what for found in _leftovers(topology, sandbox_id, area).values() for what in found]
@@ -344,9 +432,7 @@ def _probe_config(request: Request, area: Area, nonce: str, secret_file: Path) -
     targets = request.targets
     return {
         "nonce": nonce,
-        "attempts": list(dict.fromkeys(
-            c.attempt for c in request.checks if c.attempt and c.needs(targets, request.limits) is None
-        )),
+        "attempts": request.attempts(),
         "allowed": list(targets.allowed), "front": targets.front, "canaries": list(targets.canaries),
         "canary": UNLISTED, "metadata_alias": targets.metadata_alias, "rebind": targets.rebind,
         "rebind_wait": REBIND_WAIT, "outside": str(area.outside),
@@ -363,10 +449,16 @@ def _probe_config(request: Request, area: Area, nonce: str, secret_file: Path) -
 
 def _probe_record(area: Area) -> dict[str, str]:
     """What the probe says it attempted (shown beside the verdicts; an attempt missing is a check not run)."""
-    record = area.work / "airlock-verify" / "probe.json"
     try:
-        seen = json.loads(record.read_text())
-    except (OSError, ValueError):
+        return _record((area.work / "airlock-verify" / "probe.json").read_text())
+    except OSError:
+        return {}
+
+
+def _record(text: str) -> dict[str, str]:
+    try:
+        seen = json.loads(text)
+    except ValueError:
         return {}
     return {str(k): str(v) for k, v in seen.items()} if isinstance(seen, dict) else {}
 
@@ -417,6 +509,26 @@ def _every_leftover(topology: Topology, area: Area, sandbox_ids: list[str]) -> d
         for kind, what in _leftovers(topology, sandbox_id, area).items():
             found[kind] = list(dict.fromkeys([*found.get(kind, []), *what]))  # the state directory is everyone's
     return found
+
+
+def _docker_leftovers(topology: Topology, area: Area, daemon: DockerDaemon, sandbox_id: str) -> dict[str, list[str]]:
+    """What of the docker run's sandbox is still there, by kind: its container and network (the daemon's word),
+    its fence and bridge in the gateway's namespace, a cgroup under the daemon's cgroup parent (the daemon runs
+    nothing else), its token folder and the launcher's state directory."""
+    client = daemon.client()
+    labelled: dict[str, str | list[str] | bool] = {"label": f"{LABEL}={sandbox_id}"}
+    found = [f"container {c.name}" for c in client.containers.list(all=True, filters=labelled)]
+    found += [f"network {n.name}" for n in client.networks.list(filters=labelled)]
+    tables = topology.run(topology.gw, ["nft", "list", "tables"]).stdout.split("\n")
+    bridge = bridge_name(sandbox_id)
+    links = topology.run(topology.gw, ["ip", "-o", "link", "show", "dev", bridge]).stdout.strip()
+    token = sandbox_token_dir(sandbox_id)
+    return {
+        "container": found,
+        "fence": [line.strip() for line in tables if fence_table(sandbox_id) in line] + ([bridge] if links else []),
+        "cgroup": [str(d) for parent in daemon.cgroup_dirs() for d in parent.iterdir() if d.is_dir()],
+        "state-dir": [str(p) for p in area.tmp.iterdir()] + ([str(token)] if token.exists() else []),
+    }
 
 
 def _leftovers(topology: Topology, sandbox_id: str, area: Area) -> dict[str, list[str]]:

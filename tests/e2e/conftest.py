@@ -233,6 +233,12 @@ def build_test_image() -> Path:
     return Path(build.stdout.strip().splitlines()[-1])
 
 
+@pytest.fixture(scope="session")
+def image_tarball(privileged: None) -> Path:
+    """scripts/build-test-image's rootfs tarball (`airlock verify --backend docker --image-tarball`)."""
+    return build_test_image()
+
+
 @contextlib.contextmanager
 def docker_env_in(topology: Topology, workdir: Path) -> Iterator[DockerEnv]:
     """A dockerd inside the gateway namespace of `topology`, with the sandbox test image imported."""
