@@ -1,6 +1,6 @@
 """`airlock verify --backend docker` end to end, as a user runs it on the host: a docker daemon of its own in its
 fake internet's gateway namespace, the test image imported from its rootfs tarball, the probe in a container.
-The network group and the destruction group hold on the default setup, judged outside the sandbox; the checks
+The network, files and destruction groups hold on the default setup, judged outside the sandbox; the checks
 whose evidence a docker run does not gather are n/a saying so, never held; a policy that opens more ports of an
 allowed host fails the other-port check here too."""
 
@@ -19,7 +19,8 @@ from gateway_proc import AIRLOCK, POLICIES
 SCHEMA = Draft202012Validator(
     json.loads((Path(__file__).resolve().parents[2] / "docs" / "verify-report.schema.json").read_text())
 )
-NETNS_ONLY = {"namespace"}  # a container's network namespace goes with the container (destruction/container)
+# A container's network namespace goes with the container (destruction/container); it has no host folder to write.
+NETNS_ONLY = {"namespace", "write-inside"}
 
 
 def _verify(tmp_path: Path, tarball: Path, *options: str) -> tuple[subprocess.CompletedProcess[str], dict]:
@@ -39,7 +40,7 @@ def _docker_leftovers() -> list[str]:
     return cgroups + [str(p) for p in Path("/var/tmp").glob("airlock-verify-*")]
 
 
-def test_verify_docker_holds_the_network_and_destruction_groups_on_the_default_setup(
+def test_verify_docker_holds_the_network_files_and_destruction_groups_on_the_default_setup(
     tmp_path: Path, image_tarball: Path
 ):
     before = _docker_leftovers()
@@ -59,6 +60,7 @@ def test_verify_docker_holds_the_network_and_destruction_groups_on_the_default_s
     assert "allowed hosts' requests arrived" in evidence["allowed-host-reached"]
     probe = {check["id"]: check["probe"] for check in verdicts["checks"]}
     assert probe["direct-tcp"], "the probe's record came back from the container's stdout"
+    assert evidence["write-outside"].endswith("is not on the host"), evidence["write-outside"]
     assert _docker_leftovers() == before
 
 

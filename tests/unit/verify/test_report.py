@@ -365,14 +365,17 @@ def test_on_the_docker_backend_the_checks_of_groups_its_run_does_not_gather_are_
     evidence = _holding(tmp_path, backend="docker")
     results = {check.id: judge(check, evidence) for check in CHECKS}
     assert {i for i, o in results.items() if o.result == "held"} == {
-        c.id for c in CHECKS if c.group in checks.DOCKER_GROUPS and c.id != "namespace"
+        c.id for c in CHECKS if c.group in checks.DOCKER_GROUPS and c.id not in ("namespace", "write-inside")
     }
     assert results["namespace"].evidence.endswith("(destruction/container)")
+    assert results["write-inside"].evidence.endswith("it works in its own /tmp")
     assert {o.evidence for o in results.values() if o.check.group not in checks.DOCKER_GROUPS} == {checks.NOT_ON_DOCKER}
     # never held, not even on evidence that would fail it: the docker run gathers none of it
-    assert judge(BY_ID["write-outside"], BREAKS["write-outside"](tmp_path / "docker")).result == "failed"
-    broken = Evidence(**{**BREAKS["write-outside"](tmp_path / "docker").__dict__, "backend": "docker"})
-    assert judge(BY_ID["write-outside"], broken).result == "n/a"
+    assert judge(BY_ID["gateway-state"], BREAKS["gateway-state"](tmp_path / "docker")).result == "failed"
+    broken = Evidence(**{**BREAKS["gateway-state"](tmp_path / "docker").__dict__, "backend": "docker"})
+    assert judge(BY_ID["gateway-state"], broken).result == "n/a"
+    outside = Evidence(**{**BREAKS["write-outside"](tmp_path / "outside").__dict__, "backend": "docker"})
+    assert judge(BY_ID["write-outside"], outside).result == "failed"  # judged by the host's folder, as on netns
 
 
 def test_the_docker_backend_probe_makes_only_the_attempts_of_checks_that_apply_there():
@@ -380,9 +383,9 @@ def test_the_docker_backend_probe_makes_only_the_attempts_of_checks_that_apply_t
     netns = Request("p.yaml", found, [], CHECKS, Limits())
     docker = Request("p.yaml", found, [], CHECKS, Limits(), Path("/var/cache/image.tar"))
     assert (netns.backend, docker.backend) == ("netns", "docker")
-    network = [c.attempt for c in CHECKS if c.group == "network" and c.attempt]
-    assert docker.attempts() == list(dict.fromkeys(network))
-    assert set(docker.attempts()) < set(netns.attempts()) and "write-outside" in netns.attempts()
+    judged = [c.attempt for c in CHECKS if c.group in ("network", "files") and c.id != "write-inside" and c.attempt]
+    assert docker.attempts() == list(dict.fromkeys(judged))
+    assert set(docker.attempts()) < set(netns.attempts()) and "read-state" in netns.attempts()
 
 
 @pytest.mark.parametrize("check", CHECKS, ids=lambda check: check.id)
