@@ -23,7 +23,7 @@ Result = Literal["held", "failed", "error", "n/a"]
 GROUPS = ("network", "files", "secrets", "privilege", "resources", "broker", "destruction")
 BACKENDS = ("netns", "docker")
 # The groups whose evidence a docker run gathers; the others' checks are n/a there, saying so.
-DOCKER_GROUPS = ("network", "files", "destruction")
+DOCKER_GROUPS = ("network", "files", "secrets", "destruction")
 NOT_ON_DOCKER = "not judged on the docker backend: its run gathers no evidence for this check (see --backend netns)"
 # Ports of the gateway's namespace no gateway of airlock's listens on: ssh, docker's API, a canary's.
 GATEWAY_CANARY_PORTS = (22, 2375, 9999)

@@ -3,9 +3,7 @@ saw is kept for the record only; the checks judge by what reached the fake inter
 
 Standard library alone, and no import of airlock: it runs under the system's python3 in the sandbox
 (`python3 -I -c SOURCE CONFIG`). It writes, in its working directory, `airlock-verify/probe.json` (each attempt it
-made: what it saw) and `airlock-verify/*.bin` (every byte it could read of what the gateway keeps from it). Where
-the host cannot read its working directory (a container's is its own tmpfs), it also prints that record on stdout,
-one line after RECORD_MARK.
+made: what it saw) and `airlock-verify/*.bin` (every byte it could read of what the gateway keeps from it).
 """
 
 from __future__ import annotations
@@ -31,7 +29,6 @@ from urllib.parse import urlsplit
 
 TIMEOUT = 3.0
 OUT = Path("airlock-verify")
-RECORD_MARK = "airlock-verify-record:"
 READ_LIMIT = 1 << 20  # bytes of one file
 # Threads count against --pids (256 by default): a dozen attempts at once, each with up to 8 actions.
 OUTER_WORKERS, INNER_WORKERS = 12, 8
@@ -642,10 +639,9 @@ def main(argv: list[str]) -> int:
         seen = dict(zip(names, pool.map(lambda name: _outcome(lambda: ATTEMPTS[name](config)), names), strict=True))
     seen |= {name: _outcome(partial(RESOURCES[name], config)) for name in config["attempts"] if name in RESOURCES}
     (OUT / "probe.json").write_text(json.dumps(seen, indent=1))
-    if config.get("record_on_stdout"):
-        print(RECORD_MARK + json.dumps(seen), flush=True)
     READY.touch()
-    if (HOLDING | set(RESOURCES)) & set(seen):  # the host looks at what the children hold, then releases them
+    # The host looks at what the children hold (or, "hold": at the folder it cannot otherwise read), then releases.
+    if (HOLDING | set(RESOURCES)) & set(seen) or config.get("hold"):
         deadline = time.monotonic() + HOLD_LIMIT
         while not RELEASE.exists() and time.monotonic() < deadline:
             time.sleep(0.05)

@@ -16,6 +16,7 @@ import os
 import secrets
 import shutil
 import signal
+import stat
 import struct
 import subprocess
 import sys
@@ -78,6 +79,7 @@ RUN_TIMEOUT = 60  # seconds the sandbox may take (`airlock run --timeout`): the 
 HOST_CANARY_VAR = "AIRLOCK_VERIFY_HOST_CANARY"
 SYSCALLS = ("ptrace", "io_uring_setup", "bpf", "userfaultfd", "perf_event_open", "add_key", "keyctl")
 DOCKER_SOCKETS = ("/var/run/docker.sock", "/run/docker.sock")  # where the probe tries the docker engine's API
+COPY_LIMIT = 64 << 20  # bytes of the docker probe's folder copied out (its dumps hold up to 1 MiB per file read)
 
 
 class VerifyError(AirlockError):
@@ -223,10 +225,7 @@ def _verify_in(
     topology: Topology, net: FakeNet, canaries: Canaries, ca: FakeCA, area: Area, request: Request, nonce: str
 ) -> list[Outcome]:
     sandbox_id = f"{topology.prefix}v"
-    secret_value, host_canary = f"verify-secret-{secrets.token_hex(16)}", f"verify-host-{secrets.token_hex(16)}"
-    secret_file = area.private / "secret"
-    secret_file.touch(mode=0o600)
-    secret_file.write_text(secret_value)
+    secret_file, secret_value, host_canary = _secret(area)
     config = _probe_config(request, area, nonce, secret_file)
     where = ["--workdir", str(area.work)]
     argv = [
@@ -243,10 +242,7 @@ def _verify_in(
     evidence = Evidence(
         nonce, request.targets, _probe_record(area), net.stats(), _packets(topology), area.work, area.outside,
         _host_tmp(nonce),
-        {
-            "the fake internet's CA key": ca.ca_key.read_bytes(), "the --secret": secret_value.encode(),
-            "the host's environment": host_canary.encode(), "the service-account token": on_host.token,
-        },
+        _secrets(ca, secret_value, host_canary, on_host.token),
         _every_leftover(topology, area, [sandbox_id, *([broker.first, broker.foreign] if broker else [])]),
         watched.sandboxed, canaries.stats(), request.limits, watched.usage,
         timed, socket_connections, broker,
@@ -288,40 +284,131 @@ def _verify_docker(
     daemon: DockerDaemon,
     image: str,
 ) -> list[Outcome]:
-    """The docker backend's run: the probe in a container of `image`, its record back on the container's stdout;
-    judged by the fake internet's records and, for what is left, the daemon and the gateway's namespace."""
+    """The docker backend's run: the probe in a container of `image`; what it left in its working directory (the
+    container's own /tmp) copied out by the host; judged by that, the fake internet's records, the host's folders
+    and, for what is left, the daemon and the gateway's namespace."""
     sandbox_id = f"{topology.prefix}v"
-    config = _probe_config(request, area, nonce, area.private / "secret") | {"record_on_stdout": True}
+    secret_file, secret_value, host_canary = _secret(area)
+    # /run/airlock holds the container's own broker token when --grant is given: the sandbox's to read.
+    config = _probe_config(request, area, nonce, secret_file) | {"hold": True}
+    config["gateway_paths"] = [path for path in config["gateway_paths"] if path != "/run/airlock"]
     argv = [
         *_run_argv(request, ca, ["--backend", "docker", "--image", image], sandbox_id, RUN_TIMEOUT),
+        "--secret", f"{SECRET_NAME}=file:{secret_file}", "--placeholder-env", f"{PLACEHOLDER_VAR}={SECRET_NAME}",
         "--", *PROBE_ARGV, Path(probe.__file__).read_text(), json.dumps(config), PROBE_MARK,
     ]  # fmt: skip
-    env = os.environ | daemon.env() | {"TMPDIR": str(area.tmp)}
-    out, err = area.private / "run.out", area.private / "run.err"
-    with out.open("w+") as stdout, err.open("w+") as stderr:
-        proc = topology.popen(topology.gw, argv, env=env, stdout=stdout, stderr=stderr)
-        try:
-            returncode = proc.wait(RUN_TIMEOUT + 60)
-        except subprocess.TimeoutExpired:
-            stop_proc(proc)
-            raise VerifyError(f"the sandbox did not end within {RUN_TIMEOUT + 60} seconds") from None
-        record = _record_on_stdout(out.read_text(errors="replace"))
+    env = os.environ | daemon.env() | {HOST_CANARY_VAR: host_canary, "TMPDIR": str(area.tmp)}
+    with host_canaries() as on_host:
+        returncode, stderr = _docker_watched(topology, argv, env, area, daemon)
     evidence = Evidence(
-        nonce, request.targets, record, net.stats(), _packets(topology), area.work, area.outside, _host_tmp(nonce),
-        {}, _docker_leftovers(topology, area, daemon, sandbox_id), gateway_canaries=canaries.stats(),
+        nonce, request.targets, _probe_record(area), net.stats(), _packets(topology), area.work, area.outside,
+        _host_tmp(nonce), _secrets(ca, secret_value, host_canary, on_host.token),
+        _docker_leftovers(topology, area, daemon, sandbox_id), gateway_canaries=canaries.stats(),
         limits=request.limits, backend="docker",
     )  # fmt: skip
-    if not record:
-        why = (err.read_text(errors="replace").strip().splitlines() or [f"exit {returncode}"])[-1]
+    if not evidence.probe:
+        why = (stderr.strip().splitlines() or [f"exit {returncode}"])[-1]
         return [judge(c, evidence) if c.attempt is None else error(c, f"the sandbox ran no probe: {why}")
                 for c in request.checks]  # fmt: skip
     return [judge(check, evidence) for check in request.checks]
 
 
-def _record_on_stdout(output: str) -> dict[str, str]:
-    """What the probe says it attempted, from the line it printed after its mark (the container's stdout)."""
-    line = next((line for line in output.splitlines() if line.startswith(probe.RECORD_MARK)), None)
-    return _record(line.removeprefix(probe.RECORD_MARK) if line is not None else "")
+def _docker_watched(
+    topology: Topology, argv: list[str], env: dict[str, str], area: Area, daemon: DockerDaemon
+) -> tuple[int, str]:
+    """`airlock run --backend docker` to its end (its exit code and stderr); once the probe is ready, what it left
+    in its working directory copied into the run's `work` folder, then the probe released."""
+    with (area.private / "run.err").open("w+") as stderr:
+        proc = topology.popen(topology.gw, argv, env=env, stdout=subprocess.DEVNULL, stderr=stderr)
+        deadline = time.monotonic() + RUN_TIMEOUT + 60
+        while proc.poll() is None and time.monotonic() < deadline:
+            if _copied_out(daemon, area.work / probe.OUT.name):
+                break
+            time.sleep(0.05)
+        try:
+            proc.wait(max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            stop_proc(proc)
+            raise VerifyError(f"the sandbox did not end within {RUN_TIMEOUT + 60} seconds") from None
+        stderr.seek(0)
+        return proc.returncode, stderr.read()
+
+
+def _copied_out(daemon: DockerDaemon, into: Path) -> bool:
+    """Once the probe in the container is ready: its folder's regular files copied `into` (through the probe's
+    /proc/PID/cwd, following no link of the container's: a hostile one could point anywhere on the host), then the
+    release made there. False while there is no ready probe."""
+    pids = {int(word) for cg in daemon.cgroup_dirs() for procs in cg.rglob("cgroup.procs") for word in _words(procs)}
+    found = [process for pid in sorted(pids) if (process := read_process(pid)) is not None]
+    try:
+        pid = Sandboxed(found, 0).probe().pid
+        cwd = os.open(f"/proc/{pid}/cwd", os.O_RDONLY | os.O_DIRECTORY)
+    except (NotJudged, OSError):
+        return False
+    try:
+        folder = os.open(probe.OUT.name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=cwd)
+    except OSError:
+        return False
+    finally:
+        os.close(cwd)
+    try:
+        if not _regular(folder, probe.READY.name):
+            return False
+        into.mkdir(exist_ok=True)
+        budget = COPY_LIMIT
+        for name in sorted(os.listdir(folder)):
+            if budget > 0 and _regular(folder, name):
+                budget -= _copy(folder, name, into / name, budget)
+        with contextlib.suppress(OSError):
+            os.close(os.open(probe.RELEASE.name, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW, 0o644, dir_fd=folder))
+        return True
+    finally:
+        os.close(folder)
+
+
+def _words(path: Path) -> list[str]:
+    try:
+        return path.read_text().split()
+    except OSError:
+        return []
+
+
+def _regular(folder: int, name: str) -> bool:
+    try:
+        return stat.S_ISREG(os.stat(name, dir_fd=folder, follow_symlinks=False).st_mode)
+    except OSError:
+        return False
+
+
+def _copy(folder: int, name: str, to: Path, budget: int) -> int:
+    """Up to `budget` bytes of one file (never blocking on what turned into a FIFO meanwhile); the bytes copied."""
+    try:
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=folder)
+    except OSError:
+        return 0
+    with os.fdopen(fd, "rb") as source:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return 0
+        data = source.read(budget)
+    to.write_bytes(data)
+    return len(data)
+
+
+def _secret(area: Area) -> tuple[Path, str, str]:
+    """The --secret's file (root's alone) and value, and the canary put in the host's environment."""
+    secret_value, host_canary = f"verify-secret-{secrets.token_hex(16)}", f"verify-host-{secrets.token_hex(16)}"
+    secret_file = area.private / "secret"
+    secret_file.touch(mode=0o600)
+    secret_file.write_text(secret_value)
+    return secret_file, secret_value, host_canary
+
+
+def _secrets(ca: FakeCA, secret_value: str, host_canary: str, token: bytes) -> dict[str, bytes]:
+    """What the sandbox must never hold: name -> its bytes."""
+    return {
+        "the fake internet's CA key": ca.ca_key.read_bytes(), "the --secret": secret_value.encode(),
+        "the host's environment": host_canary.encode(), "the service-account token": token,
+    }  # fmt: skip
 
 
 def _run_argv(request: Request, ca: FakeCA, where: list[str], sandbox_id: str, timeout: float) -> list[str]:
@@ -449,16 +536,10 @@ def _probe_config(request: Request, area: Area, nonce: str, secret_file: Path) -
 
 def _probe_record(area: Area) -> dict[str, str]:
     """What the probe says it attempted (shown beside the verdicts; an attempt missing is a check not run)."""
+    record = area.work / "airlock-verify" / "probe.json"
     try:
-        return _record((area.work / "airlock-verify" / "probe.json").read_text())
-    except OSError:
-        return {}
-
-
-def _record(text: str) -> dict[str, str]:
-    try:
-        seen = json.loads(text)
-    except ValueError:
+        seen = json.loads(record.read_text())
+    except (OSError, ValueError):
         return {}
     return {str(k): str(v) for k, v in seen.items()} if isinstance(seen, dict) else {}
 

@@ -1,6 +1,6 @@
 """`airlock verify --backend docker` end to end, as a user runs it on the host: a docker daemon of its own in its
 fake internet's gateway namespace, the test image imported from its rootfs tarball, the probe in a container.
-The network, files and destruction groups hold on the default setup, judged outside the sandbox; the checks
+The network, files, secrets and destruction groups hold on the default setup, judged outside the sandbox; the checks
 whose evidence a docker run does not gather are n/a saying so, never held; a policy that opens more ports of an
 allowed host fails the other-port check here too."""
 
@@ -40,7 +40,7 @@ def _docker_leftovers() -> list[str]:
     return cgroups + [str(p) for p in Path("/var/tmp").glob("airlock-verify-*")]
 
 
-def test_verify_docker_holds_the_network_files_and_destruction_groups_on_the_default_setup(
+def test_verify_docker_holds_the_network_files_secrets_and_destruction_groups_on_the_default_setup(
     tmp_path: Path, image_tarball: Path
 ):
     before = _docker_leftovers()
@@ -59,8 +59,10 @@ def test_verify_docker_holds_the_network_files_and_destruction_groups_on_the_def
     assert evidence["container"] == "nothing left" and evidence["cgroup"] == "nothing left"
     assert "allowed hosts' requests arrived" in evidence["allowed-host-reached"]
     probe = {check["id"]: check["probe"] for check in verdicts["checks"]}
-    assert probe["direct-tcp"], "the probe's record came back from the container's stdout"
+    assert probe["direct-tcp"], "the probe's record was copied out of the container"
     assert evidence["write-outside"].endswith("is not on the host"), evidence["write-outside"]
+    # the probe's environment, copied out of the container: the secret there only as its placeholder
+    assert evidence["secret-placeholder"].startswith("AIRLOCK_VERIFY_SECRET is its placeholder"), evidence
     assert _docker_leftovers() == before
 
 

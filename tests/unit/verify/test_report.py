@@ -371,11 +371,12 @@ def test_on_the_docker_backend_the_checks_of_groups_its_run_does_not_gather_are_
     assert results["write-inside"].evidence.endswith("it works in its own /tmp")
     assert {o.evidence for o in results.values() if o.check.group not in checks.DOCKER_GROUPS} == {checks.NOT_ON_DOCKER}
     # never held, not even on evidence that would fail it: the docker run gathers none of it
-    assert judge(BY_ID["gateway-state"], BREAKS["gateway-state"](tmp_path / "docker")).result == "failed"
-    broken = Evidence(**{**BREAKS["gateway-state"](tmp_path / "docker").__dict__, "backend": "docker"})
-    assert judge(BY_ID["gateway-state"], broken).result == "n/a"
-    outside = Evidence(**{**BREAKS["write-outside"](tmp_path / "outside").__dict__, "backend": "docker"})
-    assert judge(BY_ID["write-outside"], outside).result == "failed"  # judged by the host's folder, as on netns
+    assert judge(BY_ID["docker-socket"], BREAKS["docker-socket"](tmp_path / "docker")).result == "failed"
+    broken = Evidence(**{**BREAKS["docker-socket"](tmp_path / "docker").__dict__, "backend": "docker"})
+    assert judge(BY_ID["docker-socket"], broken).result == "n/a"
+    for check in ("write-outside", "gateway-state"):  # judged by the host's folders, as on netns
+        leaked = Evidence(**{**BREAKS[check](tmp_path / check).__dict__, "backend": "docker"})
+        assert judge(BY_ID[check], leaked).result == "failed"
 
 
 def test_the_docker_backend_probe_makes_only_the_attempts_of_checks_that_apply_there():
@@ -383,9 +384,9 @@ def test_the_docker_backend_probe_makes_only_the_attempts_of_checks_that_apply_t
     netns = Request("p.yaml", found, [], CHECKS, Limits())
     docker = Request("p.yaml", found, [], CHECKS, Limits(), Path("/var/cache/image.tar"))
     assert (netns.backend, docker.backend) == ("netns", "docker")
-    judged = [c.attempt for c in CHECKS if c.group in ("network", "files") and c.id != "write-inside" and c.attempt]
+    judged = [c.attempt for c in CHECKS if c.group in checks.DOCKER_GROUPS and c.id != "write-inside" and c.attempt]
     assert docker.attempts() == list(dict.fromkeys(judged))
-    assert set(docker.attempts()) < set(netns.attempts()) and "read-state" in netns.attempts()
+    assert set(docker.attempts()) < set(netns.attempts()) and "setuid" in netns.attempts()
 
 
 @pytest.mark.parametrize("check", CHECKS, ids=lambda check: check.id)
