@@ -23,7 +23,7 @@ Result = Literal["held", "failed", "error", "n/a"]
 GROUPS = ("network", "files", "secrets", "privilege", "resources", "broker", "destruction")
 BACKENDS = ("netns", "docker")
 # The groups whose evidence a docker run gathers; the others' checks are n/a there, saying so.
-DOCKER_GROUPS = ("network", "files", "secrets", "destruction")
+DOCKER_GROUPS = ("network", "files", "secrets", "privilege", "destruction")
 NOT_ON_DOCKER = "not judged on the docker backend: its run gathers no evidence for this check (see --backend netns)"
 # Ports of the gateway's namespace no gateway of airlock's listens on: ssh, docker's API, a canary's.
 GATEWAY_CANARY_PORTS = (22, 2375, 9999)
@@ -649,7 +649,8 @@ _EVERY_BACKEND: tuple[Check, ...] = (
     Check("secrets", "service-account", "a Kubernetes service-account token on the host is not readable",
           _secrets_unread(("the service-account token",)), "read-service-account"),
     Check("privilege", "setuid", "a setuid-root or file-capability program gains nothing: no root ID, no capability",
-          _no_root, "setuid"),
+          _no_root, "setuid", off=(("docker", "the marked programs are copies on the host, which the container does "
+                                      "not see"),)),
     Check("privilege", "no-new-privs", "every process of the probe runs with no-new-privs, seccomp, no capability",
           _locked, "setuid"),
     Check("privilege", "namespaces", "no new user, network or mount namespace", _same_namespaces, "namespaces"),

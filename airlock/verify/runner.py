@@ -33,6 +33,7 @@ from airlock.errors import AirlockError
 from airlock.policy import SANDBOX_LINK_NETWORKS
 from airlock.sandbox import cgroups
 from airlock.sandbox.docker import LABEL, bridge_name, fence_table, sandbox_token_dir
+from airlock.sandbox.docker import Limits as DockerLimits
 from airlock.sandbox.fence import NETNS_TABLE_PREFIX
 from airlock.sandbox.netns import resolve_user
 from airlock.sandbox.seccomp import syscall_number
@@ -69,7 +70,7 @@ from .control import stop_proc
 from .dockerd import DockerDaemon
 from .hostcanaries import host_canaries
 from .hostcgroups import with_host_cgroups
-from .processes import raw_sockets, read_process, sandbox_processes, sockets_in_view, user_keys
+from .processes import Process, raw_sockets, read_process, sandbox_processes, sockets_in_view, user_keys
 from .targets import UNLISTED, BrokerTarget, Targets
 from .topology import DNS_SERVER, GW_OUTSIDE_IP, Canaries, FakeNet, Topology, new_prefix
 from .usage import Usage, cgroup_counters, sandbox_tmp
@@ -299,15 +300,16 @@ def _verify_docker(
     ]  # fmt: skip
     env = os.environ | daemon.env() | {HOST_CANARY_VAR: host_canary, "TMPDIR": str(area.tmp)}
     with host_canaries() as on_host:
-        returncode, stderr = _docker_watched(topology, argv, env, area, daemon)
+        watched = _docker_watched(topology, argv, env, area, daemon)
+        socket_connections = on_host.connections
     evidence = Evidence(
         nonce, request.targets, _probe_record(area), net.stats(), _packets(topology), area.work, area.outside,
         _host_tmp(nonce), _secrets(ca, secret_value, host_canary, on_host.token),
-        _docker_leftovers(topology, area, daemon, sandbox_id), gateway_canaries=canaries.stats(),
-        limits=request.limits, backend="docker",
+        _docker_leftovers(topology, area, daemon, sandbox_id), watched.sandboxed, canaries.stats(), request.limits,
+        docker_socket_connections=socket_connections, backend="docker",
     )  # fmt: skip
     if not evidence.probe:
-        why = (stderr.strip().splitlines() or [f"exit {returncode}"])[-1]
+        why = (watched.stderr.strip().splitlines() or [f"exit {watched.returncode}"])[-1]
         return [judge(c, evidence) if c.attempt is None else error(c, f"the sandbox ran no probe: {why}")
                 for c in request.checks]  # fmt: skip
     return [judge(check, evidence) for check in request.checks]
@@ -315,15 +317,24 @@ def _verify_docker(
 
 def _docker_watched(
     topology: Topology, argv: list[str], env: dict[str, str], area: Area, daemon: DockerDaemon
-) -> tuple[int, str]:
-    """`airlock run --backend docker` to its end (its exit code and stderr); once the probe is ready, what it left
-    in its working directory copied into the run's `work` folder, then the probe released."""
+) -> Watched:
+    """`airlock run --backend docker` to its end; once the probe is ready, what it left in its working directory
+    copied into the run's `work` folder, the container's processes as the host sees them (and the keys the kernel
+    counts for its user), then the probe released."""
+    seen, uid = Sandboxed([], 0), int(DockerLimits().user.split(":")[0])
+    keys_before = user_keys(uid)
     with (area.private / "run.err").open("w+") as stderr:
         proc = topology.popen(topology.gw, argv, env=env, stdout=subprocess.DEVNULL, stderr=stderr)
         deadline = time.monotonic() + RUN_TIMEOUT + 60
         while proc.poll() is None and time.monotonic() < deadline:
-            if _copied_out(daemon, area.work / probe.OUT.name):
-                break
+            with contextlib.suppress(NotJudged):  # no probe yet
+                pid = Sandboxed(_container_processes(daemon), 0).probe().pid
+                if _copied_out(pid, area.work / probe.OUT.name):
+                    found, keys_held = _container_processes(daemon), user_keys(uid)
+                    keys = None if keys_before is None or keys_held is None else (keys_before, keys_held)
+                    seen = Sandboxed(found, raw_sockets(pid), keys, sockets_in_view(pid, DOCKER_SOCKETS))
+                    _release(pid)
+                    break
             time.sleep(0.05)
         try:
             proc.wait(max(1.0, deadline - time.monotonic()))
@@ -331,39 +342,54 @@ def _docker_watched(
             stop_proc(proc)
             raise VerifyError(f"the sandbox did not end within {RUN_TIMEOUT + 60} seconds") from None
         stderr.seek(0)
-        return proc.returncode, stderr.read()
+        return Watched(seen, Usage(), proc.returncode, stderr.read())
 
 
-def _copied_out(daemon: DockerDaemon, into: Path) -> bool:
-    """Once the probe in the container is ready: its folder's regular files copied `into` (through the probe's
-    /proc/PID/cwd, following no link of the container's: a hostile one could point anywhere on the host), then the
-    release made there. False while there is no ready probe."""
+def _container_processes(daemon: DockerDaemon) -> list[Process]:
+    """Every process under the daemon's cgroup parent (it runs the one container), read from /proc."""
     pids = {int(word) for cg in daemon.cgroup_dirs() for procs in cg.rglob("cgroup.procs") for word in _words(procs)}
-    found = [process for pid in sorted(pids) if (process := read_process(pid)) is not None]
+    return [process for pid in sorted(pids) if (process := read_process(pid)) is not None]
+
+
+@contextlib.contextmanager
+def _probe_folder(pid: int) -> Iterator[int | None]:
+    """The probe's folder in its working directory, as a descriptor (None: not there), reached through its
+    /proc/PID/cwd and never through a link of the container's (a hostile one could point anywhere on the host)."""
     try:
-        pid = Sandboxed(found, 0).probe().pid
         cwd = os.open(f"/proc/{pid}/cwd", os.O_RDONLY | os.O_DIRECTORY)
-    except (NotJudged, OSError):
-        return False
+    except OSError:
+        yield None
+        return
     try:
         folder = os.open(probe.OUT.name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=cwd)
     except OSError:
-        return False
+        folder = None
     finally:
         os.close(cwd)
     try:
-        if not _regular(folder, probe.READY.name):
+        yield folder
+    finally:
+        if folder is not None:
+            os.close(folder)
+
+
+def _copied_out(pid: int, into: Path) -> bool:
+    """Once the probe is ready: its folder's regular files copied `into`. False while it is not ready."""
+    with _probe_folder(pid) as folder:
+        if folder is None or not _regular(folder, probe.READY.name):
             return False
         into.mkdir(exist_ok=True)
         budget = COPY_LIMIT
         for name in sorted(os.listdir(folder)):
             if budget > 0 and _regular(folder, name):
                 budget -= _copy(folder, name, into / name, budget)
-        with contextlib.suppress(OSError):
-            os.close(os.open(probe.RELEASE.name, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW, 0o644, dir_fd=folder))
         return True
-    finally:
-        os.close(folder)
+
+
+def _release(pid: int) -> None:
+    with _probe_folder(pid) as folder, contextlib.suppress(OSError):
+        if folder is not None:
+            os.close(os.open(probe.RELEASE.name, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW, 0o644, dir_fd=folder))
 
 
 def _words(path: Path) -> list[str]:

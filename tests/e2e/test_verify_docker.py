@@ -1,8 +1,8 @@
 """`airlock verify --backend docker` end to end, as a user runs it on the host: a docker daemon of its own in its
 fake internet's gateway namespace, the test image imported from its rootfs tarball, the probe in a container.
-The network, files, secrets and destruction groups hold on the default setup, judged outside the sandbox; the checks
-whose evidence a docker run does not gather are n/a saying so, never held; a policy that opens more ports of an
-allowed host fails the other-port check here too."""
+The network, files, secrets, privilege and destruction groups hold on the default setup, judged outside the
+sandbox; the checks whose evidence a docker run does not gather are n/a saying so, never held; a policy that opens
+more ports of an allowed host fails the other-port check here too."""
 
 from __future__ import annotations
 
@@ -19,8 +19,9 @@ from gateway_proc import AIRLOCK, POLICIES
 SCHEMA = Draft202012Validator(
     json.loads((Path(__file__).resolve().parents[2] / "docs" / "verify-report.schema.json").read_text())
 )
-# A container's network namespace goes with the container (destruction/container); it has no host folder to write.
-NETNS_ONLY = {"namespace", "write-inside"}
+# A container's network namespace goes with the container (destruction/container); it has no host folder to write,
+# nor sees the host's marked programs.
+NETNS_ONLY = {"namespace", "write-inside", "setuid"}
 
 
 def _verify(tmp_path: Path, tarball: Path, *options: str) -> tuple[subprocess.CompletedProcess[str], dict]:
@@ -40,9 +41,7 @@ def _docker_leftovers() -> list[str]:
     return cgroups + [str(p) for p in Path("/var/tmp").glob("airlock-verify-*")]
 
 
-def test_verify_docker_holds_the_network_files_secrets_and_destruction_groups_on_the_default_setup(
-    tmp_path: Path, image_tarball: Path
-):
+def test_verify_docker_holds_every_group_it_judges_on_the_default_setup(tmp_path: Path, image_tarball: Path):
     before = _docker_leftovers()
     done, verdicts = _verify(tmp_path, image_tarball)
     assert done.returncode == 0, done.stdout + done.stderr
@@ -63,6 +62,8 @@ def test_verify_docker_holds_the_network_files_secrets_and_destruction_groups_on
     assert evidence["write-outside"].endswith("is not on the host"), evidence["write-outside"]
     # the probe's environment, copied out of the container: the secret there only as its placeholder
     assert evidence["secret-placeholder"].startswith("AIRLOCK_VERIFY_SECRET is its placeholder"), evidence
+    # the container's processes, seen by the host under the daemon's cgroup parent
+    assert evidence["no-new-privs"].startswith("of the probe's ") and " 0 processes" not in evidence["no-new-privs"]
     assert _docker_leftovers() == before
 
 

@@ -39,6 +39,7 @@ ROOT = Path(__file__).resolve().parents[3]
 SCHEMA = Draft202012Validator(json.loads((ROOT / "docs" / "verify-report.schema.json").read_text()))
 RUN = report.Run("netns", "/etc/airlock/policy.yaml", "default", "auto", 12.34)
 BY_ID = {check.id: check for check in CHECKS}
+NETNS_ONLY = ("namespace", "write-inside", "setuid")  # in the groups the docker backend judges
 
 
 def _outcomes(*results: tuple[str, checks.Result]) -> list[Outcome]:
@@ -365,16 +366,16 @@ def test_on_the_docker_backend_the_checks_of_groups_its_run_does_not_gather_are_
     evidence = _holding(tmp_path, backend="docker")
     results = {check.id: judge(check, evidence) for check in CHECKS}
     assert {i for i, o in results.items() if o.result == "held"} == {
-        c.id for c in CHECKS if c.group in checks.DOCKER_GROUPS and c.id not in ("namespace", "write-inside")
+        c.id for c in CHECKS if c.group in checks.DOCKER_GROUPS and c.id not in NETNS_ONLY
     }
     assert results["namespace"].evidence.endswith("(destruction/container)")
     assert results["write-inside"].evidence.endswith("it works in its own /tmp")
     assert {o.evidence for o in results.values() if o.check.group not in checks.DOCKER_GROUPS} == {checks.NOT_ON_DOCKER}
     # never held, not even on evidence that would fail it: the docker run gathers none of it
-    assert judge(BY_ID["docker-socket"], BREAKS["docker-socket"](tmp_path / "docker")).result == "failed"
-    broken = Evidence(**{**BREAKS["docker-socket"](tmp_path / "docker").__dict__, "backend": "docker"})
-    assert judge(BY_ID["docker-socket"], broken).result == "n/a"
-    for check in ("write-outside", "gateway-state"):  # judged by the host's folders, as on netns
+    assert judge(BY_ID["tmp-fill"], BREAKS["tmp-fill"](tmp_path / "docker")).result == "failed"
+    broken = Evidence(**{**BREAKS["tmp-fill"](tmp_path / "docker").__dict__, "backend": "docker"})
+    assert judge(BY_ID["tmp-fill"], broken).result == "n/a"
+    for check in ("write-outside", "gateway-state", "no-new-privs"):  # judged by the host's folders and /proc
         leaked = Evidence(**{**BREAKS[check](tmp_path / check).__dict__, "backend": "docker"})
         assert judge(BY_ID[check], leaked).result == "failed"
 
@@ -384,9 +385,9 @@ def test_the_docker_backend_probe_makes_only_the_attempts_of_checks_that_apply_t
     netns = Request("p.yaml", found, [], CHECKS, Limits())
     docker = Request("p.yaml", found, [], CHECKS, Limits(), Path("/var/cache/image.tar"))
     assert (netns.backend, docker.backend) == ("netns", "docker")
-    judged = [c.attempt for c in CHECKS if c.group in checks.DOCKER_GROUPS and c.id != "write-inside" and c.attempt]
+    judged = [c.attempt for c in CHECKS if c.group in checks.DOCKER_GROUPS and c.id not in NETNS_ONLY and c.attempt]
     assert docker.attempts() == list(dict.fromkeys(judged))
-    assert set(docker.attempts()) < set(netns.attempts()) and "setuid" in netns.attempts()
+    assert set(docker.attempts()) < set(netns.attempts()) and "write-inside" not in docker.attempts()
 
 
 @pytest.mark.parametrize("check", CHECKS, ids=lambda check: check.id)
