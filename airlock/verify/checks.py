@@ -23,7 +23,7 @@ Result = Literal["held", "failed", "error", "n/a"]
 GROUPS = ("network", "files", "secrets", "privilege", "resources", "broker", "destruction")
 BACKENDS = ("netns", "docker")
 # The groups whose evidence a docker run gathers; the others' checks are n/a there, saying so.
-DOCKER_GROUPS = ("network", "files", "secrets", "privilege", "destruction")
+DOCKER_GROUPS = ("network", "files", "secrets", "privilege", "resources", "destruction")
 NOT_ON_DOCKER = "not judged on the docker backend: its run gathers no evidence for this check (see --backend netns)"
 # Ports of the gateway's namespace no gateway of airlock's listens on: ssh, docker's API, a canary's.
 GATEWAY_CANARY_PORTS = (22, 2375, 9999)
@@ -669,7 +669,8 @@ _EVERY_BACKEND: tuple[Check, ...] = (
           _pids_held, "fork-bomb", _pids_capped),
     Check("resources", "tmp-fill", "a /tmp fill stays in the sandbox's own /tmp, charged to its --memory",
           _tmp_bounded, "tmp-fill"),
-    Check("resources", "timeout", "--timeout stops the run (exit 124) and leaves nothing of it", _stopped),
+    Check("resources", "timeout", "--timeout stops the run (exit 124) and leaves nothing of it", _stopped,
+          off=(("docker", NOT_ON_DOCKER),)),
     Check("broker", "idempotent-retry", "a pull request asked again with its Idempotency-Key, after the sandbox was "
           "killed mid-call, is made once", _one_pull_request, needs=_granted),
     Check("broker", "outside-grant", "a call outside the grant (another repository, another tool) is refused and "

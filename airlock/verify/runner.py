@@ -73,7 +73,7 @@ from .hostcgroups import with_host_cgroups
 from .processes import Process, raw_sockets, read_process, sandbox_processes, sockets_in_view, user_keys
 from .targets import UNLISTED, BrokerTarget, Targets
 from .topology import DNS_SERVER, GW_OUTSIDE_IP, Canaries, FakeNet, Topology, new_prefix
-from .usage import Usage, cgroup_counters, sandbox_tmp
+from .usage import Usage, cgroup_counters, group_counters, sandbox_tmp
 
 SLEEP = shutil.which("sleep") or "/bin/sleep"
 RUN_TIMEOUT = 60  # seconds the sandbox may take (`airlock run --timeout`): the probe needs a few
@@ -300,13 +300,13 @@ def _verify_docker(
     ]  # fmt: skip
     env = os.environ | daemon.env() | {HOST_CANARY_VAR: host_canary, "TMPDIR": str(area.tmp)}
     with host_canaries() as on_host:
-        watched = _docker_watched(topology, argv, env, area, daemon)
+        watched = _docker_watched(topology, argv, env, area, daemon, probe.FILL.format(nonce=nonce))
         socket_connections = on_host.connections
     evidence = Evidence(
         nonce, request.targets, _probe_record(area), net.stats(), _packets(topology), area.work, area.outside,
         _host_tmp(nonce), _secrets(ca, secret_value, host_canary, on_host.token),
         _docker_leftovers(topology, area, daemon, sandbox_id), watched.sandboxed, canaries.stats(), request.limits,
-        docker_socket_connections=socket_connections, backend="docker",
+        watched.usage, docker_socket_connections=socket_connections, backend="docker",
     )  # fmt: skip
     if not evidence.probe:
         why = (watched.stderr.strip().splitlines() or [f"exit {watched.returncode}"])[-1]
@@ -316,12 +316,12 @@ def _verify_docker(
 
 
 def _docker_watched(
-    topology: Topology, argv: list[str], env: dict[str, str], area: Area, daemon: DockerDaemon
+    topology: Topology, argv: list[str], env: dict[str, str], area: Area, daemon: DockerDaemon, fill: str
 ) -> Watched:
     """`airlock run --backend docker` to its end; once the probe is ready, what it left in its working directory
-    copied into the run's `work` folder, the container's processes as the host sees them (and the keys the kernel
-    counts for its user), then the probe released."""
-    seen, uid = Sandboxed([], 0), int(DockerLimits().user.split(":")[0])
+    copied into the run's `work` folder, the container's processes and cgroup counters and its /tmp as the host
+    sees them (and the keys the kernel counts for its user), then the probe released."""
+    seen, usage, uid = Sandboxed([], 0), Usage(), int(DockerLimits().user.split(":")[0])
     keys_before = user_keys(uid)
     with (area.private / "run.err").open("w+") as stderr:
         proc = topology.popen(topology.gw, argv, env=env, stdout=subprocess.DEVNULL, stderr=stderr)
@@ -333,6 +333,7 @@ def _docker_watched(
                     found, keys_held = _container_processes(daemon), user_keys(uid)
                     keys = None if keys_before is None or keys_held is None else (keys_before, keys_held)
                     seen = Sandboxed(found, raw_sockets(pid), keys, sockets_in_view(pid, DOCKER_SOCKETS))
+                    usage = Usage(_container_counters(daemon), *sandbox_tmp(pid, fill))
                     _release(pid)
                     break
             time.sleep(0.05)
@@ -342,7 +343,19 @@ def _docker_watched(
             stop_proc(proc)
             raise VerifyError(f"the sandbox did not end within {RUN_TIMEOUT + 60} seconds") from None
         stderr.seek(0)
-        return Watched(seen, Usage(), proc.returncode, stderr.read())
+        return Watched(seen, usage, proc.returncode, stderr.read())
+
+
+def _container_counters(daemon: DockerDaemon) -> dict[str, int]:
+    """Each counter of the container's groups (under the daemon's cgroup parent, in each hierarchy) the host keeps."""
+    found: dict[str, int] = {}
+    for hierarchy in cgroups.hierarchies(Path("/proc/self/mountinfo").read_text()):
+        parent = hierarchy.mount / daemon.name
+        groups = [group for group in parent.iterdir() if group.is_dir()] if parent.is_dir() else []
+        for controller in hierarchy.controllers & set(cgroups.CONTROLLER.values()):
+            for group in groups:
+                found |= group_counters(group, hierarchy.version, controller)
+    return found
 
 
 def _container_processes(daemon: DockerDaemon) -> list[Process]:

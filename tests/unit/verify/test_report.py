@@ -39,7 +39,7 @@ ROOT = Path(__file__).resolve().parents[3]
 SCHEMA = Draft202012Validator(json.loads((ROOT / "docs" / "verify-report.schema.json").read_text()))
 RUN = report.Run("netns", "/etc/airlock/policy.yaml", "default", "auto", 12.34)
 BY_ID = {check.id: check for check in CHECKS}
-NETNS_ONLY = ("namespace", "write-inside", "setuid")  # in the groups the docker backend judges
+NETNS_ONLY = ("namespace", "write-inside", "setuid", "timeout")  # in the groups the docker backend judges
 
 
 def _outcomes(*results: tuple[str, checks.Result]) -> list[Outcome]:
@@ -372,10 +372,13 @@ def test_on_the_docker_backend_the_checks_of_groups_its_run_does_not_gather_are_
     assert results["write-inside"].evidence.endswith("it works in its own /tmp")
     assert {o.evidence for o in results.values() if o.check.group not in checks.DOCKER_GROUPS} == {checks.NOT_ON_DOCKER}
     # never held, not even on evidence that would fail it: the docker run gathers none of it
-    assert judge(BY_ID["tmp-fill"], BREAKS["tmp-fill"](tmp_path / "docker")).result == "failed"
-    broken = Evidence(**{**BREAKS["tmp-fill"](tmp_path / "docker").__dict__, "backend": "docker"})
-    assert judge(BY_ID["tmp-fill"], broken).result == "n/a"
-    for check in ("write-outside", "gateway-state", "no-new-privs"):  # judged by the host's folders and /proc
+    assert judge(BY_ID["timeout"], BREAKS["timeout"](tmp_path / "docker")).result == "failed"
+    broken = Evidence(**{**BREAKS["timeout"](tmp_path / "docker").__dict__, "backend": "docker"})
+    assert (judge(BY_ID["timeout"], broken).result, judge(BY_ID["timeout"], broken).evidence) == (
+        "n/a",
+        checks.NOT_ON_DOCKER,
+    )
+    for check in ("write-outside", "gateway-state", "no-new-privs", "tmp-fill"):  # the host's folders, /proc, cgroups
         leaked = Evidence(**{**BREAKS[check](tmp_path / check).__dict__, "backend": "docker"})
         assert judge(BY_ID[check], leaked).result == "failed"
 
@@ -385,9 +388,9 @@ def test_the_docker_backend_probe_makes_only_the_attempts_of_checks_that_apply_t
     netns = Request("p.yaml", found, [], CHECKS, Limits())
     docker = Request("p.yaml", found, [], CHECKS, Limits(), Path("/var/cache/image.tar"))
     assert (netns.backend, docker.backend) == ("netns", "docker")
-    judged = [c.attempt for c in CHECKS if c.group in checks.DOCKER_GROUPS and c.id not in NETNS_ONLY and c.attempt]
-    assert docker.attempts() == list(dict.fromkeys(judged))
-    assert set(docker.attempts()) < set(netns.attempts()) and "write-inside" not in docker.attempts()
+    assert set(docker.attempts()) == set(netns.attempts()) - {"write-inside"}  # the docker run's folder is its own
+    files = Request("p.yaml", found, [], checks.selected(["files"]), Limits(), Path("/var/cache/image.tar"))
+    assert files.attempts() == ["write-outside", "write-symlink", "write-proc-root"]
 
 
 @pytest.mark.parametrize("check", CHECKS, ids=lambda check: check.id)
