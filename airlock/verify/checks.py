@@ -669,8 +669,7 @@ _EVERY_BACKEND: tuple[Check, ...] = (
           _pids_held, "fork-bomb", _pids_capped),
     Check("resources", "tmp-fill", "a /tmp fill stays in the sandbox's own /tmp, charged to its --memory",
           _tmp_bounded, "tmp-fill"),
-    Check("resources", "timeout", "--timeout stops the run (exit 124) and leaves nothing of it", _stopped,
-          off=(("docker", NOT_ON_DOCKER),)),
+    Check("resources", "timeout", "--timeout stops the run (exit 124) and leaves nothing of it", _stopped),
     Check("broker", "idempotent-retry", "a pull request asked again with its Idempotency-Key, after the sandbox was "
           "killed mid-call, is made once", _one_pull_request, needs=_granted),
     Check("broker", "outside-grant", "a call outside the grant (another repository, another tool) is refused and "

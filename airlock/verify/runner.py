@@ -22,7 +22,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -238,7 +238,7 @@ def _verify_in(
     with host_canaries() as on_host:
         watched = _run_watched(topology, with_host_cgroups(argv), env, area, sandbox_id, probe.FILL.format(nonce=nonce))
         socket_connections = on_host.connections
-    timed = _timed_run(topology, request, ca, area, nonce) if any(c.id == "timeout" for c in request.checks) else None
+    timed = _netns_timed_run(topology, request, ca, area, nonce) if _timed(request) else None
     broker = _broker_runs(topology, request, ca, area, nonce)
     evidence = Evidence(
         nonce, request.targets, _probe_record(area), net.stats(), _packets(topology), area.work, area.outside,
@@ -302,11 +302,12 @@ def _verify_docker(
     with host_canaries() as on_host:
         watched = _docker_watched(topology, argv, env, area, daemon, probe.FILL.format(nonce=nonce))
         socket_connections = on_host.connections
+    timed = _docker_timed_run(topology, request, ca, area, nonce, daemon, image) if _timed(request) else None
     evidence = Evidence(
         nonce, request.targets, _probe_record(area), net.stats(), _packets(topology), area.work, area.outside,
         _host_tmp(nonce), _secrets(ca, secret_value, host_canary, on_host.token),
         _docker_leftovers(topology, area, daemon, sandbox_id), watched.sandboxed, canaries.stats(), request.limits,
-        watched.usage, docker_socket_connections=socket_connections, backend="docker",
+        watched.usage, timed, socket_connections, backend="docker",
     )  # fmt: skip
     if not evidence.probe:
         why = (watched.stderr.strip().splitlines() or [f"exit {watched.returncode}"])[-1]
@@ -504,19 +505,23 @@ def _run_watched(
         return Watched(seen, usage, proc.returncode, stderr.read())
 
 
-def _timed_run(topology: Topology, request: Request, ca: FakeCA, area: Area, nonce: str) -> TimedRun:
-    """A second, short `airlock run` whose command (and a child of it) would sleep far beyond its --timeout: how
-    it ended, and what of it is left (its processes, found by the mark on their command lines; its namespace,
-    fence, cgroup)."""
+def _timed_run(
+    topology: Topology,
+    argv: Callable[[str], list[str]],
+    env: dict[str, str],
+    left: Callable[[str], list[str]],
+    nonce: str,
+) -> TimedRun:
+    """A second, short `airlock run` (`argv(sandbox_id)`, the command to follow) whose command (and a child of it)
+    would sleep far beyond its --timeout: how it ended, and what of it is left (its processes, found by the mark on
+    their command lines; what `left(sandbox_id)` finds of its sandbox)."""
     sandbox_id, mark = f"{topology.prefix}t", f"airlock-verify-timeout-{nonce}"
     sleeper = (
         "import subprocess, sys, time\nsubprocess.Popen([sys.executable, '-c', 'import time; time.sleep(300)', "
         "sys.argv[1]])\ntime.sleep(300)"
     )
-    where = ["--workdir", str(area.work)]
-    argv = [*_run_argv(request, ca, where, sandbox_id, TIMEOUT_GIVEN), "--", "python3", "-I", "-c", sleeper, mark]
     started = time.monotonic()
-    proc = topology.popen(topology.gw, with_host_cgroups(argv), env=os.environ | {"TMPDIR": str(area.tmp)},
+    proc = topology.popen(topology.gw, [*argv(sandbox_id), "--", "python3", "-I", "-c", sleeper, mark], env=env,
                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
     try:
         returncode = proc.wait(TIMEOUT_GIVEN + TIMEOUT_GRACE + 30)
@@ -528,8 +533,34 @@ def _timed_run(topology: Topology, request: Request, ca: FakeCA, area: Area, non
     for pid in running:  # judged left over; started by this run, so stopped by it
         with contextlib.suppress(OSError):
             os.kill(pid, signal.SIGKILL)
-    left = [f"{kind} {what}" for kind, found in _leftovers(topology, sandbox_id, area).items() for what in found]
-    return TimedRun(returncode, seconds, [f"process {pid}" for pid in running] + left)
+    return TimedRun(returncode, seconds, [f"process {pid}" for pid in running] + left(sandbox_id))
+
+
+def _timed(request: Request) -> bool:
+    return any(c.id == "timeout" for c in request.checks)
+
+
+def _netns_timed_run(topology: Topology, request: Request, ca: FakeCA, area: Area, nonce: str) -> TimedRun:
+    def argv(sandbox_id: str) -> list[str]:
+        return with_host_cgroups(_run_argv(request, ca, ["--workdir", str(area.work)], sandbox_id, TIMEOUT_GIVEN))
+
+    def left(sandbox_id: str) -> list[str]:
+        return [f"{kind} {what}" for kind, found in _leftovers(topology, sandbox_id, area).items() for what in found]
+
+    return _timed_run(topology, argv, os.environ | {"TMPDIR": str(area.tmp)}, left, nonce)
+
+
+def _docker_timed_run(
+    topology: Topology, request: Request, ca: FakeCA, area: Area, nonce: str, daemon: DockerDaemon, image: str
+) -> TimedRun:
+    def argv(sandbox_id: str) -> list[str]:
+        return _run_argv(request, ca, ["--backend", "docker", "--image", image], sandbox_id, TIMEOUT_GIVEN)
+
+    def left(sandbox_id: str) -> list[str]:
+        found = _docker_leftovers(topology, area, daemon, sandbox_id)
+        return [f"{kind} {what}" for kind, what_left in found.items() for what in what_left]
+
+    return _timed_run(topology, argv, os.environ | daemon.env() | {"TMPDIR": str(area.tmp)}, left, nonce)
 
 
 def _broker_runs(topology: Topology, request: Request, ca: FakeCA, area: Area, nonce: str) -> BrokerRecord | None:

@@ -20,8 +20,8 @@ SCHEMA = Draft202012Validator(
     json.loads((Path(__file__).resolve().parents[2] / "docs" / "verify-report.schema.json").read_text())
 )
 # A container's network namespace goes with the container (destruction/container); it has no host folder to write,
-# nor sees the host's marked programs; the --timeout run is the netns backend's alone.
-NETNS_ONLY = {"namespace", "write-inside", "setuid", "timeout"}
+# nor sees the host's marked programs.
+NETNS_ONLY = {"namespace", "write-inside", "setuid"}
 QUOTA = ("--cpus", "0.25")  # a quota a busy shared host still lets the sandbox exceed (as tests/e2e/test_verify.py)
 
 
@@ -53,7 +53,7 @@ def test_verify_docker_holds_every_group_it_judges_on_the_default_setup(tmp_path
     assert {check for check, result in results.items() if result == "held"} == judged, done.stdout
     assert {check for check, result in results.items() if result != "held"} == {c.id for c in CHECKS} - judged
     for check in verdicts["checks"]:
-        if check["group"] not in DOCKER_GROUPS or check["id"] == "timeout":
+        if check["group"] not in DOCKER_GROUPS:
             assert (check["result"], check["evidence"]) == ("n/a", NOT_ON_DOCKER)
     evidence = {check["id"]: check["evidence"] for check in verdicts["checks"]}
     assert evidence["container"] == "nothing left" and evidence["cgroup"] == "nothing left"
@@ -65,6 +65,7 @@ def test_verify_docker_holds_every_group_it_judges_on_the_default_setup(tmp_path
     assert evidence["secret-placeholder"].startswith("AIRLOCK_VERIFY_SECRET is its placeholder"), evidence
     # the container's processes and counters, seen by the host under the daemon's cgroup parent
     assert evidence["memory"].startswith("1 processes killed out of memory"), evidence["memory"]
+    assert evidence["timeout"].startswith("--timeout 2: exit 124") and evidence["timeout"].endswith("left: nothing")
     assert evidence["no-new-privs"].startswith("of the probe's ") and " 0 processes" not in evidence["no-new-privs"]
     assert _docker_leftovers() == before
 
