@@ -3,9 +3,10 @@ and options running every probe, the evidence gathered outside it, the verdicts.
 
 The fake internet is private network namespaces of a per-run prefix (`airlock.verify.topology`), never linked to
 the host's interfaces; `airlock run` runs inside its gateway namespace (where everything it dials lands in the
-fake internet or nowhere), with the host's cgroups mounted there as a host run sees them. The gateway resolves
-through the fake DNS upstream and trusts only the fake internet's CA. Everything made here is removed at the end,
-and only the processes started here are stopped.
+fake internet or nowhere), with the host's cgroups mounted there as a host run sees them. The docker backend's
+sandbox is a container of a docker daemon the run starts in that namespace (`airlock.verify.dockerd`). The gateway
+resolves through the fake DNS upstream and trusts only the fake internet's CA. Everything made here is removed at
+the end, and only the processes started here are stopped.
 """
 
 from __future__ import annotations
