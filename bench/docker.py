@@ -2,7 +2,7 @@
 
     sudo .venv/bin/python -P bench/docker.py [--sandboxes 20] [--concurrent 10] [--requests 50]
 
-Everything runs in the end-to-end topology of airlock/verify/topology.py: a private dockerd (tests/e2e/dockerenv.py)
+Everything runs in the end-to-end topology of airlock/verify/topology.py: a private dockerd (airlock/verify/dockerd.py)
 inside the gateway namespace, whose only other link is the fake internet (allowed.test = 192.0.2.10:80, the fake
 DNS server 192.0.2.53); the sandbox image is scripts/build-test-image's Debian rootfs, imported into that daemon.
 
@@ -63,11 +63,11 @@ from airlock.cli.run import run_config  # noqa: E402
 from airlock.gateway import Gateway  # noqa: E402
 from airlock.launch.docker_launcher import launch  # noqa: E402
 from airlock.sandbox.docker import LABEL, DockerSandbox  # noqa: E402
+from airlock.verify.dockerd import DockerDaemon, docker_problem  # noqa: E402
 from airlock.verify.topology import DNS_SERVER, FakeNet, Topology  # noqa: E402
 
 import common  # noqa: E402
 from common import fmt, percentile  # noqa: E402
-from dockerenv import DockerDaemon, docker_problem  # noqa: E402
 from gateway_proc import AIRLOCK, E2E_POLICY  # noqa: E402
 from netclient import in_netns  # noqa: E402
 
@@ -575,7 +575,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("keep --sandboxes in 1..99, --concurrent in 1..50 and --requests in 1..10000")
     if os.geteuid() != 0:
         parser.error("needs root for network namespaces and dockerd")
-    problem = docker_problem()
+    problem = docker_problem(also=("debootstrap",))
     if problem:
         parser.error(problem)
 

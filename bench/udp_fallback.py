@@ -14,7 +14,7 @@ of the link, a default route to it, and the refusal inside the sandbox's namespa
 - for comparison, the same Python probe with an explicit-mode fence (no interception): the datagram is dropped,
   and the client hears nothing until its own timeout (1 s here; QUIC clients wait seconds);
 - the docker backend, when dockerd and debootstrap are here: the Python probe back to back as a container's command
-  (scripts/build-test-image's image, a private dockerd in the gateway namespace as tests/e2e/dockerenv.py runs
+  (scripts/build-test-image's image, a private dockerd in the gateway namespace as airlock/verify/dockerd.py runs
   it), with the fence and the refusal inside the container's namespace that `airlock run --backend docker` gives.
 
 The kernel rate-limits the ICMP errors it sends to each host (`net.ipv4.icmp_ratelimit`, 1000 ms by default, with
@@ -47,11 +47,11 @@ import docker  # noqa: E402
 from airlock.sandbox.docker import DockerSandbox  # noqa: E402
 from airlock.sandbox.fence import Fence, Interception, refuse_udp_inside  # noqa: E402
 from airlock.sandbox.netns import NETNS_DIR  # noqa: E402
+from airlock.verify.dockerd import DockerDaemon, docker_problem  # noqa: E402
 from airlock.verify.topology import GW_IP, Topology  # noqa: E402
 
 import common  # noqa: E402
 from common import fmt, percentile  # noqa: E402
-from dockerenv import DockerDaemon, docker_problem  # noqa: E402
 from netclient import in_netns  # noqa: E402
 
 BUILD_TEST_IMAGE = REPO / "scripts" / "build-test-image"
@@ -204,7 +204,7 @@ def measure_all(topology: Topology, runs: int, paced: int, pause: float) -> list
 
 def measure_docker(topology: Topology, runs: int) -> str:
     """The Python probe back to back as a docker sandbox's command, in transparent mode."""
-    if problem := docker_problem():
+    if problem := docker_problem(also=("debootstrap",)):
         return f"| docker, Python, back to back | - | not measured: {problem} | | | - |"
     build = subprocess.run([str(BUILD_TEST_IMAGE)], capture_output=True, text=True, timeout=900, check=False)
     if build.returncode != 0:

@@ -8,6 +8,7 @@ import argparse
 import os
 import sys
 import time
+from pathlib import Path
 
 from airlock.sandbox.limits import (
     DEFAULT_CPUS,
@@ -27,7 +28,11 @@ GROUPS = ("network", "files", "secrets", "privilege", "resources", "broker", "de
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--backend", choices=("netns",), default="netns", help="the sandbox backend verified")
+    parser.add_argument("--backend", choices=("netns", "docker"), default="netns", help="the sandbox backend verified")
+    parser.add_argument(
+        "--image-tarball", type=absolute, metavar="FILE",
+        help="docker backend: a rootfs tarball with python3, imported as the sandbox's image (docs/verify.md)",
+    )  # fmt: skip
     parser.add_argument(
         "--policy", type=absolute, metavar="FILE", help="policy file (default: the packaged configs/default.yaml)"
     )
@@ -52,11 +57,31 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run_options(args: argparse.Namespace) -> list[str]:
     """The options `airlock run` is given as they were given here."""
-    options = ["--isolation", args.isolation] + (["--profile", args.profile] if args.profile else [])
+    options = ["--isolation", args.isolation] if args.backend == "netns" else []
+    options += ["--profile", args.profile] if args.profile else []
     options += [word for grant in args.grant or [] for word in ("--grant", grant)]
     return options + [
         word for name in LIMITS if getattr(args, name) is not None for word in (f"--{name}", str(getattr(args, name)))
     ]
+
+
+def image_tarball(args: argparse.Namespace) -> Path | None:
+    """The docker backend's image tarball (None: the netns backend), checked before anything is built."""
+    if args.backend == "netns":
+        if args.image_tarball:
+            raise UsageError("--image-tarball needs --backend docker")
+        return None
+    if not args.image_tarball:
+        raise UsageError("--backend docker needs --image-tarball FILE (a rootfs tarball: docs/verify.md)")
+    if args.isolation != "auto":
+        raise UsageError("--isolation: netns backend only (the docker backend's isolation is the container's)")
+    if not os.path.isfile(args.image_tarball):
+        raise UsageError(f"--image-tarball {args.image_tarball}: no such file")
+    from airlock.verify.dockerd import docker_problem
+
+    if problem := docker_problem():
+        raise UsageError(f"--backend docker runs a docker daemon of its own: {problem}")
+    return Path(args.image_tarball)
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
@@ -67,6 +92,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
         print(report.listing(chosen))
         return 0
     check_limits(args)
+    tarball = image_tarball(args)
     from airlock.verify.checks import Limits
     from airlock.verify.runner import Request, verify
     from airlock.verify.targets import targets
@@ -79,15 +105,17 @@ def cmd_verify(args: argparse.Namespace) -> int:
     except KeyError as e:
         raise UsageError(str(e.args[0])) from None
     path = args.policy or str(default_policy_path())
-    print(f"airlock: verifying {path} (profile {profile.name}, isolation {args.isolation})", file=sys.stderr)
+    isolation = args.isolation if tarball is None else "container"
+    how = f"isolation {isolation}" if tarball is None else f"backend docker, image {tarball}"
+    print(f"airlock: verifying {path} (profile {profile.name}, {how})", file=sys.stderr)
     started = time.monotonic()
     limits = Limits(
         args.cpus or DEFAULT_CPUS, memory_bytes(args.memory or DEFAULT_MEMORY), args.pids or DEFAULT_PIDS,
         len(os.sched_getaffinity(0)), args.nproc or DEFAULT_NPROC,
     )  # fmt: skip
     grants = parse_grants(args.grant or [], policy)
-    outcomes = verify(Request(path, targets(profile, grants), run_options(args), chosen, limits))
-    run = report.Run(args.backend, path, profile.name, args.isolation, time.monotonic() - started)
+    outcomes = verify(Request(path, targets(profile, grants), run_options(args), chosen, limits, tarball))
+    run = report.Run(args.backend, path, profile.name, isolation, time.monotonic() - started)
     print(report.matrix(outcomes))
     if args.json:
         report.write_json(args.json, run, outcomes)

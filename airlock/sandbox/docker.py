@@ -167,7 +167,7 @@ class DockerSandbox:
         if not SANDBOX_ID.fullmatch(self.sandbox_id):
             raise DockerSandboxError(f"sandbox id {self.sandbox_id!r}: use 1-12 characters a-z, 0-9")
         self.name = f"airlock-{self.sandbox_id}"
-        self.bridge = f"alb{self.sandbox_id}"[:15]
+        self.bridge = bridge_name(self.sandbox_id)
         self.subnet: ipaddress.IPv4Network | None = None
         # What this sandbox created, and only that, is what destroy() removes: a clash with another sandbox of
         # the same id must not take that one down.
@@ -469,6 +469,11 @@ def in_container(pid: int, container_id: str) -> bool:
 def cgroups_name_container(proc_cgroup: str, container_id: str) -> bool:
     own_names = {container_id, f"docker-{container_id}.scope"}
     return any(own_names.intersection(line.split(":", 2)[-1].split("/")) for line in proc_cgroup.splitlines())
+
+
+def bridge_name(sandbox_id: str) -> str:
+    """The bridge device of the sandbox's network (at most 15 characters, as the kernel wants)."""
+    return f"alb{sandbox_id}"[:15]
 
 
 def fence_table(sandbox_id: str) -> str:

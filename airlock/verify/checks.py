@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -21,6 +21,10 @@ from .usage import Usage
 
 Result = Literal["held", "failed", "error", "n/a"]
 GROUPS = ("network", "files", "secrets", "privilege", "resources", "broker", "destruction")
+BACKENDS = ("netns", "docker")
+# The groups whose evidence a docker run gathers; the others' checks are n/a there, saying so.
+DOCKER_GROUPS = ("network", "files", "secrets", "privilege", "resources", "destruction")
+NOT_ON_DOCKER = "not judged on the docker backend: its run gathers no evidence for this check (see --backend netns)"
 # Ports of the gateway's namespace no gateway of airlock's listens on: ssh, docker's API, a canary's.
 GATEWAY_CANARY_PORTS = (22, 2375, 9999)
 MARKED_PROGRAMS = ("setuid-sleep", "capability-sleep")  # copies of sleep, setuid root / with file capabilities
@@ -165,6 +169,7 @@ class Evidence:
     timed: TimedRun | None = None  # the timeout check's run (None: it did not run)
     docker_socket_connections: int | None = None  # at the host's socket canary (None: the host has its own socket)
     broker: BrokerRecord | None = None  # the broker group's runs (None: they did not run)
+    backend: str = "netns"
 
     def counter(self, name: str) -> int:
         if name not in self.usage.counters:
@@ -197,6 +202,11 @@ class Check:
     judge: Judge
     attempt: str | None = None  # the probe's attempt the check judges (None: judged from outside alone)
     needs: Callable[[Targets, Limits], str | None] = lambda targets, limits: None  # why it cannot apply here, if not
+    off: tuple[tuple[str, str], ...] = ()  # (backend, why the check does not apply on it)
+
+    def not_applicable(self, targets: Targets, limits: Limits, backend: str) -> str | None:
+        """Why the check does not apply to this run, or None."""
+        return dict(self.off).get(backend) or self.needs(targets, limits)
 
 
 @dataclass(frozen=True)
@@ -208,7 +218,7 @@ class Outcome:
 
 
 def judge(check: Check, evidence: Evidence) -> Outcome:
-    if (missing := check.needs(evidence.targets, evidence.limits)) is not None:
+    if (missing := check.not_applicable(evidence.targets, evidence.limits, evidence.backend)) is not None:
         return Outcome(check, "n/a", missing)
     seen = evidence.probe.get(check.attempt) if check.attempt else None
     if check.attempt and seen is None:
@@ -587,7 +597,7 @@ def _canary(targets: Targets, limits: Limits) -> str | None:
     return None if targets.canaries else "the profile opens every name the check would try"
 
 
-CHECKS: tuple[Check, ...] = (
+_EVERY_BACKEND: tuple[Check, ...] = (
     Check("network", "allowed-host-reached", "a request to each allowed host arrives at its upstream", _reached,
           "reach", _front),
     Check("network", "direct-tcp", "raw TCP to an allowed host's address, past the proxy, reaches nothing",
@@ -622,7 +632,8 @@ CHECKS: tuple[Check, ...] = (
     Check("network", "gateway-ports", "the gateway's other ports and its other address answer nothing",
           _gateway_ports, "gateway-ports"),
     Check("files", "write-inside", "a file written in the working directory is on the host",
-          _file(lambda ev: ev.workdir / f"inside-{ev.nonce}", True), "write-inside"),
+          _file(lambda ev: ev.workdir / f"inside-{ev.nonce}", True), "write-inside",
+          off=(("docker", "the container is given no folder of the host's: it works in its own /tmp"),)),
     Check("files", "write-outside", "a file written outside the working directory (and in /tmp) is not on the host",
           _outside_and_tmp, "write-outside"),
     Check("files", "write-symlink", "a write through a symlink out of the working directory is not on the host",
@@ -638,7 +649,8 @@ CHECKS: tuple[Check, ...] = (
     Check("secrets", "service-account", "a Kubernetes service-account token on the host is not readable",
           _secrets_unread(("the service-account token",)), "read-service-account"),
     Check("privilege", "setuid", "a setuid-root or file-capability program gains nothing: no root ID, no capability",
-          _no_root, "setuid"),
+          _no_root, "setuid", off=(("docker", "the marked programs are copies on the host, which the container does "
+                                      "not see"),)),
     Check("privilege", "no-new-privs", "every process of the probe runs with no-new-privs, seccomp, no capability",
           _locked, "setuid"),
     Check("privilege", "namespaces", "no new user, network or mount namespace", _same_namespaces, "namespaces"),
@@ -664,11 +676,18 @@ CHECKS: tuple[Check, ...] = (
           "reaches nothing upstream", _outside_refused, needs=_outside),
     Check("broker", "foreign-token", "a sandbox's token presented from another sandbox is refused", _foreign_refused,
           needs=_granted),
-    Check("destruction", "namespace", "no network namespace of the run is left", _nothing_left("namespace")),
+    Check("destruction", "namespace", "no network namespace of the run is left", _nothing_left("namespace"),
+          off=(("docker", "a container's network namespace is its own, gone with it (destruction/container)"),)),
+    Check("destruction", "container", "no container or docker network of the run is left",
+          _nothing_left("container"), off=(("netns", "the netns backend runs no container"),)),
     Check("destruction", "fence", "no nftables table or link of the run is left", _nothing_left("fence")),
     Check("destruction", "cgroup", "no cgroup of the run is left", _nothing_left("cgroup")),
     Check("destruction", "state-dir", "no state directory of the run is left", _nothing_left("state-dir")),
 )  # fmt: skip
+CHECKS: tuple[Check, ...] = tuple(
+    check if check.group in DOCKER_GROUPS else replace(check, off=(*check.off, ("docker", NOT_ON_DOCKER)))
+    for check in _EVERY_BACKEND
+)
 
 
 def selected(groups: list[str] | None) -> tuple[Check, ...]:

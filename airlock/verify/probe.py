@@ -640,7 +640,8 @@ def main(argv: list[str]) -> int:
     seen |= {name: _outcome(partial(RESOURCES[name], config)) for name in config["attempts"] if name in RESOURCES}
     (OUT / "probe.json").write_text(json.dumps(seen, indent=1))
     READY.touch()
-    if (HOLDING | set(RESOURCES)) & set(seen):  # the host looks at what the children hold, then releases them
+    # The host looks at what the children hold (or, "hold": at the folder it cannot otherwise read), then releases.
+    if (HOLDING | set(RESOURCES)) & set(seen) or config.get("hold"):
         deadline = time.monotonic() + HOLD_LIMIT
         while not RELEASE.exists() and time.monotonic() < deadline:
             time.sleep(0.05)

@@ -3,9 +3,10 @@ and options running every probe, the evidence gathered outside it, the verdicts.
 
 The fake internet is private network namespaces of a per-run prefix (`airlock.verify.topology`), never linked to
 the host's interfaces; `airlock run` runs inside its gateway namespace (where everything it dials lands in the
-fake internet or nowhere), with the host's cgroups mounted there as a host run sees them. The gateway resolves
-through the fake DNS upstream and trusts only the fake internet's CA. Everything made here is removed at the end,
-and only the processes started here are stopped.
+fake internet or nowhere), with the host's cgroups mounted there as a host run sees them. The docker backend's
+sandbox is a container of a docker daemon the run starts in that namespace (`airlock.verify.dockerd`). The gateway
+resolves through the fake DNS upstream and trusts only the fake internet's CA. Everything made here is removed at
+the end, and only the processes started here are stopped.
 """
 
 from __future__ import annotations
@@ -16,19 +17,24 @@ import os
 import secrets
 import shutil
 import signal
+import stat
 import struct
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import docker.errors
+
 from airlock.errors import AirlockError
 from airlock.policy import SANDBOX_LINK_NETWORKS
 from airlock.sandbox import cgroups
+from airlock.sandbox.docker import LABEL, bridge_name, fence_table, sandbox_token_dir
+from airlock.sandbox.docker import Limits as DockerLimits
 from airlock.sandbox.fence import NETNS_TABLE_PREFIX
 from airlock.sandbox.netns import resolve_user
 from airlock.sandbox.seccomp import syscall_number
@@ -62,18 +68,20 @@ from .checks import (
     judge,
 )
 from .control import stop_proc
+from .dockerd import DockerDaemon
 from .hostcanaries import host_canaries
 from .hostcgroups import with_host_cgroups
-from .processes import raw_sockets, read_process, sandbox_processes, sockets_in_view, user_keys
+from .processes import Process, raw_sockets, read_process, sandbox_processes, sockets_in_view, user_keys
 from .targets import UNLISTED, BrokerTarget, Targets
 from .topology import DNS_SERVER, GW_OUTSIDE_IP, Canaries, FakeNet, Topology, new_prefix
-from .usage import Usage, cgroup_counters, sandbox_tmp
+from .usage import Usage, cgroup_counters, group_counters, sandbox_tmp
 
 SLEEP = shutil.which("sleep") or "/bin/sleep"
 RUN_TIMEOUT = 60  # seconds the sandbox may take (`airlock run --timeout`): the probe needs a few
 HOST_CANARY_VAR = "AIRLOCK_VERIFY_HOST_CANARY"
 SYSCALLS = ("ptrace", "io_uring_setup", "bpf", "userfaultfd", "perf_event_open", "add_key", "keyctl")
 DOCKER_SOCKETS = ("/var/run/docker.sock", "/run/docker.sock")  # where the probe tries the docker engine's API
+COPY_LIMIT = 64 << 20  # bytes of the docker probe's folder copied out (its dumps hold up to 1 MiB per file read)
 
 
 class VerifyError(AirlockError):
@@ -132,13 +140,26 @@ def _marked_programs(folder: Path) -> None:
 @dataclass(frozen=True)
 class Request:
     """What to verify: the policy file, the targets its profile gives the fake internet, the options passed to
-    `airlock run` as given (profile, isolation, limits, grants), the checks."""
+    `airlock run` as given (profile, isolation, limits, grants), the checks; with `image_tarball` (a rootfs
+    tarball imported into a daemon of the run's own) the docker backend, else the netns one."""
 
     policy_path: str
     targets: Targets
     run_options: list[str]
     checks: tuple[Check, ...]
     limits: Limits
+    image_tarball: Path | None = None
+
+    @property
+    def backend(self) -> str:
+        return "netns" if self.image_tarball is None else "docker"
+
+    def attempts(self) -> list[str]:
+        """The probe's attempts the checks that apply to this run judge, each once."""
+        return list(dict.fromkeys(
+            c.attempt for c in self.checks
+            if c.attempt and c.not_applicable(self.targets, self.limits, self.backend) is None
+        ))  # fmt: skip
 
 
 def verify(request: Request) -> list[Outcome]:
@@ -152,6 +173,9 @@ def verify(request: Request) -> list[Outcome]:
             canaries = Canaries(ca.leaf_cert, ca.leaf_key, GATEWAY_CANARY_PORTS)
             try:
                 _start(net, canaries, topology, area)
+                if request.image_tarball is not None:
+                    with _docker_daemon(topology, area, request.image_tarball) as (daemon, image):
+                        return _verify_docker(topology, net, canaries, ca, area, request, nonce, daemon, image)
                 return _verify_in(topology, net, canaries, ca, area, request, nonce)
             finally:
                 net.stop()
@@ -203,13 +227,11 @@ def _verify_in(
     topology: Topology, net: FakeNet, canaries: Canaries, ca: FakeCA, area: Area, request: Request, nonce: str
 ) -> list[Outcome]:
     sandbox_id = f"{topology.prefix}v"
-    secret_value, host_canary = f"verify-secret-{secrets.token_hex(16)}", f"verify-host-{secrets.token_hex(16)}"
-    secret_file = area.private / "secret"
-    secret_file.touch(mode=0o600)
-    secret_file.write_text(secret_value)
+    secret_file, secret_value, host_canary = _secret(area)
     config = _probe_config(request, area, nonce, secret_file)
+    where = ["--workdir", str(area.work)]
     argv = [
-        *_run_argv(request, ca, area.work, sandbox_id, RUN_TIMEOUT), "--secret", f"{SECRET_NAME}=file:{secret_file}",
+        *_run_argv(request, ca, where, sandbox_id, RUN_TIMEOUT), "--secret", f"{SECRET_NAME}=file:{secret_file}",
         "--placeholder-env", f"{PLACEHOLDER_VAR}={SECRET_NAME}",
         "--", *PROBE_ARGV, Path(probe.__file__).read_text(), json.dumps(config), PROBE_MARK,
     ]  # fmt: skip
@@ -217,15 +239,12 @@ def _verify_in(
     with host_canaries() as on_host:
         watched = _run_watched(topology, with_host_cgroups(argv), env, area, sandbox_id, probe.FILL.format(nonce=nonce))
         socket_connections = on_host.connections
-    timed = _timed_run(topology, request, ca, area, nonce) if any(c.id == "timeout" for c in request.checks) else None
+    timed = _netns_timed_run(topology, request, ca, area, nonce) if _timed(request) else None
     broker = _broker_runs(topology, request, ca, area, nonce)
     evidence = Evidence(
         nonce, request.targets, _probe_record(area), net.stats(), _packets(topology), area.work, area.outside,
         _host_tmp(nonce),
-        {
-            "the fake internet's CA key": ca.ca_key.read_bytes(), "the --secret": secret_value.encode(),
-            "the host's environment": host_canary.encode(), "the service-account token": on_host.token,
-        },
+        _secrets(ca, secret_value, host_canary, on_host.token),
         _every_leftover(topology, area, [sandbox_id, *([broker.first, broker.foreign] if broker else [])]),
         watched.sandboxed, canaries.stats(), request.limits, watched.usage,
         timed, socket_connections, broker,
@@ -237,13 +256,209 @@ def _verify_in(
     return [judge(check, evidence) for check in request.checks]
 
 
-def _run_argv(request: Request, ca: FakeCA, work: Path, sandbox_id: str, timeout: float) -> list[str]:
-    """`airlock run` in the fake internet with the user's policy and options (the command to follow)."""
+@contextlib.contextmanager
+def _docker_daemon(topology: Topology, area: Area, tarball: Path) -> Iterator[tuple[DockerDaemon, str]]:
+    """A docker daemon of the run's own in the gateway's namespace (its bridges, and so its containers, reach the
+    fake internet alone), with the image imported from `tarball`; stopped with all it made at the end."""
+    daemon = DockerDaemon(topology, area.private / "docker", name=f"{topology.prefix}-docker")
+    try:
+        try:
+            daemon.start()
+        except (RuntimeError, OSError) as e:
+            raise VerifyError(f"the run's docker daemon could not start: {e}") from None
+        try:
+            image = daemon.import_image(tarball)
+        except docker.errors.DockerException as e:
+            raise VerifyError(f"{tarball} could not be imported as the sandbox's image: {e}") from None
+        yield daemon, image
+    finally:
+        daemon.stop()
+
+
+def _verify_docker(
+    topology: Topology,
+    net: FakeNet,
+    canaries: Canaries,
+    ca: FakeCA,
+    area: Area,
+    request: Request,
+    nonce: str,
+    daemon: DockerDaemon,
+    image: str,
+) -> list[Outcome]:
+    """The docker backend's run: the probe in a container of `image`; what it left in its working directory (the
+    container's own /tmp) copied out by the host; judged by that, the fake internet's records, the host's folders
+    and, for what is left, the daemon and the gateway's namespace."""
+    sandbox_id = f"{topology.prefix}v"
+    secret_file, secret_value, host_canary = _secret(area)
+    # /run/airlock holds the container's own broker token when --grant is given: the sandbox's to read.
+    config = _probe_config(request, area, nonce, secret_file) | {"hold": True}
+    config["gateway_paths"] = [path for path in config["gateway_paths"] if path != "/run/airlock"]
+    argv = [
+        *_run_argv(request, ca, ["--backend", "docker", "--image", image], sandbox_id, RUN_TIMEOUT),
+        "--secret", f"{SECRET_NAME}=file:{secret_file}", "--placeholder-env", f"{PLACEHOLDER_VAR}={SECRET_NAME}",
+        "--", *PROBE_ARGV, Path(probe.__file__).read_text(), json.dumps(config), PROBE_MARK,
+    ]  # fmt: skip
+    env = os.environ | daemon.env() | {HOST_CANARY_VAR: host_canary, "TMPDIR": str(area.tmp)}
+    with host_canaries() as on_host:
+        watched = _docker_watched(topology, argv, env, area, daemon, probe.FILL.format(nonce=nonce))
+        socket_connections = on_host.connections
+    timed = _docker_timed_run(topology, request, ca, area, nonce, daemon, image) if _timed(request) else None
+    evidence = Evidence(
+        nonce, request.targets, _probe_record(area), net.stats(), _packets(topology), area.work, area.outside,
+        _host_tmp(nonce), _secrets(ca, secret_value, host_canary, on_host.token),
+        _docker_leftovers(topology, area, daemon, sandbox_id), watched.sandboxed, canaries.stats(), request.limits,
+        watched.usage, timed, socket_connections, backend="docker",
+    )  # fmt: skip
+    if not evidence.probe:
+        why = (watched.stderr.strip().splitlines() or [f"exit {watched.returncode}"])[-1]
+        return [judge(c, evidence) if c.attempt is None else error(c, f"the sandbox ran no probe: {why}")
+                for c in request.checks]  # fmt: skip
+    return [judge(check, evidence) for check in request.checks]
+
+
+def _docker_watched(
+    topology: Topology, argv: list[str], env: dict[str, str], area: Area, daemon: DockerDaemon, fill: str
+) -> Watched:
+    """`airlock run --backend docker` to its end; once the probe is ready, what it left in its working directory
+    copied into the run's `work` folder, the container's processes and cgroup counters and its /tmp as the host
+    sees them (and the keys the kernel counts for its user), then the probe released."""
+    seen, usage, uid = Sandboxed([], 0), Usage(), int(DockerLimits().user.split(":")[0])
+    keys_before = user_keys(uid)
+    with (area.private / "run.err").open("w+") as stderr:
+        proc = topology.popen(topology.gw, argv, env=env, stdout=subprocess.DEVNULL, stderr=stderr)
+        deadline = time.monotonic() + RUN_TIMEOUT + 60
+        while proc.poll() is None and time.monotonic() < deadline:
+            with contextlib.suppress(NotJudged):  # no probe yet
+                pid = Sandboxed(_container_processes(daemon), 0).probe().pid
+                if _copied_out(pid, area.work / probe.OUT.name):
+                    found, keys_held = _container_processes(daemon), user_keys(uid)
+                    keys = None if keys_before is None or keys_held is None else (keys_before, keys_held)
+                    seen = Sandboxed(found, raw_sockets(pid), keys, sockets_in_view(pid, DOCKER_SOCKETS))
+                    usage = Usage(_container_counters(daemon), *sandbox_tmp(pid, fill))
+                    _release(pid)
+                    break
+            time.sleep(0.05)
+        try:
+            proc.wait(max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            stop_proc(proc)
+            raise VerifyError(f"the sandbox did not end within {RUN_TIMEOUT + 60} seconds") from None
+        stderr.seek(0)
+        return Watched(seen, usage, proc.returncode, stderr.read())
+
+
+def _container_counters(daemon: DockerDaemon) -> dict[str, int]:
+    """Each counter of the container's groups (under the daemon's cgroup parent, in each hierarchy) the host keeps."""
+    found: dict[str, int] = {}
+    for hierarchy in cgroups.hierarchies(Path("/proc/self/mountinfo").read_text()):
+        parent = hierarchy.mount / daemon.name
+        groups = [group for group in parent.iterdir() if group.is_dir()] if parent.is_dir() else []
+        for controller in hierarchy.controllers & set(cgroups.CONTROLLER.values()):
+            for group in groups:
+                found |= group_counters(group, hierarchy.version, controller)
+    return found
+
+
+def _container_processes(daemon: DockerDaemon) -> list[Process]:
+    """Every process under the daemon's cgroup parent (it runs the one container), read from /proc."""
+    pids = {int(word) for cg in daemon.cgroup_dirs() for procs in cg.rglob("cgroup.procs") for word in _words(procs)}
+    return [process for pid in sorted(pids) if (process := read_process(pid)) is not None]
+
+
+@contextlib.contextmanager
+def _probe_folder(pid: int) -> Iterator[int | None]:
+    """The probe's folder in its working directory, as a descriptor (None: not there), reached through its
+    /proc/PID/cwd and never through a link of the container's (a hostile one could point anywhere on the host)."""
+    try:
+        cwd = os.open(f"/proc/{pid}/cwd", os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:
+        yield None
+        return
+    try:
+        folder = os.open(probe.OUT.name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=cwd)
+    except OSError:
+        folder = None
+    finally:
+        os.close(cwd)
+    try:
+        yield folder
+    finally:
+        if folder is not None:
+            os.close(folder)
+
+
+def _copied_out(pid: int, into: Path) -> bool:
+    """Once the probe is ready: its folder's regular files copied `into`. False while it is not ready."""
+    with _probe_folder(pid) as folder:
+        if folder is None or not _regular(folder, probe.READY.name):
+            return False
+        into.mkdir(exist_ok=True)
+        budget = COPY_LIMIT
+        for name in sorted(os.listdir(folder)):
+            if budget > 0 and _regular(folder, name):
+                budget -= _copy(folder, name, into / name, budget)
+        return True
+
+
+def _release(pid: int) -> None:
+    with _probe_folder(pid) as folder, contextlib.suppress(OSError):
+        if folder is not None:
+            os.close(os.open(probe.RELEASE.name, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW, 0o644, dir_fd=folder))
+
+
+def _words(path: Path) -> list[str]:
+    try:
+        return path.read_text().split()
+    except OSError:
+        return []
+
+
+def _regular(folder: int, name: str) -> bool:
+    try:
+        return stat.S_ISREG(os.stat(name, dir_fd=folder, follow_symlinks=False).st_mode)
+    except OSError:
+        return False
+
+
+def _copy(folder: int, name: str, to: Path, budget: int) -> int:
+    """Up to `budget` bytes of one file (never blocking on what turned into a FIFO meanwhile); the bytes copied."""
+    try:
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=folder)
+    except OSError:
+        return 0
+    with os.fdopen(fd, "rb") as source:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return 0
+        data = source.read(budget)
+    to.write_bytes(data)
+    return len(data)
+
+
+def _secret(area: Area) -> tuple[Path, str, str]:
+    """The --secret's file (root's alone) and value, and the canary put in the host's environment."""
+    secret_value, host_canary = f"verify-secret-{secrets.token_hex(16)}", f"verify-host-{secrets.token_hex(16)}"
+    secret_file = area.private / "secret"
+    secret_file.touch(mode=0o600)
+    secret_file.write_text(secret_value)
+    return secret_file, secret_value, host_canary
+
+
+def _secrets(ca: FakeCA, secret_value: str, host_canary: str, token: bytes) -> dict[str, bytes]:
+    """What the sandbox must never hold: name -> its bytes."""
+    return {
+        "the fake internet's CA key": ca.ca_key.read_bytes(), "the --secret": secret_value.encode(),
+        "the host's environment": host_canary.encode(), "the service-account token": token,
+    }  # fmt: skip
+
+
+def _run_argv(request: Request, ca: FakeCA, where: list[str], sandbox_id: str, timeout: float) -> list[str]:
+    """`airlock run` in the fake internet with the user's policy and options (the command to follow); `where`: the
+    netns backend's --workdir, or the docker backend and its image."""
     return [
         sys.executable, "-I", "-m", "airlock", "run", "--policy", request.policy_path,
         "--upstream-dns", DNS_SERVER, "--upstream-ca", str(ca.ca_cert), "--sandbox-id", sandbox_id,
-        "--workdir", str(work), "--git-identity", "none", "--quiet", "--timeout", f"{timeout:g}",
-        *request.run_options,
+        *where, "--git-identity", "none", "--quiet", "--timeout", f"{timeout:g}", *request.run_options,
     ]  # fmt: skip
 
 
@@ -291,18 +506,23 @@ def _run_watched(
         return Watched(seen, usage, proc.returncode, stderr.read())
 
 
-def _timed_run(topology: Topology, request: Request, ca: FakeCA, area: Area, nonce: str) -> TimedRun:
-    """A second, short `airlock run` whose command (and a child of it) would sleep far beyond its --timeout: how
-    it ended, and what of it is left (its processes, found by the mark on their command lines; its namespace,
-    fence, cgroup)."""
+def _timed_run(
+    topology: Topology,
+    argv: Callable[[str], list[str]],
+    env: dict[str, str],
+    left: Callable[[str], list[str]],
+    nonce: str,
+) -> TimedRun:
+    """A second, short `airlock run` (`argv(sandbox_id)`, the command to follow) whose command (and a child of it)
+    would sleep far beyond its --timeout: how it ended, and what of it is left (its processes, found by the mark on
+    their command lines; what `left(sandbox_id)` finds of its sandbox)."""
     sandbox_id, mark = f"{topology.prefix}t", f"airlock-verify-timeout-{nonce}"
     sleeper = (
         "import subprocess, sys, time\nsubprocess.Popen([sys.executable, '-c', 'import time; time.sleep(300)', "
         "sys.argv[1]])\ntime.sleep(300)"
     )
-    argv = [*_run_argv(request, ca, area.work, sandbox_id, TIMEOUT_GIVEN), "--", "python3", "-I", "-c", sleeper, mark]
     started = time.monotonic()
-    proc = topology.popen(topology.gw, with_host_cgroups(argv), env=os.environ | {"TMPDIR": str(area.tmp)},
+    proc = topology.popen(topology.gw, [*argv(sandbox_id), "--", "python3", "-I", "-c", sleeper, mark], env=env,
                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
     try:
         returncode = proc.wait(TIMEOUT_GIVEN + TIMEOUT_GRACE + 30)
@@ -314,8 +534,34 @@ def _timed_run(topology: Topology, request: Request, ca: FakeCA, area: Area, non
     for pid in running:  # judged left over; started by this run, so stopped by it
         with contextlib.suppress(OSError):
             os.kill(pid, signal.SIGKILL)
-    left = [f"{kind} {what}" for kind, found in _leftovers(topology, sandbox_id, area).items() for what in found]
-    return TimedRun(returncode, seconds, [f"process {pid}" for pid in running] + left)
+    return TimedRun(returncode, seconds, [f"process {pid}" for pid in running] + left(sandbox_id))
+
+
+def _timed(request: Request) -> bool:
+    return any(c.id == "timeout" for c in request.checks)
+
+
+def _netns_timed_run(topology: Topology, request: Request, ca: FakeCA, area: Area, nonce: str) -> TimedRun:
+    def argv(sandbox_id: str) -> list[str]:
+        return with_host_cgroups(_run_argv(request, ca, ["--workdir", str(area.work)], sandbox_id, TIMEOUT_GIVEN))
+
+    def left(sandbox_id: str) -> list[str]:
+        return [f"{kind} {what}" for kind, found in _leftovers(topology, sandbox_id, area).items() for what in found]
+
+    return _timed_run(topology, argv, os.environ | {"TMPDIR": str(area.tmp)}, left, nonce)
+
+
+def _docker_timed_run(
+    topology: Topology, request: Request, ca: FakeCA, area: Area, nonce: str, daemon: DockerDaemon, image: str
+) -> TimedRun:
+    def argv(sandbox_id: str) -> list[str]:
+        return _run_argv(request, ca, ["--backend", "docker", "--image", image], sandbox_id, TIMEOUT_GIVEN)
+
+    def left(sandbox_id: str) -> list[str]:
+        found = _docker_leftovers(topology, area, daemon, sandbox_id)
+        return [f"{kind} {what}" for kind, what_left in found.items() for what in what_left]
+
+    return _timed_run(topology, argv, os.environ | daemon.env() | {"TMPDIR": str(area.tmp)}, left, nonce)
 
 
 def _broker_runs(topology: Topology, request: Request, ca: FakeCA, area: Area, nonce: str) -> BrokerRecord | None:
@@ -325,7 +571,7 @@ def _broker_runs(topology: Topology, request: Request, ca: FakeCA, area: Area, n
         return None
 
     def run_argv(sandbox_id: str, work: Path) -> list[str]:
-        return with_host_cgroups(_run_argv(request, ca, work, sandbox_id, RUN_TIMEOUT))
+        return with_host_cgroups(_run_argv(request, ca, ["--workdir", str(work)], sandbox_id, RUN_TIMEOUT))
 
     def left(sandbox_id: str) -> list[str]:
         return [what for found in _leftovers(topology, sandbox_id, area).values() for what in found]
@@ -344,9 +590,7 @@ def _probe_config(request: Request, area: Area, nonce: str, secret_file: Path) -
     targets = request.targets
     return {
         "nonce": nonce,
-        "attempts": list(dict.fromkeys(
-            c.attempt for c in request.checks if c.attempt and c.needs(targets, request.limits) is None
-        )),
+        "attempts": request.attempts(),
         "allowed": list(targets.allowed), "front": targets.front, "canaries": list(targets.canaries),
         "canary": UNLISTED, "metadata_alias": targets.metadata_alias, "rebind": targets.rebind,
         "rebind_wait": REBIND_WAIT, "outside": str(area.outside),
@@ -417,6 +661,26 @@ def _every_leftover(topology: Topology, area: Area, sandbox_ids: list[str]) -> d
         for kind, what in _leftovers(topology, sandbox_id, area).items():
             found[kind] = list(dict.fromkeys([*found.get(kind, []), *what]))  # the state directory is everyone's
     return found
+
+
+def _docker_leftovers(topology: Topology, area: Area, daemon: DockerDaemon, sandbox_id: str) -> dict[str, list[str]]:
+    """What of the docker run's sandbox is still there, by kind: its container and network (the daemon's word),
+    its fence and bridge in the gateway's namespace, a cgroup under the daemon's cgroup parent (the daemon runs
+    nothing else), its token folder and the launcher's state directory."""
+    client = daemon.client()
+    labelled: dict[str, str | list[str] | bool] = {"label": f"{LABEL}={sandbox_id}"}
+    found = [f"container {c.name}" for c in client.containers.list(all=True, filters=labelled)]
+    found += [f"network {n.name}" for n in client.networks.list(filters=labelled)]
+    tables = topology.run(topology.gw, ["nft", "list", "tables"]).stdout.split("\n")
+    bridge = bridge_name(sandbox_id)
+    links = topology.run(topology.gw, ["ip", "-o", "link", "show", "dev", bridge]).stdout.strip()
+    token = sandbox_token_dir(sandbox_id)
+    return {
+        "container": found,
+        "fence": [line.strip() for line in tables if fence_table(sandbox_id) in line] + ([bridge] if links else []),
+        "cgroup": [str(d) for parent in daemon.cgroup_dirs() for d in parent.iterdir() if d.is_dir()],
+        "state-dir": [str(p) for p in area.tmp.iterdir()] + ([str(token)] if token.exists() else []),
+    }
 
 
 def _leftovers(topology: Topology, sandbox_id: str, area: Area) -> dict[str, list[str]]:

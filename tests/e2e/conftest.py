@@ -20,11 +20,12 @@ sys.path.insert(0, str(Path(__file__).parent))
 from airlock.sandbox.cgroups import host_parents
 from airlock.sandbox.fence import NETNS_TABLE_PREFIX, Fence, Interception
 from airlock.verify.ca import FakeCA, make_fake_ca
+from airlock.verify.dockerd import DockerDaemon, docker_problem
 from airlock.verify.github import FakeGitHub, make_app_key, new_static_token
 from airlock.verify.hostcgroups import with_host_cgroups
 from airlock.verify.topology import DNS_SERVER, FAKE_ADDRS, GW_IP, FakeNet, Topology
 
-from dockerenv import DockerDaemon, DockerEnv, docker_problem
+from dockerenv import DockerEnv
 from gateway_proc import AIRLOCK, E2E_POLICY, GatewayProcess
 
 FAKE_GITHUB_APP_ID = 4242
@@ -218,13 +219,10 @@ def _docker_unavailable(problem: str) -> None:
     pytest.skip(f"needs docker.io + debootstrap: {problem}")
 
 
-@contextlib.contextmanager
-def docker_env_in(topology: Topology, workdir: Path) -> Iterator[DockerEnv]:
-    """A dockerd inside the gateway namespace of `topology`, with the sandbox test image imported.
-
-    The image is built (or reused from its cache) by scripts/build-test-image; .ci/run builds it ahead of the
-    tests, so here it is normally instant."""
-    problem = docker_problem()
+def build_test_image() -> Path:
+    """The sandbox test image's rootfs tarball, built (or reused from its cache) by scripts/build-test-image;
+    .ci/run builds it ahead of the tests, so here it is normally instant."""
+    problem = docker_problem(also=("debootstrap",))  # scripts/build-test-image's
     if problem:
         _docker_unavailable(problem)
     build = subprocess.run(
@@ -232,7 +230,19 @@ def docker_env_in(topology: Topology, workdir: Path) -> Iterator[DockerEnv]:
     )
     if build.returncode != 0 or not build.stdout.strip():
         pytest.fail(f"scripts/build-test-image failed ({build.returncode}):\n{build.stderr[-4000:]}", pytrace=False)
-    tarball = Path(build.stdout.strip().splitlines()[-1])
+    return Path(build.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="session")
+def image_tarball(privileged: None) -> Path:
+    """scripts/build-test-image's rootfs tarball (`airlock verify --backend docker --image-tarball`)."""
+    return build_test_image()
+
+
+@contextlib.contextmanager
+def docker_env_in(topology: Topology, workdir: Path) -> Iterator[DockerEnv]:
+    """A dockerd inside the gateway namespace of `topology`, with the sandbox test image imported."""
+    tarball = build_test_image()
     daemon = DockerDaemon(topology, workdir)
     atexit.register(daemon.stop)  # start() registers too; stop() is idempotent and unregisters itself
     with _sigterm_as_interrupt():

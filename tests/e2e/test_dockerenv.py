@@ -13,9 +13,10 @@ import docker
 import pytest
 from docker.types import IPAMConfig, IPAMPool
 
+from airlock.verify.dockerd import DockerDaemon
 from airlock.verify.topology import FakeNet, Topology, alive
 
-from dockerenv import DockerDaemon, DockerEnv
+from dockerenv import DockerEnv
 
 SMOKE_SUBNET = "10.239.0.0/24"
 SMOKE_GATEWAY = "10.239.0.1"

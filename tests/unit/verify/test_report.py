@@ -31,6 +31,7 @@ from airlock.verify.checks import (
     judge,
 )
 from airlock.verify.processes import NAMESPACES, Process
+from airlock.verify.runner import Request
 from airlock.verify.targets import UNLISTED, BrokerTarget, Targets, targets
 from airlock.verify.usage import Usage
 
@@ -38,6 +39,7 @@ ROOT = Path(__file__).resolve().parents[3]
 SCHEMA = Draft202012Validator(json.loads((ROOT / "docs" / "verify-report.schema.json").read_text()))
 RUN = report.Run("netns", "/etc/airlock/policy.yaml", "default", "auto", 12.34)
 BY_ID = {check.id: check for check in CHECKS}
+NETNS_ONLY = ("namespace", "write-inside", "setuid")  # in the groups the docker backend judges
 
 
 def _outcomes(*results: tuple[str, checks.Result]) -> list[Outcome]:
@@ -345,6 +347,7 @@ BREAKS = {  # check -> the evidence a setup that breaks it leaves
         ),
     ),
     "namespace": lambda t: _holding(t, leftovers={"namespace": ["airlock-alx1v"]}),
+    "container": lambda t: _holding(t, backend="docker", leftovers={"container": ["container airlock-alx1v"]}),
     "fence": lambda t: _holding(t, leftovers={"fence": ["table inet airlock_n_alx1v"]}),
     "cgroup": lambda t: _holding(t, leftovers={"cgroup": ["/sys/fs/cgroup/airlock/alx1v"]}),
     "state-dir": lambda t: _holding(t, leftovers={"state-dir": ["/var/tmp/x/private/tmp/airlock-run-1"]}),
@@ -353,14 +356,47 @@ BREAKS = {  # check -> the evidence a setup that breaks it leaves
 
 def test_every_check_holds_on_evidence_of_a_sound_setup(tmp_path: Path):
     evidence = _holding(tmp_path)
-    assert {check.id: judge(check, evidence).result for check in CHECKS} == {check.id: "held" for check in CHECKS}
+    only_docker = {"container"}
+    assert {check.id: judge(check, evidence).result for check in CHECKS} == {
+        check.id: "n/a" if check.id in only_docker else "held" for check in CHECKS
+    }
+
+
+def test_on_the_docker_backend_the_checks_of_groups_its_run_does_not_gather_are_not_applicable(tmp_path: Path):
+    evidence = _holding(tmp_path, backend="docker")
+    results = {check.id: judge(check, evidence) for check in CHECKS}
+    assert {i for i, o in results.items() if o.result == "held"} == {
+        c.id for c in CHECKS if c.group in checks.DOCKER_GROUPS and c.id not in NETNS_ONLY
+    }
+    assert results["namespace"].evidence.endswith("(destruction/container)")
+    assert results["write-inside"].evidence.endswith("it works in its own /tmp")
+    assert {o.evidence for o in results.values() if o.check.group not in checks.DOCKER_GROUPS} == {checks.NOT_ON_DOCKER}
+    # never held, not even on evidence that would fail it: the docker run gathers none of it
+    assert judge(BY_ID["foreign-token"], BREAKS["foreign-token"](tmp_path / "docker")).result == "failed"
+    broken = Evidence(**{**BREAKS["foreign-token"](tmp_path / "docker").__dict__, "backend": "docker"})
+    outcome = judge(BY_ID["foreign-token"], broken)
+    assert (outcome.result, outcome.evidence) == ("n/a", checks.NOT_ON_DOCKER)
+    for check in ("write-outside", "gateway-state", "no-new-privs", "tmp-fill", "timeout"):  # judged as on netns
+        leaked = Evidence(**{**BREAKS[check](tmp_path / check).__dict__, "backend": "docker"})
+        assert judge(BY_ID[check], leaked).result == "failed"
+
+
+def test_the_docker_backend_probe_makes_only_the_attempts_of_checks_that_apply_there():
+    found = targets(load_policy_file(None).profile())
+    netns = Request("p.yaml", found, [], CHECKS, Limits())
+    docker = Request("p.yaml", found, [], CHECKS, Limits(), Path("/var/cache/image.tar"))
+    assert (netns.backend, docker.backend) == ("netns", "docker")
+    assert set(docker.attempts()) == set(netns.attempts()) - {"write-inside"}  # the docker run's folder is its own
+    files = Request("p.yaml", found, [], checks.selected(["files"]), Limits(), Path("/var/cache/image.tar"))
+    assert files.attempts() == ["write-outside", "write-symlink", "write-proc-root"]
 
 
 @pytest.mark.parametrize("check", CHECKS, ids=lambda check: check.id)
 def test_every_check_fails_on_the_evidence_a_setup_that_breaks_it_leaves(tmp_path: Path, check: checks.Check):
     broken = BREAKS[check.id](tmp_path)
     assert judge(check, broken).result == "failed"
-    others = [other.id for other in CHECKS if other.group == check.group and judge(other, broken).result != "held"]
+    group = [other for other in CHECKS if other.group == check.group]
+    others = [other.id for other in group if judge(other, broken).result not in ("held", "n/a")]
     assert others == [check.id]  # the evidence of one break fails that check alone in its group
 
 
