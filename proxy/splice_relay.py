@@ -136,7 +136,9 @@ class SplicedTunnel:
     def interest(self, fd: int) -> int:
         """The epoll events this tunnel waits for on one of its sockets."""
         outgoing, incoming = (self.upstream, self.downstream) if fd == self.client else (self.downstream, self.upstream)
-        return (select.EPOLLIN if outgoing.wants_read else 0) | (select.EPOLLOUT if incoming.wants_write else 0)
+        # EPOLLPRI: TCP urgent data, at whose mark splice(2) stops for good while EPOLLIN stays set (a spin).
+        reading = select.EPOLLIN | select.EPOLLPRI if outgoing.wants_read else 0
+        return reading | (select.EPOLLOUT if incoming.wants_write else 0)
 
     def close(self) -> None:
         """Both sockets shut down (the peers see the end, whatever asyncio's descriptors still hold) and closed."""
@@ -156,14 +158,23 @@ class SpliceRelay:
         self.idle_timeout = idle_timeout
         self._commands: queue.SimpleQueue[tuple[str, SplicedTunnel | None]] = queue.SimpleQueue()
         self._wake = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
-        self._epoll = select.epoll()
+        try:
+            self._epoll = select.epoll()
+        except OSError:
+            os.close(self._wake)
+            raise
         self._epoll.register(self._wake, select.EPOLLIN)
         self._by_fd: dict[int, SplicedTunnel] = {}
         self._registered: dict[int, int] = {}  # fd → the events epoll waits for on it
         self._lock = threading.Lock()  # a command is either taken by the thread, or refused once it has stopped
         self._stopped = False
         self._thread = threading.Thread(target=self._run, name="airlock splice relay", daemon=True)
-        self._thread.start()
+        try:
+            self._thread.start()
+        except RuntimeError:
+            self._epoll.close()
+            os.close(self._wake)
+            raise
 
     @property
     def running(self) -> bool:
@@ -196,11 +207,15 @@ class SpliceRelay:
         scanned = time.monotonic()
         try:
             while True:
-                for fd, _ in self._epoll.poll(IDLE_SCAN):
+                for fd, events in self._epoll.poll(IDLE_SCAN):
                     if fd == self._wake:
                         if not self._take_commands():
                             return
-                    elif (tunnel := self._by_fd.get(fd)) is not None:
+                    elif (tunnel := self._by_fd.get(fd)) is None:
+                        continue
+                    elif events & select.EPOLLPRI:  # no TLS or SSH peer sends it; the kernel relay cannot pass it on
+                        self._finish(tunnel, URGENT_DATA)
+                    else:
                         self._pump(tunnel)
                 if (now := time.monotonic()) - scanned >= IDLE_SCAN:
                     scanned = now
@@ -286,6 +301,9 @@ class SpliceRelay:
                 self._epoll.unregister(fd)
         tunnel.close()
         tunnel.on_end(tunnel)
+
+
+URGENT_DATA = "TCP urgent data, which the kernel relay does not pass on: the tunnel is closed"
 
 
 class RelayStopped(RuntimeError):

@@ -136,8 +136,10 @@ class Splicing:
             return False
         try:
             self._started_relay().add(tunnel)
-        except RelayStopped:
+        except (RelayStopped, OSError, RuntimeError) as e:  # stopped, or a new relay could not start: no leak
             tunnel.close()
+            if not isinstance(e, RelayStopped):
+                log.warning("airlock: tunnel to %s not spliced (%s): the proxy relays it", ticket.record.host, e)
             return False
         ticket.taken, spliced.tunnel = True, tunnel
         ticket.record.extra["relayed_by"] = "kernel"  # the audit line tells which tunnels left the proxy's hands
@@ -173,10 +175,12 @@ class Splicing:
     @fail_closed(nothing_to_deny)
     async def client_disconnected(self, client: connection.Client) -> None:
         spliced = self.spliced.get(client.id)
-        if spliced is not None and spliced.tunnel is not None and self._relay is not None:
-            self._relay.end(spliced.tunnel)  # mitmproxy ended it: the relay's half ends too, then its counts
-            await spliced.ended
-        self.then(client)
+        try:
+            if spliced is not None and spliced.tunnel is not None and self._relay is not None:
+                self._relay.end(spliced.tunnel)  # mitmproxy ended it: the relay's half ends too, then its counts
+                await spliced.ended
+        finally:  # the audit line and the sandbox's counts, whatever the relay's end raised (or a cancellation)
+            self.then(client)
 
     def stop(self) -> None:
         """End every spliced tunnel (the gateway is stopping); no more are spliced."""

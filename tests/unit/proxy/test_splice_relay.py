@@ -3,14 +3,16 @@ the idle timeout, an end asked for by the gateway, and a reset that closes both 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import threading
+import time
 from collections.abc import Iterator
 
 import pytest
 
-from airlock.proxy.splice_relay import SplicedTunnel, SpliceRelay
+from airlock.proxy.splice_relay import URGENT_DATA, SplicedTunnel, SpliceRelay
 
 
 class Pair:
@@ -98,3 +100,35 @@ def test_stopping_the_relay_ends_every_tunnel() -> None:
     relay.stop()
     assert all(p.done.is_set() and p.client.recv(1) == b"" for p in pairs)
     assert not relay.running
+
+
+def _tcp_pair() -> tuple[socket.socket, socket.socket]:
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        far = socket.create_connection(listener.getsockname())
+        near, _ = listener.accept()
+    return far, near
+
+
+@pytest.mark.parametrize("sender", ["client", "server"])
+def test_tcp_urgent_data_ends_the_tunnel_instead_of_spinning(relay: SpliceRelay, sender: str) -> None:
+    # At an urgent byte's mark splice(2) answers EAGAIN for ever while epoll reports the socket readable: the
+    # relay thread would spin and that direction stay stuck. It ends the tunnel instead (fail closed).
+    (client, client_near), (server, server_near) = _tcp_pair(), _tcp_pair()
+    done = threading.Event()
+    tunnel = SplicedTunnel.of(client_near.fileno(), server_near.fileno(), lambda t: done.set())
+    client_near.close()
+    server_near.close()
+    relay.add(tunnel)
+    far, other = (client, server) if sender == "client" else (server, client)
+    far.sendall(b"before")
+    other.settimeout(5)
+    assert other.recv(6) == b"before"
+    started = time.process_time()
+    far.send(b"U", socket.MSG_OOB)
+    with contextlib.suppress(OSError):  # the relay may have closed the tunnel already
+        far.sendall(b"after")
+    assert done.wait(3) and tunnel.error == URGENT_DATA
+    assert time.process_time() - started < 1.0  # no spin meanwhile
+    assert other.recv(100) == b""  # closed, and nothing after the mark went through
+    for sock in (client, server):
+        sock.close()
