@@ -159,15 +159,22 @@ class Outcome:
 
 @dataclass(frozen=True, slots=True)
 class Kept:
-    """An allowed judgement of `target` under the policy snapshot in force then, good until `until` (monotonic)."""
+    """An allowed judgement of `target` under the policy snapshot in force then, good until `until` (monotonic)
+    while none of the addresses it vetted has become the gateway's own since (the snapshot asks that live)."""
 
     target: tuple[str, int]
     snapshot: Snapshot
     until: float
     outcome: Outcome
+    addresses: tuple[IPAddress, ...]
 
     def holds(self, target: tuple[str, int], snapshot: Snapshot, now: float) -> bool:
-        return target == self.target and snapshot is self.snapshot and now < self.until
+        return (
+            target == self.target
+            and snapshot is self.snapshot
+            and now < self.until
+            and not snapshot.own.among(self.addresses)
+        )
 
 
 def _timed(evaluate: Callable[..., Awaitable[Outcome]]) -> Callable[..., Awaitable[Outcome]]:
@@ -323,7 +330,7 @@ class Shared:
             return Outcome(refused_addresses(decision, vetted), host, resolved), None
         chosen = min(vetted.allowed, key=lambda a: a.version)  # IPv4 first: the family most often routed
         outcome = Outcome(decision, host, resolved, str(chosen))
-        kept = Kept((raw_host, port), live, time.monotonic() + keep_for, outcome) if keep_for > 0 else None
+        kept = Kept((raw_host, port), live, time.monotonic() + keep_for, outcome, addresses) if keep_for > 0 else None
         return outcome, kept
 
 

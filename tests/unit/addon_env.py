@@ -20,6 +20,7 @@ from mitmproxy.test import taddons, tflow, tutils
 from airlock.audit import AuditRecord
 from airlock.dns.upstream import Answer, NameNotFound, Resolver, ResolverUnavailable
 from airlock.policy import KnownAddresses, LivePolicy, Policy, Sandbox, SandboxRegistry, parse_policy
+from airlock.policy.live import OwnAddresses
 from airlock.proxy.addon import build_addon
 from airlock.proxy.connect import PinnedConnect
 from airlock.proxy.httpaudit import HttpAudit
@@ -185,13 +186,15 @@ class Gateway:
         return self.shared.client(client)
 
 
-def gateway(zone: dict[str, Reply] | None = None, policy: Policy = POLICY, **settings: Any) -> Gateway:
+def gateway(
+    zone: dict[str, Reply] | None = None, policy: Policy = POLICY, own: OwnAddresses | None = None, **settings: Any
+) -> Gateway:
     resolver = FakeResolver(ZONE if zone is None else zone)
     records: list[AuditRecord] = []
     registry = SandboxRegistry([SBX, TIGHT])
     config = GatewaySettings(**settings)
     # The gateway's own addresses, as its probe would find them (no sockets here): the listen one and one more.
-    own = KnownAddresses(frozenset({ipaddress.ip_address(OWN), ipaddress.ip_address(PROBED)}))
+    own = own or KnownAddresses(frozenset({ipaddress.ip_address(OWN), ipaddress.ip_address(PROBED)}))
     airlock = build_addon(LivePolicy(policy, registry, own), cast(Resolver, resolver), records.append, config)
     return Gateway(airlock.shared, resolver, records, list(airlock.concerns))
 

@@ -8,7 +8,8 @@ import asyncio
 import ipaddress
 import json
 import logging
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
+from typing import Any
 
 import pytest
 from addon_env import (
@@ -223,6 +224,27 @@ async def test_a_kept_judgement_allows_nothing_while_the_audit_log_cannot_be_wri
     failure.append("disk full")
     await gw.http.requestheaders(refused := request_flow("allowed.test", conn=conn))
     assert denial(refused.response)["code"] == "audit_unavailable"
+
+
+class GrowingAddresses:
+    """The gateway's own addresses as its probe finds them while it runs: more may come."""
+
+    def __init__(self) -> None:
+        self.addresses: set[ipaddress.IPv4Address | ipaddress.IPv6Address] = set()
+
+    def among(self, addresses: Iterable[ipaddress.IPv4Address | ipaddress.IPv6Address]) -> frozenset[Any]:
+        return frozenset(self.addresses.intersection(addresses))
+
+
+async def test_a_kept_judgement_ends_when_its_address_becomes_the_gateways_own() -> None:
+    own = GrowingAddresses()
+    gw = gateway(own=own)
+    conn = client()
+    await gw.http.requestheaders(first := request_flow("allowed.test", conn=conn))
+    assert first.response is None
+    own.addresses.add(ipaddress.ip_address("203.0.113.10"))  # allowed.test's address is now one of the gateway's
+    await gw.http.requestheaders(after := request_flow("allowed.test", conn=conn))
+    assert after.response is not None and after.response.status_code == 403
 
 
 async def test_a_judgement_is_kept_no_longer_than_the_names_ttl() -> None:
