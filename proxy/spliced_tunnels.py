@@ -33,9 +33,10 @@ log = logging.getLogger("airlock.proxy")
 type Handlers = Mapping[tuple[Any, ...] | str, ConnectionHandler]
 
 # Looks for mitmproxy to have relayed all it read before the pause: the first few at the event loop's next turns (the
-# reader that delivered the first bytes waits in `read` again by then), then QUIET_WAIT apart, for about a second.
+# reader that delivered the first bytes waits in `read` again by then), then QUIET_WAIT apart, for about five seconds
+# (a busy machine may take that long to send on what was read; past it mitmproxy relays the tunnel as before).
 QUIET_TURNS = 8
-QUIET_TRIES = 200
+QUIET_TRIES = 1000
 QUIET_WAIT = 0.005
 
 

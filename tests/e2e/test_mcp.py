@@ -246,7 +246,15 @@ def test_what_an_mcp_client_says_to_connect_spends_no_tool_calls_and_prints_no_d
     methods = [r["method"] for r in records if r["decision"] == "allow"]
     # (In the stateless era the SDK lists the tools at its first call, a schema may ask for Mcp-Param headers: the
     # listing and the call may end in either order.)
-    assert methods[:22] == [*INSPECTOR_SESSION * 3, "mcp:server/discover"], methods
+    # (The SDK sends notifications/initialized and opens its GET stream at once: those two end in either order.)
+    sessions = [
+        methods[i : i + len(INSPECTOR_SESSION)] for i in range(0, 3 * len(INSPECTOR_SESSION), len(INSPECTOR_SESSION))
+    ]
+    for session in sessions:
+        assert [session[0], *sorted(session[1:3]), *session[3:]] == [
+            INSPECTOR_SESSION[0], *sorted(INSPECTOR_SESSION[1:3]), *INSPECTOR_SESSION[3:]
+        ], methods  # fmt: skip
+    assert methods[21] == "mcp:server/discover", methods
     assert sorted(methods[22:]) == sorted(["mcp:tools/list", *["create_pull_request"] * len(made)]), methods
     refused = [(r["method"], r["code"]) for r in records if r["decision"] != "allow"]
     assert refused == [("create_pull_request", "rate_limited")] * (len(calls) - len(made))
