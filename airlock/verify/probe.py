@@ -100,13 +100,13 @@ def tunnel(host: str, port: int) -> tuple[socket.socket, str]:
     return sock, _first_line(sock)
 
 
-def tls_get(sock: socket.socket, sni: str | None, host: str, path: str) -> str:
-    """A GET over TLS on `sock` with this SNI and Host; the answer's status line (the probe trusts any
-    certificate: what it checks is where its bytes go, not whom it talks to)."""
+def tls_get(sock: socket.socket, sni: str | None, host: str, path: str, headers: str = "") -> str:
+    """A GET over TLS on `sock` with this SNI and Host (and these header lines); the answer's status line (the
+    probe trusts any certificate: what it checks is where its bytes go, not whom it talks to)."""
     context = ssl.create_default_context()
     context.check_hostname, context.verify_mode = False, ssl.CERT_NONE
     with context.wrap_socket(sock, server_hostname=sni) as tls:
-        tls.sendall(f"GET {path} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n".encode())
+        tls.sendall(f"GET {path} HTTP/1.1\r\nHost: {host}\r\n{headers}Connection: close\r\n\r\n".encode())
         return _first_line(tls)
 
 
@@ -404,6 +404,20 @@ def read_secret(config: dict[str, Any]) -> str:
     return f"{read_all([config['secret_file'], '/proc/self/environ'], 'secret.bin')}; environment kept"
 
 
+def placeholder_elsewhere(config: dict[str, Any]) -> str:
+    """The secret's placeholder (as the sandbox's environment has it) to the inspected host, in a header and in
+    the URL."""
+    host, held = config["inspected"], os.environ.get(config["placeholder_var"], "")
+    path = f"/airlock-verify/{config['nonce']}/placeholder"
+
+    def send(target: str, header: str) -> str:
+        sock, status = tunnel(host, 443)
+        with sock:
+            return f"GET {target}: {tls_get(sock, host, host, target, header) if ' 200' in status else status}"
+
+    return each(partial(send, path, f"X-Api-Key: {held}\r\n"), partial(send, f"{path}?key={held}", ""))
+
+
 def read_service_account_token(config: dict[str, Any]) -> str:
     tokens = [f"{root}/secrets/kubernetes.io/serviceaccount/token" for root in ("/var/run", "/run")]
     return read_all(tokens, "service-account.bin")
@@ -617,6 +631,7 @@ ATTEMPTS: dict[str, Attempt] = {
     "read-state": read_state,
     "read-secret": read_secret,
     "read-host-env": read_host_env,
+    "placeholder-elsewhere": placeholder_elsewhere,
     "read-service-account": read_service_account_token,
     "docker-socket": docker_socket,
     "setuid": run_marked,

@@ -52,7 +52,6 @@ from .checks import (
     PROBE_ARGV,
     PROBE_MARK,
     REBIND_WAIT,
-    SECRET_NAME,
     TIMEOUT_GIVEN,
     TIMEOUT_GRACE,
     TMP_FILL,
@@ -72,7 +71,7 @@ from .dockerd import DockerDaemon
 from .hostcanaries import host_canaries
 from .hostcgroups import with_host_cgroups
 from .processes import Process, raw_sockets, read_process, sandbox_processes, sockets_in_view, user_keys
-from .targets import UNLISTED, BrokerTarget, Targets
+from .targets import SECRET_NAME, UNLISTED, BrokerTarget, Targets
 from .topology import DNS_SERVER, GW_OUTSIDE_IP, Canaries, FakeNet, Topology, new_prefix
 from .usage import Usage, cgroup_counters, group_counters, sandbox_tmp
 
@@ -232,7 +231,7 @@ def _verify_in(
     where = ["--workdir", str(area.work)]
     argv = [
         *_run_argv(request, ca, where, sandbox_id, RUN_TIMEOUT), "--secret", f"{SECRET_NAME}=file:{secret_file}",
-        "--placeholder-env", f"{PLACEHOLDER_VAR}={SECRET_NAME}",
+        "--placeholder-env", f"{PLACEHOLDER_VAR}={SECRET_NAME}", "--audit", str(area.private / "audit.jsonl"),
         "--", *PROBE_ARGV, Path(probe.__file__).read_text(), json.dumps(config), PROBE_MARK,
     ]  # fmt: skip
     env = os.environ | {HOST_CANARY_VAR: host_canary, "TMPDIR": str(area.tmp)}
@@ -247,7 +246,7 @@ def _verify_in(
         _secrets(ca, secret_value, host_canary, on_host.token),
         _every_leftover(topology, area, [sandbox_id, *([broker.first, broker.foreign] if broker else [])]),
         watched.sandboxed, canaries.stats(), request.limits, watched.usage,
-        timed, socket_connections, broker,
+        timed, socket_connections, broker, audit=_audit(area.private / "audit.jsonl"),
     )  # fmt: skip
     if not evidence.probe:
         why = (watched.stderr.strip().splitlines() or [f"exit {watched.returncode}"])[-1]
@@ -593,7 +592,8 @@ def _probe_config(request: Request, area: Area, nonce: str, secret_file: Path) -
         "attempts": request.attempts(),
         "allowed": list(targets.allowed), "front": targets.front, "canaries": list(targets.canaries),
         "canary": UNLISTED, "metadata_alias": targets.metadata_alias, "rebind": targets.rebind,
-        "rebind_wait": REBIND_WAIT, "outside": str(area.outside),
+        "rebind_wait": REBIND_WAIT, "outside": str(area.outside), "inspected": targets.inspected,
+        "placeholder_var": PLACEHOLDER_VAR,
         "gateway_paths": [str(area.private), "/run/airlock", "/var/lib/airlock", "/tmp/airlock-run-*"],
         "secret_file": str(secret_file), "mount_point": f"airlock-verify/mnt-{nonce}",
         "marked_programs": [str(p) for p in sorted(area.programs.iterdir())],
@@ -603,6 +603,14 @@ def _probe_config(request: Request, area: Area, nonce: str, secret_file: Path) -
         "hog_bytes": request.limits.memory + HOG_MARGIN, "bomb_forks": request.limits.pids + BOMB_MARGIN,
         "tmp_fill": TMP_FILL,
     }  # fmt: skip
+
+
+def _audit(path: Path) -> list[dict[str, Any]]:
+    """The gateway's audit lines of the run (none: it wrote no file)."""
+    try:
+        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    except OSError:
+        return []
 
 
 def _probe_record(area: Area) -> dict[str, str]:
