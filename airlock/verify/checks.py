@@ -21,7 +21,7 @@ from .targets import HEAD_PREFIX, SECRET_NAME, UNLISTED, BrokerTarget, Targets
 from .usage import Usage
 
 Result = Literal["held", "failed", "error", "n/a"]
-GROUPS = ("network", "files", "secrets", "inspection", "privilege", "resources", "broker", "destruction")
+GROUPS = ("network", "files", "secrets", "inspection", "tenancy", "privilege", "resources", "broker", "destruction")
 BACKENDS = ("netns", "docker")
 # The groups whose evidence a docker run gathers; the others' checks are n/a there, saying so.
 DOCKER_GROUPS = ("network", "files", "secrets", "privilege", "resources", "destruction")
@@ -47,6 +47,8 @@ TMP_FILL = 32 << 20
 # --dns-min-ttl, 5 by default), so that the second is judged on the internal answer.
 REBIND_WAIT = 6.0
 TIMEOUT_GIVEN, TIMEOUT_GRACE = 2.0, 15.0  # `airlock run --timeout` of the timeout check; seconds it may take beyond
+# The files of the tenancy check's second sandbox's working directory: its canary, its word that it runs.
+OTHER_CANARY, OTHER_STARTED = "canary", "started"
 
 
 @dataclass(frozen=True)
@@ -71,6 +73,25 @@ class TimedRun:
     returncode: int
     seconds: float
     left: list[str]
+
+
+@dataclass(frozen=True)
+class OtherSandbox:
+    """The second sandbox as the probe is to try it, and then as the host found it."""
+
+    sandbox_id: str
+    workdir: Path
+    gateway: str  # its gateway's address (its link's, in the gateway's namespace)
+    tcp_ports: tuple[int, ...]
+    udp_ports: tuple[int, ...]
+    canary: str  # the canary file's bytes
+    files: tuple[str, ...] = ()  # its working directory's names once the probe was done
+    found: str | None = None  # the canary file's bytes then (None: gone)
+    reached: int = 0  # packets from another link that reached its gateway's address
+
+    def config(self) -> dict[str, object]:
+        return {"other_workdir": str(self.workdir), "other_gateway": self.gateway,
+                "other_tcp_ports": list(self.tcp_ports), "other_udp_ports": list(self.udp_ports)}  # fmt: skip
 
 
 class NotJudged(Exception):
@@ -172,6 +193,7 @@ class Evidence:
     broker: BrokerRecord | None = None  # the broker group's runs (None: they did not run)
     backend: str = "netns"
     audit: list[dict[str, Any]] = field(default_factory=list)  # the sandbox's gateway's audit lines
+    other: OtherSandbox | None = None  # the tenancy group's second sandbox (None: it did not run)
 
     def counter(self, name: str) -> int:
         if name not in self.usage.counters:
@@ -303,6 +325,23 @@ def _placeholder_refused(ev: Evidence) -> tuple[bool, str]:
     return not arrived and len(refused) == len(audited), (
         f"{len(arrived)} requests at {host}'s upstream carried the placeholder or the secret; the gateway's audit of "
         f"{path}: {shown}"
+    )
+
+
+def _other_untouched(ev: Evidence) -> tuple[bool, str]:
+    """Judged by what the probe could change (its canary, a new file) and reach; what it could read is shown: the
+    host's filesystem is the sandbox's, read-only, where isolation keeps its own working directory alone writable."""
+    other = ev.other
+    if other is None:
+        raise NotJudged("the second sandbox did not run")
+    added = [name for name in other.files if name not in (OTHER_CANARY, OTHER_STARTED)]
+    intact, read = other.found == other.canary, other.canary.encode() in ev.written()
+    tcp, udp = (", ".join(map(str, ports)) or "none" for ports in (other.tcp_ports, other.udp_ports))
+    ports = f"tcp {tcp}, udp {udp}"
+    return intact and not added and other.reached == 0, (
+        f"{other.workdir}: its canary {'unchanged' if intact else 'changed'} ({'read' if read else 'not read'} by the "
+        f"probe); new there: {', '.join(added) or 'nothing'}; its gateway at {other.gateway} ({ports}): "
+        f"{other.reached} packets from another sandbox reached it"
     )
 
 
@@ -674,6 +713,8 @@ _EVERY_BACKEND: tuple[Check, ...] = (
     Check("inspection", "placeholder-elsewhere", "a --secret's placeholder sent to an inspected host whose rule does "
           "not inject it (in a header and in the URL) is refused and never arrives", _placeholder_refused,
           "placeholder-elsewhere", _inspecting),
+    Check("tenancy", "other-sandbox", "another sandbox's working directory and gateway are out of reach",
+          _other_untouched, "other-sandbox"),
     Check("privilege", "setuid", "a setuid-root or file-capability program gains nothing: no root ID, no capability",
           _no_root, "setuid", off=(("docker", "the marked programs are copies on the host, which the container does "
                                       "not see"),)),

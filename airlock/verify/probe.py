@@ -394,6 +394,19 @@ def _walk(top: str) -> list[str]:
     return [os.path.join(folder, name) for folder, _, names in os.walk(top) for name in names]
 
 
+def other_sandbox(config: dict[str, Any]) -> str:
+    """Another sandbox's working directory by its host path (read, written, its canary overwritten) and its
+    gateway's address and ports."""
+    folder, gateway, nonce = config["other_workdir"], config["other_gateway"], config["nonce"]
+    return each(
+        lambda: read_all([folder], "other.bin"),
+        lambda: write(os.path.join(folder, f"intruder-{nonce}"), nonce),
+        lambda: write(os.path.join(folder, "canary"), nonce),
+        *(partial(direct, gateway, port, b"GET / HTTP/1.1\r\n\r\n") for port in config["other_tcp_ports"]),
+        *(partial(datagram, gateway, port, dns_question(f"o-{nonce}.example")) for port in config["other_udp_ports"]),
+    )
+
+
 def read_state(config: dict[str, Any]) -> str:
     return read_all(config["gateway_paths"], "state.bin")
 
@@ -629,6 +642,7 @@ ATTEMPTS: dict[str, Attempt] = {
     "write-symlink": write_symlink,
     "write-proc-root": write_proc_root,
     "read-state": read_state,
+    "other-sandbox": other_sandbox,
     "read-secret": read_secret,
     "read-host-env": read_host_env,
     "placeholder-elsewhere": placeholder_elsewhere,

@@ -1,9 +1,10 @@
 """`airlock verify` end to end, as a user runs it on the host: its own fake internet, a real sandbox in it, the
 matrix. It holds on the default setup (with a pull-request grant, for the broker's checks), and fails exactly the
-checks a weakened setup breaks: without filesystem isolation the file checks, the /tmp fill and what bubblewrap
-hides (a pod's token, the docker socket), with a policy that opens more ports of an allowed host the other-port
-check, with one that opens the internal network the rebinding check. With a policy that inspects an allowed host,
-the placeholder the probe sends there is refused. A check that could not run is an error (exit 2), never a pass."""
+checks a weakened setup breaks: without filesystem isolation the file checks (another sandbox's folder too), the
+/tmp fill and what bubblewrap hides (a pod's token, the docker socket), with a policy that opens more ports of an
+allowed host the other-port check, with one that opens the internal network the rebinding check. With a policy that
+inspects an allowed host, the placeholder the probe sends there is refused. A check that could not run is an error
+(exit 2), never a pass."""
 
 from __future__ import annotations
 
@@ -99,6 +100,8 @@ def test_verify_holds_every_check_on_the_default_setup(tmp_path: Path):
     assert "deny 403 outside_grant" in evidence["outside-grant"] and "0 comments upstream" in evidence["outside-grant"]
     assert "deny 403 wrong_sandbox" in evidence["foreign-token"], evidence["foreign-token"]
     assert evidence["placeholder-elsewhere"].startswith("the profile inspects no allowed host")
+    assert "its canary unchanged" in evidence["other-sandbox"] and "new there: nothing" in evidence["other-sandbox"]
+    assert evidence["other-sandbox"].endswith(": 0 packets from another sandbox reached it"), evidence["other-sandbox"]
 
 
 def test_verify_with_an_inspected_host_sees_the_placeholder_sent_there_refused(tmp_path: Path):
@@ -122,14 +125,15 @@ def test_verify_without_a_pull_request_grant_says_the_broker_group_does_not_appl
 
 
 def test_verify_without_filesystem_isolation_fails_exactly_the_checks_of_what_bubblewrap_hides(tmp_path: Path):
-    groups = ("--only", "files", "--only", "secrets", "--only", "privilege", "--only", "resources")
+    groups = ("--only", "files", "--only", "secrets", "--only", "tenancy", "--only", "privilege", "--only", "resources")
     canaries_before = _host_canary_paths()
     done, verdicts = _verify(tmp_path, "--isolation", "none", *groups, *QUOTA)
     assert done.returncode == 1, done.stdout + done.stderr
     SCHEMA.validate(verdicts)
     failed = {check for check, result in _results(verdicts).items() if result != "held"}
     hidden = {"service-account", "docker-socket"}  # the pod's token and the docker socket, in sight
-    assert failed == {"write-outside", "write-symlink", "write-proc-root", "tmp-fill", *hidden}, done.stdout
+    written = {"write-outside", "write-symlink", "write-proc-root", "other-sandbox"}  # the other sandbox's folder too
+    assert failed == {*written, "tmp-fill", *hidden}, done.stdout
     socket = next(check for check in verdicts["checks"] if check["id"] == "docker-socket")
     assert socket["evidence"].endswith("2 connections at its canary")
     fill = next(check for check in verdicts["checks"] if check["id"] == "tmp-fill")

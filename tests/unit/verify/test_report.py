@@ -25,6 +25,7 @@ from airlock.verify.checks import (
     BrokerRecord,
     Evidence,
     Limits,
+    OtherSandbox,
     Outcome,
     Sandboxed,
     TimedRun,
@@ -236,6 +237,15 @@ PLACEHOLDER_SENT = {"host": "pypi.org", "target": "/airlock-verify/n0nce/placeho
                     "headers": [["X-Api-Key", checks.PLACEHOLDER]]}  # fmt: skip
 
 
+# The second sandbox once the probe was done: its folder as it was, its gateway's address reached by nothing.
+OTHER = OtherSandbox("alx1o", Path("/var/tmp/x/other"), "10.231.0.101", (53, 3128), (53,), "0ther-canary",
+                     ("canary", "started"), "0ther-canary", 0)  # fmt: skip
+
+
+def _other(**fields: object) -> OtherSandbox:
+    return OtherSandbox(**{**OTHER.__dict__, **fields})
+
+
 def _broker(**fields: object) -> BrokerRecord:
     """The broker group's record on a sound setup, but for `fields`."""
     sound = BrokerRecord(BROKER_TARGET, "alx1b", "alx1f", "n0nce", MADE, [], AUDIT, "j1")
@@ -279,7 +289,7 @@ def _holding(
          "the service-account token": b"t0ken"},
         {}, Sandboxed([LAUNCHER, PROBE, marked, *kids.values()], 0, keys=(2, 2)), limits=LIMITS,
         usage=Usage(COUNTERS, tmp_own=True, tmp_fill=TMP_FILL), timed=TimedRun(124, 2.9, []),
-        docker_socket_connections=0, broker=_broker(), audit=REFUSED,
+        docker_socket_connections=0, broker=_broker(), audit=REFUSED, other=OTHER,
     )  # fmt: skip
     return Evidence(**{**evidence.__dict__, **{k: v for k, v in changes.items() if not k.startswith("stats_")}})
 
@@ -324,6 +334,7 @@ BREAKS = {  # check -> the evidence a setup that breaks it leaves
     "secret-placeholder": lambda t: _holding(_written(t, "secret.bin", b"s3cret")),
     "placeholder-elsewhere": lambda t: _holding(t, stats_http=[*REACHED, PLACEHOLDER_SENT], audit=REFUSED[:1]),
     "host-environment": lambda t: _holding(_written(t, "host.bin", b"HOME=/root h0st")),
+    "other-sandbox": lambda t: _holding(t, other=_other(found="n0nce")),  # its canary overwritten
     "service-account": lambda t: _holding(_written(t, "service-account.bin", b"t0ken")),
     "setuid": lambda t: _holding(t, sleeper={"Uid": "65534\t0\t0\t0"}),
     "no-new-privs": lambda t: _holding(t, sleeper={"Seccomp": "0"}),
@@ -406,6 +417,27 @@ def test_the_placeholder_check_fails_on_the_secret_arriving_and_errs_when_nothin
     )
 
 
+@pytest.mark.parametrize(
+    "other",
+    [_other(files=("canary", "intruder-n0nce", "started")), _other(found=None), _other(reached=3)],
+    ids=["new-file", "canary-gone", "gateway-reached"],
+)
+def test_the_other_sandbox_check_fails_on_a_file_added_the_canary_gone_or_its_gateway_reached(
+    tmp_path: Path, other: OtherSandbox
+):
+    assert judge(BY_ID["other-sandbox"], _holding(tmp_path, other=other)).result == "failed"
+
+
+def test_the_other_sandbox_check_shows_a_read_it_does_not_judge_and_errs_without_the_second_sandbox(tmp_path: Path):
+    held = judge(BY_ID["other-sandbox"], _holding(_written(tmp_path, "other.bin", b"0ther-canary")))
+    assert held.result == "held" and held.evidence == (
+        "/var/tmp/x/other: its canary unchanged (read by the probe); new there: nothing; its gateway at 10.231.0.101 "
+        "(tcp 53, 3128, udp 53): 0 packets from another sandbox reached it"
+    )
+    missing = judge(BY_ID["other-sandbox"], _holding(tmp_path, other=None))
+    assert (missing.result, missing.evidence) == ("error", "the second sandbox did not run")
+
+
 def test_the_placeholder_check_needs_an_inspected_host_that_does_not_inject_the_secret():
     inspected = parse_policy(
         "version: 1\nprofiles:\n  default:\n    allow:\n      - host: pypi.org\n      - host: api.model.example\n"
@@ -423,7 +455,8 @@ def test_the_docker_backend_probe_makes_only_the_attempts_of_checks_that_apply_t
     netns = Request("p.yaml", found, [], CHECKS, Limits())
     docker = Request("p.yaml", found, [], CHECKS, Limits(), Path("/var/cache/image.tar"))
     assert (netns.backend, docker.backend) == ("netns", "docker")
-    assert set(docker.attempts()) == set(netns.attempts()) - {"write-inside"}  # the docker run's folder is its own
+    # the docker run's folder is its own; no second sandbox runs beside it
+    assert set(docker.attempts()) == set(netns.attempts()) - {"write-inside", "other-sandbox"}
     files = Request("p.yaml", found, [], checks.selected(["files"]), Limits(), Path("/var/cache/image.tar"))
     assert files.attempts() == ["write-outside", "write-symlink", "write-proc-root"]
 
