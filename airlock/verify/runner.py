@@ -604,11 +604,8 @@ def _other_sandbox(
         return with_host_cgroups(_run_argv(request, ca, ["--workdir", str(work)], sandbox_id, RUN_TIMEOUT + 60))
 
     pw = resolve_user(None)
-    try:
-        with _run_other_sandbox(topology, run_argv, area.base / "other", pw.pw_uid, pw.pw_gid) as (other, finish):
-            yield other, finish
-    except RuntimeError as e:
-        raise VerifyError(str(e)) from None
+    with _run_other_sandbox(topology, run_argv, area.base / "other", pw.pw_uid, pw.pw_gid) as (other, finish):
+        yield other, finish
 
 
 def _broker_runs(topology: Topology, request: Request, ca: FakeCA, area: Area, nonce: str) -> BrokerRecord | None:
@@ -701,7 +698,7 @@ def _run_other_sandbox(
         while proc.poll() is None and not (workdir / OTHER_STARTED).exists() and time.monotonic() < deadline:
             time.sleep(0.05)
         if not (workdir / OTHER_STARTED).exists():
-            raise RuntimeError(f"the second sandbox did not start (exit {proc.poll()})")
+            raise VerifyError(f"the second sandbox did not start (exit {proc.poll()})")
         gateway = _address(topology, _link(sandbox_id))
         tcp, udp = _listening(topology, gateway, "-t"), _listening(topology, gateway, "-u")
         _count(topology, table, gateway, _link(sandbox_id))
@@ -731,7 +728,7 @@ def _address(topology: Topology, link: str) -> str:
     done = topology.run(topology.gw, ["ip", "-j", "-4", "addr", "show", "dev", link])
     found = [a["local"] for entry in json.loads(done.stdout or "[]") for a in entry.get("addr_info", [])]
     if not found:
-        raise RuntimeError(f"the second sandbox's link {link} has no address")
+        raise VerifyError(f"the second sandbox's link {link} has no address")
     return str(found[0])
 
 
@@ -759,14 +756,14 @@ def _count(topology: Topology, table: str, address: str, link: str) -> None:
     }}"""
     done = topology.run(topology.gw, ["nft", "-f", "-"], input=rules)
     if done.returncode != 0:
-        raise RuntimeError(f"the counter at the second sandbox's gateway could not be set: {done.stderr.strip()}")
+        raise VerifyError(f"the counter at the second sandbox's gateway could not be set: {done.stderr.strip()}")
 
 
 def _counted(topology: Topology, table: str) -> int:
     done = topology.run(topology.gw, ["nft", "-j", "list", "counter", "inet", table, "reached"])
     found = [item["counter"] for item in json.loads(done.stdout or "{}").get("nftables", []) if "counter" in item]
     if not found:
-        raise RuntimeError("the counter at the second sandbox's gateway could not be read")
+        raise VerifyError("the counter at the second sandbox's gateway could not be read")
     return int(found[0]["packets"])
 
 
