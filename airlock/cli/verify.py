@@ -24,7 +24,7 @@ from .option_bounds import check_limits
 
 LIMITS = ("cpus", "memory", "pids", "nofile", "nproc")
 # airlock.verify.checks.GROUPS, light for --help
-GROUPS = ("network", "files", "secrets", "privilege", "resources", "broker", "destruction")
+GROUPS = ("network", "files", "secrets", "inspection", "tenancy", "privilege", "resources", "broker", "destruction")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -6,6 +6,7 @@ attempt the probe left no record of makes its check an error, not a pass."""
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -16,11 +17,11 @@ from airlock.sandbox.limits import DEFAULT_CPUS, DEFAULT_MEMORY, DEFAULT_NPROC, 
 
 from .probe import ALLOWED_ADDR, CANARY_ADDR, CHILD, DNS_ADDR, INTERNAL_ADDR, METADATA, OTHER_ADDR
 from .processes import NAMESPACES, Process, descendants
-from .targets import HEAD_PREFIX, UNLISTED, BrokerTarget, Targets
+from .targets import HEAD_PREFIX, SECRET_NAME, UNLISTED, BrokerTarget, Targets
 from .usage import Usage
 
 Result = Literal["held", "failed", "error", "n/a"]
-GROUPS = ("network", "files", "secrets", "privilege", "resources", "broker", "destruction")
+GROUPS = ("network", "files", "secrets", "inspection", "tenancy", "privilege", "resources", "broker", "destruction")
 BACKENDS = ("netns", "docker")
 # The groups whose evidence a docker run gathers; the others' checks are n/a there, saying so.
 DOCKER_GROUPS = ("network", "files", "secrets", "privilege", "resources", "destruction")
@@ -34,7 +35,7 @@ PROBE_ARGV, PROBE_MARK = ("python3", "-I", "-c"), "airlock-verify-probe"
 # What a descriptor links to when it is a kernel object the sandbox must not make.
 KERNEL_OBJECTS = ("anon_inode:[io_uring]", "anon_inode:bpf-map", "anon_inode:bpf-prog", "anon_inode:[userfaultfd]",
                   "anon_inode:[perf_event]")  # fmt: skip
-PLACEHOLDER_VAR, SECRET_NAME = "AIRLOCK_VERIFY_SECRET", "verify"
+PLACEHOLDER_VAR = "AIRLOCK_VERIFY_SECRET"
 PLACEHOLDER = f"airlock-placeholder-{SECRET_NAME}"
 # What the resource attempts ask of the sandbox: CPU-bound seconds, memory and forks beyond the limits (up to caps
 # that keep the host safe whatever the limits are), a /tmp fill.
@@ -46,6 +47,8 @@ TMP_FILL = 32 << 20
 # --dns-min-ttl, 5 by default), so that the second is judged on the internal answer.
 REBIND_WAIT = 6.0
 TIMEOUT_GIVEN, TIMEOUT_GRACE = 2.0, 15.0  # `airlock run --timeout` of the timeout check; seconds it may take beyond
+# The files of the tenancy check's second sandbox's working directory: its canary, its word that it runs.
+OTHER_CANARY, OTHER_STARTED = "canary", "started"
 
 
 @dataclass(frozen=True)
@@ -70,6 +73,25 @@ class TimedRun:
     returncode: int
     seconds: float
     left: list[str]
+
+
+@dataclass(frozen=True)
+class OtherSandbox:
+    """The second sandbox as the probe is to try it, and then as the host found it."""
+
+    sandbox_id: str
+    workdir: Path
+    gateway: str  # its gateway's address (its link's, in the gateway's namespace)
+    tcp_ports: tuple[int, ...]
+    udp_ports: tuple[int, ...]
+    canary: str  # the canary file's bytes
+    files: tuple[str, ...] = ()  # its working directory's names once the probe was done
+    found: str | None = None  # the canary file's bytes then (None: gone)
+    reached: int = 0  # packets from another link that reached its gateway's address
+
+    def config(self) -> dict[str, object]:
+        return {"other_workdir": str(self.workdir), "other_gateway": self.gateway,
+                "other_tcp_ports": list(self.tcp_ports), "other_udp_ports": list(self.udp_ports)}  # fmt: skip
 
 
 class NotJudged(Exception):
@@ -170,6 +192,8 @@ class Evidence:
     docker_socket_connections: int | None = None  # at the host's socket canary (None: the host has its own socket)
     broker: BrokerRecord | None = None  # the broker group's runs (None: they did not run)
     backend: str = "netns"
+    audit: list[dict[str, Any]] = field(default_factory=list)  # the sandbox's gateway's audit lines
+    other: OtherSandbox | None = None  # the tenancy group's second sandbox (None: it did not run)
 
     def counter(self, name: str) -> int:
         if name not in self.usage.counters:
@@ -285,6 +309,40 @@ def _no_queries(label: str) -> Judge:
 def _no_sni(ev: Evidence) -> tuple[bool, str]:
     fronted = [sni for sni in ev.stats["sni"] if sni in ev.targets.canaries]
     return not fronted, f"{len(fronted)} TLS handshakes upstream named a canary in their SNI"
+
+
+def _placeholder_refused(ev: Evidence) -> tuple[bool, str]:
+    """The probe's two requests (the placeholder in a header, in the URL's query) to the inspected host."""
+    host, path = ev.targets.inspected, f"/airlock-verify/{ev.nonce}/placeholder"
+    carried = (PLACEHOLDER.encode(), *([ev.secrets["the --secret"]] if ev.secrets.get("the --secret") else []))
+    at_host = [r for r in ev.stats["http"] if (r["host"] or "").partition(":")[0].lower() == host]
+    arrived = [r for r in at_host if any(c in json.dumps(r).encode() for c in carried)]
+    audited = [line for line in ev.audit if line.get("host") == host and line.get("path") == path]
+    refused = [line for line in audited if line.get("decision") == "deny" and line.get("code") == "placeholder_misuse"]
+    if not arrived and len(audited) < 2:
+        raise NotJudged(f"the gateway's audit has {len(audited)} of the probe's 2 requests to {host}: not sent")
+    shown = ", ".join(f"{line.get('decision')} {line.get('code')}" for line in audited) or "nothing"
+    return not arrived and len(refused) == len(audited), (
+        f"{len(arrived)} requests at {host}'s upstream carried the placeholder or the secret; the gateway's audit of "
+        f"{path}: {shown}"
+    )
+
+
+def _other_untouched(ev: Evidence) -> tuple[bool, str]:
+    """Judged by what the probe could change (its canary, a new file) and reach; what it could read is shown: the
+    host's filesystem is the sandbox's, read-only, where isolation keeps its own working directory alone writable."""
+    other = ev.other
+    if other is None:
+        raise NotJudged("the second sandbox did not run")
+    added = [name for name in other.files if name not in (OTHER_CANARY, OTHER_STARTED)]
+    intact, read = other.found == other.canary, other.canary.encode() in ev.written()
+    tcp, udp = (", ".join(map(str, ports)) or "none" for ports in (other.tcp_ports, other.udp_ports))
+    ports = f"tcp {tcp}, udp {udp}"
+    return intact and not added and other.reached == 0, (
+        f"{other.workdir}: its canary {'unchanged' if intact else 'changed'} ({'read' if read else 'not read'} by the "
+        f"probe); new there: {', '.join(added) or 'nothing'}; its gateway at {other.gateway} ({ports}): "
+        f"{other.reached} packets from another sandbox reached it"
+    )
 
 
 def _no_host(ev: Evidence) -> tuple[bool, str]:
@@ -593,6 +651,10 @@ def _rebind(targets: Targets, limits: Limits) -> str | None:
     return None if targets.rebind else "needs three hosts the profile allows on port 443 (one rebinds)"
 
 
+def _inspecting(targets: Targets, limits: Limits) -> str | None:
+    return None if targets.inspected else "the profile inspects no allowed host: the gateway reads no request there"
+
+
 def _canary(targets: Targets, limits: Limits) -> str | None:
     return None if targets.canaries else "the profile opens every name the check would try"
 
@@ -648,6 +710,11 @@ _EVERY_BACKEND: tuple[Check, ...] = (
           "environment",)), "read-host-env"),
     Check("secrets", "service-account", "a Kubernetes service-account token on the host is not readable",
           _secrets_unread(("the service-account token",)), "read-service-account"),
+    Check("inspection", "placeholder-elsewhere", "a --secret's placeholder sent to an inspected host whose rule does "
+          "not inject it (in a header and in the URL) is refused and never arrives", _placeholder_refused,
+          "placeholder-elsewhere", _inspecting),
+    Check("tenancy", "other-sandbox", "another sandbox's working directory and gateway are out of reach",
+          _other_untouched, "other-sandbox"),
     Check("privilege", "setuid", "a setuid-root or file-capability program gains nothing: no root ID, no capability",
           _no_root, "setuid", off=(("docker", "the marked programs are copies on the host, which the container does "
                                       "not see"),)),

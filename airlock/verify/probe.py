@@ -100,13 +100,13 @@ def tunnel(host: str, port: int) -> tuple[socket.socket, str]:
     return sock, _first_line(sock)
 
 
-def tls_get(sock: socket.socket, sni: str | None, host: str, path: str) -> str:
-    """A GET over TLS on `sock` with this SNI and Host; the answer's status line (the probe trusts any
-    certificate: what it checks is where its bytes go, not whom it talks to)."""
+def tls_get(sock: socket.socket, sni: str | None, host: str, path: str, headers: str = "") -> str:
+    """A GET over TLS on `sock` with this SNI and Host (and these header lines); the answer's status line (the
+    probe trusts any certificate: what it checks is where its bytes go, not whom it talks to)."""
     context = ssl.create_default_context()
     context.check_hostname, context.verify_mode = False, ssl.CERT_NONE
     with context.wrap_socket(sock, server_hostname=sni) as tls:
-        tls.sendall(f"GET {path} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n".encode())
+        tls.sendall(f"GET {path} HTTP/1.1\r\nHost: {host}\r\n{headers}Connection: close\r\n\r\n".encode())
         return _first_line(tls)
 
 
@@ -394,6 +394,19 @@ def _walk(top: str) -> list[str]:
     return [os.path.join(folder, name) for folder, _, names in os.walk(top) for name in names]
 
 
+def other_sandbox(config: dict[str, Any]) -> str:
+    """Another sandbox's working directory by its host path (read, written, its canary overwritten) and its
+    gateway's address and ports."""
+    folder, gateway, nonce = config["other_workdir"], config["other_gateway"], config["nonce"]
+    return each(
+        lambda: read_all([folder], "other.bin"),
+        lambda: write(os.path.join(folder, f"intruder-{nonce}"), nonce),
+        lambda: write(os.path.join(folder, "canary"), nonce),
+        *(partial(direct, gateway, port, b"GET / HTTP/1.1\r\n\r\n") for port in config["other_tcp_ports"]),
+        *(partial(datagram, gateway, port, dns_question(f"o-{nonce}.example")) for port in config["other_udp_ports"]),
+    )
+
+
 def read_state(config: dict[str, Any]) -> str:
     return read_all(config["gateway_paths"], "state.bin")
 
@@ -402,6 +415,20 @@ def read_secret(config: dict[str, Any]) -> str:
     env = json.dumps(dict(os.environ)).encode()
     (OUT / "env.json").write_bytes(env)
     return f"{read_all([config['secret_file'], '/proc/self/environ'], 'secret.bin')}; environment kept"
+
+
+def placeholder_elsewhere(config: dict[str, Any]) -> str:
+    """The secret's placeholder (as the sandbox's environment has it) to the inspected host, in a header and in
+    the URL."""
+    host, held = config["inspected"], os.environ.get(config["placeholder_var"], "")
+    path = f"/airlock-verify/{config['nonce']}/placeholder"
+
+    def send(target: str, header: str) -> str:
+        sock, status = tunnel(host, 443)
+        with sock:
+            return f"GET {target}: {tls_get(sock, host, host, target, header) if ' 200' in status else status}"
+
+    return each(partial(send, path, f"X-Api-Key: {held}\r\n"), partial(send, f"{path}?key={held}", ""))
 
 
 def read_service_account_token(config: dict[str, Any]) -> str:
@@ -615,8 +642,10 @@ ATTEMPTS: dict[str, Attempt] = {
     "write-symlink": write_symlink,
     "write-proc-root": write_proc_root,
     "read-state": read_state,
+    "other-sandbox": other_sandbox,
     "read-secret": read_secret,
     "read-host-env": read_host_env,
+    "placeholder-elsewhere": placeholder_elsewhere,
     "read-service-account": read_service_account_token,
     "docker-socket": docker_socket,
     "setuid": run_marked,

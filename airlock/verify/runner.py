@@ -48,11 +48,12 @@ from .checks import (
     GATEWAY_CANARY_PORTS,
     HOG_MARGIN,
     MARKED_PROGRAMS,
+    OTHER_CANARY,
+    OTHER_STARTED,
     PLACEHOLDER_VAR,
     PROBE_ARGV,
     PROBE_MARK,
     REBIND_WAIT,
-    SECRET_NAME,
     TIMEOUT_GIVEN,
     TIMEOUT_GRACE,
     TMP_FILL,
@@ -61,6 +62,7 @@ from .checks import (
     Evidence,
     Limits,
     NotJudged,
+    OtherSandbox,
     Outcome,
     Sandboxed,
     TimedRun,
@@ -72,11 +74,18 @@ from .dockerd import DockerDaemon
 from .hostcanaries import host_canaries
 from .hostcgroups import with_host_cgroups
 from .processes import Process, raw_sockets, read_process, sandbox_processes, sockets_in_view, user_keys
-from .targets import UNLISTED, BrokerTarget, Targets
+from .targets import SECRET_NAME, UNLISTED, BrokerTarget, Targets
 from .topology import DNS_SERVER, GW_OUTSIDE_IP, Canaries, FakeNet, Topology, new_prefix
 from .usage import Usage, cgroup_counters, group_counters, sandbox_tmp
 
 SLEEP = shutil.which("sleep") or "/bin/sleep"
+OTHER_RELEASE = "release"  # the host's word to the tenancy check's second sandbox to end
+OTHER_START_TIMEOUT, OTHER_HOLD = 30.0, 150  # seconds it may take to start; at most it waits
+# The second sandbox's command: waits in its working directory until the host releases it (or OTHER_HOLD pass).
+OTHER_HOLDER = (
+    "import os, time\nopen('started', 'w').close()\nend = time.monotonic() + {hold}\n"
+    "while time.monotonic() < end and not os.path.exists('release'):\n    time.sleep(0.1)"
+)
 RUN_TIMEOUT = 60  # seconds the sandbox may take (`airlock run --timeout`): the probe needs a few
 HOST_CANARY_VAR = "AIRLOCK_VERIFY_HOST_CANARY"
 SYSCALLS = ("ptrace", "io_uring_setup", "bpf", "userfaultfd", "perf_event_open", "add_key", "keyctl")
@@ -226,28 +235,46 @@ def _build(topology: Topology) -> None:
 def _verify_in(
     topology: Topology, net: FakeNet, canaries: Canaries, ca: FakeCA, area: Area, request: Request, nonce: str
 ) -> list[Outcome]:
+    with _other_sandbox(topology, request, ca, area) as (other, finish_other):
+        return _verify_beside(topology, net, canaries, ca, area, request, nonce, other, finish_other)
+
+
+def _verify_beside(
+    topology: Topology,
+    net: FakeNet,
+    canaries: Canaries,
+    ca: FakeCA,
+    area: Area,
+    request: Request,
+    nonce: str,
+    other: OtherSandbox | None,
+    finish_other: Callable[[], OtherSandbox | None],
+) -> list[Outcome]:
+    """The netns run, beside the tenancy group's second sandbox when it runs (`other`)."""
     sandbox_id = f"{topology.prefix}v"
     secret_file, secret_value, host_canary = _secret(area)
-    config = _probe_config(request, area, nonce, secret_file)
+    config = _probe_config(request, area, nonce, secret_file) | (other.config() if other else {})
     where = ["--workdir", str(area.work)]
     argv = [
         *_run_argv(request, ca, where, sandbox_id, RUN_TIMEOUT), "--secret", f"{SECRET_NAME}=file:{secret_file}",
-        "--placeholder-env", f"{PLACEHOLDER_VAR}={SECRET_NAME}",
+        "--placeholder-env", f"{PLACEHOLDER_VAR}={SECRET_NAME}", "--audit", str(area.private / "audit.jsonl"),
         "--", *PROBE_ARGV, Path(probe.__file__).read_text(), json.dumps(config), PROBE_MARK,
     ]  # fmt: skip
     env = os.environ | {HOST_CANARY_VAR: host_canary, "TMPDIR": str(area.tmp)}
     with host_canaries() as on_host:
         watched = _run_watched(topology, with_host_cgroups(argv), env, area, sandbox_id, probe.FILL.format(nonce=nonce))
         socket_connections = on_host.connections
+    found_other = finish_other()
     timed = _netns_timed_run(topology, request, ca, area, nonce) if _timed(request) else None
     broker = _broker_runs(topology, request, ca, area, nonce)
     evidence = Evidence(
         nonce, request.targets, _probe_record(area), net.stats(), _packets(topology), area.work, area.outside,
         _host_tmp(nonce),
         _secrets(ca, secret_value, host_canary, on_host.token),
-        _every_leftover(topology, area, [sandbox_id, *([broker.first, broker.foreign] if broker else [])]),
+        _every_leftover(topology, area, [sandbox_id, *([broker.first, broker.foreign] if broker else []),
+                                         *([other.sandbox_id] if other else [])]),
         watched.sandboxed, canaries.stats(), request.limits, watched.usage,
-        timed, socket_connections, broker,
+        timed, socket_connections, broker, audit=_audit(area.private / "audit.jsonl"), other=found_other,
     )  # fmt: skip
     if not evidence.probe:
         why = (watched.stderr.strip().splitlines() or [f"exit {watched.returncode}"])[-1]
@@ -564,6 +591,23 @@ def _docker_timed_run(
     return _timed_run(topology, argv, os.environ | daemon.env() | {"TMPDIR": str(area.tmp)}, left, nonce)
 
 
+@contextlib.contextmanager
+def _other_sandbox(
+    topology: Topology, request: Request, ca: FakeCA, area: Area
+) -> Iterator[tuple[OtherSandbox | None, Callable[[], OtherSandbox | None]]]:
+    """The tenancy group's second sandbox, alive while the probe runs, when its check is asked for."""
+    if not any(c.group == "tenancy" for c in request.checks):
+        yield None, lambda: None
+        return
+
+    def run_argv(sandbox_id: str, work: Path) -> list[str]:
+        return with_host_cgroups(_run_argv(request, ca, ["--workdir", str(work)], sandbox_id, RUN_TIMEOUT + 60))
+
+    pw = resolve_user(None)
+    with _run_other_sandbox(topology, run_argv, area.base / "other", pw.pw_uid, pw.pw_gid) as (other, finish):
+        yield other, finish
+
+
 def _broker_runs(topology: Topology, request: Request, ca: FakeCA, area: Area, nonce: str) -> BrokerRecord | None:
     """The broker group's runs, when one of its checks applies (airlock.verify.brokerruns)."""
     target = request.targets.broker
@@ -593,7 +637,8 @@ def _probe_config(request: Request, area: Area, nonce: str, secret_file: Path) -
         "attempts": request.attempts(),
         "allowed": list(targets.allowed), "front": targets.front, "canaries": list(targets.canaries),
         "canary": UNLISTED, "metadata_alias": targets.metadata_alias, "rebind": targets.rebind,
-        "rebind_wait": REBIND_WAIT, "outside": str(area.outside),
+        "rebind_wait": REBIND_WAIT, "outside": str(area.outside), "inspected": targets.inspected,
+        "placeholder_var": PLACEHOLDER_VAR,
         "gateway_paths": [str(area.private), "/run/airlock", "/var/lib/airlock", "/tmp/airlock-run-*"],
         "secret_file": str(secret_file), "mount_point": f"airlock-verify/mnt-{nonce}",
         "marked_programs": [str(p) for p in sorted(area.programs.iterdir())],
@@ -605,6 +650,14 @@ def _probe_config(request: Request, area: Area, nonce: str, secret_file: Path) -
     }  # fmt: skip
 
 
+def _audit(path: Path) -> list[dict[str, Any]]:
+    """The gateway's audit lines of the run (none: it wrote no file)."""
+    try:
+        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    except OSError:
+        return []
+
+
 def _probe_record(area: Area) -> dict[str, str]:
     """What the probe says it attempted (shown beside the verdicts; an attempt missing is a check not run)."""
     record = area.work / "airlock-verify" / "probe.json"
@@ -613,6 +666,105 @@ def _probe_record(area: Area) -> dict[str, str]:
     except (OSError, ValueError):
         return {}
     return {str(k): str(v) for k, v in seen.items()} if isinstance(seen, dict) else {}
+
+
+# --------------------------------------------------------------------------------------------------- tenancy
+# The tenancy group's second sandbox: another `airlock run` beside the probe's, with its own --sandbox-id and working
+# directory (a canary file in it), alive while the probe runs. Its gateway listens on its own link's address in the
+# gateway's namespace; a counter there, after every sandbox's fence, counts what reaches that address from any link
+# but its own sandbox's.
+
+
+def _link(sandbox_id: str) -> str:
+    return f"alh{sandbox_id}"  # the gateway's side of a netns sandbox's link (airlock.launch.netns_launcher)
+
+
+@contextlib.contextmanager
+def _run_other_sandbox(
+    topology: Topology, run_argv: Callable[[str, Path], list[str]], workdir: Path, uid: int, gid: int
+) -> Iterator[tuple[OtherSandbox, Callable[[], OtherSandbox]]]:
+    """Start the second sandbox (`run_argv(sandbox_id, workdir)`, the command to follow) and its counter; yield
+    it as started and a function that releases it and says what the host found. Stopped, with its counter, at the
+    end either way."""
+    sandbox_id, canary = f"{topology.prefix}o", f"verify-other-{secrets.token_hex(16)}"
+    workdir.mkdir(mode=0o755)
+    os.chown(workdir, uid, gid)
+    (workdir / OTHER_CANARY).write_text(canary)
+    argv = [*run_argv(sandbox_id, workdir), "--", "python3", "-I", "-c", OTHER_HOLDER.format(hold=OTHER_HOLD)]
+    proc = topology.popen(topology.gw, argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    table = f"{topology.prefix}_tenancy"
+    try:
+        deadline = time.monotonic() + OTHER_START_TIMEOUT
+        while proc.poll() is None and not (workdir / OTHER_STARTED).exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if not (workdir / OTHER_STARTED).exists():
+            raise VerifyError(f"the second sandbox did not start (exit {proc.poll()})")
+        gateway = _address(topology, _link(sandbox_id))
+        tcp, udp = _listening(topology, gateway, "-t"), _listening(topology, gateway, "-u")
+        _count(topology, table, gateway, _link(sandbox_id))
+        started = OtherSandbox(sandbox_id, workdir, gateway, tcp, udp, canary)
+
+        def finish() -> OtherSandbox:
+            files = tuple(sorted(os.listdir(workdir)))
+            found = (workdir / OTHER_CANARY).read_text() if (workdir / OTHER_CANARY).is_file() else None
+            reached = _counted(topology, table)
+            (workdir / OTHER_RELEASE).touch()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(15)
+            return OtherSandbox(**{**started.__dict__, "files": files, "found": found, "reached": reached})
+
+        yield started, finish
+    finally:
+        if proc.poll() is None:
+            (workdir / OTHER_RELEASE).touch()
+            try:
+                proc.wait(15)
+            except subprocess.TimeoutExpired:
+                stop_proc(proc)
+        topology.run(topology.gw, ["nft", "delete", "table", "inet", table])
+
+
+def _address(topology: Topology, link: str) -> str:
+    done = topology.run(topology.gw, ["ip", "-j", "-4", "addr", "show", "dev", link])
+    found = [a["local"] for entry in json.loads(done.stdout or "[]") for a in entry.get("addr_info", [])]
+    if not found:
+        raise VerifyError(f"the second sandbox's link {link} has no address")
+    return str(found[0])
+
+
+def _listening(topology: Topology, address: str, kind: str) -> tuple[int, ...]:
+    """The ports the gateway's namespace listens on at `address` itself, TCP (-t) or UDP (-u)."""
+    done = topology.run(topology.gw, ["ss", "-Hn", "-l", kind])
+    ports = set()
+    for line in done.stdout.splitlines():
+        local = line.split()[3]
+        host, _, port = local.rpartition(":")
+        if host.partition("%")[0] == address:
+            ports.add(int(port))
+    return tuple(sorted(ports))
+
+
+def _count(topology: Topology, table: str, address: str, link: str) -> None:
+    """A counter after every fence (priority 100: a fence's drop at -200 is final), of what reaches `address`
+    from any link but `link`."""
+    rules = f"""table inet {table} {{
+        counter reached {{}}
+        chain input {{
+            type filter hook input priority 100; policy accept;
+            ip daddr {address} iifname != "{link}" iifname != "lo" counter name reached
+        }}
+    }}"""
+    done = topology.run(topology.gw, ["nft", "-f", "-"], input=rules)
+    if done.returncode != 0:
+        raise VerifyError(f"the counter at the second sandbox's gateway could not be set: {done.stderr.strip()}")
+
+
+def _counted(topology: Topology, table: str) -> int:
+    done = topology.run(topology.gw, ["nft", "-j", "list", "counter", "inet", table, "reached"])
+    found = [item["counter"] for item in json.loads(done.stdout or "{}").get("nftables", []) if "counter" in item]
+    if not found:
+        raise VerifyError("the counter at the second sandbox's gateway could not be read")
+    return int(found[0]["packets"])
 
 
 # --------------------------------------------------------------------------------------------------- packets

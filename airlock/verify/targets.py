@@ -11,6 +11,8 @@ from airlock.policy import Profile, decide
 
 from .probe import ALLOWED_ADDR, CANARY_ADDR, INTERNAL_ADDR, METADATA
 
+SECRET_NAME = "verify"  # the --secret verify gives every run (its placeholder in the sandbox's environment)
+
 UNLISTED = "canary.airlock-verify.example"  # a name no policy of airlock's own lists
 NO_GRANT = "no --grant create_pull_request:OWNER/REPO given: without a grant the sandbox holds no token, no broker runs"
 FAKE_REPOS = ("app", "other")  # what airlock.verify.fakegithub serves (besides `hang`, whose calls never answer)
@@ -38,6 +40,7 @@ class Targets:
     metadata_alias: str | None  # an allowed name the fake DNS answers with the metadata address
     rebind: str | None = None  # an allowed name the fake DNS answers with a public address, then an internal one
     broker: BrokerTarget | str = NO_GRANT  # what the broker group tries, or why it cannot
+    inspected: str | None = None  # an allowed host whose rule is inspected and injects none of verify's secret
 
     @property
     def front(self) -> str | None:
@@ -69,7 +72,15 @@ def targets(profile: Profile, grants: list[Grant] | None = None) -> Targets:
     canaries = [name for name in dict.fromkeys((UNLISTED, *denied)) if not decide(profile, name, 443).allow]
     alias = allowed.pop() if len(allowed) >= 2 else None
     rebind = allowed.pop() if len(allowed) >= 2 else None
-    return Targets(tuple(allowed[:MAX_REACHED]), tuple(canaries), alias, rebind, broker_target(grants or []))
+    reached = tuple(allowed[:MAX_REACHED])
+    return Targets(reached, tuple(canaries), alias, rebind, broker_target(grants or []), _inspected(profile, reached))
+
+
+def _inspected(profile: Profile, hosts: tuple[str, ...]) -> str | None:
+    """The first host whose rule on port 443 is inspected and does not inject verify's secret: where the gateway
+    reads a request and refuses that secret's placeholder."""
+    rules = {host: decide(profile, host, 443).rule for host in hosts}
+    return next((h for h, r in rules.items() if r and r.inspect and SECRET_NAME not in r.secret_names), None)
 
 
 def broker_target(grants: list[Grant]) -> BrokerTarget | str:

@@ -1,8 +1,9 @@
 """`airlock verify` end to end, as a user runs it on the host: its own fake internet, a real sandbox in it, the
 matrix. It holds on the default setup (with a pull-request grant, for the broker's checks), and fails exactly the
-checks a weakened setup breaks: without filesystem isolation the file checks, the /tmp fill and what bubblewrap
-hides (a pod's token, the docker socket), with a policy that opens more ports of an allowed host the other-port
-check, with one that opens the internal network the rebinding check. A check that could not run is an error
+checks a weakened setup breaks: without filesystem isolation the file checks (another sandbox's folder too), the
+/tmp fill and what bubblewrap hides (a pod's token, the docker socket), with a policy that opens more ports of an
+allowed host the other-port check, with one that opens the internal network the rebinding check. With a policy that
+inspects an allowed host, the placeholder the probe sends there is refused. A check that could not run is an error
 (exit 2), never a pass."""
 
 from __future__ import annotations
@@ -38,6 +39,19 @@ profiles:
         ports: [80, 443]
 """
 
+# Inspects an allowed host and injects nothing there: a placeholder sent to it is one sent where its secret is not.
+INSPECTED_POLICY = """\
+version: 1
+default_profile: default
+profiles:
+  default:
+    allow:
+      - host: pypi.org
+        inspect: true
+      - host: files.pythonhosted.org
+      - host: github.com
+"""
+
 
 def _verify(tmp_path: Path, *options: str) -> tuple[subprocess.CompletedProcess[str], dict]:
     report = tmp_path / "verify.json"
@@ -71,19 +85,35 @@ def test_verify_holds_every_check_on_the_default_setup(tmp_path: Path):
     done, verdicts = _verify(tmp_path, "--junit", str(junit), *GRANT, *QUOTA)
     assert done.returncode == 0, done.stdout + done.stderr
     SCHEMA.validate(verdicts)
-    docker_only = {"container"}  # the docker backend's container and network: n/a here
-    assert _results(verdicts) == {check.id: "n/a" if check.id in docker_only else "held" for check in CHECKS}
-    assert verdicts["summary"] == {"held": len(CHECKS) - 1, "failed": 0, "error": 0, "n/a": 1}
+    # the docker backend's container and network; a placeholder refused where the default policy inspects no host
+    not_here = {"container", "placeholder-elsewhere"}
+    assert _results(verdicts) == {check.id: "n/a" if check.id in not_here else "held" for check in CHECKS}
+    assert verdicts["summary"] == {"held": len(CHECKS) - 2, "failed": 0, "error": 0, "n/a": 2}
     for check in CHECKS:  # the matrix names each check and its verdict
         assert f"{check.group}/{check.id}" in done.stdout
     suites = ET.parse(junit).getroot()
     assert (suites.get("tests"), suites.get("failures"), suites.get("errors")) == (str(len(CHECKS)), "0", "0")
-    assert suites.get("skipped") == "1"
+    assert suites.get("skipped") == "2"
     assert _leftover_folders() == before
     evidence = {check["id"]: check["evidence"] for check in verdicts["checks"]}
     assert evidence["idempotent-retry"].startswith("1 pull requests upstream from agent/airlock-verify-")
     assert "deny 403 outside_grant" in evidence["outside-grant"] and "0 comments upstream" in evidence["outside-grant"]
     assert "deny 403 wrong_sandbox" in evidence["foreign-token"], evidence["foreign-token"]
+    assert evidence["placeholder-elsewhere"].startswith("the profile inspects no allowed host")
+    assert "its canary unchanged" in evidence["other-sandbox"] and "new there: nothing" in evidence["other-sandbox"]
+    assert evidence["other-sandbox"].endswith(": 0 packets from another sandbox reached it"), evidence["other-sandbox"]
+
+
+def test_verify_with_an_inspected_host_sees_the_placeholder_sent_there_refused(tmp_path: Path):
+    policy = tmp_path / "inspected.yaml"
+    policy.write_text(INSPECTED_POLICY)
+    done, verdicts = _verify(tmp_path, "--policy", str(policy), "--only", "inspection")
+    assert done.returncode == 0, done.stdout + done.stderr
+    evidence = {check["id"]: check["evidence"] for check in verdicts["checks"]}
+    assert _results(verdicts)["placeholder-elsewhere"] == "held", evidence
+    assert evidence["placeholder-elsewhere"].startswith("0 requests at pypi.org's upstream carried the placeholder")
+    # the header's and the URL's, each refused
+    assert evidence["placeholder-elsewhere"].endswith("placeholder: deny placeholder_misuse, deny placeholder_misuse")
 
 
 def test_verify_without_a_pull_request_grant_says_the_broker_group_does_not_apply(tmp_path: Path):
@@ -95,14 +125,15 @@ def test_verify_without_a_pull_request_grant_says_the_broker_group_does_not_appl
 
 
 def test_verify_without_filesystem_isolation_fails_exactly_the_checks_of_what_bubblewrap_hides(tmp_path: Path):
-    groups = ("--only", "files", "--only", "secrets", "--only", "privilege", "--only", "resources")
+    groups = ("--only", "files", "--only", "secrets", "--only", "tenancy", "--only", "privilege", "--only", "resources")
     canaries_before = _host_canary_paths()
     done, verdicts = _verify(tmp_path, "--isolation", "none", *groups, *QUOTA)
     assert done.returncode == 1, done.stdout + done.stderr
     SCHEMA.validate(verdicts)
     failed = {check for check, result in _results(verdicts).items() if result != "held"}
     hidden = {"service-account", "docker-socket"}  # the pod's token and the docker socket, in sight
-    assert failed == {"write-outside", "write-symlink", "write-proc-root", "tmp-fill", *hidden}, done.stdout
+    written = {"write-outside", "write-symlink", "write-proc-root", "other-sandbox"}  # the other sandbox's folder too
+    assert failed == {*written, "tmp-fill", *hidden}, done.stdout
     socket = next(check for check in verdicts["checks"] if check["id"] == "docker-socket")
     assert socket["evidence"].endswith("2 connections at its canary")
     fill = next(check for check in verdicts["checks"] if check["id"] == "tmp-fill")

@@ -25,6 +25,7 @@ from airlock.verify.checks import (
     BrokerRecord,
     Evidence,
     Limits,
+    OtherSandbox,
     Outcome,
     Sandboxed,
     TimedRun,
@@ -229,6 +230,22 @@ AUDIT = {  # the broker's audit lines of the broker group's runs on a sound setu
 }  # fmt: skip
 
 
+# The gateway's audit of the placeholder sent to the inspected host (in a header, in the URL): refused twice.
+REFUSED = [{"kind": "http", "host": "pypi.org", "path": "/airlock-verify/n0nce/placeholder", "decision": "deny",
+            "code": "placeholder_misuse"}] * 2  # fmt: skip
+PLACEHOLDER_SENT = {"host": "pypi.org", "target": "/airlock-verify/n0nce/placeholder", "tls": True,
+                    "headers": [["X-Api-Key", checks.PLACEHOLDER]]}  # fmt: skip
+
+
+# The second sandbox once the probe was done: its folder as it was, its gateway's address reached by nothing.
+OTHER = OtherSandbox("alx1o", Path("/var/tmp/x/other"), "10.231.0.101", (53, 3128), (53,), "0ther-canary",
+                     ("canary", "started"), "0ther-canary", 0)  # fmt: skip
+
+
+def _other(**fields: object) -> OtherSandbox:
+    return OtherSandbox(**{**OTHER.__dict__, **fields})
+
+
 def _broker(**fields: object) -> BrokerRecord:
     """The broker group's record on a sound setup, but for `fields`."""
     sound = BrokerRecord(BROKER_TARGET, "alx1b", "alx1f", "n0nce", MADE, [], AUDIT, "j1")
@@ -265,14 +282,14 @@ def _holding(
     kids = {kind: _child(kind) for kind in KINDS} | (children or {})
     marked = _process(12, 10, ("/var/tmp/x/bin/setuid-sleep", "30"), **(sleeper or {}))
     evidence = Evidence(
-        "n0nce", Targets(("pypi.org",), (UNLISTED,), "github.com", "api.github.com", BROKER_TARGET),
+        "n0nce", Targets(("pypi.org",), (UNLISTED,), "github.com", "api.github.com", BROKER_TARGET, "pypi.org"),
         {c.attempt: "tried" for c in CHECKS if c.attempt},
         stats, {"from_sandbox": 0, "icmp_echo": 0, "ipv6_frames": 0}, work, outside, tmp_path / "host-tmp",
         {"the --secret": b"s3cret", "the host's environment": b"h0st", "the fake internet's CA key": b"k3y",
          "the service-account token": b"t0ken"},
         {}, Sandboxed([LAUNCHER, PROBE, marked, *kids.values()], 0, keys=(2, 2)), limits=LIMITS,
         usage=Usage(COUNTERS, tmp_own=True, tmp_fill=TMP_FILL), timed=TimedRun(124, 2.9, []),
-        docker_socket_connections=0, broker=_broker(),
+        docker_socket_connections=0, broker=_broker(), audit=REFUSED, other=OTHER,
     )  # fmt: skip
     return Evidence(**{**evidence.__dict__, **{k: v for k, v in changes.items() if not k.startswith("stats_")}})
 
@@ -315,7 +332,9 @@ BREAKS = {  # check -> the evidence a setup that breaks it leaves
     "write-proc-root": lambda t: _holding(_outside(t, "proc1")),
     "gateway-state": lambda t: _holding(_written(t, "state.bin", b"-----BEGIN PRIVATE KEY-----")),
     "secret-placeholder": lambda t: _holding(_written(t, "secret.bin", b"s3cret")),
+    "placeholder-elsewhere": lambda t: _holding(t, stats_http=[*REACHED, PLACEHOLDER_SENT], audit=REFUSED[:1]),
     "host-environment": lambda t: _holding(_written(t, "host.bin", b"HOME=/root h0st")),
+    "other-sandbox": lambda t: _holding(t, other=_other(found="n0nce")),  # its canary overwritten
     "service-account": lambda t: _holding(_written(t, "service-account.bin", b"t0ken")),
     "setuid": lambda t: _holding(t, sleeper={"Uid": "65534\t0\t0\t0"}),
     "no-new-privs": lambda t: _holding(t, sleeper={"Seccomp": "0"}),
@@ -381,12 +400,63 @@ def test_on_the_docker_backend_the_checks_of_groups_its_run_does_not_gather_are_
         assert judge(BY_ID[check], leaked).result == "failed"
 
 
+def test_the_placeholder_check_fails_on_the_secret_arriving_and_errs_when_nothing_was_refused_or_arrived(
+    tmp_path: Path,
+):
+    check = BY_ID["placeholder-elsewhere"]
+    secret_sent = {**PLACEHOLDER_SENT, "headers": [["X-Api-Key", "s3cret"]]}  # the gateway put the secret in
+    assert judge(check, _holding(tmp_path, stats_http=[*REACHED, secret_sent])).result == "failed"
+    unrefused = judge(check, _holding(tmp_path, audit=[]))
+    assert unrefused.result == "error" and "has 0 of the probe's 2 requests to pypi.org" in unrefused.evidence
+    let_through = [REFUSED[0], {**REFUSED[0], "decision": "allow", "code": "allowed"}]  # one never refused
+    assert judge(check, _holding(tmp_path, audit=let_through)).result == "failed"
+    held = judge(check, _holding(tmp_path))
+    assert held.evidence == (
+        "0 requests at pypi.org's upstream carried the placeholder or the secret; the gateway's audit of "
+        "/airlock-verify/n0nce/placeholder: deny placeholder_misuse, deny placeholder_misuse"
+    )
+
+
+@pytest.mark.parametrize(
+    "other",
+    [_other(files=("canary", "intruder-n0nce", "started")), _other(found=None), _other(reached=3)],
+    ids=["new-file", "canary-gone", "gateway-reached"],
+)
+def test_the_other_sandbox_check_fails_on_a_file_added_the_canary_gone_or_its_gateway_reached(
+    tmp_path: Path, other: OtherSandbox
+):
+    assert judge(BY_ID["other-sandbox"], _holding(tmp_path, other=other)).result == "failed"
+
+
+def test_the_other_sandbox_check_shows_a_read_it_does_not_judge_and_errs_without_the_second_sandbox(tmp_path: Path):
+    held = judge(BY_ID["other-sandbox"], _holding(_written(tmp_path, "other.bin", b"0ther-canary")))
+    assert held.result == "held" and held.evidence == (
+        "/var/tmp/x/other: its canary unchanged (read by the probe); new there: nothing; its gateway at 10.231.0.101 "
+        "(tcp 53, 3128, udp 53): 0 packets from another sandbox reached it"
+    )
+    missing = judge(BY_ID["other-sandbox"], _holding(tmp_path, other=None))
+    assert (missing.result, missing.evidence) == ("error", "the second sandbox did not run")
+
+
+def test_the_placeholder_check_needs_an_inspected_host_that_does_not_inject_the_secret():
+    inspected = parse_policy(
+        "version: 1\nprofiles:\n  default:\n    allow:\n      - host: pypi.org\n      - host: api.model.example\n"
+        "        inspect: true\n      - host: files.pythonhosted.org\n      - host: github.com\n"
+    )
+    assert targets(inspected.profile()).inspected == "api.model.example"
+    plain = targets(load_policy_file(None).profile())
+    outcome = judge(BY_ID["placeholder-elsewhere"], Evidence(**{**_holding(Path("/nonexistent")).__dict__,
+                                                                "targets": plain}))  # fmt: skip
+    assert plain.inspected is None and outcome.result == "n/a" and "inspects no allowed host" in outcome.evidence
+
+
 def test_the_docker_backend_probe_makes_only_the_attempts_of_checks_that_apply_there():
     found = targets(load_policy_file(None).profile())
     netns = Request("p.yaml", found, [], CHECKS, Limits())
     docker = Request("p.yaml", found, [], CHECKS, Limits(), Path("/var/cache/image.tar"))
     assert (netns.backend, docker.backend) == ("netns", "docker")
-    assert set(docker.attempts()) == set(netns.attempts()) - {"write-inside"}  # the docker run's folder is its own
+    # the docker run's folder is its own; no second sandbox runs beside it
+    assert set(docker.attempts()) == set(netns.attempts()) - {"write-inside", "other-sandbox"}
     files = Request("p.yaml", found, [], checks.selected(["files"]), Limits(), Path("/var/cache/image.tar"))
     assert files.attempts() == ["write-outside", "write-symlink", "write-proc-root"]
 
