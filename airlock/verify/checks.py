@@ -2,7 +2,10 @@
 reached the fake internet (connections and bytes per address, SNIs, HTTP requests, the DNS upstream's query log,
 packets counted where the fake internet's link comes in), what is on the host's disk, what is left of the
 sandbox after it. The probe's own account of an attempt is shown beside the verdict, never the verdict; an
-attempt the probe left no record of makes its check an error, not a pass."""
+attempt the probe left no record of makes its check an error, not a pass.
+
+One module past 500 lines on purpose: the checks are one table, one small judge each, in the order the matrix
+prints them and docs/verify.md describes them (a test holds the two together)."""
 
 from __future__ import annotations
 

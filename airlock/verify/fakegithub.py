@@ -34,7 +34,10 @@ Every request is recorded (method, path, query, auth scheme, the raw credential 
 control socket speaks one JSON object per line: {"cmd": "ping" | "stats" | "reset" | "set" | "expire_tokens"};
 "set" takes the settings in DEFAULTS as further keys; "reset" also resets every git repository to its base
 commit. Prints READY on stdout once listening.
-"""
+
+One module past 500 lines on purpose: it is one server process (`python -m airlock.verify.fakegithub`) whose
+routes share one `State`, so every endpoint the broker calls, with GitHub's own errors, reads in one place; its git
+side is fakegit.py and its client github.py."""
 
 from __future__ import annotations
 

@@ -7,7 +7,10 @@ fake internet or nowhere), with the host's cgroups mounted there as a host run s
 sandbox is a container of a docker daemon the run starts in that namespace (`airlock.verify.dockerd`). The gateway
 resolves through the fake DNS upstream and trusts only the fake internet's CA. Everything made here is removed at
 the end, and only the processes started here are stopped.
-"""
+
+One module past 500 lines on purpose: a run is one sequence of nested context managers (the world, the other
+sandbox, the main run, the broker's runs, the docker daemon), and its teardown is that nesting read backwards;
+split, the order in which things are made and removed would stand in several files."""
 
 from __future__ import annotations
 
