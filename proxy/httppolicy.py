@@ -89,6 +89,9 @@ class HttpPolicy:
             record.reason = f"{request.http_version} request without a Host header"
             record.code = ReasonCode.MISSING_HOST_HEADER
             return self._refuse(flow, record, None, 400)
+        # The hash of the snapshot that judges (read as judge_request reads it, before it awaits anything): a
+        # reload that lands while the request is under way does not stamp its line with a policy that did not judge.
+        record.policy_hash = self.shared.live.current.policy.hash
         outcome = await self.shared.judge_request(state, request.host, request.port, flow.client_conn.peername[0])
         outcome.fill(record)
         if outcome.decision.allow and (mismatch := _host_header_mismatch(flow, outcome.host)):

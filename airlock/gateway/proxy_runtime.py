@@ -47,7 +47,7 @@ class ProxyProviders:
     emit: Callable[[AuditRecord], None]
     audit_failure: Callable[[], str | None]
     metrics: GatewayMetrics
-    approvals: Asker
+    approvals: Asker | None  # None in a proxy worker: nothing is held for a person there (airlock/gateway/workers.py)
     inspector: Inspector
     answered: AnsweredAddresses  # what the DNS answered each sandbox: names for connections without one
 
@@ -72,6 +72,10 @@ class ProxyRuntime:
         if self.config.transparent_port:
             ports["transparent"] = self.config.transparent_port
         return ports
+
+    def take(self, listeners: Mapping[str, socket.socket]) -> None:
+        """Serve listeners bound elsewhere (a proxy worker's, its supervisor's sockets), by mitmproxy mode spec."""
+        self.listeners.update(listeners)
 
     def listen(self) -> None:
         """Bind every listener (GatewayError naming the one that cannot)."""
