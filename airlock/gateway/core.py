@@ -60,6 +60,7 @@ class Gateway:
         self.reloader = PolicyReloader(self, config.policy.source, self._policy, after, self.put_in_force)
         self.started_at = time.time()
         counts = proxy.counts if parts.workers is None else parts.workers.counts
+        refresh = parts.workers.refresh if parts.workers is not None else None  # their counters, asked at a read
         scraped = ScrapedState(
             lambda: parts.live.current.registry.ids(),  # of the policy in force at each scrape
             lambda: counts("tunnels"),
@@ -68,10 +69,9 @@ class Gateway:
             parts.audit,
             parts.dns.stats if parts.dns is not None else {},
         )
-        refresh = parts.workers.refresh if parts.workers is not None else None
         self.metrics = MetricsEndpoint(parts.metrics, scraped, self.readiness, refresh)
         # The broker's routes are added when it starts.
-        parts.admin.add_routes(lambda: gateway_routes(self.reload_policy, self.status))
+        parts.admin.add_routes(lambda: gateway_routes(self.reload_policy, self.status, refresh))
         parts.admin.add_routes(self.metrics.routes)
         parts.admin.add_routes(lambda: approval_routes(parts.approvals))
 
