@@ -5,11 +5,9 @@ spliced tunnel through a worker, the supervisor killed (no worker serves on). Re
 
 from __future__ import annotations
 
-import http.client
 import json
 import os
 import signal
-import socket
 import threading
 import time
 from collections import Counter
@@ -23,7 +21,7 @@ from airlock.policy import load_policy
 from airlock.verify.ca import FakeCA
 from airlock.verify.topology import FakeNet, Topology
 
-from gateway_proc import E2E_POLICY, PROXY, GatewayProcess
+from gateway_proc import E2E_POLICY, PROXY, AdminConnection, GatewayProcess
 from netclient import in_netns, proxy_http, tcp_probe, tls_get
 
 WORKERS = ("--workers", "2")
@@ -31,20 +29,9 @@ WORKERS = ("--workers", "2")
 DENYING = "version: 1\nprofiles:\n  default:\n    allow:\n      - host: other.test\n        ports: [443]\n"
 
 
-class _Unix(http.client.HTTPConnection):
-    def __init__(self, path: Path) -> None:
-        super().__init__("airlock-admin", timeout=60)
-        self.path = path
-
-    def connect(self) -> None:
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.sock.settimeout(60)
-        self.sock.connect(str(self.path))
-
-
 def admin(gw: GatewayProcess, method: str, path: str) -> Any:
     """The admin listener's JSON answer (its unix socket: path-based, reachable from this namespace)."""
-    conn = _Unix(gw.workdir / "state" / "admin.sock")
+    conn = AdminConnection(gw.workdir / "state" / "admin.sock", timeout=60)
     try:
         conn.request(method, path)
         return json.loads(conn.getresponse().read())
