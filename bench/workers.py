@@ -58,6 +58,7 @@ class Column:
     gateway: GatewayProcess
     rates: list[float] = field(default_factory=list)  # units per second, per round
     cpu_s: list[float] = field(default_factory=list)
+    supervisor_s: list[float] = field(default_factory=list)  # the gateway process's own part of cpu_s
     units: list[int] = field(default_factory=list)
     by_worker: collections.Counter[int] = field(default_factory=collections.Counter)
 
@@ -69,15 +70,19 @@ class Column:
     def us_per_unit(self) -> float:
         return sum(self.cpu_s) / sum(self.units) * 1e6 if sum(self.units) else 0.0
 
+    def supervisor_share(self) -> float:
+        return sum(self.supervisor_s) / sum(self.cpu_s) if sum(self.cpu_s) else 0.0
 
-def tree_cpu(pid: int) -> float:
-    """User + system seconds of `pid` and its children (the workers)."""
+
+def tree_cpu(pid: int) -> tuple[float, float]:
+    """User + system seconds of `pid` and of it with its children (the workers)."""
     children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
-    total = 0.0
-    for each in (pid, *map(int, children)):
+    own = sum(user_system_seconds(pid))
+    total = own
+    for each in map(int, children):
         with contextlib.suppress(OSError):  # ended meanwhile
             total += sum(user_system_seconds(each))
-    return total
+    return own, total
 
 
 def keepalive(duration: float) -> Callable[[Topology, Path, int], tuple[int, float]]:
@@ -130,13 +135,14 @@ def measure(
         for column in results[:: 1 if i % 2 == 0 else -1]:
             print(f"  {name}: {column.name} round {i + 1} ...", file=sys.stderr, flush=True)
             time.sleep(0.3)  # the previous round's audit lines written
-            before, cpu0 = worker_lines(column.gateway), tree_cpu(column.pid)
+            before, (own0, cpu0) = worker_lines(column.gateway), tree_cpu(column.pid)
             units, seconds = load(topo, workdir, column.port)
-            cpu = tree_cpu(column.pid) - cpu0
+            own, cpu = tree_cpu(column.pid)
             time.sleep(0.3)
             column.by_worker += worker_lines(column.gateway) - before
             column.rates.append(units / seconds)
-            column.cpu_s.append(cpu)
+            column.cpu_s.append(cpu - cpu0)
+            column.supervisor_s.append(own - own0)
             column.units.append(units)
     return results
 
@@ -146,7 +152,7 @@ def report(info: dict[str, str], command: str, rounds: int, results: dict[str, l
     w = out.append
     one, many = (c.name for c in next(iter(results.values())))
     w(f"{rounds} interleaved rounds per load. Rate: units per second of the round; CPU: the gateway's process tree "
-      "(supervisor and workers), user + system, per unit.\n")  # fmt: skip
+      "(supervisor and workers), user + system, per unit (the supervisor's own share of it).\n")  # fmt: skip
     w(f"| load | {one}: per s (rounds) | {many}: per s (rounds) | {many} / {one} (median, range) | CPU µs/unit "
       f"{one} | CPU µs/unit {many} | {many}: share of units per worker |")  # fmt: skip
     w("|---|---:|---:|---:|---:|---:|---|")
@@ -157,7 +163,7 @@ def report(info: dict[str, str], command: str, rounds: int, results: dict[str, l
         w(f"| {load} | {fmt(statistics.mean(a.rates))} ({', '.join(fmt(r) for r in a.rates)}) | "
           f"{fmt(statistics.mean(b.rates))} ({', '.join(fmt(r) for r in b.rates)}) | "
           f"**{statistics.median(ratios):.2f}x** ({min(ratios):.2f}-{max(ratios):.2f}) | {fmt(a.us_per_unit())} | "
-          f"{fmt(b.us_per_unit())} | {shares} |")  # fmt: skip
+          f"{fmt(b.us_per_unit())} (supervisor {b.supervisor_share():.0%}) | {shares} |")  # fmt: skip
     return "\n".join(out) + "\n"
 
 

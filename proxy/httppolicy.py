@@ -63,7 +63,8 @@ class HttpPolicy:
         assert state.sandbox is not None
         limit = self.shared.settings.max_tunnels_per_sandbox
         if self.shared.tunnels[state.sandbox.id] >= limit:
-            record.decision, record.reason = "deny", f"sandbox already has {limit} open tunnels"
+            scope = self.shared.settings.cap_scope
+            record.decision, record.reason = "deny", f"sandbox already has {limit} open tunnels{scope}"
             record.code = ReasonCode.TUNNEL_LIMIT
             self.shared.refuse(record)  # a client retrying in a loop gets its 429s, the audit a summary
             return _answer(flow, answer(record, None, 429))

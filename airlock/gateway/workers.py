@@ -7,7 +7,8 @@ of the audit file (held by its folder's descriptor, reopened on SIGUSR1). It bin
 loop accepting from it (kept here too, so a restarted worker serves the very sockets, and clients in their backlog
 wait instead of being refused). One shared set rather than a SO_REUSEPORT set per worker: a dead worker's share of
 new connections would wait in its own socket's backlog until it is back (a second or more: mitmproxy's import),
-where a shared socket's are taken by the workers still alive; docs/operations.md ("Workers") has the balance measured.
+where a shared socket's are taken by the workers still alive. Each worker accepts one connection per wake-up
+(`ProxyRuntime.serve`), so a burst is spread too; bench/README.md has the balance measured both ways.
 
 Split between the workers: the connection caps, each worker holding its share (`worker_share`: the cap divided by
 N, at least 1), so that together they never pass the cap (a sandbox's tunnels may be refused by one worker while

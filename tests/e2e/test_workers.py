@@ -22,7 +22,7 @@ from airlock.verify.ca import FakeCA
 from airlock.verify.topology import FakeNet, Topology
 
 from gateway_proc import E2E_POLICY, PROXY, AdminConnection, GatewayProcess
-from netclient import in_netns, proxy_http, tcp_probe, tls_get
+from netclient import connect_tunnel, in_netns, proxy_http, tcp_probe, tls_get
 
 WORKERS = ("--workers", "2")
 # The e2e policy without allowed.test: its requests are denied (unlisted) where the e2e policy allows them.
@@ -230,6 +230,30 @@ def test_a_spliced_passthrough_tunnel_through_a_worker_is_audited_and_counted(
     assert line["extra"]["relayed_by"] == "kernel" and line["extra"]["worker"] in (0, 1)
     assert line["bytes_out"] > size and line["bytes_in"] > fakenet.bytes_in("192.0.2.10", 443) > 0  # TLS around it
     assert fakenet.connections("192.0.2.10", 443) == 1
+
+
+def test_each_worker_holds_its_share_of_the_tunnel_cap_so_together_they_never_pass_it(
+    topology: Topology, fakenet: FakeNet, workers_gateway: Callable[..., GatewayProcess]
+) -> None:
+    gw = workers_gateway(extra=("--max-tunnels", "2"))  # one each
+
+    def open_tunnels(n: int) -> list[int]:
+        held, statuses = [], []
+        for _ in range(n):
+            sock, reply = connect_tunnel(PROXY, "ssh.allowed.test:22")
+            statuses.append(reply.status)
+            if sock is not None:
+                held.append(sock)
+        for sock in held:
+            sock.close()
+        return statuses
+
+    statuses = in_netns(topology.sbx, open_tunnels, 6)
+    assert 1 <= statuses.count(200) <= 2 and statuses.count(429) == 6 - statuses.count(200), statuses
+    deadline = time.monotonic() + 5
+    while not (refused := [r for r in gw.audit() if r["code"] == "tunnel_limit"]) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert refused and "open tunnels in this proxy worker (its share of the cap: 2 workers)" in refused[0]["reason"]
 
 
 def test_with_its_supervisor_killed_no_worker_serves_on(
