@@ -257,7 +257,10 @@ def main(argv: Iterable[str] | None = None) -> int:
     parser.add_argument("--index", type=int, required=True, help="which worker (for its log lines)")
     args = parser.parse_args(list(argv) if argv is not None else None)
     die_with_parent(args.parent)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the terminal's ^C is the supervisor's to act on
+    # The terminal's ^C, SIGHUP (a reload) and SIGUSR1 (reopen the audit file) are the supervisor's to act on: sent
+    # to the whole process group, they must not end a worker.
+    for ignored in (signal.SIGINT, signal.SIGHUP, signal.SIGUSR1):
+        signal.signal(ignored, signal.SIG_IGN)
     logging.basicConfig(format=f"airlock worker {args.index}: %(message)s", level=logging.WARNING)
     logging.getLogger("airlock").setLevel(logging.INFO)
     sock = socket.socket(fileno=args.channel)

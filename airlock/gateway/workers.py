@@ -174,6 +174,7 @@ class WorkerPool:
         self._tasks: set[asyncio.Task[None]] = set()
         self._stopping = False
         self._audit_failure: str | None = None
+        self._failures: dict[int, int] = {}  # failed starts in a row, by worker index
 
     @property
     def count(self) -> int:
@@ -251,25 +252,31 @@ class WorkerPool:
             self._spawn_task(self._restart(worker))
 
     async def _restart(self, worker: _Worker) -> None:
+        """Once `worker` has ended: a new one in its place, after a delay that grows with each failed start in a
+        row. A new worker that fails ends in turn, and is restarted by its own end; one that could not even be
+        launched is tried again here."""
         code = await worker.process.wait()
         if self._stopping:
             return
+        index, failures = worker.index, self._failures.get(worker.index, 0)
         log.warning(
             "proxy worker %d (pid %d) ended (exit %s): restarting it; only the connections it held are lost",
-            worker.index, worker.process.pid, code,
+            index, worker.process.pid, code,
         )  # fmt: skip
-        for attempt in itertools.count():
-            await asyncio.sleep(RESTART_DELAYS[min(attempt, len(RESTART_DELAYS) - 1)])
-            if self._stopping or self.workers.get(worker.index) is not worker:
-                return
-            async with self._reloading:
-                try:
-                    await self._start(worker.index)
-                except GatewayError as e:
-                    log.error("proxy worker %d not restarted (%s): trying again", worker.index, e)
-                    continue
-            self.restarts += 1
+        await asyncio.sleep(RESTART_DELAYS[min(failures, len(RESTART_DELAYS) - 1)])
+        if self._stopping or self.workers.get(index) is not worker:
             return
+        async with self._reloading:
+            try:
+                await self._start(index)
+            except (GatewayError, OSError) as e:
+                self._failures[index] = failures + 1
+                log.error("proxy worker %d did not start again (%s): trying again", index, e)
+                if self.workers.get(index) is worker:  # nothing was launched: no end of its own brings it back
+                    self._spawn_task(self._restart(worker))
+                return
+        self._failures[index] = 0
+        self.restarts += 1
 
     def _spawn_task(self, coroutine: Any) -> None:
         task = asyncio.get_running_loop().create_task(coroutine)
@@ -400,4 +407,5 @@ class WorkerPool:
             if pending:
                 await asyncio.wait(pending, timeout=STOP_TIMEOUT)
         for worker in workers:
+            worker.channel.drain()  # its last audit lines, sent before it exited
             worker.channel.close()

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from airlock.policy import load_policy
 from airlock.verify.ca import FakeCA
@@ -132,6 +133,35 @@ def test_requests_are_served_by_both_workers_and_audited_whole_in_one_file(
     # The workers' counters are the supervisor's to report.
     status = admin(gw, "GET", "/v1/status")
     assert status["counters"]["http"]["allow"] >= len(lines)
+
+
+def test_metrics_add_up_every_workers_counters(
+    topology: Topology, fakenet: FakeNet, workers_gateway: Callable[..., GatewayProcess]
+) -> None:
+    gw = workers_gateway()
+    with Load(topology, lambda i: f"http://allowed.test/metrics-{i}", threads=4) as load:
+        load.wait_for(40)
+    denied = [in_netns(topology.sbx, proxy_http, PROXY, f"http://evil.test/{i}").status for i in range(5)]
+    assert set(denied) == {403}
+    lines = http_lines(gw, "/metrics-", len(load.replies))
+    assert {line["extra"]["worker"] for line in lines} == {0, 1}
+    conn = AdminConnection(gw.workdir / "state" / "admin.sock")
+    try:
+        conn.request("GET", "/metrics")
+        text = conn.getresponse().read().decode()
+    finally:
+        conn.close()
+    samples = {
+        (sample.name, frozenset(sample.labels.items())): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+    allowed = {("kind", "http"), ("decision", "allow"), ("profile", "default"), ("code", "allowed")}
+    assert samples[("airlock_decisions_total", frozenset(allowed))] == len(load.replies)
+    denials = {("kind", "http"), ("decision", "deny"), ("profile", "default"), ("code", "not_allowlisted")}
+    assert samples[("airlock_decisions_total", frozenset(denials))] == 5
+    decided = samples[("airlock_decide_duration_seconds_count", frozenset({("source", "proxy")}))]
+    assert decided >= len(load.replies) + 5  # the workers' judgements, timed in them
 
 
 def test_a_killed_worker_loses_only_its_connections_the_other_serves_and_it_is_restarted(
