@@ -304,6 +304,9 @@ class Policy:
     default_profile: str
     source: str
     tools: tuple[ToolDeclaration, ...] = ()  # declared tools (the `tools:` section), in file order
+    # The text it was parsed from (the loader sets it; "" for a policy built otherwise): what a gateway sends its proxy
+    # workers, each parsing it again and checking the hash (pickling 100,000 rules holds the GIL far longer).
+    text: str = field(default="", repr=False, compare=False, kw_only=True)
 
     @cached_property
     def hash(self) -> str:

@@ -3,12 +3,13 @@ its supervisor bound (and keeps), in a fresh interpreter the supervisor started 
 airlock.gateway.worker --channel FD --parent PID`; nothing secret on its command line or in its environment).
 
 Everything else comes over the control channel (`airlock.gateway.worker_channel`), first of all `WorkerStart`: the
-configuration, the policy in force, the `--secret` values the supervisor read once (never read again here), this
-worker's share of the connection caps, the DNS answers still alive. Then, as they happen: each DNS answer the
+configuration, the policy in force (its text, parsed here and checked against the hash validated: `PolicyText`),
+the `--secret` values the supervisor read once (never read again here), this worker's share of the connection
+caps, the DNS answers still alive. Then, as they happen: each DNS answer the
 supervisor's DNS server gives a sandbox (sent before the reply leaves; the worker drains its channel before it
 names a connection that carries no name, so an answer is never missed for being in flight), the audit log's state
 (a log that cannot be written denies every request here too), and the two phases of a reload (`prepare`: the
-policy unpickled and checked off the event loop; `commit`: the one swap). The worker sends back its audit lines,
+policy parsed and checked off the event loop; `commit`: the one swap). The worker sends back its audit lines,
 encoded here and written whole by the supervisor into its one file, and, when asked, its counters.
 
 A worker never outlives its supervisor: the kernel kills it when the supervisor dies (PR_SET_PDEATHSIG), and a
@@ -19,11 +20,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import ctypes
+import dataclasses
 import gc
 import ipaddress
 import logging
 import os
-import pickle
 import signal
 import socket
 import sys
@@ -46,7 +47,7 @@ from airlock.gateway.reload import loading, release_policy
 from airlock.gateway.worker_channel import Channel, read_message
 from airlock.inspection.inspector import Inspector
 from airlock.inspection.secrets import SecretValues
-from airlock.policy import IPAddress, LivePolicy, Policy, SandboxRegistry
+from airlock.policy import IPAddress, LivePolicy, Policy, PolicyError, SandboxRegistry, parse_policy
 
 log = logging.getLogger("airlock.gateway.worker")
 
@@ -56,12 +57,40 @@ FLUSH_LINES = 512
 EXIT_ORPHANED = 3
 
 
+# What stands in for GatewayConfig.policy in a worker's start message: the policy comes as text (`PolicyText`).
+STAND_IN = Policy({}, "-", "<the policy in force comes as its text>")
+
+
+@dataclass(frozen=True)
+class PolicyText:
+    """A policy as its supervisor validated it: its file's name, its text, its hash. The worker parses the text
+    again (off its event loop: pickling 100,000 rules would hold the GIL ten times longer) and refuses it unless its
+    hash is the one validated."""
+
+    source: str
+    text: str
+    hash: str
+
+    @classmethod
+    def of(cls, policy: Policy) -> PolicyText:
+        if not policy.text:
+            raise PolicyError([f"{policy.source}: no text to give the proxy workers (a policy not loaded from text)"])
+        return cls(policy.source, policy.text, policy.hash)
+
+    def parse(self) -> Policy:
+        """The policy; PolicyError if it does not parse, or parses to another hash."""
+        policy = parse_policy(self.text, self.source)
+        if policy.hash != self.hash:
+            raise PolicyError([f"{self.source}: parsed as {policy.hash} here, not as the validated {self.hash}"])
+        return policy
+
+
 @dataclass(frozen=True)
 class WorkerStart:
     """What a worker is told first."""
 
-    config: GatewayConfig
-    policy: Policy  # the policy in force when the worker starts
+    config: GatewayConfig  # its `policy` is STAND_IN
+    policy: PolicyText  # the policy in force when the worker starts
     secrets: dict[str, str]  # the --secret values, as the supervisor read them
     index: int  # 0 … count-1: on each of its audit lines (`extra.worker`)
     count: int
@@ -107,15 +136,16 @@ class DrainedAnswers(AnsweredAddresses):
 
 
 class Worker:
-    def __init__(self, start: WorkerStart, sock: socket.socket) -> None:
-        self.start, config = start, start.config
+    def __init__(self, start: WorkerStart, policy: Policy, sock: socket.socket) -> None:
+        """`policy`: `start.policy` parsed."""
+        self.start, config = start, dataclasses.replace(start.config, policy=policy)
         self.channel = Channel(sock, self._receive, self._orphaned)
         self.metrics = GatewayMetrics()
         servers = config.upstream_dns or system_servers()
         resolver = Resolver(ResolverConfig(servers, min_ttl=config.dns_min_ttl), timed=self.metrics.resolved)
         self.audit = ChannelAudit(self.channel, start.index, start.audit_failure)
         own = GatewayAddresses(interface_own_addresses() | {ipaddress.ip_address(config.listen)})
-        self.live = LivePolicy(start.policy, SandboxRegistry(config.sandboxes), own)
+        self.live = LivePolicy(policy, SandboxRegistry(config.sandboxes), own)
         self.auditing = GatewayAudit(self.audit.emit, config.sandboxes, None, self.metrics.observe, self.live)
         state = Path(start.state_dir) / "workers" / str(start.index)
         state.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -140,7 +170,7 @@ class Worker:
         self.channel.attach(loop)
         listeners = {spec: socket.socket(fileno=fd) for spec, fd in self.start.listeners.items()}
         self.proxy.take(listeners)
-        self.inspector.apply(self.start.policy)
+        self.inspector.apply(self.live.current.policy)
         await self.proxy.serve(None)
         gc.freeze()  # as the gateway does once it serves (airlock/gateway/core.py)
         self.channel.send("ready", os.getpid())
@@ -186,8 +216,8 @@ class Worker:
 
     async def _answered(self, what: str, payload: Any) -> object:
         if what == "prepare":
-            generation, blob = payload
-            return await self._prepare(generation, blob)
+            generation, text = payload
+            return await self._prepare(generation, text)
         if what == "commit":
             return await self._commit(payload)
         if what == "abort":
@@ -197,10 +227,13 @@ class Worker:
             return self.snapshot()
         raise ValueError(f"unknown request {what!r}")
 
-    async def _prepare(self, generation: int, blob: bytes) -> list[str]:
-        """Phase 1 of a reload: the policy unpickled off the event loop and checked; the problems (none: ready)."""
-        with loading():
-            policy: Policy = await asyncio.to_thread(pickle.loads, blob)
+    async def _prepare(self, generation: int, text: PolicyText) -> list[str]:
+        """Phase 1 of a reload: the policy parsed off the event loop and checked; the problems (none: ready)."""
+        try:
+            with loading():
+                policy = await asyncio.to_thread(text.parse)
+        except PolicyError as e:
+            return e.errors
         problems = self.live.refusals(policy) + self.inspector.problems(policy)
         if not problems:
             self._prepared[generation] = policy
@@ -271,12 +304,17 @@ def main(argv: Iterable[str] | None = None) -> int:
     if kind != "start" or not isinstance(start, WorkerStart):
         print(f"airlock worker {args.index}: expected the start message, got {kind!r}", file=sys.stderr)
         return 2
-    asyncio.run(Worker(start, sock).run())
+    try:
+        policy = start.policy.parse()
+    except PolicyError as e:
+        print(f"airlock worker {args.index}: " + "; ".join(e.errors), file=sys.stderr)
+        return 2
+    asyncio.run(Worker(start, policy, sock).run())
     return 0
 
 
 if __name__ == "__main__":
-    # Run as the module the supervisor's pickles name (airlock.gateway.worker), not as a second copy of it.
+    # Run as the module the supervisor's messages name (airlock.gateway.worker), not as a second copy of it.
     from airlock.gateway import worker
 
     sys.exit(worker.main())

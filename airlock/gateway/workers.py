@@ -15,10 +15,11 @@ N, at least 1), so that together they never pass the cap (a sandbox's tunnels ma
 another has room: its 429 says it is this worker's share). Shared: everything else, through the channel:
 - DNS answers: the supervisor's DNS server records each answer (`BroadcastAnswers.record`), which sends it to every
   worker before the reply is sent; a worker drains its channel before naming a connection that has none;
-- the policy: a reload is loaded and validated here, then in two phases: every worker unpickles and checks the
-  exact policy validated here, off its event loop (`prepare`); a refusal (or no answer) from any aborts the reload
-  for all, the running policy staying; else the supervisor swaps its own, every worker swaps (`commit`), and only
-  then is the reload audited and answered. Every request line carries the hash of the policy that judged it;
+- the policy: a reload is loaded and validated here, then in two phases: every worker parses the very text
+  validated here, off its event loop, and checks that its hash is the validated one (`prepare`); a refusal (or no
+  answer) from any aborts the reload for all, the running policy staying; else the supervisor swaps its own,
+  every worker swaps (`commit`), and only then is the reload audited and answered. Every request line carries the
+  hash of the policy that judged it;
 - the audit: lines encoded in the workers, written whole here; the audit log's failure sent to every worker;
 - metrics and status: each worker's counters (the same lock-free, in-process ones as a single gateway's:
   prometheus-client's multiprocess mode would put a lock and a memory-mapped file write on every count, the cost
@@ -39,7 +40,6 @@ import dataclasses
 import itertools
 import logging
 import os
-import pickle
 import socket
 import sys
 import time
@@ -53,8 +53,7 @@ from airlock.gateway.capacity import ConnectionCaps
 from airlock.gateway.config import GatewayConfig
 from airlock.gateway.errors import GatewayError
 from airlock.gateway.metrics import MetricsSnapshot
-from airlock.gateway.reload import loading
-from airlock.gateway.worker import WorkerStart
+from airlock.gateway.worker import STAND_IN, PolicyText, WorkerStart
 from airlock.gateway.worker_channel import Channel, channel_pair
 from airlock.policy import IPAddress, LivePolicy, Policy, PolicyError
 
@@ -62,7 +61,7 @@ log = logging.getLogger("airlock.gateway")
 
 MAX_AUTO_WORKERS = 8  # `--workers auto`: the CPUs, at most this many
 READY_TIMEOUT = 60.0  # seconds for a worker to serve (a fresh interpreter importing mitmproxy)
-PREPARE_TIMEOUT = 60.0  # seconds for every worker to unpickle and check a reload (100,000 rules: about a second)
+PREPARE_TIMEOUT = 60.0  # seconds for every worker to parse and check a reload (100,000 rules: about a second)
 COMMIT_TIMEOUT = 10.0
 SNAPSHOT_TIMEOUT = 5.0
 SNAPSHOT_INTERVAL = 1.0
@@ -215,8 +214,9 @@ class WorkerPool:
         worker = _Worker(index, process, channel, ready)
         channel.attach(loop)
         settings = self.settings
+        config = dataclasses.replace(settings.config, policy=STAND_IN)  # the policy goes as its text
         start = WorkerStart(
-            settings.config, self.live.current.policy, dict(settings.secrets), index, settings.count,
+            config, PolicyText.of(self.live.current.policy), dict(settings.secrets), index, settings.count,
             settings.state_dir, fds, settings.caps, self.answered.entries(time.monotonic()), self.audit.failure,
         )  # fmt: skip
         channel.send("start", start)
@@ -310,10 +310,9 @@ class WorkerPool:
         it, or does not answer (then none has it in force, and `swap` was not called)."""
         async with self._reloading:
             workers = [self.workers[i] for i in self.serving()]
-            with loading():
-                blob = await asyncio.to_thread(pickle.dumps, policy, pickle.HIGHEST_PROTOCOL)
+            text = PolicyText.of(policy)  # the text the supervisor validated: each worker parses it again
             generation = next(self._generations)
-            answers = await self._ask(workers, "prepare", (generation, blob), PREPARE_TIMEOUT)
+            answers = await self._ask(workers, "prepare", (generation, text), PREPARE_TIMEOUT)
             problems = []
             for worker, answer in zip(workers, answers, strict=True):
                 if isinstance(answer, ConnectionError):

@@ -18,6 +18,7 @@ from airlock.audit import AuditLog
 from airlock.gateway.capacity import ConnectionCaps
 from airlock.gateway.config import GatewayConfig
 from airlock.gateway.proxy_runtime import _listen
+from airlock.gateway.worker import PolicyText
 from airlock.gateway.workers import (
     BroadcastAnswers,
     WorkerChannels,
@@ -160,3 +161,20 @@ def test_each_worker_holds_its_share_of_the_caps_and_together_never_more() -> No
         assert share.tunnels * count <= CAPS.tunnels and share.spliced * count <= CAPS.spliced
     tiny = worker_share(dataclasses.replace(CAPS, tunnels=1), 4)
     assert tiny.tunnels == 1  # at least one each
+
+
+def test_a_worker_takes_a_policy_as_its_text_and_refuses_one_that_parses_to_another_hash() -> None:
+    text = PolicyText.of(NEXT)
+    assert text.parse().hash == NEXT.hash and text.text == NEXT.text
+    forged = dataclasses.replace(text, text=text.text.replace("next.test", "other.test"))
+    with pytest.raises(PolicyError, match="not as the validated"):
+        forged.parse()
+    with pytest.raises(PolicyError, match="no text to give the proxy workers"):
+        PolicyText.of(Policy(RUNNING.profiles, RUNNING.default_profile, "built.yaml"))
+
+
+async def test_a_policy_without_text_is_refused_by_the_pool_and_the_running_one_stays(workers: _Pool) -> None:
+    built = Policy(NEXT.profiles, NEXT.default_profile, "built.yaml")
+    with pytest.raises(PolicyError, match="no text to give the proxy workers"):
+        await workers.pool.put_in_force(built, lambda: workers.live.replace(built))
+    assert await workers.hashes() == [RUNNING.hash, RUNNING.hash]
