@@ -176,9 +176,9 @@ class _Keyed:
     def __bool__(self) -> bool:
         return not self._empty
 
-    # Pickled as its entries (a gateway's proxy workers get the policy their supervisor validated, pickled): the
-    # table a key is in follows hash(), which another process computes differently (string hashes are seeded per
-    # process), so each key is placed again as it is read back, its rules in file order.
+    # Pickled as its entries: the table a key is in follows hash(), which another process computes differently
+    # (string hashes are seeded per process), so a policy pickled to another process places each key again as it
+    # is read back, its rules in file order. (A gateway's proxy workers get the policy as text: Policy.text.)
     def __getstate__(self) -> list[tuple[object, list[Rule]]]:
         return [
             (key, [rule, *more.get(key, ())])

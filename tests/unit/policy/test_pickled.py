@@ -1,5 +1,5 @@
-"""A policy pickled in one process decides the same in another (a gateway's proxy workers get their supervisor's
-validated policy so): its keyed rule tables are placed by hash(), which each process seeds differently."""
+"""A policy pickled in one process decides the same in another: its keyed rule tables are placed by hash(), which
+each process seeds differently."""
 
 from __future__ import annotations
 
