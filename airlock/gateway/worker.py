@@ -4,8 +4,8 @@ airlock.gateway.worker --channel FD --parent PID`; nothing secret on its command
 
 Everything else comes over the control channel (`airlock.gateway.worker_channel`), first of all `WorkerStart`: the
 configuration, the policy in force (its text, parsed here and checked against the hash validated: `PolicyText`),
-the `--secret` values the supervisor read once (never read again here), this worker's share of the connection
-caps, the DNS answers still alive. Then, as they happen: each DNS answer the
+the `--secret` values the policy injects as the supervisor read them once (never read here), this worker's share
+of the connection caps, the DNS answers still alive. Then, as they happen: each DNS answer the
 supervisor's DNS server gives a sandbox (sent before the reply leaves; the worker drains its channel before it
 names a connection that carries no name, so an answer is never missed for being in flight), the audit log's state
 (a log that cannot be written denies every request here too), and the two phases of a reload (`prepare`: the
@@ -91,7 +91,7 @@ class WorkerStart:
 
     config: GatewayConfig  # its `policy` is STAND_IN
     policy: PolicyText  # the policy in force when the worker starts
-    secrets: dict[str, str]  # the --secret values, as the supervisor read them
+    secrets: dict[str, str]  # the --secret values the policy injects, as the supervisor read them
     index: int  # 0 … count-1: on each of its audit lines (`extra.worker`)
     count: int
     state_dir: str  # the supervisor's; this worker's mitmproxy keeps its own files in <state>/workers/<index>

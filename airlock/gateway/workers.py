@@ -215,8 +215,12 @@ class WorkerPool:
         channel.attach(loop)
         settings = self.settings
         config = dataclasses.replace(settings.config, policy=STAND_IN)  # the policy goes as its text
+        policy = self.live.current.policy
+        # Only the secrets the policy in force injects (none while inspection needs --workers 1): the broker's and
+        # the declared tools' never leave this process.
+        secrets = {name: settings.secrets[name] for name in policy.secret_names() if name in settings.secrets}
         start = WorkerStart(
-            config, PolicyText.of(self.live.current.policy), dict(settings.secrets), index, settings.count,
+            config, PolicyText.of(policy), secrets, index, settings.count,
             settings.state_dir, fds, settings.caps, self.answered.entries(time.monotonic()), self.audit.failure,
         )  # fmt: skip
         channel.send("start", start)

@@ -314,6 +314,21 @@ def _alive(pid: int) -> bool:
         return False
 
 
+def test_no_secret_reaches_a_workers_command_line_or_environment(
+    topology: Topology, fakenet: FakeNet, workers_gateway: Callable[..., GatewayProcess], tmp_path: Path
+) -> None:
+    value = os.urandom(16).hex()
+    secret = tmp_path / "token"
+    secret.write_text(value)
+    gw = workers_gateway(extra=("--secret", f"TOKEN=file:{secret}"))
+    assert in_netns(topology.sbx, proxy_http, PROXY, "http://allowed.test/").status == 200
+    for pid in worker_pids(gw).values():
+        for what in ("cmdline", "environ"):
+            seen = Path(f"/proc/{pid}/{what}").read_bytes()
+            assert value.encode() not in seen and str(secret).encode() not in seen, what
+        assert b"airlock.gateway.worker" in Path(f"/proc/{pid}/cmdline").read_bytes()
+
+
 def test_options_workers_cannot_serve_yet_are_refused_at_start_in_one_line(
     topology: Topology, fakenet: FakeNet, workers_gateway: Callable[..., GatewayProcess]
 ) -> None:
