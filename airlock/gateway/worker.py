@@ -44,7 +44,7 @@ from airlock.gateway.metrics import GatewayMetrics
 from airlock.gateway.own_addresses import GatewayAddresses, interface_own_addresses
 from airlock.gateway.proxy_runtime import ProxyProviders, ProxyRuntime
 from airlock.gateway.reload import loading, release_policy
-from airlock.gateway.worker_channel import Channel, read_message
+from airlock.gateway.worker_channel import JSON, PICKLED, Channel, read_message
 from airlock.inspection.inspector import Inspector
 from airlock.inspection.secrets import SecretValues
 from airlock.policy import IPAddress, LivePolicy, Policy, PolicyError, SandboxRegistry, parse_policy
@@ -139,7 +139,8 @@ class Worker:
     def __init__(self, start: WorkerStart, policy: Policy, sock: socket.socket) -> None:
         """`policy`: `start.policy` parsed."""
         self.start, config = start, dataclasses.replace(start.config, policy=policy)
-        self.channel = Channel(sock, self._receive, self._orphaned)
+        # The supervisor's messages come pickled, this worker's go as JSON (airlock/gateway/worker_channel.py).
+        self.channel = Channel(sock, self._receive, self._orphaned, sends=JSON, receives=PICKLED)
         self.metrics = GatewayMetrics()
         servers = config.upstream_dns or system_servers()
         resolver = Resolver(ResolverConfig(servers, min_ttl=config.dns_min_ttl), timed=self.metrics.resolved)
@@ -263,7 +264,8 @@ class Worker:
             "policy_hash": self.live.current.policy.hash,
             "counts": counts,
             "decisions": self.auditing.counters(),
-            "metrics": self.metrics.snapshot(),
+            # JSON has no tuple keys: each family as [[label values, value], ...]
+            "metrics": [[[list(key), value] for key, value in family.items()] for family in self.metrics.snapshot()],
         }
 
     def _orphaned(self) -> None:

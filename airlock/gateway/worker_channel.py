@@ -2,11 +2,12 @@
 one end each of a unix SOCK_SEQPACKET socket pair, carrying messages `(kind, body)` both ways.
 
 SOCK_SEQPACKET keeps each packet whole and tells the peer's death as end-of-file (a worker whose supervisor died
-stops serving at once: `airlock.gateway.worker`). A message is pickled: both ends are the same program, the pair is
-made by the supervisor and held by no one else, and what it carries (the parsed policy, the configuration, the
-`--secret` values the supervisor read once) must reach the worker exactly as the supervisor validated it — a worker
-never reads a policy or secret file of its own. A message larger than one packet goes as several, each packet
-starting with MORE or LAST.
+stops serving at once: `airlock.gateway.worker`). What the supervisor sends is pickled (`PICKLED`): the pair is made
+by the supervisor and held by no one else, and what it carries (the configuration, the policy's text, the DNS
+answers) must reach the worker exactly as the supervisor has it. What a worker sends back is JSON (`JSON`): a
+worker parses what sandboxes send, and a worker that went wrong must not be able to make the supervisor — which
+holds the broker's keys and every secret — run anything by what it sends (unpickling can). A message larger than
+one packet goes as several, each packet starting with MORE or LAST.
 
 Sending never blocks the event loop: `send` queues the packets in order and writes what the socket takes now, the
 rest when it is writable again. Receiving is `drain`: every message that has arrived, handed to `receive` in the order
@@ -16,6 +17,7 @@ has no name (so a DNS answer the supervisor sent before its reply left is known:
 from __future__ import annotations
 
 import asyncio
+import json
 import pickle
 import socket
 from collections import deque
@@ -28,6 +30,18 @@ MORE, LAST = b"+", b"."
 type Receive = Callable[[str, Any], None]
 
 
+class Codec:
+    """How messages are encoded one way: `dumps((kind, body))` → bytes, `loads(bytes)` → [kind, body]."""
+
+    def __init__(self, dumps: Callable[[object], bytes], loads: Callable[[bytes], Any]) -> None:
+        self.dumps, self.loads = dumps, loads
+
+
+PICKLED = Codec(lambda message: pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL), pickle.loads)
+# A tuple arrives as a list: the supervisor reads a worker's messages knowing that.
+JSON = Codec(lambda message: json.dumps(message, separators=(",", ":")).encode(), json.loads)
+
+
 def channel_pair() -> tuple[socket.socket, socket.socket]:
     """(the supervisor's end, the worker's end); the worker's is inheritable for `pass_fds`."""
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -35,14 +49,14 @@ def channel_pair() -> tuple[socket.socket, socket.socket]:
     return ours, theirs
 
 
-def packets(kind: str, body: object) -> list[bytes]:
+def packets(kind: str, body: object, codec: Codec = PICKLED) -> list[bytes]:
     """One message as the packets that carry it."""
-    data = pickle.dumps((kind, body), protocol=pickle.HIGHEST_PROTOCOL)
+    data = codec.dumps((kind, body))
     chunks = [data[i : i + PACKET] for i in range(0, len(data), PACKET)] or [b""]
     return [MORE + chunk for chunk in chunks[:-1]] + [LAST + chunks[-1]]
 
 
-def read_message(sock: socket.socket) -> tuple[str, Any]:
+def read_message(sock: socket.socket, codec: Codec = PICKLED) -> tuple[str, Any]:
     """One whole message from a blocking socket (a worker's first, before its event loop runs); EOFError at the end."""
     parts: list[bytes] = []
     while True:
@@ -51,16 +65,25 @@ def read_message(sock: socket.socket) -> tuple[str, Any]:
             raise EOFError("the control channel closed")
         parts.append(packet[1:])
         if packet[:1] == LAST:
-            kind, body = pickle.loads(b"".join(parts))
+            kind, body = codec.loads(b"".join(parts))
             return str(kind), body
 
 
 class Channel:
     """One end of the pair, served by the running event loop: `receive(kind, body)` for each message in order,
-    `closed()` once, when the peer is gone (end-of-file or an error either way)."""
+    `closed()` once, when the peer is gone (end-of-file or an error either way). `sends` and `receives`: the codec
+    of each way (the supervisor's end sends PICKLED and receives JSON, a worker's the other way round)."""
 
-    def __init__(self, sock: socket.socket, receive: Receive, closed: Callable[[], None]) -> None:
+    def __init__(
+        self,
+        sock: socket.socket,
+        receive: Receive,
+        closed: Callable[[], None],
+        sends: Codec = PICKLED,
+        receives: Codec = PICKLED,
+    ) -> None:
         self.sock, self.receive, self._closed = sock, receive, closed
+        self.sends, self.receives = sends, receives
         self._out: deque[bytes] = deque()
         self._parts: list[bytes] = []
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -76,7 +99,7 @@ class Channel:
         """Queue one message; it goes after every message sent before it. Nothing happens once the channel closed."""
         if not self.open:
             return
-        self._out.extend(packets(kind, body))
+        self._out.extend(packets(kind, body, self.sends))
         if not self._writing:
             self._flush()
 
@@ -119,7 +142,11 @@ class Channel:
             if packet[:1] == LAST:
                 data = b"".join(self._parts)
                 self._parts.clear()
-                kind, body = pickle.loads(data)
+                try:
+                    kind, body = self.receives.loads(data)
+                except ValueError:  # not a message of this codec (nor two parts): the peer is not to be trusted on
+                    self.close()
+                    return
                 self.receive(kind, body)
 
     def close(self) -> None:

@@ -54,7 +54,7 @@ from airlock.gateway.config import GatewayConfig
 from airlock.gateway.errors import GatewayError
 from airlock.gateway.metrics import MetricsSnapshot
 from airlock.gateway.worker import STAND_IN, PolicyText, WorkerStart
-from airlock.gateway.worker_channel import Channel, channel_pair
+from airlock.gateway.worker_channel import JSON, PICKLED, Channel, channel_pair
 from airlock.policy import IPAddress, LivePolicy, Policy, PolicyError
 
 log = logging.getLogger("airlock.gateway")
@@ -210,7 +210,10 @@ class WorkerPool:
             theirs.close()
         loop = asyncio.get_running_loop()
         ready: asyncio.Future[int] = loop.create_future()
-        channel = Channel(ours, lambda kind, body: self._receive(worker, kind, body), lambda: self._lost(worker))
+        channel = Channel(
+            ours, lambda kind, body: self._receive(worker, kind, body), lambda: self._lost(worker),
+            sends=PICKLED, receives=JSON,  # a worker's messages are data, never anything to run
+        )  # fmt: skip
         worker = _Worker(index, process, channel, ready)
         channel.attach(loop)
         settings = self.settings
@@ -229,7 +232,17 @@ class WorkerPool:
         return worker
 
     def _receive(self, worker: _Worker, kind: str, body: Any) -> None:
+        try:
+            self._received(worker, kind, body)
+        except (TypeError, ValueError, KeyError) as e:  # not a message a worker sends: it is stopped (and restarted)
+            log.error("proxy worker %d sent a malformed %r message (%s): stopping it", worker.index, kind, e)
+            worker.process.kill()
+            worker.channel.close()
+
+    def _received(self, worker: _Worker, kind: str, body: Any) -> None:
         if kind == "audit":
+            if not isinstance(body, str):
+                raise TypeError("audit lines are text")
             self.audit.emit_lines(body)
         elif kind == "reply":
             ask, result = body
@@ -363,8 +376,14 @@ class WorkerPool:
         return [w.snapshot for i in self.serving() if (w := self.workers[i]).snapshot is not None]
 
     def metrics(self) -> list[MetricsSnapshot]:
-        """The workers' latest metric snapshots (GatewayMetrics adds them in)."""
-        return [snapshot["metrics"] for snapshot in self._snapshots_of()]
+        """The workers' latest metric snapshots (GatewayMetrics adds them in), their JSON made tuples again."""
+        return [
+            [
+                {tuple(key): value if isinstance(value, int | float) else (value[0], value[1]) for key, value in family}
+                for family in snapshot["metrics"]
+            ]
+            for snapshot in self._snapshots_of()
+        ]
 
     def counts(self, which: str) -> dict[str, int]:
         """Open `tunnels`, `connections` or `upstreams` per sandbox, over every worker."""

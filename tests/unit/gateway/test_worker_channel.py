@@ -11,16 +11,28 @@ from typing import Any
 
 import pytest
 
-from airlock.gateway.worker_channel import LAST, MORE, PACKET, Channel, channel_pair, packets, read_message
+from airlock.gateway.worker_channel import (
+    JSON,
+    LAST,
+    MORE,
+    PACKET,
+    PICKLED,
+    Channel,
+    Codec,
+    channel_pair,
+    packets,
+    read_message,
+)
 
 
 class _End:
     """A channel end on the running loop, recording what it receives and when it closed."""
 
-    def __init__(self, sock: socket.socket) -> None:
+    def __init__(self, sock: socket.socket, sends: Codec = PICKLED, receives: Codec = PICKLED) -> None:
         self.received: list[tuple[str, Any]] = []
         self.closed = 0
-        self.channel = Channel(sock, lambda kind, body: self.received.append((kind, body)), self._closed)
+        receive = lambda kind, body: self.received.append((kind, body))  # noqa: E731
+        self.channel = Channel(sock, receive, self._closed, sends, receives)
         self.channel.attach(asyncio.get_running_loop())
 
     def _closed(self) -> None:
@@ -122,3 +134,22 @@ def test_the_workers_end_is_inheritable_and_the_supervisors_is_not() -> None:
     assert ours.type == socket.SOCK_SEQPACKET
     ours.close()
     theirs.close()
+
+
+async def test_a_workers_messages_are_json_and_a_pickle_sent_instead_is_never_unpickled() -> None:
+    # The supervisor's end receives JSON: whatever a worker sends is data, never something unpickling would run.
+    a, b = channel_pair()
+    worker, supervisor = _End(a, sends=JSON), _End(b, receives=JSON)
+    worker.channel.send("reply", (7, {"counts": {"tunnels": {"sbx": 2}}}))
+    await _until(lambda: len(supervisor.received) == 1)
+    assert supervisor.received == [("reply", [7, {"counts": {"tunnels": {"sbx": 2}}}])]  # a tuple comes as a list
+
+    class Runs:
+        def __reduce__(self) -> tuple[Any, tuple[str]]:
+            return (print, ("unpickled!",))
+
+    for packet in packets("reply", Runs(), PICKLED):  # what a worker gone wrong might send
+        a.send(packet)
+    await _until(lambda: supervisor.closed == 1)
+    assert len(supervisor.received) == 1 and not supervisor.channel.open
+    worker.channel.close()
