@@ -2,14 +2,15 @@
 evenly the shared listener spreads connections over the workers.
 
     sudo .venv/bin/python -P bench/workers.py [--workers 2] [--rounds 3] [--duration 5] [--tunnels 200]
-        [--output F]
+        [--at-once 10] [--output F]
 
 Two gateways of this checkout run side by side in the gateway namespace (e2e policy, audit to a file, no DNS,
 broker or transparent listener of their own): `--workers 1` (the proxy in the gateway process, as before) and
 `--workers N`. Two loads from the sandbox namespace to allowed.test in the fake internet, through the explicit proxy:
 
 - small HTTP keep-alive: wrk -t1 -c8, `GET http://allowed.test/` over kept-alive connections, for `--duration`;
-- new CONNECT + TLS tunnels: curl, `--tunnels` HTTPS requests per round, 10 at a time, each on a new connection.
+- new CONNECT + TLS tunnels: curl, `--tunnels` HTTPS requests per round, `--at-once` at a time (10), each on a new
+  connection.
 
 The rounds are interleaved, their order alternating, so drift and the shared machine's other work hit both alike;
 each round gives the ratio N workers / 1 worker of the rate, the report their median and range. CPU: the gateway's
@@ -100,9 +101,9 @@ def keepalive(duration: float) -> Callable[[Topology, Path, int], tuple[int, flo
     return run
 
 
-def tunnels(n: int, ca: Path) -> Callable[[Topology, Path, int], tuple[int, float]]:
+def tunnels(n: int, ca: Path, at_once: int) -> Callable[[Topology, Path, int], tuple[int, float]]:
     def run(topo: Topology, workdir: Path, port: int) -> tuple[int, float]:
-        argv = ["curl", "-sS", "--http1.1", "--max-time", "10", "-Z", "--parallel-max", TUNNELS_AT_ONCE,
+        argv = ["curl", "-sS", "--http1.1", "--max-time", "10", "-Z", "--parallel-max", at_once,
                 "--cacert", ca, "-x", f"http://{GW_IP}:{port}", "-H", "Connection: close", "-o", "/dev/null",
                 "-w", "%{http_code}\\n", f"https://{HOST}/?i=[1-{n}]"]  # fmt: skip
         started = time.monotonic()
@@ -173,6 +174,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=3, help="rounds per load and gateway, interleaved (default 3)")
     parser.add_argument("--duration", type=float, default=5.0, help="seconds per wrk round (default 5)")
     parser.add_argument("--tunnels", type=int, default=200, help="new tunnels per round (default 200)")
+    parser.add_argument(
+        "--at-once", type=int, default=TUNNELS_AT_ONCE, help=f"tunnels opened at a time (default {TUNNELS_AT_ONCE})"
+    )
     args: argparse.Namespace = common.parse_args(parser, argv)
     if not (2 <= args.workers <= 16 and 1 <= args.rounds <= 20 and 1 <= args.duration <= 60):
         parser.error("keep --workers in 2..16, --rounds in 1..20, --duration in 1..60")
@@ -199,8 +203,8 @@ def main(argv: list[str] | None = None) -> int:
             "small HTTP keep-alive (wrk -c8)": measure(
                 topo, workdir, keepalive(args.duration), columns, args.rounds, "keep-alive"
             ),
-            f"new CONNECT + TLS tunnels ({TUNNELS_AT_ONCE} at a time)": measure(
-                topo, workdir, tunnels(args.tunnels, ca.ca_cert), columns, args.rounds, "tunnels"
+            f"new CONNECT + TLS tunnels ({args.at_once} at a time)": measure(
+                topo, workdir, tunnels(args.tunnels, ca.ca_cert, args.at_once), columns, args.rounds, "tunnels"
             ),
         }
     common.emit(report(info, command, args.rounds, results, time.monotonic() - started), args.output)
