@@ -16,6 +16,11 @@ address, path or request id is ever a label.
 
 prometheus-client itself (about 30 ms to import, with http.server and wsgiref) is imported at the first scrape:
 counting needs none of it, and a sandbox's start should not wait for it.
+
+With proxy workers (`airlock gateway --workers N`), each worker counts in its own `GatewayMetrics`, and the
+supervisor adds their `snapshot()`s in at each scrape (`workers`, asked over their channels). Not prometheus-client's
+multiprocess mode: it keeps every count in a memory-mapped file behind a lock, the very cost these plain-attribute
+counters exist to avoid on every request.
 """
 
 from __future__ import annotations

@@ -19,6 +19,7 @@ from airlock.gateway.capacity import ConnectionCaps
 from airlock.gateway.config import GatewayConfig
 from airlock.gateway.proxy_runtime import _listen
 from airlock.gateway.worker import PolicyText
+from airlock.gateway.worker_channel import Channel, channel_pair, read_message
 from airlock.gateway.workers import (
     BroadcastAnswers,
     WorkerChannels,
@@ -178,3 +179,28 @@ async def test_a_policy_without_text_is_refused_by_the_pool_and_the_running_one_
     with pytest.raises(PolicyError, match="no text to give the proxy workers"):
         await workers.pool.put_in_force(built, lambda: workers.live.replace(built))
     assert await workers.hashes() == [RUNNING.hash, RUNNING.hash]
+
+
+async def test_a_dns_answer_is_in_every_workers_channel_before_record_returns() -> None:
+    # The DNS server records an answer, then sends its reply: a worker that drains its channel before it names a
+    # connection knows every answer whose reply has left, whatever its loop has done meanwhile.
+    channels = WorkerChannels()
+    ends = []
+    for index in (0, 1):
+        ours, theirs = channel_pair()
+        channel = Channel(ours, lambda kind, body: None, lambda: None)
+        channel.attach(asyncio.get_running_loop())
+        channels.open[index] = channel
+        ends.append(theirs)
+    answers = BroadcastAnswers(channels)
+    address = ipaddress.ip_address("192.0.2.10")
+    answers.record("sbx", "ssh.allowed.test", [address], 30, 100.0)
+    for theirs in ends:
+        theirs.setblocking(False)  # no waiting: the packet is there already, or the test fails
+        assert read_message(theirs) == ("answer", ("sbx", "ssh.allowed.test", [address], 30, 100.0))
+    assert answers.names("sbx", address, 101.0) == ["ssh.allowed.test"]  # the supervisor's own copy, for later ones
+    assert [(s, n, a) for s, n, a, _ in answers.entries(101.0)] == [("sbx", "ssh.allowed.test", address)]
+    for channel in channels.open.values():
+        channel.close()
+    for theirs in ends:
+        theirs.close()
