@@ -14,7 +14,9 @@ Split between the workers: the connection caps, each worker holding its share (`
 N, at least 1), so that together they never pass the cap (a sandbox's tunnels may be refused by one worker while
 another has room: its 429 says it is this worker's share). Shared: everything else, through the channel:
 - DNS answers: the supervisor's DNS server records each answer (`BroadcastAnswers.record`), which sends it to every
-  worker before the reply is sent; a worker drains its channel before naming a connection that has none;
+  worker before the reply is sent; a worker drains its channel before naming a connection that has none. (Only a
+  worker that has not read its channel for so long that it is full gets an answer after the reply: a connection
+  named by it meanwhile is judged by its address alone, which fails closed);
 - the policy: a reload is loaded and validated here, then in two phases: every worker parses the very text
   validated here, off its event loop, and checks that its hash is the validated one (`prepare`); a refusal (or no
   answer) from any aborts the reload for all, the running policy staying; else the supervisor swaps its own,
