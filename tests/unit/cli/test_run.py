@@ -254,11 +254,21 @@ def test_the_work_tree_above_the_working_directory_shows_below_a_private_mount_o
     ],
 )
 def test_working_directories_the_command_may_not_write(tmp_path: Path, cwd: str, problem: str | None) -> None:
-    user = _user(tmp_path)
+    user = _user(tmp_path, os.getuid(), os.getgid())  # its home its own
     (Path(user.pw_dir) / "project").mkdir()
     found = host_paths.workdir_problem(Path(cwd.replace("HOME", user.pw_dir)), user)
     problem = problem and problem.replace("HOME", user.pw_dir)
     assert (found is None) if problem is None else (found is not None and problem in found), found
+
+
+@pytest.mark.parametrize("cwd", ["/", "/root", "HOME"])
+def test_a_home_the_user_may_not_write_is_never_the_folder_to_use(tmp_path: Path, cwd: str) -> None:
+    """As nobody's /nonexistent, where something made the folder (a root shell's command runs as nobody)."""
+    user = _user(tmp_path)  # its home root's (or the test runner's), 0755
+    found = host_paths.workdir_problem(Path(cwd.replace("HOME", user.pw_dir)), user)
+    assert found is not None and found.endswith(
+        "run it from a folder of its own (mkdir -p /var/tmp/work && cd /var/tmp/work)"
+    ), found
 
 
 def test_airlocks_own_code_in_the_working_directory_is_kept_read_only(
