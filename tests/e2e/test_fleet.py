@@ -1,5 +1,6 @@
-"""Two `airlock broker` replicas (processes of their own, on loopback) with one PostgreSQL database, one signing key
-and one fake GitHub: what a fleet promises, as a client of either replica sees it.
+"""Two `airlock broker` replicas (processes of their own, on loopback) with one PostgreSQL database (whose role
+logs in with a password, given by --store-password-file), one signing key and one fake GitHub: what a fleet
+promises, as a client of either replica sees it.
 
 - a token minted on one replica is taken by the other (one JWKS);
 - a token revoked on one is refused by the other within a second;
@@ -36,6 +37,7 @@ pytestmark = pytest.mark.postgres
 
 FIELDS = {"repo": "acme/app", "head": "agent/feature-1", "base": "main", "title": "Fix the thing", "body": "Details"}
 PULLS = "/v1/tools/create_pull_request"
+PASSWORD = "fleet-db-password"
 
 
 @pytest.fixture(scope="module")
@@ -55,8 +57,24 @@ def github(test_ca: FakeCA, tmp_path_factory: pytest.TempPathFactory) -> Iterato
 
 
 @pytest.fixture
+def database(postgres_server: PostgresServer, tmp_path: Path) -> tuple[str, Path]:
+    """A fresh database whose role logs in only with a password, as docs/fleet.md's walk-through makes it: its URL
+    (no password in it) and the password's file, which the replicas are given by --store-password-file."""
+    if not postgres_server.running():
+        postgres_server.start_again()
+    password = tmp_path / "db-password"
+    password.write_text(f"{PASSWORD}\n")
+    password.chmod(0o600)
+    return postgres_server.password_database("airlock", PASSWORD), password
+
+
+def connect(database: tuple[str, Path]) -> psycopg.Connection[tuple[Any, ...]]:
+    return psycopg.connect(database[0], password=PASSWORD)
+
+
+@pytest.fixture
 async def fleet(
-    github: FakeGitHub, test_ca: FakeCA, postgres_database: str, tmp_path: Path
+    github: FakeGitHub, test_ca: FakeCA, database: tuple[str, Path], tmp_path: Path
 ) -> AsyncIterator[tuple[Replica, Replica]]:
     github.reset()
     key = tmp_path / "signing-key.pem"
@@ -66,7 +84,7 @@ async def fleet(
         )
     )
     key.chmod(0o600)
-    replicas = [Replica(name, tmp_path, postgres_database, key, github, test_ca.ca_cert) for name in ("a", "b")]
+    replicas = [Replica(name, tmp_path, database, key, github, test_ca.ca_cert) for name in ("a", "b")]
     try:
         await asyncio.gather(*(asyncio.to_thread(r.start) for r in replicas))
         yield replicas[0], replicas[1]
@@ -138,7 +156,11 @@ async def test_twenty_identical_calls_over_both_replicas_make_one_pull_request(
     "hang", ["hang", "hang_after_create"], ids=["killed-before-github-acted", "killed-after-github-acted"]
 )
 async def test_a_replica_killed_between_claim_and_outcome_never_makes_a_second_pull_request(
-    fleet: tuple[Replica, Replica], http: aiohttp.ClientSession, github: FakeGitHub, postgres_database: str, hang: str
+    fleet: tuple[Replica, Replica],
+    http: aiohttp.ClientSession,
+    github: FakeGitHub,
+    database: tuple[str, Path],
+    hang: str,
 ) -> None:
     a, b = fleet
     token, _ = await asyncio.to_thread(a.token)
@@ -148,7 +170,7 @@ async def test_a_replica_killed_between_claim_and_outcome_never_makes_a_second_p
     while not [c for c in github.calls("/repos/acme/app/pulls", "POST") if c.get("hung")]:
         assert time.monotonic() < deadline, "the call never reached GitHub"
         await asyncio.sleep(0.05)
-    with psycopg.connect(postgres_database) as db:  # claimed, and no outcome: GitHub is answering
+    with connect(database) as db:  # claimed, and no outcome: GitHub is answering
         assert db.execute("SELECT owner IS NOT NULL, status FROM idempotency").fetchall() == [(True, None)]
     await asyncio.to_thread(a.kill)
     with pytest.raises(aiohttp.ClientError):
@@ -185,13 +207,16 @@ async def test_the_database_stopped_is_refused_and_its_return_followed(
 
 
 async def test_the_call_log_of_every_replica_is_read_from_the_store(
-    fleet: tuple[Replica, Replica], http: aiohttp.ClientSession, postgres_database: str
+    fleet: tuple[Replica, Replica], http: aiohttp.ClientSession, database: tuple[str, Path]
 ) -> None:
     a, b = fleet
     token, _ = await asyncio.to_thread(a.token)
     assert (await call(http, a, token, key="op-log"))[0] == 201
     assert (await call(http, b, token, key="op-log"))[0] == 201
-    done = await asyncio.to_thread(airlock, "tools", "log", "--store", postgres_database, "--json")
+    url, password = database
+    done = await asyncio.to_thread(
+        airlock, "tools", "log", "--store", url, "--store-password-file", str(password), "--json"
+    )
     assert done.returncode == 0, done.stderr
     calls = [json.loads(line) for line in done.stdout.splitlines()]
     assert [(c["sandbox"], c["tool"], c["status"]) for c in calls] == [(SANDBOX, "create_pull_request", 201)] * 2
