@@ -138,13 +138,15 @@ async def test_a_token_revoked_on_one_replica_is_refused_by_the_other_within_a_s
     assert (reply[0], reply[1]["error"]) == (401, "revoked_token")
 
 
+@pytest.mark.parametrize("key", ["op-20", None], ids=["idempotency-key", "no-key"])
 async def test_twenty_identical_calls_over_both_replicas_make_one_pull_request(
-    fleet: tuple[Replica, Replica], http: aiohttp.ClientSession, github: FakeGitHub
+    fleet: tuple[Replica, Replica], http: aiohttp.ClientSession, github: FakeGitHub, key: str | None
 ) -> None:
+    """With the caller's Idempotency-Key, and without one (the same token and arguments: the broker's own key)."""
     a, b = fleet
     token, _ = await asyncio.to_thread(a.token)
     github.set(hang=True, hang_seconds=0.5)  # GitHub is slow to answer: every call arrives while the first acts
-    replies = await asyncio.gather(*(call(http, (a, b)[n % 2], token, key="op-20") for n in range(20)))
+    replies = await asyncio.gather(*(call(http, (a, b)[n % 2], token, key=key) for n in range(20)))
     assert [status for status, _ in replies] == [201] * 20, replies
     assert {body["number"] for _, body in replies} == {1} and {body["html_url"] for _, body in replies} == {
         github.prs()[0]["html_url"]
