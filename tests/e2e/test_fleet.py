@@ -2,7 +2,8 @@
 logs in with a password, given by --store-password-file), one signing key and one fake GitHub: what a fleet
 promises, as a client of either replica sees it.
 
-- a token minted on one replica is taken by the other (one JWKS);
+- a token minted on one replica is taken by the other (one JWKS), and a key rotated as docs/fleet.md says keeps
+  every token valid until the old key is dropped, then its tokens are refused by every replica;
 - a token revoked on one is refused by the other within a second;
 - twenty identical calls spread over both make one pull request, and every answer names it;
 - a replica killed (SIGKILL) between claiming a call and GitHub's answer leaves a claim that a retry on the other
@@ -72,18 +73,22 @@ def connect(database: tuple[str, Path]) -> psycopg.Connection[tuple[Any, ...]]:
     return psycopg.connect(database[0], password=PASSWORD)
 
 
+def signing_key(path: Path) -> Path:
+    path.write_bytes(
+        Ed25519PrivateKey.generate().private_bytes(
+            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+        )
+    )
+    path.chmod(0o600)
+    return path
+
+
 @pytest.fixture
 async def fleet(
     github: FakeGitHub, test_ca: FakeCA, database: tuple[str, Path], tmp_path: Path
 ) -> AsyncIterator[tuple[Replica, Replica]]:
     github.reset()
-    key = tmp_path / "signing-key.pem"
-    key.write_bytes(
-        Ed25519PrivateKey.generate().private_bytes(
-            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
-        )
-    )
-    key.chmod(0o600)
+    key = signing_key(tmp_path / "signing-key.pem")
     replicas = [Replica(name, tmp_path, database, key, github, test_ca.ca_cert) for name in ("a", "b")]
     try:
         await asyncio.gather(*(asyncio.to_thread(r.start) for r in replicas))
@@ -136,6 +141,47 @@ async def test_a_token_revoked_on_one_replica_is_refused_by_the_other_within_a_s
         assert time.monotonic() - done < 1.0, "still taken by A a second after B revoked it"
         await asyncio.sleep(0.02)
     assert (reply[0], reply[1]["error"]) == (401, "revoked_token")
+
+
+async def test_a_key_rotated_as_docs_fleet_md_says_keeps_every_token_until_the_old_key_is_dropped(
+    github: FakeGitHub, test_ca: FakeCA, database: tuple[str, Path], tmp_path: Path, http: aiohttp.ClientSession
+) -> None:
+    """docs/fleet.md's steps, replica by replica (each restarted with its new --signing-key list): both keys, old
+    first; the new one first; the old one dropped — whose tokens every replica then refuses."""
+    github.reset()
+    old, new = signing_key(tmp_path / "old.pem"), signing_key(tmp_path / "new.pem")
+    running: list[Replica] = []
+
+    def restart(name: str, keys: list[Path]) -> Replica:
+        for gone in [r for r in running if r.name == name]:
+            gone.stop()
+            running.remove(gone)
+        running.append(Replica(name, tmp_path, database, keys, github, test_ca.ca_cert).start())
+        return running[-1]
+
+    async def taken(replica: Replica, token: str) -> tuple[int, str | None]:
+        status, body = await call(http, replica, token, path="/v1/tools")
+        return status, body.get("message") if status != 200 else None
+
+    try:
+        a, b = await asyncio.to_thread(restart, "a", [old]), await asyncio.to_thread(restart, "b", [old])
+        by_old, _ = await asyncio.to_thread(a.token)
+        b = await asyncio.to_thread(restart, "b", [old, new])  # step 2: both, old first (still signing)
+        assert len(b.jwks()["keys"]) == 2 and await taken(b, by_old) == (200, None)
+        a = await asyncio.to_thread(restart, "a", [old, new])
+        a = await asyncio.to_thread(restart, "a", [new, old])  # step 3: the new key signs
+        by_new, _ = await asyncio.to_thread(a.token)
+        for replica, token in ((b, by_new), (a, by_old), (b, by_old)):
+            assert await taken(replica, token) == (200, None)
+        b = await asyncio.to_thread(restart, "b", [new, old])
+        for name in ("a", "b"):  # step 5: the old key dropped everywhere
+            await asyncio.to_thread(restart, name, [new])
+        for replica in running:
+            assert await taken(replica, by_old) == (401, "token signed by an unknown or retired key")
+            assert await taken(replica, by_new) == (200, None)
+    finally:
+        for replica in running:
+            replica.stop()
 
 
 @pytest.mark.parametrize("key", ["op-20", None], ids=["idempotency-key", "no-key"])
