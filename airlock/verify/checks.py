@@ -332,8 +332,8 @@ def _placeholder_refused(ev: Evidence) -> tuple[bool, str]:
 
 
 def _other_untouched(ev: Evidence) -> tuple[bool, str]:
-    """Judged by what the probe could change (its canary, a new file) and reach; what it could read is shown: the
-    host's filesystem is the sandbox's, read-only, where isolation keeps its own working directory alone writable."""
+    """Judged by what the probe could read (the canary's bytes among what it wrote), change (its canary, a new
+    file) and reach (its gateway): the second sandbox started first, so the launcher hid its folders."""
     other = ev.other
     if other is None:
         raise NotJudged("the second sandbox did not run")
@@ -341,10 +341,10 @@ def _other_untouched(ev: Evidence) -> tuple[bool, str]:
     intact, read = other.found == other.canary, other.canary.encode() in ev.written()
     tcp, udp = (", ".join(map(str, ports)) or "none" for ports in (other.tcp_ports, other.udp_ports))
     ports = f"tcp {tcp}, udp {udp}"
-    return intact and not added and other.reached == 0, (
-        f"{other.workdir}: its canary {'unchanged' if intact else 'changed'} ({'read' if read else 'not read'} by the "
-        f"probe); new there: {', '.join(added) or 'nothing'}; its gateway at {other.gateway} ({ports}): "
-        f"{other.reached} packets from another sandbox reached it"
+    return intact and not read and not added and other.reached == 0, (
+        f"{other.workdir}: its canary {'read' if read else 'not read'} by the probe, "
+        f"{'unchanged' if intact else 'changed'}; new there: {', '.join(added) or 'nothing'}; its gateway at "
+        f"{other.gateway} ({ports}): {other.reached} packets from another sandbox reached it"
     )
 
 
@@ -716,8 +716,8 @@ _EVERY_BACKEND: tuple[Check, ...] = (
     Check("inspection", "placeholder-elsewhere", "a --secret's placeholder sent to an inspected host whose rule does "
           "not inject it (in a header and in the URL) is refused and never arrives", _placeholder_refused,
           "placeholder-elsewhere", _inspecting),
-    Check("tenancy", "other-sandbox", "another sandbox's working directory and gateway are out of reach",
-          _other_untouched, "other-sandbox"),
+    Check("tenancy", "other-sandbox", "another sandbox's working directory (started first) can be neither read nor "
+          "written, its gateway is out of reach", _other_untouched, "other-sandbox"),
     Check("privilege", "setuid", "a setuid-root or file-capability program gains nothing: no root ID, no capability",
           _no_root, "setuid", off=(("docker", "the marked programs are copies on the host, which the container does "
                                       "not see"),)),

@@ -35,6 +35,7 @@ import docker.errors
 
 from airlock.errors import AirlockError
 from airlock.policy import SANDBOX_LINK_NETWORKS
+from airlock.runs import Running, RunsError, running, runs_dir
 from airlock.sandbox import cgroups
 from airlock.sandbox.docker import LABEL, bridge_name, fence_table, sandbox_token_dir
 from airlock.sandbox.docker import Limits as DockerLimits
@@ -702,6 +703,7 @@ def _run_other_sandbox(
             time.sleep(0.05)
         if not (workdir / OTHER_STARTED).exists():
             raise VerifyError(f"the second sandbox did not start (exit {proc.poll()})")
+        _wait_entered(workdir, deadline)
         gateway = _address(topology, _link(sandbox_id))
         tcp, udp = _listening(topology, gateway, "-t"), _listening(topology, gateway, "-u")
         _count(topology, table, gateway, _link(sandbox_id))
@@ -725,6 +727,23 @@ def _run_other_sandbox(
             except subprocess.TimeoutExpired:
                 stop_proc(proc)
         topology.run(topology.gw, ["nft", "delete", "table", "inet", table])
+
+
+def _wait_entered(workdir: Path, deadline: float) -> None:
+    """Until the second sandbox's run is entered among the running gateways with its working directory: a sandbox
+    started from then on hides that folder (airlock.launch.tenants), as the probe's must."""
+    folder = str(workdir.resolve())
+    while not any(folder in entry.folders for entry in _running()):
+        if time.monotonic() > deadline:
+            raise VerifyError(f"the second sandbox's run was not entered among the running gateways ({runs_dir()})")
+        time.sleep(0.05)
+
+
+def _running() -> list[Running]:
+    try:
+        return running()
+    except (OSError, RunsError) as e:
+        raise VerifyError(f"the running gateways cannot be listed: {e}") from None
 
 
 def _address(topology: Topology, link: str) -> str:

@@ -428,12 +428,14 @@ def test_the_other_sandbox_check_fails_on_a_file_added_the_canary_gone_or_its_ga
     assert judge(BY_ID["other-sandbox"], _holding(tmp_path, other=other)).result == "failed"
 
 
-def test_the_other_sandbox_check_shows_a_read_it_does_not_judge_and_errs_without_the_second_sandbox(tmp_path: Path):
-    held = judge(BY_ID["other-sandbox"], _holding(_written(tmp_path, "other.bin", b"0ther-canary")))
+def test_the_other_sandbox_check_fails_on_its_canary_read_and_errs_without_the_second_sandbox(tmp_path: Path):
+    held = judge(BY_ID["other-sandbox"], _holding(tmp_path))
     assert held.result == "held" and held.evidence == (
-        "/var/tmp/x/other: its canary unchanged (read by the probe); new there: nothing; its gateway at 10.231.0.101 "
-        "(tcp 53, 3128, udp 53): 0 packets from another sandbox reached it"
+        "/var/tmp/x/other: its canary not read by the probe, unchanged; new there: nothing; its gateway at "
+        "10.231.0.101 (tcp 53, 3128, udp 53): 0 packets from another sandbox reached it"
     )
+    read = judge(BY_ID["other-sandbox"], _holding(_written(tmp_path, "other.bin", b"0ther-canary")))
+    assert read.result == "failed" and read.evidence.startswith("/var/tmp/x/other: its canary read by the probe,")
     missing = judge(BY_ID["other-sandbox"], _holding(tmp_path, other=None))
     assert (missing.result, missing.evidence) == ("error", "the second sandbox did not run")
 
