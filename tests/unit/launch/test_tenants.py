@@ -12,6 +12,7 @@ import pytest
 
 from airlock.launch import preflight, tenants
 from airlock.runs import RUNS_ENV, Running, registered
+from airlock.sandbox import netns
 from airlock.sandbox.errors import SandboxError
 
 
@@ -89,3 +90,12 @@ def test_a_list_of_runs_that_cannot_be_trusted_refuses_the_launch(
     monkeypatch.setenv(RUNS_ENV, str(runs))
     with pytest.raises(SandboxError, match=r"the running sandboxes cannot be listed \(.* not a folder of root's alone"):
         tenants.other_sandboxes_folders([tmp_path])
+
+
+def test_a_hidden_folder_gone_before_bubblewrap_runs_is_left_out(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """Another sandbox's folder may go between the plan and the start (its run ended): nothing to hide then, and a
+    mount onto a path that is not there would fail the launch."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "there").mkdir()
+    joined = " ".join(netns._bubblewrap([tmp_path / "gone", tmp_path / "there"], [], None))
+    assert f"--tmpfs {tmp_path / 'there'}" in joined and str(tmp_path / "gone") not in joined
