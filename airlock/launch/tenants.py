@@ -50,9 +50,9 @@ def hidden_folders(entries: Iterable[Running], own: Sequence[Path], pid: int) ->
                 continue
             if shared := [mine for mine in own if mine == folder or folder in mine.parents]:
                 notes.append(
-                    f"{shared[0]} is also the sandbox's of {entry.what} (pid {entry.pid}), in its folder {folder}: "
-                    "the two share it, each may read (and change) what the other writes there; tenants that must "
-                    "not, run each in a folder of its own"
+                    f"{shared[0]} is within {folder}, a folder of another running sandbox ({entry.what}, pid "
+                    f"{entry.pid}): the two share it, each may read (and change) what the other writes there; "
+                    "tenants that must not, run each in a folder of its own"
                 )
                 continue
             hidden[folder] = None

@@ -97,6 +97,6 @@ def test_a_sandbox_whose_working_directory_is_inside_a_running_ones_shares_it_an
     assert seen.returncode == 0 and seen.stdout == SECRET, seen.stderr
     assert (inner / "made").read_text() == "x\n"
     assert (
-        f"airlock: {inner} is also the sandbox's of airlock run, sandbox {topology.prefix}td (pid {holder.pid}), in "
-        f"its folder {first}: the two share it"
+        f"airlock: {inner} is within {first}, a folder of another running sandbox (airlock run, sandbox "
+        f"{topology.prefix}td, pid {holder.pid}): the two share it"
     ) in seen.stderr, seen.stderr

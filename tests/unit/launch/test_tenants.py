@@ -59,9 +59,9 @@ def test_a_folder_inside_the_own_working_directory_is_hidden_one_that_is_or_hold
         hidden, notes = tenants.hidden_folders([_entry(10, shared)], [inner, folders["cache"]], pid=1)
         assert hidden == []
         assert notes == [
-            f"{inner} is also the sandbox's of airlock run, sandbox s10 (pid 10), in its folder {shared}: the two "
-            "share it, each may read (and change) what the other writes there; tenants that must not, run each in "
-            "a folder of its own"
+            f"{inner} is within {shared}, a folder of another running sandbox (airlock run, sandbox s10, pid 10): "
+            "the two share it, each may read (and change) what the other writes there; tenants that must not, run "
+            "each in a folder of its own"
         ]
     # the --cache folder counts as the sandbox's own too
     assert tenants.hidden_folders([_entry(10, folders["cache"])], [mine, folders["cache"]], pid=1)[0] == []
