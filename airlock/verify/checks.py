@@ -703,7 +703,7 @@ def _inspecting(targets: Targets, limits: Limits) -> str | None:
     if targets.inspected or targets.plain:
         return None
     return (
-        f"the profile inspects no allowed host that leaves secret {targets.secret} out and opens none on port 80: "
+        f"the profile inspects no allowed host without injecting secret {targets.secret}, and opens none on port 80: "
         "the gateway reads no request a placeholder could be refused in (inside a passthrough tunnel it reads nothing)"
     )
 
