@@ -62,11 +62,11 @@ from .checks import (
     TMP_FILL,
     BrokerRecord,
     Check,
+    CheckVerdict,
     Evidence,
     Limits,
     NotJudged,
     OtherSandbox,
-    Outcome,
     Sandboxed,
     TimedRun,
     error,
@@ -174,7 +174,7 @@ class Request:
         ))  # fmt: skip
 
 
-def verify(request: Request) -> list[Outcome]:
+def verify(request: Request) -> list[CheckVerdict]:
     nonce = secrets.token_hex(6)
     with _sigterm_as_interrupt(), Area.made() as area:
         ca = make_fake_ca(area.private / "ca", request.targets.names())
@@ -237,7 +237,7 @@ def _build(topology: Topology) -> None:
 
 def _verify_in(
     topology: Topology, net: FakeNet, canaries: Canaries, ca: FakeCA, area: Area, request: Request, nonce: str
-) -> list[Outcome]:
+) -> list[CheckVerdict]:
     with _other_sandbox(topology, request, ca, area) as (other, finish_other):
         return _verify_beside(topology, net, canaries, ca, area, request, nonce, other, finish_other)
 
@@ -252,7 +252,7 @@ def _verify_beside(
     nonce: str,
     other: OtherSandbox | None,
     finish_other: Callable[[], OtherSandbox | None],
-) -> list[Outcome]:
+) -> list[CheckVerdict]:
     """The netns run, beside the tenancy group's second sandbox when it runs (`other`)."""
     sandbox_id = f"{topology.prefix}v"
     secret_file, secret_value, host_canary = _secret(area)
@@ -315,7 +315,7 @@ def _verify_docker(
     nonce: str,
     daemon: DockerDaemon,
     image: str,
-) -> list[Outcome]:
+) -> list[CheckVerdict]:
     """The docker backend's run: the probe in a container of `image`; what it left in its working directory (the
     container's own /tmp) copied out by the host; judged by that, the fake internet's records, the host's folders
     and, for what is left, the daemon and the gateway's namespace."""
