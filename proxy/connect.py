@@ -11,13 +11,13 @@ from mitmproxy.proxy.server_hooks import ServerConnectionHookData
 from airlock.policy import ReasonCode
 
 from .failclosed import fail_closed, nothing_to_deny
-from .shared import Shared
+from .shared import ProxyState
 
 
 class PinnedConnect:
     """The enforcement point: every upstream connection is judged again here and pinned to the vetted IP."""
 
-    def __init__(self, shared: Shared) -> None:
+    def __init__(self, shared: ProxyState) -> None:
         self.shared = shared
         self._timers: dict[str, asyncio.TimerHandle] = {}
         self._names: dict[str, tuple[str, int]] = {}

@@ -12,7 +12,7 @@ from airlock.policy import Decision, HostError, ReasonCode, canonical_host, form
 from .answers import answer
 from .failclosed import fail_closed
 from .inspected_tunnels import Inspection, Refusal, inspected_rule
-from .shared import ClientState, Shared
+from .shared import ClientState, ProxyState
 from .transparent import audit_extra
 
 
@@ -20,7 +20,7 @@ class HttpPolicy:
     """Early answers to what the sandbox asks for (CONNECT targets, plain-HTTP requests): a denial here is a
     403 the agent can read, and no upstream connection is ever attempted."""
 
-    def __init__(self, shared: Shared, inspection: Inspection) -> None:
+    def __init__(self, shared: ProxyState, inspection: Inspection) -> None:
         self.shared, self.inspection = shared, inspection
 
     def _deny_flow(self, flow: http.HTTPFlow) -> None:

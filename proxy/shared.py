@@ -1,5 +1,5 @@
 """What every concern of the addon reads: the gateway's settings, the state of each client connection, the open
-connection counts, and the one judgement of an upstream target (`Shared.evaluate`)."""
+connection counts, and the one judgement of an upstream target (`ProxyState.evaluate`)."""
 
 from __future__ import annotations
 
@@ -44,7 +44,7 @@ _UNKNOWN_SANDBOX = Decision(False, "connection from an address that belongs to n
 class Timings(Protocol):
     """Where the proxy tells how long things took (the gateway's metrics)."""
 
-    def decided(self, seconds: float) -> None: ...  # a target judged (Shared.evaluate)
+    def decided(self, seconds: float) -> None: ...  # a target judged (ProxyState.evaluate)
 
     def connected(self, seconds: float) -> None: ...  # a vetted upstream connection opened
 
@@ -181,7 +181,7 @@ def _timed(evaluate: Callable[..., Awaitable[TargetJudgement]]) -> Callable[...,
     """Each judgement's duration, told to the settings' timings."""
 
     @functools.wraps(evaluate)
-    async def timed(self: Shared, *args: Any, **kwargs: Any) -> TargetJudgement:
+    async def timed(self: ProxyState, *args: Any, **kwargs: Any) -> TargetJudgement:
         started = time.perf_counter()
         try:
             return await evaluate(self, *args, **kwargs)
@@ -191,7 +191,7 @@ def _timed(evaluate: Callable[..., Awaitable[TargetJudgement]]) -> Callable[...,
     return timed
 
 
-class Shared:
+class ProxyState:
     """State all hook classes read: the live policy (policy, sandbox registry, the gateway's own addresses) and
     per-client connection state."""
 

@@ -33,7 +33,7 @@ from airlock.policy import Decision, ReasonCode, Sandbox, format_host_port
 from .failclosed import fail_closed
 from .httplayer import HttpLayer
 from .inspected_tunnels import inspected_rule, intercept
-from .shared import ClientState, Shared, TargetJudgement, is_transparent
+from .shared import ClientState, ProxyState, TargetJudgement, is_transparent
 from .tlsnames import TlsNameError, server_name
 from .tunnels import MeteredTunnel, TunnelPolicy, ech_refusal, may_be_tls
 
@@ -49,7 +49,7 @@ class TransparentPolicy:
     every other layer choice is `TunnelPolicy`'s, but that every HTTP layer is the gateway's (`http_layer`)."""
 
     def __init__(
-        self, shared: Shared, tunnels: TunnelPolicy, http_layer: Callable[[Context, HTTPMode], layer.Layer]
+        self, shared: ProxyState, tunnels: TunnelPolicy, http_layer: Callable[[Context, HTTPMode], layer.Layer]
     ) -> None:
         self.shared, self.tunnels, self.http_layer = shared, tunnels, http_layer
 

@@ -39,7 +39,7 @@ from airlock.sandbox.reach import policy_files
 if TYPE_CHECKING:
     from airlock.broker.service import Broker
     from airlock.proxy.addon import Airlock
-    from airlock.proxy.shared import Shared
+    from airlock.proxy.shared import ProxyState
 
 log = logging.getLogger("airlock.gateway")
 
@@ -91,7 +91,7 @@ class Gateway:
         return self.parts.proxy.airlock
 
     @property
-    def shared(self) -> Shared | None:
+    def shared(self) -> ProxyState | None:
         return self.parts.proxy.shared
 
     async def start(self, *, wait_for_proxy: bool = True) -> None:
