@@ -44,7 +44,6 @@ from airlock.sandbox.seccomp import syscall_number
 
 from . import probe
 from .brokerruns import broker_runs
-from .ca import FakeCA, make_fake_ca
 from .checks import (
     BOMB_MARGIN,
     BURN_SECONDS,
@@ -74,6 +73,7 @@ from .checks import (
 )
 from .control import stop_proc
 from .dockerd import DockerDaemon
+from .fakeca import FakeCA, make_fake_ca
 from .hostcanaries import host_canaries
 from .hostcgroups import with_host_cgroups
 from .processes import Process, raw_sockets, read_process, sandbox_processes, sockets_in_view, user_keys
