@@ -29,8 +29,8 @@ from .github import CHECK_RUNS_PAGE, Checks, GitHubClient, PullRequest, PullStat
 from .gitpush import Pusher, PushError, PushLimits
 from .grants import Grant, GrantError, covering, valid_branch, valid_repo, validated
 from .redact import Redactor
-from .state import State
 from .store import Claimed, Settled
+from .store_deadline import StoreDeadline
 from .tool_schemas import MAX_BODY, MAX_TITLE, TOOLS
 
 BODY_OVERHEAD = 64 * 1024  # a push_branch body: the base64 bundle and this much for the rest of the JSON
@@ -46,7 +46,7 @@ class GitHubTools:
         self,
         github: GitHubClient | None,
         pusher: Pusher | None,
-        state: State,
+        state: StoreDeadline,
         locks: KeyedLocks,
         redactor: Redactor,
     ) -> None:
