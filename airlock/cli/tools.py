@@ -93,7 +93,7 @@ def logged_calls(args: argparse.Namespace) -> list[LoggedCall]:
 async def _from_database(args: argparse.Namespace) -> list[LoggedCall]:
     from airlock.broker.pgstore import PostgresStore
     from airlock.broker.store import StoreError
-    from airlock.gateway.broker_runtime import read_password
+    from airlock.gateway.broker_inputs import read_password
 
     if not args.store.startswith(("postgresql://", "postgres://")):
         raise UsageError(f"--store {args.store!r}: give a PostgreSQL URL (a SQLite call log: --call-log DIR)")
@@ -198,7 +198,7 @@ def _broker(args: argparse.Namespace, state: Path, session: aiohttp.ClientSessio
     from airlock.broker.gitpush import GitTransport, Pusher, git_base_url
     from airlock.broker.service import Broker
     from airlock.broker.tokens import KeyRing, TokenAuthority
-    from airlock.gateway.broker_runtime import credential
+    from airlock.gateway.broker_inputs import credential
     from airlock.gateway.config import BrokerConfig
 
     config = BrokerConfig(
