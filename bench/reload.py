@@ -14,7 +14,7 @@ rest of the machine add), the same two outside reloads, the reload's wall time u
 time of a load alone (less sensitive to a busy machine) with the loader as it was (libyaml's CSafeLoader as it is,
 every host through the full canonical_host checks) and as it is.
 
-Targets (issue 12): no request delayed more than 10 ms by a reload of 100,000 rules; such a load under 1 s.
+Targets: no request delayed more than 10 ms by a reload of 100,000 rules; such a load under 1 s.
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ from mitmproxy.proxy.server import ConnectionHandler, ConnectionIO
 from airlock.audit import AuditRecord
 
 from .failclosed import fail_closed, nothing_to_deny
-from .shared import Shared
+from .shared import ProxyState
 from .splice_relay import RelayStopped, SplicedTunnel, SpliceRelay
 
 log = logging.getLogger("airlock.proxy")
@@ -63,7 +63,7 @@ class Splicing:
 
     def __init__(
         self,
-        shared: Shared,
+        shared: ProxyState,
         handlers: Handlers,
         then: Callable[[connection.Client], None],
     ) -> None:

@@ -31,7 +31,7 @@ from airlock.policy.held_requests import Asker
 if TYPE_CHECKING:
     from airlock.gateway.startup.mitm import Master, ServerInstance
     from airlock.proxy.addon import Airlock
-    from airlock.proxy.shared import GitTokens, ScrubbedLog, Shared
+    from airlock.proxy.shared import GitTokens, ProxyState, ScrubbedLog
 
 MITMPROXY_LOG = logging.getLogger("mitmproxy.proxy.server")  # mitmproxy's lines about each connection
 PROXY_BACKLOG = 100  # asyncio's default, which mitmproxy listened with
@@ -63,7 +63,7 @@ class ProxyRuntime:
         self._scrubbed_log: ScrubbedLog | None = None  # on mitmproxy's log while the proxy runs
 
     @property
-    def shared(self) -> Shared | None:
+    def shared(self) -> ProxyState | None:
         return self.airlock.shared if self.airlock is not None else None
 
     def ports(self) -> dict[str, int]:

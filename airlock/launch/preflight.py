@@ -65,7 +65,7 @@ def plan_launch(
         raise SandboxError(problem)
     prepare_call_log(gateway)
     hidden = hidden_paths(isolate_fs, pw, gateway_credentials(gateway))
-    read_only = kept_from_writes(isolate_fs, pw)
+    read_only = read_only_binds(isolate_fs, pw)
     protected = [*(Path(path) for _, path in gateway_inputs(gateway)), *map(Path, gateway_credentials(gateway))]
     writable = writable_cache(Path(cache), pw, protected) if cache else None
     # Without bubblewrap nothing can be hidden: the command sees the host as its user does (docs/security-model.md).
@@ -162,7 +162,7 @@ def hidden_paths(isolate_fs: bool, user: pwd.struct_passwd, credentials: list[st
     return []
 
 
-def kept_from_writes(isolate_fs: bool, user: pwd.struct_passwd) -> list[Path]:
+def read_only_binds(isolate_fs: bool, user: pwd.struct_passwd) -> list[Path]:
     """What bubblewrap binds read-only although it lies in the writable working directory: airlock's own code and
     environment, which root runs next time (without bubblewrap, `refuse_inputs_in_reach` refuses them in the
     user's reach). A working directory whose files run outside the sandbox is refused."""

@@ -240,28 +240,28 @@ class Check:
 
 
 @dataclass(frozen=True)
-class Outcome:
+class CheckVerdict:
     check: Check
     result: Result
     evidence: str
     probe: str | None = None  # what the probe saw
 
 
-def judge(check: Check, evidence: Evidence) -> Outcome:
+def judge(check: Check, evidence: Evidence) -> CheckVerdict:
     if (missing := check.not_applicable(evidence.targets, evidence.limits, evidence.backend)) is not None:
-        return Outcome(check, "n/a", missing)
+        return CheckVerdict(check, "n/a", missing)
     seen = evidence.probe.get(check.attempt) if check.attempt else None
     if check.attempt and seen is None:
-        return Outcome(check, "error", "the probe made no such attempt: the check could not run")
+        return CheckVerdict(check, "error", "the probe made no such attempt: the check could not run")
     try:
         held, why = check.judge(evidence)
     except NotJudged as e:
-        return Outcome(check, "error", str(e), seen)
-    return Outcome(check, "held" if held else "failed", why, seen)
+        return CheckVerdict(check, "error", str(e), seen)
+    return CheckVerdict(check, "held" if held else "failed", why, seen)
 
 
-def error(check: Check, why: str) -> Outcome:
-    return Outcome(check, "error", why)
+def error(check: Check, why: str) -> CheckVerdict:
+    return CheckVerdict(check, "error", why)
 
 
 # --------------------------------------------------------------------------------------------------- judges

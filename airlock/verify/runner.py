@@ -45,7 +45,6 @@ from airlock.sandbox.seccomp import syscall_number
 
 from . import probe
 from .brokerruns import broker_runs
-from .ca import FakeCA, make_fake_ca
 from .checks import (
     BOMB_MARGIN,
     BURN_SECONDS,
@@ -65,11 +64,11 @@ from .checks import (
     USER_SECRET,
     BrokerRecord,
     Check,
+    CheckVerdict,
     Evidence,
     Limits,
     NotJudged,
     OtherSandbox,
-    Outcome,
     Sandboxed,
     TimedRun,
     error,
@@ -77,6 +76,7 @@ from .checks import (
 )
 from .control import stop_proc
 from .dockerd import DockerDaemon
+from .fakeca import FakeCA, make_fake_ca
 from .hostcanaries import host_canaries
 from .hostcgroups import with_host_cgroups
 from .processes import Process, raw_sockets, read_process, sandbox_processes, sockets_in_view, user_keys
@@ -178,7 +178,7 @@ class Request:
         ))  # fmt: skip
 
 
-def verify(request: Request) -> list[Outcome]:
+def verify(request: Request) -> list[CheckVerdict]:
     nonce = secrets.token_hex(6)
     with _sigterm_as_interrupt(), Area.made() as area:
         ca = make_fake_ca(area.private / "ca", request.targets.names())
@@ -241,7 +241,7 @@ def _build(topology: Topology) -> None:
 
 def _verify_in(
     topology: Topology, net: FakeNet, canaries: Canaries, ca: FakeCA, area: Area, request: Request, nonce: str
-) -> list[Outcome]:
+) -> list[CheckVerdict]:
     with _other_sandbox(topology, request, ca, area) as (other, finish_other):
         return _verify_beside(topology, net, canaries, ca, area, request, nonce, other, finish_other)
 
@@ -256,7 +256,7 @@ def _verify_beside(
     nonce: str,
     other: OtherSandbox | None,
     finish_other: Callable[[], OtherSandbox | None],
-) -> list[Outcome]:
+) -> list[CheckVerdict]:
     """The netns run, beside the tenancy group's second sandbox when it runs (`other`)."""
     sandbox_id = f"{topology.prefix}v"
     secret_file, secret_value, host_canary = _secret(area)
@@ -320,7 +320,7 @@ def _verify_docker(
     nonce: str,
     daemon: DockerDaemon,
     image: str,
-) -> list[Outcome]:
+) -> list[CheckVerdict]:
     """The docker backend's run: the probe in a container of `image`; what it left in its working directory (the
     container's own /tmp) copied out by the host; judged by that, the fake internet's records, the host's folders
     and, for what is left, the daemon and the gateway's namespace."""

@@ -28,8 +28,8 @@ import pytest
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from airlock.verify.ca import FakeCA
-from airlock.verify.github import FakeGitHub, make_app_key, new_static_token
+from airlock.verify.fakeca import FakeCA
+from airlock.verify.fakegithub_client import FakeGitHub, make_app_key, new_static_token
 
 from fleet import SANDBOX, Replica, airlock, free_port
 from pg import PostgresServer

@@ -23,10 +23,10 @@ from airlock.verify.checks import (
     PROBE_MARK,
     TMP_FILL,
     BrokerRecord,
+    CheckVerdict,
     Evidence,
     Limits,
     OtherSandbox,
-    Outcome,
     Sandboxed,
     TimedRun,
     judge,
@@ -43,8 +43,8 @@ BY_ID = {check.id: check for check in CHECKS}
 NETNS_ONLY = ("namespace", "write-inside", "setuid")  # in the groups the docker backend judges
 
 
-def _outcomes(*results: tuple[str, checks.Result]) -> list[Outcome]:
-    return [Outcome(BY_ID[name], result, f"evidence of {name}", "what the probe saw") for name, result in results]
+def _outcomes(*results: tuple[str, checks.Result]) -> list[CheckVerdict]:
+    return [CheckVerdict(BY_ID[name], result, f"evidence of {name}", "what the probe saw") for name, result in results]
 
 
 def _evidence(tmp_path: Path, probe: dict[str, str], **stats: object) -> Evidence:
