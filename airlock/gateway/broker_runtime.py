@@ -45,7 +45,7 @@ from airlock.policy import (
 )
 
 if TYPE_CHECKING:
-    from airlock.gateway.approval_desk import SharedApprovals
+    from airlock.gateway.approval_shared import SharedApprovals
 
 log = logging.getLogger("airlock.broker")
 
