@@ -181,7 +181,7 @@ class ProxyRuntime:
     async def stop(self) -> None:
         self.close_listeners()
         if self.airlock is not None:
-            self.airlock.splicing.stop()  # the kernel relay's tunnels end with the gateway
+            await self.airlock.splicing.stop()  # the kernel relay's tunnels end with the gateway
         if self._master is not None:
             self._master.shutdown()  # type: ignore[no-untyped-call]
         if self._task is not None:
