@@ -1,15 +1,18 @@
 """The gateways running on this host, for the admin commands (`airlock status`, `token`, `approvals`, `policy
 reload`) given neither --admin nor --state-dir; and how a person at this host's shell names this airlock.
 
-Each `airlock gateway` and `airlock run` enters itself while it runs — its admin listener, pid, start and policy —
-as one file in RUNS, a folder root's alone (0700; bubblewrap hides it from every sandbox too), and removes the file
-at its end. An entry whose process is gone (killed, crashed) is stale: whoever reads it removes it. A folder that is
-not its owner's alone, or whose owner is neither root nor this user, is never read nor written: an entry names the
-socket the admin commands then send tokens and answers to."""
+Each `airlock gateway` and `airlock run` enters itself while it runs — its admin listener, pid, start and policy,
+and a run the host folders that are its sandbox's (working directory, `--cache`, state and token folders: a netns
+sandbox started later hides them, `airlock.launch.tenants`) — as one file in RUNS, a folder root's alone (0700;
+bubblewrap hides it from every sandbox too), and removes the file at its end. An entry whose process is gone
+(killed, crashed) is stale: whoever reads it removes it. A folder that is not its owner's alone, or whose owner is
+neither root nor this user, is never read nor written: an entry names the socket the admin commands then send
+tokens and answers to."""
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -17,9 +20,10 @@ import shutil
 import stat
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 from airlock.errors import AirlockError
 from airlock.gateway.config import admin_address, admin_endpoint
@@ -44,6 +48,7 @@ class Running:
     started: float  # Unix time
     policy: str  # where its policy came from
     what: str  # `airlock gateway`, `airlock run, sandbox ab12`
+    folders: tuple[str, ...] = ()  # a run's: the host folders of its sandbox, which no other sandbox may see
 
     def describe(self) -> str:
         since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(self.started))
@@ -55,11 +60,12 @@ def runs_dir() -> Path:
 
 
 @contextlib.contextmanager
-def registered(admin: str, policy: str, what: str) -> Iterator[None]:
-    """This process's gateway entered while the block runs. One that cannot be entered (not root) runs all the same:
-    the admin commands then find it only when told where (--admin, --state-dir)."""
+def registered(admin: str, policy: str, what: str, folders: Sequence[str] = ()) -> Iterator[None]:
+    """This process's gateway entered while the block runs (with the `folders` of its sandbox, absolute). One that
+    cannot be entered (not root) runs all the same: the admin commands then find it only when told where (--admin,
+    --state-dir), and a sandbox started later does not hide its folders (their modes keep another user out)."""
     try:
-        path: Path | None = _register(admin, policy, what)
+        path: Path | None = _register(admin, policy, what, tuple(folders))
     except (OSError, RunsError) as e:
         log.info("this gateway is not entered among the running ones: %s", e)
         path = None
@@ -70,14 +76,14 @@ def registered(admin: str, policy: str, what: str) -> Iterator[None]:
             path.unlink(missing_ok=True)
 
 
-def _register(admin: str, policy: str, what: str) -> Path:
+def _register(admin: str, policy: str, what: str, folders: tuple[str, ...]) -> Path:
     folder = runs_dir()
     folder.parent.mkdir(mode=0o755, parents=True, exist_ok=True)
     with contextlib.suppress(FileExistsError):
         folder.mkdir(mode=0o700)
     _check_private(folder)
     pid = os.getpid()
-    entry = Running(admin_address(admin_endpoint(admin)), pid, _ticks(pid), time.time(), policy, what)
+    entry = Running(admin_address(admin_endpoint(admin)), pid, _ticks(pid), time.time(), policy, what, folders)
     path, partial = folder / f"{pid}.json", folder / f".{pid}.json.partial"
     fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     with os.fdopen(fd, "w", encoding="utf-8") as out:
@@ -100,7 +106,7 @@ def running() -> list[Running]:
                 continue
             path = Path(item.path)
             try:
-                entry = Running(**json.loads(path.read_text(encoding="utf-8")))
+                entry = _entry(json.loads(path.read_text(encoding="utf-8")))
             except (OSError, ValueError, TypeError):
                 continue  # not an entry of ours: left alone
             if _ticks(entry.pid) != entry.ticks:
@@ -108,6 +114,14 @@ def running() -> list[Running]:
                 continue
             found.append(entry)
     return sorted(found, key=lambda entry: entry.started)
+
+
+def _entry(data: Any) -> Running:
+    """An entry as read from its file (TypeError or ValueError: not one of ours)."""
+    entry = Running(**data)
+    if not isinstance(entry.folders, list | tuple) or not all(isinstance(f, str) for f in entry.folders):
+        raise ValueError("folders: not a list of paths")
+    return dataclasses.replace(entry, folders=tuple(entry.folders))
 
 
 def _check_private(folder: Path) -> None:

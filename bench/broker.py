@@ -86,7 +86,7 @@ sys.path.append(str(REPO / "bench"))
 from airlock.broker.grants import parse_grant  # noqa: E402
 from airlock.broker.store import SqliteStore  # noqa: E402
 from airlock.broker.tokens import KeyRing, TokenAuthority  # noqa: E402
-from airlock.verify.github import (  # noqa: E402
+from airlock.verify.fakegithub_client import (  # noqa: E402
     ACCEPT,
     API_VERSION,
     GITHUB_HOST,

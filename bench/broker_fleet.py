@@ -55,8 +55,8 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey 
 from airlock.broker.grants import parse_grant  # noqa: E402
 from airlock.broker.tokens import FileKeys, JwksKeys, TokenAuthority  # noqa: E402
 from airlock.runs import RUNS_ENV  # noqa: E402
-from airlock.verify.ca import make_fake_ca  # noqa: E402
-from airlock.verify.github import FakeGitHub, make_app_key, new_static_token  # noqa: E402
+from airlock.verify.fakeca import make_fake_ca  # noqa: E402
+from airlock.verify.fakegithub_client import FakeGitHub, make_app_key, new_static_token  # noqa: E402
 
 import common  # noqa: E402
 import pg  # noqa: E402

@@ -27,8 +27,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from airlock.verify.ca import FakeCA, make_fake_ca
 from airlock.verify.control import stop_proc
+from airlock.verify.fakeca import FakeCA, make_fake_ca
 from airlock.verify.topology import GW_IP, FakeNet, Topology
 
 REPO = Path(__file__).resolve().parent.parent

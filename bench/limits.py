@@ -4,7 +4,7 @@ bench/startup.py's report; each step is timed on its own (median of `runs`), on 
 is touched). The filter compiles in a thread while `launch()` builds the namespace, so its row is not on the
 critical path in full; the other rows are.
 
-Target (issue 13): under 20 ms added in all."""
+Target: under 20 ms added in all."""
 
 from __future__ import annotations
 

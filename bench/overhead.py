@@ -141,9 +141,9 @@ def wrk_load(duration: float, close: bool) -> Callable[[Topology, Path, int], in
     return run
 
 
-def tunnel_load(n: int, ca: Path) -> Callable[[Topology, Path, int], int]:
+def tunnel_load(n: int, ca: Path, at_once: int = TUNNELS_AT_ONCE) -> Callable[[Topology, Path, int], int]:
     def run(topo: Topology, workdir: Path, port: int) -> int:
-        argv = ["curl", "-sS", "--http1.1", "--max-time", "10", "-Z", "--parallel-max", TUNNELS_AT_ONCE,
+        argv = ["curl", "-sS", "--http1.1", "--max-time", "10", "-Z", "--parallel-max", at_once,
                 "--cacert", ca, "-x", f"http://{GW_IP}:{port}", "-H", "Connection: close", "-o", "/dev/null",
                 "-w", "%{http_code} %{num_connects}\\n", f"https://{HOST}/?i=[1-{n}]"]  # fmt: skip
         proc = topo.run(topo.sbx, argv, timeout=60 + n)

@@ -14,12 +14,12 @@ rest of the machine add), the same two outside reloads, the reload's wall time u
 time of a load alone (less sensitive to a busy machine) with the loader as it was (libyaml's CSafeLoader as it is,
 every host through the full canonical_host checks) and as it is.
 
-Targets (issue 12): no request delayed more than 10 ms by a reload of 100,000 rules; such a load under 1 s.
+Targets: no request delayed more than 10 ms by a reload of 100,000 rules; such a load under 1 s.
 
 `--workers N` (N > 1): the gateway's proxy runs in N worker processes (`airlock gateway --workers`), each parsing the
 policy's text again in a thread (the two-phase reload of airlock/gateway/workers.py); only the reload of now is run
 (the one of before swapped the gateway process's own policy alone), the requests' latency is the workers', the
-event loop's stall the supervisor's. Target (issue 24): a reload stall with workers of at most 30 ms at 100,000 rules.
+event loop's stall the supervisor's. Target: a reload stall with workers of at most 30 ms at 100,000 rules.
 """
 
 from __future__ import annotations

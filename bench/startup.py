@@ -22,8 +22,8 @@ pays `ip netns exec` alike. The namespaces are deleted at the end, also on Ctrl-
 (airlock/verify/hostcgroups.py), which a run on the host never does; the row "the host's cgroups mounted, then `true`"
 measures that alone, and the run's verdict is on its median less that one's (shown beside it).
 
-Targets (issue 10): `airlock run -- true` under 400 ms, `airlock --help` under 60 ms, on the 2-CPU machine. Then
-what the sandbox's limits (cgroup, rlimits, seccomp filter) add, step by step (bench/limits.py; issue 13: < 20 ms).
+Targets: `airlock run -- true` under 400 ms, `airlock --help` under 60 ms, on the 2-CPU machine. Then
+what the sandbox's limits (cgroup, rlimits, seccomp filter) add, step by step (bench/limits.py: < 20 ms).
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ inside the sandbox's namespace, where port-unreachable is not rate-limited, answ
 probe runs twice: paced like a client that tries QUIC now and then (one datagram every `--pause` seconds), and back
 to back (`--runs` datagrams, each waiting up to 1 s for its refusal).
 
-Target (issue 13): under 100 ms to the refusal.
+Target: under 100 ms to the refusal.
 """
 
 from __future__ import annotations

@@ -26,8 +26,8 @@ from airlock.audit import AuditRecord
 
 from .errors import BrokerError
 from .redact import Redactor
-from .state import State
 from .store import SqliteFile
+from .store_deadline import StoreDeadline
 
 if TYPE_CHECKING:  # named in annotations only: `airlock tools log` reads the log without jwt or jsonschema
     from .calls import Call
@@ -166,7 +166,7 @@ class CallRecorder:
     """The broker's side of the log: written through its store, redacted on the event loop (the redactor learns
     new credentials there), bundles hashed off it."""
 
-    def __init__(self, log: CallStore, state: State, redactor: Redactor) -> None:
+    def __init__(self, log: CallStore, state: StoreDeadline, redactor: Redactor) -> None:
         self.log, self.state, self.redactor = log, state, redactor
 
     async def begin(self, spec: ToolSpec, call: Call) -> int:

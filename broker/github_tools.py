@@ -29,16 +29,16 @@ from .github import CHECK_RUNS_PAGE, Checks, GitHubClient, PullRequest, PullStat
 from .gitpush import Pusher, PushError, PushLimits
 from .grants import Grant, GrantError, covering, valid_branch, valid_repo, validated
 from .redact import Redactor
-from .state import State
 from .store import Claimed, Settled
+from .store_deadline import StoreDeadline
 from .tool_schemas import MAX_BODY, MAX_TITLE, TOOLS
 
 BODY_OVERHEAD = 64 * 1024  # a push_branch body: the base64 bundle and this much for the rest of the JSON
 OUTCOME_WAIT = 60.0  # seconds a call waits for another's outcome of its idempotency key before 503 `busy`
 
-type Outcome = tuple[int, dict[str, Any]]
-type Action = Callable[[], Awaitable[Outcome]]
-type Resolver = Callable[[], Awaitable[Outcome | None]]  # what upstream holds of an unfinished action, if anything
+type ActionOutcome = tuple[int, dict[str, Any]]
+type Action = Callable[[], Awaitable[ActionOutcome]]
+type Resolver = Callable[[], Awaitable[ActionOutcome | None]]  # what upstream holds of an unfinished action, if any
 
 
 class GitHubTools:
@@ -46,7 +46,7 @@ class GitHubTools:
         self,
         github: GitHubClient | None,
         pusher: Pusher | None,
-        state: State,
+        state: StoreDeadline,
         locks: KeyedLocks,
         redactor: Redactor,
     ) -> None:
@@ -94,7 +94,7 @@ class GitHubTools:
         # Without a key, the same token asking the same thing twice is the same call.
         key = call.idempotency_key or f"jti:{claims.jti}:{request_hash}"
 
-        async def create() -> Outcome:
+        async def create() -> ActionOutcome:
             # The grant's spelling, not the caller's: GitHub sees one name per repository (one cached token).
             pull, existed = await _upstream(github.create_pull_request(grant.repo, fields))
             record.extra["number"] = pull.number
@@ -103,7 +103,7 @@ class GitHubTools:
                 await self.state(self.state.store.record_pull_request(claims.sandbox, grant.repo, pull.number))
             return (200 if existed else 201), _pull_summary(pull, existed)
 
-        async def resolve() -> Outcome | None:
+        async def resolve() -> ActionOutcome | None:
             """A claim left without its outcome: the pull request it was making, if GitHub has it. Then it was
             this sandbox's call that made it (the claim held the key), and it is recorded as the sandbox's."""
             pull = await _upstream(github.open_pull_request(grant.repo, fields["head"], fields["base"]))
@@ -133,7 +133,7 @@ class GitHubTools:
         github = self.github
         assert github is not None  # _own_pull_request refuses without one
 
-        async def comment() -> Outcome:
+        async def comment() -> ActionOutcome:
             posted = await _upstream(github.comment(grant.repo, number, text))
             call.record.extra["comment_id"] = posted.id
             call.record.reason = "commented"
@@ -169,7 +169,7 @@ class GitHubTools:
 
     async def _once(
         self, call: Call, key: str, request_hash: str, act: Action, resolve: Resolver | None = None
-    ) -> Outcome:
+    ) -> ActionOutcome:
         """`act` once per (sandbox, key), across replicas: the key claimed first, its outcome written after. A call
         with a key used before gets the recorded outcome again (422 when the arguments differ); one whose key
         another call holds waits for that outcome; one that finds a claim abandoned takes it over and asks
@@ -197,7 +197,7 @@ class GitHubTools:
 
     async def _act(
         self, call: Call, scope: str, key: str, act: Action, resolve: Resolver | None = None, taken_over: bool = False
-    ) -> Outcome:
+    ) -> ActionOutcome:
         """The claimed key's action, its outcome settled; the claim released when it fails (nothing to replay)."""
         store = self.state.store
         try:

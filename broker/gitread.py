@@ -8,8 +8,8 @@ import time
 from collections.abc import Mapping
 
 from .github import GitHubClient
-from .state import State
 from .store import BrokerStore
+from .store_deadline import StoreDeadline
 from .tokens import Claims
 
 
@@ -17,7 +17,7 @@ class GitReadTokens:
     """The broker tokens issued to each sandbox (their claims, until they expire), and the GitHub tokens they let
     the proxy inject for reading a granted repository."""
 
-    def __init__(self, github: GitHubClient, state: State, store: BrokerStore) -> None:
+    def __init__(self, github: GitHubClient, state: StoreDeadline, store: BrokerStore) -> None:
         self.github, self.state, self.store = github, state, store
         self._issued: dict[str, list[Claims]] = {}
 

@@ -28,7 +28,7 @@ Whatever leaves the broker (bodies, headers, idempotency records, audit lines, t
 through one redactor that knows every credential the GitHub client has held.
 
 The call itself (tool, grant, slot, schema, run) is `Broker.invoke`, which any surface calls; the tools live in
-broker.github_tools, the state store behind broker.state.
+broker.github_tools, the state store behind broker.store_deadline.
 """
 
 from __future__ import annotations
@@ -60,8 +60,8 @@ from .gitread import GitReadTokens
 from .grants import Grant, GrantError
 from .mcp import McpSurface
 from .redact import Redactor
-from .state import State
 from .store import BrokerStore
+from .store_deadline import StoreDeadline
 from .tokens import Claims, Network, TokenAuthority, TokenError
 
 log = logging.getLogger("airlock.broker")
@@ -128,7 +128,7 @@ class Broker:
         self._failures = TokenBuckets(self.settings.failed_auths_per_second, self.settings.failed_auth_burst)
         self.locks = KeyedLocks()
         self.redactor = github.redactor if github is not None else Redactor()
-        self.state = State(store)
+        self.state = StoreDeadline(store)
         # Every tool call, in the operator's record; None only where nothing reads it (tests, benchmarks).
         self.calls = CallRecorder(call_log, self.state, self.redactor) if call_log is not None else None
         github_tools = GitHubTools(github, pusher, self.state, self.locks, self.redactor)

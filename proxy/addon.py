@@ -24,7 +24,7 @@ from .httpaudit import HttpAudit
 from .httppolicy import HttpPolicy
 from .identity import SandboxIdentity
 from .inspected_tunnels import Inspection
-from .shared import Credentials, GatewaySettings, GitTokens, Shared
+from .shared import Credentials, GatewaySettings, GitTokens, ProxyState
 from .spliced_tunnels import Handlers, Splicing
 from .transparent import TransparentPolicy
 from .tunnels import TunnelPolicy
@@ -39,7 +39,7 @@ class Airlock:
 
     name = "airlock"
 
-    def __init__(self, shared: Shared, handlers: Handlers) -> None:
+    def __init__(self, shared: ProxyState, handlers: Handlers) -> None:
         self.shared = shared
         self.identity = identity = SandboxIdentity(shared)
         self.splicing = splicing = Splicing(shared, handlers, then=identity.disconnected)
@@ -82,5 +82,5 @@ def build_addon(
 ) -> Airlock:
     """The addon; `handlers` are mitmproxy's connection handlers by client id (its proxyserver's), whose sockets
     judged passthrough tunnels are spliced from (none given: no tunnel is spliced)."""
-    shared = Shared(live, resolver, emit, settings, answered, approvals, git_tokens, credentials)
+    shared = ProxyState(live, resolver, emit, settings, answered, approvals, git_tokens, credentials)
     return Airlock(shared, handlers if handlers is not None else {})

@@ -11,13 +11,13 @@ from mitmproxy.proxy.server_hooks import ServerConnectionHookData
 from airlock.policy import ReasonCode
 
 from .failclosed import fail_closed, nothing_to_deny
-from .shared import Shared
+from .shared import ProxyState
 
 
 class PinnedConnect:
     """The enforcement point: every upstream connection is judged again here and pinned to the vetted IP."""
 
-    def __init__(self, shared: Shared) -> None:
+    def __init__(self, shared: ProxyState) -> None:
         self.shared = shared
         self._timers: dict[str, asyncio.TimerHandle] = {}
         self._names: dict[str, tuple[str, int]] = {}
@@ -36,22 +36,23 @@ class PinnedConnect:
             server.error = "airlock: no upstream address"
             return
         raw_host, port = server.address[0], server.address[1]
-        outcome = state.vetted.pop((raw_host, port), None) or await self.shared.evaluate(state.sandbox, raw_host, port)
+        judgement = state.vetted.pop((raw_host, port), None)
+        judgement = judgement or await self.shared.evaluate(state.sandbox, raw_host, port)
         if state.tunnel is not None:
-            outcome.fill(state.tunnel)
-        if not outcome.decision.allow or outcome.chosen_ip is None:
-            server.error = f"airlock: {outcome.decision.reason}"
+            judgement.fill(state.tunnel)
+        if not judgement.decision.allow or judgement.chosen_ip is None:
+            server.error = f"airlock: {judgement.decision.reason}"
             return
-        assert state.sandbox is not None  # an allowed outcome has a sandbox
+        assert state.sandbox is not None  # an allowed judgement has a sandbox
         if refusal := self.shared.take_upstream(server.id, state.sandbox.id):
             server.error = f"airlock: {refusal}"
             if state.tunnel is not None:
                 state.tunnel.decision, state.tunnel.reason = "deny", refusal
                 state.tunnel.code = ReasonCode.CONNECTION_LIMIT
             return
-        self.shared.resolved[server.id] = outcome.resolved
+        self.shared.resolved[server.id] = judgement.resolved
         self._names[server.id] = (raw_host, port)
-        server.address = (outcome.chosen_ip, port)
+        server.address = (judgement.chosen_ip, port)
         self._connecting[server.id] = time.perf_counter()
         task = asyncio.current_task()
         if task is not None:

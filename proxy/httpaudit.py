@@ -10,13 +10,13 @@ from airlock.audit import AuditRecord
 from airlock.policy import ReasonCode
 
 from .failclosed import fail_closed, nothing_to_deny
-from .shared import Shared
+from .shared import ProxyState
 
 
 class HttpAudit:
     """One audit line per plain-HTTP request that was allowed (denials are written where they happen)."""
 
-    def __init__(self, shared: Shared) -> None:
+    def __init__(self, shared: ProxyState) -> None:
         self.shared = shared
 
     def _withhold(self, flow: http.HTTPFlow) -> None:

@@ -12,7 +12,7 @@ from airlock.policy import Decision, HostError, ReasonCode, canonical_host, form
 from .answers import answer
 from .failclosed import fail_closed
 from .inspected_tunnels import Inspection, Refusal, inspected_rule
-from .shared import ClientState, Shared
+from .shared import ClientState, ProxyState
 from .transparent import audit_extra
 
 
@@ -20,7 +20,7 @@ class HttpPolicy:
     """Early answers to what the sandbox asks for (CONNECT targets, plain-HTTP requests): a denial here is a
     403 the agent can read, and no upstream connection is ever attempted."""
 
-    def __init__(self, shared: Shared, inspection: Inspection) -> None:
+    def __init__(self, shared: ProxyState, inspection: Inspection) -> None:
         self.shared, self.inspection = shared, inspection
 
     def _deny_flow(self, flow: http.HTTPFlow) -> None:
@@ -53,13 +53,13 @@ class HttpPolicy:
         if state.tunnel is not None:  # a CONNECT inside an inspected tunnel: one tunnel per connection
             record.reason, record.code = "CONNECT inside a tunnel", ReasonCode.REQUEST_IN_TUNNEL
             return self._refuse(flow, record, None)
-        outcome = await self.shared.evaluate(
+        judgement = await self.shared.evaluate(
             state.sandbox, flow.request.host, flow.request.port, "connect", flow.client_conn.peername[0]
         )
-        outcome.fill(record)
-        if not outcome.decision.allow:
-            return self._refuse(flow, record, outcome.decision.hint)
-        state.vetted[(flow.request.host, flow.request.port)] = outcome
+        judgement.fill(record)
+        if not judgement.decision.allow:
+            return self._refuse(flow, record, judgement.decision.hint)
+        state.vetted[(flow.request.host, flow.request.port)] = judgement
         assert state.sandbox is not None
         limit = self.shared.settings.max_tunnels_per_sandbox
         if self.shared.tunnels[state.sandbox.id] >= limit:
@@ -69,7 +69,7 @@ class HttpPolicy:
             self.shared.refuse(record)  # a client retrying in a loop gets its 429s, the audit a summary
             return _answer(flow, answer(record, None, 429))
         self.shared.tunnels[state.sandbox.id] += 1
-        state.tunnel, state.tunnel_decision, state.started = record, outcome.decision, time.monotonic()
+        state.tunnel, state.tunnel_decision, state.started = record, judgement.decision, time.monotonic()
 
     @fail_closed(_deny_flow)
     async def requestheaders(self, flow: http.HTTPFlow) -> None:
@@ -93,18 +93,18 @@ class HttpPolicy:
         # The hash of the snapshot that judges (read as judge_request reads it, before it awaits anything): a
         # reload that lands while the request is under way does not stamp its line with a policy that did not judge.
         record.policy_hash = self.shared.live.current.policy.hash
-        outcome = await self.shared.judge_request(state, request.host, request.port, flow.client_conn.peername[0])
-        outcome.fill(record)
-        if outcome.decision.allow and (mismatch := _host_header_mismatch(flow, outcome.host)):
+        judgement = await self.shared.judge_request(state, request.host, request.port, flow.client_conn.peername[0])
+        judgement.fill(record)
+        if judgement.decision.allow and (mismatch := _host_header_mismatch(flow, judgement.host)):
             record.decision, record.reason, record.code = "deny", mismatch, ReasonCode.HOST_MISMATCH
             record.decided_by(None)
         if not record.passed:
-            return self._refuse(flow, record, outcome.decision.hint)
-        if refusal := self._inspect(flow, record, outcome.decision):
+            return self._refuse(flow, record, judgement.decision.hint)
+        if refusal := self._inspect(flow, record, judgement.decision):
             return self._refuse(flow, record, refusal.hint, refusal.status)
         if request.host_header is None:  # HTTP/1.0 may omit it: the upstream gets the name that was judged
-            request.host_header = _authority(outcome.host, request.port, _default_port(flow))
-        state.vetted[(request.host, request.port)] = outcome
+            request.host_header = _authority(judgement.host, request.port, _default_port(flow))
+        state.vetted[(request.host, request.port)] = judgement
         flow.metadata["airlock"] = record
         flow.metadata["airlock_started"] = time.monotonic()
 

@@ -10,7 +10,7 @@ from airlock.audit import AuditRecord
 from airlock.policy import ReasonCode
 
 from .failclosed import fail_closed, nothing_to_deny
-from .shared import Shared
+from .shared import ProxyState
 
 UNKNOWN_NETWORK = "unknown sandbox network"
 
@@ -18,7 +18,7 @@ UNKNOWN_NETWORK = "unknown sandbox network"
 class SandboxIdentity:
     """Names the sandbox behind each client connection; connections from unknown networks are refused."""
 
-    def __init__(self, shared: Shared) -> None:
+    def __init__(self, shared: ProxyState) -> None:
         self.shared = shared
 
     def _refuse(self, client: connection.Client) -> None:

@@ -36,7 +36,7 @@ from airlock.policy.inspected_rules import GithubInjection, Injection, placehold
 from .answers import answer
 from .failclosed import fail_closed, nothing_to_deny
 from .httplayer import HttpLayer
-from .shared import ClientState, Shared
+from .shared import ClientState, ProxyState
 
 # git's smart HTTP paths on GitHub: /OWNER/REPO[.git]/info/refs, /OWNER/REPO[.git]/git-upload-pack (or -receive-).
 _GIT_PATH = re.compile(
@@ -181,7 +181,7 @@ def _scrubbed_fields(
 class Inspection:
     """Requests inside inspected tunnels, and the scrubbing of every response the gateway reads."""
 
-    def __init__(self, shared: Shared, then: Callable[[http.HTTPFlow], None]) -> None:
+    def __init__(self, shared: ProxyState, then: Callable[[http.HTTPFlow], None]) -> None:
         self.shared = shared
         self.then = then
 

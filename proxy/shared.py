@@ -1,5 +1,5 @@
 """What every concern of the addon reads: the gateway's settings, the state of each client connection, the open
-connection counts, and the one judgement of an upstream target (`Shared.evaluate`)."""
+connection counts, and the one judgement of an upstream target (`ProxyState.evaluate`)."""
 
 from __future__ import annotations
 
@@ -44,7 +44,7 @@ _UNKNOWN_SANDBOX = Decision(False, "connection from an address that belongs to n
 class Timings(Protocol):
     """Where the proxy tells how long things took (the gateway's metrics)."""
 
-    def decided(self, seconds: float) -> None: ...  # a target judged (Shared.evaluate)
+    def decided(self, seconds: float) -> None: ...  # a target judged (ProxyState.evaluate)
 
     def connected(self, seconds: float) -> None: ...  # a vetted upstream connection opened
 
@@ -134,9 +134,9 @@ class ClientState:
     tunnel: AuditRecord | None = None  # the CONNECT decision, once the sandbox asked for a tunnel
     tunnel_decision: Decision | None = None
     denied: str | None = None  # set once anything denied this connection: no upstream may be opened
-    # Outcomes the early hooks vetted, by the (host, port) mitmproxy will ask to connect to: the connection
+    # Judgements the early hooks vetted, by the (host, port) mitmproxy will ask to connect to: the connection
     # goes to exactly the address that was checked, and a rebinding name gets no second answer.
-    vetted: dict[tuple[str, int], Outcome] = field(default_factory=dict)
+    vetted: dict[tuple[str, int], TargetJudgement] = field(default_factory=dict)
     started: float = field(default_factory=time.monotonic)
     counted: bool = False  # holds one of the sandbox's connection slots
     # Transparent mode: the address and port the sandbox dialled (a hint, never a connect target), once judged.
@@ -146,7 +146,7 @@ class ClientState:
 
 
 @dataclass(frozen=True, slots=True)
-class Outcome:
+class TargetJudgement:
     decision: Decision
     host: str  # canonical when the host was valid
     resolved: list[str] = field(default_factory=list)
@@ -167,7 +167,7 @@ class Kept:
     target: tuple[str, int]
     snapshot: Snapshot
     until: float
-    outcome: Outcome
+    judgement: TargetJudgement
     addresses: tuple[IPAddress, ...]
 
     def holds(self, target: tuple[str, int], snapshot: Snapshot, now: float) -> bool:
@@ -179,11 +179,11 @@ class Kept:
         )
 
 
-def _timed(evaluate: Callable[..., Awaitable[Outcome]]) -> Callable[..., Awaitable[Outcome]]:
+def _timed(evaluate: Callable[..., Awaitable[TargetJudgement]]) -> Callable[..., Awaitable[TargetJudgement]]:
     """Each judgement's duration, told to the settings' timings."""
 
     @functools.wraps(evaluate)
-    async def timed(self: Shared, *args: Any, **kwargs: Any) -> Outcome:
+    async def timed(self: ProxyState, *args: Any, **kwargs: Any) -> TargetJudgement:
         started = time.perf_counter()
         try:
             return await evaluate(self, *args, **kwargs)
@@ -193,7 +193,7 @@ def _timed(evaluate: Callable[..., Awaitable[Outcome]]) -> Callable[..., Awaitab
     return timed
 
 
-class Shared:
+class ProxyState:
     """State all hook classes read: the live policy (policy, sandbox registry, the gateway's own addresses) and
     per-client connection state."""
 
@@ -274,15 +274,15 @@ class Shared:
     @_timed
     async def evaluate(
         self, sandbox: Sandbox | None, raw_host: str, port: int, kind: str = "connect", client: str = "-"
-    ) -> Outcome:
+    ) -> TargetJudgement:
         """The whole judgement of one upstream target: canonicalize, decide (or ask a person), resolve, vet,
         choose; under one snapshot of the live policy, however long the resolution or the person takes. `kind` and
         `client` tell the person who asks for what."""
-        outcome, _ = await self._evaluate(sandbox, raw_host, port, kind, client)
-        return outcome
+        judgement, _ = await self._evaluate(sandbox, raw_host, port, kind, client)
+        return judgement
 
     @_timed
-    async def judge_request(self, state: ClientState, raw_host: str, port: int, client: str) -> Outcome:
+    async def judge_request(self, state: ClientState, raw_host: str, port: int, client: str) -> TargetJudgement:
         """`evaluate` of a plain-HTTP request's target: on a kept-alive connection, the previous request's allowed
         judgement of the same target holds while the policy in force is the one it was made under (a reload judges
         again), the name's resolution lasts (its TTL, at most KEPT_JUDGEMENT_S) and the audit log can be written;
@@ -290,23 +290,23 @@ class Shared:
         target, snapshot = (raw_host, port), self.live.current
         kept = state.judged
         if kept is not None and kept.holds(target, snapshot, time.monotonic()) and not self.settings.audit_failure():
-            return kept.outcome
-        outcome, state.judged = await self._evaluate(state.sandbox, raw_host, port, "http", client)
-        return outcome
+            return kept.judgement
+        judgement, state.judged = await self._evaluate(state.sandbox, raw_host, port, "http", client)
+        return judgement
 
     async def _evaluate(
         self, sandbox: Sandbox | None, raw_host: str, port: int, kind: str, client: str
-    ) -> tuple[Outcome, Kept | None]:
+    ) -> tuple[TargetJudgement, Kept | None]:
         """The judgement, and how it may be kept (None: not at all)."""
         if sandbox is None:
-            return Outcome(_UNKNOWN_SANDBOX, raw_host), None
+            return TargetJudgement(_UNKNOWN_SANDBOX, raw_host), None
         if (failure := self.settings.audit_failure()) is not None:
             reason = f"audit log unavailable ({failure}): no request is allowed until it can be written"
-            return Outcome(Decision(False, reason, ReasonCode.AUDIT_UNAVAILABLE), raw_host), None
+            return TargetJudgement(Decision(False, reason, ReasonCode.AUDIT_UNAVAILABLE), raw_host), None
         try:
             host = _target(raw_host, port)
         except HostError as e:
-            return Outcome(Decision(False, f"invalid host: {e}", ReasonCode.INVALID_HOST), raw_host), None
+            return TargetJudgement(Decision(False, f"invalid host: {e}", ReasonCode.INVALID_HOST), raw_host), None
         live = self.live.current
         profile = live.profile(sandbox)
         decision = decide(profile, host, port)
@@ -315,7 +315,7 @@ class Shared:
             decision = await self.approvals.decide(live, sandbox, host, port, decision, kind, client)
             keep_for = 0.0  # a person's answer is theirs to give each time
         if not decision.allow:
-            return Outcome(decision, host), None
+            return TargetJudgement(decision, host), None
         if is_ip(host):
             addresses: tuple[IPAddress, ...] = (ipaddress.ip_address(host),)
         else:
@@ -323,18 +323,18 @@ class Shared:
                 answer = await self.resolver.resolve(host)
             except ResolveError as e:
                 failed = Decision(False, f"resolution failed: {e}", ReasonCode.RESOLVE_FAILED, decision.rule)
-                return Outcome(failed, host), None
+                return TargetJudgement(failed, host), None
             if denied := decide_alias(profile, answer.cnames, port):
-                return Outcome(denied, host, [str(a) for a in answer.addresses]), None
+                return TargetJudgement(denied, host, [str(a) for a in answer.addresses]), None
             addresses, keep_for = answer.addresses, min(keep_for, answer.ttl)
         vetted = vet(profile, addresses, port, live.own.among(addresses))
         resolved = [str(a) for a in addresses]
         if not vetted.allowed:
-            return Outcome(refused_addresses(decision, vetted), host, resolved), None
+            return TargetJudgement(refused_addresses(decision, vetted), host, resolved), None
         chosen = min(vetted.allowed, key=lambda a: a.version)  # IPv4 first: the family most often routed
-        outcome = Outcome(decision, host, resolved, str(chosen))
-        kept = Kept((raw_host, port), live, time.monotonic() + keep_for, outcome, addresses) if keep_for > 0 else None
-        return outcome, kept
+        judgement = TargetJudgement(decision, host, resolved, str(chosen))
+        kept = Kept((raw_host, port), live, time.monotonic() + keep_for, judgement, addresses) if keep_for > 0 else None
+        return judgement, kept
 
 
 def is_transparent(client: connection.Client) -> bool:

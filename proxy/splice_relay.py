@@ -21,14 +21,20 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 log = logging.getLogger("airlock.proxy")
 
 PIPE_SIZE = 256 * 1024  # the pipe of each direction: the most a splice moves at once
+PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
+DEFAULT_PIPE_PAGES = 16  # a new pipe's size (64 KiB with 4 KiB pages) until F_SETPIPE_SZ changes it
+DEFAULT_PIPE_USER_PAGES_SOFT = 16384  # the kernel's default, when /proc does not say
 CHUNKS_PER_TURN = 16  # splices of one direction before the others get their turn
 IDLE_SCAN = 0.5  # seconds between looks for idle tunnels
+STOP_WAIT = 5.0  # seconds `stop` waits for the thread to have closed every tunnel
 _SPLICE = os.SPLICE_F_MOVE | os.SPLICE_F_NONBLOCK
 _F_SETPIPE_SZ = 1031  # fcntl.F_SETPIPE_SZ, which Python names only from 3.10 on some builds
+_CAP_SYS_ADMIN, _CAP_SYS_RESOURCE = 21, 24
 _ENDED = {errno.ENOTCONN, errno.ECONNRESET, errno.EPIPE}  # the socket is past where a shutdown matters
 
 
@@ -90,23 +96,30 @@ class SplicedTunnel:
     client: int
     server: int
     on_end: Callable[[SplicedTunnel], None]  # called in the relay thread, once, after every descriptor is closed
+    budget: PipeBudget
     upstream: Direction = field(init=False)  # client → server
     downstream: Direction = field(init=False)  # server → client
     last_moved: float = field(default_factory=time.monotonic)
     error: str | None = None  # why it ended early (idle, ended by the gateway, a socket error)
     ended: bool = False
+    pages: int = 0  # of the budget's, held by the two pipes
 
     def __post_init__(self) -> None:
-        self.upstream = Direction(self.client, self.server, *_pipe())
+        r, w, self.pages = self.budget.pipe()
+        self.upstream = Direction(self.client, self.server, r, w)
         try:
-            self.downstream = Direction(self.server, self.client, *_pipe())
+            r, w, pages = self.budget.pipe()
         except OSError:
             _close(self.upstream.pipe_r, self.upstream.pipe_w)
+            self.budget.release(self.pages)
             raise
+        self.downstream = Direction(self.server, self.client, r, w)
+        self.pages += pages
 
     @classmethod
-    def of(cls, client: int, server: int, on_end: Callable[[SplicedTunnel], None]) -> SplicedTunnel:
-        """Own duplicates of both sockets' descriptors (OSError when the open-file limit leaves none)."""
+    def of(cls, client: int, server: int, on_end: Callable[[SplicedTunnel], None], budget: PipeBudget) -> SplicedTunnel:
+        """Own duplicates of both sockets' descriptors and two pipes (OSError when the open-file limit leaves no
+        descriptors, NoPipeRoom when the pipe quota no pipes)."""
         client_fd = os.dup(client)
         try:
             server_fd = os.dup(server)
@@ -116,7 +129,7 @@ class SplicedTunnel:
         try:
             for fd in (client_fd, server_fd):
                 os.set_blocking(fd, False)  # splice(2) waits on a blocking socket whatever its flags say
-            return cls(client_fd, server_fd, on_end)
+            return cls(client_fd, server_fd, on_end, budget)
         except OSError:
             _close(client_fd, server_fd)
             raise
@@ -149,6 +162,59 @@ class SplicedTunnel:
             self.client, self.server, self.upstream.pipe_r, self.upstream.pipe_w, self.downstream.pipe_r,
             self.downstream.pipe_w,
         )  # fmt: skip
+        self.budget.release(self.pages)
+        self.pages = 0
+
+
+class PipeBudget:
+    """How large the relay's pipes may be. The kernel charges every pipe's pages to its user: past
+    /proc/sys/fs/pipe-user-pages-soft (16,384 pages by default) an unprivileged user's new pipes get two pages and
+    F_SETPIPE_SZ is refused, so a relay on such pipes would splice 8 KiB at a time. Large pipes (PIPE_SIZE) while
+    the relay's own pages stay under half that limit, the kernel's default size under three quarters, and past it
+    no new pipe (NoPipeRoom: mitmproxy relays that tunnel). A gateway with CAP_SYS_RESOURCE or CAP_SYS_ADMIN (root)
+    is not held to the limit. Pipes are made on the event loop and closed by the relay thread: counted under a
+    lock."""
+
+    def __init__(self, soft_pages: int | None) -> None:
+        self.soft_pages = soft_pages  # None: no limit applies to this process
+        self.pages = 0  # of the pipes made here and not yet closed
+        self._lock = threading.Lock()
+
+    @classmethod
+    def of_this_process(cls) -> PipeBudget:
+        if _privileged():
+            return cls(None)
+        try:
+            soft = int(Path("/proc/sys/fs/pipe-user-pages-soft").read_text())
+        except (OSError, ValueError):
+            soft = DEFAULT_PIPE_USER_PAGES_SOFT
+        return cls(soft or None)  # 0: the kernel has no soft limit
+
+    def pipe(self) -> tuple[int, int, int]:
+        """A non-blocking pipe as large as the budget allows: read end, write end, the pages it holds."""
+        with self._lock:
+            large, default = PIPE_SIZE // PAGE_SIZE, DEFAULT_PIPE_PAGES
+            if self.soft_pages is None or self.pages + large <= self.soft_pages // 2:
+                want = large
+            elif self.pages + default <= self.soft_pages * 3 // 4:
+                want = default
+            else:
+                raise NoPipeRoom(f"the kernel relay's pipes hold {self.pages} pages of this user's pipe quota")
+            r, w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+            pages = default
+            if want != default:
+                with contextlib.suppress(OSError):  # the default size serves as well, only with more splices
+                    pages = fcntl.fcntl(w, _F_SETPIPE_SZ, PIPE_SIZE) // PAGE_SIZE
+            self.pages += pages
+            return r, w, pages
+
+    def release(self, pages: int) -> None:
+        with self._lock:
+            self.pages -= pages
+
+
+class NoPipeRoom(OSError):
+    pass
 
 
 class SpliceRelay:
@@ -189,10 +255,10 @@ class SpliceRelay:
         self._send("end", tunnel)
 
     def stop(self) -> None:
-        """End every tunnel, then the thread."""
+        """End every tunnel, then the thread (waited for up to STOP_WAIT seconds: call it off the event loop)."""
         if self._thread.is_alive():
             self._send("stop", None)
-            self._thread.join(5)
+            self._thread.join(STOP_WAIT)
 
     def _send(self, command: str, tunnel: SplicedTunnel | None) -> None:
         with self._lock:
@@ -257,7 +323,9 @@ class SpliceRelay:
             if command == "add":
                 self._by_fd[tunnel.client] = self._by_fd[tunnel.server] = tunnel
                 self._pump(tunnel)
-            elif not tunnel.ended:
+            elif self._by_fd.get(tunnel.client) is tunnel:
+                # Only a tunnel this relay holds: one of a relay that failed is that relay's to close (it may be
+                # closing it now), and its descriptors' numbers may already be another tunnel's here.
                 self._finish(tunnel, "ended by the gateway")
 
     def _pump(self, tunnel: SplicedTunnel) -> None:
@@ -322,11 +390,17 @@ def socket_shutdown(fd: int, how: int) -> None:
         sock.detach()
 
 
-def _pipe() -> tuple[int, int]:
-    r, w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
-    with contextlib.suppress(OSError):  # the default size (64 KiB) serves as well, only with more splices
-        fcntl.fcntl(w, _F_SETPIPE_SZ, PIPE_SIZE)
-    return r, w
+def _privileged() -> bool:
+    """CAP_SYS_RESOURCE or CAP_SYS_ADMIN in this process's effective set: the pipe quota does not apply."""
+    try:
+        status = Path("/proc/self/status").read_text()
+    except OSError:
+        return False
+    for line in status.splitlines():
+        if line.startswith("CapEff:"):
+            effective = int(line.split()[1], 16)
+            return bool(effective & (1 << _CAP_SYS_RESOURCE | 1 << _CAP_SYS_ADMIN))
+    return False
 
 
 def _close(*fds: int) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,8 +26,8 @@ from mitmproxy.proxy.server import ConnectionHandler, ConnectionIO
 from airlock.audit import AuditRecord
 
 from .failclosed import fail_closed, nothing_to_deny
-from .shared import Shared
-from .splice_relay import RelayStopped, SplicedTunnel, SpliceRelay
+from .shared import ProxyState
+from .splice_relay import PipeBudget, RelayStopped, SplicedTunnel, SpliceRelay
 
 log = logging.getLogger("airlock.proxy")
 # mitmproxy's connection handlers, as its proxyserver keeps them: by client connection id (its type says tuples too)
@@ -53,7 +54,9 @@ class SpliceTicket:
 class _Spliced:
     handler: ConnectionHandler
     ticket: SpliceTicket
+    sandbox: str
     tunnel: SplicedTunnel | None = None
+    relay: SpliceRelay | None = None  # the one relaying it: only that one may end it
     ended: asyncio.Future[None] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
     timeout_held: contextlib.ExitStack = field(default_factory=contextlib.ExitStack)
 
@@ -63,7 +66,7 @@ class Splicing:
 
     def __init__(
         self,
-        shared: Shared,
+        shared: ProxyState,
         handlers: Handlers,
         then: Callable[[connection.Client], None],
     ) -> None:
@@ -73,12 +76,14 @@ class Splicing:
         self._stopped = False
         self._relay: SpliceRelay | None = None  # started with the first spliced tunnel
         self._handoffs: set[asyncio.Task[None]] = set()
+        self._budget = PipeBudget.of_this_process()
+        self._per_sandbox: Counter[str] = Counter()  # spliced tunnels each sandbox holds
 
     def hand_over(self, context: Context, ticket: SpliceTicket) -> None:
         """Splice this tunnel once mitmproxy has relayed what it holds (called by the tunnel's layer)."""
         ticket.requested = True
-        if self._stopped or len(self.spliced) >= self.shared.settings.max_spliced:
-            return  # the open-file limit leaves no descriptors for more: mitmproxy relays this one
+        if self._stopped or not self._room_for(context):
+            return  # the open-file limit leaves no descriptors for more, or it is another's turn: mitmproxy relays it
         task = asyncio.get_running_loop().create_task(self._handoff(context, ticket))
         self._handoffs.add(task)
         task.add_done_callback(self._handoffs.discard)
@@ -107,8 +112,10 @@ class Splicing:
         for attempt in range(QUIET_TRIES):
             if not self._may_splice(context):
                 break
-            if all(_quiet(io) for io in ios) and self._take(handler, context, ticket, [_fileno(io) for io in ios]):
-                return
+            if all(_quiet(io) for io in ios):
+                if self._take(handler, context, ticket, [_fileno(io) for io in ios]):
+                    return
+                break  # it cannot be spliced now: mitmproxy relays it rather than keep it waiting
             await asyncio.sleep(0 if attempt < QUIET_TURNS else QUIET_WAIT)
         for transport in transports:
             assert transport is not None
@@ -119,33 +126,45 @@ class Splicing:
         open_ = context.client.state is ConnectionState.OPEN and context.server.state is ConnectionState.OPEN
         return open_ and state is not None and state.denied is None
 
-    def _take(self, handler: ConnectionHandler, context: Context, ticket: SpliceTicket, fds: list[int]) -> bool:
-        """Hand both sockets to the relay; False if the kernel relays as many as the open-file limit allows already,
-        or leaves no descriptors to do it with."""
-        if len(self.spliced) >= self.shared.settings.max_spliced:
+    def _room_for(self, context: Context) -> bool:
+        """Whether the kernel may relay one more of this sandbox's tunnels: within the budget the open-file limit
+        leaves, and — where the policy knows more than one sandbox — at most half of it per sandbox, so that one
+        sandbox's bulk transfers cannot keep every other's tunnels in the proxy's hands."""
+        budget = self.shared.settings.max_spliced
+        if len(self.spliced) >= budget:
             return False
-        spliced = _Spliced(handler, ticket)
+        share = sandbox_share(budget, len(self.shared.live.current.registry.ids()))
+        return self._per_sandbox[_sandbox_of(self.shared, context)] < share
+
+    def _take(self, handler: ConnectionHandler, context: Context, ticket: SpliceTicket, fds: list[int]) -> bool:
+        """Hand both sockets to the relay; False if the budget is taken by now, or there are no descriptors or pipes
+        to do it with (said once), or the relay stopped."""
+        if not self._room_for(context):
+            return False
+        spliced = _Spliced(handler, ticket, _sandbox_of(self.shared, context))
         loop = asyncio.get_running_loop()
 
         def ended(tunnel: SplicedTunnel) -> None:  # in the relay's thread
             loop.call_soon_threadsafe(self._ended, tunnel)
 
         try:
-            tunnel = SplicedTunnel.of(fds[0], fds[1], ended)
+            tunnel = SplicedTunnel.of(fds[0], fds[1], ended, self._budget)
         except OSError as e:
             log.warning("airlock: tunnel to %s not spliced (%s): the proxy relays it", ticket.record.host, e)
             return False
         try:
-            self._started_relay().add(tunnel)
+            relay = self._started_relay()
+            relay.add(tunnel)
         except (RelayStopped, OSError, RuntimeError) as e:  # stopped, or a new relay could not start: no leak
             tunnel.close()
             if not isinstance(e, RelayStopped):
                 log.warning("airlock: tunnel to %s not spliced (%s): the proxy relays it", ticket.record.host, e)
             return False
-        ticket.taken, spliced.tunnel = True, tunnel
+        ticket.taken, spliced.tunnel, spliced.relay = True, tunnel, relay
         ticket.record.extra["relayed_by"] = "kernel"  # the audit line tells which tunnels left the proxy's hands
         spliced.timeout_held.enter_context(handler.timeout_watchdog.disarm())
         self.spliced[context.client.id], self._client_of[tunnel] = spliced, context.client.id
+        self._per_sandbox[spliced.sandbox] += 1
         return True
 
     def _started_relay(self) -> SpliceRelay:
@@ -160,6 +179,9 @@ class Splicing:
         spliced = self.spliced.pop(client_id, None) if client_id is not None else None
         if spliced is None:
             return
+        self._per_sandbox[spliced.sandbox] -= 1
+        if not self._per_sandbox[spliced.sandbox]:
+            del self._per_sandbox[spliced.sandbox]
         record = spliced.ticket.record
         try:
             record.bytes_in = (record.bytes_in or 0) + tunnel.sent
@@ -177,17 +199,28 @@ class Splicing:
     async def client_disconnected(self, client: connection.Client) -> None:
         spliced = self.spliced.get(client.id)
         try:
-            if spliced is not None and spliced.tunnel is not None and self._relay is not None:
-                self._relay.end(spliced.tunnel)  # mitmproxy ended it: the relay's half ends too, then its counts
+            if spliced is not None and spliced.tunnel is not None and spliced.relay is not None:
+                spliced.relay.end(spliced.tunnel)  # mitmproxy ended it: the relay's half ends too, then its counts
                 await spliced.ended
         finally:  # the audit line and the sandbox's counts, whatever the relay's end raised (or a cancellation)
             self.then(client)
 
-    def stop(self) -> None:
-        """End every spliced tunnel (the gateway is stopping); no more are spliced."""
+    async def stop(self) -> None:
+        """End every spliced tunnel (the gateway is stopping); no more are spliced. The relay thread is waited for
+        off the event loop, which meanwhile takes the tunnels' ends (their audit lines) as they come."""
         self._stopped = True
         if self._relay is not None:
-            self._relay.stop()
+            await asyncio.to_thread(self._relay.stop)
+
+
+def sandbox_share(budget: int, sandboxes: int) -> int:
+    """How many of the kernel relay's `budget` tunnels one sandbox may hold: all of them where it is the only one."""
+    return budget if sandboxes <= 1 else max(1, budget // 2)
+
+
+def _sandbox_of(shared: ProxyState, context: Context) -> str:
+    state = shared.clients.get(context.client.id)
+    return state.sandbox.id if state is not None and state.sandbox is not None else ""
 
 
 def _transport(io: ConnectionIO | None) -> asyncio.Transport | None:

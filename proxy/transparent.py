@@ -33,7 +33,7 @@ from airlock.policy import Decision, ReasonCode, Sandbox, format_host_port
 from .failclosed import fail_closed
 from .httplayer import HttpLayer
 from .inspected_tunnels import inspected_rule, intercept
-from .shared import ClientState, Outcome, Shared, is_transparent
+from .shared import ClientState, ProxyState, TargetJudgement, is_transparent
 from .tlsnames import TlsNameError, server_name
 from .tunnels import MeteredTunnel, TunnelPolicy, ech_refusal, may_be_tls
 
@@ -49,7 +49,7 @@ class TransparentPolicy:
     every other layer choice is `TunnelPolicy`'s, but that every HTTP layer is the gateway's (`http_layer`)."""
 
     def __init__(
-        self, shared: Shared, tunnels: TunnelPolicy, http_layer: Callable[[Context, HTTPMode], layer.Layer]
+        self, shared: ProxyState, tunnels: TunnelPolicy, http_layer: Callable[[Context, HTTPMode], layer.Layer]
     ) -> None:
         self.shared, self.tunnels, self.http_layer = shared, tunnels, http_layer
 
@@ -103,12 +103,12 @@ class TransparentPolicy:
         assert state.original is not None
         address, port = state.original
         if sni is not None:
-            outcome, named_by = await self.shared.evaluate(state.sandbox, sni, port), "sni"
+            judgement, named_by = await self.shared.evaluate(state.sandbox, sni, port), "sni"
         else:
-            outcome, named_by = await self._nameless(state.sandbox, address, port, opaque=hello is None)
-        record = _record(state, context.client.peername[0], outcome.host, port, named_by)
-        outcome.fill(record)
-        if outcome.decision.allow and hello is not None and (refusal := ech_refusal(hello, outcome.decision.ech)):
+            judgement, named_by = await self._nameless(state.sandbox, address, port, opaque=hello is None)
+        record = _record(state, context.client.peername[0], judgement.host, port, named_by)
+        judgement.fill(record)
+        if judgement.decision.allow and hello is not None and (refusal := ech_refusal(hello, judgement.decision.ech)):
             record.decision, (record.code, record.reason) = "deny", refusal
         if record.decision == "allow" and (over_cap := self._over_tunnel_cap(state)):
             record.decision, record.reason, record.code = "deny", over_cap, ReasonCode.TUNNEL_LIMIT
@@ -117,13 +117,13 @@ class TransparentPolicy:
             state.denied = record.reason
             nextlayer.layer = layers.TCPLayer(context, ignore=True)  # server_connect opens nothing: closed
             return
-        assert state.sandbox is not None  # an allowed outcome has a sandbox
+        assert state.sandbox is not None  # an allowed judgement has a sandbox
         # The upstream is the judged name (or literal), resolved and pinned already: never the dialled address.
-        context.server.address = (outcome.host, port)
-        state.vetted[(outcome.host, port)] = outcome
+        context.server.address = (judgement.host, port)
+        state.vetted[(judgement.host, port)] = judgement
         self.shared.tunnels[state.sandbox.id] += 1
-        state.tunnel, state.tunnel_decision, state.started = record, outcome.decision, time.monotonic()
-        if hello is not None and sni is not None and inspected_rule(outcome.decision) is not None:
+        state.tunnel, state.tunnel_decision, state.started = record, judgement.decision, time.monotonic()
+        if hello is not None and sni is not None and inspected_rule(judgement.decision) is not None:
             return intercept(nextlayer, state)
         nextlayer.layer = MeteredTunnel(context, record, self.tunnels.splicing)
 
@@ -144,7 +144,9 @@ class TransparentPolicy:
             return f"sandbox already has {limit} open tunnels{self.shared.settings.cap_scope}"
         return None
 
-    async def _nameless(self, sandbox: Sandbox | None, address: str, port: int, opaque: bool) -> tuple[Outcome, str]:
+    async def _nameless(
+        self, sandbox: Sandbox | None, address: str, port: int, opaque: bool
+    ) -> tuple[TargetJudgement, str]:
         """The judgement of a connection without a name: as the IP literal dialled, else as a name the gateway's
         DNS answered this sandbox with that address (newest first), whose rule must allow a raw tunnel."""
         literal = await self.shared.evaluate(sandbox, address, port)
@@ -161,13 +163,15 @@ class TransparentPolicy:
                     f"{address} was answered for {', '.join(names)}, but no rule lets that carry a connection "
                     f"without a name on port {port}: it needs `tunnel: true`"
                 )
-                return Outcome(Decision(False, reason, ReasonCode.NOT_TLS), literal.host, literal.resolved), "dns"
+                refused = Decision(False, reason, ReasonCode.NOT_TLS)
+                return TargetJudgement(refused, literal.host, literal.resolved), "dns"
         if literal.decision.allow:  # a CIDR rule opens the address, for TLS only
             reason = (
                 f"connection to {format_host_port(literal.host, port)} carries something other than TLS and no rule "
                 "allows a raw tunnel"
             )
-            return Outcome(Decision(False, reason, ReasonCode.NOT_TLS), literal.host, literal.resolved), "address"
+            refused = Decision(False, reason, ReasonCode.NOT_TLS)
+            return TargetJudgement(refused, literal.host, literal.resolved), "address"
         return literal, "address"
 
 

@@ -18,7 +18,7 @@ from airlock.policy import ReasonCode, decide, is_ip
 
 from .failclosed import fail_closed
 from .inspected_tunnels import inspected_rule, intercept
-from .shared import ClientState, Shared
+from .shared import ClientState, ProxyState
 from .spliced_tunnels import SpliceTicket, Splicing
 from .tlsnames import ECH_EXTENSIONS, TlsNameError, hidden_name, server_name
 
@@ -66,7 +66,7 @@ class TunnelPolicy:
     decision waits (`nextlayer.layer = None`)."""
 
     def __init__(
-        self, shared: Shared, http_layer: Callable[[Context, HTTPMode], layer.Layer], splicing: Splicing
+        self, shared: ProxyState, http_layer: Callable[[Context, HTTPMode], layer.Layer], splicing: Splicing
     ) -> None:
         self.shared, self.http_layer, self.splicing = shared, http_layer, splicing
 
@@ -149,7 +149,7 @@ def _sni_mismatch(sni: str | None, expected: str) -> str | None:
     return f"TLS SNI {sni!r} does not match CONNECT host {expected}"
 
 
-def denied_tunnels(shared: Shared) -> list[str]:
+def denied_tunnels(shared: ProxyState) -> list[str]:
     """The client connections of open tunnels that the policy in force now denies (after a reload), each tunnel's
     audit line (written when it closes) saying why it was closed."""
     snapshot = shared.live.current

@@ -21,6 +21,7 @@ import pwd
 import shutil
 import subprocess
 import tempfile
+import time
 from pathlib import Path
 
 USER = "postgres"
@@ -117,6 +118,31 @@ class PostgresServer:
         with psycopg.connect(self.url(name), autocommit=True) as conn:
             conn.execute("DROP SCHEMA public CASCADE; CREATE SCHEMA public")
         return self.url(name)
+
+    def password_database(self, role: str, password: str) -> str:
+        """A fresh database owned by `role`, which logs in only with `password` (SCRAM: a line ahead of the trust
+        lines of pg_hba.conf, the server reloaded); its URL, with no password in it."""
+        import psycopg
+
+        self._databases += 1
+        name = f"pw{self._databases}"
+        with psycopg.connect(self.url("postgres"), autocommit=True) as conn:
+            if not conn.execute("SELECT 1 FROM pg_roles WHERE rolname = %s", (role,)).fetchall():
+                conn.execute(f'CREATE ROLE "{role}" LOGIN')  # type: ignore[arg-type]
+            conn.execute(f"ALTER ROLE \"{role}\" PASSWORD '{password}'")  # type: ignore[arg-type]
+            conn.execute(f'CREATE DATABASE "{name}" OWNER "{role}"')  # type: ignore[arg-type]
+        hba = self.data / "pg_hba.conf"
+        hba.write_text(f"local {name} {role} scram-sha-256\n" + hba.read_text())  # the file keeps its owner
+        self._as_postgres("pg_ctl", "-D", str(self.data), "reload")
+        url = f"postgresql://{role}@/{name}?host={self.socket_dir}"
+        deadline = time.monotonic() + 10
+        while True:  # the reload is a signal: the postmaster reads the file a moment later
+            try:
+                psycopg.connect(url, password=f"not-{password}", connect_timeout=2).close()
+            except psycopg.OperationalError:
+                return url
+            assert time.monotonic() < deadline, "pg_hba.conf reloaded, yet no password asked"
+            time.sleep(0.05)
 
     def running(self) -> bool:
         return (self.data / "postmaster.pid").exists()

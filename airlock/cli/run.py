@@ -303,11 +303,15 @@ def _watch_policy(gateway: Gateway) -> PolicyWatcher:
     return watcher
 
 
-def _entered(gateway: Gateway, sandbox_id: str | None) -> contextlib.AbstractContextManager[None]:
-    """The run among the gateways `airlock status` (and `token`, `approvals`) find without --admin."""
+def _entered(
+    gateway: Gateway, sandbox_id: str | None, folders: list[str | Path | None]
+) -> contextlib.AbstractContextManager[None]:
+    """The run among the gateways `airlock status` (and `token`, `approvals`) find without --admin, with the host
+    folders of its sandbox, which a netns sandbox started later hides (`airlock.launch.tenants`)."""
     from airlock.runs import registered
 
-    return registered(gateway.admin.address, gateway.config.policy.source, f"airlock run, sandbox {sandbox_id}")
+    what, named = f"airlock run, sandbox {sandbox_id}", [str(f) for f in [*folders, gateway.config.state_dir] if f]
+    return registered(gateway.admin.address, gateway.config.policy.source, what, named)
 
 
 def _reopen_audit_on_sigusr1(gateway: Gateway) -> None:
@@ -335,7 +339,9 @@ async def _run_netns(run: RunConfig) -> int:
         _reopen_audit_on_sigusr1(handle.gateway)
         watcher = _watch_policy(handle.gateway)
         waiter = asyncio.ensure_future(handle.wait())
-        with _entered(handle.gateway, handle.sandbox.sandbox_id):
+        # The working directory (the launcher works there, as the command does), the cache, the token's folder.
+        folders = [os.getcwd(), run.cache, handle.sandbox.run_dir]
+        with _entered(handle.gateway, handle.sandbox.sandbox_id, folders):
             interrupted = await _first(waiter, stopped)
         if interrupted:
             waiter.cancel()
@@ -349,6 +355,7 @@ async def _run_netns(run: RunConfig) -> int:
 
 async def _run_docker(run: RunConfig) -> int:
     from airlock.launch.docker_launcher import launch
+    from airlock.sandbox.docker import sandbox_token_dir
 
     assert run.image is not None and run.limits is not None
     client = _docker_client()
@@ -362,7 +369,8 @@ async def _run_docker(run: RunConfig) -> int:
         watcher = _watch_policy(handle.gateway)
         output = asyncio.ensure_future(handle.stream(sys.stdout.buffer, sys.stderr.buffer))
         waiter = asyncio.ensure_future(handle.wait())
-        with _entered(handle.gateway, handle.sandbox.sandbox_id):
+        assert handle.sandbox.sandbox_id is not None  # given or drawn when built
+        with _entered(handle.gateway, handle.sandbox.sandbox_id, [sandbox_token_dir(handle.sandbox.sandbox_id)]):
             interrupted = await _first(waiter, stopped)
         if interrupted:
             handle.kill()

@@ -93,7 +93,7 @@ def logged_calls(args: argparse.Namespace) -> list[LoggedCall]:
 async def _from_database(args: argparse.Namespace) -> list[LoggedCall]:
     from airlock.broker.pgstore import PostgresStore
     from airlock.broker.store import StoreError
-    from airlock.gateway.broker_runtime import read_password
+    from airlock.gateway.broker_inputs import read_password
 
     if not args.store.startswith(("postgresql://", "postgres://")):
         raise UsageError(f"--store {args.store!r}: give a PostgreSQL URL (a SQLite call log: --call-log DIR)")
@@ -143,7 +143,7 @@ def cmd_tools_replay(args: argparse.Namespace) -> int:
 
 
 @dataclass(frozen=True)
-class Outcome:
+class ReplayedCall:
     call: LoggedCall
     replayed: tuple[int, dict[str, Any]] | None  # status and body; None: not replayed
     note: str = ""  # why not, or what the replay lacked
@@ -177,7 +177,7 @@ class Outcome:
         }  # fmt: skip
 
 
-async def _replay(args: argparse.Namespace, calls: list[LoggedCall], bundles: dict[str, Path]) -> list[Outcome]:
+async def _replay(args: argparse.Namespace, calls: list[LoggedCall], bundles: dict[str, Path]) -> list[ReplayedCall]:
     import aiohttp
 
     from airlock.broker.store import SqliteStore
@@ -198,7 +198,7 @@ def _broker(args: argparse.Namespace, state: Path, session: aiohttp.ClientSessio
     from airlock.broker.gitpush import GitTransport, Pusher, git_base_url
     from airlock.broker.service import Broker
     from airlock.broker.tokens import KeyRing, TokenAuthority
-    from airlock.gateway.broker_runtime import credential
+    from airlock.gateway.broker_inputs import credential
     from airlock.gateway.config import BrokerConfig
 
     config = BrokerConfig(
@@ -220,7 +220,7 @@ def _broker(args: argparse.Namespace, state: Path, session: aiohttp.ClientSessio
                   pusher=pusher)  # fmt: skip
 
 
-async def _one(broker: Broker, call: LoggedCall, bundles: dict[str, Path]) -> Outcome:
+async def _one(broker: Broker, call: LoggedCall, bundles: dict[str, Path]) -> ReplayedCall:
     from airlock.audit import AuditRecord
     from airlock.broker.errors import BrokerError
     from airlock.broker.grants import Grant, GrantError
@@ -229,7 +229,7 @@ async def _one(broker: Broker, call: LoggedCall, bundles: dict[str, Path]) -> Ou
     try:
         grants = tuple(Grant.from_claim(g) for g in call.grants)
     except GrantError as e:
-        return Outcome(call, None, f"its grants no longer parse: {e}")
+        return ReplayedCall(call, None, f"its grants no longer parse: {e}")
     note, payload = "", dict(call.input or {})
     if call.input is None:
         note = "refused before its input was accepted; replayed without input"
@@ -237,7 +237,7 @@ async def _one(broker: Broker, call: LoggedCall, bundles: dict[str, Path]) -> Ou
         if isinstance(value, dict) and set(value) == {"sha256", "bytes"}:  # content kept by hash
             found = bundles.get(str(value["sha256"]))
             if found is None:
-                return Outcome(call, None, f"{name} {value['sha256'][:12]}… not kept: give --bundles DIR")
+                return ReplayedCall(call, None, f"{name} {value['sha256'][:12]}… not kept: give --bundles DIR")
             payload[name] = base64.b64encode(found.read_bytes()).decode()
     now = int(time.time())
     claims = Claims(call.sandbox, f"replay-{call.id}", now, now + 600, grants)
@@ -250,7 +250,7 @@ async def _one(broker: Broker, call: LoggedCall, bundles: dict[str, Path]) -> Ou
         status, body, _ = await broker.invoke(call.tool, claims, record, read_input)
     except BrokerError as e:
         status, body = e.status, e.body()
-    return Outcome(call, (status, broker.redactor.value(body)), note)
+    return ReplayedCall(call, (status, broker.redactor.value(body)), note)
 
 
 def _bundles(directory: Path) -> dict[str, Path]:
@@ -266,7 +266,7 @@ def _tls(ca_file: str | None) -> ssl.SSLContext:
     return ssl.create_default_context(cafile=ca_file)
 
 
-def _print_side_by_side(outcomes: list[Outcome]) -> None:
+def _print_side_by_side(outcomes: list[ReplayedCall]) -> None:
     print(f"{'#':>4}  {'tool':<22}{'recorded':<{SUMMARY_WIDTH + 2}}{'replayed':<{SUMMARY_WIDTH + 2}}")
     for o in outcomes:
         status, body = o.recorded

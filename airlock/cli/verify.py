@@ -39,6 +39,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--profile", metavar="P", help="the profile the sandbox runs with")
     parser.add_argument("--grant", action="append", metavar="G", help="as `airlock run --grant` (repeatable)")
     parser.add_argument(
+        "--secret", action="append", metavar="NAME=file:PATH|env:VAR",
+        help="as `airlock run --secret` (repeatable): the inspection check sends the placeholder of one your policy "
+        "injects where it must not go",
+    )  # fmt: skip
+    parser.add_argument(
         "--isolation", choices=("auto", "bwrap", "none"), default="auto",
         help="as `airlock run --isolation` (none: a weakened run, whose file checks fail)",
     )  # fmt: skip
@@ -51,18 +56,50 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--list", action="store_true", help="list the checks and exit")
     parser.add_argument("--json", type=absolute, metavar="FILE", help="the verdicts as JSON (docs/verify.md)")
     parser.add_argument("--junit", type=absolute, metavar="FILE", help="the verdicts as JUnit XML")
-    needs = NeedsRoot("it builds a fake internet of network namespaces and runs a sandbox in it")
+    needs = NeedsRoot("it builds a fake internet of network namespaces and runs a sandbox in it", environment)
     parser.set_defaults(func=cmd_verify, needs_root=needs)
 
 
+def environment(args: argparse.Namespace) -> list[str]:
+    """The variables of the host's environment verify reads: `--secret NAME=env:VAR`'s."""
+    sources = [spec.partition("=")[2] for spec in args.secret or []]
+    return [source.removeprefix("env:") for source in sources if source.startswith("env:")]
+
+
 def run_options(args: argparse.Namespace) -> list[str]:
-    """The options `airlock run` is given as they were given here."""
+    """The options `airlock run` is given as they were given here (every run gets the user's secrets: a policy
+    that injects one starts no gateway without it)."""
     options = ["--isolation", args.isolation] if args.backend == "netns" else []
     options += ["--profile", args.profile] if args.profile else []
     options += [word for grant in args.grant or [] for word in ("--grant", grant)]
+    options += [word for spec in args.secret or [] for word in ("--secret", _absolute_secret(spec))]
     return options + [
         word for name in LIMITS if getattr(args, name) is not None for word in (f"--{name}", str(getattr(args, name)))
     ]
+
+
+def _absolute_secret(spec: str) -> str:
+    """`NAME=file:PATH` with PATH absolute (`airlock run` works elsewhere), `NAME=env:VAR` as it is."""
+    name, _, source = spec.partition("=")
+    kind, _, where = source.partition(":")
+    return f"{name}=file:{os.path.abspath(where)}" if kind == "file" else spec
+
+
+def user_secrets(specs: list[str]) -> dict[str, str]:
+    """`--secret NAME=file:PATH|env:VAR`, each read as `airlock run` reads it: name -> value."""
+    from airlock.gateway.config import BrokerConfigError, parse_secret
+    from airlock.inspection import InspectionError
+    from airlock.inspection.secrets import SecretValues
+    from airlock.verify.targets import SECRET_NAME
+
+    try:
+        sources = [parse_secret(spec) for spec in specs]
+        values = SecretValues.read(sources)
+    except (BrokerConfigError, InspectionError) as e:
+        raise UsageError(str(e)) from None
+    if SECRET_NAME in values:
+        raise UsageError(f"--secret {SECRET_NAME}: that name is verify's own secret's, give yours another")
+    return {name: values[name] for name in values}
 
 
 def image_tarball(args: argparse.Namespace) -> Path | None:
@@ -104,6 +141,12 @@ def cmd_verify(args: argparse.Namespace) -> int:
         profile = policy.profile(args.profile)
     except KeyError as e:
         raise UsageError(str(e.args[0])) from None
+    secrets = user_secrets(args.secret or [])  # read once, as `airlock run` reads them, before anything is built
+    if missing := sorted(policy.secret_names() - secrets.keys()):
+        raise UsageError(
+            f"{policy.source} injects secret {missing[0]!r}: give it as `airlock run` needs it (--secret "
+            f"{missing[0]}=file:PATH), or verify a policy without the injection"
+        )
     path = args.policy or str(default_policy_path())
     isolation = args.isolation if tarball is None else "container"
     how = f"isolation {isolation}" if tarball is None else f"backend docker, image {tarball}"
@@ -114,7 +157,9 @@ def cmd_verify(args: argparse.Namespace) -> int:
         len(os.sched_getaffinity(0)), args.nproc or DEFAULT_NPROC,
     )  # fmt: skip
     grants = parse_grants(args.grant or [], policy)
-    outcomes = verify(Request(path, targets(profile, grants), run_options(args), chosen, limits, tarball))
+    found = targets(profile, grants, list(secrets))
+    user_secret = secrets[found.secret].encode() if found.injected_at else None
+    outcomes = verify(Request(path, found, run_options(args), chosen, limits, tarball, user_secret))
     run = report.Run(args.backend, path, profile.name, isolation, time.monotonic() - started)
     print(report.matrix(outcomes))
     if args.json:

@@ -18,8 +18,8 @@ from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
-from airlock.verify.ca import FakeCA, make_fake_ca
-from airlock.verify.github import FakeGitHub, make_app_key
+from airlock.verify.fakeca import FakeCA, make_fake_ca
+from airlock.verify.fakegithub_client import FakeGitHub, make_app_key
 from airlock.verify.topology import DNS_SERVER, FakeModel, FakeNet, Topology, new_prefix
 
 from . import DemoError

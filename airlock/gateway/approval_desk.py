@@ -1,5 +1,6 @@
-"""Approvals at run time: the futures held requests await, their deadlines and the webhook (the policy file a
-`--scope policy` approval writes: `approval_writer`; the admin routes a person answers through: `approval_routes`).
+"""Approvals at run time: the futures held requests await and their deadlines (the policy file a `--scope policy`
+approval writes: `approval_writer`; the webhook: `approval_webhook`; the admin routes a person answers through:
+`approval_routes`; approvals as listed and as the fleet's store shares them: `approval_shared`).
 
 The bookkeeping (what may be asked, the pending table, grants) is the policy core's (policy/held_requests.py). Here a
 pending entry has one future, which every request for the same target awaits (shielded: a request that gives up
@@ -22,9 +23,11 @@ import struct
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 from airlock.audit import AuditRecord
+from airlock.gateway.approval_shared import SharedApprovals, listed, listed_remote
+from airlock.gateway.approval_webhook import Webhook
 from airlock.gateway.approval_writer import PolicyWriter
 from airlock.gateway.auditing import tell
 from airlock.gateway.errors import ApprovalError
@@ -49,28 +52,8 @@ from airlock.runs import airlock_command
 
 log = logging.getLogger("airlock.approvals")
 
-WEBHOOK_TIMEOUT = 5.0
-WEBHOOK_IN_FLIGHT = 8  # posts under way at once; beyond, a pending request is not posted (logged)
-_PEERCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
-
-
-class SharedApprovals(Protocol):
-    """What gateways sharing a store share of their approvals (broker.pgstore.PostgresApprovals): best effort, never
-    an opening — a grant that cannot be read is no grant."""
-
-    async def hold(self, entry: dict[str, Any]) -> None: ...
-    async def pending(self) -> list[dict[str, Any]]: ...
-    async def entry(self, approval_id: str) -> dict[str, Any] | None: ...
-    async def decide(self, approval_id: str, scope: str | None, by: str, ttl: float | None) -> bool: ...
-    async def decision(self, approval_id: str) -> tuple[str | None, str, float | None]: ...
-    async def answered(self, approval_id: str, released: int) -> None: ...
-    async def released(self, approval_id: str, wait: float) -> int: ...
-    async def add_grant(self, sandbox: str, host: str, port: int | None, until: float | None, by: str,
-                        approval: str) -> None: ...  # fmt: skip
-    async def grants(self, sandbox: str, host: str) -> list[tuple[int | None, float | None, str, str]]: ...
-
-
 REMOTE_RELEASE_WAIT = 2.0  # seconds an answer given here waits for the replica holding the request to say it released
+_PEERCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 
 
 @dataclass(frozen=True, slots=True)
@@ -162,7 +145,7 @@ class Approvals:
         future = self._futures[entry.id] = loop.create_future()
         self._timers[entry.id] = loop.call_at(entry.deadline, self._expire, entry.id, timeout)
         tell(self.announcement(entry, timeout))
-        described = describe(entry, time.time() - loop.time())
+        described = listed(entry, time.time() - loop.time())
         if self.webhook is not None:
             self.webhook.post(described)
         if (shared := self.shared()) is not None:
@@ -233,9 +216,9 @@ class Approvals:
     async def pending(self) -> list[dict[str, Any]]:
         """The requests held here, then those the fleet's other replicas hold."""
         offset = time.time() - asyncio.get_running_loop().time()
-        here = [describe(entry, offset) for entry in self.table.pending()]
+        here = [listed(entry, offset) for entry in self.table.pending()]
         shared = self.shared()
-        elsewhere = [] if shared is None else [_remote(p) for p in await shared.pending()]
+        elsewhere = [] if shared is None else [listed_remote(p) for p in await shared.pending()]
         ids = {p["id"] for p in here}
         return here + [p for p in elsewhere if p["id"] not in ids]
 
@@ -332,65 +315,3 @@ def _new_id() -> str:
     """Unguessable (96 bits): whoever can list the pending approvals can answer them, nobody else can name one. Hex,
     so that an id never starts with '-' (a command line would read it as an option)."""
     return secrets.token_hex(12)
-
-
-def _remote(held: dict[str, Any]) -> dict[str, Any]:
-    """A request another replica holds, as the admin listener lists it (how many wait there is its own)."""
-    target = Target(held["sandbox"], held["host"], held["port"])
-    return {
-        "id": held["id"], "sandbox": target.sandbox, "profile": held["profile"], "kind": held["kind"],
-        "host": target.host, "port": target.port, "target": str(target), "client": held["client"],
-        "asked_at": round(held["asked_at"], 3), "expires_at": round(held["expires_at"], 3), "waiting": 0,
-        "held_by": f"replica {held['replica']}",
-    }  # fmt: skip
-
-
-def describe(entry: Pending, wall_offset: float) -> dict[str, Any]:
-    """A pending entry as the admin listener lists it and the webhook posts it (times in Unix seconds)."""
-    target = entry.target
-    return {
-        "id": entry.id, "sandbox": target.sandbox, "profile": entry.profile, "kind": entry.kind,
-        "host": target.host, "port": target.port, "target": str(target), "client": entry.client,
-        "asked_at": round(entry.asked + wall_offset, 3), "expires_at": round(entry.deadline + wall_offset, 3),
-        "waiting": entry.waiting,
-    }  # fmt: skip
-
-
-class Webhook:
-    """Posts each new pending request as JSON to an operator's URL: best effort, bounded in time and in number,
-    never awaited by the request that is held."""
-
-    def __init__(self, url: str) -> None:
-        self.url = url
-        self._tasks: set[asyncio.Task[None]] = set()
-
-    def post(self, payload: dict[str, Any]) -> None:
-        if len(self._tasks) >= WEBHOOK_IN_FLIGHT:
-            log.warning("approval webhook: %d posts under way, approval %s not posted", len(self._tasks), payload["id"])
-            return
-        task = asyncio.ensure_future(self._post(payload))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-
-    async def _post(self, payload: dict[str, Any]) -> None:
-        import aiohttp
-
-        try:
-            timeout = aiohttp.ClientTimeout(total=WEBHOOK_TIMEOUT)
-            async with (
-                aiohttp.ClientSession(timeout=timeout) as session,
-                session.post(self.url, json=payload) as reply,
-            ):
-                if reply.status >= 300:
-                    log.warning(
-                        "approval webhook %s answered %d for approval %s", self.url, reply.status, payload["id"]
-                    )
-        except (aiohttp.ClientError, OSError, TimeoutError, ValueError) as e:
-            log.warning(
-                "approval webhook %s failed for approval %s: %s", self.url, payload["id"], e or type(e).__name__
-            )
-
-    async def close(self) -> None:
-        for task in list(self._tasks):
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)

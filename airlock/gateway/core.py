@@ -39,7 +39,7 @@ from airlock.sandbox.reach import policy_files
 if TYPE_CHECKING:
     from airlock.broker.service import Broker
     from airlock.proxy.addon import Airlock
-    from airlock.proxy.shared import Shared
+    from airlock.proxy.shared import ProxyState
 
 log = logging.getLogger("airlock.gateway")
 
@@ -93,7 +93,7 @@ class Gateway:
         return self.parts.proxy.airlock
 
     @property
-    def shared(self) -> Shared | None:
+    def shared(self) -> ProxyState | None:
         return self.parts.proxy.shared
 
     async def start(self, *, wait_for_proxy: bool = True) -> None:
@@ -126,7 +126,7 @@ class Gateway:
         config, parts = self.config, self.parts
         self._in_force = True
         try:
-            self._follow_inspection(config.policy)
+            self._prepare_inspection(config.policy)
         except PolicyError as e:
             raise GatewayError("; ".join(e.errors)) from e
         except AirlockError as e:  # a CA that cannot be written
@@ -284,10 +284,10 @@ class Gateway:
                 raise PolicyError(problems)
 
     def _swap(self, policy: Policy) -> None:
-        self._follow_inspection(policy)
+        self._prepare_inspection(policy)
         self.parts.live.replace(policy)
 
-    def _follow_inspection(self, policy: Policy) -> None:
+    def _prepare_inspection(self, policy: Policy) -> None:
         """Ready what the policy's inspected rules need before it is in force: a CA that permits their hosts, the
         secrets they inject (PolicyError: one the gateway was not given)."""
         inspector: Inspector = self.parts.inspector

@@ -288,7 +288,7 @@ class GatewayMetrics:
         return counters
 
     def decided(self, seconds: float) -> None:
-        """The proxy judged a target (Shared.evaluate)."""
+        """The proxy judged a target (ProxyState.evaluate)."""
         self._decide("proxy").observe(seconds)
 
     def connected(self, seconds: float) -> None:

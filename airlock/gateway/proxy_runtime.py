@@ -31,7 +31,7 @@ from airlock.policy.held_requests import Asker
 if TYPE_CHECKING:
     from airlock.gateway.startup.mitm import Master, ServerInstance
     from airlock.proxy.addon import Airlock
-    from airlock.proxy.shared import GitTokens, ScrubbedLog, Shared
+    from airlock.proxy.shared import GitTokens, ProxyState, ScrubbedLog
 
 MITMPROXY_LOG = logging.getLogger("mitmproxy.proxy.server")  # mitmproxy's lines about each connection
 PROXY_BACKLOG = 100  # asyncio's default, which mitmproxy listened with
@@ -64,7 +64,7 @@ class ProxyRuntime:
         self._shared = False  # the listeners are another process's, accepted from by other workers too (`take`)
 
     @property
-    def shared(self) -> Shared | None:
+    def shared(self) -> ProxyState | None:
         return self.airlock.shared if self.airlock is not None else None
 
     def ports(self) -> dict[str, int]:
@@ -194,7 +194,7 @@ class ProxyRuntime:
     async def stop(self) -> None:
         self.close_listeners()
         if self.airlock is not None:
-            self.airlock.splicing.stop()  # the kernel relay's tunnels end with the gateway
+            await self.airlock.splicing.stop()  # the kernel relay's tunnels end with the gateway
         if self._master is not None:
             self._master.shutdown()  # type: ignore[no-untyped-call]
         if self._task is not None:

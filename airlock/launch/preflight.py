@@ -1,6 +1,7 @@
 """What a netns launch works out before anything of the sandbox exists, each refusal a SandboxError: the isolation
-(bubblewrap or none), the gateway's inputs and whether the command could change one, what bubblewrap hides and binds
-read-only, the command found on the sandbox's PATH, the `--cache` folder, and the command's clean environment."""
+(bubblewrap or none), the gateway's inputs and whether the command could change one, what bubblewrap hides (the
+other running sandboxes' folders among it: `airlock.launch.tenants`) and binds read-only, the command found on the
+sandbox's PATH, the `--cache` folder, and the command's clean environment."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from airlock.sandbox.limits import TIMEOUT, Resources, limit_problem
 from airlock.sandbox.reach import Reach, policy_files
 
 from .embedded_gateway import gateway_credentials, prepare_call_log
+from .tenants import other_sandboxes_folders
 
 ISOLATIONS = ("auto", "bwrap", "none")
 SANDBOX_PATH = "/usr/local/bin:/usr/bin:/bin"
@@ -63,18 +65,26 @@ def plan_launch(
         raise SandboxError(problem)
     prepare_call_log(gateway)
     hidden = hidden_paths(isolate_fs, pw, gateway_credentials(gateway))
-    read_only = kept_from_writes(isolate_fs, pw)
+    read_only = read_only_binds(isolate_fs, pw)
     protected = [*(Path(path) for _, path in gateway_inputs(gateway)), *map(Path, gateway_credentials(gateway))]
     writable = writable_cache(Path(cache), pw, protected) if cache else None
+    # Without bubblewrap nothing can be hidden: the command sees the host as its user does (docs/security-model.md).
+    others, shared = other_sandboxes_folders(own_folders(writable)) if isolate_fs else ([], [])
+    hidden += others
     reach = sandbox_reach(isolate_fs, pw, [*hidden, *read_only], [writable] if writable else [])
     resources = resources or Resources()
     controllers = cgroups.host_parents()
-    notes = cgroups.check(resources, controllers)
+    notes = cgroups.check(resources, controllers) + shared
     if note := unwritable_workdir(pw, named=user is not None):
         notes.append(note)
     for note in notes:
         report(note)
     return NetnsPlan(pw, isolate_fs, env, hidden, read_only, writable, reach, resources, controllers)
+
+
+def own_folders(writable: Path | None) -> list[Path]:
+    """The folders the sandbox writes, resolved: its working directory and its `--cache`."""
+    return [Path.cwd().resolve(), *([writable] if writable else [])]
 
 
 def choose_isolation(requested: str) -> str:
@@ -152,7 +162,7 @@ def hidden_paths(isolate_fs: bool, user: pwd.struct_passwd, credentials: list[st
     return []
 
 
-def kept_from_writes(isolate_fs: bool, user: pwd.struct_passwd) -> list[Path]:
+def read_only_binds(isolate_fs: bool, user: pwd.struct_passwd) -> list[Path]:
     """What bubblewrap binds read-only although it lies in the writable working directory: airlock's own code and
     environment, which root runs next time (without bubblewrap, `refuse_inputs_in_reach` refuses them in the
     user's reach). A working directory whose files run outside the sandbox is refused."""

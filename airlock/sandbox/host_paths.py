@@ -26,18 +26,20 @@ def workdir_problem(cwd: Path, user: pwd.struct_passwd) -> str | None:
     cwd = cwd.resolve()
     home = Path(user.pw_dir).resolve()
     if cwd in SYSTEM_FOLDERS:
-        return f"it is / or one of the host's system folders: {_own_folder(cwd, home)}"
+        return f"it is / or one of the host's system folders: {_own_folder(cwd, home, user)}"
     if cwd == home or cwd in home.parents:
-        return f"it is {user.pw_name}'s home folder, whose dotfiles run outside the sandbox: {_own_folder(cwd, home)}"
+        why = f"it is {user.pw_name}'s home folder, whose dotfiles run outside the sandbox"
+        return f"{why}: {_own_folder(cwd, home, user)}"
     return None
 
 
-def _own_folder(cwd: Path, home: Path) -> str:
+def _own_folder(cwd: Path, home: Path, user: pwd.struct_passwd) -> str:
     """How to run from a folder the sandbox may have: one of its own, next to where the user is (in /tmp or
-    /var/tmp), else in the home folder (when the user has one), else in /var/tmp."""
+    /var/tmp), else in the home folder when the user may write it, else in /var/tmp. (nobody's, whom a root shell
+    runs the command as, is /nonexistent: a folder someone may have made, which is not nobody's to write.)"""
     if cwd in (Path("/tmp"), Path("/var/tmp")):
         folder = cwd / "work"
-    elif home.is_dir() and home not in SYSTEM_FOLDERS:
+    elif home not in SYSTEM_FOLDERS and may_write(home, user):
         folder = home / "work"
     else:
         folder = Path("/var/tmp/work")

@@ -333,7 +333,10 @@ def _bubblewrap(
     binds = [["--bind", str(folder), str(folder)] for folder in writable]
     mounts = [(bind, False) for bind in [*around, *binds, ["--bind", cwd, cwd], *inside]]
     for path in hidden:  # after the working directory's bind: a credential inside it is covered too
-        mounts.append((["--tmpfs", str(path)] if path.is_dir() else ["--ro-bind", "/dev/null", str(path)], True))
+        if path.is_dir():
+            mounts.append((["--tmpfs", str(path)], True))
+        elif os.path.lexists(path):  # gone since it was chosen (another sandbox's folder, removed): nothing to hide
+            mounts.append((["--ro-bind", "/dev/null", str(path)], True))
     mounts += [(["--ro-bind", str(path), str(path)], False) for path in existing_paths(read_only)]
     if trust_bundle is not None:  # the system's CAs and the gateway's, where every client looks first
         mounts.append((["--ro-bind", str(trust_bundle), str(SANDBOX_BUNDLE)], False))

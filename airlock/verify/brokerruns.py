@@ -22,7 +22,7 @@ from airlock.sandbox.netns import resolve_user
 from . import brokerprobe
 from .checks import PROBE_ARGV, BrokerRecord
 from .control import stop_proc
-from .github import FakeGitHub, make_app_key
+from .fakegithub_client import FakeGitHub, make_app_key
 from .targets import BrokerTarget
 from .topology import Topology
 

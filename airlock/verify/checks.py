@@ -9,18 +9,18 @@ prints them and docs/verify.md describes them (a test holds the two together).""
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
+from airlock.policy.inspected_rules import placeholder
 from airlock.sandbox.limits import DEFAULT_CPUS, DEFAULT_MEMORY, DEFAULT_NPROC, DEFAULT_PIDS, memory_bytes
 
 from .probe import ALLOWED_ADDR, CANARY_ADDR, CHILD, DNS_ADDR, INTERNAL_ADDR, METADATA, OTHER_ADDR
 from .processes import NAMESPACES, Process, descendants
-from .targets import HEAD_PREFIX, SECRET_NAME, UNLISTED, BrokerTarget, Targets
+from .targets import HEAD_PREFIX, PLACEHOLDER_PATH, SECRET_NAME, UNLISTED, BrokerTarget, Targets
 from .usage import Usage
 
 Result = Literal["held", "failed", "error", "n/a"]
@@ -40,6 +40,9 @@ KERNEL_OBJECTS = ("anon_inode:[io_uring]", "anon_inode:bpf-map", "anon_inode:bpf
                   "anon_inode:[perf_event]")  # fmt: skip
 PLACEHOLDER_VAR = "AIRLOCK_VERIFY_SECRET"
 PLACEHOLDER = f"airlock-placeholder-{SECRET_NAME}"
+# The user's --secret the inspection check drives (one the policy injects for an inspected host): the variable that
+# holds its placeholder in the sandbox, and its name among what the sandbox must never hold.
+USER_PLACEHOLDER_VAR, USER_SECRET = "AIRLOCK_VERIFY_USER_SECRET", "the user's --secret"
 # What the resource attempts ask of the sandbox: CPU-bound seconds, memory and forks beyond the limits (up to caps
 # that keep the host safe whatever the limits are), a /tmp fill.
 BURN_SECONDS = 0.6
@@ -237,28 +240,28 @@ class Check:
 
 
 @dataclass(frozen=True)
-class Outcome:
+class CheckVerdict:
     check: Check
     result: Result
     evidence: str
     probe: str | None = None  # what the probe saw
 
 
-def judge(check: Check, evidence: Evidence) -> Outcome:
+def judge(check: Check, evidence: Evidence) -> CheckVerdict:
     if (missing := check.not_applicable(evidence.targets, evidence.limits, evidence.backend)) is not None:
-        return Outcome(check, "n/a", missing)
+        return CheckVerdict(check, "n/a", missing)
     seen = evidence.probe.get(check.attempt) if check.attempt else None
     if check.attempt and seen is None:
-        return Outcome(check, "error", "the probe made no such attempt: the check could not run")
+        return CheckVerdict(check, "error", "the probe made no such attempt: the check could not run")
     try:
         held, why = check.judge(evidence)
     except NotJudged as e:
-        return Outcome(check, "error", str(e), seen)
-    return Outcome(check, "held" if held else "failed", why, seen)
+        return CheckVerdict(check, "error", str(e), seen)
+    return CheckVerdict(check, "held" if held else "failed", why, seen)
 
 
-def error(check: Check, why: str) -> Outcome:
-    return Outcome(check, "error", why)
+def error(check: Check, why: str) -> CheckVerdict:
+    return CheckVerdict(check, "error", why)
 
 
 # --------------------------------------------------------------------------------------------------- judges
@@ -315,25 +318,67 @@ def _no_sni(ev: Evidence) -> tuple[bool, str]:
 
 
 def _placeholder_refused(ev: Evidence) -> tuple[bool, str]:
-    """The probe's two requests (the placeholder in a header, in the URL's query) to the inspected host."""
-    host, path = ev.targets.inspected, f"/airlock-verify/{ev.nonce}/placeholder"
-    carried = (PLACEHOLDER.encode(), *([ev.secrets["the --secret"]] if ev.secrets.get("the --secret") else []))
-    at_host = [r for r in ev.stats["http"] if (r["host"] or "").partition(":")[0].lower() == host]
-    arrived = [r for r in at_host if any(c in json.dumps(r).encode() for c in carried)]
+    """The probe's two requests (the placeholder in a header, in the URL's query) to each host the gateway reads a
+    request of (the inspected one, the one in plain HTTP): refused, nothing of them upstream. To the passthrough one
+    they are shown, not judged: the gateway reads nothing inside that TLS (the placeholder is only a name). And the
+    secret's value in no request upstream but at the host whose rule injects it."""
+    t, path = ev.targets, PLACEHOLDER_PATH.format(nonce=ev.nonce)
+    value = ev.secrets.get(USER_SECRET if t.injected_at else "the --secret", b"").decode()
+    carried = [needle for needle in (placeholder(t.secret), value) if needle]
+    whose = f"{t.secret} (yours, injected at {t.injected_at})" if t.injected_at else f"{t.secret} (verify's own)"
+    parts, held = [f"the placeholder of secret {whose}"], True
+    for host, tls in ((t.inspected, True), (t.plain, False)):
+        if host:
+            refused, why = _refused_at(ev, host, tls, path, carried)
+            held, parts = held and refused, [*parts, why]
+    if t.passthrough:
+        arrived = [r for r in _at(ev, t.passthrough, True) if r["target"].startswith(path)]
+        parts.append(
+            f"{t.passthrough} (passthrough): not judged, the gateway reads nothing inside its TLS ({len(arrived)} of "
+            "the requests arrived, with the placeholder alone)"
+        )
+    leaked = sorted({_host(r) for r in ev.stats["http"] if value and _host(r) != t.injected_at and _carries(r, value)})
+    parts.append(f"the secret's value upstream elsewhere: {', '.join(leaked) or 'nowhere'}")
+    return held and not leaked, "; ".join(parts)
+
+
+def _refused_at(ev: Evidence, host: str, tls: bool, path: str, carried: list[str]) -> tuple[bool, str]:
+    """Whether the probe's two requests to `host` (over TLS, inspected; or in plain HTTP) were refused as a
+    placeholder's misuse and none arrived there."""
+    arrived = [r for r in _at(ev, host, tls) if any(_carries(r, needle) for needle in carried)]
     audited = [line for line in ev.audit if line.get("host") == host and line.get("path") == path]
     refused = [line for line in audited if line.get("decision") == "deny" and line.get("code") == "placeholder_misuse"]
     if not arrived and len(audited) < 2:
         raise NotJudged(f"the gateway's audit has {len(audited)} of the probe's 2 requests to {host}: not sent")
     shown = ", ".join(f"{line.get('decision')} {line.get('code')}" for line in audited) or "nothing"
     return not arrived and len(refused) == len(audited), (
-        f"{len(arrived)} requests at {host}'s upstream carried the placeholder or the secret; the gateway's audit of "
-        f"{path}: {shown}"
+        f"{host} ({'inspected' if tls else 'plain HTTP'}): {len(arrived)} requests at its upstream carried the "
+        f"placeholder or the secret; the gateway's audit of {path}: {shown}"
     )
 
 
+def _host(record: dict[str, Any]) -> str:
+    return str(record.get("host") or "").partition(":")[0].lower()
+
+
+def _at(ev: Evidence, host: str, tls: bool) -> list[dict[str, Any]]:
+    return [r for r in ev.stats["http"] if _host(r) == host and bool(r.get("tls")) == tls]
+
+
+def _carries(record: object, needle: str) -> bool:
+    """Whether any text in an upstream's record of a request (its target, its headers) holds `needle`."""
+    if isinstance(record, str):
+        return needle in record
+    if isinstance(record, dict):
+        return any(_carries(item, needle) for item in record.values())
+    if isinstance(record, list | tuple):
+        return any(_carries(item, needle) for item in record)
+    return False
+
+
 def _other_untouched(ev: Evidence) -> tuple[bool, str]:
-    """Judged by what the probe could change (its canary, a new file) and reach; what it could read is shown: the
-    host's filesystem is the sandbox's, read-only, where isolation keeps its own working directory alone writable."""
+    """Judged by what the probe could read (the canary's bytes among what it wrote), change (its canary, a new
+    file) and reach (its gateway): the second sandbox started first, so the launcher hid its folders."""
     other = ev.other
     if other is None:
         raise NotJudged("the second sandbox did not run")
@@ -341,10 +386,10 @@ def _other_untouched(ev: Evidence) -> tuple[bool, str]:
     intact, read = other.found == other.canary, other.canary.encode() in ev.written()
     tcp, udp = (", ".join(map(str, ports)) or "none" for ports in (other.tcp_ports, other.udp_ports))
     ports = f"tcp {tcp}, udp {udp}"
-    return intact and not added and other.reached == 0, (
-        f"{other.workdir}: its canary {'unchanged' if intact else 'changed'} ({'read' if read else 'not read'} by the "
-        f"probe); new there: {', '.join(added) or 'nothing'}; its gateway at {other.gateway} ({ports}): "
-        f"{other.reached} packets from another sandbox reached it"
+    return intact and not read and not added and other.reached == 0, (
+        f"{other.workdir}: its canary {'read' if read else 'not read'} by the probe, "
+        f"{'unchanged' if intact else 'changed'}; new there: {', '.join(added) or 'nothing'}; its gateway at "
+        f"{other.gateway} ({ports}): {other.reached} packets from another sandbox reached it"
     )
 
 
@@ -413,7 +458,7 @@ def _placeholder(ev: Evidence) -> tuple[bool, str]:
     env = ev.workdir / "airlock-verify" / "env.json"
     seen = env.read_text() if env.exists() else ""
     has = f'"{PLACEHOLDER_VAR}": "{PLACEHOLDER}"' in seen
-    held, why = _secrets_unread(("the --secret",))(ev)
+    held, why = _secrets_unread(("the --secret", USER_SECRET))(ev)
     return has and held, f"{PLACEHOLDER_VAR} {'is' if has else 'is not'} its placeholder in the sandbox; {why}"
 
 
@@ -655,7 +700,12 @@ def _rebind(targets: Targets, limits: Limits) -> str | None:
 
 
 def _inspecting(targets: Targets, limits: Limits) -> str | None:
-    return None if targets.inspected else "the profile inspects no allowed host: the gateway reads no request there"
+    if targets.inspected or targets.plain:
+        return None
+    return (
+        f"the profile inspects no allowed host without injecting secret {targets.secret}, and opens none on port 80: "
+        "the gateway reads no request a placeholder could be refused in (inside a passthrough tunnel it reads nothing)"
+    )
 
 
 def _canary(targets: Targets, limits: Limits) -> str | None:
@@ -713,11 +763,12 @@ _EVERY_BACKEND: tuple[Check, ...] = (
           "environment",)), "read-host-env"),
     Check("secrets", "service-account", "a Kubernetes service-account token on the host is not readable",
           _secrets_unread(("the service-account token",)), "read-service-account"),
-    Check("inspection", "placeholder-elsewhere", "a --secret's placeholder sent to an inspected host whose rule does "
-          "not inject it (in a header and in the URL) is refused and never arrives", _placeholder_refused,
+    Check("inspection", "placeholder-elsewhere", "a --secret's placeholder (yours where the policy injects one) sent "
+          "to another allowed host the gateway reads — inspected without that injection, or in plain HTTP — in a "
+          "header and in the URL is refused and never arrives; its value arrives nowhere else", _placeholder_refused,
           "placeholder-elsewhere", _inspecting),
-    Check("tenancy", "other-sandbox", "another sandbox's working directory and gateway are out of reach",
-          _other_untouched, "other-sandbox"),
+    Check("tenancy", "other-sandbox", "another sandbox's working directory (started first) can be neither read nor "
+          "written, its gateway is out of reach", _other_untouched, "other-sandbox"),
     Check("privilege", "setuid", "a setuid-root or file-capability program gains nothing: no root ID, no capability",
           _no_root, "setuid", off=(("docker", "the marked programs are copies on the host, which the container does "
                                       "not see"),)),

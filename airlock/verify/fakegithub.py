@@ -1,6 +1,6 @@
 """A faithful fake of the GitHub REST API (v3) for the broker: App JWT → installation token → pull requests.
 
-Run inside the `<prefix>-net` namespace (see airlock.verify.github.FakeGitHub):
+Run inside the `<prefix>-net` namespace (see airlock.verify.fakegithub_client.FakeGitHub):
 
     python -P -m airlock.verify.fakegithub --control /path/ctl.sock --cert leaf.crt --key leaf.key \
         --listen 192.0.2.20 --port 443 --app-id 4242 --app-public-key app.pub.pem --installation-id 777 \
@@ -37,7 +37,7 @@ commit. Prints READY on stdout once listening.
 
 One module past 500 lines on purpose: it is one server process (`python -m airlock.verify.fakegithub`) whose
 routes share one `State`, so every endpoint the broker calls, with GitHub's own errors, reads in one place; its git
-side is fakegit.py and its client github.py."""
+side is fakegit.py and its client fakegithub_client.py."""
 
 from __future__ import annotations
 

@@ -420,17 +420,29 @@ def read_secret(config: dict[str, Any]) -> str:
 
 
 def placeholder_elsewhere(config: dict[str, Any]) -> str:
-    """The secret's placeholder (as the sandbox's environment has it) to the inspected host, in a header and in
-    the URL."""
-    host, held = config["inspected"], os.environ.get(config["placeholder_var"], "")
+    """The inspection check's placeholder (as the sandbox's environment has it), in a header and in the URL, to
+    each host the check names: over TLS to the inspected one and the passthrough one, in plain HTTP to the one on
+    port 80."""
+    held = os.environ.get(config["inspection_var"], "")
     path = f"/airlock-verify/{config['nonce']}/placeholder"
 
-    def send(target: str, header: str) -> str:
+    def over_tls(host: str, target: str, header: str) -> str:
         sock, status = tunnel(host, 443)
         with sock:
-            return f"GET {target}: {tls_get(sock, host, host, target, header) if ' 200' in status else status}"
+            return f"GET {host}{target}: {tls_get(sock, host, host, target, header) if ' 200' in status else status}"
 
-    return each(partial(send, path, f"X-Api-Key: {held}\r\n"), partial(send, f"{path}?key={held}", ""))
+    def plain(host: str, target: str, header: str) -> str:
+        with _connect(*_proxy()) as sock:
+            sock.sendall(
+                f"GET http://{host}{target} HTTP/1.1\r\nHost: {host}\r\n{header}Connection: close\r\n\r\n".encode()
+            )
+            return f"GET http://{host}{target}: {_first_line(sock)}"
+
+    sends = [(over_tls, config["inspected"]), (plain, config["plain"]), (over_tls, config["passthrough"])]
+    return each(*(
+        partial(send, host, target, header) for send, host in sends if host
+        for target, header in ((path, f"X-Api-Key: {held}\r\n"), (f"{path}?key={held}", ""))
+    ))  # fmt: skip
 
 
 def read_service_account_token(config: dict[str, Any]) -> str:

@@ -76,12 +76,25 @@ def _simple_index(files_host: str, data: bytes) -> bytes:
     return f"<!DOCTYPE html>\n<html><body>\n{link}\n</body></html>\n".encode()
 
 
+def _links_page(project: str) -> bytes:
+    """A project's page in PyPI's simple index as PyPI writes it (PEP 503: a title naming the project), no files."""
+    title = f"Links for {project}"
+    lines = [
+        "<!DOCTYPE html>",
+        "<html>",
+        f"  <head>\n    <title>{title}</title>\n  </head>",
+        f"  <body>\n    <h1>{title}</h1>\n  </body>",
+        "</html>",
+    ]
+    return ("\n".join(lines) + "\n").encode()
+
+
 def _routes() -> dict[tuple[str, str], tuple[str, bytes]]:
     demo_wheel, tarball = wheel(), npm_tarball()
     html = "text/html"
     return {
         ("pypi.org", "/simple/airlockdemo/"): (html, _simple_index("files.pythonhosted.org", demo_wheel)),
-        ("pypi.org", "/simple/airlock/"): (html, b"<!DOCTYPE html>\n<html><body>\n</body></html>\n"),
+        ("pypi.org", "/simple/airlock/"): (html, _links_page("airlock")),  # README's first line fetches it
         ("files.pythonhosted.org", f"/packages/{WHEEL_NAME}"): ("application/octet-stream", demo_wheel),
         ("pkg.example", "/simple/"): (html, b'<!DOCTYPE html>\n<html><body>\n<a href="airlockdemo/">airlockdemo</a>\n'),
         ("registry.npmjs.org", f"/{NPM_PACKAGE}"): ("application/json", _packument(tarball)),

@@ -10,7 +10,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
-from .checks import Check, Outcome
+from .checks import Check, CheckVerdict
 
 SCHEMA_VERSION = 1
 EXIT_HELD, EXIT_FAILED, EXIT_ERROR = 0, 1, 2
@@ -28,19 +28,19 @@ class Run:
     seconds: float
 
 
-def exit_code(outcomes: list[Outcome]) -> int:
+def exit_code(outcomes: list[CheckVerdict]) -> int:
     results = {outcome.result for outcome in outcomes}
     if "error" in results or not outcomes:
         return EXIT_ERROR
     return EXIT_FAILED if "failed" in results else EXIT_HELD
 
 
-def summary(outcomes: list[Outcome]) -> dict[str, int]:
+def summary(outcomes: list[CheckVerdict]) -> dict[str, int]:
     counts = Counter(outcome.result for outcome in outcomes)
     return {result: counts.get(result, 0) for result in ("held", "failed", "error", "n/a")}
 
 
-def matrix(outcomes: list[Outcome], width: int = 120) -> str:
+def matrix(outcomes: list[CheckVerdict], width: int = 120) -> str:
     """One row per check: group/id, what must happen, the result, the evidence (wrapped beneath)."""
     name_width = max((len(f"{o.check.group}/{o.check.id}") for o in outcomes), default=10)
     lines = [f"{'check':<{name_width}}  {'result':<6}  must / evidence"]
@@ -59,7 +59,7 @@ def listing(checks: tuple[Check, ...]) -> str:
     return "\n".join(f"{c.group + '/' + c.id:<{width}}  {c.must}" for c in checks)
 
 
-def as_json(run: Run, outcomes: list[Outcome]) -> dict[str, Any]:
+def as_json(run: Run, outcomes: list[CheckVerdict]) -> dict[str, Any]:
     return {
         "version": SCHEMA_VERSION,
         "backend": run.backend,
@@ -79,13 +79,13 @@ def as_json(run: Run, outcomes: list[Outcome]) -> dict[str, Any]:
     }  # fmt: skip
 
 
-def write_json(path: str, run: Run, outcomes: list[Outcome]) -> None:
+def write_json(path: str, run: Run, outcomes: list[CheckVerdict]) -> None:
     with open(path, "w", encoding="utf-8") as f:
         json.dump(as_json(run, outcomes), f, indent=2)
         f.write("\n")
 
 
-def as_junit(run: Run, outcomes: list[Outcome]) -> str:
+def as_junit(run: Run, outcomes: list[CheckVerdict]) -> str:
     """JUnit XML: one suite per group, one case per check; failed is a failure, error an error, n/a skipped."""
     counts = summary(outcomes)
     root = ET.Element(
@@ -114,6 +114,6 @@ def as_junit(run: Run, outcomes: list[Outcome]) -> str:
     return '<?xml version="1.0" encoding="utf-8"?>\n' + ET.tostring(root, encoding="unicode") + "\n"
 
 
-def write_junit(path: str, run: Run, outcomes: list[Outcome]) -> None:
+def write_junit(path: str, run: Run, outcomes: list[CheckVerdict]) -> None:
     with open(path, "w", encoding="utf-8") as f:
         f.write(as_junit(run, outcomes))

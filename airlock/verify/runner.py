@@ -27,7 +27,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +35,7 @@ import docker.errors
 
 from airlock.errors import AirlockError
 from airlock.policy import SANDBOX_LINK_NETWORKS
+from airlock.runs import Running, RunsError, running, runs_dir
 from airlock.sandbox import cgroups
 from airlock.sandbox.docker import LABEL, bridge_name, fence_table, sandbox_token_dir
 from airlock.sandbox.docker import Limits as DockerLimits
@@ -44,7 +45,6 @@ from airlock.sandbox.seccomp import syscall_number
 
 from . import probe
 from .brokerruns import broker_runs
-from .ca import FakeCA, make_fake_ca
 from .checks import (
     BOMB_MARGIN,
     BURN_SECONDS,
@@ -60,13 +60,15 @@ from .checks import (
     TIMEOUT_GIVEN,
     TIMEOUT_GRACE,
     TMP_FILL,
+    USER_PLACEHOLDER_VAR,
+    USER_SECRET,
     BrokerRecord,
     Check,
+    CheckVerdict,
     Evidence,
     Limits,
     NotJudged,
     OtherSandbox,
-    Outcome,
     Sandboxed,
     TimedRun,
     error,
@@ -74,6 +76,7 @@ from .checks import (
 )
 from .control import stop_proc
 from .dockerd import DockerDaemon
+from .fakeca import FakeCA, make_fake_ca
 from .hostcanaries import host_canaries
 from .hostcgroups import with_host_cgroups
 from .processes import Process, raw_sockets, read_process, sandbox_processes, sockets_in_view, user_keys
@@ -161,6 +164,7 @@ class Request:
     checks: tuple[Check, ...]
     limits: Limits
     image_tarball: Path | None = None
+    user_secret: bytes | None = field(default=None, repr=False)  # the value of `targets.secret` when it is the user's
 
     @property
     def backend(self) -> str:
@@ -174,7 +178,7 @@ class Request:
         ))  # fmt: skip
 
 
-def verify(request: Request) -> list[Outcome]:
+def verify(request: Request) -> list[CheckVerdict]:
     nonce = secrets.token_hex(6)
     with _sigterm_as_interrupt(), Area.made() as area:
         ca = make_fake_ca(area.private / "ca", request.targets.names())
@@ -237,7 +241,7 @@ def _build(topology: Topology) -> None:
 
 def _verify_in(
     topology: Topology, net: FakeNet, canaries: Canaries, ca: FakeCA, area: Area, request: Request, nonce: str
-) -> list[Outcome]:
+) -> list[CheckVerdict]:
     with _other_sandbox(topology, request, ca, area) as (other, finish_other):
         return _verify_beside(topology, net, canaries, ca, area, request, nonce, other, finish_other)
 
@@ -252,7 +256,7 @@ def _verify_beside(
     nonce: str,
     other: OtherSandbox | None,
     finish_other: Callable[[], OtherSandbox | None],
-) -> list[Outcome]:
+) -> list[CheckVerdict]:
     """The netns run, beside the tenancy group's second sandbox when it runs (`other`)."""
     sandbox_id = f"{topology.prefix}v"
     secret_file, secret_value, host_canary = _secret(area)
@@ -260,7 +264,8 @@ def _verify_beside(
     where = ["--workdir", str(area.work)]
     argv = [
         *_run_argv(request, ca, where, sandbox_id, RUN_TIMEOUT), "--secret", f"{SECRET_NAME}=file:{secret_file}",
-        "--placeholder-env", f"{PLACEHOLDER_VAR}={SECRET_NAME}", "--audit", str(area.private / "audit.jsonl"),
+        "--placeholder-env", f"{PLACEHOLDER_VAR}={SECRET_NAME}", *_user_placeholder(request),
+        "--audit", str(area.private / "audit.jsonl"),
         "--", *PROBE_ARGV, Path(probe.__file__).read_text(), json.dumps(config), PROBE_MARK,
     ]  # fmt: skip
     env = os.environ | {HOST_CANARY_VAR: host_canary, "TMPDIR": str(area.tmp)}
@@ -273,7 +278,7 @@ def _verify_beside(
     evidence = Evidence(
         nonce, request.targets, _probe_record(area), net.stats(), _packets(topology), area.work, area.outside,
         _host_tmp(nonce),
-        _secrets(ca, secret_value, host_canary, on_host.token),
+        _secrets(ca, secret_value, host_canary, on_host.token, request.user_secret),
         _every_leftover(topology, area, [sandbox_id, *([broker.first, broker.foreign] if broker else []),
                                          *([other.sandbox_id] if other else [])]),
         watched.sandboxed, canaries.stats(), request.limits, watched.usage,
@@ -315,7 +320,7 @@ def _verify_docker(
     nonce: str,
     daemon: DockerDaemon,
     image: str,
-) -> list[Outcome]:
+) -> list[CheckVerdict]:
     """The docker backend's run: the probe in a container of `image`; what it left in its working directory (the
     container's own /tmp) copied out by the host; judged by that, the fake internet's records, the host's folders
     and, for what is left, the daemon and the gateway's namespace."""
@@ -474,12 +479,21 @@ def _secret(area: Area) -> tuple[Path, str, str]:
     return secret_file, secret_value, host_canary
 
 
-def _secrets(ca: FakeCA, secret_value: str, host_canary: str, token: bytes) -> dict[str, bytes]:
-    """What the sandbox must never hold: name -> its bytes."""
+def _secrets(
+    ca: FakeCA, secret_value: str, host_canary: str, token: bytes, user_secret: bytes | None = None
+) -> dict[str, bytes]:
+    """What the sandbox must never hold: name -> its bytes (the user's --secret the inspection check uses too)."""
     return {
         "the fake internet's CA key": ca.ca_key.read_bytes(), "the --secret": secret_value.encode(),
         "the host's environment": host_canary.encode(), "the service-account token": token,
-    }  # fmt: skip
+    } | ({USER_SECRET: user_secret} if user_secret else {})  # fmt: skip
+
+
+def _user_placeholder(request: Request) -> list[str]:
+    """The user's --secret the inspection check sends the placeholder of, in the sandbox's environment."""
+    if not request.targets.injected_at:
+        return []
+    return ["--placeholder-env", f"{USER_PLACEHOLDER_VAR}={request.targets.secret}"]
 
 
 def _run_argv(request: Request, ca: FakeCA, where: list[str], sandbox_id: str, timeout: float) -> list[str]:
@@ -641,7 +655,8 @@ def _probe_config(request: Request, area: Area, nonce: str, secret_file: Path) -
         "allowed": list(targets.allowed), "front": targets.front, "canaries": list(targets.canaries),
         "canary": UNLISTED, "metadata_alias": targets.metadata_alias, "rebind": targets.rebind,
         "rebind_wait": REBIND_WAIT, "outside": str(area.outside), "inspected": targets.inspected,
-        "placeholder_var": PLACEHOLDER_VAR,
+        "plain": targets.plain, "passthrough": targets.passthrough,
+        "inspection_var": USER_PLACEHOLDER_VAR if targets.injected_at else PLACEHOLDER_VAR,
         "gateway_paths": [str(area.private), "/run/airlock", "/var/lib/airlock", "/tmp/airlock-run-*"],
         "secret_file": str(secret_file), "mount_point": f"airlock-verify/mnt-{nonce}",
         "marked_programs": [str(p) for p in sorted(area.programs.iterdir())],
@@ -702,6 +717,7 @@ def _run_other_sandbox(
             time.sleep(0.05)
         if not (workdir / OTHER_STARTED).exists():
             raise VerifyError(f"the second sandbox did not start (exit {proc.poll()})")
+        _wait_entered(workdir, deadline)
         gateway = _address(topology, _link(sandbox_id))
         tcp, udp = _listening(topology, gateway, "-t"), _listening(topology, gateway, "-u")
         _count(topology, table, gateway, _link(sandbox_id))
@@ -725,6 +741,23 @@ def _run_other_sandbox(
             except subprocess.TimeoutExpired:
                 stop_proc(proc)
         topology.run(topology.gw, ["nft", "delete", "table", "inet", table])
+
+
+def _wait_entered(workdir: Path, deadline: float) -> None:
+    """Until the second sandbox's run is entered among the running gateways with its working directory: a sandbox
+    started from then on hides that folder (airlock.launch.tenants), as the probe's must."""
+    folder = str(workdir.resolve())
+    while not any(folder in entry.folders for entry in _running()):
+        if time.monotonic() > deadline:
+            raise VerifyError(f"the second sandbox's run was not entered among the running gateways ({runs_dir()})")
+        time.sleep(0.05)
+
+
+def _running() -> list[Running]:
+    try:
+        return running()
+    except (OSError, RunsError) as e:
+        raise VerifyError(f"the running gateways cannot be listed: {e}") from None
 
 
 def _address(topology: Topology, link: str) -> str:

@@ -7,11 +7,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from airlock.broker.grants import Grant
-from airlock.policy import Profile, decide
+from airlock.policy import Profile, Rule, decide
+from airlock.policy.decide import judge_request
 
 from .probe import ALLOWED_ADDR, CANARY_ADDR, INTERNAL_ADDR, METADATA
 
 SECRET_NAME = "verify"  # the --secret verify gives every run (its placeholder in the sandbox's environment)
+PLACEHOLDER_PATH = "/airlock-verify/{nonce}/placeholder"  # where the inspection check sends a placeholder
 
 UNLISTED = "canary.airlock-verify.example"  # a name no policy of airlock's own lists
 NO_GRANT = "no --grant create_pull_request:OWNER/REPO given: without a grant the sandbox holds no token, no broker runs"
@@ -40,7 +42,11 @@ class Targets:
     metadata_alias: str | None  # an allowed name the fake DNS answers with the metadata address
     rebind: str | None = None  # an allowed name the fake DNS answers with a public address, then an internal one
     broker: BrokerTarget | str = NO_GRANT  # what the broker group tries, or why it cannot
-    inspected: str | None = None  # an allowed host whose rule is inspected and injects none of verify's secret
+    inspected: str | None = None  # an allowed host whose rule is inspected and does not inject `secret`
+    secret: str = SECRET_NAME  # whose placeholder the inspection check sends: the user's injected one, else verify's
+    injected_at: str | None = None  # the allowed host whose rule injects the user's `secret` (None: verify's own)
+    plain: str | None = None  # an allowed host the profile opens on port 80: the gateway reads its plain HTTP
+    passthrough: str | None = None  # an allowed host on port 443 whose TLS the gateway passes through unread
 
     @property
     def front(self) -> str | None:
@@ -62,25 +68,58 @@ class Targets:
         return (*self.allowed, *self.canaries, *[name for name in (self.metadata_alias, self.rebind) if name])
 
 
-def targets(profile: Profile, grants: list[Grant] | None = None) -> Targets:
+def targets(profile: Profile, grants: list[Grant] | None = None, secrets: list[str] | None = None) -> Targets:
     """The allowed hosts (a wildcard rule's as a name under it) that port 443 opens, the denied names that no rule
     opens there; the last allowed host answers with the metadata address when there are two or more, the one before
-    it rebinds when there are three or more."""
+    it rebinds when there are three or more. The inspection check's secret is the first of the user's `secrets`
+    (`--secret` names) an inspected rule of an allowed host injects, else verify's own."""
     allowed = list(dict.fromkeys(_name(rule.host) for rule in profile.allow if rule.host))
     allowed = [host for host in allowed if decide(profile, host, 443).allow]
+    injected_at = {name: host for host in reversed(allowed) for name in _injects(profile, host)}
+    secret = next((name for name in secrets or [] if name in injected_at), SECRET_NAME)
     denied = [_name(rule.host) for rule in profile.deny if rule.host]
     canaries = [name for name in dict.fromkeys((UNLISTED, *denied)) if not decide(profile, name, 443).allow]
     alias = allowed.pop() if len(allowed) >= 2 else None
     rebind = allowed.pop() if len(allowed) >= 2 else None
     reached = tuple(allowed[:MAX_REACHED])
-    return Targets(reached, tuple(canaries), alias, rebind, broker_target(grants or []), _inspected(profile, reached))
+    return Targets(
+        reached, tuple(canaries), alias, rebind, broker_target(grants or []), _inspected(profile, reached, secret),
+        secret, injected_at.get(secret), _plain(profile, reached),
+        next((h for h in reached if not _rule_inspects(profile, h)), None),
+    )  # fmt: skip
 
 
-def _inspected(profile: Profile, hosts: tuple[str, ...]) -> str | None:
-    """The first host whose rule on port 443 is inspected and does not inject verify's secret: where the gateway
-    reads a request and refuses that secret's placeholder."""
+def _injects(profile: Profile, host: str) -> frozenset[str]:
+    """The secrets the inspected rule deciding `host` on port 443 injects (none where it is not inspected)."""
+    rule = decide(profile, host, 443).rule
+    return rule.secret_names if rule is not None and rule.inspect else frozenset()
+
+
+def _plain(profile: Profile, hosts: tuple[str, ...]) -> str | None:
+    """The first host the profile opens on port 80 whose rule there admits the probe's GET: the gateway reads its
+    plain HTTP, where no secret is ever injected."""
+    decisions = {host: decide(profile, host, 80) for host in hosts}
+    return next(
+        (h for h, d in decisions.items() if d.allow and (d.rule is None or not d.rule.inspect or _admits(d.rule))),
+        None,
+    )
+
+
+def _rule_inspects(profile: Profile, host: str) -> bool:
+    rule = decide(profile, host, 443).rule
+    return rule is not None and rule.inspect
+
+
+def _inspected(profile: Profile, hosts: tuple[str, ...], secret: str) -> str | None:
+    """The first host whose rule on port 443 is inspected, does not inject `secret` and admits the probe's GET:
+    where the gateway reads a request and refuses that secret's placeholder."""
     rules = {host: decide(profile, host, 443).rule for host in hosts}
-    return next((h for h, r in rules.items() if r and r.inspect and SECRET_NAME not in r.secret_names), None)
+    return next((h for h, r in rules.items() if r and r.inspect and secret not in r.secret_names and _admits(r)), None)
+
+
+def _admits(rule: Rule) -> bool:
+    """Whether the rule's `http:` admits the probe's GET (a path refused first would hide the placeholder's refusal)."""
+    return judge_request(rule, "GET", PLACEHOLDER_PATH.format(nonce="n0nce"), False).allow
 
 
 def broker_target(grants: list[Grant]) -> BrokerTarget | str:

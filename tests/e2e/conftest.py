@@ -19,9 +19,9 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from airlock.sandbox.cgroups import host_parents
 from airlock.sandbox.fence import NETNS_TABLE_PREFIX, Fence, Interception
-from airlock.verify.ca import FakeCA, make_fake_ca
 from airlock.verify.dockerd import DockerDaemon, docker_problem
-from airlock.verify.github import FakeGitHub, make_app_key, new_static_token
+from airlock.verify.fakeca import FakeCA, make_fake_ca
+from airlock.verify.fakegithub_client import FakeGitHub, make_app_key, new_static_token
 from airlock.verify.hostcgroups import with_host_cgroups
 from airlock.verify.topology import DNS_SERVER, FAKE_ADDRS, GW_IP, FakeNet, Topology
 

@@ -38,7 +38,19 @@ def airlock(*argv: str, timeout: float = 30) -> subprocess.CompletedProcess[str]
 class Replica:
     """One `airlock broker` process. `url` is its sandbox surface, `admin` its admin socket."""
 
-    def __init__(self, name: str, workdir: Path, store: str, signing_key: Path, github: Any, ca: Path) -> None:
+    def __init__(
+        self,
+        name: str,
+        workdir: Path,
+        store: str | tuple[str, Path],
+        signing_key: Path | list[Path],
+        github: Any,
+        ca: Path,
+    ) -> None:
+        """`store`: its URL, or its URL and the database password's file (--store-password-file); `signing_key`: one
+        --signing-key, or several in order (the first signs)."""
+        keys = [signing_key] if isinstance(signing_key, Path) else signing_key
+        url, password = (store, None) if isinstance(store, str) else store
         self.name = name
         self.state = workdir / name
         self.admin = self.state / "admin.sock"
@@ -47,10 +59,11 @@ class Replica:
         self.log = workdir / f"{name}.log"
         self.argv = [
             sys.executable, "-m", "airlock", "broker", "--listen", "127.0.0.1", "--port", str(self.port),
-            "--state-dir", str(self.state), "--store", store, "--signing-key", str(signing_key),
+            "--state-dir", str(self.state), "--store", url, *(f"--signing-key={key}" for key in keys),
             "--audience", AUDIENCE, "--github-api", github.api_url,
             "--github-token-file", str(github.static_token_path), "--upstream-ca", str(ca),
             "--audit", str(workdir / f"{name}.audit.jsonl"),
+            *(["--store-password-file", str(password)] if password is not None else []),
         ]  # fmt: skip
         self.proc: subprocess.Popen[bytes] | None = None
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from airlock.verify.github import ACCEPT, API_VERSION, GITHUB_HOST, GITHUB_IP
+from airlock.verify.fakegithub_client import ACCEPT, API_VERSION, GITHUB_HOST, GITHUB_IP
 
 
 def in_netns[T](ns: str, fn: Callable[..., T], *args: Any) -> T:

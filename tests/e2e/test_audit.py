@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from airlock.policy import load_policy
-from airlock.verify.ca import FakeCA
+from airlock.verify.fakeca import FakeCA
 from airlock.verify.topology import GW_IP, FakeNet, Topology
 
 from gateway_proc import E2E_POLICY, PROXY, GatewayProcess, assert_audit_schema

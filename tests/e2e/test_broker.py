@@ -25,7 +25,7 @@ from cryptography.hazmat.primitives import serialization
 from dnslib import RCODE, DNSRecord
 
 from airlock.broker.tokens import KeyRing
-from airlock.verify.github import FakeGitHub
+from airlock.verify.fakegithub_client import FakeGitHub
 from airlock.verify.topology import DNS_SERVER, GW_IP, Topology
 
 from gateway_proc import AIRLOCK, E2E_POLICY, PROXY, GatewayProcess

@@ -22,8 +22,8 @@ from airlock.launch.docker_launcher import launch
 from airlock.policy import load_policy
 from airlock.sandbox import docker as docker_backend
 from airlock.sandbox.docker import LABEL
-from airlock.verify.ca import FakeCA
-from airlock.verify.github import FakeGitHub
+from airlock.verify.fakeca import FakeCA
+from airlock.verify.fakegithub_client import FakeGitHub
 from airlock.verify.topology import DNS_SERVER, FakeNet, Topology
 
 from gateway_proc import E2E_POLICY

@@ -18,9 +18,9 @@ import pytest
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import rsa
 
-from airlock.verify.ca import FakeCA
+from airlock.verify.fakeca import FakeCA
 from airlock.verify.fakegit import IDENTITY
-from airlock.verify.github import GITHUB_IP, FakeGitHub
+from airlock.verify.fakegithub_client import GITHUB_IP, FakeGitHub
 from airlock.verify.topology import FakeNet, Topology
 
 from netclient import Reply, github_request, in_netns

@@ -1,7 +1,9 @@
-"""Two `airlock broker` replicas (processes of their own, on loopback) with one PostgreSQL database, one signing key
-and one fake GitHub: what a fleet promises, as a client of either replica sees it.
+"""Two `airlock broker` replicas (processes of their own, on loopback) with one PostgreSQL database (whose role
+logs in with a password, given by --store-password-file), one signing key and one fake GitHub: what a fleet
+promises, as a client of either replica sees it.
 
-- a token minted on one replica is taken by the other (one JWKS);
+- a token minted on one replica is taken by the other (one JWKS), and a key rotated as docs/fleet.md says keeps
+  every token valid until the old key is dropped, then its tokens are refused by every replica;
 - a token revoked on one is refused by the other within a second;
 - twenty identical calls spread over both make one pull request, and every answer names it;
 - a replica killed (SIGKILL) between claiming a call and GitHub's answer leaves a claim that a retry on the other
@@ -26,8 +28,8 @@ import pytest
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from airlock.verify.ca import FakeCA
-from airlock.verify.github import FakeGitHub, make_app_key, new_static_token
+from airlock.verify.fakeca import FakeCA
+from airlock.verify.fakegithub_client import FakeGitHub, make_app_key, new_static_token
 
 from fleet import SANDBOX, Replica, airlock, free_port
 from pg import PostgresServer
@@ -36,6 +38,7 @@ pytestmark = pytest.mark.postgres
 
 FIELDS = {"repo": "acme/app", "head": "agent/feature-1", "base": "main", "title": "Fix the thing", "body": "Details"}
 PULLS = "/v1/tools/create_pull_request"
+PASSWORD = "fleet-db-password"
 
 
 @pytest.fixture(scope="module")
@@ -55,18 +58,38 @@ def github(test_ca: FakeCA, tmp_path_factory: pytest.TempPathFactory) -> Iterato
 
 
 @pytest.fixture
-async def fleet(
-    github: FakeGitHub, test_ca: FakeCA, postgres_database: str, tmp_path: Path
-) -> AsyncIterator[tuple[Replica, Replica]]:
-    github.reset()
-    key = tmp_path / "signing-key.pem"
-    key.write_bytes(
+def database(postgres_server: PostgresServer, tmp_path: Path) -> tuple[str, Path]:
+    """A fresh database whose role logs in only with a password, as docs/fleet.md's walk-through makes it: its URL
+    (no password in it) and the password's file, which the replicas are given by --store-password-file."""
+    if not postgres_server.running():
+        postgres_server.start_again()
+    password = tmp_path / "db-password"
+    password.write_text(f"{PASSWORD}\n")
+    password.chmod(0o600)
+    return postgres_server.password_database("airlock", PASSWORD), password
+
+
+def connect(database: tuple[str, Path]) -> psycopg.Connection[tuple[Any, ...]]:
+    return psycopg.connect(database[0], password=PASSWORD)
+
+
+def signing_key(path: Path) -> Path:
+    path.write_bytes(
         Ed25519PrivateKey.generate().private_bytes(
             serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
         )
     )
-    key.chmod(0o600)
-    replicas = [Replica(name, tmp_path, postgres_database, key, github, test_ca.ca_cert) for name in ("a", "b")]
+    path.chmod(0o600)
+    return path
+
+
+@pytest.fixture
+async def fleet(
+    github: FakeGitHub, test_ca: FakeCA, database: tuple[str, Path], tmp_path: Path
+) -> AsyncIterator[tuple[Replica, Replica]]:
+    github.reset()
+    key = signing_key(tmp_path / "signing-key.pem")
+    replicas = [Replica(name, tmp_path, database, key, github, test_ca.ca_cert) for name in ("a", "b")]
     try:
         await asyncio.gather(*(asyncio.to_thread(r.start) for r in replicas))
         yield replicas[0], replicas[1]
@@ -120,13 +143,56 @@ async def test_a_token_revoked_on_one_replica_is_refused_by_the_other_within_a_s
     assert (reply[0], reply[1]["error"]) == (401, "revoked_token")
 
 
-async def test_twenty_identical_calls_over_both_replicas_make_one_pull_request(
-    fleet: tuple[Replica, Replica], http: aiohttp.ClientSession, github: FakeGitHub
+async def test_a_key_rotated_as_docs_fleet_md_says_keeps_every_token_until_the_old_key_is_dropped(
+    github: FakeGitHub, test_ca: FakeCA, database: tuple[str, Path], tmp_path: Path, http: aiohttp.ClientSession
 ) -> None:
+    """docs/fleet.md's steps, replica by replica (each restarted with its new --signing-key list): both keys, old
+    first; the new one first; the old one dropped — whose tokens every replica then refuses."""
+    github.reset()
+    old, new = signing_key(tmp_path / "old.pem"), signing_key(tmp_path / "new.pem")
+    running: list[Replica] = []
+
+    def restart(name: str, keys: list[Path]) -> Replica:
+        for gone in [r for r in running if r.name == name]:
+            gone.stop()
+            running.remove(gone)
+        running.append(Replica(name, tmp_path, database, keys, github, test_ca.ca_cert).start())
+        return running[-1]
+
+    async def taken(replica: Replica, token: str) -> tuple[int, str | None]:
+        status, body = await call(http, replica, token, path="/v1/tools")
+        return status, body.get("message") if status != 200 else None
+
+    try:
+        a, b = await asyncio.to_thread(restart, "a", [old]), await asyncio.to_thread(restart, "b", [old])
+        by_old, _ = await asyncio.to_thread(a.token)
+        b = await asyncio.to_thread(restart, "b", [old, new])  # step 2: both, old first (still signing)
+        assert len(b.jwks()["keys"]) == 2 and await taken(b, by_old) == (200, None)
+        a = await asyncio.to_thread(restart, "a", [old, new])
+        a = await asyncio.to_thread(restart, "a", [new, old])  # step 3: the new key signs
+        by_new, _ = await asyncio.to_thread(a.token)
+        for replica, token in ((b, by_new), (a, by_old), (b, by_old)):
+            assert await taken(replica, token) == (200, None)
+        b = await asyncio.to_thread(restart, "b", [new, old])
+        for name in ("a", "b"):  # step 5: the old key dropped everywhere
+            await asyncio.to_thread(restart, name, [new])
+        for replica in running:
+            assert await taken(replica, by_old) == (401, "token signed by an unknown or retired key")
+            assert await taken(replica, by_new) == (200, None)
+    finally:
+        for replica in running:
+            replica.stop()
+
+
+@pytest.mark.parametrize("key", ["op-20", None], ids=["idempotency-key", "no-key"])
+async def test_twenty_identical_calls_over_both_replicas_make_one_pull_request(
+    fleet: tuple[Replica, Replica], http: aiohttp.ClientSession, github: FakeGitHub, key: str | None
+) -> None:
+    """With the caller's Idempotency-Key, and without one (the same token and arguments: the broker's own key)."""
     a, b = fleet
     token, _ = await asyncio.to_thread(a.token)
     github.set(hang=True, hang_seconds=0.5)  # GitHub is slow to answer: every call arrives while the first acts
-    replies = await asyncio.gather(*(call(http, (a, b)[n % 2], token, key="op-20") for n in range(20)))
+    replies = await asyncio.gather(*(call(http, (a, b)[n % 2], token, key=key) for n in range(20)))
     assert [status for status, _ in replies] == [201] * 20, replies
     assert {body["number"] for _, body in replies} == {1} and {body["html_url"] for _, body in replies} == {
         github.prs()[0]["html_url"]
@@ -138,7 +204,11 @@ async def test_twenty_identical_calls_over_both_replicas_make_one_pull_request(
     "hang", ["hang", "hang_after_create"], ids=["killed-before-github-acted", "killed-after-github-acted"]
 )
 async def test_a_replica_killed_between_claim_and_outcome_never_makes_a_second_pull_request(
-    fleet: tuple[Replica, Replica], http: aiohttp.ClientSession, github: FakeGitHub, postgres_database: str, hang: str
+    fleet: tuple[Replica, Replica],
+    http: aiohttp.ClientSession,
+    github: FakeGitHub,
+    database: tuple[str, Path],
+    hang: str,
 ) -> None:
     a, b = fleet
     token, _ = await asyncio.to_thread(a.token)
@@ -148,7 +218,7 @@ async def test_a_replica_killed_between_claim_and_outcome_never_makes_a_second_p
     while not [c for c in github.calls("/repos/acme/app/pulls", "POST") if c.get("hung")]:
         assert time.monotonic() < deadline, "the call never reached GitHub"
         await asyncio.sleep(0.05)
-    with psycopg.connect(postgres_database) as db:  # claimed, and no outcome: GitHub is answering
+    with connect(database) as db:  # claimed, and no outcome: GitHub is answering
         assert db.execute("SELECT owner IS NOT NULL, status FROM idempotency").fetchall() == [(True, None)]
     await asyncio.to_thread(a.kill)
     with pytest.raises(aiohttp.ClientError):
@@ -185,13 +255,16 @@ async def test_the_database_stopped_is_refused_and_its_return_followed(
 
 
 async def test_the_call_log_of_every_replica_is_read_from_the_store(
-    fleet: tuple[Replica, Replica], http: aiohttp.ClientSession, postgres_database: str
+    fleet: tuple[Replica, Replica], http: aiohttp.ClientSession, database: tuple[str, Path]
 ) -> None:
     a, b = fleet
     token, _ = await asyncio.to_thread(a.token)
     assert (await call(http, a, token, key="op-log"))[0] == 201
     assert (await call(http, b, token, key="op-log"))[0] == 201
-    done = await asyncio.to_thread(airlock, "tools", "log", "--store", postgres_database, "--json")
+    url, password = database
+    done = await asyncio.to_thread(
+        airlock, "tools", "log", "--store", url, "--store-password-file", str(password), "--json"
+    )
     assert done.returncode == 0, done.stderr
     calls = [json.loads(line) for line in done.stdout.splitlines()]
     assert [(c["sandbox"], c["tool"], c["status"]) for c in calls] == [(SANDBOX, "create_pull_request", 201)] * 2

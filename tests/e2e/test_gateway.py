@@ -16,7 +16,7 @@ import pytest
 from airlock.dns.upstream import ResolverUnavailable
 from airlock.gateway import Gateway
 from airlock.policy import parse_policy
-from airlock.verify.ca import FakeCA
+from airlock.verify.fakeca import FakeCA
 from airlock.verify.topology import GW_IP, SBX_IP, FakeNet, Topology
 
 from gateway_proc import AIRLOCK, E2E_POLICY, PROXY, e2e_gateway_config, gateway_in_thread

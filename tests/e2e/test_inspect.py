@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from airlock.verify.ca import FakeCA
+from airlock.verify.fakeca import FakeCA
 from airlock.verify.topology import FakeNet, Topology
 
 from gateway_proc import PROXY, GatewayProcess

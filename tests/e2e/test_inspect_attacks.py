@@ -18,7 +18,7 @@ import pytest
 from test_inspect import SECRET, curl, gateway_ca, gateway_with_secret, header_values, upstream_requests
 from test_transparent import routed_sbx  # noqa: F401 - a fixture: sbx routed through the fence
 
-from airlock.verify.ca import FakeCA
+from airlock.verify.fakeca import FakeCA
 from airlock.verify.topology import FakeNet, Topology
 
 from gateway_proc import AIRLOCK, PROXY, GatewayProcess

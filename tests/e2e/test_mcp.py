@@ -22,7 +22,7 @@ import jwt
 import pytest
 
 from airlock.broker.tokens import KeyRing
-from airlock.verify.github import FakeGitHub
+from airlock.verify.fakegithub_client import FakeGitHub
 
 PR_GRANT = "create_pull_request:acme/app:base=main,head=agent/*"
 PULL = {"repo": "acme/app", "head": "agent/mcp-1", "base": "main", "title": "Fix it over MCP"}

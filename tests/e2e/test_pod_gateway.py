@@ -24,8 +24,8 @@ from typing import Any
 import pytest
 
 from airlock.policy import load_policy
-from airlock.verify.ca import FakeCA
-from airlock.verify.github import GITHUB_IP, FakeGitHub
+from airlock.verify.fakeca import FakeCA
+from airlock.verify.fakegithub_client import GITHUB_IP, FakeGitHub
 from airlock.verify.topology import DNS_SERVER, FakeNet, Topology
 
 from fleet import airlock

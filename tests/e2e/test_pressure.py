@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 from dnslib import RCODE, DNSRecord
 
-from airlock.verify.ca import FakeCA
+from airlock.verify.fakeca import FakeCA
 from airlock.verify.topology import GW_IP, SBX_IP, FakeNet, Topology
 
 from gateway_proc import PROXY, GatewayProcess, e2e_gateway_config, gateway_in_thread

@@ -21,7 +21,7 @@ import pytest
 
 from airlock.sandbox.workdir import QUARANTINE_ROOT
 from airlock.verify.fakegit import IDENTITY
-from airlock.verify.github import FakeGitHub
+from airlock.verify.fakegithub_client import FakeGitHub
 from airlock.verify.topology import GW_IP, Topology
 
 from gateway_proc import AIRLOCK, GatewayProcess

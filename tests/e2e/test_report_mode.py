@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from airlock.verify.ca import FakeCA
+from airlock.verify.fakeca import FakeCA
 from airlock.verify.topology import GW_IP, FakeNet, Topology
 
 from gateway_proc import AIRLOCK, PROXY, GatewayProcess

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from airlock.verify.ca import FakeCA
+from airlock.verify.fakeca import FakeCA
 from airlock.verify.hostcgroups import with_host_cgroups
 from airlock.verify.topology import DNS_SERVER, FakeNet, Topology
 

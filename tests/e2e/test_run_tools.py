@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from airlock.cli.common import default_policy_path
-from airlock.verify.ca import FakeCA
+from airlock.verify.fakeca import FakeCA
 from airlock.verify.registry import NPM_PACKAGE
 from airlock.verify.topology import FakeNet, Topology
 

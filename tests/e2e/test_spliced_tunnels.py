@@ -13,7 +13,7 @@ import threading
 import time
 from pathlib import Path
 
-from airlock.verify.ca import FakeCA
+from airlock.verify.fakeca import FakeCA
 from airlock.verify.topology import FakeNet, Topology
 
 from gateway_proc import AIRLOCK, E2E_POLICY, PROXY, GatewayProcess

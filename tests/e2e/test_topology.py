@@ -7,7 +7,7 @@ import subprocess
 
 import pytest
 
-from airlock.verify.ca import FakeCA
+from airlock.verify.fakeca import FakeCA
 from airlock.verify.topology import FAKE_ADDRS, GW_ROUTES, FakeNet, Topology
 
 ALLOWED = "192.0.2.10"

@@ -19,7 +19,7 @@ import pytest
 
 from airlock.sandbox.fence import Interception, refuse_udp_inside
 from airlock.sandbox.netns import NETNS_DIR
-from airlock.verify.ca import FakeCA
+from airlock.verify.fakeca import FakeCA
 from airlock.verify.topology import GW_IP, FakeNet, Topology
 
 from gateway_proc import GatewayProcess

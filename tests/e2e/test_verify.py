@@ -100,7 +100,7 @@ def test_verify_holds_every_check_on_the_default_setup(tmp_path: Path):
     assert "deny 403 outside_grant" in evidence["outside-grant"] and "0 comments upstream" in evidence["outside-grant"]
     assert "deny 403 wrong_sandbox" in evidence["foreign-token"], evidence["foreign-token"]
     assert evidence["placeholder-elsewhere"].startswith("the profile inspects no allowed host")
-    assert "its canary unchanged" in evidence["other-sandbox"] and "new there: nothing" in evidence["other-sandbox"]
+    assert "its canary not read by the probe, unchanged; new there: nothing" in evidence["other-sandbox"]
     assert evidence["other-sandbox"].endswith(": 0 packets from another sandbox reached it"), evidence["other-sandbox"]
 
 
@@ -111,9 +111,56 @@ def test_verify_with_an_inspected_host_sees_the_placeholder_sent_there_refused(t
     assert done.returncode == 0, done.stdout + done.stderr
     evidence = {check["id"]: check["evidence"] for check in verdicts["checks"]}
     assert _results(verdicts)["placeholder-elsewhere"] == "held", evidence
-    assert evidence["placeholder-elsewhere"].startswith("0 requests at pypi.org's upstream carried the placeholder")
     # the header's and the URL's, each refused
-    assert evidence["placeholder-elsewhere"].endswith("placeholder: deny placeholder_misuse, deny placeholder_misuse")
+    assert (
+        evidence["placeholder-elsewhere"].startswith(
+            "the placeholder of secret verify (verify's own); pypi.org (inspected): 0 requests at its upstream carried "
+            "the placeholder or the secret; the gateway's audit of /airlock-verify/"
+        )
+        and "placeholder: deny placeholder_misuse, deny placeholder_misuse; " in evidence["placeholder-elsewhere"]
+    )
+
+
+USER_SECRET_POLICY = (POLICIES / "user-secret.yaml").read_text()  # model_api injected at api.model.example
+
+
+def test_verify_drives_the_users_injected_secret_to_every_other_host_the_gateway_reads(tmp_path: Path):
+    policy, secret = tmp_path / "user-secret.yaml", tmp_path / "model-key"
+    policy.write_text(USER_SECRET_POLICY)
+    secret.write_text("sk-user-model-key-5e2a\n")
+    secret.chmod(0o600)
+    done, verdicts = _verify(tmp_path, "--policy", str(policy), "--secret", f"model_api=file:{secret}",
+                             "--only", "inspection", "--only", "secrets")  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert set(_results(verdicts).values()) == {"held"}, done.stdout
+    evidence = next(check["evidence"] for check in verdicts["checks"] if check["id"] == "placeholder-elsewhere")
+    assert evidence.startswith("the placeholder of secret model_api (yours, injected at api.model.example); "), evidence
+    refused = "placeholder: deny placeholder_misuse, deny placeholder_misuse"
+    for host in ("pypi.org (inspected): 0 requests", "github.com (plain HTTP): 0 requests"):
+        assert f"{host} at its upstream carried the placeholder or the secret" in evidence, evidence
+    assert evidence.count(refused) == 2, evidence
+    assert (
+        "files.pythonhosted.org (passthrough): not judged, the gateway reads nothing inside its TLS (2 of " in evidence
+    )
+    assert evidence.endswith("the secret's value upstream elsewhere: nowhere"), evidence
+    assert "sk-user-model-key-5e2a" not in done.stdout + done.stderr + json.dumps(verdicts)
+
+
+def test_verify_refuses_a_secret_it_cannot_read_or_a_policy_injecting_one_not_given_before_building_anything(
+    tmp_path: Path,
+):
+    policy = tmp_path / "user-secret.yaml"
+    policy.write_text(USER_SECRET_POLICY)
+    done, verdicts = _verify(tmp_path, "--policy", str(policy))
+    assert (done.returncode, verdicts) == (2, {})
+    assert done.stderr == (
+        f"airlock: {policy} injects secret 'model_api': give it as `airlock run` needs it (--secret "
+        "model_api=file:PATH), or verify a policy without the injection\n"
+    )
+    done, verdicts = _verify(tmp_path, "--secret", f"model_api=file:{tmp_path / 'missing'}")
+    assert (done.returncode, verdicts) == (2, {})
+    missing = tmp_path / "missing"
+    assert done.stderr == f"airlock: --secret model_api: file {missing}: cannot read it: No such file or directory\n"
 
 
 def test_verify_without_a_pull_request_grant_says_the_broker_group_does_not_apply(tmp_path: Path):

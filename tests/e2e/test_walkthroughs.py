@@ -69,6 +69,33 @@ def test_the_demo_prints_and_writes_the_docs_blocks_word_for_word() -> None:
     assert {name: walkthrough(name) for name in BLOCKS} == BLOCKS
 
 
+# In a root shell the command runs as nobody, who may not write the desk's checkout: the run says so (README).
+AS_NOBODY = "airlock: the command runs as nobody (airlock run as root, not through sudo), who cannot write the "
+
+
+def test_the_readmes_first_line_and_its_denial_run_as_printed(desk_factory: Any, demo: World) -> None:
+    """The README's first line past its setup (which tests/e2e/test_setup.py types), as root: the starter policy,
+    curl in the sandbox, and what the README says it prints; then its example of a denial, and what that prints."""
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    setup, run = readme.splitlines()[3].split("   # ", 1)[0].strip().split(" && ", 1)
+    assert setup == "./scripts/setup" and run == ".venv/bin/airlock run -- curl -sS https://pypi.org/simple/airlock/"
+    printed = re.search(r"^(airlock: backend .*)\n(<!DOCTYPE html>) … (<title>Links for airlock</title>) …", readme,
+                        re.MULTILINE)  # fmt: skip
+    denial = re.search(r"on stderr \(`(\.venv/bin/airlock run -- [^`]+)`\):\n\n```text\n(.*?)```", readme, re.DOTALL)
+    assert printed is not None and denial is not None, "the README no longer shows what these lines print"
+    desk = desk_factory()
+    result = desk.run(run)
+    assert result.returncode == 0, result.stderr
+    backend, *notes = result.stderr.splitlines()
+    assert backend == printed[1] and len(notes) == 1 and notes[0].startswith(AS_NOBODY), result.stderr
+    assert result.stdout.startswith(printed[2]) and printed[3] in result.stdout, result.stdout
+    assert [r["target"] for r in demo.fakenet.stats()["http"] if r["host"] == "pypi.org"] == ["/simple/airlock/"]
+    denied = desk.run(denial[1])
+    assert denied.returncode != 0
+    assert [line for line in denied.stderr.splitlines() if not line.startswith(AS_NOBODY)] == denial[2].splitlines()
+    assert demo.fakenet.total_connections() == 1  # pypi.org's, nothing for example.com
+
+
 def test_an_agent_opens_a_pull_request(desk_factory: Any, demo: World) -> None:
     desk, fake_github = desk_factory(), demo.github
     assert (desk.checkout / "app" / "agent.sh").read_text() == walkthrough("pull-request/agent")

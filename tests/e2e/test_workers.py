@@ -19,7 +19,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from airlock.policy import load_policy
-from airlock.verify.ca import FakeCA
+from airlock.verify.fakeca import FakeCA
 from airlock.verify.topology import FakeNet, Topology
 
 from gateway_proc import E2E_POLICY, PROXY, AdminConnection, GatewayProcess

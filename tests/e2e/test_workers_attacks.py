@@ -10,7 +10,7 @@ from collections.abc import Iterator
 import pytest
 import test_proxy
 
-from airlock.verify.ca import FakeCA
+from airlock.verify.fakeca import FakeCA
 from airlock.verify.topology import FakeNet, Topology
 
 from gateway_proc import GatewayProcess

@@ -26,7 +26,7 @@ from airlock.proxy.connect import PinnedConnect
 from airlock.proxy.httpaudit import HttpAudit
 from airlock.proxy.httppolicy import HttpPolicy
 from airlock.proxy.identity import SandboxIdentity
-from airlock.proxy.shared import ClientState, GatewaySettings, Shared
+from airlock.proxy.shared import ClientState, GatewaySettings, ProxyState
 from airlock.proxy.transparent import TransparentPolicy
 from airlock.proxy.tunnels import TunnelPolicy
 
@@ -147,7 +147,7 @@ class PublicResolver:
 
 @dataclass
 class Gateway:
-    shared: Shared
+    shared: ProxyState
     resolver: FakeResolver
     records: list[AuditRecord]
     addons: list[object]

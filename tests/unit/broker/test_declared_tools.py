@@ -35,7 +35,7 @@ from airlock.broker.tool_schemas import TOOLS
 from airlock.policy import IPAddress, Policy, Profile, Rule, parse_policy, vet
 
 sys.path.insert(0, str(E2E))
-from airlock.verify.ca import FakeCA, make_fake_ca  # the e2e tests' throwaway CA, for a real TLS upstream
+from airlock.verify.fakeca import FakeCA, make_fake_ca  # the e2e tests' throwaway CA, for a real TLS upstream
 
 pytestmark = pytest.mark.tmpfs  # its stores (SQLite) on tmpfs: no fsync waits on a shared disk
 

@@ -1,13 +1,17 @@
 """The PostgreSQL store as replicas share it, on a real server of the test run's own (tests/pg.py): a revocation on
 one replica is in force on another within a second (notified, or read by polling), a live replica's claim is not
-another's to take, a waiter is woken by the outcome, the schema is migrated once and a newer one refused, a URL
-with a password refused, and a server that goes away and comes back is followed without reopening the store."""
+another's to take, a waiter is woken by the outcome, the schema is migrated once and a newer one refused (by
+`airlock broker` in one line), the password taken from a file or libpq's environment (a URL with one refused), and
+a server that goes away and comes back is followed without reopening the store."""
 
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
 
 import psycopg
 import pytest
@@ -15,6 +19,8 @@ import pytest
 from airlock.broker import pgstore
 from airlock.broker.pgstore import FRESHNESS_SECONDS, PostgresStore
 from airlock.broker.store import Claimed, Held, Settled, StoreError
+from airlock.gateway.broker_runtime import open_state
+from airlock.gateway.config import BrokerConfig
 
 from pg import PostgresServer
 
@@ -79,10 +85,13 @@ async def test_a_live_replicas_claim_is_not_abandoned_and_a_dead_ones_is(replica
     held = await b.claim("sbx-1", "key-1", "h")
     assert held == Held("h", a.owner, abandoned=False)
     assert not await b.take_over("sbx-1", "key-1", "") and not await b.take_over("sbx-1", "key-1", b.owner)
-    await a.close()  # its connections close: PostgreSQL drops its liveness lock
-    held = await b.claim("sbx-1", "key-1", "h")
-    assert held == Held("h", a.owner, abandoned=True)
-    assert await b.take_over("sbx-1", "key-1", held.owner)
+    await a.close()  # its connections close: PostgreSQL drops its liveness lock (once its backend has ended)
+
+    async def abandoned() -> bool:
+        return await b.claim("sbx-1", "key-1", "h") == Held("h", a.owner, abandoned=True)
+
+    await until(abandoned, 5.0)
+    assert await b.take_over("sbx-1", "key-1", a.owner)
 
 
 async def test_a_waiter_is_woken_by_the_outcome(replica: Replicas) -> None:
@@ -127,6 +136,53 @@ async def test_a_schema_newer_than_this_airlock_is_refused(postgres_database: st
         conn.execute("INSERT INTO schema_version VALUES (99)")
     with pytest.raises(StoreError, match=r"schema version 99, newer than this airlock's \(3\)"):
         await PostgresStore.open(postgres_database)
+
+
+def test_a_schema_newer_than_this_airlock_stops_airlock_broker_in_one_line(
+    postgres_database: str, tmp_path: Path
+) -> None:
+    with psycopg.connect(postgres_database, autocommit=True) as conn:
+        conn.execute("CREATE TABLE schema_version (version integer NOT NULL); INSERT INTO schema_version VALUES (99)")
+    done = subprocess.run(
+        [sys.executable, "-m", "airlock", "broker", "--listen", "127.0.0.1", "--port", "0", "--state-dir",
+         str(tmp_path / "state"), "--store", postgres_database],
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert done.returncode == 2 and done.stdout == "", done
+    assert done.stderr.strip().splitlines() == [
+        f"airlock: broker could not start: the broker's database {postgres_database} has schema version 99, newer "
+        "than this airlock's (3): run the airlock that wrote it, or a newer one"
+    ]
+
+
+async def test_the_password_is_read_from_the_file_or_libpqs_environment(
+    postgres_server: PostgresServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What `--store-password-file` and PGPASSWORD/PGPASSFILE give reaches a server that asks for a password; the
+    URL carries none, and no error says the password."""
+    url = await asyncio.to_thread(postgres_server.password_database, "airlock_pw", "s3cret-pw")
+    monkeypatch.delenv("PGPASSWORD", raising=False)
+    monkeypatch.setenv("PGPASSFILE", str(tmp_path / "no-pgpass"))
+    (tmp_path / "right").write_text("s3cret-pw\n")
+    (tmp_path / "wrong").write_text("not-the-password\n")
+
+    async def opened(password_file: str | None = None) -> None:
+        store, call_log = await open_state(BrokerConfig(store=url, store_password_file=password_file), tmp_path)
+        assert call_log is store and await store.calls() == []
+        await store.close()
+
+    for given in (None, str(tmp_path / "wrong")):
+        with pytest.raises(StoreError, match="password") as refused:
+            await opened(given)
+        assert len(str(refused.value).splitlines()) == 1 and "not-the-password" not in str(refused.value)
+    await opened(str(tmp_path / "right"))
+    monkeypatch.setenv("PGPASSWORD", "s3cret-pw")
+    await opened()
+    monkeypatch.delenv("PGPASSWORD")
+    (tmp_path / "pgpass").write_text("*:*:*:airlock_pw:s3cret-pw\n")
+    (tmp_path / "pgpass").chmod(0o600)
+    monkeypatch.setenv("PGPASSFILE", str(tmp_path / "pgpass"))
+    await opened()
 
 
 async def test_a_url_with_a_password_is_refused(postgres_database: str) -> None:

@@ -47,13 +47,6 @@ pytestmark = pytest.mark.tmpfs  # its stores (SQLite) on tmpfs: no fsync waits o
 sqlite_only = pytest.mark.parametrize("broker_database", [None], ids=["sqlite"])
 
 
-@pytest.fixture(params=[None, pytest.param("postgresql", marks=pytest.mark.postgres)], ids=["sqlite", "postgresql"])
-def broker_database(request: pytest.FixtureRequest) -> str | None:
-    """Every test of the suite on both stores: a SQLite file of its own, and a fresh database of the test run's
-    PostgreSQL server."""
-    return None if request.param is None else str(request.getfixturevalue("postgres_database"))
-
-
 # --- creating pull requests -------------------------------------------------------------------------------------
 
 

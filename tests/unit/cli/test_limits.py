@@ -200,7 +200,7 @@ def test_the_launcher_kills_and_removes_the_sandbox_off_the_event_loop(
 
     monkeypatch.setattr(netns_launcher, "start_gateway", start_gateway)
     monkeypatch.setattr(preflight, "hidden_paths", lambda *args: [])
-    monkeypatch.setattr(preflight, "kept_from_writes", lambda *args: [])
+    monkeypatch.setattr(preflight, "read_only_binds", lambda *args: [])
     monkeypatch.setattr(netns, "bubblewrap_available", lambda: True)
     monkeypatch.chdir(tmp_path)
 

@@ -20,7 +20,7 @@ from airlock.launch.preflight import (
     choose_isolation,
     hidden_paths,
     host_environment,
-    kept_from_writes,
+    read_only_binds,
     refuse_inputs_in_reach,
     sandbox_reach,
 )
@@ -254,11 +254,21 @@ def test_the_work_tree_above_the_working_directory_shows_below_a_private_mount_o
     ],
 )
 def test_working_directories_the_command_may_not_write(tmp_path: Path, cwd: str, problem: str | None) -> None:
-    user = _user(tmp_path)
+    user = _user(tmp_path, os.getuid(), os.getgid())  # its home its own
     (Path(user.pw_dir) / "project").mkdir()
     found = host_paths.workdir_problem(Path(cwd.replace("HOME", user.pw_dir)), user)
     problem = problem and problem.replace("HOME", user.pw_dir)
     assert (found is None) if problem is None else (found is not None and problem in found), found
+
+
+@pytest.mark.parametrize("cwd", ["/", "/root", "HOME"])
+def test_a_home_the_user_may_not_write_is_never_the_folder_to_use(tmp_path: Path, cwd: str) -> None:
+    """As nobody's /nonexistent, where something made the folder (a root shell's command runs as nobody)."""
+    user = _user(tmp_path)  # its home root's (or the test runner's), 0755
+    found = host_paths.workdir_problem(Path(cwd.replace("HOME", user.pw_dir)), user)
+    assert found is not None and found.endswith(
+        "run it from a folder of its own (mkdir -p /var/tmp/work && cd /var/tmp/work)"
+    ), found
 
 
 def test_airlocks_own_code_in_the_working_directory_is_kept_read_only(
@@ -270,8 +280,8 @@ def test_airlocks_own_code_in_the_working_directory_is_kept_read_only(
     monkeypatch.chdir(project)
     # airlock's own code and environment, when the working directory holds them (an editable install).
     monkeypatch.setattr(sys, "prefix", str(project / ".venv"))
-    assert kept_from_writes(True, user) == [project / ".venv"]
-    assert kept_from_writes(False, user) == []  # nothing can be bound: its inputs are judged instead
+    assert read_only_binds(True, user) == [project / ".venv"]
+    assert read_only_binds(False, user) == []  # nothing can be bound: its inputs are judged instead
 
 
 def test_a_gateway_input_the_command_could_change_is_refused(privileged: None, tmp_path: Path) -> None:
@@ -299,7 +309,7 @@ def test_the_packaged_policy_of_a_checkout_run_from_itself_is_not_refused(
     (checkout / "notes" / "policy.yaml").write_text("version: 1\nprofiles:\n  default: {}\n")
     monkeypatch.chdir(checkout)
     monkeypatch.setattr(preflight, "airlock_code", lambda: [checkout / ".venv", checkout / "configs"])
-    reach = sandbox_reach(True, user, kept_from_writes(True, user))
+    reach = sandbox_reach(True, user, read_only_binds(True, user))
     packaged = GatewayConfig(
         load_policy(checkout / "configs" / "default.yaml"), "0.0.0.0", state_dir=str(tmp_path / "state")
     )

@@ -48,6 +48,18 @@ def test_the_entry_of_a_gateway_that_is_gone_is_stale_and_removed(runs: Path) ->
         assert sorted(p.name for p in runs.iterdir()) == [f"{os.getpid()}.json"]
 
 
+def test_a_run_enters_its_sandboxs_folders_and_an_entry_without_them_still_reads(runs: Path) -> None:
+    with registered("127.0.0.1:9", "p.yaml", "airlock run, sandbox a1", ["/var/tmp/work", "/run/airlock-a1"]):
+        [mine] = running()
+        assert mine.folders == ("/var/tmp/work", "/run/airlock-a1")
+        entry = runs / f"{os.getpid()}.json"
+        older = {k: v for k, v in json.loads(entry.read_text()).items() if k != "folders"}  # entered before them
+        entry.write_text(json.dumps(older))
+        assert running()[0].folders == ()
+        entry.write_text(json.dumps({**older, "folders": "/var/tmp/work"}))  # not a list of paths: not ours
+        assert running() == []
+
+
 @pytest.mark.parametrize("mode", [0o755, 0o770, 0o703])
 def test_a_folder_others_may_read_or_write_is_never_used(runs: Path, mode: int) -> None:
     runs.mkdir(mode=0o700)

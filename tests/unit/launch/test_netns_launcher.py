@@ -80,7 +80,7 @@ def test_the_note_comes_before_anything_is_created(
         raise SandboxError("stop here")
 
     monkeypatch.setattr(netns.NetnsSandbox, "create", create)
-    monkeypatch.setattr(preflight, "kept_from_writes", lambda *args: [])
+    monkeypatch.setattr(preflight, "read_only_binds", lambda *args: [])
     config = GatewayConfig(parse_policy(POLICY), "0.0.0.0")
 
     async def launch() -> None:
@@ -160,7 +160,7 @@ def test_a_sandbox_whose_proxy_cannot_start_is_killed_and_the_error_is_raised(
     monkeypatch.setattr(netns.NetnsSandbox, "destroy", lambda self: events.append("destroyed"))
     monkeypatch.setattr(netns_launcher, "start_gateway", start_gateway)
     monkeypatch.setattr(preflight, "hidden_paths", lambda *args: [])
-    monkeypatch.setattr(preflight, "kept_from_writes", lambda *args: [])
+    monkeypatch.setattr(preflight, "read_only_binds", lambda *args: [])
     monkeypatch.chdir(tmp_path)
 
     async def run() -> int:

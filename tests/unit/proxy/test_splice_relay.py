@@ -12,7 +12,19 @@ from collections.abc import Iterator
 
 import pytest
 
-from airlock.proxy.splice_relay import URGENT_DATA, SplicedTunnel, SpliceRelay
+from airlock.proxy.splice_relay import (
+    DEFAULT_PIPE_PAGES,
+    PAGE_SIZE,
+    PIPE_SIZE,
+    URGENT_DATA,
+    NoPipeRoom,
+    PipeBudget,
+    SplicedTunnel,
+    SpliceRelay,
+)
+from airlock.proxy.spliced_tunnels import sandbox_share
+
+UNLIMITED = PipeBudget(None)
 
 
 class Pair:
@@ -22,7 +34,7 @@ class Pair:
         self.client, client_near = socket.socketpair()
         self.server, server_near = socket.socketpair()
         self.done = threading.Event()
-        self.tunnel = SplicedTunnel.of(client_near.fileno(), server_near.fileno(), lambda t: self.done.set())
+        self.tunnel = SplicedTunnel.of(client_near.fileno(), server_near.fileno(), lambda t: self.done.set(), UNLIMITED)
         client_near.close()  # the relay holds its own duplicates: what asyncio does with its own changes nothing
         server_near.close()
         for sock in (self.client, self.server):
@@ -115,7 +127,7 @@ def test_tcp_urgent_data_ends_the_tunnel_instead_of_spinning(relay: SpliceRelay,
     # relay thread would spin and that direction stay stuck. It ends the tunnel instead (fail closed).
     (client, client_near), (server, server_near) = _tcp_pair(), _tcp_pair()
     done = threading.Event()
-    tunnel = SplicedTunnel.of(client_near.fileno(), server_near.fileno(), lambda t: done.set())
+    tunnel = SplicedTunnel.of(client_near.fileno(), server_near.fileno(), lambda t: done.set(), UNLIMITED)
     client_near.close()
     server_near.close()
     relay.add(tunnel)
@@ -132,3 +144,85 @@ def test_tcp_urgent_data_ends_the_tunnel_instead_of_spinning(relay: SpliceRelay,
     assert other.recv(100) == b""  # closed, and nothing after the mark went through
     for sock in (client, server):
         sock.close()
+
+
+def test_a_relay_ends_only_a_tunnel_it_holds(relay: SpliceRelay) -> None:
+    # A tunnel of a relay that failed is that relay's to close; its descriptors' numbers may already be another
+    # tunnel's in the relay that replaced it, which must not close them.
+    client, client_near = socket.socketpair()
+    server, server_near = socket.socketpair()
+    done = threading.Event()
+    foreign = SplicedTunnel.of(client_near.fileno(), server_near.fileno(), lambda t: done.set(), UNLIMITED)
+    relay.end(foreign)
+    ours = Pair(relay)  # the relay has taken the end command by the time it relays this one
+    ours.client.sendall(b"ping")
+    assert ours.server.recv(4) == b"ping"
+    assert not done.is_set() and not foreign.ended
+    os.fstat(foreign.client)  # still open: nobody closed it twice
+    foreign.close()
+    for sock in (client, client_near, server, server_near):
+        sock.close()
+
+
+def test_pipes_are_large_within_half_the_quota_default_to_three_quarters_and_refused_past_it() -> None:
+    large = PIPE_SIZE // PAGE_SIZE
+    budget = PipeBudget(soft_pages=4 * large)  # room for two large pipes, then default ones up to 3 * large
+    made: list[tuple[int, int, int]] = []
+    try:
+        for _ in range(2):
+            made.append(budget.pipe())
+        assert [pages for *_, pages in made] == [large, large]
+        while budget.pages + DEFAULT_PIPE_PAGES <= 3 * large:
+            made.append(budget.pipe())
+            assert made[-1][2] == DEFAULT_PIPE_PAGES
+        with pytest.raises(NoPipeRoom):
+            budget.pipe()
+    finally:
+        for r, w, pages in made:
+            os.close(r)
+            os.close(w)
+            budget.release(pages)
+    assert budget.pages == 0
+    assert budget.pipe()[2] == large  # a closed tunnel's pages are free again
+
+
+def test_a_tunnel_returns_its_pipes_pages_when_it_closes() -> None:
+    budget = PipeBudget(soft_pages=1 << 20)
+    a, a_near = socket.socketpair()
+    b, b_near = socket.socketpair()
+    tunnel = SplicedTunnel.of(a_near.fileno(), b_near.fileno(), lambda t: None, budget)
+    assert budget.pages == tunnel.pages == 2 * (PIPE_SIZE // PAGE_SIZE)
+    tunnel.close()
+    tunnel.close()  # twice (the relay's end, then a failed hand-over's): released once
+    assert budget.pages == 0
+    for sock in (a, a_near, b, b_near):
+        sock.close()
+
+
+def test_a_tunnel_whose_second_pipe_does_not_fit_leaks_nothing() -> None:
+    large = PIPE_SIZE // PAGE_SIZE
+    budget = PipeBudget(soft_pages=4 * large)
+    held = [budget.pipe() for _ in range(5)]  # two large and three default: room for one default pipe more
+    a, a_near = socket.socketpair()
+    b, b_near = socket.socketpair()
+    before, pages = len(os.listdir("/proc/self/fd")), budget.pages
+    try:
+        with pytest.raises(NoPipeRoom):
+            SplicedTunnel.of(a_near.fileno(), b_near.fileno(), lambda t: None, budget)
+        assert budget.pages == pages and len(os.listdir("/proc/self/fd")) == before
+    finally:
+        for r, w, n in held:
+            os.close(r)
+            os.close(w)
+            budget.release(n)
+        for sock in (a, a_near, b, b_near):
+            sock.close()
+
+
+@pytest.mark.parametrize(
+    ("budget", "sandboxes", "share"), [(1024, 1, 1024), (1024, 0, 1024), (1024, 2, 512), (1024, 500, 512), (1, 3, 1)]
+)
+def test_one_sandbox_holds_at_most_half_the_kernel_relay_where_others_could_use_it(
+    budget: int, sandboxes: int, share: int
+) -> None:
+    assert sandbox_share(budget, sandboxes) == share

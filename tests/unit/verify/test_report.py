@@ -23,10 +23,10 @@ from airlock.verify.checks import (
     PROBE_MARK,
     TMP_FILL,
     BrokerRecord,
+    CheckVerdict,
     Evidence,
     Limits,
     OtherSandbox,
-    Outcome,
     Sandboxed,
     TimedRun,
     judge,
@@ -43,8 +43,8 @@ BY_ID = {check.id: check for check in CHECKS}
 NETNS_ONLY = ("namespace", "write-inside", "setuid")  # in the groups the docker backend judges
 
 
-def _outcomes(*results: tuple[str, checks.Result]) -> list[Outcome]:
-    return [Outcome(BY_ID[name], result, f"evidence of {name}", "what the probe saw") for name, result in results]
+def _outcomes(*results: tuple[str, checks.Result]) -> list[CheckVerdict]:
+    return [CheckVerdict(BY_ID[name], result, f"evidence of {name}", "what the probe saw") for name, result in results]
 
 
 def _evidence(tmp_path: Path, probe: dict[str, str], **stats: object) -> Evidence:
@@ -412,9 +412,73 @@ def test_the_placeholder_check_fails_on_the_secret_arriving_and_errs_when_nothin
     assert judge(check, _holding(tmp_path, audit=let_through)).result == "failed"
     held = judge(check, _holding(tmp_path))
     assert held.evidence == (
-        "0 requests at pypi.org's upstream carried the placeholder or the secret; the gateway's audit of "
-        "/airlock-verify/n0nce/placeholder: deny placeholder_misuse, deny placeholder_misuse"
+        "the placeholder of secret verify (verify's own); pypi.org (inspected): 0 requests at its upstream carried "
+        "the placeholder or the secret; the gateway's audit of /airlock-verify/n0nce/placeholder: deny "
+        "placeholder_misuse, deny placeholder_misuse; the secret's value upstream elsewhere: nowhere"
     )
+
+
+# The user's secret `model_api`, injected at api.model.example; pypi.org inspected without it, github.com open on
+# port 80 (plain HTTP), files.pythonhosted.org passed through.
+USER_POLICY = (Path(__file__).resolve().parents[2] / "e2e" / "policies" / "user-secret.yaml").read_text()
+USER_VALUE = "sk-model-0123456789"
+USER_PLACEHOLDER = "airlock-placeholder-model_api"
+
+
+def _user_secret_run(tmp_path: Path, **changes: object) -> Evidence:
+    """Evidence of a sound run with the user's secret, but for `changes` (fakenet's requests under `http`)."""
+    found = targets(parse_policy(USER_POLICY).profile(), secrets=["other_key", "model_api"])
+    path = "/airlock-verify/n0nce/placeholder"
+    refused = [{"kind": "http", "host": host, "path": path, "decision": "deny", "code": "placeholder_misuse"}
+               for host in ("pypi.org", "github.com") for _ in range(2)]  # fmt: skip
+    passed = [{"host": "files.pythonhosted.org", "target": target, "tls": True, "headers": headers}
+              for target, headers in ((path, [["X-Api-Key", USER_PLACEHOLDER]]), (f"{path}?key={USER_PLACEHOLDER}",
+                                                                                  []))]  # fmt: skip
+    injected = {"host": "api.model.example", "target": "/v1", "tls": True,
+                "headers": [["Authorization", f"Bearer {USER_VALUE}"]]}  # fmt: skip
+    secrets = {"the --secret": b"s3cret", checks.USER_SECRET: USER_VALUE.encode()}
+    return _holding(
+        tmp_path, targets=found, audit=refused, secrets=secrets,
+        stats_http=[*REACHED, *passed, injected, *changes.pop("http", [])], **changes,
+    )  # fmt: skip
+
+
+def test_the_placeholder_check_drives_the_users_injected_secret_where_the_gateway_reads_the_request():
+    found = targets(parse_policy(USER_POLICY).profile(), secrets=["other_key", "model_api"])
+    assert (found.secret, found.injected_at, found.inspected) == ("model_api", "api.model.example", "pypi.org")
+    assert (found.plain, found.passthrough) == ("github.com", "files.pythonhosted.org")
+    assert targets(parse_policy(USER_POLICY).profile()).secret == "verify"  # no --secret: verify's own
+    assert targets(parse_policy(USER_POLICY).profile(), secrets=["other_key"]).injected_at is None  # injected nowhere
+    # an inspected host whose http: refuses the probe's path first is not where the placeholder is judged
+    narrowed = USER_POLICY.replace(
+        "      - host: pypi.org\n        inspect: true\n",
+        "      - host: pypi.org\n        inspect: true\n        http: [{methods: [GET], paths: [/simple/**]}]\n",
+    )
+    assert targets(parse_policy(narrowed).profile(), secrets=["model_api"]).inspected is None
+
+
+def test_the_placeholder_check_with_the_users_secret_holds_and_fails_where_the_value_or_placeholder_arrives(
+    tmp_path: Path,
+):
+    check = BY_ID["placeholder-elsewhere"]
+    held = judge(check, _user_secret_run(tmp_path))
+    assert held.result == "held", held.evidence
+    assert held.evidence == (
+        "the placeholder of secret model_api (yours, injected at api.model.example); pypi.org (inspected): 0 requests "
+        "at its upstream carried the placeholder or the secret; the gateway's audit of /airlock-verify/n0nce/"
+        "placeholder: deny placeholder_misuse, deny placeholder_misuse; github.com (plain HTTP): 0 requests at its "
+        "upstream carried the placeholder or the secret; the gateway's audit of /airlock-verify/n0nce/placeholder: "
+        "deny placeholder_misuse, deny placeholder_misuse; files.pythonhosted.org (passthrough): not judged, the "
+        "gateway reads nothing inside its TLS (2 of the requests arrived, with the placeholder alone); the secret's "
+        "value upstream elsewhere: nowhere"
+    )
+    plain_through = {"host": "github.com", "target": f"/airlock-verify/n0nce/placeholder?key={USER_PLACEHOLDER}",
+                     "tls": False, "headers": []}  # fmt: skip
+    leaked = {"host": "example.org", "target": "/", "tls": True, "headers": [["X-Key", USER_VALUE]]}
+    for broken in ([plain_through], [leaked]):
+        outcome = judge(check, _user_secret_run(tmp_path, http=broken))
+        assert outcome.result == "failed", broken
+    assert judge(check, _user_secret_run(tmp_path, http=[leaked])).evidence.endswith("elsewhere: example.org")
 
 
 @pytest.mark.parametrize(
@@ -428,12 +492,14 @@ def test_the_other_sandbox_check_fails_on_a_file_added_the_canary_gone_or_its_ga
     assert judge(BY_ID["other-sandbox"], _holding(tmp_path, other=other)).result == "failed"
 
 
-def test_the_other_sandbox_check_shows_a_read_it_does_not_judge_and_errs_without_the_second_sandbox(tmp_path: Path):
-    held = judge(BY_ID["other-sandbox"], _holding(_written(tmp_path, "other.bin", b"0ther-canary")))
+def test_the_other_sandbox_check_fails_on_its_canary_read_and_errs_without_the_second_sandbox(tmp_path: Path):
+    held = judge(BY_ID["other-sandbox"], _holding(tmp_path))
     assert held.result == "held" and held.evidence == (
-        "/var/tmp/x/other: its canary unchanged (read by the probe); new there: nothing; its gateway at 10.231.0.101 "
-        "(tcp 53, 3128, udp 53): 0 packets from another sandbox reached it"
+        "/var/tmp/x/other: its canary not read by the probe, unchanged; new there: nothing; its gateway at "
+        "10.231.0.101 (tcp 53, 3128, udp 53): 0 packets from another sandbox reached it"
     )
+    read = judge(BY_ID["other-sandbox"], _holding(_written(tmp_path, "other.bin", b"0ther-canary")))
+    assert read.result == "failed" and read.evidence.startswith("/var/tmp/x/other: its canary read by the probe,")
     missing = judge(BY_ID["other-sandbox"], _holding(tmp_path, other=None))
     assert (missing.result, missing.evidence) == ("error", "the second sandbox did not run")
 

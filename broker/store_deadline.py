@@ -26,7 +26,9 @@ def unavailable() -> BrokerError:
     return BrokerError(503, "store_unavailable", "broker state is unavailable; refusing to act")
 
 
-class State:
+class StoreDeadline:
+    """Each store call within STATE_DEADLINE; a failure, or no answer in time, is 503 `store_unavailable`."""
+
     def __init__(self, store: BrokerStore) -> None:
         self.store = store
 
