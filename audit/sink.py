@@ -169,6 +169,15 @@ class AuditLog:
         if len(self._pending) >= FLUSH_LINES:
             self.flush()
 
+    def emit_lines(self, lines: str) -> None:
+        """Whole lines encoded elsewhere (a proxy worker's, newline-separated, no newline at the end): written
+        with the next flush, each line whole, like this process's own."""
+        if not self._sinks or not lines:
+            return
+        self._pending.append(lines)
+        if len(self._pending) >= FLUSH_LINES:
+            self.flush()
+
     def flush(self) -> None:
         if not self._pending and self.failure is None:
             self._current_at = time.monotonic()

@@ -51,3 +51,14 @@ class AnsweredAddresses:
         for name in [n for n, expires in names.items() if expires < now]:
             del names[name]
         return list(reversed(names))
+
+    def entries(self, now: float) -> list[tuple[str, str, IPAddress, float]]:
+        """Every association still alive as (sandbox, name, address, seconds it has left, its grace included),
+        oldest first: what a proxy worker started later is told (`record` each with its seconds less the grace)."""
+        return [
+            (sandbox, name, address, expires - now)
+            for sandbox, known in self._sandboxes.items()
+            for address, names in known.items()
+            for name, expires in names.items()
+            if expires >= now
+        ]

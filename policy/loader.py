@@ -140,6 +140,7 @@ def _parse(text: str, filename: str) -> Policy:
         policy = builder.policy(root)
         if builder.errors or policy is None:
             raise PolicyError(builder.messages() or [f"{filename}:1: empty policy"])
+    object.__setattr__(policy, "text", text)  # frozen: set once, here, as the policy is made
     # Computed with the load, so that no audit line or reload's swap pays for them on the event loop.
     policy.hash  # noqa: B018
     policy.inspected_rules  # noqa: B018

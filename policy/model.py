@@ -176,6 +176,24 @@ class _Keyed:
     def __bool__(self) -> bool:
         return not self._empty
 
+    # Pickled as its entries: the table a key is in follows hash(), which another process computes differently
+    # (string hashes are seeded per process), so a policy pickled to another process places each key again as it
+    # is read back, its rules in file order. (A gateway's proxy workers get the policy as text: Policy.text.)
+    def __getstate__(self) -> list[tuple[object, list[Rule]]]:
+        return [
+            (key, [rule, *more.get(key, ())])
+            for first, more in zip(self._first, self._more, strict=True)
+            for key, rule in first.items()
+        ]
+
+    def __setstate__(self, entries: list[tuple[object, list[Rule]]]) -> None:
+        self._first = [{} for _ in range(self._TABLES)]
+        self._more = [{} for _ in range(self._TABLES)]
+        self._empty = True
+        for key, rules in entries:
+            for rule in rules:
+                self.add(key, rule)
+
 
 class _CidrIndex:
     """Longest-prefix style lookup: one table per prefix length, so a lookup costs at most 33 or 129 probes
@@ -286,6 +304,9 @@ class Policy:
     default_profile: str
     source: str
     tools: tuple[ToolDeclaration, ...] = ()  # declared tools (the `tools:` section), in file order
+    # The text it was parsed from (the loader sets it; "" for a policy built otherwise): what a gateway sends its proxy
+    # workers, each parsing it again and checking the hash (pickling 100,000 rules holds the GIL far longer).
+    text: str = field(default="", repr=False, compare=False, kw_only=True)
 
     @cached_property
     def hash(self) -> str:

@@ -63,7 +63,8 @@ class HttpPolicy:
         assert state.sandbox is not None
         limit = self.shared.settings.max_tunnels_per_sandbox
         if self.shared.tunnels[state.sandbox.id] >= limit:
-            record.decision, record.reason = "deny", f"sandbox already has {limit} open tunnels"
+            scope = self.shared.settings.cap_scope
+            record.decision, record.reason = "deny", f"sandbox already has {limit} open tunnels{scope}"
             record.code = ReasonCode.TUNNEL_LIMIT
             self.shared.refuse(record)  # a client retrying in a loop gets its 429s, the audit a summary
             return _answer(flow, answer(record, None, 429))
@@ -89,6 +90,9 @@ class HttpPolicy:
             record.reason = f"{request.http_version} request without a Host header"
             record.code = ReasonCode.MISSING_HOST_HEADER
             return self._refuse(flow, record, None, 400)
+        # The hash of the snapshot that judges (read as judge_request reads it, before it awaits anything): a
+        # reload that lands while the request is under way does not stamp its line with a policy that did not judge.
+        record.policy_hash = self.shared.live.current.policy.hash
         judgement = await self.shared.judge_request(state, request.host, request.port, flow.client_conn.peername[0])
         judgement.fill(record)
         if judgement.decision.allow and (mismatch := _host_header_mismatch(flow, judgement.host)):

@@ -73,6 +73,8 @@ class GatewaySettings:
     max_connections_per_sandbox: int = 4096  # client connections; upstream connections are capped alike
     max_connections: int = 65536  # client connections of all sandboxes together; upstream ones alike
     max_spliced: int = 1024  # tunnels relayed in the kernel at once (6 more descriptors each); others by mitmproxy
+    # Said after each cap's refusal: with proxy workers, the caps above are this worker's share of the gateway's.
+    cap_scope: str = ""
     # Why the audit log cannot be written, or None: while it cannot, every new request is denied (fail closed).
     audit_failure: Callable[[], str | None] = field(default=lambda: None)
     timings: Timings = field(default_factory=NoTimings)
@@ -246,9 +248,9 @@ class ProxyState:
         """Why one more client connection of this sandbox must be refused, if it must."""
         settings = self.settings
         if self.connections[sandbox] >= settings.max_connections_per_sandbox:
-            return f"sandbox already has {settings.max_connections_per_sandbox} connections open"
+            return f"sandbox already has {settings.max_connections_per_sandbox} connections open{settings.cap_scope}"
         if self.open_connections >= settings.max_connections:
-            return f"the gateway already has {settings.max_connections} connections open"
+            return f"the gateway already has {settings.max_connections} connections open{settings.cap_scope}"
         return None
 
     def take_upstream(self, server_id: str, sandbox: str) -> str | None:
@@ -256,9 +258,10 @@ class ProxyState:
         several upstream connections (one per host it sends plain HTTP to): they are capped like the clients."""
         settings = self.settings
         if self.upstreams[sandbox] >= settings.max_connections_per_sandbox:
-            return f"sandbox already has {settings.max_connections_per_sandbox} upstream connections open"
+            limit = settings.max_connections_per_sandbox
+            return f"sandbox already has {limit} upstream connections open{settings.cap_scope}"
         if len(self.upstream_of) >= settings.max_connections:
-            return f"the gateway already has {settings.max_connections} upstream connections open"
+            return f"the gateway already has {settings.max_connections} upstream connections open{settings.cap_scope}"
         self.upstream_of[server_id] = sandbox
         self.upstreams[sandbox] += 1
         return None

@@ -141,7 +141,7 @@ class TransparentPolicy:
     def _over_tunnel_cap(self, state: ClientState) -> str | None:
         limit = self.shared.settings.max_tunnels_per_sandbox
         if state.sandbox is not None and self.shared.tunnels[state.sandbox.id] >= limit:
-            return f"sandbox already has {limit} open tunnels"
+            return f"sandbox already has {limit} open tunnels{self.shared.settings.cap_scope}"
         return None
 
     async def _nameless(

@@ -193,6 +193,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--listen", metavar="ADDR", help="the address to listen on (required, but with --pod)")
     parser.add_argument("--sandbox", action="append", metavar="ID=CIDR[:PROFILE]", help="repeatable")
     parser.add_argument("--audit-stdout", action="store_true")
+    parser.add_argument(
+        "--workers", type=worker_count, default=1, metavar="N|auto",
+        help="proxy processes serving the same listeners (auto: the CPUs, at most 8); policy, DNS, broker, admin "
+        "and the audit file stay in this one (docs/operations.md, Workers)",
+    )  # fmt: skip
     pod = parser.add_argument_group("the gateway sidecar of a Kubernetes pod (docs/kubernetes.md)")
     pod.add_argument(
         "--pod", action="store_true",
@@ -252,6 +257,17 @@ def gateway_config(args: argparse.Namespace, policy: Policy, listen: str, sandbo
         admin=args.admin,
         broker=broker_config(args, args.broker_port, args.broker_max_connections, secrets),
     )
+
+
+def worker_count(text: str) -> int:
+    """`--workers`: a count of at least 1, or `auto` (the CPUs, capped)."""
+    if text == "auto":
+        from airlock.gateway.workers import auto_workers
+
+        return auto_workers()
+    if not text.isdigit() or not 1 <= int(text) <= 256:
+        raise argparse.ArgumentTypeError(f"{text!r}: give a number of workers from 1 to 256, or auto")
+    return int(text)
 
 
 def admin_address(text: str) -> str:
@@ -341,6 +357,7 @@ def cmd_gateway(args: argparse.Namespace) -> int:
     else:
         args.state_dir = args.state_dir or DEFAULT_STATE_DIR
         config = gateway_config(args, policy, args.listen, sandboxes(args.sandbox or [], args.profile, policy))
+    config = dataclasses.replace(config, workers=args.workers)
     return asyncio.run(serve(config, watch))
 
 
@@ -413,8 +430,9 @@ async def serve(config: GatewayConfig, watch: Signature | None = None) -> int:
         transparent = f", transparent on port {config.transparent_port}" if config.transparent_port else ""
         relay = f", broker relay on port {config.relay.port} to {config.relay.url}" if config.relay else ""
         where = format_host_port(config.listen, config.proxy_port)
+        workers = f" ({config.workers} workers)" if config.workers > 1 else ""
         print(
-            f"airlock gateway: proxy on {where}{transparent}{dns}{relay}, admin on {gateway.admin.address}",
+            f"airlock gateway: proxy on {where}{workers}{transparent}{dns}{relay}, admin on {gateway.admin.address}",
             file=sys.stderr, flush=True,
         )  # fmt: skip
         if watch is not None:

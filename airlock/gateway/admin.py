@@ -155,10 +155,12 @@ def _wrapped(middleware: Callable[[web.Request, Handler], Awaitable[web.StreamRe
 
 
 def gateway_routes(
-    reload: Callable[[], Awaitable[Reloaded]], status: Callable[[], dict[str, Any]]
+    reload: Callable[[], Awaitable[Reloaded]],
+    status: Callable[[], dict[str, Any]],
+    refresh: Callable[[], Awaitable[None]] | None = None,
 ) -> list[web.RouteDef]:
     """`POST /v1/policy/reload` (200 with the new hash, 422 with the errors when the running policy stays) and
-    `GET /v1/status`."""
+    `GET /v1/status` (`refresh`ed first: the proxy workers' counters asked for)."""
     from aiohttp import web
 
     async def reload_policy(request: web.Request) -> web.Response:
@@ -166,6 +168,8 @@ def gateway_routes(
         return web.json_response(outcome.as_json(), status=200 if outcome.ok else 422)
 
     async def show_status(request: web.Request) -> web.Response:
+        if refresh is not None:
+            await refresh()
         return web.json_response(status())
 
     return [web.post("/v1/policy/reload", reload_policy), web.get("/v1/status", show_status)]

@@ -105,6 +105,9 @@ class GatewayConfig:
     sandbox_reach: Reach | None = None
     relay: RelayConfig | None = None  # a pod's broker relay, in place of a broker of its own
     trust_dir: str | None = None  # where the trust bundle is published as ca-bundle.pem (a pod's shared volume)
+    # Proxy processes (airlock/gateway/workers.py): 1, the proxy runs in the gateway process itself; N > 1, N
+    # workers serve the gateway's listeners while this process keeps policy, DNS, broker, admin and the audit file.
+    workers: int = 1
 
 
 def broker_url(listen: str, port: int) -> str:

@@ -57,19 +57,21 @@ class Gateway:
         self.tell_reload = ReloadTeller(tell if config.tell_reloads else None)  # how each reload is told
         # Reloads read the file the first policy came from, off the event loop (airlock/gateway/reload.py).
         after = [lambda policy: self.close_denied_tunnels()] if config.close_denied_on_reload else []
-        self.reloader = PolicyReloader(self, config.policy.source, self._policy, after)
+        self.reloader = PolicyReloader(self, config.policy.source, self._policy, after, self.put_in_force)
         self.started_at = time.time()
+        counts = proxy.counts if parts.workers is None else parts.workers.counts
+        refresh = parts.workers.refresh if parts.workers is not None else None  # their counters, asked at a read
         scraped = ScrapedState(
             lambda: parts.live.current.registry.ids(),  # of the policy in force at each scrape
-            lambda: proxy.counts("tunnels"),
-            lambda: proxy.counts("connections"),
-            lambda: proxy.counts("upstreams"),
+            lambda: counts("tunnels"),
+            lambda: counts("connections"),
+            lambda: counts("upstreams"),
             parts.audit,
             parts.dns.stats if parts.dns is not None else {},
         )
-        self.metrics = MetricsEndpoint(parts.metrics, scraped, self.readiness)
+        self.metrics = MetricsEndpoint(parts.metrics, scraped, self.readiness, refresh)
         # The broker's routes are added when it starts.
-        parts.admin.add_routes(lambda: gateway_routes(self.reload_policy, self.status))
+        parts.admin.add_routes(lambda: gateway_routes(self.reload_policy, self.status, refresh))
         parts.admin.add_routes(self.metrics.routes)
         parts.admin.add_routes(lambda: approval_routes(parts.approvals))
 
@@ -100,7 +102,8 @@ class Gateway:
         proxy serve too — or, without `wait_for_proxy`, while aiohttp and mitmproxy may still be loading (their
         clients wait in the backlog meanwhile): then `proxy_started()` says when both serve, or why they cannot.
         GatewayError for anything that cannot start (the gateway is stopped again)."""
-        loading, admin_loading = preload_proxy(), preload_admin()
+        # With workers, mitmproxy runs in them: this process never imports it.
+        loading, admin_loading = preload_proxy() if self.parts.workers is None else None, preload_admin()
         one_retry_per_shortage(asyncio.get_running_loop())
         self._started = True
         try:
@@ -163,7 +166,7 @@ class Gateway:
         await asyncio.shield(self._proxy)
 
     async def _serve_loaded(
-        self, admin_loading: concurrent.futures.Future[None], loading: concurrent.futures.Future[None]
+        self, admin_loading: concurrent.futures.Future[None], loading: concurrent.futures.Future[None] | None
     ) -> None:
         """The admin listener once aiohttp is imported, then mitmproxy with the airlock addon once that is, each
         serving the clients that have waited in their backlog until now. If either cannot, every listener of
@@ -175,8 +178,12 @@ class Gateway:
                 await admin.serve()
             except Exception as e:
                 raise GatewayError(f"the admin listener could not start: {type(e).__name__}: {e}") from e
-            await loaded(loading, "the proxy")
-            await proxy.serve(self.broker.git_read if self.broker is not None else None)
+            if self.parts.workers is not None:
+                await self.parts.workers.start(proxy.listeners)  # each a process of its own, on these sockets
+            else:
+                assert loading is not None
+                await loaded(loading, "the proxy")
+                await proxy.serve(self.broker.git_read if self.broker is not None else None)
         except BaseException as e:
             await admin.stop()
             proxy.close_listeners()
@@ -192,7 +199,8 @@ class Gateway:
         # cycles, is freed by reference counting all the same.
         gc.freeze()
         ports = " and ".join(str(port) for port in proxy.ports().values())
-        log.info("airlock proxy listening on %s port %s", self.config.listen, ports)
+        workers = f" ({self.config.workers} workers)" if self.parts.workers is not None else ""
+        log.info("airlock proxy listening on %s port %s%s", self.config.listen, ports, workers)
 
     def _mark_listeners(self) -> None:
         """The fence lets sandboxes reach only sockets with the gateway's mark, never another program that binds
@@ -214,9 +222,12 @@ class Gateway:
         self.parts.audit.reopen()
 
     async def _flush_audit(self) -> None:
+        audit, workers = self.parts.audit, self.parts.workers
         while True:
             await asyncio.sleep(0.1)
-            self.parts.audit.flush()
+            audit.flush()
+            if workers is not None:
+                workers.audit_state(audit.failure)  # they deny while it cannot be written, as this process does
 
     def replace_policy(self, policy: Policy) -> None:
         """Swap in a new, already validated policy for proxy, DNS and broker at once (the one place it is swapped);
@@ -225,23 +236,56 @@ class Gateway:
         A policy without a profile that a running sandbox uses would fail its every request and DNS query, and
         one whose declared tools the broker cannot serve (a secret it was not given) would fail their calls:
         PolicyError, and the running policy stays. The declared tools follow the policy in force."""
+        if self.parts.workers is not None:
+            raise GatewayError("with proxy workers a policy is put in force by a reload (put_in_force), in each")
+        running = self._running_hash()
+        try:
+            self._check(policy)
+            self._swap(policy)
+        except PolicyError as e:
+            self.parts.auditing.policy_refused(policy.source, e.errors, refused_hash=policy.hash)
+            raise
+        self.parts.auditing.policy_loaded(policy, running)
+
+    async def put_in_force(self, policy: Policy) -> None:
+        """What a reload does with the policy it loaded: `replace_policy`; with workers, in two phases (every worker
+        prepares it, then this process and every worker swap: airlock/gateway/workers.py), audited once all have."""
+        workers = self.parts.workers
+        if workers is None:
+            self.replace_policy(policy)
+            return
+        running = self._running_hash()
+        try:
+            self._check(policy)
+            await workers.put_in_force(policy, lambda: self._swap(policy))
+        except PolicyError as e:
+            self.parts.auditing.policy_refused(policy.source, e.errors, refused_hash=policy.hash)
+            raise
+        self.parts.auditing.policy_loaded(policy, running)
+
+    def _running_hash(self) -> str:
         if not self._in_force:
             raise GatewayError("the gateway has not started: no policy to replace")
+        return self.parts.live.current.policy.hash
+
+    def _check(self, policy: Policy) -> None:
+        """PolicyError for what keeps `policy` from being put in force here (nothing of it is in force yet)."""
         parts, reach = self.parts, self.config.sandbox_reach
-        running = parts.live.current.policy.hash
-        try:
-            if reach is not None and (problems := reach.problems(policy_files(policy))):
-                raise PolicyError(problems)  # a file it names could be the sandbox's (airlock/sandbox/reach.py)
-            if parts.broker is not None and (problems := parts.broker.problems(policy)):
-                raise PolicyError(problems)  # e.g. a declared tool naming a secret the gateway was not given
-            if problems := parts.live.refusals(policy):  # before the inspection follows it: nothing of it then
+        if reach is not None and (problems := reach.problems(policy_files(policy))):
+            raise PolicyError(problems)  # a file it names could be the sandbox's (airlock/sandbox/reach.py)
+        if parts.broker is not None and (problems := parts.broker.problems(policy)):
+            raise PolicyError(problems)  # e.g. a declared tool naming a secret the gateway was not given
+        if problems := parts.live.refusals(policy):  # before the inspection follows it: nothing of it then
+            raise PolicyError(problems)
+        if parts.workers is not None:
+            from airlock.gateway.workers import policy_refusals
+
+            if problems := policy_refusals(policy):
                 raise PolicyError(problems)
-            self._prepare_inspection(policy)
-            parts.live.replace(policy)
-        except PolicyError as e:
-            parts.auditing.policy_refused(policy.source, e.errors, refused_hash=policy.hash)
-            raise
-        parts.auditing.policy_loaded(policy, running)
+
+    def _swap(self, policy: Policy) -> None:
+        self._prepare_inspection(policy)
+        self.parts.live.replace(policy)
 
     def _prepare_inspection(self, policy: Policy) -> None:
         """Ready what the policy's inspected rules need before it is in force: a CA that permits their hosts, the
@@ -303,7 +347,11 @@ class Gateway:
         parts.proxy.flush_refusals()
         if parts.notices is not None:
             parts.notices.flush()
-        await parts.proxy.stop()
+        if parts.workers is not None:
+            await parts.workers.stop()  # their last audit lines are written below
+            parts.proxy.close_listeners()
+        else:
+            await parts.proxy.stop()
         parts.audit.close()
         parts.own.close()
         parts.state.remove()

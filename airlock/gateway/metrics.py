@@ -16,6 +16,11 @@ address, path or request id is ever a label.
 
 prometheus-client itself (about 30 ms to import, with http.server and wsgiref) is imported at the first scrape:
 counting needs none of it, and a sandbox's start should not wait for it.
+
+With proxy workers (`airlock gateway --workers N`), each worker counts in its own `GatewayMetrics`, and the
+supervisor adds their `snapshot()`s in at each scrape (`workers`, asked over their channels). Not prometheus-client's
+multiprocess mode: it keeps every count in a memory-mapped file behind a lock, the very cost these plain-attribute
+counters exist to avoid on every request.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ import bisect
 import itertools
 import json
 from collections import Counter as Tally
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from airlock.audit import AuditRecord, RepeatedDecisions
@@ -48,6 +53,10 @@ TOKEN_FAILURES = frozenset(
 # Seconds. Decisions and DNS answers take microseconds to a resolution's milliseconds; connects and broker calls
 # (GitHub's API) up to their timeouts.
 FAST_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+# One family's children as a worker sends them to its supervisor (`GatewayMetrics.snapshot`): a counter's value, or
+# a histogram's bucket counts and sum, by the label values served.
+type FamilySnapshot = dict[tuple[str, ...], float | tuple[list[int], float]]
+type MetricsSnapshot = list[FamilySnapshot]  # one per family, in the order of `GatewayMetrics.families`
 SLOW_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 
@@ -105,10 +114,18 @@ class _Family[Child: (_Count, _Durations)]:
     (one dict lookup), served as a prometheus-client metric family (a collector: it has `collect`)."""
 
     def __init__(
-        self, name: str, doc: str, labels: tuple[str, ...], bounds: Mapping[str, Bounded], new: Callable[[], Child]
+        self,
+        name: str,
+        doc: str,
+        labels: tuple[str, ...],
+        bounds: Mapping[str, Bounded],
+        new: Callable[[], Child],
+        others: Callable[[], Sequence[FamilySnapshot]] = lambda: (),
     ) -> None:
         self.name, self.doc, self.labels = name, doc, list(labels)
         self._new: Callable[[], Child] = new
+        # The same family's children in the gateway's workers, added in at a scrape.
+        self._others: Callable[[], Sequence[FamilySnapshot]] = others
         self._bounds = [bounds[label] for label in labels]
         self._children: dict[tuple[object, ...], Child] = {}  # by the raw label values
         self._bounded: dict[tuple[str, ...], Child] = {}  # by the label values served
@@ -124,10 +141,38 @@ class _Family[Child: (_Count, _Durations)]:
                 self._children[values] = child
         return child
 
+    def snapshot(self) -> FamilySnapshot:
+        """The children's values (a worker's, for its supervisor to add in)."""
+        return {
+            key: child.value if isinstance(child, _Count) else (list(child.counts), child.sum)
+            for key, child in self._bounded.items()
+        }
+
+    def _merged(self) -> list[tuple[tuple[str, ...], Child]]:
+        """This process's children, and the workers' added in (each in a new child: the own ones stay as they are)."""
+        others: Sequence[FamilySnapshot] = self._others()
+        if not others:
+            return list(self._bounded.items())
+        merged: dict[tuple[str, ...], Child] = {}
+        for snapshot in (self.snapshot(), *others):
+            for key, value in snapshot.items():
+                child = merged.get(key)
+                if child is None:
+                    child = merged[key] = self._new()
+                if isinstance(child, _Count):
+                    assert isinstance(value, float | int)
+                    child.value += value
+                else:
+                    assert isinstance(value, tuple)
+                    counts, total = value
+                    child.counts = [a + b for a, b in zip(child.counts, counts, strict=True)]
+                    child.sum += total
+        return list(merged.items())
+
     def collect(self) -> Iterator[Metric]:
         from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
 
-        children = list(self._bounded.items())
+        children = self._merged()
         if self._new is _Count:
             counters = CounterMetricFamily(self.name, self.doc, labels=self.labels)
             for key, count in children:
@@ -145,19 +190,24 @@ class _Family[Child: (_Count, _Durations)]:
 class GatewayMetrics:
     """The gateway's counters and durations, and the observers that fill them."""
 
-    def __init__(self) -> None:
+    def __init__(self, workers: Callable[[], Sequence[MetricsSnapshot]] = lambda: ()) -> None:
+        """`workers`: the latest snapshot of each of the gateway's proxy workers, added in at each scrape."""
         self._bounds = {name: Bounded(limit) for name, limit in LABEL_BOUNDS.items()}
         self.sandbox_label = self._bounds["sandbox"]  # the sandbox label's values, for the state read at a scrape
         self.families: list[_Family[Any]] = []  # the registry's, in this order
         self._registry: CollectorRegistry | None = None  # made at the first scrape
 
+        def others(index: int) -> Callable[[], list[FamilySnapshot]]:
+            return lambda: [snapshot[index] for snapshot in workers() if index < len(snapshot)]
+
         def counter(name: str, doc: str, *labels: str) -> _Family[_Count]:
-            family = _Family(name, doc, labels, self._bounds, _Count)
+            family = _Family(name, doc, labels, self._bounds, _Count, others(len(self.families)))
             self.families.append(family)
             return family
 
         def histogram(name: str, doc: str, buckets: tuple[float, ...], *labels: str) -> _Family[_Durations]:
-            family = _Family(name, doc, labels, self._bounds, lambda: _Durations(buckets))
+            new = lambda: _Durations(buckets)  # noqa: E731
+            family = _Family(name, doc, labels, self._bounds, new, others(len(self.families)))
             self.families.append(family)
             return family
 
@@ -251,6 +301,10 @@ class GatewayMetrics:
     def resolved(self, result: str, seconds: float) -> None:
         """The shared resolver asked upstream: `result` is ok, nxdomain or error."""
         self._resolve(result).observe(seconds)
+
+    def snapshot(self) -> MetricsSnapshot:
+        """Every family's children (`FamilySnapshot`), in order: what a worker sends its supervisor."""
+        return [family.snapshot() for family in self.families]
 
     def exposition(self) -> bytes:
         """The registry in Prometheus's text format."""

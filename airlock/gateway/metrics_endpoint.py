@@ -5,7 +5,7 @@ only when `/metrics` is scraped: nothing of it is on the hot path."""
 from __future__ import annotations
 
 from collections import Counter as Tally
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -38,8 +38,15 @@ class ScrapedState:
 class MetricsEndpoint:
     """The registry a scrape reads (the state first, then the metrics' families) and the aiohttp handlers."""
 
-    def __init__(self, metrics: GatewayMetrics, state: ScrapedState, readiness: Checks) -> None:
+    def __init__(
+        self,
+        metrics: GatewayMetrics,
+        state: ScrapedState,
+        readiness: Checks,
+        refresh: Callable[[], Awaitable[None]] | None = None,
+    ) -> None:
         self.metrics, self.readiness = metrics, readiness
+        self._refresh = refresh  # with proxy workers: their counters asked for, before each scrape
         self._state = _StateCollector(metrics.sandbox_label, state)
         self._registry: CollectorRegistry | None = None  # made at the first scrape
 
@@ -65,6 +72,8 @@ class MetricsEndpoint:
         from aiohttp import web
         from prometheus_client import CONTENT_TYPE_LATEST
 
+        if self._refresh is not None:
+            await self._refresh()
         return web.Response(body=self.exposition(), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def healthz(self, request: web.Request) -> web.Response:

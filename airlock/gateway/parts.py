@@ -37,6 +37,8 @@ from airlock.policy import LivePolicy, Policy, SandboxRegistry
 if TYPE_CHECKING:
     from airlock.gateway.broker_relay import BrokerRelay
     from airlock.gateway.broker_runtime import BrokerRuntime
+    from airlock.gateway.metrics import MetricsSnapshot
+    from airlock.gateway.workers import WorkerChannels, WorkerPool
 
 
 @dataclass(frozen=True)
@@ -83,7 +85,8 @@ class GatewayParts:
     inspector: Inspector
     answered: AnsweredAddresses  # what the DNS answered each sandbox: names for connections without one
     dns: DnsServer | None
-    proxy: ProxyRuntime
+    proxy: ProxyRuntime  # with workers: the listeners only, bound here and served by the workers
+    workers: WorkerPool | None  # `--workers N`, N > 1 (airlock/gateway/workers.py)
 
 
 def build_parts(config: GatewayConfig, put_approved: Callable[[Policy], None]) -> GatewayParts:
@@ -103,7 +106,13 @@ def build_parts(config: GatewayConfig, put_approved: Callable[[Policy], None]) -
     servers = config.upstream_dns or system_servers()
     if not servers:
         raise GatewayError("no upstream DNS server: pass --upstream-dns or configure /etc/resolv.conf")
-    metrics = GatewayMetrics()
+    channels = _worker_channels(config)
+    pool: WorkerPool | None = None
+
+    def worker_metrics() -> list[MetricsSnapshot]:
+        return pool.metrics() if pool is not None else []  # the pool, made below, once it is
+
+    metrics = GatewayMetrics(worker_metrics)
     resolver = Resolver(ResolverConfig(servers, min_ttl=config.dns_min_ttl), timed=metrics.resolved)
     try:
         audit = AuditLog(config.audit_path, config.audit_stdout)
@@ -126,7 +135,7 @@ def build_parts(config: GatewayConfig, put_approved: Callable[[Policy], None]) -
         shared=broker.shared_approvals if broker is not None else lambda: None,
     )  # fmt: skip
     inspector = Inspector(state.path, secrets, Path(config.trust_dir) if config.trust_dir else None)
-    answered = AnsweredAddresses()
+    answered = AnsweredAddresses() if channels is None else _broadcast_answers(channels)
     dns = None
     if config.dns_port:
         dns_settings = DnsSettings(rate_per_second=config.dns_rate, audit_failure=lambda: audit.failure)
@@ -137,10 +146,45 @@ def build_parts(config: GatewayConfig, put_approved: Callable[[Policy], None]) -
         live, resolver, auditing.emit, lambda: audit.failure, metrics, approvals, inspector, answered
     )  # fmt: skip
     proxy = ProxyRuntime(config, caps, state.path, providers)
+    if channels is not None:
+        pool = _worker_pool(config, caps, secrets, state.path, channels, live, answered, audit)
     return GatewayParts(
         secrets, caps, metrics, resolver, audit, notices, state, own, live, auditing, admin, broker, relay,
-        approvals, inspector, answered, dns, proxy,
+        approvals, inspector, answered, dns, proxy, pool,
     )  # fmt: skip
+
+
+def _worker_channels(config: GatewayConfig) -> WorkerChannels | None:
+    """With N > 1 workers, their channels (none yet); GatewayError for what workers cannot do yet."""
+    if config.workers <= 1:
+        return None
+    from airlock.gateway.workers import WorkerChannels, start_refusals
+
+    if problems := start_refusals(config):
+        raise GatewayError(f"--workers {config.workers}: " + "; ".join(problems))
+    return WorkerChannels()
+
+
+def _broadcast_answers(channels: WorkerChannels) -> AnsweredAddresses:
+    from airlock.gateway.workers import BroadcastAnswers
+
+    return BroadcastAnswers(channels)
+
+
+def _worker_pool(
+    config: GatewayConfig,
+    caps: ConnectionCaps,
+    secrets: SecretValues,
+    state: Path,
+    channels: WorkerChannels,
+    live: LivePolicy,
+    answered: AnsweredAddresses,
+    audit: AuditLog,
+) -> WorkerPool:
+    from airlock.gateway.workers import WorkerPool, WorkerSettings, worker_share
+
+    settings = WorkerSettings(config, config.workers, worker_share(caps, config.workers), secrets, str(state))
+    return WorkerPool(settings, channels, live, answered, audit)
 
 
 def _caps(config: GatewayConfig) -> ConnectionCaps:

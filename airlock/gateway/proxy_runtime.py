@@ -47,7 +47,7 @@ class ProxyProviders:
     emit: Callable[[AuditRecord], None]
     audit_failure: Callable[[], str | None]
     metrics: GatewayMetrics
-    approvals: Asker
+    approvals: Asker | None  # None in a proxy worker: nothing is held for a person there (airlock/gateway/workers.py)
     inspector: Inspector
     answered: AnsweredAddresses  # what the DNS answered each sandbox: names for connections without one
 
@@ -61,6 +61,7 @@ class ProxyRuntime:
         self._master: Master | None = None
         self._task: asyncio.Task[None] | None = None  # mitmproxy's master
         self._scrubbed_log: ScrubbedLog | None = None  # on mitmproxy's log while the proxy runs
+        self._shared = False  # the listeners are another process's, accepted from by other workers too (`take`)
 
     @property
     def shared(self) -> ProxyState | None:
@@ -72,6 +73,11 @@ class ProxyRuntime:
         if self.config.transparent_port:
             ports["transparent"] = self.config.transparent_port
         return ports
+
+    def take(self, listeners: Mapping[str, socket.socket]) -> None:
+        """Serve listeners bound elsewhere (a proxy worker's, its supervisor's sockets), by mitmproxy mode spec."""
+        self.listeners.update(listeners)
+        self._shared = True
 
     def listen(self) -> None:
         """Bind every listener (GatewayError naming the one that cannot)."""
@@ -113,6 +119,7 @@ class ProxyRuntime:
             max_spliced=caps.spliced,
             max_connections_per_sandbox=caps.per_sandbox,
             max_connections=caps.total,
+            cap_scope=f" in this proxy worker (its share of the cap: {config.workers} workers)" if self._shared else "",
             audit_failure=given.audit_failure,
             timings=given.metrics,
         )
@@ -151,7 +158,13 @@ class ProxyRuntime:
             # SO_ORIGINAL_DST is read by the transparent one
             instance: ServerInstance[Any] = ServerInstance.make(spec, proxyserver)
             serve = Listener(instance, master, hooks).handle_stream
-            server = await asyncio.start_server(serve, sock=listener, backlog=PROXY_BACKLOG)
+            # asyncio accepts up to `backlog` connections each time a listener is readable: on a listener other
+            # workers share, one at a time, so that a burst is not all taken by whichever worker woke first
+            # (bench/accept_balance.py); the kernel's queue stays PROXY_BACKLOG long.
+            batch = 1 if self._shared else PROXY_BACKLOG
+            server = await asyncio.start_server(serve, sock=listener, backlog=batch)
+            if self._shared:
+                listener.listen(PROXY_BACKLOG)
             self.servers.append(server)
 
     def close_denied_tunnels(self) -> int:

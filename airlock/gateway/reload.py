@@ -63,7 +63,8 @@ class Reloaded:
 
 class PolicyReloader:
     """Reloads `source` into `target`, one reload at a time (a second waits for the first, then reads the file
-    as it is then). `current` reads the policy in force; each of `after` is called with each policy put in force."""
+    as it is then). `current` reads the policy in force; each of `after` is called with each policy put in force;
+    `put`, when given, puts it in force in place of `target.replace_policy` (a gateway's workers: in two phases)."""
 
     def __init__(
         self,
@@ -71,19 +72,21 @@ class PolicyReloader:
         source: str,
         current: Callable[[], Policy | None],
         after: Iterable[Callable[[Policy], object]] = (),
+        put: Callable[[Policy], Awaitable[None]] | None = None,
     ) -> None:
         self.target, self.source, self.current = target, source, current
         self._lock = asyncio.Lock()
         self.after = tuple(after)  # called with each policy put in force
+        self._put = put
 
     async def reload(self) -> Reloaded:
         # Loading, swapping and freeing alike: the event loop gets the GIL back quickly all along.
         async with self._lock:
-            with _loading():
+            with loading():
                 return await self._reload()
 
     async def _reload(self) -> Reloaded:
-        replaced = [self.current()]  # its only reference here: _release drops it
+        replaced = [self.current()]  # its only reference here: release_policy drops it
         previous = replaced[0].hash if replaced[0] is not None else None
         try:
             policy = await asyncio.to_thread(load_policy, self.source)
@@ -92,7 +95,10 @@ class PolicyReloader:
             return Reloaded(self.source, previous, previous, e.errors)
         refusal: PolicyError | None = None
         try:
-            self.target.replace_policy(policy)  # audits the reload, or its refusal
+            if self._put is not None:
+                await self._put(policy)  # audits the reload, or its refusal
+            else:
+                self.target.replace_policy(policy)
         except PolicyError as e:
             refusal = PolicyError(e.errors)  # not `e`: its traceback would keep the refused policy alive
         if refusal is not None:  # the policy that was loaded, and refused, is dropped like a replaced one
@@ -103,13 +109,13 @@ class PolicyReloader:
         new_hash = policy.hash
         del policy
         # Freeing 100,000 rules takes a while too: in a thread, a slice at a time.
-        await asyncio.to_thread(_release, replaced)
+        await asyncio.to_thread(release_policy, replaced)
         if refusal is not None:
             return Reloaded(self.source, previous, previous, refusal.errors or [f"{self.source}: policy refused"])
         return Reloaded(self.source, new_hash, previous)
 
 
-def _release(box: list[Policy | None]) -> None:
+def release_policy(box: list[Policy | None]) -> None:
     """Drops the policy in `box` (its last reference, unless a request still holds it): its containers at once,
     then its rules a slice at a time, so that no single step holds the GIL long."""
     policy = box[0]
@@ -120,7 +126,7 @@ def _release(box: list[Policy | None]) -> None:
 
 
 @contextlib.contextmanager
-def _loading() -> Iterator[None]:
+def loading() -> Iterator[None]:
     """While a policy loads in a thread, the event loop must not wait for it: the interpreter switches threads
     more often, and the cycle collector does not run (airlock/gateway/startup/collection.py: the load makes a million
     objects, which would start full collections that hold the GIL for a tenth of a second each)."""

@@ -15,9 +15,14 @@ def readiness(
     """Each check with what is wrong (None: fine): a policy in force, every listener this gateway was told to open
     still open, and an audit log that can be written (without one, every request is denied)."""
     failure = parts.audit.failure
+    proxy = None if parts.proxy.serving else f"the proxy is not listening on {config.listen}:{config.proxy_port}"
+    if parts.workers is not None and len(serving := parts.workers.serving()) < parts.workers.count:
+        proxy = f"{len(serving)} of {parts.workers.count} proxy workers serve"
+    elif parts.workers is not None:
+        proxy = None
     checks: dict[str, str | None] = {
         "policy": None if in_force else "no policy in force",
-        "proxy": None if parts.proxy.serving else f"the proxy is not listening on {config.listen}:{config.proxy_port}",
+        "proxy": proxy,
         "audit": None if failure is None else f"the audit log cannot be written: {failure}",
     }
     if config.dns_port:
@@ -34,8 +39,14 @@ def readiness(
 def gateway_status(parts: GatewayParts, started_at: float, in_force: bool, first: Policy) -> dict[str, Any]:
     """The policy in force (`first` before there is one), the sandboxes, open tunnels and connections, counts."""
     policy = parts.live.current.policy if in_force else first
-    proxy = parts.proxy
-    return {
+    workers = parts.workers
+    counts = parts.proxy.counts if workers is None else workers.counts
+    counters = parts.auditing.counters()
+    if workers is not None:  # the workers' lines, added to this process's own (DNS, broker, policy)
+        for kind, decisions in workers.decisions().items():
+            for decision, n in decisions.items():
+                counters.setdefault(kind, {})[decision] = counters.get(kind, {}).get(decision, 0) + n
+    status = {
         "policy_hash": policy.hash,
         "policy_source": policy.source,
         "default_profile": policy.default_profile,
@@ -46,12 +57,15 @@ def gateway_status(parts: GatewayParts, started_at: float, in_force: bool, first
         "sandboxes": [
             {"id": s.id, "profile": s.profile, "network": str(s.network)} for s in parts.live.current.registry.sandboxes
         ],
-        "open_tunnels": dict(proxy.counts("tunnels")),
-        "open_connections": dict(proxy.counts("connections")),
-        "counters": parts.auditing.counters(),
+        "open_tunnels": dict(counts("tunnels")),
+        "open_connections": dict(counts("connections")),
+        "counters": counters,
         "started_at": started_at,
         "inspection": _inspection_status(parts, policy),
     }
+    if workers is not None:
+        status["workers"] = workers.status()
+    return status
 
 
 def _inspection_status(parts: GatewayParts, policy: Policy) -> dict[str, Any] | None:

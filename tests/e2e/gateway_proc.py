@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import http.client
 import ipaddress
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -30,6 +32,19 @@ AUDIT_SCHEMA = Draft202012Validator(
 POLICIES = Path(__file__).parent / "policies"
 E2E_POLICY = POLICIES / "e2e.yaml"
 PROXY = (GW_IP, 3128)
+
+
+class AdminConnection(http.client.HTTPConnection):
+    """HTTP to a gateway's admin listener, its unix socket (path-based: reachable from any namespace)."""
+
+    def __init__(self, path: Path, timeout: float = 10) -> None:
+        super().__init__("airlock-admin", timeout=timeout)
+        self.path = path
+
+    def connect(self) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.settimeout(self.timeout)
+        self.sock.connect(str(self.path))
 
 
 class GatewayProcess:

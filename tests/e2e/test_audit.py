@@ -11,6 +11,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from airlock.policy import load_policy
 from airlock.verify.fakeca import FakeCA
 from airlock.verify.topology import GW_IP, FakeNet, Topology
@@ -84,8 +86,10 @@ def test_every_kind_of_audit_line_matches_the_published_schema(
     assert (allowed["rule"], allowed["rule_source"]) == (rule.id, f"{policy_path}:6")
 
 
-def test_sigusr1_reopens_the_audit_file(topology: Topology, fakenet: FakeNet, own_gateway):
-    gw = own_gateway()
+# With workers, the supervisor is the audit file's one writer: it reopens it, the workers' lines follow.
+@pytest.mark.parametrize("workers", [(), ("--workers", "2")], ids=["one-process", "two-workers"])
+def test_sigusr1_reopens_the_audit_file(topology: Topology, fakenet: FakeNet, own_gateway, workers: tuple[str, ...]):
+    gw = own_gateway(extra=workers)
     assert in_netns(topology.sbx, proxy_http, PROXY, "http://allowed.test/before").status == 200
     _wait_for(gw, lambda records: len(records) == 1)
     rotated = gw.audit_path.with_suffix(".1")

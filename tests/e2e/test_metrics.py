@@ -6,7 +6,6 @@ from __future__ import annotations
 import contextlib
 import http.client
 import json
-import socket
 import subprocess
 import time
 from collections.abc import Callable, Iterator
@@ -17,7 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from airlock.verify.topology import GW_IP, Topology
 
-from gateway_proc import PROXY, GatewayProcess
+from gateway_proc import PROXY, AdminConnection, GatewayProcess
 from netclient import connect_tunnel, in_netns, proxy_http
 
 BROKER = (GW_IP, 8080)
@@ -25,20 +24,9 @@ BROKER = (GW_IP, 8080)
 type Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
 
 
-class _UnixHTTPConnection(http.client.HTTPConnection):
-    def __init__(self, path: Path) -> None:
-        super().__init__("airlock-admin", timeout=10)
-        self.path = path
-
-    def connect(self) -> None:
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.sock.settimeout(10)
-        self.sock.connect(str(self.path))
-
-
 def admin_get(gw: GatewayProcess, path: str) -> tuple[int, str]:
     """GET on the gateway's admin listener (its unix socket: path-based, so reachable from this namespace)."""
-    conn = _UnixHTTPConnection(gw.workdir / "state" / "admin.sock")
+    conn = AdminConnection(gw.workdir / "state" / "admin.sock")
     try:
         conn.request("GET", path)
         response = conn.getresponse()

@@ -73,7 +73,7 @@ async def test_the_policy_that_goes_is_freed_in_a_thread_with_the_loop_served_fi
         )
         box.clear()
 
-    monkeypatch.setattr(reload_module, "_release", release)
+    monkeypatch.setattr(reload_module, "release_policy", release)
     outcome = await PolicyReloader(target(), str(path), lambda: RUNNING).reload()
     gone = ["running.test"] if outcome.ok else ["pypi.org"]
     assert freed == [(gone, False, pytest.approx(PROMPT_SWITCH_INTERVAL), False)]

@@ -1,0 +1,206 @@
+"""The supervisor's pool of proxy workers, with real worker processes (mitmproxy and the addon on a loopback
+listener): the two-phase reload (all commit, or none has it), a dead worker restarted with the policy in force, what
+workers refuse, each worker's share of the caps."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import ipaddress
+import os
+import signal
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from airlock.audit import AuditLog
+from airlock.gateway.capacity import ConnectionCaps
+from airlock.gateway.config import GatewayConfig
+from airlock.gateway.proxy_runtime import _listen
+from airlock.gateway.worker import PolicyText
+from airlock.gateway.worker_channel import Channel, channel_pair, read_message
+from airlock.gateway.workers import (
+    BroadcastAnswers,
+    WorkerChannels,
+    WorkerPool,
+    WorkerSettings,
+    policy_refusals,
+    start_refusals,
+    worker_share,
+)
+from airlock.policy import LivePolicy, Policy, PolicyError, Sandbox, SandboxRegistry, parse_policy
+
+RUNNING = parse_policy("version: 1\nprofiles:\n  default:\n    allow:\n      - host: running.test\n", "running.yaml")
+NEXT = parse_policy("version: 1\nprofiles:\n  default:\n    allow:\n      - host: next.test\n", "next.yaml")
+# Lacks the profile the running sandbox uses: every worker refuses it.
+NO_DEFAULT = parse_policy(
+    "version: 1\ndefault_profile: other\nprofiles:\n  other:\n    allow:\n      - host: x.test\n", "other.yaml"
+)
+CAPS = ConnectionCaps(open_files=4096, total=1000, per_sandbox=400, tunnels=350, spliced=100)
+
+
+@dataclasses.dataclass
+class _Pool:
+    pool: WorkerPool
+    live: LivePolicy
+    port: int
+
+    async def hashes(self) -> list[object]:
+        await self.pool.refresh()
+        return [status["policy_hash"] for status in self.pool.status()]
+
+
+@pytest.fixture
+async def workers(tmp_path: Path) -> AsyncIterator[_Pool]:
+    listener = _listen("127.0.0.1", 0)
+    port = listener.getsockname()[1]
+    sandboxes = [Sandbox("sbx", "default", ipaddress.ip_network("127.0.0.0/8"))]
+    config = GatewayConfig(
+        policy=RUNNING, listen="127.0.0.1", proxy_port=port, transparent_port=0, dns_port=0, sandboxes=sandboxes,
+        upstream_dns=[("127.0.0.1", 9)], audit_path=str(tmp_path / "audit.jsonl"), workers=2,
+    )  # fmt: skip
+    live = LivePolicy(RUNNING, SandboxRegistry(sandboxes))
+    audit = AuditLog(tmp_path / "audit.jsonl")
+    channels = WorkerChannels()
+    settings = WorkerSettings(config, 2, worker_share(CAPS, 2), {}, str(tmp_path))
+    pool = WorkerPool(settings, channels, live, BroadcastAnswers(channels), audit)
+    await pool.start({f"regular@{port}": listener})
+    try:
+        yield _Pool(pool, live, port)
+    finally:
+        await pool.stop()
+        audit.close()
+        listener.close()
+
+
+async def test_a_reload_is_in_force_in_every_worker_once_it_returns(workers: _Pool) -> None:
+    assert await workers.hashes() == [RUNNING.hash, RUNNING.hash]
+    swapped: list[Policy] = []
+
+    def swap() -> None:
+        swapped.append(NEXT)
+        workers.live.replace(NEXT)
+
+    await workers.pool.put_in_force(NEXT, swap)
+    assert swapped == [NEXT]
+    assert await workers.hashes() == [NEXT.hash, NEXT.hash]
+
+
+async def test_a_policy_a_worker_refuses_is_in_force_nowhere(workers: _Pool) -> None:
+    swapped: list[Policy] = []
+    with pytest.raises(PolicyError) as refused:
+        await workers.pool.put_in_force(NO_DEFAULT, lambda: swapped.append(NO_DEFAULT))
+    errors = refused.value.errors
+    assert any(e.startswith("proxy worker 0: ") and "no profile 'default'" in e for e in errors), errors
+    assert any(e.startswith("proxy worker 1: ") for e in errors), errors
+    assert swapped == []  # the supervisor's own never swapped
+    assert await workers.hashes() == [RUNNING.hash, RUNNING.hash]
+    await workers.pool.put_in_force(NEXT, lambda: workers.live.replace(NEXT))  # the next good one goes in
+    assert await workers.hashes() == [NEXT.hash, NEXT.hash]
+
+
+async def test_a_policy_the_supervisor_refuses_after_the_workers_prepared_is_aborted_in_all(workers: _Pool) -> None:
+    def refuse() -> None:
+        raise PolicyError(["next.yaml: refused by the supervisor"])
+
+    with pytest.raises(PolicyError, match="refused by the supervisor"):
+        await workers.pool.put_in_force(NEXT, refuse)
+    assert await workers.hashes() == [RUNNING.hash, RUNNING.hash]
+
+
+async def test_a_killed_worker_is_restarted_with_the_policy_in_force_and_serves(workers: _Pool) -> None:
+    await workers.pool.put_in_force(NEXT, lambda: workers.live.replace(NEXT))
+    before = {w["index"]: w["pid"] for w in workers.pool.status()}
+    os.kill(int(str(before[0])), signal.SIGKILL)
+    async with asyncio.timeout(60):
+        while True:
+            now = {w["index"]: w["pid"] for w in workers.pool.status()}
+            if now[0] != before[0] and workers.pool.serving() == [0, 1]:
+                break
+            await asyncio.sleep(0.05)
+    assert now[1] == before[1]  # the other one was never touched
+    assert workers.pool.restarts == 1
+    assert await workers.hashes() == [NEXT.hash, NEXT.hash]
+    # It serves: a request through the shared listener is judged (next.yaml denies this host) by a worker.
+    reader, writer = await asyncio.open_connection("127.0.0.1", workers.port)
+    writer.write(b"GET http://denied.test/ HTTP/1.1\r\nHost: denied.test\r\nConnection: close\r\n\r\n")
+    status = await asyncio.wait_for(reader.readline(), 10)
+    writer.close()
+    assert status.startswith(b"HTTP/1.1 403")
+
+
+async def test_a_worker_dies_with_its_supervisors_channel(workers: _Pool) -> None:
+    # The supervisor's end gone (as when it dies): the worker exits at once, serving nothing.
+    worker = workers.pool.workers[1]
+    pid = worker.process.pid
+    workers.pool._stopping = True  # not restarted: this test watches it end
+    worker.channel.close()
+    async with asyncio.timeout(10):
+        code = await worker.process.wait()
+    assert code == 3, f"worker {pid} exited with {code}"
+
+
+def test_what_workers_refuse_is_named_in_one_line_each() -> None:
+    inspecting = parse_policy(
+        "version: 1\nprofiles:\n  default:\n    allow:\n      - host: api.test\n        inspect: true\n", "i.yaml"
+    )
+    asking = parse_policy("version: 1\nprofiles:\n  default:\n    on_unlisted: ask\n    allow: []\n", "a.yaml")
+    assert policy_refusals(RUNNING) == []
+    [inspection] = policy_refusals(inspecting)
+    assert "inspects api.test" in inspection and "--workers 1" in inspection
+    [held] = policy_refusals(asking)
+    assert "on_unlisted: ask" in held and "--workers 1" in held
+    config = GatewayConfig(policy=RUNNING, listen="127.0.0.1", close_denied_on_reload=True, workers=2)
+    assert start_refusals(config) == ["--close-denied-on-reload needs --workers 1 for now"]
+
+
+def test_each_worker_holds_its_share_of_the_caps_and_together_never_more() -> None:
+    for count in (2, 3, 8):
+        share = worker_share(CAPS, count)
+        assert share.total * count <= CAPS.total and share.per_sandbox * count <= CAPS.per_sandbox
+        assert share.tunnels * count <= CAPS.tunnels and share.spliced * count <= CAPS.spliced
+    tiny = worker_share(dataclasses.replace(CAPS, tunnels=1), 4)
+    assert tiny.tunnels == 1  # at least one each
+
+
+def test_a_worker_takes_a_policy_as_its_text_and_refuses_one_that_parses_to_another_hash() -> None:
+    text = PolicyText.of(NEXT)
+    assert text.parse().hash == NEXT.hash and text.text == NEXT.text
+    forged = dataclasses.replace(text, text=text.text.replace("next.test", "other.test"))
+    with pytest.raises(PolicyError, match="not as the validated"):
+        forged.parse()
+    with pytest.raises(PolicyError, match="no text to give the proxy workers"):
+        PolicyText.of(Policy(RUNNING.profiles, RUNNING.default_profile, "built.yaml"))
+
+
+async def test_a_policy_without_text_is_refused_by_the_pool_and_the_running_one_stays(workers: _Pool) -> None:
+    built = Policy(NEXT.profiles, NEXT.default_profile, "built.yaml")
+    with pytest.raises(PolicyError, match="no text to give the proxy workers"):
+        await workers.pool.put_in_force(built, lambda: workers.live.replace(built))
+    assert await workers.hashes() == [RUNNING.hash, RUNNING.hash]
+
+
+async def test_a_dns_answer_is_in_every_workers_channel_before_record_returns() -> None:
+    # The DNS server records an answer, then sends its reply: a worker that drains its channel before it names a
+    # connection knows every answer whose reply has left, whatever its loop has done meanwhile.
+    channels = WorkerChannels()
+    ends = []
+    for index in (0, 1):
+        ours, theirs = channel_pair()
+        channel = Channel(ours, lambda kind, body: None, lambda: None)
+        channel.attach(asyncio.get_running_loop())
+        channels.open[index] = channel
+        ends.append(theirs)
+    answers = BroadcastAnswers(channels)
+    address = ipaddress.ip_address("192.0.2.10")
+    answers.record("sbx", "ssh.allowed.test", [address], 30, 100.0)
+    for theirs in ends:
+        theirs.setblocking(False)  # no waiting: the packet is there already, or the test fails
+        assert read_message(theirs) == ("answer", ("sbx", "ssh.allowed.test", [address], 30, 100.0))
+    assert answers.names("sbx", address, 101.0) == ["ssh.allowed.test"]  # the supervisor's own copy, for later ones
+    assert [(s, n, a) for s, n, a, _ in answers.entries(101.0)] == [("sbx", "ssh.allowed.test", address)]
+    for channel in channels.open.values():
+        channel.close()
+    for theirs in ends:
+        theirs.close()
