@@ -262,7 +262,7 @@ def gateway_config(args: argparse.Namespace, policy: Policy, listen: str, sandbo
 def worker_count(text: str) -> int:
     """`--workers`: a count of at least 1, or `auto` (the CPUs, capped)."""
     if text == "auto":
-        from airlock.gateway.workers import auto_workers
+        from airlock.gateway.worker_terms import auto_workers
 
         return auto_workers()
     if not text.isdigit() or not 1 <= int(text) <= 256:

@@ -278,7 +278,7 @@ class Gateway:
         if problems := parts.live.refusals(policy):  # before the inspection follows it: nothing of it then
             raise PolicyError(problems)
         if parts.workers is not None:
-            from airlock.gateway.workers import policy_refusals
+            from airlock.gateway.worker_terms import policy_refusals
 
             if problems := policy_refusals(policy):
                 raise PolicyError(problems)

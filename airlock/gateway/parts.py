@@ -38,7 +38,8 @@ if TYPE_CHECKING:
     from airlock.gateway.broker_relay import BrokerRelay
     from airlock.gateway.broker_runtime import BrokerRuntime
     from airlock.gateway.metrics import MetricsSnapshot
-    from airlock.gateway.workers import WorkerChannels, WorkerPool
+    from airlock.gateway.worker_terms import WorkerChannels
+    from airlock.gateway.workers import WorkerPool
 
 
 @dataclass(frozen=True)
@@ -158,7 +159,7 @@ def _worker_channels(config: GatewayConfig) -> WorkerChannels | None:
     """With N > 1 workers, their channels (none yet); GatewayError for what workers cannot do yet."""
     if config.workers <= 1:
         return None
-    from airlock.gateway.workers import WorkerChannels, start_refusals
+    from airlock.gateway.worker_terms import WorkerChannels, start_refusals
 
     if problems := start_refusals(config):
         raise GatewayError(f"--workers {config.workers}: " + "; ".join(problems))
@@ -166,7 +167,7 @@ def _worker_channels(config: GatewayConfig) -> WorkerChannels | None:
 
 
 def _broadcast_answers(channels: WorkerChannels) -> AnsweredAddresses:
-    from airlock.gateway.workers import BroadcastAnswers
+    from airlock.gateway.worker_terms import BroadcastAnswers
 
     return BroadcastAnswers(channels)
 
@@ -181,7 +182,8 @@ def _worker_pool(
     answered: AnsweredAddresses,
     audit: AuditLog,
 ) -> WorkerPool:
-    from airlock.gateway.workers import WorkerPool, WorkerSettings, worker_share
+    from airlock.gateway.worker_terms import worker_share
+    from airlock.gateway.workers import WorkerPool, WorkerSettings
 
     settings = WorkerSettings(config, config.workers, worker_share(caps, config.workers), secrets, str(state))
     return WorkerPool(settings, channels, live, answered, audit)

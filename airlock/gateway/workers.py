@@ -10,9 +10,10 @@ new connections would wait in its own socket's backlog until it is back (a secon
 where a shared socket's are taken by the workers still alive. Each worker accepts one connection per wake-up
 (`ProxyRuntime.serve`), so a burst is spread too; bench/README.md has the balance measured both ways.
 
-Split between the workers: the connection caps, each worker holding its share (`worker_share`: the cap divided by
-N, at least 1), so that together they never pass the cap (a sandbox's tunnels may be refused by one worker while
-another has room: its 429 says it is this worker's share). Shared: everything else, through the channel:
+Split between the workers: the connection caps, each worker holding its share (`worker_share` in
+`airlock.gateway.worker_terms`: the cap divided by N, at least 1), so that together they never pass the cap (a
+sandbox's tunnels may be refused by one worker while another has room: its 429 says it is this worker's share).
+Shared: everything else, through the channel:
 - DNS answers: the supervisor's DNS server records each answer (`BroadcastAnswers.record`), which sends it to every
   worker before the reply is sent; a worker drains its channel before naming a connection that has none. (Only a
   worker that has not read its channel for so long that it is full gets an answer after the reply: a connection
@@ -27,9 +28,9 @@ another has room: its 429 says it is this worker's share). Shared: everything el
   prometheus-client's multiprocess mode would put a lock and a memory-mapped file write on every count, the cost
   they were made to avoid) are asked for over the channel at each scrape, and once a second, and added in.
 
-Not across workers yet (refused at start, and a reload that brings one in is refused: `start_refusals`,
-`policy_refusals`): inspection (the gateway CA, its generations and the broker's git read tokens live in one
-process), holding requests for a person (`on_unlisted: ask`), `--close-denied-on-reload`.
+Not across workers yet (refused at start, and a reload that brings one in is refused: `start_refusals` and
+`policy_refusals`, beside `worker_share`): inspection (the gateway CA, its generations and the broker's git read
+tokens live in one process), holding requests for a person (`on_unlisted: ask`), `--close-denied-on-reload`.
 
 A worker that dies is restarted (a warning in the log says so); only the connections it held are lost. SIGTERM stops
 every worker; a worker never outlives the supervisor (`airlock.gateway.worker`)."""
@@ -57,11 +58,11 @@ from airlock.gateway.errors import GatewayError
 from airlock.gateway.metrics import MetricsSnapshot
 from airlock.gateway.worker import STAND_IN, PolicyText, WorkerStart
 from airlock.gateway.worker_channel import JSON, PICKLED, Channel, channel_pair
-from airlock.policy import IPAddress, LivePolicy, Policy, PolicyError
+from airlock.gateway.worker_terms import WorkerChannels
+from airlock.policy import LivePolicy, Policy, PolicyError
 
 log = logging.getLogger("airlock.gateway")
 
-MAX_AUTO_WORKERS = 8  # `--workers auto`: the CPUs, at most this many
 READY_TIMEOUT = 60.0  # seconds for a worker to serve (a fresh interpreter importing mitmproxy)
 PREPARE_TIMEOUT = 60.0  # seconds for every worker to parse and check a reload (100,000 rules: about a second)
 COMMIT_TIMEOUT = 10.0
@@ -69,70 +70,6 @@ SNAPSHOT_TIMEOUT = 5.0
 SNAPSHOT_INTERVAL = 1.0
 STOP_TIMEOUT = 10.0
 RESTART_DELAYS = (0.1, 0.5, 1.0, 2.0, 5.0)  # before each restart in a row of failed ones
-
-
-def auto_workers() -> int:
-    """`--workers auto`: the CPUs this process may run on, at most MAX_AUTO_WORKERS."""
-    return max(1, min(MAX_AUTO_WORKERS, len(os.sched_getaffinity(0))))
-
-
-def policy_refusals(policy: Policy) -> list[str]:
-    """What a policy asks that proxy workers cannot do yet: each one line, naming the feature."""
-    problems = []
-    if hosts := sorted(policy.inspected_hosts()):
-        more = f" and {len(hosts) - 3} more" if len(hosts) > 3 else ""
-        problems.append(
-            f"{policy.source}: inspects {', '.join(hosts[:3])}{more} (inspect: true), which needs --workers 1 for "
-            "now: the gateway CA lives in one process"
-        )
-    if asks := sorted(name for name, profile in policy.profiles.items() if profile.on_unlisted == "ask"):
-        problems.append(
-            f"{policy.source}: profile {', '.join(asks)} holds unlisted requests for a person (on_unlisted: ask), "
-            "which needs --workers 1 for now"
-        )
-    return problems
-
-
-def start_refusals(config: GatewayConfig) -> list[str]:
-    """What `--workers N` (N > 1) cannot do yet with this configuration, each one line."""
-    problems = ["--close-denied-on-reload needs --workers 1 for now"] if config.close_denied_on_reload else []
-    return problems + policy_refusals(config.policy)
-
-
-def worker_share(caps: ConnectionCaps, count: int) -> ConnectionCaps:
-    """Each worker's share of the caps: together the workers never pass them."""
-    return dataclasses.replace(
-        caps,
-        total=max(1, caps.total // count),
-        per_sandbox=max(1, caps.per_sandbox // count),
-        tunnels=max(1, caps.tunnels // count),
-        spliced=max(1, caps.spliced // count) if caps.spliced else 0,
-    )
-
-
-class WorkerChannels:
-    """The channels of the workers that run now, by index: what the supervisor's DNS answers go out through."""
-
-    def __init__(self) -> None:
-        self.open: dict[int, Channel] = {}
-
-    def broadcast(self, kind: str, body: object = None) -> None:
-        for channel in list(self.open.values()):
-            channel.send(kind, body)
-
-
-class BroadcastAnswers(AnsweredAddresses):
-    """The DNS server's record of its answers (the supervisor's copy, for workers started later), each also sent to
-    every worker as it is recorded: before the DNS reply leaves."""
-
-    def __init__(self, channels: WorkerChannels) -> None:
-        super().__init__()
-        self.channels = channels
-
-    def record(self, sandbox: str, name: str, addresses: Iterable[IPAddress], ttl: float, now: float) -> None:
-        addresses = list(addresses)
-        super().record(sandbox, name, addresses, ttl, now)
-        self.channels.broadcast("answer", (sandbox, name, addresses, ttl, now))
 
 
 @dataclass

@@ -1,0 +1,81 @@
+"""The terms of a gateway with proxy workers (`airlock.gateway.workers`): how many `--workers auto` means, what a
+configuration or a policy asks that workers cannot do yet (each refused in one line), each worker's share of the
+connection caps, and the DNS answers sent to every worker as they are recorded."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Iterable
+
+from airlock.dns.answered import AnsweredAddresses
+from airlock.gateway.capacity import ConnectionCaps
+from airlock.gateway.config import GatewayConfig
+from airlock.gateway.worker_channel import Channel
+from airlock.policy import IPAddress, Policy
+
+MAX_AUTO_WORKERS = 8  # `--workers auto`: the CPUs, at most this many
+
+
+def auto_workers() -> int:
+    """`--workers auto`: the CPUs this process may run on, at most MAX_AUTO_WORKERS."""
+    return max(1, min(MAX_AUTO_WORKERS, len(os.sched_getaffinity(0))))
+
+
+def policy_refusals(policy: Policy) -> list[str]:
+    """What a policy asks that proxy workers cannot do yet: each one line, naming the feature."""
+    problems = []
+    if hosts := sorted(policy.inspected_hosts()):
+        more = f" and {len(hosts) - 3} more" if len(hosts) > 3 else ""
+        problems.append(
+            f"{policy.source}: inspects {', '.join(hosts[:3])}{more} (inspect: true), which needs --workers 1 for "
+            "now: the gateway CA lives in one process"
+        )
+    if asks := sorted(name for name, profile in policy.profiles.items() if profile.on_unlisted == "ask"):
+        problems.append(
+            f"{policy.source}: profile {', '.join(asks)} holds unlisted requests for a person (on_unlisted: ask), "
+            "which needs --workers 1 for now"
+        )
+    return problems
+
+
+def start_refusals(config: GatewayConfig) -> list[str]:
+    """What `--workers N` (N > 1) cannot do yet with this configuration, each one line."""
+    problems = ["--close-denied-on-reload needs --workers 1 for now"] if config.close_denied_on_reload else []
+    return problems + policy_refusals(config.policy)
+
+
+def worker_share(caps: ConnectionCaps, count: int) -> ConnectionCaps:
+    """Each worker's share of the caps: together the workers never pass them."""
+    return dataclasses.replace(
+        caps,
+        total=max(1, caps.total // count),
+        per_sandbox=max(1, caps.per_sandbox // count),
+        tunnels=max(1, caps.tunnels // count),
+        spliced=max(1, caps.spliced // count) if caps.spliced else 0,
+    )
+
+
+class WorkerChannels:
+    """The channels of the workers that run now, by index: what the supervisor's DNS answers go out through."""
+
+    def __init__(self) -> None:
+        self.open: dict[int, Channel] = {}
+
+    def broadcast(self, kind: str, body: object = None) -> None:
+        for channel in list(self.open.values()):
+            channel.send(kind, body)
+
+
+class BroadcastAnswers(AnsweredAddresses):
+    """The DNS server's record of its answers (the supervisor's copy, for workers started later), each also sent to
+    every worker as it is recorded: before the DNS reply leaves."""
+
+    def __init__(self, channels: WorkerChannels) -> None:
+        super().__init__()
+        self.channels = channels
+
+    def record(self, sandbox: str, name: str, addresses: Iterable[IPAddress], ttl: float, now: float) -> None:
+        addresses = list(addresses)
+        super().record(sandbox, name, addresses, ttl, now)
+        self.channels.broadcast("answer", (sandbox, name, addresses, ttl, now))
