@@ -28,13 +28,13 @@ from airlock.gateway.config import GatewayConfig
 from airlock.gateway.errors import GatewayError
 from airlock.gateway.metrics_endpoint import MetricsEndpoint, ScrapedState
 from airlock.gateway.parts import GatewayParts, build_parts
+from airlock.gateway.policy_change import PolicyChange
 from airlock.gateway.reload import PolicyReloader, Reloaded, ReloadTeller
 from airlock.gateway.startup.preload import loaded, preload_admin, preload_proxy
 from airlock.gateway.status_report import gateway_status, readiness
 from airlock.inspection.inspector import Inspector
 from airlock.policy import LivePolicy, Policy, PolicyError, format_host_port
 from airlock.sandbox.fence import mark_listeners
-from airlock.sandbox.reach import policy_files
 
 if TYPE_CHECKING:
     from airlock.broker.service import Broker
@@ -57,6 +57,7 @@ class Gateway:
         self.tell_reload = ReloadTeller(tell if config.tell_reloads else None)  # how each reload is told
         # Reloads read the file the first policy came from, off the event loop (airlock/gateway/reload.py).
         after = [lambda policy: self.close_denied_tunnels()] if config.close_denied_on_reload else []
+        self.policies = PolicyChange(config, parts, lambda: self._in_force)
         self.reloader = PolicyReloader(self, config.policy.source, self._policy, after, self.put_in_force)
         self.started_at = time.time()
         counts = proxy.counts if parts.workers is None else parts.workers.counts
@@ -126,7 +127,7 @@ class Gateway:
         config, parts = self.config, self.parts
         self._in_force = True
         try:
-            self._prepare_inspection(config.policy)
+            self.policies.prepare_inspection(config.policy)
         except PolicyError as e:
             raise GatewayError("; ".join(e.errors)) from e
         except AirlockError as e:  # a CA that cannot be written
@@ -230,72 +231,13 @@ class Gateway:
                 workers.audit_state(audit.failure)  # they deny while it cannot be written, as this process does
 
     def replace_policy(self, policy: Policy) -> None:
-        """Swap in a new, already validated policy for proxy, DNS and broker at once (the one place it is swapped);
-        connections already open keep the decision they had, replies the DNS server remembered are forgotten.
-
-        A policy without a profile that a running sandbox uses would fail its every request and DNS query, and
-        one whose declared tools the broker cannot serve (a secret it was not given) would fail their calls:
-        PolicyError, and the running policy stays. The declared tools follow the policy in force."""
-        if self.parts.workers is not None:
-            raise GatewayError("with proxy workers a policy is put in force by a reload (put_in_force), in each")
-        running = self._running_hash()
-        try:
-            self._check(policy)
-            self._swap(policy)
-        except PolicyError as e:
-            self.parts.auditing.policy_refused(policy.source, e.errors, refused_hash=policy.hash)
-            raise
-        self.parts.auditing.policy_loaded(policy, running)
+        """Swap in a new, already validated policy for proxy, DNS and broker at once (airlock/gateway/policy_change.py);
+        PolicyError, and the running policy stays, for one that cannot be put in force here."""
+        self.policies.replace(policy)
 
     async def put_in_force(self, policy: Policy) -> None:
-        """What a reload does with the policy it loaded: `replace_policy`; with workers, in two phases (every worker
-        prepares it, then this process and every worker swap: airlock/gateway/workers.py), audited once all have."""
-        workers = self.parts.workers
-        if workers is None:
-            self.replace_policy(policy)
-            return
-        running = self._running_hash()
-        try:
-            self._check(policy)
-            await workers.put_in_force(policy, lambda: self._swap(policy))
-        except PolicyError as e:
-            self.parts.auditing.policy_refused(policy.source, e.errors, refused_hash=policy.hash)
-            raise
-        self.parts.auditing.policy_loaded(policy, running)
-
-    def _running_hash(self) -> str:
-        if not self._in_force:
-            raise GatewayError("the gateway has not started: no policy to replace")
-        return self.parts.live.current.policy.hash
-
-    def _check(self, policy: Policy) -> None:
-        """PolicyError for what keeps `policy` from being put in force here (nothing of it is in force yet)."""
-        parts, reach = self.parts, self.config.sandbox_reach
-        if reach is not None and (problems := reach.problems(policy_files(policy))):
-            raise PolicyError(problems)  # a file it names could be the sandbox's (airlock/sandbox/reach.py)
-        if parts.broker is not None and (problems := parts.broker.problems(policy)):
-            raise PolicyError(problems)  # e.g. a declared tool naming a secret the gateway was not given
-        if problems := parts.live.refusals(policy):  # before the inspection follows it: nothing of it then
-            raise PolicyError(problems)
-        if parts.workers is not None:
-            from airlock.gateway.worker_terms import policy_refusals
-
-            if problems := policy_refusals(policy):
-                raise PolicyError(problems)
-
-    def _swap(self, policy: Policy) -> None:
-        self._prepare_inspection(policy)
-        self.parts.live.replace(policy)
-
-    def _prepare_inspection(self, policy: Policy) -> None:
-        """Ready what the policy's inspected rules need before it is in force: a CA that permits their hosts, the
-        secrets they inject (PolicyError: one the gateway was not given)."""
-        inspector: Inspector = self.parts.inspector
-        if problems := inspector.problems(policy):
-            raise PolicyError(problems)
-        inspector.apply(policy)
-        if (shared := self.shared) is not None:
-            shared.inject(inspector.injected(policy))
+        """What a reload does with the policy it loaded: `replace_policy`; with workers, in two phases."""
+        await self.policies.put_in_force(policy)
 
     def policy_refused(self, source: str, errors: list[str]) -> None:
         """Audit a policy file that did not load (the running policy stays)."""
