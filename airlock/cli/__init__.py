@@ -45,6 +45,15 @@ class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
         self.exit(EXIT_USAGE, f"airlock: {message} (see {self.prog} --help)\n")
 
+    def parse_command(self, argv: Sequence[str]) -> argparse.Namespace:
+        """`parse_args`, but an option no parser knows points at the help of the command it was given to: argparse
+        leaves unknown options to the top parser, which would point at `airlock --help`."""
+        args, extras = self.parse_known_args(argv)
+        if extras:
+            where = f"{self.prog} {args.command}" if getattr(args, "command", None) else self.prog
+            self.exit(EXIT_USAGE, f"airlock: unrecognized arguments: {' '.join(extras)} (see {where} --help)\n")
+        return args
+
 
 class _Version(argparse.Action):
     """`--version`, read from the installed package's metadata only when asked."""
@@ -62,7 +71,7 @@ class _Version(argparse.Action):
         parser.exit()
 
 
-def build_parser(groups: Iterable[str] = GROUPS) -> argparse.ArgumentParser:
+def build_parser(groups: Iterable[str] = GROUPS) -> _Parser:
     """The parser, with the arguments of `groups` (every group by default; the others are listed, not loaded)."""
     parser = _Parser(prog="airlock", description=__doc__.split("\n\n")[0])
     parser.add_argument("-v", "--verbose", action="store_true")
@@ -118,7 +127,7 @@ def _main(argv: list[str]) -> int:
     verbose = "-v" in argv[:1] or "--verbose" in argv[:1]
     args = None
     try:
-        args = build_parser(_group(argv)).parse_args(argv)
+        args = build_parser(_group(argv)).parse_command(argv)
         verbose = args.verbose
         import logging  # only now: `--help` and a bad argument need none of it
 

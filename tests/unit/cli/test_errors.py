@@ -188,8 +188,21 @@ def test_ctrl_c_and_the_unforeseen_are_one_line_too(
         (["run", "--cpus", "x", "--", "true"], "airlock: argument --cpus: invalid float value: 'x' (see airlock run"),
         (["token", "issue", "--sandbox"], "airlock: argument --sandbox: expected one argument (see airlock token"),
         (["approvals", "approve"], "airlock: the following arguments are required: ID (see airlock approvals approve"),
+        (["status", "--bogus"], "airlock: unrecognized arguments: --bogus (see airlock status --help)"),
+        (
+            ["token", "issue", "--sandbox", "s", "--grant", "g", "--bogus"],
+            "airlock: unrecognized arguments: --bogus (see airlock token --help)",
+        ),
     ],
-    ids=["no-command", "unknown-command", "bad-float", "missing-value", "missing-positional"],
+    ids=[
+        "no-command",
+        "unknown-command",
+        "bad-float",
+        "missing-value",
+        "missing-positional",
+        "unknown-option",
+        "unknown-option-deeper",
+    ],
 )
 def test_a_usage_error_is_one_line_that_points_at_help(
     capsys: pytest.CaptureFixture[str], argv: list[str], says: str
