@@ -504,15 +504,14 @@ def test_the_other_sandbox_check_fails_on_its_canary_read_and_errs_without_the_s
     assert (missing.result, missing.evidence) == ("error", "the second sandbox did not run")
 
 
-def test_the_placeholder_check_needs_an_inspected_host_that_does_not_inject_the_secret():
+def test_the_placeholder_check_needs_an_inspected_host_that_does_not_inject_the_secret(tmp_path: Path):
     inspected = parse_policy(
         "version: 1\nprofiles:\n  default:\n    allow:\n      - host: pypi.org\n      - host: api.model.example\n"
         "        inspect: true\n      - host: files.pythonhosted.org\n      - host: github.com\n"
     )
     assert targets(inspected.profile()).inspected == "api.model.example"
     plain = targets(load_policy_file(None).profile())
-    outcome = judge(BY_ID["placeholder-elsewhere"], Evidence(**{**_holding(Path("/nonexistent")).__dict__,
-                                                                "targets": plain}))  # fmt: skip
+    outcome = judge(BY_ID["placeholder-elsewhere"], Evidence(**{**_holding(tmp_path).__dict__, "targets": plain}))
     assert plain.inspected is None and outcome.result == "n/a" and "inspects no allowed host" in outcome.evidence
 
 
