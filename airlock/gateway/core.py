@@ -56,7 +56,7 @@ class Gateway:
         self._flusher: asyncio.Task[None] | None = None
         self.tell_reload = ReloadTeller(tell if config.tell_reloads else None)  # how each reload is told
         # Reloads read the file the first policy came from, off the event loop (airlock/gateway/reload.py).
-        after = [lambda policy: self.close_denied_tunnels()] if config.close_denied_on_reload else []
+        after = [lambda policy: self.close_denied_everywhere()] if config.close_denied_on_reload else []
         self.reloader = PolicyReloader(self, config.policy.source, self._policy, after, self.put_in_force)
         self.started_at = time.time()
         counts = proxy.counts if parts.workers is None else parts.workers.counts
@@ -315,6 +315,16 @@ class Gateway:
     def close_denied_tunnels(self) -> int:
         """Close the open tunnels the policy in force denies; how many."""
         return self.parts.proxy.close_denied_tunnels()
+
+    async def close_denied_everywhere(self) -> int:
+        """`--close-denied-on-reload`, once a reload is in force: the open tunnels it denies closed here, or in every
+        worker (each through the same code, its count added up here); how many, logged. Each closed tunnel's audit
+        line says why it was closed."""
+        workers = self.parts.workers
+        closed = self.close_denied_tunnels() if workers is None else await workers.close_denied_tunnels()
+        if closed:
+            log.info("closed %d open tunnel%s the reloaded policy denies", closed, "" if closed == 1 else "s")
+        return closed
 
     def _policy(self) -> Policy | None:
         return self.parts.live.current.policy if self._in_force else None

@@ -226,6 +226,8 @@ class Worker:
             return None
         if what == "snapshot":
             return self.snapshot()
+        if what == "close_denied":  # --close-denied-on-reload, once every worker has committed the reload
+            return self.proxy.close_denied_tunnels()
         raise ValueError(f"unknown request {what!r}")
 
     async def _prepare(self, generation: int, text: PolicyText) -> list[str]:

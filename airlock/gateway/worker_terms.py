@@ -41,8 +41,7 @@ def policy_refusals(policy: Policy) -> list[str]:
 
 def start_refusals(config: GatewayConfig) -> list[str]:
     """What `--workers N` (N > 1) cannot do yet with this configuration, each one line."""
-    problems = ["--close-denied-on-reload needs --workers 1 for now"] if config.close_denied_on_reload else []
-    return problems + policy_refusals(config.policy)
+    return policy_refusals(config.policy)
 
 
 def worker_share(caps: ConnectionCaps, count: int) -> ConnectionCaps:

@@ -23,6 +23,8 @@ Shared: everything else, through the channel:
   answer) from any aborts the reload for all, the running policy staying; else the supervisor swaps its own,
   every worker swaps (`commit`), and only then is the reload audited and answered. Every request line carries the
   hash of the policy that judged it;
+- `--close-denied-on-reload`: once every worker has committed a reload, each closes its open tunnels the new
+  policy denies (`close_denied_tunnels`), and the supervisor adds up how many;
 - the audit: lines encoded in the workers, written whole here; the audit log's failure sent to every worker;
 - metrics and status: each worker's counters (the same lock-free, in-process ones as a single gateway's:
   prometheus-client's multiprocess mode would put a lock and a memory-mapped file write on every count, the cost
@@ -30,7 +32,7 @@ Shared: everything else, through the channel:
 
 Not across workers yet (refused at start, and a reload that brings one in is refused: `start_refusals` and
 `policy_refusals`, beside `worker_share`): inspection (the gateway CA, its generations and the broker's git read
-tokens live in one process), holding requests for a person (`on_unlisted: ask`), `--close-denied-on-reload`.
+tokens live in one process), holding requests for a person (`on_unlisted: ask`).
 
 A worker that dies is restarted (a warning in the log says so); only the connections it held are lost. SIGTERM stops
 every worker; a worker never outlives the supervisor (`airlock.gateway.worker`)."""
@@ -293,6 +295,21 @@ class WorkerPool:
                     log.error("proxy worker %d did not commit the reload (%s): restarting it", worker.index, answer)
                     worker.process.kill()
 
+    async def close_denied_tunnels(self) -> int:
+        """`--close-denied-on-reload`: every serving worker closes its open tunnels the policy now in force denies
+        (`ProxyRuntime.close_denied_tunnels`, as a single gateway does); how many, over all of them."""
+        workers = [self.workers[i] for i in self.serving()]
+        closed = 0
+        for worker, answer in zip(workers, await self._ask(workers, "close_denied", None, COMMIT_TIMEOUT), strict=True):
+            if isinstance(answer, int) and not isinstance(answer, bool):
+                closed += answer
+            elif not isinstance(answer, ConnectionError):  # (one that ended is restarted, with no tunnel open)
+                # It went wrong or did not answer: its tunnels cannot be vouched for, so they end with it.
+                log.error("proxy worker %d did not close its denied tunnels (%s): restarting it", worker.index, answer)
+                if worker.channel.open:
+                    worker.process.kill()
+        return closed
+
     def audit_state(self, failure: str | None) -> None:
         """Tell every worker when the audit log stops (or starts again) being writable: they deny while it cannot."""
         if failure != self._audit_failure:
@@ -347,6 +364,7 @@ class WorkerPool:
             {
                 "index": w.index, "pid": w.process.pid, "serving": w.channel.open and w.ready.done(),
                 "policy_hash": (w.snapshot or {}).get("policy_hash"),
+                "tunnels": sum((w.snapshot or {}).get("counts", {}).get("tunnels", {}).values()),
             }
             for w in sorted(self.workers.values(), key=lambda w: w.index)
         ]  # fmt: skip
