@@ -17,6 +17,7 @@ import contextlib
 import gc
 import logging
 import time
+from collections.abc import Awaitable
 from typing import TYPE_CHECKING, Any
 
 from airlock.errors import AirlockError
@@ -301,11 +302,20 @@ class Gateway:
         """Audit a policy file that did not load (the running policy stays)."""
         self.parts.auditing.policy_refused(source, errors)
 
-    def _put_approved(self, policy: Policy) -> None:
-        """A policy an approval wrote (`--scope policy`) put in force, and told as a reload of its file is."""
+    def _put_approved(self, policy: Policy) -> Awaitable[None] | None:
+        """A policy an approval wrote (`--scope policy`) put in force, and told as a reload of its file is; with
+        proxy workers, in each (the awaitable returned)."""
         previous = self._policy()
+        reloaded = Reloaded(policy.source, policy.hash, previous.hash if previous is not None else None)
+        if self.parts.workers is not None:
+            return self._put_approved_everywhere(policy, reloaded)
         self.replace_policy(policy)
-        self.tell_reload.approved(Reloaded(policy.source, policy.hash, previous.hash if previous is not None else None))
+        self.tell_reload.approved(reloaded)
+        return None
+
+    async def _put_approved_everywhere(self, policy: Policy, reloaded: Reloaded) -> None:
+        await self.put_in_force(policy)
+        self.tell_reload.approved(reloaded)
 
     async def reload_policy(self) -> Reloaded:
         """Load the policy file again, off the event loop, and put it in force; a file that does not load (or lacks

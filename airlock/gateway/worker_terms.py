@@ -1,16 +1,19 @@
 """The terms of a gateway with proxy workers (`airlock.gateway.workers`): how many `--workers auto` means, what a
 configuration or a policy asks that workers cannot do yet (each refused in one line), each worker's share of the
-connection caps, and the DNS answers sent to every worker as they are recorded."""
+connection caps, the DNS answers sent to every worker as they are recorded, and the workers' counters added up (from
+the snapshots each sends as JSON: `airlock.gateway.worker.Worker.snapshot`)."""
 
 from __future__ import annotations
 
 import dataclasses
 import os
 from collections.abc import Iterable
+from typing import Any
 
 from airlock.dns.answered import AnsweredAddresses
 from airlock.gateway.capacity import ConnectionCaps
 from airlock.gateway.config import GatewayConfig
+from airlock.gateway.metrics import MetricsSnapshot
 from airlock.gateway.worker_channel import Channel
 from airlock.policy import IPAddress, Policy
 
@@ -30,11 +33,6 @@ def policy_refusals(policy: Policy) -> list[str]:
         problems.append(
             f"{policy.source}: inspects {', '.join(hosts[:3])}{more} (inspect: true), which needs --workers 1 for "
             "now: the gateway CA lives in one process"
-        )
-    if asks := sorted(name for name, profile in policy.profiles.items() if profile.on_unlisted == "ask"):
-        problems.append(
-            f"{policy.source}: profile {', '.join(asks)} holds unlisted requests for a person (on_unlisted: ask), "
-            "which needs --workers 1 for now"
         )
     return problems
 
@@ -78,3 +76,33 @@ class BroadcastAnswers(AnsweredAddresses):
         addresses = list(addresses)
         super().record(sandbox, name, addresses, ttl, now)
         self.channels.broadcast("answer", (sandbox, name, addresses, ttl, now))
+
+
+def added_metrics(snapshots: Iterable[dict[str, Any]]) -> list[MetricsSnapshot]:
+    """Each worker's metric families, their JSON made tuples again (GatewayMetrics adds them in)."""
+    return [
+        [
+            {tuple(key): value if isinstance(value, int | float) else (value[0], value[1]) for key, value in family}
+            for family in snapshot["metrics"]
+        ]
+        for snapshot in snapshots
+    ]
+
+
+def added_counts(snapshots: Iterable[dict[str, Any]], which: str) -> dict[str, int]:
+    """Open `tunnels`, `connections` or `upstreams` per sandbox, over every worker."""
+    total: dict[str, int] = {}
+    for snapshot in snapshots:
+        for sandbox, n in snapshot["counts"][which].items():
+            total[sandbox] = total.get(sandbox, 0) + n
+    return total
+
+
+def added_decisions(snapshots: Iterable[dict[str, Any]]) -> dict[str, dict[str, int]]:
+    """Audit lines the workers wrote, by kind and decision."""
+    total: dict[str, dict[str, int]] = {}
+    for snapshot in snapshots:
+        for kind, decisions in snapshot["decisions"].items():
+            for decision, n in decisions.items():
+                total.setdefault(kind, {})[decision] = total.setdefault(kind, {}).get(decision, 0) + n
+    return total

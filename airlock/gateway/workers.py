@@ -25,6 +25,8 @@ Shared: everything else, through the channel:
   hash of the policy that judged it;
 - `--close-denied-on-reload`: once every worker has committed a reload, each closes its open tunnels the new
   policy denies (`close_denied_tunnels`), and the supervisor adds up how many;
+- approvals: what a worker's addon holds for a person is held by the supervisor's desk, the worker's request
+  released with its decision (`airlock.gateway.worker_approvals`; a malformed request stops the worker);
 - the audit: lines encoded in the workers, written whole here; the audit log's failure sent to every worker;
 - metrics and status: each worker's counters (the same lock-free, in-process ones as a single gateway's:
   prometheus-client's multiprocess mode would put a lock and a memory-mapped file write on every count, the cost
@@ -32,7 +34,7 @@ Shared: everything else, through the channel:
 
 Not across workers yet (refused at start, and a reload that brings one in is refused: `start_refusals` and
 `policy_refusals`, beside `worker_share`): inspection (the gateway CA, its generations and the broker's git read
-tokens live in one process), holding requests for a person (`on_unlisted: ask`).
+tokens and the injected secrets live in one process).
 
 A worker that dies is restarted (a warning in the log says so); only the connections it held are lost. SIGTERM stops
 every worker; a worker never outlives the supervisor (`airlock.gateway.worker`)."""
@@ -59,8 +61,9 @@ from airlock.gateway.config import GatewayConfig
 from airlock.gateway.errors import GatewayError
 from airlock.gateway.metrics import MetricsSnapshot
 from airlock.gateway.worker import STAND_IN, PolicyText, WorkerStart
+from airlock.gateway.worker_approvals import ApprovalRequest, WorkerApprovals
 from airlock.gateway.worker_channel import JSON, PICKLED, Channel, channel_pair
-from airlock.gateway.worker_terms import WorkerChannels
+from airlock.gateway.worker_terms import WorkerChannels, added_counts, added_decisions, added_metrics
 from airlock.policy import LivePolicy, Policy, PolicyError
 
 log = logging.getLogger("airlock.gateway")
@@ -81,6 +84,7 @@ class _Worker:
     channel: Channel
     ready: asyncio.Future[int]  # its pid, once it serves
     waiting: dict[int, asyncio.Future[Any]] = field(default_factory=dict)  # asks by id
+    held: set[asyncio.Task[None]] = field(default_factory=set)  # its requests the approvals desk holds
     snapshot: dict[str, Any] | None = None
 
 
@@ -103,8 +107,10 @@ class WorkerPool:
         live: LivePolicy,
         answered: AnsweredAddresses,
         audit: AuditLog,
+        approvals: WorkerApprovals | None = None,
     ) -> None:
         self.settings, self.channels, self.live, self.answered, self.audit = settings, channels, live, answered, audit
+        self.approvals = approvals  # the supervisor's desk, which holds what a worker's addon asks (None: denied)
         self.workers: dict[int, _Worker] = {}
         self.restarts = 0
         self._listeners: dict[str, socket.socket] = {}
@@ -190,6 +196,12 @@ class WorkerPool:
             waiter = worker.waiting.pop(ask, None)
             if waiter is not None and not waiter.done():
                 waiter.set_result(result)
+        elif kind == "approval":
+            request = ApprovalRequest.read(body)
+            if self.approvals is None:
+                worker.channel.send("approval", (request.ask, request.decision))
+            else:
+                self.approvals.hold(worker.channel, request, worker.held)
         elif kind == "ready":
             if not worker.ready.done():
                 worker.ready.set_result(body)
@@ -203,6 +215,8 @@ class WorkerPool:
             if not waiter.done():
                 waiter.set_exception(closed)
         worker.waiting.clear()
+        for task in list(worker.held):
+            task.cancel()  # its requests leave the desk's entries (which stay listed until answered or timed out)
         if not worker.ready.done():
             worker.ready.set_exception(GatewayError(f"proxy worker {worker.index} ended before it served"))
             worker.ready.exception()  # seen: whoever waits on it is told
@@ -332,31 +346,16 @@ class WorkerPool:
         return [w.snapshot for i in self.serving() if (w := self.workers[i]).snapshot is not None]
 
     def metrics(self) -> list[MetricsSnapshot]:
-        """The workers' latest metric snapshots (GatewayMetrics adds them in), their JSON made tuples again."""
-        return [
-            [
-                {tuple(key): value if isinstance(value, int | float) else (value[0], value[1]) for key, value in family}
-                for family in snapshot["metrics"]
-            ]
-            for snapshot in self._snapshots_of()
-        ]
+        """The workers' latest metric snapshots (GatewayMetrics adds them in)."""
+        return added_metrics(self._snapshots_of())
 
     def counts(self, which: str) -> dict[str, int]:
         """Open `tunnels`, `connections` or `upstreams` per sandbox, over every worker."""
-        total: dict[str, int] = {}
-        for snapshot in self._snapshots_of():
-            for sandbox, n in snapshot["counts"][which].items():
-                total[sandbox] = total.get(sandbox, 0) + n
-        return total
+        return added_counts(self._snapshots_of(), which)
 
     def decisions(self) -> dict[str, dict[str, int]]:
         """Audit lines the workers wrote, by kind and decision (added to the supervisor's own in /v1/status)."""
-        total: dict[str, dict[str, int]] = {}
-        for snapshot in self._snapshots_of():
-            for kind, decisions in snapshot["decisions"].items():
-                for decision, n in decisions.items():
-                    total.setdefault(kind, {})[decision] = total.setdefault(kind, {}).get(decision, 0) + n
-        return total
+        return added_decisions(self._snapshots_of())
 
     def status(self) -> list[dict[str, object]]:
         """Each worker as /v1/status lists it."""

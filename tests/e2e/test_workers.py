@@ -9,6 +9,7 @@ import json
 import os
 import signal
 import ssl
+import subprocess
 import threading
 import time
 from collections import Counter
@@ -368,6 +369,26 @@ def test_close_denied_on_reload_closes_the_denied_tunnels_in_every_worker_and_ke
     closed = [r for r in gw.audit() if r["kind"] == "connect" and r["host"] == "allowed.test"]
     assert len(closed) == len(denied) and {r["extra"]["worker"] for r in closed} == {0, 1}
     assert all(r["extra"]["closed"].startswith("closed at a policy reload, which denies it") for r in closed)
+
+
+def test_a_request_held_for_a_person_is_lost_not_let_through_when_its_worker_dies(
+    topology: Topology, fakenet: FakeNet, workers_gateway: Callable[..., GatewayProcess], tmp_path: Path
+) -> None:
+    policy = tmp_path / "asks.yaml"
+    policy.write_text("version: 1\nprofiles:\n  default:\n    on_unlisted: ask\n    ask_timeout: 30\n    allow: []\n")
+    gw = workers_gateway(policy)
+    argv = ["curl", "-sS", "--max-time", "20", "-x", f"http://{PROXY[0]}:{PROXY[1]}", "-w", "\n%{http_code}"]
+    held = topology.popen(topology.sbx, [*argv, "http://evil.test/held"], stdout=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 10
+    while not [p for p in admin(gw, "GET", "/v1/approvals")["pending"] if p["waiting"] >= 1]:
+        assert time.monotonic() < deadline, gw.log()[-2000:]
+        time.sleep(0.1)
+    for pid in worker_pids(gw).values():
+        os.kill(pid, signal.SIGKILL)  # whichever holds it: its channel is lost with it
+    out, _ = held.communicate(timeout=20)
+    assert out.rpartition("\n")[2] != "200" and fakenet.connections("203.0.113.66", 80) == 0
+    [entry] = admin(gw, "GET", "/v1/approvals")["pending"]
+    assert entry["waiting"] == 0  # the desk's entry stays listed until answered or timed out; nobody waits on it
 
 
 def test_options_workers_cannot_serve_yet_are_refused_at_start_in_one_line(
