@@ -184,8 +184,8 @@ def _worker_pool(
     approvals: Approvals,
 ) -> WorkerPool:
     from airlock.gateway.worker_approvals import WorkerApprovals
-    from airlock.gateway.worker_terms import worker_share
-    from airlock.gateway.workers import WorkerPool, WorkerSettings
+    from airlock.gateway.worker_terms import WorkerSettings, worker_share
+    from airlock.gateway.workers import WorkerPool
 
     settings = WorkerSettings(config, config.workers, worker_share(caps, config.workers), secrets, str(state))
     return WorkerPool(settings, channels, live, answered, audit, WorkerApprovals(approvals, live))

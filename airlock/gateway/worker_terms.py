@@ -1,19 +1,21 @@
 """The terms of a gateway with proxy workers (`airlock.gateway.workers`): how many `--workers auto` means, what a
 configuration or a policy asks that workers cannot do yet (each refused in one line), each worker's share of the
-connection caps, the DNS answers sent to every worker as they are recorded, and the workers' counters added up (from
-the snapshots each sends as JSON: `airlock.gateway.worker.Worker.snapshot`)."""
+connection caps, what each worker is started with, the DNS answers sent to every worker as they are recorded, and
+the workers' counters added up (from the snapshots each sends as JSON: `airlock.gateway.worker.Worker.snapshot`)."""
 
 from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from airlock.dns.answered import AnsweredAddresses
 from airlock.gateway.capacity import ConnectionCaps
 from airlock.gateway.config import GatewayConfig
 from airlock.gateway.metrics import MetricsSnapshot
+from airlock.gateway.worker import STAND_IN, PolicyText, WorkerStart
 from airlock.gateway.worker_channel import Channel
 from airlock.policy import IPAddress, Policy
 
@@ -51,6 +53,35 @@ def worker_share(caps: ConnectionCaps, count: int) -> ConnectionCaps:
         tunnels=max(1, caps.tunnels // count),
         spliced=max(1, caps.spliced // count) if caps.spliced else 0,
     )
+
+
+@dataclass(frozen=True)
+class WorkerSettings:
+    """What the pool starts each worker with, besides what changes (policy, answers, audit state)."""
+
+    config: GatewayConfig
+    count: int
+    caps: ConnectionCaps  # each worker's share
+    secrets: Mapping[str, str]
+    state_dir: str
+
+    def start(
+        self,
+        index: int,
+        listeners: dict[str, int],
+        policy: Policy,
+        answers: list[tuple[str, str, IPAddress, float]],
+        audit_failure: str | None,
+    ) -> WorkerStart:
+        """Worker `index`'s start message, with `policy` (the one in force) as its text."""
+        config = dataclasses.replace(self.config, policy=STAND_IN)
+        # Only the secrets the policy in force injects (none while inspection needs --workers 1): the broker's and
+        # the declared tools' never leave this process.
+        secrets = {name: self.secrets[name] for name in policy.secret_names() if name in self.secrets}
+        return WorkerStart(
+            config, PolicyText.of(policy), secrets, index, self.count, self.state_dir, listeners, self.caps, answers,
+            audit_failure,
+        )  # fmt: skip
 
 
 class WorkerChannels:

@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import itertools
 import logging
 import os
@@ -56,14 +55,12 @@ from typing import Any
 
 from airlock.audit import AuditLog
 from airlock.dns.answered import AnsweredAddresses
-from airlock.gateway.capacity import ConnectionCaps
-from airlock.gateway.config import GatewayConfig
 from airlock.gateway.errors import GatewayError
 from airlock.gateway.metrics import MetricsSnapshot
-from airlock.gateway.worker import STAND_IN, PolicyText, WorkerStart
+from airlock.gateway.worker import PolicyText
 from airlock.gateway.worker_approvals import ApprovalRequest, WorkerApprovals
 from airlock.gateway.worker_channel import JSON, PICKLED, Channel, channel_pair
-from airlock.gateway.worker_terms import WorkerChannels, added_counts, added_decisions, added_metrics
+from airlock.gateway.worker_terms import WorkerChannels, WorkerSettings, added_counts, added_decisions, added_metrics
 from airlock.policy import LivePolicy, Policy, PolicyError
 
 log = logging.getLogger("airlock.gateway")
@@ -86,17 +83,6 @@ class _Worker:
     waiting: dict[int, asyncio.Future[Any]] = field(default_factory=dict)  # asks by id
     held: set[asyncio.Task[None]] = field(default_factory=set)  # its requests the approvals desk holds
     snapshot: dict[str, Any] | None = None
-
-
-@dataclass(frozen=True)
-class WorkerSettings:
-    """What the pool starts each worker with, besides what changes (policy, answers, audit state)."""
-
-    config: GatewayConfig
-    count: int
-    caps: ConnectionCaps  # each worker's share
-    secrets: Mapping[str, str]
-    state_dir: str
 
 
 class WorkerPool:
@@ -163,17 +149,8 @@ class WorkerPool:
         )  # fmt: skip
         worker = _Worker(index, process, channel, ready)
         channel.attach(loop)
-        settings = self.settings
-        config = dataclasses.replace(settings.config, policy=STAND_IN)  # the policy goes as its text
-        policy = self.live.current.policy
-        # Only the secrets the policy in force injects (none while inspection needs --workers 1): the broker's and
-        # the declared tools' never leave this process.
-        secrets = {name: settings.secrets[name] for name in policy.secret_names() if name in settings.secrets}
-        start = WorkerStart(
-            config, PolicyText.of(policy), secrets, index, settings.count,
-            settings.state_dir, fds, settings.caps, self.answered.entries(time.monotonic()), self.audit.failure,
-        )  # fmt: skip
-        channel.send("start", start)
+        answers = self.answered.entries(time.monotonic())
+        channel.send("start", self.settings.start(index, fds, self.live.current.policy, answers, self.audit.failure))
         self.workers[index] = worker
         self.channels.open[index] = channel  # from now on it hears every answer, after the ones in `start`
         return worker

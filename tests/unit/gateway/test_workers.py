@@ -20,8 +20,15 @@ from airlock.gateway.config import GatewayConfig
 from airlock.gateway.proxy_runtime import _listen
 from airlock.gateway.worker import PolicyText
 from airlock.gateway.worker_channel import Channel, channel_pair, read_message
-from airlock.gateway.worker_terms import BroadcastAnswers, WorkerChannels, policy_refusals, start_refusals, worker_share
-from airlock.gateway.workers import WorkerPool, WorkerSettings
+from airlock.gateway.worker_terms import (
+    BroadcastAnswers,
+    WorkerChannels,
+    WorkerSettings,
+    policy_refusals,
+    start_refusals,
+    worker_share,
+)
+from airlock.gateway.workers import WorkerPool
 from airlock.policy import LivePolicy, Policy, PolicyError, Sandbox, SandboxRegistry, parse_policy
 
 RUNNING = parse_policy("version: 1\nprofiles:\n  default:\n    allow:\n      - host: running.test\n", "running.yaml")
