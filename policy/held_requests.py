@@ -57,6 +57,12 @@ def askable(profile: Profile, host: str, port: int | None, decision: Decision, o
     return not is_ip(host) or bool(vet(profile, [ipaddress.ip_address(host)], port, own).allowed)
 
 
+def may_ask(live: Snapshot, sandbox: Sandbox, host: str, port: int | None, decision: Decision) -> bool:
+    """`askable`, with the sandbox's profile and the gateway's own addresses from the policy in force."""
+    own = live.own.among([ipaddress.ip_address(host)]) if is_ip(host) else frozenset()
+    return askable(live.profile(sandbox), host, port, decision, own)
+
+
 @dataclass(frozen=True, slots=True)
 class Target:
     sandbox: str

@@ -15,7 +15,6 @@ policy file, which is the replica's own: it is given where the request is held.
 from __future__ import annotations
 
 import asyncio
-import ipaddress
 import logging
 import secrets
 import shlex
@@ -31,7 +30,7 @@ from airlock.gateway.approval_webhook import Webhook
 from airlock.gateway.approval_writer import PolicyWriter
 from airlock.gateway.auditing import tell
 from airlock.gateway.errors import ApprovalError
-from airlock.policy import Decision, Sandbox, Snapshot, is_ip
+from airlock.policy import Decision, Sandbox, Snapshot
 from airlock.policy.held_requests import (
     Full,
     Grant,
@@ -42,8 +41,8 @@ from airlock.policy.held_requests import (
     Target,
     answer_problem,
     approved,
-    askable,
     denied,
+    may_ask,
     refused_full,
     still_pending,
     timed_out,
@@ -107,10 +106,9 @@ class Approvals:
         client: str,
         hold: float | None = None,
     ) -> Decision:
-        profile = live.profile(sandbox)
-        own = live.own.among([ipaddress.ip_address(host)]) if is_ip(host) else frozenset()
-        if not askable(profile, host, port, decision, own):
+        if not may_ask(live, sandbox, host, port, decision):
             return decision
+        profile = live.profile(sandbox)
         loop = asyncio.get_running_loop()
         if (grant := self.grants.find(sandbox.id, host, port, loop.time())) is not None:
             return grant.decision()

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import inspect
 import os
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from airlock.errors import AirlockError
@@ -19,7 +20,8 @@ class PolicyWriter:
     """`--scope policy`: the rule written into the policy file, its comments and layout kept (the round trip of
     `airlock policy suggest --merge`), the file checked and replaced whole, then put in force."""
 
-    def __init__(self, path: str, reload: Callable[[Policy], None]) -> None:
+    def __init__(self, path: str, reload: Callable[[Policy], Awaitable[None] | None]) -> None:
+        """`reload` puts the written policy in force (awaited when it returns an awaitable: proxy workers')."""
         self.path, self.reload = path, reload
         self._lock = asyncio.Lock()  # one edit of the file at a time
 
@@ -30,7 +32,8 @@ class PolicyWriter:
         async with self._lock:
             try:
                 policy = await asyncio.to_thread(self._write, entry.profile, target, ports, comment)
-                self.reload(policy)  # audits the reload (kind policy), or its refusal
+                if inspect.isawaitable(put := self.reload(policy)):  # audits the reload (kind policy), or its refusal
+                    await put
             except (PolicyError, AirlockError, OSError) as e:
                 raise ApprovalError(409, "policy_not_written", f"{self.path}: {e}") from None
         return f"{{host: {target}, ports: {ports}}}" if "/" not in target else f"{{cidr: {target}, ports: {ports}}}"

@@ -17,6 +17,7 @@ import contextlib
 import gc
 import logging
 import time
+from collections.abc import Awaitable
 from typing import TYPE_CHECKING, Any
 
 from airlock.errors import AirlockError
@@ -56,7 +57,7 @@ class Gateway:
         self._flusher: asyncio.Task[None] | None = None
         self.tell_reload = ReloadTeller(tell if config.tell_reloads else None)  # how each reload is told
         # Reloads read the file the first policy came from, off the event loop (airlock/gateway/reload.py).
-        after = [lambda policy: self.close_denied_tunnels()] if config.close_denied_on_reload else []
+        after = [lambda policy: self.close_denied_everywhere()] if config.close_denied_on_reload else []
         self.policies = PolicyChange(config, parts, lambda: self._in_force)
         self.reloader = PolicyReloader(self, config.policy.source, self._policy, after, self.put_in_force)
         self.started_at = time.time()
@@ -243,11 +244,20 @@ class Gateway:
         """Audit a policy file that did not load (the running policy stays)."""
         self.parts.auditing.policy_refused(source, errors)
 
-    def _put_approved(self, policy: Policy) -> None:
-        """A policy an approval wrote (`--scope policy`) put in force, and told as a reload of its file is."""
+    def _put_approved(self, policy: Policy) -> Awaitable[None] | None:
+        """A policy an approval wrote (`--scope policy`) put in force, and told as a reload of its file is; with
+        proxy workers, in each (the awaitable returned)."""
         previous = self._policy()
+        reloaded = Reloaded(policy.source, policy.hash, previous.hash if previous is not None else None)
+        if self.parts.workers is not None:
+            return self._put_approved_everywhere(policy, reloaded)
         self.replace_policy(policy)
-        self.tell_reload.approved(Reloaded(policy.source, policy.hash, previous.hash if previous is not None else None))
+        self.tell_reload.approved(reloaded)
+        return None
+
+    async def _put_approved_everywhere(self, policy: Policy, reloaded: Reloaded) -> None:
+        await self.put_in_force(policy)
+        self.tell_reload.approved(reloaded)
 
     async def reload_policy(self) -> Reloaded:
         """Load the policy file again, off the event loop, and put it in force; a file that does not load (or lacks
@@ -257,6 +267,16 @@ class Gateway:
     def close_denied_tunnels(self) -> int:
         """Close the open tunnels the policy in force denies; how many."""
         return self.parts.proxy.close_denied_tunnels()
+
+    async def close_denied_everywhere(self) -> int:
+        """`--close-denied-on-reload`, once a reload is in force: the open tunnels it denies closed here, or in every
+        worker (each through the same code, its count added up here); how many, logged. Each closed tunnel's audit
+        line says why it was closed."""
+        workers = self.parts.workers
+        closed = self.close_denied_tunnels() if workers is None else await workers.close_denied_tunnels()
+        if closed:
+            log.info("closed %d open tunnel%s the reloaded policy denies", closed, "" if closed == 1 else "s")
+        return closed
 
     def _policy(self) -> Policy | None:
         return self.parts.live.current.policy if self._in_force else None

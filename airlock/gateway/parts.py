@@ -8,7 +8,7 @@ import ipaddress
 import os
 import shutil
 import tempfile
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -90,7 +90,7 @@ class GatewayParts:
     workers: WorkerPool | None  # `--workers N`, N > 1 (airlock/gateway/workers.py)
 
 
-def build_parts(config: GatewayConfig, put_approved: Callable[[Policy], None]) -> GatewayParts:
+def build_parts(config: GatewayConfig, put_approved: Callable[[Policy], Awaitable[None] | None]) -> GatewayParts:
     """The parts of a gateway for `config`; GatewayError for a setting that cannot work. `put_approved` puts in force
     a policy that an approval wrote into the policy file."""
     try:  # before anything exists: a name would mean other addresses for proxy, DNS and the vetting
@@ -148,7 +148,7 @@ def build_parts(config: GatewayConfig, put_approved: Callable[[Policy], None]) -
     )  # fmt: skip
     proxy = ProxyRuntime(config, caps, state.path, providers)
     if channels is not None:
-        pool = _worker_pool(config, caps, secrets, state.path, channels, live, answered, audit)
+        pool = _worker_pool(config, caps, secrets, state.path, channels, live, answered, audit, approvals)
     return GatewayParts(
         secrets, caps, metrics, resolver, audit, notices, state, own, live, auditing, admin, broker, relay,
         approvals, inspector, answered, dns, proxy, pool,
@@ -181,12 +181,14 @@ def _worker_pool(
     live: LivePolicy,
     answered: AnsweredAddresses,
     audit: AuditLog,
+    approvals: Approvals,
 ) -> WorkerPool:
-    from airlock.gateway.worker_terms import worker_share
-    from airlock.gateway.workers import WorkerPool, WorkerSettings
+    from airlock.gateway.worker_approvals import WorkerApprovals
+    from airlock.gateway.worker_terms import WorkerSettings, worker_share
+    from airlock.gateway.workers import WorkerPool
 
     settings = WorkerSettings(config, config.workers, worker_share(caps, config.workers), secrets, str(state))
-    return WorkerPool(settings, channels, live, answered, audit)
+    return WorkerPool(settings, channels, live, answered, audit, WorkerApprovals(approvals, live))
 
 
 def _caps(config: GatewayConfig) -> ConnectionCaps:

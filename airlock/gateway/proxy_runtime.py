@@ -47,7 +47,7 @@ class ProxyProviders:
     emit: Callable[[AuditRecord], None]
     audit_failure: Callable[[], str | None]
     metrics: GatewayMetrics
-    approvals: Asker | None  # None in a proxy worker: nothing is held for a person there (airlock/gateway/workers.py)
+    approvals: Asker | None  # a proxy worker's asks its supervisor's desk (airlock/gateway/worker_approvals.py)
     inspector: Inspector
     answered: AnsweredAddresses  # what the DNS answered each sandbox: names for connections without one
 

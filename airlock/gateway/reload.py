@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import logging
 import os
 from collections.abc import Awaitable, Callable, Iterable, Iterator
@@ -63,7 +64,8 @@ class Reloaded:
 
 class PolicyReloader:
     """Reloads `source` into `target`, one reload at a time (a second waits for the first, then reads the file
-    as it is then). `current` reads the policy in force; each of `after` is called with each policy put in force;
+    as it is then). `current` reads the policy in force; each of `after` is called with each policy put in force
+    (and awaited, when it returns an awaitable: a gateway's workers close their denied tunnels through the channel);
     `put`, when given, puts it in force in place of `target.replace_policy` (a gateway's workers: in two phases)."""
 
     def __init__(
@@ -105,7 +107,8 @@ class PolicyReloader:
             replaced = [policy]
         else:
             for then in self.after:
-                then(policy)
+                if inspect.isawaitable(outcome := then(policy)):
+                    await outcome
         new_hash = policy.hash
         del policy
         # Freeing 100,000 rules takes a while too: in a thread, a slice at a time.

@@ -8,7 +8,8 @@ the `--secret` values the policy injects as the supervisor read them once (never
 of the connection caps, the DNS answers still alive. Then, as they happen: each DNS answer the
 supervisor's DNS server gives a sandbox (sent before the reply leaves; the worker drains its channel before it
 names a connection that carries no name, so an answer is never missed for being in flight), the audit log's state
-(a log that cannot be written denies every request here too), and the two phases of a reload (`prepare`: the
+(a log that cannot be written denies every request here too), the approvals desk's decisions on what this
+worker's addon held for a person (`airlock.gateway.worker_approvals`), and the two phases of a reload (`prepare`: the
 policy parsed and checked off the event loop; `commit`: the one swap). The worker sends back its audit lines,
 encoded here and written whole by the supervisor into its one file, and, when asked, its counters.
 
@@ -44,6 +45,7 @@ from airlock.gateway.metrics import GatewayMetrics
 from airlock.gateway.own_addresses import GatewayAddresses, interface_own_addresses
 from airlock.gateway.proxy_runtime import ProxyProviders, ProxyRuntime
 from airlock.gateway.reload import loading, release_policy
+from airlock.gateway.worker_approvals import ChannelAsker
 from airlock.gateway.worker_channel import JSON, PICKLED, Channel, read_message
 from airlock.inspection.inspector import Inspector
 from airlock.inspection.secrets import SecretValues
@@ -155,9 +157,12 @@ class Worker:
         for sandbox, name, address, left in start.answers:
             self.answered.record(sandbox, name, [address], left - self.answered.grace, time.monotonic())
         audit_failure = lambda: self.audit.failure  # noqa: E731
+        # What a profile holds for a person is held by the supervisor's desk (airlock/gateway/worker_approvals.py).
+        self.asker = ChannelAsker(self.channel)
         providers = ProxyProviders(
-            self.live, resolver, self.auditing.emit, audit_failure, self.metrics, None, self.inspector, self.answered
-        )
+            self.live, resolver, self.auditing.emit, audit_failure, self.metrics, self.asker, self.inspector,
+            self.answered,
+        )  # fmt: skip
         self.proxy = ProxyRuntime(config, start.caps, state, providers)
         self._prepared: dict[int, Policy] = {}
         self._tasks: set[asyncio.Task[None]] = set()
@@ -195,6 +200,8 @@ class Worker:
         if kind == "answer":
             sandbox, name, addresses, ttl, now = body
             self.answered.record(sandbox, name, addresses, ttl, now)
+        elif kind == "approval":
+            self.asker.answered(body)
         elif kind == "audit_failure":
             self.audit.failure = body
         elif kind == "ask":
@@ -226,6 +233,8 @@ class Worker:
             return None
         if what == "snapshot":
             return self.snapshot()
+        if what == "close_denied":  # --close-denied-on-reload, once every worker has committed the reload
+            return self.proxy.close_denied_tunnels()
         raise ValueError(f"unknown request {what!r}")
 
     async def _prepare(self, generation: int, text: PolicyText) -> list[str]:

@@ -1,16 +1,21 @@
 """The terms of a gateway with proxy workers (`airlock.gateway.workers`): how many `--workers auto` means, what a
 configuration or a policy asks that workers cannot do yet (each refused in one line), each worker's share of the
-connection caps, and the DNS answers sent to every worker as they are recorded."""
+connection caps, what each worker is started with, the DNS answers sent to every worker as they are recorded, and
+the workers' counters added up (from the snapshots each sends as JSON: `airlock.gateway.worker.Worker.snapshot`)."""
 
 from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
 
 from airlock.dns.answered import AnsweredAddresses
 from airlock.gateway.capacity import ConnectionCaps
 from airlock.gateway.config import GatewayConfig
+from airlock.gateway.metrics import MetricsSnapshot
+from airlock.gateway.worker import STAND_IN, PolicyText, WorkerStart
 from airlock.gateway.worker_channel import Channel
 from airlock.policy import IPAddress, Policy
 
@@ -31,18 +36,12 @@ def policy_refusals(policy: Policy) -> list[str]:
             f"{policy.source}: inspects {', '.join(hosts[:3])}{more} (inspect: true), which needs --workers 1 for "
             "now: the gateway CA lives in one process"
         )
-    if asks := sorted(name for name, profile in policy.profiles.items() if profile.on_unlisted == "ask"):
-        problems.append(
-            f"{policy.source}: profile {', '.join(asks)} holds unlisted requests for a person (on_unlisted: ask), "
-            "which needs --workers 1 for now"
-        )
     return problems
 
 
 def start_refusals(config: GatewayConfig) -> list[str]:
     """What `--workers N` (N > 1) cannot do yet with this configuration, each one line."""
-    problems = ["--close-denied-on-reload needs --workers 1 for now"] if config.close_denied_on_reload else []
-    return problems + policy_refusals(config.policy)
+    return policy_refusals(config.policy)
 
 
 def worker_share(caps: ConnectionCaps, count: int) -> ConnectionCaps:
@@ -54,6 +53,35 @@ def worker_share(caps: ConnectionCaps, count: int) -> ConnectionCaps:
         tunnels=max(1, caps.tunnels // count),
         spliced=max(1, caps.spliced // count) if caps.spliced else 0,
     )
+
+
+@dataclass(frozen=True)
+class WorkerSettings:
+    """What the pool starts each worker with, besides what changes (policy, answers, audit state)."""
+
+    config: GatewayConfig
+    count: int
+    caps: ConnectionCaps  # each worker's share
+    secrets: Mapping[str, str]
+    state_dir: str
+
+    def start(
+        self,
+        index: int,
+        listeners: dict[str, int],
+        policy: Policy,
+        answers: list[tuple[str, str, IPAddress, float]],
+        audit_failure: str | None,
+    ) -> WorkerStart:
+        """Worker `index`'s start message, with `policy` (the one in force) as its text."""
+        config = dataclasses.replace(self.config, policy=STAND_IN)
+        # Only the secrets the policy in force injects (none while inspection needs --workers 1): the broker's and
+        # the declared tools' never leave this process.
+        secrets = {name: self.secrets[name] for name in policy.secret_names() if name in self.secrets}
+        return WorkerStart(
+            config, PolicyText.of(policy), secrets, index, self.count, self.state_dir, listeners, self.caps, answers,
+            audit_failure,
+        )  # fmt: skip
 
 
 class WorkerChannels:
@@ -79,3 +107,33 @@ class BroadcastAnswers(AnsweredAddresses):
         addresses = list(addresses)
         super().record(sandbox, name, addresses, ttl, now)
         self.channels.broadcast("answer", (sandbox, name, addresses, ttl, now))
+
+
+def added_metrics(snapshots: Iterable[dict[str, Any]]) -> list[MetricsSnapshot]:
+    """Each worker's metric families, their JSON made tuples again (GatewayMetrics adds them in)."""
+    return [
+        [
+            {tuple(key): value if isinstance(value, int | float) else (value[0], value[1]) for key, value in family}
+            for family in snapshot["metrics"]
+        ]
+        for snapshot in snapshots
+    ]
+
+
+def added_counts(snapshots: Iterable[dict[str, Any]], which: str) -> dict[str, int]:
+    """Open `tunnels`, `connections` or `upstreams` per sandbox, over every worker."""
+    total: dict[str, int] = {}
+    for snapshot in snapshots:
+        for sandbox, n in snapshot["counts"][which].items():
+            total[sandbox] = total.get(sandbox, 0) + n
+    return total
+
+
+def added_decisions(snapshots: Iterable[dict[str, Any]]) -> dict[str, dict[str, int]]:
+    """Audit lines the workers wrote, by kind and decision."""
+    total: dict[str, dict[str, int]] = {}
+    for snapshot in snapshots:
+        for kind, decisions in snapshot["decisions"].items():
+            for decision, n in decisions.items():
+                total.setdefault(kind, {})[decision] = total.setdefault(kind, {}).get(decision, 0) + n
+    return total

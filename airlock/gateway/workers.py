@@ -23,6 +23,10 @@ Shared: everything else, through the channel:
   answer) from any aborts the reload for all, the running policy staying; else the supervisor swaps its own,
   every worker swaps (`commit`), and only then is the reload audited and answered. Every request line carries the
   hash of the policy that judged it;
+- `--close-denied-on-reload`: once every worker has committed a reload, each closes its open tunnels the new
+  policy denies (`close_denied_tunnels`), and the supervisor adds up how many;
+- approvals: what a worker's addon holds for a person is held by the supervisor's desk, the worker's request
+  released with its decision (`airlock.gateway.worker_approvals`; a malformed request stops the worker);
 - the audit: lines encoded in the workers, written whole here; the audit log's failure sent to every worker;
 - metrics and status: each worker's counters (the same lock-free, in-process ones as a single gateway's:
   prometheus-client's multiprocess mode would put a lock and a memory-mapped file write on every count, the cost
@@ -30,7 +34,7 @@ Shared: everything else, through the channel:
 
 Not across workers yet (refused at start, and a reload that brings one in is refused: `start_refusals` and
 `policy_refusals`, beside `worker_share`): inspection (the gateway CA, its generations and the broker's git read
-tokens live in one process), holding requests for a person (`on_unlisted: ask`), `--close-denied-on-reload`.
+tokens and the injected secrets live in one process).
 
 A worker that dies is restarted (a warning in the log says so); only the connections it held are lost. SIGTERM stops
 every worker; a worker never outlives the supervisor (`airlock.gateway.worker`)."""
@@ -39,7 +43,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import itertools
 import logging
 import os
@@ -52,13 +55,12 @@ from typing import Any
 
 from airlock.audit import AuditLog
 from airlock.dns.answered import AnsweredAddresses
-from airlock.gateway.capacity import ConnectionCaps
-from airlock.gateway.config import GatewayConfig
 from airlock.gateway.errors import GatewayError
 from airlock.gateway.metrics import MetricsSnapshot
-from airlock.gateway.worker import STAND_IN, PolicyText, WorkerStart
+from airlock.gateway.worker import PolicyText
+from airlock.gateway.worker_approvals import ApprovalRequest, WorkerApprovals
 from airlock.gateway.worker_channel import JSON, PICKLED, Channel, channel_pair
-from airlock.gateway.worker_terms import WorkerChannels
+from airlock.gateway.worker_terms import WorkerChannels, WorkerSettings, added_counts, added_decisions, added_metrics
 from airlock.policy import LivePolicy, Policy, PolicyError
 
 log = logging.getLogger("airlock.gateway")
@@ -79,18 +81,8 @@ class _Worker:
     channel: Channel
     ready: asyncio.Future[int]  # its pid, once it serves
     waiting: dict[int, asyncio.Future[Any]] = field(default_factory=dict)  # asks by id
+    held: set[asyncio.Task[None]] = field(default_factory=set)  # its requests the approvals desk holds
     snapshot: dict[str, Any] | None = None
-
-
-@dataclass(frozen=True)
-class WorkerSettings:
-    """What the pool starts each worker with, besides what changes (policy, answers, audit state)."""
-
-    config: GatewayConfig
-    count: int
-    caps: ConnectionCaps  # each worker's share
-    secrets: Mapping[str, str]
-    state_dir: str
 
 
 class WorkerPool:
@@ -101,8 +93,10 @@ class WorkerPool:
         live: LivePolicy,
         answered: AnsweredAddresses,
         audit: AuditLog,
+        approvals: WorkerApprovals | None = None,
     ) -> None:
         self.settings, self.channels, self.live, self.answered, self.audit = settings, channels, live, answered, audit
+        self.approvals = approvals  # the supervisor's desk, which holds what a worker's addon asks (None: denied)
         self.workers: dict[int, _Worker] = {}
         self.restarts = 0
         self._listeners: dict[str, socket.socket] = {}
@@ -155,17 +149,8 @@ class WorkerPool:
         )  # fmt: skip
         worker = _Worker(index, process, channel, ready)
         channel.attach(loop)
-        settings = self.settings
-        config = dataclasses.replace(settings.config, policy=STAND_IN)  # the policy goes as its text
-        policy = self.live.current.policy
-        # Only the secrets the policy in force injects (none while inspection needs --workers 1): the broker's and
-        # the declared tools' never leave this process.
-        secrets = {name: settings.secrets[name] for name in policy.secret_names() if name in settings.secrets}
-        start = WorkerStart(
-            config, PolicyText.of(policy), secrets, index, settings.count,
-            settings.state_dir, fds, settings.caps, self.answered.entries(time.monotonic()), self.audit.failure,
-        )  # fmt: skip
-        channel.send("start", start)
+        answers = self.answered.entries(time.monotonic())
+        channel.send("start", self.settings.start(index, fds, self.live.current.policy, answers, self.audit.failure))
         self.workers[index] = worker
         self.channels.open[index] = channel  # from now on it hears every answer, after the ones in `start`
         return worker
@@ -188,6 +173,12 @@ class WorkerPool:
             waiter = worker.waiting.pop(ask, None)
             if waiter is not None and not waiter.done():
                 waiter.set_result(result)
+        elif kind == "approval":
+            request = ApprovalRequest.read(body)
+            if self.approvals is None:
+                worker.channel.send("approval", (request.ask, request.decision))
+            else:
+                self.approvals.hold(worker.channel, request, worker.held)
         elif kind == "ready":
             if not worker.ready.done():
                 worker.ready.set_result(body)
@@ -201,6 +192,8 @@ class WorkerPool:
             if not waiter.done():
                 waiter.set_exception(closed)
         worker.waiting.clear()
+        for task in list(worker.held):
+            task.cancel()  # its requests leave the desk's entries (which stay listed until answered or timed out)
         if not worker.ready.done():
             worker.ready.set_exception(GatewayError(f"proxy worker {worker.index} ended before it served"))
             worker.ready.exception()  # seen: whoever waits on it is told
@@ -293,6 +286,21 @@ class WorkerPool:
                     log.error("proxy worker %d did not commit the reload (%s): restarting it", worker.index, answer)
                     worker.process.kill()
 
+    async def close_denied_tunnels(self) -> int:
+        """`--close-denied-on-reload`: every serving worker closes its open tunnels the policy now in force denies
+        (`ProxyRuntime.close_denied_tunnels`, as a single gateway does); how many, over all of them."""
+        workers = [self.workers[i] for i in self.serving()]
+        closed = 0
+        for worker, answer in zip(workers, await self._ask(workers, "close_denied", None, COMMIT_TIMEOUT), strict=True):
+            if isinstance(answer, int) and not isinstance(answer, bool):
+                closed += answer
+            elif not isinstance(answer, ConnectionError):  # (one that ended is restarted, with no tunnel open)
+                # It went wrong or did not answer: its tunnels cannot be vouched for, so they end with it.
+                log.error("proxy worker %d did not close its denied tunnels (%s): restarting it", worker.index, answer)
+                if worker.channel.open:
+                    worker.process.kill()
+        return closed
+
     def audit_state(self, failure: str | None) -> None:
         """Tell every worker when the audit log stops (or starts again) being writable: they deny while it cannot."""
         if failure != self._audit_failure:
@@ -315,31 +323,16 @@ class WorkerPool:
         return [w.snapshot for i in self.serving() if (w := self.workers[i]).snapshot is not None]
 
     def metrics(self) -> list[MetricsSnapshot]:
-        """The workers' latest metric snapshots (GatewayMetrics adds them in), their JSON made tuples again."""
-        return [
-            [
-                {tuple(key): value if isinstance(value, int | float) else (value[0], value[1]) for key, value in family}
-                for family in snapshot["metrics"]
-            ]
-            for snapshot in self._snapshots_of()
-        ]
+        """The workers' latest metric snapshots (GatewayMetrics adds them in)."""
+        return added_metrics(self._snapshots_of())
 
     def counts(self, which: str) -> dict[str, int]:
         """Open `tunnels`, `connections` or `upstreams` per sandbox, over every worker."""
-        total: dict[str, int] = {}
-        for snapshot in self._snapshots_of():
-            for sandbox, n in snapshot["counts"][which].items():
-                total[sandbox] = total.get(sandbox, 0) + n
-        return total
+        return added_counts(self._snapshots_of(), which)
 
     def decisions(self) -> dict[str, dict[str, int]]:
         """Audit lines the workers wrote, by kind and decision (added to the supervisor's own in /v1/status)."""
-        total: dict[str, dict[str, int]] = {}
-        for snapshot in self._snapshots_of():
-            for kind, decisions in snapshot["decisions"].items():
-                for decision, n in decisions.items():
-                    total.setdefault(kind, {})[decision] = total.setdefault(kind, {}).get(decision, 0) + n
-        return total
+        return added_decisions(self._snapshots_of())
 
     def status(self) -> list[dict[str, object]]:
         """Each worker as /v1/status lists it."""
@@ -347,6 +340,7 @@ class WorkerPool:
             {
                 "index": w.index, "pid": w.process.pid, "serving": w.channel.open and w.ready.done(),
                 "policy_hash": (w.snapshot or {}).get("policy_hash"),
+                "tunnels": sum((w.snapshot or {}).get("counts", {}).get("tunnels", {}).values()),
             }
             for w in sorted(self.workers.values(), key=lambda w: w.index)
         ]  # fmt: skip

@@ -76,6 +76,17 @@ def proxy_http(proxy: tuple[str, int], url: str, headers: dict[str, str] | None 
         conn.close()
 
 
+def closed_within(sock: socket.socket, seconds: float) -> bool:
+    """Whether the peer closes `sock` (end of file or a reset) within `seconds`."""
+    sock.settimeout(seconds)
+    try:
+        return sock.recv(1) == b""
+    except ConnectionResetError:
+        return True
+    except TimeoutError:
+        return False
+
+
 def connect_tunnel(proxy: tuple[str, int], target: str, timeout: float = 10) -> tuple[socket.socket | None, Reply]:
     """Send CONNECT target; return the open socket when the proxy said 2xx, and the proxy's reply."""
     sock = socket.create_connection(proxy, timeout=timeout)

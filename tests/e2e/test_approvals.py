@@ -1,6 +1,7 @@
 """Approvals end to end: a real `airlock gateway` whose profile says `on_unlisted: ask`, a sandbox curl to a host no
 rule lists, held while a person answers with `airlock approvals` over the admin socket — and the fake internet
-counting what reached it."""
+counting what reached it. The gateway's tests run with one process and with `--workers 2` (a worker's request held
+by the supervisor's desk, listed and answered the same way: airlock/gateway/worker_approvals.py)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ import threading
 import time
 from pathlib import Path
 from typing import IO, Any
+
+import pytest
 
 from airlock.verify.topology import DNS_SERVER, GW_IP, FakeNet, Topology
 
@@ -35,6 +38,12 @@ profiles:
     deny:
       - host: closed.test  # a deny rule's denial is never asked
 """
+
+
+@pytest.fixture(params=[(), ("--workers", "2")], ids=["one-process", "workers"])
+def workers(request: pytest.FixtureRequest) -> tuple[str, ...]:
+    """The gateway's options: one process, or two proxy workers under the supervisor that holds the desk."""
+    return tuple(request.param)
 
 
 def _policy(tmp_path: Path, timeout: float = 30) -> Path:
@@ -77,9 +86,9 @@ def _result(curl: subprocess.Popen[str], timeout: float = 45) -> tuple[str, str]
 
 
 def test_a_held_request_waits_for_a_person_and_passes_once_approved(
-    topology: Topology, fakenet: FakeNet, own_gateway, tmp_path: Path
+    topology: Topology, fakenet: FakeNet, own_gateway, tmp_path: Path, workers: tuple[str, ...]
 ):
-    gw = own_gateway(_policy(tmp_path))
+    gw = own_gateway(_policy(tmp_path), workers)
     held, twin = _curl(topology, "http://evil.test/canary"), _curl(topology, "http://evil.test/canary")
     entry = _wait_pending(gw, "evil.test:80", waiting=2)  # the same host:port asked twice: one pending entry
     assert (entry["sandbox"], entry["kind"], entry["client"]) == ("sbx", "http", topology.sbx_ip)
@@ -114,13 +123,14 @@ def test_a_held_request_waits_for_a_person_and_passes_once_approved(
     assert answer["extra"] == {"approval": entry["id"], "by": "root", "scope": "once", "waiting": 2, "asks": 2}
     requests = [r for r in gw.audit() if r["kind"] == "http" and r["path"] == "/canary"]
     assert [(r["decision"], r["code"]) for r in requests] == [("allow", "approved")] * 2
+    assert all(("worker" in r["extra"]) == bool(workers) for r in requests)  # judged in a worker, when there are
     assert "approved by root" in requests[0]["reason"]
 
 
 def test_denied_and_unanswered_requests_get_403_and_reach_nothing(
-    topology: Topology, fakenet: FakeNet, own_gateway, tmp_path: Path
+    topology: Topology, fakenet: FakeNet, own_gateway, tmp_path: Path, workers: tuple[str, ...]
 ):
-    gw = own_gateway(_policy(tmp_path, timeout=3))
+    gw = own_gateway(_policy(tmp_path, timeout=3), workers)
     denied = _curl(topology, "http://evil.test/denied")
     entry = _wait_pending(gw, "evil.test:80")
     answer = _approvals(gw, "deny", entry["id"])
@@ -138,8 +148,10 @@ def test_denied_and_unanswered_requests_get_403_and_reach_nothing(
     assert fakenet.connections(EVIL_IP, 80) == 0
 
 
-def test_hard_blocks_and_deny_rules_are_never_held(topology: Topology, fakenet: FakeNet, own_gateway, tmp_path: Path):
-    gw = own_gateway(_policy(tmp_path))
+def test_hard_blocks_and_deny_rules_are_never_held(
+    topology: Topology, fakenet: FakeNet, own_gateway, tmp_path: Path, workers: tuple[str, ...]
+):
+    gw = own_gateway(_policy(tmp_path), workers)
     for url, code in (
         ("http://169.254.169.254/latest/meta-data/", "metadata"),
         ("http://10.1.2.3/", "internal_address"),
@@ -155,10 +167,10 @@ def test_hard_blocks_and_deny_rules_are_never_held(topology: Topology, fakenet: 
 
 
 def test_scope_policy_writes_the_rule_keeping_comments_and_reloads(
-    topology: Topology, fakenet: FakeNet, own_gateway, tmp_path: Path
+    topology: Topology, fakenet: FakeNet, own_gateway, tmp_path: Path, workers: tuple[str, ...]
 ):
     path = _policy(tmp_path)
-    gw = own_gateway(path)
+    gw = own_gateway(path, workers)
     held = _curl(topology, "http://evil.test/first")
     entry = _wait_pending(gw, "evil.test:80")
     answer = _approvals(gw, "approve", entry["id"], "--scope", "policy")
@@ -184,9 +196,9 @@ def test_scope_policy_writes_the_rule_keeping_comments_and_reloads(
 
 
 def test_scope_sandbox_lets_the_target_through_until_the_ttl_and_dns_waits_its_turn(
-    topology: Topology, fakenet: FakeNet, own_gateway, tmp_path: Path
+    topology: Topology, fakenet: FakeNet, own_gateway, tmp_path: Path, workers: tuple[str, ...]
 ):
-    gw = own_gateway(_policy(tmp_path))
+    gw = own_gateway(_policy(tmp_path), workers)
     # DNS for an unlisted name is held 2 s, then SERVFAIL; the entry stays pending for the person.
     started = time.monotonic()
     assert topology.dns_query(topology.sbx, "evil.test", server=GW_IP, timeout=5).rcode == "SERVFAIL"

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import http.client
 import json
-import socket
 import subprocess
 import time
 from pathlib import Path
@@ -15,7 +14,7 @@ from airlock.policy import load_policy
 from airlock.verify.topology import DNS_SERVER, FakeNet, Topology
 
 from gateway_proc import AIRLOCK, E2E_POLICY, PROXY, assert_audit_schema
-from netclient import connect_tunnel, in_netns, proxy_http
+from netclient import closed_within, connect_tunnel, in_netns, proxy_http
 
 NEW_RULE = "    allow:\n      - host: evil.test\n        ports: [80]\n"
 BAD_POLICY = "version: 1\nprofiles:\n  default:\n    allow:\n      - host: '*'\n"
@@ -195,16 +194,6 @@ def test_no_sandbox_reaches_the_admin_listener(run_in_gw, tmp_path: Path):
     assert result.stdout.split() in (["rc=7", "rc=7"], ["rc=7", "rc=28"]), result  # refused, or dropped by the fence
 
 
-def _closed_within(sock: socket.socket, seconds: float) -> bool:
-    sock.settimeout(seconds)
-    try:
-        return sock.recv(1) == b""
-    except ConnectionResetError:
-        return True
-    except TimeoutError:
-        return False
-
-
 def test_close_denied_on_reload_closes_the_open_tunnels_the_new_policy_denies(
     topology: Topology, fakenet: FakeNet, own_gateway, tmp_path: Path
 ):
@@ -217,8 +206,8 @@ def test_close_denied_on_reload_closes_the_open_tunnels_the_new_policy_denies(
     policy.write_text(E2E_POLICY.read_text().replace("    deny:\n", "    deny:\n      - host: allowed.test\n", 1))
     result = _cli("policy", "reload", "--state-dir", str(gw.workdir / "state"))
     assert result.returncode == 0, result.stderr
-    assert _closed_within(denied, 3)
-    assert not _closed_within(kept, 0.5)  # a tunnel the new policy still allows stays open
+    assert closed_within(denied, 3)
+    assert not closed_within(kept, 0.5)  # a tunnel the new policy still allows stays open
     kept.close()
     gw.stop()
     [closed] = [r for r in gw.audit() if r["kind"] == "connect" and r["host"] == "allowed.test"]

@@ -8,6 +8,8 @@ from __future__ import annotations
 import json
 import os
 import signal
+import ssl
+import subprocess
 import threading
 import time
 from collections import Counter
@@ -23,7 +25,7 @@ from airlock.verify.fakeca import FakeCA
 from airlock.verify.topology import FakeNet, Topology
 
 from gateway_proc import E2E_POLICY, PROXY, AdminConnection, GatewayProcess
-from netclient import connect_tunnel, in_netns, proxy_http, tcp_probe, tls_get
+from netclient import closed_within, connect_tunnel, in_netns, proxy_http, tcp_probe, tls_get
 
 WORKERS = ("--workers", "2")
 # The e2e policy without allowed.test: its requests are denied (unlisted) where the e2e policy allows them.
@@ -329,9 +331,72 @@ def test_no_secret_reaches_a_workers_command_line_or_environment(
         assert b"airlock.gateway.worker" in Path(f"/proc/{pid}/cmdline").read_bytes()
 
 
-def test_options_workers_cannot_serve_yet_are_refused_at_start_in_one_line(
-    topology: Topology, fakenet: FakeNet, workers_gateway: Callable[..., GatewayProcess]
+def test_close_denied_on_reload_closes_the_denied_tunnels_in_every_worker_and_keeps_the_allowed(
+    topology: Topology,
+    fakenet: FakeNet,
+    workers_gateway: Callable[..., GatewayProcess],
+    tmp_path: Path,
+    test_ca: FakeCA,
 ) -> None:
+    policy = tmp_path / "live.yaml"
+    policy.write_text(E2E_POLICY.read_text())
+    gw = workers_gateway(policy, ("--close-denied-on-reload",))
+    denied = []
+
+    def tunnels_by_worker() -> list[int]:
+        return [w["tunnels"] for w in admin(gw, "GET", "/v1/status")["workers"]]
+
+    # Tunnels to allowed.test until each worker holds one (a worker takes whichever connection it accepts first).
+    while len(denied) < 20 and min(tunnels_by_worker()) == 0:
+        sock, reply = in_netns(topology.sbx, connect_tunnel, PROXY, "allowed.test:443")
+        assert sock is not None, reply
+        denied.append(sock)
+    assert min(tunnels_by_worker()) >= 1, tunnels_by_worker()
+    kept, _ = in_netns(topology.sbx, connect_tunnel, PROXY, "other.test:443")
+    assert kept is not None
+    policy.write_text(E2E_POLICY.read_text().replace("    deny:\n", "    deny:\n      - host: allowed.test\n", 1))
+    result = admin(gw, "POST", "/v1/policy/reload")
+    assert result["reloaded"], result
+    assert all(closed_within(sock, 3) for sock in denied)
+    kept.settimeout(10)
+    with ssl.create_default_context(cafile=test_ca.ca_cert).wrap_socket(kept, server_hostname="other.test") as tls:
+        tls.sendall(b"GET /kept HTTP/1.1\r\nHost: other.test\r\nConnection: close\r\n\r\n")
+        assert tls.recv(65536).startswith(b"HTTP/1.1 200")  # a tunnel the new policy still allows keeps relaying
+    assert f"closed {len(denied)} open tunnels the reloaded policy denies" in gw.log()
+    for sock in denied:
+        sock.close()
+    gw.stop()
+    closed = [r for r in gw.audit() if r["kind"] == "connect" and r["host"] == "allowed.test"]
+    assert len(closed) == len(denied) and {r["extra"]["worker"] for r in closed} == {0, 1}
+    assert all(r["extra"]["closed"].startswith("closed at a policy reload, which denies it") for r in closed)
+
+
+def test_a_request_held_for_a_person_is_lost_not_let_through_when_its_worker_dies(
+    topology: Topology, fakenet: FakeNet, workers_gateway: Callable[..., GatewayProcess], tmp_path: Path
+) -> None:
+    policy = tmp_path / "asks.yaml"
+    policy.write_text("version: 1\nprofiles:\n  default:\n    on_unlisted: ask\n    ask_timeout: 30\n    allow: []\n")
+    gw = workers_gateway(policy)
+    argv = ["curl", "-sS", "--max-time", "20", "-x", f"http://{PROXY[0]}:{PROXY[1]}", "-w", "\n%{http_code}"]
+    held = topology.popen(topology.sbx, [*argv, "http://evil.test/held"], stdout=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 10
+    while not [p for p in admin(gw, "GET", "/v1/approvals")["pending"] if p["waiting"] >= 1]:
+        assert time.monotonic() < deadline, gw.log()[-2000:]
+        time.sleep(0.1)
+    for pid in worker_pids(gw).values():
+        os.kill(pid, signal.SIGKILL)  # whichever holds it: its channel is lost with it
+    out, _ = held.communicate(timeout=20)
+    assert out.rpartition("\n")[2] != "200" and fakenet.connections("203.0.113.66", 80) == 0
+    [entry] = admin(gw, "GET", "/v1/approvals")["pending"]
+    assert entry["waiting"] == 0  # the desk's entry stays listed until answered or timed out; nobody waits on it
+
+
+def test_options_workers_cannot_serve_yet_are_refused_at_start_in_one_line(
+    topology: Topology, fakenet: FakeNet, workers_gateway: Callable[..., GatewayProcess], tmp_path: Path
+) -> None:
+    inspecting = tmp_path / "inspecting.yaml"
+    inspecting.write_text(DENYING + "      - host: allowed.test\n        ports: [443]\n        inspect: true\n")
     with pytest.raises(RuntimeError) as failed:
-        workers_gateway(extra=("--close-denied-on-reload",))
-    assert "--workers 2: --close-denied-on-reload needs --workers 1 for now" in str(failed.value)
+        workers_gateway(inspecting)
+    assert "--workers 2: " in str(failed.value) and "inspects allowed.test" in str(failed.value)
+    assert "needs --workers 1 for now" in str(failed.value)
