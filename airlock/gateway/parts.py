@@ -148,7 +148,7 @@ def build_parts(config: GatewayConfig, put_approved: Callable[[Policy], Awaitabl
     )  # fmt: skip
     proxy = ProxyRuntime(config, caps, state.path, providers)
     if channels is not None:
-        pool = _worker_pool(config, caps, secrets, state.path, channels, live, answered, audit, approvals)
+        pool = _worker_pool(config, caps, secrets, state.path, channels, live, answered, audit, approvals, inspector)
     return GatewayParts(
         secrets, caps, metrics, resolver, audit, notices, state, own, live, auditing, admin, broker, relay,
         approvals, inspector, answered, dns, proxy, pool,
@@ -182,13 +182,14 @@ def _worker_pool(
     answered: AnsweredAddresses,
     audit: AuditLog,
     approvals: Approvals,
+    inspector: Inspector,
 ) -> WorkerPool:
     from airlock.gateway.worker_approvals import WorkerApprovals
     from airlock.gateway.worker_terms import WorkerSettings, worker_share
     from airlock.gateway.workers import WorkerPool
 
     settings = WorkerSettings(config, config.workers, worker_share(caps, config.workers), secrets, str(state))
-    return WorkerPool(settings, channels, live, answered, audit, WorkerApprovals(approvals, live))
+    return WorkerPool(settings, channels, live, answered, audit, inspector, WorkerApprovals(approvals, live))
 
 
 def _caps(config: GatewayConfig) -> ConnectionCaps:

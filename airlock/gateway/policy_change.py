@@ -47,6 +47,9 @@ class PolicyChange:
         running = self._running_hash()
         try:
             self._check(policy)
+            # The CA generation it needs made here first: the workers' prepare carries it (a refused reload leaves
+            # it made, in the bundle, permitting only hosts of that policy: as a later reload would make it).
+            self.prepare_inspection(policy)
             await workers.put_in_force(policy, lambda: self._swap(policy))
         except PolicyError as e:
             self.parts.auditing.policy_refused(policy.source, e.errors, refused_hash=policy.hash)

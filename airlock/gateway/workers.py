@@ -32,9 +32,10 @@ Shared: everything else, through the channel:
   prometheus-client's multiprocess mode would put a lock and a memory-mapped file write on every count, the cost
   they were made to avoid) are asked for over the channel at each scrape, and once a second, and added in.
 
-Not across workers yet (refused at start, and a reload that brings one in is refused: `start_refusals` and
-`policy_refusals`, beside `worker_share`): inspection (the gateway CA, its generations and the broker's git read
-tokens and the injected secrets live in one process).
+- inspection: the supervisor makes each CA generation (a reload's before its prepare); they and the secrets the
+  policy injects go in each worker's `start` and `prepare`, over the channel only; a worker never makes a CA.
+
+Not across workers yet (refused at start and at a reload: `policy_refusals`): git reads with the broker's tokens.
 
 A worker that dies is restarted (a warning in the log says so); only the connections it held are lost. SIGTERM stops
 every worker; a worker never outlives the supervisor (`airlock.gateway.worker`)."""
@@ -57,10 +58,10 @@ from airlock.audit import AuditLog
 from airlock.dns.answered import AnsweredAddresses
 from airlock.gateway.errors import GatewayError
 from airlock.gateway.metrics import MetricsSnapshot
-from airlock.gateway.worker import PolicyText
 from airlock.gateway.worker_approvals import ApprovalRequest, WorkerApprovals
 from airlock.gateway.worker_channel import JSON, PICKLED, Channel, channel_pair
 from airlock.gateway.worker_terms import WorkerChannels, WorkerSettings, added_counts, added_decisions, added_metrics
+from airlock.inspection.inspector import Inspector
 from airlock.policy import LivePolicy, Policy, PolicyError
 
 log = logging.getLogger("airlock.gateway")
@@ -93,9 +94,11 @@ class WorkerPool:
         live: LivePolicy,
         answered: AnsweredAddresses,
         audit: AuditLog,
+        inspector: Inspector,
         approvals: WorkerApprovals | None = None,
     ) -> None:
         self.settings, self.channels, self.live, self.answered, self.audit = settings, channels, live, answered, audit
+        self.inspector = inspector  # the supervisor's: its CA generations are the ones every worker signs with
         self.approvals = approvals  # the supervisor's desk, which holds what a worker's addon asks (None: denied)
         self.workers: dict[int, _Worker] = {}
         self.restarts = 0
@@ -150,7 +153,8 @@ class WorkerPool:
         worker = _Worker(index, process, channel, ready)
         channel.attach(loop)
         answers = self.answered.entries(time.monotonic())
-        channel.send("start", self.settings.start(index, fds, self.live.current.policy, answers, self.audit.failure))
+        cas, failure = self.inspector.exported(), self.audit.failure
+        channel.send("start", self.settings.start(index, fds, self.live.current.policy, answers, failure, cas))
         self.workers[index] = worker
         self.channels.open[index] = channel  # from now on it hears every answer, after the ones in `start`
         return worker
@@ -259,9 +263,10 @@ class WorkerPool:
         it, or does not answer (then none has it in force, and `swap` was not called)."""
         async with self._reloading:
             workers = [self.workers[i] for i in self.serving()]
-            text = PolicyText.of(policy)  # the text the supervisor validated: each worker parses it again
+            # The text the supervisor validated (each worker parses it again), the CA generations and secrets.
             generation = next(self._generations)
-            answers = await self._ask(workers, "prepare", (generation, text), PREPARE_TIMEOUT)
+            prepare = self.settings.prepare(generation, policy, self.inspector.exported())
+            answers = await self._ask(workers, "prepare", prepare, PREPARE_TIMEOUT)
             problems = []
             for worker, answer in zip(workers, answers, strict=True):
                 if isinstance(answer, ConnectionError):

@@ -30,6 +30,11 @@ from netclient import closed_within, connect_tunnel, in_netns, proxy_http, tcp_p
 WORKERS = ("--workers", "2")
 # The e2e policy without allowed.test: its requests are denied (unlisted) where the e2e policy allows them.
 DENYING = "version: 1\nprofiles:\n  default:\n    allow:\n      - host: other.test\n        ports: [443]\n"
+# Git reads with the broker's GitHub tokens (inject: github): what workers cannot serve yet.
+GIT_READS = DENYING + (
+    "      - host: github.test\n        ports: [443]\n        inspect: true\n"
+    "        inject:\n          - github: {permissions: {contents: read}}\n"
+)
 
 
 def admin(gw: GatewayProcess, method: str, path: str) -> Any:
@@ -233,12 +238,11 @@ def test_a_policy_that_does_not_load_or_that_workers_cannot_serve_is_refused_and
     gw = workers_gateway(policy)
     policy.write_text("version: 1\nprofiles:\n  default:\n    allow:\n      - hots: typo.test\n")
     broken = admin(gw, "POST", "/v1/policy/reload")
-    inspecting = DENYING + "      - host: allowed.test\n        ports: [443]\n        inspect: true\n"
-    policy.write_text(inspecting)
+    policy.write_text(GIT_READS)
     refused = admin(gw, "POST", "/v1/policy/reload")
     assert not broken["reloaded"] and broken["policy_hash"] == running
     assert not refused["reloaded"] and refused["policy_hash"] == running
-    assert any("inspects allowed.test" in e and "--workers 1" in e for e in refused["errors"]), refused
+    assert any("git reads" in e and "--workers 1" in e for e in refused["errors"]), refused
     assert worker_hashes(gw, {running}) == {running}
     replies = [in_netns(topology.sbx, proxy_http, PROXY, f"http://allowed.test/stays-{i}").status for i in range(10)]
     assert set(replies) == {200}
@@ -394,9 +398,9 @@ def test_a_request_held_for_a_person_is_lost_not_let_through_when_its_worker_die
 def test_options_workers_cannot_serve_yet_are_refused_at_start_in_one_line(
     topology: Topology, fakenet: FakeNet, workers_gateway: Callable[..., GatewayProcess], tmp_path: Path
 ) -> None:
-    inspecting = tmp_path / "inspecting.yaml"
-    inspecting.write_text(DENYING + "      - host: allowed.test\n        ports: [443]\n        inspect: true\n")
+    git_reads = tmp_path / "git.yaml"
+    git_reads.write_text(GIT_READS)
     with pytest.raises(RuntimeError) as failed:
-        workers_gateway(inspecting)
-    assert "--workers 2: " in str(failed.value) and "inspects allowed.test" in str(failed.value)
-    assert "needs --workers 1 for now" in str(failed.value)
+        workers_gateway(git_reads)
+    assert "--workers 2: " in str(failed.value) and "git.yaml:11: git reads" in str(failed.value)
+    assert "need --workers 1 for now" in str(failed.value)
