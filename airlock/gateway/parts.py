@@ -156,13 +156,11 @@ def build_parts(config: GatewayConfig, put_approved: Callable[[Policy], Awaitabl
 
 
 def _worker_channels(config: GatewayConfig) -> WorkerChannels | None:
-    """With N > 1 workers, their channels (none yet); GatewayError for what workers cannot do yet."""
+    """With N > 1 workers, their channels (none yet)."""
     if config.workers <= 1:
         return None
-    from airlock.gateway.worker_terms import WorkerChannels, start_refusals
+    from airlock.gateway.worker_terms import WorkerChannels
 
-    if problems := start_refusals(config):
-        raise GatewayError(f"--workers {config.workers}: " + "; ".join(problems))
     return WorkerChannels()
 
 

@@ -10,7 +10,8 @@ of the connection caps, the DNS answers still alive. Then, as they happen: each 
 supervisor's DNS server gives a sandbox (sent before the reply leaves; the worker drains its channel before it
 names a connection that carries no name, so an answer is never missed for being in flight), the audit log's state
 (a log that cannot be written denies every request here too), the approvals desk's decisions on what this
-worker's addon held for a person (`airlock.gateway.worker_approvals`), and the two phases of a reload (`prepare`: the
+worker's addon held for a person (`airlock.gateway.worker_approvals`), the broker's git read tokens it asked for
+(`airlock.gateway.worker_git`), and the two phases of a reload (`prepare`: the
 policy parsed and checked off the event loop, with the secrets it injects and the CA generations; `commit`: the one
 swap). The worker sends back its audit lines,
 encoded here and written whole by the supervisor into its one file, and, when asked, its counters.
@@ -49,6 +50,7 @@ from airlock.gateway.proxy_runtime import ProxyProviders, ProxyRuntime
 from airlock.gateway.reload import loading, release_policy
 from airlock.gateway.worker_approvals import ChannelAsker
 from airlock.gateway.worker_channel import JSON, PICKLED, Channel, read_message
+from airlock.gateway.worker_git import ChannelGitTokens
 from airlock.inspection.inspector import CAGeneration, Inspector
 from airlock.inspection.secrets import SecretValues
 from airlock.policy import IPAddress, LivePolicy, Policy, PolicyError, SandboxRegistry, parse_policy
@@ -176,6 +178,7 @@ class Worker:
         audit_failure = lambda: self.audit.failure  # noqa: E731
         # What a profile holds for a person is held by the supervisor's desk (airlock/gateway/worker_approvals.py).
         self.asker = ChannelAsker(self.channel)
+        self.git_tokens = ChannelGitTokens(self.channel)  # the supervisor's broker mints them (worker_git.py)
         providers = ProxyProviders(
             self.live, resolver, self.auditing.emit, audit_failure, self.metrics, self.asker, self.inspector,
             self.answered,
@@ -193,7 +196,7 @@ class Worker:
         self.channel.attach(loop)
         listeners = {spec: socket.socket(fileno=fd) for spec, fd in self.start.listeners.items()}
         self.proxy.take(listeners)
-        await self.proxy.serve(None)
+        await self.proxy.serve(self.git_tokens)
         gc.freeze()  # as the gateway does once it serves (airlock/gateway/core.py)
         self.channel.send("ready", os.getpid())
         flusher = asyncio.create_task(self._flush())
@@ -218,6 +221,8 @@ class Worker:
             self.answered.record(sandbox, name, addresses, ttl, now)
         elif kind == "approval":
             self.asker.answered(body)
+        elif kind == "git_token":
+            self.git_tokens.answered(body)
         elif kind == "audit_failure":
             self.audit.failure = body
         elif kind == "ask":

@@ -1,8 +1,7 @@
-"""The terms of a gateway with proxy workers (`airlock.gateway.workers`): how many `--workers auto` means, what a
-policy asks that workers cannot do yet (git reads with the broker's tokens, refused in one line), each worker's share
-of the connection caps, what each worker is started with and what a reload's prepare carries (the policy's text, the
-secrets it injects, the supervisor's CA generations), the DNS answers sent to every worker as they are recorded, and
-the workers' counters added up (from the snapshots each sends as JSON: `airlock.gateway.worker.Worker.snapshot`)."""
+"""The terms of a gateway with proxy workers (`airlock.gateway.workers`): how many `--workers auto` means, each
+worker's share of the connection caps, what each worker is started with and what a reload's prepare carries (the
+policy's text, the secrets it injects, the supervisor's CA generations), the DNS answers sent to every worker as they
+are recorded, and the workers' counters added up (from the snapshots each sends as JSON: `Worker.snapshot`)."""
 
 from __future__ import annotations
 
@@ -20,7 +19,6 @@ from airlock.gateway.worker import STAND_IN, PolicyText, Prepare, WorkerStart
 from airlock.gateway.worker_channel import Channel
 from airlock.inspection.inspector import CAGeneration
 from airlock.policy import IPAddress, Policy
-from airlock.policy.inspected_rules import GithubInjection
 
 MAX_AUTO_WORKERS = 8  # `--workers auto`: the CPUs, at most this many
 
@@ -28,24 +26,6 @@ MAX_AUTO_WORKERS = 8  # `--workers auto`: the CPUs, at most this many
 def auto_workers() -> int:
     """`--workers auto`: the CPUs this process may run on, at most MAX_AUTO_WORKERS."""
     return max(1, min(MAX_AUTO_WORKERS, len(os.sched_getaffinity(0))))
-
-
-def policy_refusals(policy: Policy) -> list[str]:
-    """What a policy asks that proxy workers cannot do yet: each one line, naming the feature."""
-    problems = []
-    gits = sorted({i.source for r in policy.inspected_rules for i in r.inject if isinstance(i, GithubInjection)})
-    if gits:
-        more = f" and {len(gits) - 1} more" if len(gits) > 1 else ""
-        problems.append(
-            f"{gits[0]}{more}: git reads with the broker's GitHub tokens (inject: github) need --workers 1 for now: "
-            "the broker's tokens are not asked for across workers yet"
-        )
-    return problems
-
-
-def start_refusals(config: GatewayConfig) -> list[str]:
-    """What `--workers N` (N > 1) cannot do yet with this configuration, each one line."""
-    return policy_refusals(config.policy)
 
 
 def worker_share(caps: ConnectionCaps, count: int) -> ConnectionCaps:

@@ -2,7 +2,8 @@
 (the only one made: the sandbox trusts it and nothing of a worker's), injects the secret the supervisor read and
 sent it over the channel, scrubs it from the answer, refuses a placeholder's misuse and what the method and path
 rules deny; a reload that adds an inspected host is inspected by every worker, with the CA generation the
-supervisor made for it. Real namespaces, real mitmproxy, a fake upstream that records what it got."""
+supervisor made for it; git reads through either worker carry the read token the supervisor's broker minted. Real
+namespaces, real mitmproxy, a fake upstream that records what it got."""
 
 from __future__ import annotations
 
@@ -14,11 +15,21 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from test_inspect import PLACEHOLDER, POLICY, SECRET, gateway_ca, header_values, policy_and_secret, upstream_requests
+from test_inspect import (
+    GIT_POLICY,
+    PLACEHOLDER,
+    POLICY,
+    SECRET,
+    gateway_ca,
+    header_values,
+    policy_and_secret,
+    upstream_requests,
+)
 
+from airlock.verify.fakegithub_client import FakeGitHub
 from airlock.verify.topology import FakeNet, Topology
 
-from gateway_proc import PROXY, AdminConnection, GatewayProcess
+from gateway_proc import AIRLOCK, PROXY, AdminConnection, GatewayProcess
 
 PROXY_URL = f"http://{PROXY[0]}:{PROXY[1]}"
 WORKERS = ("--workers", "2")
@@ -126,3 +137,39 @@ def admin_reload(gw: GatewayProcess) -> dict[str, object]:
         return answer
     finally:
         conn.close()
+
+
+def test_git_reads_through_either_worker_carry_the_brokers_token_for_a_granted_repository_only(
+    topology: Topology,
+    fakenet: FakeNet,
+    own_gateway: Callable[..., GatewayProcess],
+    tmp_path: Path,
+    fake_github: FakeGitHub,
+) -> None:
+    policy = tmp_path / "git.yaml"
+    policy.write_text(GIT_POLICY)
+    gw = own_gateway(policy, WORKERS)
+    issued = subprocess.run(
+        [AIRLOCK, "token", "issue", "--state-dir", str(gw.workdir / "state"), "--sandbox", "sbx",
+         "--grant", "push_branch:acme/app", "--ttl", "10m"],
+        capture_output=True, text=True, timeout=30,
+    )  # fmt: skip
+    assert issued.returncode == 0, issued.stderr  # the broker remembers the grant it issued to sbx
+
+    def ls_remote(repo: str) -> subprocess.CompletedProcess[str]:
+        env = ["env", f"HTTPS_PROXY={PROXY_URL}", f"GIT_SSL_CAINFO={gateway_ca(gw)}", "GIT_TERMINAL_PROMPT=0"]
+        return topology.run(topology.sbx, [*env, "git", "ls-remote", f"https://github.test/{repo}.git"], timeout=60)
+
+    with ThreadPoolExecutor(8) as pool:
+        granted = list(pool.map(ls_remote, ["acme/app"] * 12))
+    assert all(r.returncode == 0 and "refs/heads/main" in r.stdout for r in granted), [r.stderr for r in granted]
+    assert ls_remote("acme/other").returncode != 0  # no grant names it: no credential, GitHub hides it
+    gw.stop()
+    reads = [r for r in gw.audit() if r["kind"] == "http" and r["decision"] == "allow"]
+    app = [r for r in reads if r["path"] == "/acme/app.git/info/refs"]
+    assert len(app) == 12 and {r["extra"]["credential"] for r in app} == {"github read token for acme/app"}
+    assert {r["extra"]["worker"] for r in app} == {0, 1}  # both workers asked the supervisor's broker
+    (other,) = [r for r in reads if r["path"] == "/acme/other.git/info/refs"]
+    assert other["extra"]["credential"] == "none: no grant of this sandbox names the repository"
+    minted = [t["token"] for t in fake_github.tokens() if t.get("repositories") == ["app"]]
+    assert minted and all(t not in gw.audit_path.read_text() and t not in gw.log() for t in minted)

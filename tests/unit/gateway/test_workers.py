@@ -15,14 +15,11 @@ from pathlib import Path
 import pytest
 from worker_pools import CAPS, RUNNING, RunningPool, running_pool
 
-from airlock.gateway.config import GatewayConfig
 from airlock.gateway.worker import PolicyText
 from airlock.gateway.worker_channel import Channel, channel_pair, read_message
 from airlock.gateway.worker_terms import (
     BroadcastAnswers,
     WorkerChannels,
-    policy_refusals,
-    start_refusals,
     worker_share,
 )
 from airlock.policy import Policy, PolicyError, parse_policy
@@ -107,25 +104,6 @@ async def test_a_worker_dies_with_its_supervisors_channel(workers: RunningPool) 
     async with asyncio.timeout(10):
         code = await worker.process.wait()
     assert code == 3, f"worker {pid} exited with {code}"
-
-
-def test_what_workers_refuse_is_named_in_one_line_each() -> None:
-    inspecting = parse_policy(
-        "version: 1\nprofiles:\n  default:\n    allow:\n      - host: api.test\n        inspect: true\n", "i.yaml"
-    )
-    asking = parse_policy("version: 1\nprofiles:\n  default:\n    on_unlisted: ask\n    allow: []\n", "a.yaml")
-    git = parse_policy(
-        "version: 1\nprofiles:\n  default:\n    allow:\n      - host: github.test\n        inspect: true\n"
-        "        inject:\n          - github: {permissions: {contents: read}}\n",
-        "g.yaml",
-    )
-    assert policy_refusals(RUNNING) == []
-    assert policy_refusals(inspecting) == []  # the supervisor's CA and secrets go to every worker
-    [git_reads] = policy_refusals(git)
-    assert git_reads.startswith("g.yaml:8: git reads") and "--workers 1" in git_reads
-    assert policy_refusals(asking) == []  # held by the supervisor's desk (airlock/gateway/worker_approvals.py)
-    config = GatewayConfig(policy=RUNNING, listen="127.0.0.1", close_denied_on_reload=True, workers=2)
-    assert start_refusals(config) == []  # the workers close their denied tunnels at a reload, each its own
 
 
 def test_each_worker_holds_its_share_of_the_caps_and_together_never_more() -> None:
