@@ -181,7 +181,8 @@ class Gateway:
             except Exception as e:
                 raise GatewayError(f"the admin listener could not start: {type(e).__name__}: {e}") from e
             if self.parts.workers is not None:
-                await self.parts.workers.start(proxy.listeners)  # each a process of its own, on these sockets
+                # Each a process of its own, on these sockets; their git reads' tokens asked of the broker here.
+                await self.parts.workers.start(proxy.listeners, self.broker.git_read if self.broker else None)
             else:
                 assert loading is not None
                 await loaded(loading, "the proxy")

@@ -148,7 +148,7 @@ def build_parts(config: GatewayConfig, put_approved: Callable[[Policy], Awaitabl
     )  # fmt: skip
     proxy = ProxyRuntime(config, caps, state.path, providers)
     if channels is not None:
-        pool = _worker_pool(config, caps, secrets, state.path, channels, live, answered, audit, approvals)
+        pool = _worker_pool(config, caps, secrets, state.path, channels, live, answered, audit, approvals, inspector)
     return GatewayParts(
         secrets, caps, metrics, resolver, audit, notices, state, own, live, auditing, admin, broker, relay,
         approvals, inspector, answered, dns, proxy, pool,
@@ -156,13 +156,11 @@ def build_parts(config: GatewayConfig, put_approved: Callable[[Policy], Awaitabl
 
 
 def _worker_channels(config: GatewayConfig) -> WorkerChannels | None:
-    """With N > 1 workers, their channels (none yet); GatewayError for what workers cannot do yet."""
+    """With N > 1 workers, their channels (none yet)."""
     if config.workers <= 1:
         return None
-    from airlock.gateway.worker_terms import WorkerChannels, start_refusals
+    from airlock.gateway.worker_terms import WorkerChannels
 
-    if problems := start_refusals(config):
-        raise GatewayError(f"--workers {config.workers}: " + "; ".join(problems))
     return WorkerChannels()
 
 
@@ -182,13 +180,14 @@ def _worker_pool(
     answered: AnsweredAddresses,
     audit: AuditLog,
     approvals: Approvals,
+    inspector: Inspector,
 ) -> WorkerPool:
     from airlock.gateway.worker_approvals import WorkerApprovals
     from airlock.gateway.worker_terms import WorkerSettings, worker_share
     from airlock.gateway.workers import WorkerPool
 
     settings = WorkerSettings(config, config.workers, worker_share(caps, config.workers), secrets, str(state))
-    return WorkerPool(settings, channels, live, answered, audit, WorkerApprovals(approvals, live))
+    return WorkerPool(settings, channels, live, answered, audit, inspector, WorkerApprovals(approvals, live))
 
 
 def _caps(config: GatewayConfig) -> ConnectionCaps:

@@ -1,7 +1,7 @@
 """Putting a policy in force: checked against what this gateway runs (its sandboxes' reach, the broker's secrets, the
-sandboxes' profiles, what proxy workers can do), the inspection readied for it, then swapped for proxy, DNS and broker
-at once — with proxy workers, in two phases across them (airlock/gateway/workers.py) — and audited as loaded or
-refused. The one place a policy is swapped."""
+sandboxes' profiles), the inspection readied for it, then swapped for proxy, DNS and broker at once — with proxy
+workers, in two phases across them (airlock/gateway/workers.py) — and audited as loaded or refused. The one place a
+policy is swapped."""
 
 from __future__ import annotations
 
@@ -47,6 +47,9 @@ class PolicyChange:
         running = self._running_hash()
         try:
             self._check(policy)
+            # The CA generation it needs made here first: the workers' prepare carries it (a refused reload leaves
+            # it made, in the bundle, permitting only hosts of that policy: as a later reload would make it).
+            self.prepare_inspection(policy)
             await workers.put_in_force(policy, lambda: self._swap(policy))
         except PolicyError as e:
             self.parts.auditing.policy_refused(policy.source, e.errors, refused_hash=policy.hash)
@@ -67,11 +70,6 @@ class PolicyChange:
             raise PolicyError(problems)  # e.g. a declared tool naming a secret the gateway was not given
         if problems := parts.live.refusals(policy):  # before the inspection follows it: nothing of it then
             raise PolicyError(problems)
-        if parts.workers is not None:
-            from airlock.gateway.worker_terms import policy_refusals
-
-            if problems := policy_refusals(policy):
-                raise PolicyError(problems)
 
     def _swap(self, policy: Policy) -> None:
         self.prepare_inspection(policy)

@@ -4,13 +4,16 @@ airlock.gateway.worker --channel FD --parent PID`; nothing secret on its command
 
 Everything else comes over the control channel (`airlock.gateway.worker_channel`), first of all `WorkerStart`: the
 configuration, the policy in force (its text, parsed here and checked against the hash validated: `PolicyText`),
-the `--secret` values the policy injects as the supervisor read them once (never read here), this worker's share
+the `--secret` values the policy injects as the supervisor read them once (never read here), the supervisor's gateway
+CA generations (this worker signs with them and never makes one: `Inspector.adopt`), this worker's share
 of the connection caps, the DNS answers still alive. Then, as they happen: each DNS answer the
 supervisor's DNS server gives a sandbox (sent before the reply leaves; the worker drains its channel before it
 names a connection that carries no name, so an answer is never missed for being in flight), the audit log's state
 (a log that cannot be written denies every request here too), the approvals desk's decisions on what this
-worker's addon held for a person (`airlock.gateway.worker_approvals`), and the two phases of a reload (`prepare`: the
-policy parsed and checked off the event loop; `commit`: the one swap). The worker sends back its audit lines,
+worker's addon held for a person (`airlock.gateway.worker_approvals`), the broker's git read tokens it asked for
+(`airlock.gateway.worker_git`), and the two phases of a reload (`prepare`: the
+policy parsed and checked off the event loop, with the secrets it injects and the CA generations; `commit`: the one
+swap). The worker sends back its audit lines,
 encoded here and written whole by the supervisor into its one file, and, when asked, its counters.
 
 A worker never outlives its supervisor: the kernel kills it when the supervisor dies (PR_SET_PDEATHSIG), and a
@@ -47,7 +50,8 @@ from airlock.gateway.proxy_runtime import ProxyProviders, ProxyRuntime
 from airlock.gateway.reload import loading, release_policy
 from airlock.gateway.worker_approvals import ChannelAsker
 from airlock.gateway.worker_channel import JSON, PICKLED, Channel, read_message
-from airlock.inspection.inspector import Inspector
+from airlock.gateway.worker_git import ChannelGitTokens
+from airlock.inspection.inspector import CAGeneration, Inspector
 from airlock.inspection.secrets import SecretValues
 from airlock.policy import IPAddress, LivePolicy, Policy, PolicyError, SandboxRegistry, parse_policy
 
@@ -101,6 +105,18 @@ class WorkerStart:
     caps: ConnectionCaps  # this worker's share of the caps (airlock/gateway/workers.py)
     answers: list[tuple[str, str, IPAddress, float]]  # AnsweredAddresses.entries() when the worker started
     audit_failure: str | None  # why the audit log cannot be written now (None: it can)
+    cas: list[CAGeneration]  # the supervisor's gateway CA generations (a worker never makes one)
+
+
+@dataclass(frozen=True)
+class Prepare:
+    """Phase 1 of a reload, as the supervisor sends it: the policy's text, the values of the secrets it injects and
+    the gateway CA generations, the one it may have made for it included."""
+
+    generation: int
+    policy: PolicyText
+    secrets: dict[str, str]
+    cas: list[CAGeneration]
 
 
 class ChannelAudit:
@@ -153,12 +169,16 @@ class Worker:
         state = Path(start.state_dir) / "workers" / str(start.index)
         state.mkdir(mode=0o700, parents=True, exist_ok=True)
         self.inspector = Inspector(state, SecretValues(start.secrets))
+        self.inspector.adopt(start.cas)
+        if problems := self.inspector.unsigned(policy):  # the supervisor made none for it: nothing would verify
+            raise PolicyError(problems)
         self.answered = DrainedAnswers(self.channel)
         for sandbox, name, address, left in start.answers:
             self.answered.record(sandbox, name, [address], left - self.answered.grace, time.monotonic())
         audit_failure = lambda: self.audit.failure  # noqa: E731
         # What a profile holds for a person is held by the supervisor's desk (airlock/gateway/worker_approvals.py).
         self.asker = ChannelAsker(self.channel)
+        self.git_tokens = ChannelGitTokens(self.channel)  # the supervisor's broker mints them (worker_git.py)
         providers = ProxyProviders(
             self.live, resolver, self.auditing.emit, audit_failure, self.metrics, self.asker, self.inspector,
             self.answered,
@@ -176,8 +196,7 @@ class Worker:
         self.channel.attach(loop)
         listeners = {spec: socket.socket(fileno=fd) for spec, fd in self.start.listeners.items()}
         self.proxy.take(listeners)
-        self.inspector.apply(self.live.current.policy)
-        await self.proxy.serve(None)
+        await self.proxy.serve(self.git_tokens)
         gc.freeze()  # as the gateway does once it serves (airlock/gateway/core.py)
         self.channel.send("ready", os.getpid())
         flusher = asyncio.create_task(self._flush())
@@ -202,6 +221,8 @@ class Worker:
             self.answered.record(sandbox, name, addresses, ttl, now)
         elif kind == "approval":
             self.asker.answered(body)
+        elif kind == "git_token":
+            self.git_tokens.answered(body)
         elif kind == "audit_failure":
             self.audit.failure = body
         elif kind == "ask":
@@ -224,8 +245,7 @@ class Worker:
 
     async def _answered(self, what: str, payload: Any) -> object:
         if what == "prepare":
-            generation, text = payload
-            return await self._prepare(generation, text)
+            return await self._prepare(payload)
         if what == "commit":
             return await self._commit(payload)
         if what == "abort":
@@ -237,16 +257,19 @@ class Worker:
             return self.proxy.close_denied_tunnels()
         raise ValueError(f"unknown request {what!r}")
 
-    async def _prepare(self, generation: int, text: PolicyText) -> list[str]:
-        """Phase 1 of a reload: the policy parsed off the event loop and checked; the problems (none: ready)."""
+    async def _prepare(self, prepare: Prepare) -> list[str]:
+        """Phase 1 of a reload: the policy parsed off the event loop and checked; the problems (none: ready). The
+        secrets and CA generations it brings are kept at once: none is used before a policy in force asks for it."""
         try:
             with loading():
-                policy = await asyncio.to_thread(text.parse)
+                policy = await asyncio.to_thread(prepare.policy.parse)
         except PolicyError as e:
             return e.errors
-        problems = self.live.refusals(policy) + self.inspector.problems(policy)
+        self.inspector.secrets.update(prepare.secrets)
+        self.inspector.adopt(prepare.cas)
+        problems = self.live.refusals(policy) + self.inspector.problems(policy) + self.inspector.unsigned(policy)
         if not problems:
-            self._prepared[generation] = policy
+            self._prepared[prepare.generation] = policy
         return problems
 
     async def _commit(self, generation: int) -> str | None:
@@ -254,7 +277,6 @@ class Worker:
         policy = self._prepared.pop(generation, None)
         if policy is None:
             return None
-        self.inspector.apply(policy)
         if (shared := self.proxy.shared) is not None:
             shared.inject(self.inspector.injected(policy))
         replaced: list[Policy | None] = [self.live.current.policy]
@@ -316,11 +338,11 @@ def main(argv: Iterable[str] | None = None) -> int:
         print(f"airlock worker {args.index}: expected the start message, got {kind!r}", file=sys.stderr)
         return 2
     try:
-        policy = start.policy.parse()
+        worker = Worker(start, start.policy.parse(), sock)
     except PolicyError as e:
         print(f"airlock worker {args.index}: " + "; ".join(e.errors), file=sys.stderr)
         return 2
-    asyncio.run(Worker(start, policy, sock).run())
+    asyncio.run(worker.run())
     return 0
 
 

@@ -1,7 +1,7 @@
-"""The terms of a gateway with proxy workers (`airlock.gateway.workers`): how many `--workers auto` means, what a
-configuration or a policy asks that workers cannot do yet (each refused in one line), each worker's share of the
-connection caps, what each worker is started with, the DNS answers sent to every worker as they are recorded, and
-the workers' counters added up (from the snapshots each sends as JSON: `airlock.gateway.worker.Worker.snapshot`)."""
+"""The terms of a gateway with proxy workers (`airlock.gateway.workers`): how many `--workers auto` means, each
+worker's share of the connection caps, what each worker is started with and what a reload's prepare carries (the
+policy's text, the secrets it injects, the supervisor's CA generations), the DNS answers sent to every worker as they
+are recorded, and the workers' counters added up (from the snapshots each sends as JSON: `Worker.snapshot`)."""
 
 from __future__ import annotations
 
@@ -15,8 +15,9 @@ from airlock.dns.answered import AnsweredAddresses
 from airlock.gateway.capacity import ConnectionCaps
 from airlock.gateway.config import GatewayConfig
 from airlock.gateway.metrics import MetricsSnapshot
-from airlock.gateway.worker import STAND_IN, PolicyText, WorkerStart
+from airlock.gateway.worker import STAND_IN, PolicyText, Prepare, WorkerStart
 from airlock.gateway.worker_channel import Channel
+from airlock.inspection.inspector import CAGeneration
 from airlock.policy import IPAddress, Policy
 
 MAX_AUTO_WORKERS = 8  # `--workers auto`: the CPUs, at most this many
@@ -25,23 +26,6 @@ MAX_AUTO_WORKERS = 8  # `--workers auto`: the CPUs, at most this many
 def auto_workers() -> int:
     """`--workers auto`: the CPUs this process may run on, at most MAX_AUTO_WORKERS."""
     return max(1, min(MAX_AUTO_WORKERS, len(os.sched_getaffinity(0))))
-
-
-def policy_refusals(policy: Policy) -> list[str]:
-    """What a policy asks that proxy workers cannot do yet: each one line, naming the feature."""
-    problems = []
-    if hosts := sorted(policy.inspected_hosts()):
-        more = f" and {len(hosts) - 3} more" if len(hosts) > 3 else ""
-        problems.append(
-            f"{policy.source}: inspects {', '.join(hosts[:3])}{more} (inspect: true), which needs --workers 1 for "
-            "now: the gateway CA lives in one process"
-        )
-    return problems
-
-
-def start_refusals(config: GatewayConfig) -> list[str]:
-    """What `--workers N` (N > 1) cannot do yet with this configuration, each one line."""
-    return policy_refusals(config.policy)
 
 
 def worker_share(caps: ConnectionCaps, count: int) -> ConnectionCaps:
@@ -72,16 +56,24 @@ class WorkerSettings:
         policy: Policy,
         answers: list[tuple[str, str, IPAddress, float]],
         audit_failure: str | None,
+        cas: list[CAGeneration],
     ) -> WorkerStart:
         """Worker `index`'s start message, with `policy` (the one in force) as its text."""
         config = dataclasses.replace(self.config, policy=STAND_IN)
-        # Only the secrets the policy in force injects (none while inspection needs --workers 1): the broker's and
-        # the declared tools' never leave this process.
-        secrets = {name: self.secrets[name] for name in policy.secret_names() if name in self.secrets}
         return WorkerStart(
-            config, PolicyText.of(policy), secrets, index, self.count, self.state_dir, listeners, self.caps, answers,
-            audit_failure,
+            config, PolicyText.of(policy), self.injected(policy), index, self.count, self.state_dir, listeners,
+            self.caps, answers, audit_failure, cas,
         )  # fmt: skip
+
+    def prepare(self, generation: int, policy: Policy, cas: list[CAGeneration]) -> Prepare:
+        """The `prepare` of a reload to `policy`: its text, the secrets it injects, the CA generations (after the
+        supervisor's `Inspector.apply`: the one made for it, if any, among them)."""
+        return Prepare(generation, PolicyText.of(policy), self.injected(policy), cas)
+
+    def injected(self, policy: Policy) -> dict[str, str]:
+        """Only the secrets `policy` injects, sent over the channel alone: the broker's and the declared tools'
+        never leave this process."""
+        return {name: self.secrets[name] for name in policy.secret_names() if name in self.secrets}
 
 
 class WorkerChannels:

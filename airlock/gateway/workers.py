@@ -3,38 +3,32 @@
 The gateway process stays what it was but for the proxy: it loads, validates and reloads the policy, runs the DNS
 server, the broker, the admin listener, the approvals desk, the metrics and status endpoints, and is the one writer
 of the audit file (held by its folder's descriptor, reopened on SIGUSR1). It binds the proxy's listening sockets
-(and marks them for the fence) as before, and hands each worker the same ones: one set shared by all, each worker's
-loop accepting from it (kept here too, so a restarted worker serves the very sockets, and clients in their backlog
-wait instead of being refused). One shared set rather than a SO_REUSEPORT set per worker: a dead worker's share of
-new connections would wait in its own socket's backlog until it is back (a second or more: mitmproxy's import),
-where a shared socket's are taken by the workers still alive. Each worker accepts one connection per wake-up
-(`ProxyRuntime.serve`), so a burst is spread too; bench/README.md has the balance measured both ways.
+(and marks them for the fence) as before, and hands each worker the same ones, kept here too: a restarted worker
+serves the very sockets, clients in their backlog waiting. One shared set, not a SO_REUSEPORT set per worker (whose
+backlog would hold a dead worker's share until it is back); each worker accepts one connection per wake-up
+(`ProxyRuntime.serve`), so a burst is spread too (docs/operations.md, bench/README.md: the balance measured).
 
 Split between the workers: the connection caps, each worker holding its share (`worker_share` in
 `airlock.gateway.worker_terms`: the cap divided by N, at least 1), so that together they never pass the cap (a
 sandbox's tunnels may be refused by one worker while another has room: its 429 says it is this worker's share).
 Shared: everything else, through the channel:
 - DNS answers: the supervisor's DNS server records each answer (`BroadcastAnswers.record`), which sends it to every
-  worker before the reply is sent; a worker drains its channel before naming a connection that has none. (Only a
-  worker that has not read its channel for so long that it is full gets an answer after the reply: a connection
-  named by it meanwhile is judged by its address alone, which fails closed);
+  worker before the reply is sent; a worker drains its channel before naming a connection that has none (one whose
+  channel is full gets it late: a connection it names meanwhile is judged by its address alone, failing closed);
 - the policy: a reload is loaded and validated here, then in two phases: every worker parses the very text
   validated here, off its event loop, and checks that its hash is the validated one (`prepare`); a refusal (or no
   answer) from any aborts the reload for all, the running policy staying; else the supervisor swaps its own,
   every worker swaps (`commit`), and only then is the reload audited and answered. Every request line carries the
   hash of the policy that judged it;
-- `--close-denied-on-reload`: once every worker has committed a reload, each closes its open tunnels the new
-  policy denies (`close_denied_tunnels`), and the supervisor adds up how many;
+- `--close-denied-on-reload`: once all have committed, each worker closes its tunnels the new policy denies;
 - approvals: what a worker's addon holds for a person is held by the supervisor's desk, the worker's request
   released with its decision (`airlock.gateway.worker_approvals`; a malformed request stops the worker);
 - the audit: lines encoded in the workers, written whole here; the audit log's failure sent to every worker;
-- metrics and status: each worker's counters (the same lock-free, in-process ones as a single gateway's:
-  prometheus-client's multiprocess mode would put a lock and a memory-mapped file write on every count, the cost
-  they were made to avoid) are asked for over the channel at each scrape, and once a second, and added in.
-
-Not across workers yet (refused at start, and a reload that brings one in is refused: `start_refusals` and
-`policy_refusals`, beside `worker_share`): inspection (the gateway CA, its generations and the broker's git read
-tokens and the injected secrets live in one process).
+- metrics and status: each worker's lock-free in-process counters (prometheus-client's multiprocess mode would put a
+  lock and a file write on every count), asked for at each scrape and once a second, and added in;
+- inspection: the supervisor makes each CA generation (a reload's before its prepare); they and the secrets the
+  policy injects go in each worker's `start` and `prepare`, over the channel only; a worker never makes a CA;
+- git reads (`inject: github`): each read token asked of the supervisor's broker (`airlock.gateway.worker_git`).
 
 A worker that dies is restarted (a warning in the log says so); only the connections it held are lost. SIGTERM stops
 every worker; a worker never outlives the supervisor (`airlock.gateway.worker`)."""
@@ -51,17 +45,21 @@ import sys
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from airlock.audit import AuditLog
 from airlock.dns.answered import AnsweredAddresses
 from airlock.gateway.errors import GatewayError
 from airlock.gateway.metrics import MetricsSnapshot
-from airlock.gateway.worker import PolicyText
 from airlock.gateway.worker_approvals import ApprovalRequest, WorkerApprovals
 from airlock.gateway.worker_channel import JSON, PICKLED, Channel, channel_pair
+from airlock.gateway.worker_git import GitTokenRequest, WorkerGitTokens
 from airlock.gateway.worker_terms import WorkerChannels, WorkerSettings, added_counts, added_decisions, added_metrics
+from airlock.inspection.inspector import Inspector
 from airlock.policy import LivePolicy, Policy, PolicyError
+
+if TYPE_CHECKING:
+    from airlock.proxy.shared import GitTokens
 
 log = logging.getLogger("airlock.gateway")
 
@@ -93,13 +91,16 @@ class WorkerPool:
         live: LivePolicy,
         answered: AnsweredAddresses,
         audit: AuditLog,
+        inspector: Inspector,
         approvals: WorkerApprovals | None = None,
     ) -> None:
         self.settings, self.channels, self.live, self.answered, self.audit = settings, channels, live, answered, audit
+        self.inspector = inspector  # the supervisor's: its CA generations are the ones every worker signs with
         self.approvals = approvals  # the supervisor's desk, which holds what a worker's addon asks (None: denied)
         self.workers: dict[int, _Worker] = {}
         self.restarts = 0
         self._listeners: dict[str, socket.socket] = {}
+        self._git = WorkerGitTokens(None)
         self._asks = itertools.count()
         self._generations = itertools.count(1)
         self._reloading = asyncio.Lock()  # a restart waits for a reload: it starts with the policy then in force
@@ -112,9 +113,10 @@ class WorkerPool:
     def count(self) -> int:
         return self.settings.count
 
-    async def start(self, listeners: Mapping[str, socket.socket]) -> None:
-        """Start every worker on `listeners` (kept by the caller); GatewayError if one does not come to serve."""
-        self._listeners = dict(listeners)
+    async def start(self, listeners: Mapping[str, socket.socket], git_tokens: GitTokens | None = None) -> None:
+        """Start every worker on `listeners` (kept by the caller), asking `git_tokens` (the broker's) for the git
+        read tokens they ask for; GatewayError if one does not come to serve."""
+        self._listeners, self._git = dict(listeners), WorkerGitTokens(git_tokens)
         started = await asyncio.gather(*(self._start(i) for i in range(self.count)), return_exceptions=True)
         if failed := [e for e in started if isinstance(e, BaseException)]:
             raise GatewayError(f"proxy workers did not start: {failed[0]}")
@@ -150,7 +152,8 @@ class WorkerPool:
         worker = _Worker(index, process, channel, ready)
         channel.attach(loop)
         answers = self.answered.entries(time.monotonic())
-        channel.send("start", self.settings.start(index, fds, self.live.current.policy, answers, self.audit.failure))
+        cas, failure = self.inspector.exported(), self.audit.failure
+        channel.send("start", self.settings.start(index, fds, self.live.current.policy, answers, failure, cas))
         self.workers[index] = worker
         self.channels.open[index] = channel  # from now on it hears every answer, after the ones in `start`
         return worker
@@ -179,6 +182,8 @@ class WorkerPool:
                 worker.channel.send("approval", (request.ask, request.decision))
             else:
                 self.approvals.hold(worker.channel, request, worker.held)
+        elif kind == "git_token":  # a git read's token, asked of the broker (airlock/gateway/worker_git.py)
+            self._git.hold(worker.channel, GitTokenRequest.read(body), worker.held)
         elif kind == "ready":
             if not worker.ready.done():
                 worker.ready.set_result(body)
@@ -259,9 +264,10 @@ class WorkerPool:
         it, or does not answer (then none has it in force, and `swap` was not called)."""
         async with self._reloading:
             workers = [self.workers[i] for i in self.serving()]
-            text = PolicyText.of(policy)  # the text the supervisor validated: each worker parses it again
+            # The text the supervisor validated (each worker parses it again), the CA generations and secrets.
             generation = next(self._generations)
-            answers = await self._ask(workers, "prepare", (generation, text), PREPARE_TIMEOUT)
+            prepare = self.settings.prepare(generation, policy, self.inspector.exported())
+            answers = await self._ask(workers, "prepare", prepare, PREPARE_TIMEOUT)
             problems = []
             for worker, answer in zip(workers, answers, strict=True):
                 if isinstance(answer, ConnectionError):

@@ -86,10 +86,23 @@ class GatewayCA:
         ca._write()
         return ca
 
-    def _write(self) -> None:
-        key_pem = self._key.private_bytes(
+    @classmethod
+    def loaded(cls, directory: Path, hosts: Iterable[str], key_pem: bytes, cert_pem: bytes) -> GatewayCA:
+        """A generation another process made (a proxy worker's, from its supervisor: `Inspector.adopt`), in memory
+        only: nothing is written here."""
+        key = serialization.load_pem_private_key(key_pem, None)
+        if not isinstance(key, ec.EllipticCurvePrivateKey):
+            raise InspectionError("a gateway CA's key must be an EC key")
+        return cls(directory, frozenset(_checked_host(h) for h in hosts), key, x509.load_pem_x509_certificate(cert_pem))
+
+    @property
+    def key_pem(self) -> bytes:
+        return self._key.private_bytes(
             serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
         )
+
+    def _write(self) -> None:
+        key_pem = self.key_pem
         fd = open_private_directory(self.directory)
         try:
             replace_file(fd, self.key_path.name, key_pem, 0o600)

@@ -8,6 +8,9 @@ gets a trust bundle of its own — the system's CAs plus every generation so far
 on. A leaf comes from the oldest generation that permits its host, so a sandbox started before a reload still
 reaches the hosts inspected at its start; a host a later reload added needs a sandbox started after it.
 
+With proxy workers (`airlock gateway --workers N`) the supervisor's Inspector alone makes generations: each worker's
+`adopt`s them as the supervisor sends them (`exported`), so every worker signs with the CA the sandboxes trust.
+
 Every gateway has one; the CA code (cryptography, mitmproxy's certificates) is imported with the first CA, so a
 gateway whose policy inspects nothing imports none of it.
 """
@@ -16,7 +19,8 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING
 
@@ -29,6 +33,15 @@ if TYPE_CHECKING:
     from airlock.inspection.ca import GatewayCA
 
 log = logging.getLogger("airlock.gateway")
+
+
+@dataclass(frozen=True)
+class CAGeneration:
+    """One CA generation as the supervisor sends it to its proxy workers (pickled, over their channel only)."""
+
+    hosts: tuple[str, ...]
+    key_pem: bytes
+    cert_pem: bytes
 
 
 class Inspector:
@@ -67,6 +80,26 @@ class Inspector:
         self.bundle = write_trust_bundle(self._directory / "trust", [ca.cert_pem for ca in self.generations])
         log.info("gateway CA %d made for %d inspected hosts", len(self.generations), len(hosts))
         self._publish()
+
+    def exported(self) -> list[CAGeneration]:
+        """Every generation so far, oldest first: what a proxy worker `adopt`s."""
+        return [CAGeneration(tuple(sorted(ca.hosts)), ca.key_pem, ca.cert_pem) for ca in self.generations]
+
+    def adopt(self, generations: Iterable[CAGeneration]) -> None:
+        """A proxy worker's: the supervisor's generations (`exported`) this one does not hold yet, in order. A
+        worker never makes one of its own: a sandbox would not trust it."""
+        from airlock.inspection.ca import GatewayCA
+
+        for generation in list(generations)[len(self.generations) :]:
+            directory = self._directory / str(len(self.generations) + 1)
+            self.generations.append(GatewayCA.loaded(directory, generation.hosts, generation.key_pem,
+                                                     generation.cert_pem))  # fmt: skip
+
+    def unsigned(self, policy: Policy) -> list[str]:
+        """The policy's inspected hosts no generation permits, each one line (a worker's check that the
+        supervisor's generations, adopted, cover the policy it prepares)."""
+        hosts = sorted(h for h in policy.inspected_hosts() if not any(ca.permits(h) for ca in self.generations))
+        return [f"{policy.source}: inspects {host}, which no gateway CA from the supervisor permits" for host in hosts]
 
     def _publish(self) -> None:
         if self.trust_dir is not None:

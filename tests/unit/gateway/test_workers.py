@@ -13,68 +13,31 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
+from worker_pools import CAPS, RUNNING, RunningPool, running_pool
 
-from airlock.audit import AuditLog
-from airlock.gateway.capacity import ConnectionCaps
-from airlock.gateway.config import GatewayConfig
-from airlock.gateway.proxy_runtime import _listen
 from airlock.gateway.worker import PolicyText
 from airlock.gateway.worker_channel import Channel, channel_pair, read_message
 from airlock.gateway.worker_terms import (
     BroadcastAnswers,
     WorkerChannels,
-    WorkerSettings,
-    policy_refusals,
-    start_refusals,
     worker_share,
 )
-from airlock.gateway.workers import WorkerPool
-from airlock.policy import LivePolicy, Policy, PolicyError, Sandbox, SandboxRegistry, parse_policy
+from airlock.policy import Policy, PolicyError, parse_policy
 
-RUNNING = parse_policy("version: 1\nprofiles:\n  default:\n    allow:\n      - host: running.test\n", "running.yaml")
 NEXT = parse_policy("version: 1\nprofiles:\n  default:\n    allow:\n      - host: next.test\n", "next.yaml")
 # Lacks the profile the running sandbox uses: every worker refuses it.
 NO_DEFAULT = parse_policy(
     "version: 1\ndefault_profile: other\nprofiles:\n  other:\n    allow:\n      - host: x.test\n", "other.yaml"
 )
-CAPS = ConnectionCaps(open_files=4096, total=1000, per_sandbox=400, tunnels=350, spliced=100)
-
-
-@dataclasses.dataclass
-class _Pool:
-    pool: WorkerPool
-    live: LivePolicy
-    port: int
-
-    async def hashes(self) -> list[object]:
-        await self.pool.refresh()
-        return [status["policy_hash"] for status in self.pool.status()]
 
 
 @pytest.fixture
-async def workers(tmp_path: Path) -> AsyncIterator[_Pool]:
-    listener = _listen("127.0.0.1", 0)
-    port = listener.getsockname()[1]
-    sandboxes = [Sandbox("sbx", "default", ipaddress.ip_network("127.0.0.0/8"))]
-    config = GatewayConfig(
-        policy=RUNNING, listen="127.0.0.1", proxy_port=port, transparent_port=0, dns_port=0, sandboxes=sandboxes,
-        upstream_dns=[("127.0.0.1", 9)], audit_path=str(tmp_path / "audit.jsonl"), workers=2,
-    )  # fmt: skip
-    live = LivePolicy(RUNNING, SandboxRegistry(sandboxes))
-    audit = AuditLog(tmp_path / "audit.jsonl")
-    channels = WorkerChannels()
-    settings = WorkerSettings(config, 2, worker_share(CAPS, 2), {}, str(tmp_path))
-    pool = WorkerPool(settings, channels, live, BroadcastAnswers(channels), audit)
-    await pool.start({f"regular@{port}": listener})
-    try:
-        yield _Pool(pool, live, port)
-    finally:
-        await pool.stop()
-        audit.close()
-        listener.close()
+async def workers(tmp_path: Path) -> AsyncIterator[RunningPool]:
+    async with running_pool(tmp_path) as pool:
+        yield pool
 
 
-async def test_a_reload_is_in_force_in_every_worker_once_it_returns(workers: _Pool) -> None:
+async def test_a_reload_is_in_force_in_every_worker_once_it_returns(workers: RunningPool) -> None:
     assert await workers.hashes() == [RUNNING.hash, RUNNING.hash]
     swapped: list[Policy] = []
 
@@ -87,7 +50,7 @@ async def test_a_reload_is_in_force_in_every_worker_once_it_returns(workers: _Po
     assert await workers.hashes() == [NEXT.hash, NEXT.hash]
 
 
-async def test_a_policy_a_worker_refuses_is_in_force_nowhere(workers: _Pool) -> None:
+async def test_a_policy_a_worker_refuses_is_in_force_nowhere(workers: RunningPool) -> None:
     swapped: list[Policy] = []
     with pytest.raises(PolicyError) as refused:
         await workers.pool.put_in_force(NO_DEFAULT, lambda: swapped.append(NO_DEFAULT))
@@ -100,7 +63,9 @@ async def test_a_policy_a_worker_refuses_is_in_force_nowhere(workers: _Pool) -> 
     assert await workers.hashes() == [NEXT.hash, NEXT.hash]
 
 
-async def test_a_policy_the_supervisor_refuses_after_the_workers_prepared_is_aborted_in_all(workers: _Pool) -> None:
+async def test_a_policy_the_supervisor_refuses_after_the_workers_prepared_is_aborted_in_all(
+    workers: RunningPool,
+) -> None:
     def refuse() -> None:
         raise PolicyError(["next.yaml: refused by the supervisor"])
 
@@ -109,7 +74,7 @@ async def test_a_policy_the_supervisor_refuses_after_the_workers_prepared_is_abo
     assert await workers.hashes() == [RUNNING.hash, RUNNING.hash]
 
 
-async def test_a_killed_worker_is_restarted_with_the_policy_in_force_and_serves(workers: _Pool) -> None:
+async def test_a_killed_worker_is_restarted_with_the_policy_in_force_and_serves(workers: RunningPool) -> None:
     await workers.pool.put_in_force(NEXT, lambda: workers.live.replace(NEXT))
     before = {w["index"]: w["pid"] for w in workers.pool.status()}
     os.kill(int(str(before[0])), signal.SIGKILL)
@@ -130,7 +95,7 @@ async def test_a_killed_worker_is_restarted_with_the_policy_in_force_and_serves(
     assert status.startswith(b"HTTP/1.1 403")
 
 
-async def test_a_worker_dies_with_its_supervisors_channel(workers: _Pool) -> None:
+async def test_a_worker_dies_with_its_supervisors_channel(workers: RunningPool) -> None:
     # The supervisor's end gone (as when it dies): the worker exits at once, serving nothing.
     worker = workers.pool.workers[1]
     pid = worker.process.pid
@@ -139,19 +104,6 @@ async def test_a_worker_dies_with_its_supervisors_channel(workers: _Pool) -> Non
     async with asyncio.timeout(10):
         code = await worker.process.wait()
     assert code == 3, f"worker {pid} exited with {code}"
-
-
-def test_what_workers_refuse_is_named_in_one_line_each() -> None:
-    inspecting = parse_policy(
-        "version: 1\nprofiles:\n  default:\n    allow:\n      - host: api.test\n        inspect: true\n", "i.yaml"
-    )
-    asking = parse_policy("version: 1\nprofiles:\n  default:\n    on_unlisted: ask\n    allow: []\n", "a.yaml")
-    assert policy_refusals(RUNNING) == []
-    [inspection] = policy_refusals(inspecting)
-    assert "inspects api.test" in inspection and "--workers 1" in inspection
-    assert policy_refusals(asking) == []  # held by the supervisor's desk (airlock/gateway/worker_approvals.py)
-    config = GatewayConfig(policy=RUNNING, listen="127.0.0.1", close_denied_on_reload=True, workers=2)
-    assert start_refusals(config) == []  # the workers close their denied tunnels at a reload, each its own
 
 
 def test_each_worker_holds_its_share_of_the_caps_and_together_never_more() -> None:
@@ -173,7 +125,7 @@ def test_a_worker_takes_a_policy_as_its_text_and_refuses_one_that_parses_to_anot
         PolicyText.of(Policy(RUNNING.profiles, RUNNING.default_profile, "built.yaml"))
 
 
-async def test_a_policy_without_text_is_refused_by_the_pool_and_the_running_one_stays(workers: _Pool) -> None:
+async def test_a_policy_without_text_is_refused_by_the_pool_and_the_running_one_stays(workers: RunningPool) -> None:
     built = Policy(NEXT.profiles, NEXT.default_profile, "built.yaml")
     with pytest.raises(PolicyError, match="no text to give the proxy workers"):
         await workers.pool.put_in_force(built, lambda: workers.live.replace(built))
