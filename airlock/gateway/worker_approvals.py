@@ -17,11 +17,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 from dataclasses import dataclass
 from typing import Any
 
-from airlock.gateway.worker_channel import Channel
+from airlock.gateway.worker_channel import Channel, Questions
 from airlock.policy import Decision, LivePolicy, ReasonCode, Sandbox, Snapshot
 from airlock.policy.held_requests import Asker, may_ask
 
@@ -33,8 +32,9 @@ class ChannelAsker:
 
     def __init__(self, channel: Channel, margin: float = ASK_MARGIN) -> None:
         self.channel, self.margin = channel, margin
-        self._ids = itertools.count()
-        self._waiting: dict[int, asyncio.Future[Decision]] = {}
+        self.questions: Questions[Decision] = Questions(
+            channel, "approval", lambda answer: isinstance(answer, Decision)
+        )
 
     async def decide(
         self,
@@ -49,30 +49,21 @@ class ChannelAsker:
     ) -> Decision:
         if not may_ask(live, sandbox, host, port, decision) or not self.channel.open:
             return decision
-        ask = next(self._ids)
-        future: asyncio.Future[Decision] = asyncio.get_running_loop().create_future()
-        self._waiting[ask] = future
-        request = [ask, sandbox.id, host, port, decision.reason, str(decision.code), decision.hint, kind, client, hold]
-        self.channel.send("approval", request)
+        request = [sandbox.id, host, port, decision.reason, str(decision.code), decision.hint, kind, client, hold]
         wait = (hold if hold is not None else live.profile(sandbox).ask_timeout) + self.margin
         try:
-            return await asyncio.wait_for(asyncio.shield(future), wait)
+            return await self.questions.ask(request, wait)
         except TimeoutError:
             reason = f"no answer from the gateway's approvals desk within {wait:g} s"
             return Decision(False, reason, ReasonCode.APPROVAL_TIMEOUT, None, decision.hint)
-        finally:
-            self._waiting.pop(ask, None)
 
     def answered(self, body: Any) -> None:
         """The supervisor's `("approval", (id, Decision))`."""
-        ask, decision = body
-        future = self._waiting.get(ask)
-        if future is not None and not future.done() and isinstance(decision, Decision):
-            future.set_result(decision)
+        self.questions.answered(body)
 
     @property
     def waiting(self) -> int:
-        return len(self._waiting)
+        return self.questions.waiting
 
 
 @dataclass(frozen=True, slots=True)

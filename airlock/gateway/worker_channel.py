@@ -17,11 +17,12 @@ has no name (so a DNS answer the supervisor sent before its reply left is known:
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import pickle
 import socket
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 PACKET = 60 * 1024  # payload bytes per packet: well under a unix socket's default send buffer (208 KiB)
@@ -161,3 +162,34 @@ class Channel:
         self._out.clear()
         self.sock.close()
         self._closed()
+
+
+class Questions[T]:
+    """A worker's questions of one kind to its supervisor, awaiting their answers by id: `("<kind>", [id, ...])` out,
+    `("<kind>", (id, answer))` back. An answer of the wrong shape, or to a question no longer waited for, is dropped."""
+
+    def __init__(self, channel: Channel, kind: str, valid: Callable[[object], bool]) -> None:
+        self.channel, self.kind, self.valid = channel, kind, valid
+        self._ids = itertools.count()
+        self._waiting: dict[int, asyncio.Future[T]] = {}
+
+    async def ask(self, body: Sequence[object], timeout: float) -> T:
+        """The answer to `body` (after its id); TimeoutError when none comes within `timeout` seconds."""
+        ask = next(self._ids)
+        future: asyncio.Future[T] = asyncio.get_running_loop().create_future()
+        self._waiting[ask] = future
+        self.channel.send(self.kind, [ask, *body])
+        try:
+            return await asyncio.wait_for(asyncio.shield(future), timeout)
+        finally:
+            self._waiting.pop(ask, None)
+
+    def answered(self, body: Any) -> None:
+        ask, answer = body
+        future = self._waiting.get(ask)
+        if future is not None and not future.done() and self.valid(answer):
+            future.set_result(answer)
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiting)

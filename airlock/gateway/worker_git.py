@@ -13,13 +13,12 @@ and sends the token back (none: no broker, or no grant of that sandbox names the
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from airlock.gateway.worker_channel import Channel
+from airlock.gateway.worker_channel import Channel, Questions
 
 if TYPE_CHECKING:
     from airlock.proxy.shared import GitTokens
@@ -35,34 +34,26 @@ class ChannelGitTokens:
 
     def __init__(self, channel: Channel, timeout: float = GIT_TOKEN_TIMEOUT) -> None:
         self.channel, self.timeout = channel, timeout
-        self._ids = itertools.count()
-        self._waiting: dict[int, asyncio.Future[str | None]] = {}
+        self.questions: Questions[str | None] = Questions(
+            channel, "git_token", lambda answer: answer is None or isinstance(answer, str)
+        )
 
     async def token(self, sandbox: str, repo: str, permissions: Mapping[str, str]) -> str | None:
         if not self.channel.open:
             return None
-        ask = next(self._ids)
-        future: asyncio.Future[str | None] = asyncio.get_running_loop().create_future()
-        self._waiting[ask] = future
-        self.channel.send("git_token", [ask, sandbox, repo, dict(permissions)])
         try:
-            return await asyncio.wait_for(asyncio.shield(future), self.timeout)
+            return await self.questions.ask([sandbox, repo, dict(permissions)], self.timeout)
         except TimeoutError:
             log.warning("no git read token from the supervisor within %gs for %s: none sent", self.timeout, repo)
             return None
-        finally:
-            self._waiting.pop(ask, None)
 
     def answered(self, body: Any) -> None:
         """The supervisor's `("git_token", (id, token or None))`."""
-        ask, token = body
-        future = self._waiting.get(ask)
-        if future is not None and not future.done() and (token is None or isinstance(token, str)):
-            future.set_result(token)
+        self.questions.answered(body)
 
     @property
     def waiting(self) -> int:
-        return len(self._waiting)
+        return self.questions.waiting
 
 
 @dataclass(frozen=True, slots=True)
