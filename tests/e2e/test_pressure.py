@@ -76,7 +76,7 @@ def test_a_thousand_concurrent_tunnels_work_with_the_defaults(
 def test_tunnels_beyond_the_cap_get_429_and_a_summary_not_a_line_each(
     topology: Topology, fakenet: FakeNet, own_gateway, test_ca: FakeCA
 ):
-    gw = own_gateway(extra=("--max-tunnels", "50"))
+    gw = own_gateway(extra=("--workers", "1", "--max-tunnels", "50"))  # the exact cap: one worker holds it whole
     held = HeldTunnels(topology.sbx, PROXY, "allowed.test:443", str(test_ca.ca_cert))
     try:
         assert held.open(50).count("200") == 50
@@ -321,7 +321,7 @@ def test_a_removed_audit_log_is_created_again(topology: Topology, fakenet: FakeN
 def test_upstream_connections_are_capped_like_client_connections(topology: Topology, fakenet: FakeNet, own_gateway):
     # mitmproxy keeps the upstream connections of a client connection open for reuse, one per host it sent plain
     # HTTP to: without a cap of their own, one client connection could hold any number of descriptors.
-    own_gateway(extra=("--max-connections", "3"))
+    own_gateway(extra=("--workers", "1", "--max-connections", "3"))  # the exact cap: one worker holds it whole
 
     def one_client_connection() -> list[tuple[int, bytes]]:
         conn = http.client.HTTPConnection(*PROXY, timeout=10)
