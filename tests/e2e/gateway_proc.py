@@ -8,6 +8,7 @@ import http.client
 import ipaddress
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -94,6 +95,11 @@ class GatewayProcess:
                 raise RuntimeError(f"gateway exited with {self.proc.returncode}:\n{self.log()}")
             time.sleep(poll)
         raise RuntimeError(f"gateway did not start in {timeout}s:\n{self.log()}")
+
+    def workers(self) -> int:
+        """How many proxy workers it runs, as its start line says ("(N workers)"; none said: one process)."""
+        found = re.search(r"proxy on .*\((\d+) workers\)", self.log())
+        return int(found.group(1)) if found else 1
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 15) -> int | None:
         """Stop the gateway; then every line it audited must match docs/audit-record.schema.json (so every e2e

@@ -44,12 +44,12 @@ def cgroups(root: Path, files: dict[str, str]) -> Path:
                 "cpu,cpuacct/kubepods/pod1/cpu.cfs_period_us": "100000\n",
             },
             None,
-        ),  # noqa: E501
+        ),
         (
             HYBRID,
             {"cpu,cpuacct/kubepods/cpu.cfs_quota_us": "100000\n", "cpu,cpuacct/kubepods/cpu.cfs_period_us": "100000\n"},
             1.0,
-        ),  # noqa: E501
+        ),
         # a path that climbs out of the hierarchy reads nothing above it
         ("0::/../../etc\n", {"cpu.max": "100000 100000\n"}, None),
     ],
