@@ -124,6 +124,20 @@ class GatewayProcess:
             return []
         return [json.loads(line) for line in self.audit_path.read_text().splitlines() if line.strip()]
 
+    def audit_mark(self, settle: float = 0.3) -> int:
+        """How many lines the audit log holds once the lines in flight are in: with proxy workers, each sends its
+        lines to the gateway every 100 ms, so a line of an earlier request may still come after this moment's last
+        one; the count is taken when it has not changed for `settle` seconds."""
+        count = len(self.audit())
+        if self.workers() == 1:
+            return count
+        steady_since = time.monotonic()
+        while time.monotonic() - steady_since < settle:
+            time.sleep(0.05)
+            if (now := len(self.audit())) != count:
+                count, steady_since = now, time.monotonic()
+        return count
+
     def audit_for(
         self, request_id: str | None = None, host: str | None = None, wait: float = 3, kind: str | None = None
     ) -> list[dict]:

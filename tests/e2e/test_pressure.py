@@ -224,7 +224,7 @@ def test_a_flood_from_an_address_of_no_sandbox_gets_a_few_audit_lines_and_a_summ
 def test_an_upstream_refusing_aaaa_is_asked_once_per_few_seconds_not_per_request(
     topology: Topology, fakenet: FakeNet, own_gateway
 ):
-    own_gateway()
+    gw = own_gateway()
     name = "refused6.allowed.test"
 
     def requests() -> list[int]:
@@ -236,9 +236,11 @@ def test_an_upstream_refusing_aaaa_is_asked_once_per_few_seconds_not_per_request
         assert topology.dns_query(topology.sbx, name, "AAAA", server=GW_IP).rcode == "SERVFAIL"
         assert topology.dns_query(topology.sbx, name, "A", server=GW_IP).rcode == "NOERROR"
     elapsed = time.monotonic() - started
-    allowed_queries = 1 + math.ceil(elapsed / 3.0)  # the resolver's failure_ttl: 3 s
+    # The DNS server's resolver and each proxy worker's cache their answers apart (docs/operations.md, Workers).
+    resolvers = 1 + gw.workers() if gw.workers() > 1 else 1
+    allowed_queries = resolvers * (1 + math.ceil(elapsed / 3.0))  # each resolver's failure_ttl: 3 s
     assert 1 <= fakenet.dns_queries(name, "AAAA") <= allowed_queries, (fakenet.dns_queries(name, "AAAA"), elapsed)
-    assert fakenet.dns_queries(name, "A") == 1  # kept for --dns-min-ttl (the zone's TTL is 0)
+    assert 1 <= fakenet.dns_queries(name, "A") <= resolvers  # kept for --dns-min-ttl (the zone's TTL is 0)
 
 
 # --- the audit log cannot be written ---------------------------------------------------------------------------
@@ -300,8 +302,9 @@ def test_a_full_audit_disk_denies_new_requests_until_there_is_room_again(
     filler.unlink()
     assert wait_for(lambda: "audit log written again" in gw.log()), gw.log()
     assert in_netns(topology.sbx, proxy_http, PROXY, "http://allowed.test/after").status == 200
-    paths = [r["path"] for r in stopped_audit(gw) if r["kind"] == "http"]
-    # Nothing was lost: the lines that waited were written once there was room, in order.
+    # Nothing was lost: the lines that waited were written once there was room, in the order of their requests
+    # (the order of their time stamps: proxy workers send theirs apart).
+    paths = [r["path"] for r in sorted(stopped_audit(gw), key=lambda r: r["ts"]) if r["kind"] == "http"]
     assert paths == ["/first", *passed, *[f"/denied{i}" for i in range(20)], "/after"], paths
     assert len(lines_after_start(gw)) == 2
 

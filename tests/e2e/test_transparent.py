@@ -67,7 +67,7 @@ def audit_for(gateway: GatewayProcess) -> Callable[..., dict]:
     marks: dict[int, int] = {}
 
     def mark(gw: GatewayProcess) -> int:
-        return marks.setdefault(id(gw), 0 if gw is not gateway else len(gw.audit()))
+        return marks.setdefault(id(gw), 0 if gw is not gateway else gw.audit_mark())
 
     mark(gateway)
 
