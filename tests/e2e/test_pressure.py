@@ -103,7 +103,7 @@ def announced_caps(gw: GatewayProcess) -> tuple[int, int]:
 def test_a_small_open_file_limit_gives_smaller_caps_and_refusals_beyond_them(
     topology: Topology, fakenet: FakeNet, own_gateway, test_ca: FakeCA
 ):
-    gw = own_gateway(nofile=(512, 512))
+    gw = own_gateway(nofile=(512, 512), extra=("--workers", "1"))  # the exact caps: one worker holds them whole
     connections, tunnels = announced_caps(gw)
     assert "open files 512 (hard limit 512)" in gw.log() and 16 <= tunnels <= connections < 256
     held = HeldTunnels(topology.sbx, PROXY, "allowed.test:443", str(test_ca.ca_cert))
