@@ -4,9 +4,10 @@ theirs, and of the policy core nothing at all."""
 
 from .record import SCHEMA_VERSION, AuditRecord, Kind, RepeatedDecisions, Verdict, new_request_id
 from .sink import AuditLog
-from .throttle import AuditThrottle
+from .throttle import REFUSAL_LINES, AuditThrottle
 
 __all__ = [
+    "REFUSAL_LINES",
     "SCHEMA_VERSION",
     "AuditLog",
     "AuditRecord",

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from .record import AuditRecord, Kind
 
 MAX_CLIENTS = 32  # distinct clients named in one summary line
+REFUSAL_LINES = 10  # refusals of one kind audited one by one per interval, by default
 
 
 @dataclass
@@ -28,7 +29,7 @@ class _Window:
 
 
 class AuditThrottle:
-    def __init__(self, emit: Callable[[AuditRecord], None], interval: float = 10.0, burst: int = 10) -> None:
+    def __init__(self, emit: Callable[[AuditRecord], None], interval: float = 10.0, burst: int = REFUSAL_LINES) -> None:
         self.emit, self.interval, self.burst = emit, interval, burst
         # one window per kind of refusal: (kind, sandbox, reason, code), a handful per sandbox
         self._windows: dict[tuple[Kind, str, str, str], _Window] = {}

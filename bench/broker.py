@@ -526,7 +526,7 @@ def run_e2e(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
             "--upstream-ca", str(ca.ca_cert), "--github-timeout", "10",
         )  # fmt: skip
         (workdir / "gateway").mkdir()
-        gateway = GatewayProcess(topo, workdir / "gateway", extra=broker_args).start()
+        gateway = GatewayProcess(topo, workdir / "gateway", extra=(*broker_args, "--workers", "1")).start()
         procs.append(gateway)
         assert gateway.proc is not None and github.proc is not None
         admin = workdir / "gateway" / "state" / "admin.sock"

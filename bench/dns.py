@@ -370,7 +370,7 @@ def run_bench(args: argparse.Namespace, workdir: Path, gen: str) -> dict[str, An
         topo.assert_route_inside(topo.gw, DNS_SERVER)
         topo.assert_route_inside(topo.sbx, GW_IP)
         (workdir / "gateway").mkdir()
-        gateway = GatewayProcess(topo, workdir / "gateway", extra=("--dns-rate", "1000000")).start()
+        gateway = GatewayProcess(topo, workdir / "gateway", extra=("--dns-rate", "1000000", "--workers", "1")).start()
         procs.append(gateway)
         dnsmasq = Dnsmasq(topo, workdir, DNSMASQ_PORT).start()
         procs.append(dnsmasq)

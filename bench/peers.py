@@ -245,7 +245,9 @@ def main(argv: list[str] | None = None) -> int:
         mitmdump = common.Mitmdump(topo, workdir, PORTS["mitmdump"], ("--ignore-hosts", ".*")).start()
         procs.append(mitmdump)
         columns = [Column("squid", squid.port, squid.pid), Column("mitmdump", mitmdump.port, mitmdump.pid)]
-        gateways = [("airlock", ())] + ([("airlock workers", ("--workers", str(args.workers)))] if args.workers else [])
+        gateways = [("airlock", ("--workers", "1"))]
+        if args.workers:
+            gateways.append(("airlock workers", ("--workers", str(args.workers))))
         for name, extra in gateways:
             (workdir / name).mkdir()
             gateway = GatewayProcess(topo, workdir / name, extra=("--proxy-port", str(PORTS[name]), *GATEWAY_FLAGS,

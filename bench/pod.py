@@ -450,7 +450,7 @@ def main(argv: list[str] | None = None) -> int:
                 print("  memory ...", file=sys.stderr, flush=True)
                 memory = measure_memory(pod, ca.ca_cert, args.tunnels)
                 (workdir / "gateway").mkdir()
-                host_gateway = GatewayProcess(topo, workdir / "gateway").start()
+                host_gateway = GatewayProcess(topo, workdir / "gateway", extra=("--workers", "1")).start()
                 procs.append(host_gateway)
                 requests = per_request(net, workdir, columns(pod, topo, host_gateway), args)
             finally:

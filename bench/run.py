@@ -246,7 +246,7 @@ def start_inspecting(topo: Topology, workdir: Path, upstream_ca: Path, procs: li
                  "--upstream-ca", str(upstream_ca)]  # fmt: skip
         if "{secret:bench_api}" in rule:
             extra += ["--secret", f"bench_api=file:{secret}"]
-        gateway = GatewayProcess(topo, gwdir, policy, tuple(extra))
+        gateway = GatewayProcess(topo, gwdir, policy, (*extra, "--workers", "1"))
         procs.append(gateway)
         assert gateway.start().proc is not None
         (ca,) = (gwdir / "state" / "ca").glob("*/gateway-ca-*.pem")  # what an `airlock run` sandbox trusts
@@ -509,7 +509,7 @@ def network_benchmarks(args: argparse.Namespace, workdir: Path) -> NetworkResult
         topo.assert_route_inside(topo.gw, UPSTREAM_IP)
         topo.assert_route_inside(topo.sbx, GW_IP)
         (workdir / "gateway").mkdir()
-        gateway = GatewayProcess(topo, workdir / "gateway").start()
+        gateway = GatewayProcess(topo, workdir / "gateway", extra=("--workers", "1")).start()
         assert gateway.proc is not None
         procs.append(gateway)
         bare_http = Mitmdump(topo, workdir, BARE_HTTP_PORT).start()

@@ -135,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
         topo.assert_route_inside(topo.sbx, GW_IP)
         (workdir / "gateway").mkdir()
         caps = ("--max-tunnels", str(args.tunnels), "--max-connections", str(args.tunnels + 64))
-        gateway = GatewayProcess(topo, workdir / "gateway", extra=caps).start()
+        gateway = GatewayProcess(topo, workdir / "gateway", extra=(*caps, "--workers", "1")).start()
         procs.append(gateway)
         bare = Mitmdump(topo, workdir, BARE_PASS_PORT, ("--ignore-hosts", ".*")).start()
         procs.append(bare)

@@ -15,7 +15,7 @@ from typing import Any, Protocol
 from mitmproxy import connection
 from mitmproxy.proxy.mode_specs import TransparentMode
 
-from airlock.audit import AuditRecord, AuditThrottle
+from airlock.audit import REFUSAL_LINES, AuditRecord, AuditThrottle
 from airlock.dns.answered import AnsweredAddresses
 from airlock.dns.upstream import ResolveError, Resolver
 from airlock.inspection.scrub import Scrubber
@@ -75,6 +75,9 @@ class GatewaySettings:
     max_spliced: int = 1024  # tunnels relayed in the kernel at once (6 more descriptors each); others by mitmproxy
     # Said after each cap's refusal: with proxy workers, the caps above are this worker's share of the gateway's.
     cap_scope: str = ""
+    # Refusals of one kind audited one by one per interval before the rest go into a summary line (AuditThrottle);
+    # with proxy workers, this worker's share, so that N workers write no more lines than one process.
+    refusal_lines: int = REFUSAL_LINES
     # Why the audit log cannot be written, or None: while it cannot, every new request is denied (fail closed).
     audit_failure: Callable[[], str | None] = field(default=lambda: None)
     timings: Timings = field(default_factory=NoTimings)
@@ -219,7 +222,8 @@ class ProxyState:
         self.open_connections = 0  # of all sandboxes
         self.upstreams: Counter[str] = Counter()  # open upstream connections per sandbox
         self.upstream_of: dict[str, str] = {}  # server connection id → the sandbox whose upstream slot it holds
-        self.refusals = AuditThrottle(emit)  # refusals that come in floods: a few lines each, then a summary
+        # refusals that come in floods: a few lines each, then a summary
+        self.refusals = AuditThrottle(emit, burst=settings.refusal_lines)
         self.resolved: dict[str, list[str]] = {}  # server connection id → addresses the name resolved to
         self.approvals = approvals  # where profiles with `on_unlisted: ask` hold what no rule lists
         self.credentials = credentials or Credentials()  # the secrets inspected rules inject, and minted tokens

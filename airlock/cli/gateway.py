@@ -194,9 +194,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sandbox", action="append", metavar="ID=CIDR[:PROFILE]", help="repeatable")
     parser.add_argument("--audit-stdout", action="store_true")
     parser.add_argument(
-        "--workers", type=worker_count, default=1, metavar="N|auto",
-        help="proxy processes serving the same listeners (auto: the CPUs, at most 8); policy, DNS, broker, admin "
-        "and the audit file stay in this one (docs/operations.md, Workers)",
+        "--workers", type=worker_count, metavar="N|auto",
+        help="proxy processes serving the same listeners (default auto: the CPUs this process may use, at most 8; "
+        "with --pod 1); policy, DNS, broker, admin and the audit file stay in this one (docs/operations.md, Workers)",
     )  # fmt: skip
     pod = parser.add_argument_group("the gateway sidecar of a Kubernetes pod (docs/kubernetes.md)")
     pod.add_argument(
@@ -268,6 +268,16 @@ def worker_count(text: str) -> int:
     if not text.isdigit() or not 1 <= int(text) <= 256:
         raise argparse.ArgumentTypeError(f"{text!r}: give a number of workers from 1 to 256, or auto")
     return int(text)
+
+
+def default_workers(pod: bool) -> int:
+    """Without --workers: one per CPU for a gateway many sandboxes share; one for a pod's sidecar, which serves
+    its one sandbox (as `airlock run`'s embedded gateway does) and must not cost a pod a process per node CPU."""
+    if pod:
+        return 1
+    from airlock.gateway.worker_terms import auto_workers
+
+    return auto_workers()
 
 
 def admin_address(text: str) -> str:
@@ -357,7 +367,7 @@ def cmd_gateway(args: argparse.Namespace) -> int:
     else:
         args.state_dir = args.state_dir or DEFAULT_STATE_DIR
         config = gateway_config(args, policy, args.listen, sandboxes(args.sandbox or [], args.profile, policy))
-    config = dataclasses.replace(config, workers=args.workers)
+    config = dataclasses.replace(config, workers=args.workers or default_workers(args.pod))
     return asyncio.run(serve(config, watch))
 
 

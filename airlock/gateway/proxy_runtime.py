@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from airlock.audit import AuditRecord
+from airlock.audit import REFUSAL_LINES, AuditRecord
 from airlock.dns.answered import AnsweredAddresses
 from airlock.dns.upstream import Resolver
 from airlock.gateway.capacity import ConnectionCaps
@@ -120,6 +120,7 @@ class ProxyRuntime:
             max_connections_per_sandbox=caps.per_sandbox,
             max_connections=caps.total,
             cap_scope=f" in this proxy worker (its share of the cap: {config.workers} workers)" if self._shared else "",
+            refusal_lines=max(1, REFUSAL_LINES // config.workers),
             audit_failure=given.audit_failure,
             timings=given.metrics,
         )

@@ -5,10 +5,13 @@ are recorded, and the workers' counters added up (from the snapshots each sends 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import math
 import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from airlock.dns.answered import AnsweredAddresses
@@ -21,11 +24,66 @@ from airlock.inspection.inspector import CAGeneration
 from airlock.policy import IPAddress, Policy
 
 MAX_AUTO_WORKERS = 8  # `--workers auto`: the CPUs, at most this many
+CGROUP_ROOT = Path("/sys/fs/cgroup")
 
 
 def auto_workers() -> int:
-    """`--workers auto`: the CPUs this process may run on, at most MAX_AUTO_WORKERS."""
-    return max(1, min(MAX_AUTO_WORKERS, len(os.sched_getaffinity(0))))
+    """`--workers auto`: the CPUs this process may use — those it may run on, and no more than its cgroup's CPU
+    limit lets it keep busy (a container's or pod's `cpu.max`: a worker past it only waits its turn) — at most
+    MAX_AUTO_WORKERS."""
+    cpus = len(os.sched_getaffinity(0))
+    limit = cgroup_cpu_limit(own_cgroups(), CGROUP_ROOT)
+    if limit is not None:
+        cpus = min(cpus, math.ceil(limit))
+    return max(1, min(MAX_AUTO_WORKERS, cpus))
+
+
+def own_cgroups() -> str:
+    """This process's /proc/self/cgroup ("" where there is none to read)."""
+    try:
+        return Path("/proc/self/cgroup").read_text()
+    except OSError:
+        return ""
+
+
+def cgroup_cpu_limit(proc_cgroup: str, root: Path) -> float | None:
+    """The CPUs a process's cgroups let it use (`proc_cgroup`: its /proc/PID/cgroup; `root`: where the hierarchies
+    are mounted): the smallest quota/period from its cgroup up to the top, of cgroup v2's `cpu.max` (mounted at
+    `root`, or at `root/unified` beside v1's) and v1's `cpu` controller; None when none sets one."""
+    limits: list[float] = []
+    for line in proc_cgroup.splitlines():
+        fields = line.split(":", 2)
+        if len(fields) != 3:
+            continue
+        _, controllers, path = fields
+        if not controllers:
+            tops = [root, root / "unified"]
+        elif "cpu" in controllers.split(","):
+            tops = [root / controllers]
+        else:
+            continue
+        if ".." in Path(path).parts:  # outside this cgroup namespace's view: nothing here is its own
+            continue
+        for top in tops:
+            folder = top / path.strip("/")
+            while True:
+                limits.extend(_cpu_quota(folder))
+                if folder == top:
+                    break
+                folder = folder.parent
+    return min(limits) if limits else None
+
+
+def _cpu_quota(folder: Path) -> list[float]:
+    """The quota/period a cgroup folder sets, of v2 (`max` for none) or v1 (-1 for none); [] where it sets none."""
+    with contextlib.suppress(OSError, ValueError):
+        quota, period = (folder / "cpu.max").read_text().split()
+        return [] if quota == "max" else [int(quota) / int(period)]
+    with contextlib.suppress(OSError, ValueError):
+        v1_quota = int((folder / "cpu.cfs_quota_us").read_text())
+        v1_period = int((folder / "cpu.cfs_period_us").read_text())
+        return [v1_quota / v1_period] if v1_quota > 0 else []
+    return []
 
 
 def worker_share(caps: ConnectionCaps, count: int) -> ConnectionCaps:

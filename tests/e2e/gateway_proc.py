@@ -8,6 +8,7 @@ import http.client
 import ipaddress
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -95,6 +96,11 @@ class GatewayProcess:
             time.sleep(poll)
         raise RuntimeError(f"gateway did not start in {timeout}s:\n{self.log()}")
 
+    def workers(self) -> int:
+        """How many proxy workers it runs, as its start line says ("(N workers)"; none said: one process)."""
+        found = re.search(r"proxy on .*\((\d+) workers\)", self.log())
+        return int(found.group(1)) if found else 1
+
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 15) -> int | None:
         """Stop the gateway; then every line it audited must match docs/audit-record.schema.json (so every e2e
         test that runs a gateway checks the published schema against what really gets written)."""
@@ -117,6 +123,20 @@ class GatewayProcess:
         if not self.audit_path.exists():
             return []
         return [json.loads(line) for line in self.audit_path.read_text().splitlines() if line.strip()]
+
+    def audit_mark(self, settle: float = 0.3) -> int:
+        """How many lines the audit log holds once the lines in flight are in: with proxy workers, each sends its
+        lines to the gateway every 100 ms, so a line of an earlier request may still come after this moment's last
+        one; the count is taken when it has not changed for `settle` seconds."""
+        count = len(self.audit())
+        if self.workers() == 1:
+            return count
+        steady_since = time.monotonic()
+        while time.monotonic() - steady_since < settle:
+            time.sleep(0.05)
+            if (now := len(self.audit())) != count:
+                count, steady_since = now, time.monotonic()
+        return count
 
     def audit_for(
         self, request_id: str | None = None, host: str | None = None, wait: float = 3, kind: str | None = None

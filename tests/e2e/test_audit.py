@@ -87,7 +87,7 @@ def test_every_kind_of_audit_line_matches_the_published_schema(
 
 
 # With workers, the supervisor is the audit file's one writer: it reopens it, the workers' lines follow.
-@pytest.mark.parametrize("workers", [(), ("--workers", "2")], ids=["one-process", "two-workers"])
+@pytest.mark.parametrize("workers", [("--workers", "1"), ("--workers", "2")], ids=["one-process", "two-workers"])
 def test_sigusr1_reopens_the_audit_file(topology: Topology, fakenet: FakeNet, own_gateway, workers: tuple[str, ...]):
     gw = own_gateway(extra=workers)
     assert in_netns(topology.sbx, proxy_http, PROXY, "http://allowed.test/before").status == 200

@@ -192,7 +192,7 @@ def test_connect_timeout_closes_a_hanging_upstream(topology: Topology, fakenet: 
 
 
 def test_tunnel_cap_per_sandbox(topology: Topology, fakenet: FakeNet, own_gateway, test_ca: FakeCA):
-    own_gateway(extra=("--max-tunnels", "2"))
+    own_gateway(extra=("--workers", "1", "--max-tunnels", "2"))  # the exact cap: one worker holds it whole
 
     def three_tunnels() -> list[int]:
         from netclient import connect_tunnel
@@ -368,7 +368,7 @@ def test_idle_tunnel_is_closed_after_the_idle_timeout(topology: Topology, fakene
 
 
 def test_connection_cap_per_sandbox(topology: Topology, fakenet: FakeNet, own_gateway):
-    own_gateway(extra=("--max-connections", "3"))
+    own_gateway(extra=("--workers", "1", "--max-connections", "3"))  # the exact cap: one worker holds it whole
 
     def flood() -> tuple[bytes, int]:
         held = [socket.create_connection(PROXY, timeout=5) for _ in range(3)]

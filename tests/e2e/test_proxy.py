@@ -409,7 +409,7 @@ def test_a_denied_request_with_a_body_is_answered_at_once_and_never_forwarded(
     # mitmproxy 12 alone would read a body it buffers before answering, and raise ("Can't set a response and enable
     # streaming at the same time") on a body it streams (unknown length, or over the limit): the gateway answers at
     # the headers, and reads the rest of the body only to drop it. A client waiting for 100 Continue gets the 403.
-    log_before, audit_before = len(gateway.log()), len(gateway.audit())
+    log_before, audit_before = len(gateway.log()), gateway.audit_mark()
     reply = in_netns(topology.sbx, raw_request, PROXY, head + b"\r\n\r\n" + body, 10)
     assert_denied_json(reply, code)
     assert b"100 Continue" not in reply.body
@@ -434,7 +434,7 @@ def test_encrypted_client_hello_is_refused(
     topology: Topology, fakenet: FakeNet, gateway: GatewayProcess, extension: int, target: str
 ):
     # With ECH the SNI the gateway reads is only the outer one; the real name is encrypted: fronting.
-    host, audit_before = target.rsplit(":", 1)[0], len(gateway.audit())
+    host, audit_before = target.rsplit(":", 1)[0], gateway.audit_mark()
     sni = None if host == LITERAL_IP else host
     assert in_netns(topology.sbx, through_tunnel, target, client_hello(sni, extension)) == b""
     assert fakenet.total_connections() == 0
@@ -471,7 +471,7 @@ def test_tls_in_a_raw_tunnel_still_needs_the_connect_host_as_sni(
     topology: Topology, fakenet: FakeNet, gateway: GatewayProcess, chunks: list[bytes]
 ):
     # `tunnel: true` allows bytes that are not TLS; TLS in such a tunnel is judged like TLS anywhere.
-    audit_before = len(gateway.audit())
+    audit_before = gateway.audit_mark()
     assert in_netns(topology.sbx, through_tunnel, "ssh.allowed.test:22", *chunks) == b""
     assert fakenet.total_connections() == 0
     record = new_audit(gateway, audit_before, "ssh.allowed.test")
@@ -497,7 +497,7 @@ def test_sni_to_an_ip_literal_connect_must_be_absent(
 ):
     # mitmproxy reads all of these as "no SNI", which an IP-literal CONNECT may send; a server may still pick
     # its virtual host by the name. SNI never carries an address, so such a CONNECT must send none at all.
-    target, audit_before = f"{LITERAL_IP}:{port}", len(gateway.audit())
+    target, audit_before = f"{LITERAL_IP}:{port}", gateway.audit_mark()
     hello = with_extension(client_hello(None), 0, server_name)
     assert in_netns(topology.sbx, through_tunnel, target, hello) == b""
     assert fakenet.total_connections() == 0

@@ -123,7 +123,7 @@ def test_a_busy_spliced_tunnel_outlives_the_idle_timeout(topology: Topology, fak
 
 
 def test_the_tunnel_cap_holds_while_tunnels_are_spliced(topology: Topology, fakenet: FakeNet, own_gateway):
-    gw = own_gateway(extra=("--max-tunnels", "2"))
+    gw = own_gateway(extra=("--workers", "1", "--max-tunnels", "2"))  # the exact cap: one worker holds it whole
 
     def three() -> tuple[int, bool]:
         held = [_spliced_tunnel(), _spliced_tunnel()]
