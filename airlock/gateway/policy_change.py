@@ -1,11 +1,12 @@
 """Putting a policy in force: checked against what this gateway runs (its sandboxes' reach, the broker's secrets, the
-sandboxes' profiles), the inspection readied for it, then swapped for proxy, DNS and broker at once — with proxy
-workers, in two phases across them (airlock/gateway/workers.py) — and audited as loaded or refused. The one place a
-policy is swapped."""
+sandboxes' profiles), the inspection readied for it (a new CA generation written and published only as the policy
+goes in force), then swapped for proxy, DNS and broker at once — with proxy workers, in two phases across them
+(airlock/gateway/workers.py) — and audited as loaded or refused. The one place a policy is swapped."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from airlock.gateway.config import GatewayConfig
 from airlock.gateway.errors import GatewayError
@@ -13,6 +14,9 @@ from airlock.gateway.parts import GatewayParts
 from airlock.inspection.inspector import Inspector
 from airlock.policy import Policy, PolicyError
 from airlock.sandbox.reach import policy_files
+
+if TYPE_CHECKING:
+    from airlock.inspection.ca import GatewayCA
 
 
 class PolicyChange:
@@ -45,12 +49,16 @@ class PolicyChange:
             self.replace(policy)
             return
         running = self._running_hash()
+        inspector: Inspector = self.parts.inspector
         try:
             self._check(policy)
-            # The CA generation it needs made here first: the workers' prepare carries it (a refused reload leaves
-            # it made, in the bundle, permitting only hosts of that policy: as a later reload would make it).
-            self.prepare_inspection(policy)
-            await workers.put_in_force(policy, lambda: self._swap(policy))
+            if problems := inspector.problems(policy):
+                raise PolicyError(problems)
+            # The CA generation it needs, made in memory only: the workers' prepare carries it, and only the swap,
+            # once every worker has prepared, writes, publishes and holds it (the workers adopt it as they commit).
+            # A refused reload leaves nothing of it: the supervisor's generations, the bundle, the workers' as before.
+            made = inspector.tentative(policy)
+            await workers.put_in_force(policy, inspector.exported(made), lambda: self._swap(policy, made))
         except PolicyError as e:
             self.parts.auditing.policy_refused(policy.source, e.errors, refused_hash=policy.hash)
             raise
@@ -71,16 +79,21 @@ class PolicyChange:
         if problems := parts.live.refusals(policy):  # before the inspection follows it: nothing of it then
             raise PolicyError(problems)
 
-    def _swap(self, policy: Policy) -> None:
-        self.prepare_inspection(policy)
+    def _swap(self, policy: Policy, made: GatewayCA | None = None) -> None:
+        """The supervisor's swap: checked again first (a sandbox may have come while the workers prepared), so that
+        nothing refuses it once the inspection has followed it."""
+        if problems := self.parts.live.refusals(policy):
+            raise PolicyError(problems)
+        self.prepare_inspection(policy, made)
         self.parts.live.replace(policy)
 
-    def prepare_inspection(self, policy: Policy) -> None:
-        """Ready what the policy's inspected rules need before it is in force: a CA that permits their hosts, the
-        secrets they inject (PolicyError: one the gateway was not given)."""
+    def prepare_inspection(self, policy: Policy, made: GatewayCA | None = None) -> None:
+        """Ready what the policy's inspected rules need before it is in force: a CA that permits their hosts (`made`,
+        a reload's tentative one, when given), the secrets they inject (PolicyError: one the gateway was not
+        given)."""
         inspector: Inspector = self.parts.inspector
         if problems := inspector.problems(policy):
             raise PolicyError(problems)
-        inspector.apply(policy)
+        inspector.apply(policy, made)
         if (shared := self.parts.proxy.shared) is not None:
             shared.inject(inspector.injected(policy))

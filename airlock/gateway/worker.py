@@ -13,7 +13,7 @@ names a connection that carries no name, so an answer is never missed for being 
 worker's addon held for a person (`airlock.gateway.worker_approvals`), the broker's git read tokens it asked for
 (`airlock.gateway.worker_git`), and the two phases of a reload (`prepare`: the
 policy parsed and checked off the event loop, with the secrets it injects and the CA generations; `commit`: the one
-swap). The worker sends back its audit lines,
+swap, the generations adopted with it). The worker sends back its audit lines,
 encoded here and written whole by the supervisor into its one file, and, when asked, its counters.
 
 A worker never outlives its supervisor: the kernel kills it when the supervisor dies (PR_SET_PDEATHSIG), and a
@@ -184,7 +184,7 @@ class Worker:
             self.answered,
         )  # fmt: skip
         self.proxy = ProxyRuntime(config, start.caps, state, providers)
-        self._prepared: dict[int, Policy] = {}
+        self._prepared: dict[int, tuple[Policy, list[CAGeneration]]] = {}  # by reload generation
         self._tasks: set[asyncio.Task[None]] = set()
         self._stopping = False
         self._done: asyncio.Event | None = None
@@ -259,24 +259,31 @@ class Worker:
 
     async def _prepare(self, prepare: Prepare) -> list[str]:
         """Phase 1 of a reload: the policy parsed off the event loop and checked; the problems (none: ready). The
-        secrets and CA generations it brings are kept at once: none is used before a policy in force asks for it."""
+        secrets it brings are kept at once (none is used before a policy in force asks for it); the CA generations
+        are checked against, but adopted only at the commit: an aborted reload's generation, which the supervisor
+        never held nor published, is never signed with here."""
         try:
             with loading():
                 policy = await asyncio.to_thread(prepare.policy.parse)
         except PolicyError as e:
             return e.errors
         self.inspector.secrets.update(prepare.secrets)
-        self.inspector.adopt(prepare.cas)
-        problems = self.live.refusals(policy) + self.inspector.problems(policy) + self.inspector.unsigned(policy)
+        pending = self.inspector.loaded(prepare.cas)
+        problems = self.live.refusals(policy) + self.inspector.problems(policy)
+        problems += self.inspector.unsigned(policy, pending)
         if not problems:
-            self._prepared[prepare.generation] = policy
+            self._prepared[prepare.generation] = (policy, prepare.cas)
         return problems
 
     async def _commit(self, generation: int) -> str | None:
-        """Phase 2: the prepared policy put in force in one swap; the hash in force, None if it was not prepared."""
-        policy = self._prepared.pop(generation, None)
-        if policy is None:
+        """Phase 2: the prepared policy put in force in one swap, with the CA generations it came with (the
+        supervisor has held and published them by now); the hash in force, None if it was not prepared."""
+        prepared = self._prepared.pop(generation, None)
+        if prepared is None:
             return None
+        policy, cas = prepared
+        del prepared
+        self.inspector.adopt(cas)
         if (shared := self.proxy.shared) is not None:
             shared.inject(self.inspector.injected(policy))
         replaced: list[Policy | None] = [self.live.current.policy]
@@ -293,6 +300,7 @@ class Worker:
         return {
             "pid": os.getpid(),
             "policy_hash": self.live.current.policy.hash,
+            "ca_generations": [ca.cert_path.stem for ca in self.inspector.generations],  # what it signs with
             "counts": counts,
             "decisions": self.auditing.counters(),
             # JSON has no tuple keys: each family as [[label values, value], ...]

@@ -26,8 +26,10 @@ Shared: everything else, through the channel:
 - the audit: lines encoded in the workers, written whole here; the audit log's failure sent to every worker;
 - metrics and status: each worker's lock-free in-process counters (prometheus-client's multiprocess mode would put a
   lock and a file write on every count), asked for at each scrape and once a second, and added in;
-- inspection: the supervisor makes each CA generation (a reload's before its prepare); they and the secrets the
-  policy injects go in each worker's `start` and `prepare`, over the channel only; a worker never makes a CA;
+- inspection: the supervisor makes each CA generation (a reload's before its prepare, held, written and published
+  only at its swap); they and the secrets the policy injects go in each worker's `start` and `prepare`, over the
+  channel only, and a worker adopts a reload's only at its commit (an aborted reload leaves no generation anywhere);
+  a worker never makes a CA;
 - git reads (`inject: github`): each read token asked of the supervisor's broker (`airlock.gateway.worker_git`).
 
 A worker that dies is restarted (a warning in the log says so); only the connections it held are lost. SIGTERM stops
@@ -55,7 +57,7 @@ from airlock.gateway.worker_approvals import ApprovalRequest, WorkerApprovals
 from airlock.gateway.worker_channel import JSON, PICKLED, Channel, channel_pair
 from airlock.gateway.worker_git import GitTokenRequest, WorkerGitTokens
 from airlock.gateway.worker_terms import WorkerChannels, WorkerSettings, added_counts, added_decisions, added_metrics
-from airlock.inspection.inspector import Inspector
+from airlock.inspection.inspector import CAGeneration, Inspector
 from airlock.policy import LivePolicy, Policy, PolicyError
 
 if TYPE_CHECKING:
@@ -258,15 +260,17 @@ class WorkerPool:
         late = TimeoutError(f"no answer within {timeout:g}s")
         return [(w.exception() or w.result()) if w.done() else late for w in waiters]
 
-    async def put_in_force(self, policy: Policy, swap: Callable[[], None]) -> None:
-        """A reload in two phases: every serving worker prepares `policy`, then `swap()` (the supervisor's own,
-        which may refuse it) and every worker commits; returns once they all have. PolicyError when a worker refuses
-        it, or does not answer (then none has it in force, and `swap` was not called)."""
+    async def put_in_force(self, policy: Policy, cas: list[CAGeneration], swap: Callable[[], None]) -> None:
+        """A reload in two phases: every serving worker prepares `policy` with the CA generations `cas` (the
+        supervisor's, and the one it may have made for the reload, not held until `swap`), then `swap()` (the
+        supervisor's own, which may refuse it) and every worker commits, adopting the generations it did not hold;
+        returns once they all have. PolicyError when a worker refuses it, or does not answer (then none has it in
+        force, `swap` was not called, and no worker adopted a generation of it); any failure aborts it in all."""
         async with self._reloading:
             workers = [self.workers[i] for i in self.serving()]
             # The text the supervisor validated (each worker parses it again), the CA generations and secrets.
             generation = next(self._generations)
-            prepare = self.settings.prepare(generation, policy, self.inspector.exported())
+            prepare = self.settings.prepare(generation, policy, cas)
             answers = await self._ask(workers, "prepare", prepare, PREPARE_TIMEOUT)
             problems = []
             for worker, answer in zip(workers, answers, strict=True):
@@ -282,7 +286,7 @@ class WorkerPool:
                 if problems:
                     raise PolicyError(problems)
                 swap()
-            except PolicyError:
+            except Exception:  # (a CA that could not be written too): prepared, never committed, in every worker
                 await self._ask(workers, "abort", generation, COMMIT_TIMEOUT)
                 raise
             committed = await self._ask(workers, "commit", generation, COMMIT_TIMEOUT)
@@ -346,6 +350,7 @@ class WorkerPool:
             {
                 "index": w.index, "pid": w.process.pid, "serving": w.channel.open and w.ready.done(),
                 "policy_hash": (w.snapshot or {}).get("policy_hash"),
+                "ca_generations": (w.snapshot or {}).get("ca_generations", []),
                 "tunnels": sum((w.snapshot or {}).get("counts", {}).get("tunnels", {}).values()),
             }
             for w in sorted(self.workers.values(), key=lambda w: w.index)

@@ -78,13 +78,18 @@ class GatewayCA:
     def create(cls, directory: Path, hosts: Iterable[str], validity: timedelta = VALIDITY) -> GatewayCA:
         """A new CA for `hosts` (canonical names, or `*.suffix`), its key (0600) and certificate (0644) written into
         `directory` (0700, see `open_private_directory`)."""
+        ca = cls.unwritten(directory, hosts, validity)
+        ca.write()
+        return ca
+
+    @classmethod
+    def unwritten(cls, directory: Path, hosts: Iterable[str], validity: timedelta = VALIDITY) -> GatewayCA:
+        """A new CA as `create` makes it, in memory only until `write` (a reload's, until it is in force)."""
         if validity <= timedelta(0):
             raise InspectionError(f"gateway CA validity must be positive, not {validity}")
         names = frozenset(_checked_host(h) for h in hosts)
         key = ec.generate_private_key(ec.SECP256R1())
-        ca = cls(directory, names, key, _ca_certificate(key, names, validity))
-        ca._write()
-        return ca
+        return cls(directory, names, key, _ca_certificate(key, names, validity))
 
     @classmethod
     def loaded(cls, directory: Path, hosts: Iterable[str], key_pem: bytes, cert_pem: bytes) -> GatewayCA:
@@ -101,7 +106,8 @@ class GatewayCA:
             serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
         )
 
-    def _write(self) -> None:
+    def write(self) -> None:
+        """Its key (0600) and certificate (0644) into its directory, each replaced whole."""
         key_pem = self.key_pem
         fd = open_private_directory(self.directory)
         try:

@@ -5,6 +5,7 @@ adopts the supervisor's CA and never makes one: a policy no generation from the 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import ipaddress
 import pickle
 from collections.abc import AsyncIterator
@@ -15,10 +16,13 @@ from cryptography import x509
 from cryptography.hazmat.primitives.asymmetric import ec
 from worker_pools import CAPS, RUNNING, RunningPool, running_pool
 
+from airlock.gateway import Gateway
+from airlock.gateway import workers as workers_module
 from airlock.gateway.config import GatewayConfig
 from airlock.gateway.worker_terms import WorkerSettings, worker_share
 from airlock.inspection.inspector import Inspector
-from airlock.policy import PolicyError, Sandbox, parse_policy
+from airlock.inspection.trust import PUBLISHED_BUNDLE
+from airlock.policy import Policy, PolicyError, Sandbox, parse_policy
 
 SECRET = "sk-worker-inspection-0123456789"
 INSPECTING = parse_policy(
@@ -82,16 +86,39 @@ def test_start_and_prepare_carry_the_generations_and_only_the_secrets_the_policy
     assert prepare.generation == 7 and prepare.policy.hash == INSPECTING.hash
 
 
+async def _reload(workers: RunningPool, policy: Policy) -> None:
+    """As PolicyChange.put_in_force does: the generation the policy needs made in memory (`tentative`) and sent in
+    the prepare, held, written and published by the supervisor's swap alone."""
+    made = workers.inspector.tentative(policy)
+
+    def swap() -> None:
+        workers.inspector.apply(policy, made)
+        workers.live.replace(policy)
+
+    await workers.pool.put_in_force(policy, workers.inspector.exported(made), swap)
+
+
+async def _signing(workers: RunningPool) -> list[object]:
+    """The generations each worker signs with, as it tells them."""
+    await workers.pool.refresh()
+    return [status["ca_generations"] for status in workers.pool.status()]
+
+
+def _names(inspector: Inspector) -> list[str]:
+    return [ca.cert_path.stem for ca in inspector.generations]
+
+
 async def test_an_inspecting_reload_with_the_supervisors_ca_is_in_force_in_every_worker(workers: RunningPool) -> None:
-    workers.inspector.apply(INSPECTING)  # as PolicyChange.put_in_force does before the prepare
-    await workers.pool.put_in_force(INSPECTING, lambda: workers.live.replace(INSPECTING))
+    await _reload(workers, INSPECTING)
     assert await workers.hashes() == [INSPECTING.hash, INSPECTING.hash]
+    assert len(workers.inspector.generations) == 1
+    assert await _signing(workers) == [_names(workers.inspector)] * 2
 
 
 async def test_an_inspecting_reload_no_supervisor_ca_permits_is_refused_by_every_worker(workers: RunningPool) -> None:
     swapped: list[object] = []
     with pytest.raises(PolicyError) as refused:
-        await workers.pool.put_in_force(INSPECTING, lambda: swapped.append(INSPECTING))
+        await workers.pool.put_in_force(INSPECTING, workers.inspector.exported(), lambda: swapped.append(INSPECTING))
     errors = refused.value.errors
     for index in (0, 1):
         assert f"proxy worker {index}: inspecting.yaml: inspects api.test, which no gateway CA" in " ".join(errors)
@@ -99,16 +126,16 @@ async def test_an_inspecting_reload_no_supervisor_ca_permits_is_refused_by_every
 
 
 async def test_a_reload_injecting_a_secret_the_supervisor_was_not_given_is_refused(workers: RunningPool) -> None:
-    workers.inspector.apply(MISSING)
     with pytest.raises(PolicyError) as refused:
-        await workers.pool.put_in_force(MISSING, lambda: workers.live.replace(MISSING))
+        await _reload(workers, MISSING)
     assert any("injects secret 'not_given'" in e for e in refused.value.errors), refused.value.errors
     assert await workers.hashes() == [RUNNING.hash, RUNNING.hash]
+    # The generation made for it was sent in the prepare: adopted by no worker, held by no one.
+    assert workers.inspector.generations == [] and await _signing(workers) == [[], []]
 
 
 async def test_a_restarted_worker_gets_the_generations_made_since_the_start(workers: RunningPool) -> None:
-    workers.inspector.apply(INSPECTING)
-    await workers.pool.put_in_force(INSPECTING, lambda: workers.live.replace(INSPECTING))
+    await _reload(workers, INSPECTING)
     worker = workers.pool.workers[0]
     worker.process.kill()
     await worker.process.wait()
@@ -119,3 +146,61 @@ async def test_a_restarted_worker_gets_the_generations_made_since_the_start(work
         await asyncio.sleep(0.05)
     assert workers.pool.serving() == [0, 1]
     assert await workers.hashes() == [INSPECTING.hash, INSPECTING.hash]
+
+
+FIRST = parse_policy(
+    "version: 1\nprofiles:\n  default:\n    allow:\n      - host: first.test\n        inspect: true\n", "first.yaml"
+)
+WIDER = parse_policy(
+    "version: 1\nprofiles:\n  default:\n    allow:\n      - host: first.test\n        inspect: true\n"
+    "      - host: api.test\n        inspect: true\n",
+    "wider.yaml",
+)
+
+
+def _ca_files(state: Path) -> list[str]:
+    return sorted(str(p.relative_to(state)) for p in (state / "ca").rglob("*"))
+
+
+async def test_a_reload_the_workers_refuse_leaves_no_generation_and_the_same_one_accepted_then_makes_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A whole gateway with two workers, its running policy inspecting first.test: a reload adding api.test (a host
+    no generation permits) that the workers do not prepare in time is refused, and leaves the supervisor's
+    generations, its CA files, the published bundle and each worker's generations as they were; accepted then, the
+    very policy gets its generation, published, and signed with by both workers."""
+    trust, state = tmp_path / "trust", tmp_path / "state"
+    trust.mkdir()
+    config = dataclasses.replace(_config(tmp_path), policy=FIRST, state_dir=str(state), trust_dir=str(trust))
+    config = dataclasses.replace(config, broker=dataclasses.replace(config.broker, port=0))
+    gateway = Gateway(config)
+    await gateway.start()
+    try:
+        inspector = gateway.parts.inspector
+        pool = gateway.parts.workers
+        assert pool is not None
+
+        async def signing() -> list[object]:
+            await pool.refresh()
+            return [status["ca_generations"] for status in pool.status()]
+
+        before = (_names(inspector), _ca_files(state), (trust / PUBLISHED_BUNDLE).read_bytes(), inspector.bundle)
+        assert len(before[0]) == 1 and await signing() == [before[0]] * 2
+        monkeypatch.setattr(workers_module, "PREPARE_TIMEOUT", 0.0)  # no worker answers the prepare in time
+        with pytest.raises(PolicyError, match="no answer within"):
+            await gateway.put_in_force(WIDER)
+        after = (_names(inspector), _ca_files(state), (trust / PUBLISHED_BUNDLE).read_bytes(), inspector.bundle)
+        assert after == before
+        assert await signing() == [before[0]] * 2
+        assert gateway.parts.live.current.policy.hash == FIRST.hash
+
+        monkeypatch.undo()
+        await gateway.put_in_force(WIDER)
+        names = _names(inspector)
+        assert len(names) == 2 and names[0] == before[0][0]
+        published = (trust / PUBLISHED_BUNDLE).read_bytes()
+        assert all(ca.cert_pem in published for ca in inspector.generations)
+        assert await signing() == [names] * 2
+        assert [status["policy_hash"] for status in pool.status()] == [WIDER.hash, WIDER.hash]
+    finally:
+        await gateway.stop()

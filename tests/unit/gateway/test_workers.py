@@ -45,7 +45,7 @@ async def test_a_reload_is_in_force_in_every_worker_once_it_returns(workers: Run
         swapped.append(NEXT)
         workers.live.replace(NEXT)
 
-    await workers.pool.put_in_force(NEXT, swap)
+    await workers.pool.put_in_force(NEXT, [], swap)
     assert swapped == [NEXT]
     assert await workers.hashes() == [NEXT.hash, NEXT.hash]
 
@@ -53,13 +53,13 @@ async def test_a_reload_is_in_force_in_every_worker_once_it_returns(workers: Run
 async def test_a_policy_a_worker_refuses_is_in_force_nowhere(workers: RunningPool) -> None:
     swapped: list[Policy] = []
     with pytest.raises(PolicyError) as refused:
-        await workers.pool.put_in_force(NO_DEFAULT, lambda: swapped.append(NO_DEFAULT))
+        await workers.pool.put_in_force(NO_DEFAULT, [], lambda: swapped.append(NO_DEFAULT))
     errors = refused.value.errors
     assert any(e.startswith("proxy worker 0: ") and "no profile 'default'" in e for e in errors), errors
     assert any(e.startswith("proxy worker 1: ") for e in errors), errors
     assert swapped == []  # the supervisor's own never swapped
     assert await workers.hashes() == [RUNNING.hash, RUNNING.hash]
-    await workers.pool.put_in_force(NEXT, lambda: workers.live.replace(NEXT))  # the next good one goes in
+    await workers.pool.put_in_force(NEXT, [], lambda: workers.live.replace(NEXT))  # the next good one goes in
     assert await workers.hashes() == [NEXT.hash, NEXT.hash]
 
 
@@ -70,12 +70,12 @@ async def test_a_policy_the_supervisor_refuses_after_the_workers_prepared_is_abo
         raise PolicyError(["next.yaml: refused by the supervisor"])
 
     with pytest.raises(PolicyError, match="refused by the supervisor"):
-        await workers.pool.put_in_force(NEXT, refuse)
+        await workers.pool.put_in_force(NEXT, [], refuse)
     assert await workers.hashes() == [RUNNING.hash, RUNNING.hash]
 
 
 async def test_a_killed_worker_is_restarted_with_the_policy_in_force_and_serves(workers: RunningPool) -> None:
-    await workers.pool.put_in_force(NEXT, lambda: workers.live.replace(NEXT))
+    await workers.pool.put_in_force(NEXT, [], lambda: workers.live.replace(NEXT))
     before = {w["index"]: w["pid"] for w in workers.pool.status()}
     os.kill(int(str(before[0])), signal.SIGKILL)
     async with asyncio.timeout(60):
@@ -128,7 +128,7 @@ def test_a_worker_takes_a_policy_as_its_text_and_refuses_one_that_parses_to_anot
 async def test_a_policy_without_text_is_refused_by_the_pool_and_the_running_one_stays(workers: RunningPool) -> None:
     built = Policy(NEXT.profiles, NEXT.default_profile, "built.yaml")
     with pytest.raises(PolicyError, match="no text to give the proxy workers"):
-        await workers.pool.put_in_force(built, lambda: workers.live.replace(built))
+        await workers.pool.put_in_force(built, [], lambda: workers.live.replace(built))
     assert await workers.hashes() == [RUNNING.hash, RUNNING.hash]
 
 

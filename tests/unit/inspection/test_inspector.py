@@ -97,3 +97,45 @@ def test_the_sandbox_variables_name_the_bundle_where_the_sandbox_sees_it(tmp_pat
     env = inspector.environment()
     assert set(env.values()) == {"/etc/ssl/certs/ca-certificates.crt"}
     assert {"SSL_CERT_FILE", "NODE_EXTRA_CA_CERTS", "PIP_CERT", "GIT_SSL_CAINFO"} <= env.keys()
+
+
+def _files(directory: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(directory)): p.read_bytes() for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+def test_a_tentative_generation_is_nothing_until_applied_and_then_the_one_held(tmp_path: Path) -> None:
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    inspector = Inspector(tmp_path / "state", {}, shared)
+    inspector.apply(policy("api.example"))
+    before = (list(inspector.generations), inspector.bundle, _files(tmp_path))
+    assert inspector.tentative(policy("api.example")) is None  # a generation permits every host already
+    made = inspector.tentative(policy("api.example", "new.example"))
+    assert made is not None and made.hosts == {"api.example", "new.example"}
+    # Sent to the workers (after the held ones), and nothing else: not held, no file, no bundle, nothing published.
+    assert [g.cert_pem for g in inspector.exported(made)] == [inspector.generations[0].cert_pem, made.cert_pem]
+    assert (list(inspector.generations), inspector.bundle, _files(tmp_path)) == before
+    inspector.apply(policy("api.example", "new.example"), made)
+    assert inspector.generations[-1] is made and len(inspector.generations) == 2 and made.cert_path.is_file()
+    assert inspector.bundle is not None and made.cert_pem in (shared / "ca-bundle.pem").read_bytes()
+
+
+def test_a_generation_whose_bundle_cannot_be_published_leaves_nothing_behind(tmp_path: Path) -> None:
+    """A reload refused after the inspection followed it (here: the shared folder is gone) keeps the generations,
+    the files and the published bundle as they were: no generation held that the sandboxes were never handed."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    inspector = Inspector(tmp_path / "state", {}, shared)
+    inspector.apply(policy("api.example"))
+    generations, bundle, files = list(inspector.generations), inspector.bundle, _files(tmp_path)
+    (shared / "ca-bundle.pem").rename(tmp_path / "kept.pem")
+    shared.rmdir()
+    with pytest.raises(InspectionError, match="cannot publish the trust bundle"):
+        inspector.apply(policy("api.example", "new.example"))
+    shared.mkdir()
+    (tmp_path / "kept.pem").rename(shared / "ca-bundle.pem")
+    assert (inspector.generations, inspector.bundle, _files(tmp_path)) == (generations, bundle, files)
+    assert inspector.unsigned(policy("api.example", "new.example")) != []
+    inspector.apply(policy("api.example", "new.example"))  # once it can be: made and published
+    assert len(inspector.generations) == 2
+    assert inspector.generations[1].cert_pem in (shared / "ca-bundle.pem").read_bytes()
