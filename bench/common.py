@@ -106,6 +106,13 @@ def machine_line(info: dict[str, str]) -> str:
     return "machine: " + ", ".join(f"{k} {v}" for k, v in info.items())
 
 
+def one_process(airlock: str) -> tuple[str, ...]:
+    """The options that make `airlock gateway` of that executable one process: `--workers 1` where it has proxy
+    workers (one per CPU by default), none for an airlock from before them."""
+    usage = subprocess.run([airlock, "gateway", "--help"], capture_output=True, text=True, timeout=60).stdout
+    return ("--workers", "1") if "--workers" in usage else ()
+
+
 def tool_version(argv: list[str], pattern: str | None = None) -> str:
     """The first line a tool prints for `argv`, or with `pattern` the pattern's first group in what it printed."""
     try:

@@ -329,7 +329,7 @@ def main(argv: list[str] | None = None) -> int:
             if executable is None:
                 continue
             (workdir / name).mkdir()
-            flags = ("--proxy-port", str(PORTS[name]), *GATEWAY_FLAGS)
+            flags = ("--proxy-port", str(PORTS[name]), *GATEWAY_FLAGS, *common.one_process(executable))
             gateway = GatewayProcess(topo, workdir / name, extra=flags, airlock=executable)
             procs.append(gateway)
             assert gateway.start().proc is not None

@@ -211,7 +211,7 @@ def plain_start(topo: Topology, workdir: Path) -> tuple[float, float]:
     """A plain `airlock gateway` with the same policy started in the gateway namespace until it logs "proxy on":
     (ms, its CPU ms). The same measure as the sidecar's ready, for a ratio within one run."""
     workdir.mkdir()
-    gateway = GatewayProcess(topo, workdir)
+    gateway = GatewayProcess(topo, workdir, extra=("--workers", "1"))  # as the sidecar: one process
     try:
         started = time.perf_counter()
         gateway.start(poll=0.002)
