@@ -58,15 +58,17 @@ def test_a_pods_broker_relay_imports_none_of_the_brokers_machinery() -> None:
 
 
 def test_what_airlock_run_imports_before_the_sandbox_exists_holds_none_of_the_gateways_machinery() -> None:
-    """The gateway (its DNS server, audit, admin listener) is imported by preload_proxy's thread while the namespace
-    is built, before aiohttp and mitmproxy: the command line needs its settings alone (`airlock.gateway.config`)."""
-    loaded = "sorted({'airlock.gateway.core', 'airlock.dns.server', 'airlock.audit'} & sys.modules.keys())"
+    """The gateway (its DNS server and resolver, audit, admin listener) is imported by preload_proxy's thread while
+    the namespace is built, before aiohttp and mitmproxy: the command line needs its settings alone
+    (`airlock.gateway.config`, `airlock.dns.servers`)."""
+    expected = "['airlock.audit', 'airlock.dns.server', 'airlock.dns.upstream', 'airlock.gateway.core']"
+    loaded = f"sorted({{*{expected}}} & sys.modules.keys())"
     probe = (
         f"import sys\nimport airlock.cli.run\nprint({loaded})\nfrom airlock.gateway.startup import preload\n"
         f"preload.preload_admin().result(60)\nprint({loaded})\npreload.preload_proxy().result(60)"
     )
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
-    assert out.splitlines() == ["[]", "['airlock.audit', 'airlock.dns.server', 'airlock.gateway.core']"]
+    assert out.splitlines() == ["[]", expected]
 
 
 # The thread's niceness as the kernel has it (per thread on Linux), once it has lowered it, then after foreground().
