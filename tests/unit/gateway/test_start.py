@@ -46,6 +46,17 @@ def test_what_airlock_run_imports_before_the_sandbox_exists_holds_no_mitmproxy_a
     assert out.splitlines() == ["[]", "['aiohttp', 'airlock.proxy.addon', 'mitmproxy']"]
 
 
+def test_airlock_run_reads_the_packaged_policy_without_importing_yaml() -> None:
+    """The default policy has the common shape `fastload` reads: PyYAML and the full loader (some 15 ms before the
+    sandbox exists) are imported only for a policy of another shape."""
+    probe = (
+        "import sys\nimport airlock.cli.run\nfrom airlock.cli.common import load_policy_file\n"
+        "load_policy_file(None)\nprint(sorted({'yaml', 'airlock.policy.loader'} & sys.modules.keys()))"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
+    assert out == "[]\n"
+
+
 def test_a_pods_broker_relay_imports_none_of_the_brokers_machinery() -> None:
     """Every pod's sidecar imports the relay before it is ready: not the broker's MCP module, tokens and JWT with it
     (some 40 ms of CPU on a 2-CPU machine), only the broker's origin."""
