@@ -23,7 +23,7 @@ from dnslib import CLASS, OPCODE, QTYPE, RCODE, RR, DNSRecord
 
 from airlock.policy import IPAddress
 
-type Server = tuple[str, int]
+from .servers import Server
 
 MAX_CNAME_HOPS = 8
 
@@ -72,32 +72,6 @@ class ResolverConfig:
 class _Entry:
     expires: float
     answer: Answer | ResolveError  # an answer (maybe without addresses: NODATA), or the error to raise again
-
-
-def parse_server(text: str) -> Server:
-    """`IP` or `IP:PORT` or `[IPv6]:PORT` → (ip, port)."""
-    host, port = text, 53
-    if text.startswith("["):
-        host, _, rest = text[1:].partition("]")
-        port = int(rest[1:]) if rest.startswith(":") else 53
-    elif text.count(":") == 1:
-        host, port_text = text.split(":")
-        port = int(port_text)
-    ipaddress.ip_address(host)
-    if not 1 <= port <= 65535:
-        raise ValueError(f"port out of range in {text!r}")
-    return host, port
-
-
-def system_servers(resolv_conf: str = "/etc/resolv.conf") -> list[Server]:
-    servers: list[Server] = []
-    with contextlib.suppress(OSError), open(resolv_conf, encoding="utf-8") as f:
-        for line in f:
-            parts = line.split()
-            if len(parts) >= 2 and parts[0] == "nameserver":
-                with contextlib.suppress(ValueError):
-                    servers.append(parse_server(parts[1]))
-    return servers
 
 
 class Resolver:

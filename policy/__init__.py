@@ -30,10 +30,10 @@ from .inspected_rules import (
     placeholders_in,
 )
 from .live import KnownAddresses, LivePolicy, OwnAddresses, Snapshot, missing_profiles
-from .loader import PolicyError, load_policy, parse_policy
 from .model import DEFAULT_ALLOW_PORTS, WEB_PORTS, DnsLimits, Policy, Profile, Rule
 from .paths import PathError, canonical_path, split_target
 from .rates import TokenBuckets
+from .reading import PolicyError, load_policy, parse_policy
 from .sandboxes import Sandbox, SandboxRegistry
 from .suffixes import is_public_suffix, registrable_domain
 

@@ -27,9 +27,10 @@ import math
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
-import yaml
+if TYPE_CHECKING:  # the node tree the full loader walks (`Builder`): the policy core imports no YAML until then
+    import yaml
 
 TOOL_NAME = re.compile(r"^[a-z][a-z0-9_]{0,63}\Z")
 SECRET_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,63}\Z")

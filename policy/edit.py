@@ -15,7 +15,7 @@ from ruamel.yaml.comments import CommentedMap, CommentedSeq
 from ruamel.yaml.error import YAMLError
 from ruamel.yaml.util import load_yaml_guess_indent
 
-from .loader import PolicyError, parse_policy
+from .reading import PolicyError, parse_policy
 
 
 @dataclass(frozen=True)

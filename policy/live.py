@@ -19,8 +19,8 @@ from typing import Protocol
 
 from .addresses import embedded_ipv4
 from .hosts import IPAddress
-from .loader import PolicyError
 from .model import Policy, Profile
+from .reading import PolicyError
 from .sandboxes import Sandbox, SandboxRegistry
 
 

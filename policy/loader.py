@@ -3,8 +3,9 @@
 The YAML node tree (not plain `safe_load`) is walked so that each error names the line a security team has
 to fix, duplicate keys are caught, and nothing half-valid is ever returned.
 
-It is the one reader of the format: `fastload` reads only the common shape of a huge generated policy (and hands
-anything else here), and is held equal to this one by tests. Past 500 lines because every key of a policy is
+It is the one reader of the format: `fastload` reads only the common shape (a huge generated policy, the packaged
+default; `reading` hands anything else here, importing this module and PyYAML only then), and is held equal to this
+one by tests. Past 500 lines because every key of a policy is
 checked here with its `file:line` message, in one walk; the sections with a grammar of their own have readers of
 their own (`inspected_rules_reader`, `declared_tools_reader`).
 """
@@ -16,16 +17,12 @@ import ipaddress
 import math
 import re
 from collections.abc import Mapping
-from pathlib import Path
 from types import MappingProxyType
 from typing import TypeGuard
 from urllib.parse import urlsplit
 
 import yaml
 
-from airlock.errors import AirlockError
-
-from . import fastload
 from .addresses import Network, never_opened
 from .declared_tools_reader import ToolsReader
 from .hosts import HostError, canonical_host, is_ip, is_single_label
@@ -43,6 +40,7 @@ from .model import (
     Profile,
     Rule,
 )
+from .reading import PolicyError
 from .suffixes import is_public_suffix
 
 _TOP_KEYS = frozenset({"version", "default_profile", "profiles", "tools", "upstreams"})
@@ -97,33 +95,6 @@ class _YAML_LOADER(_BASE_LOADER):  # type: ignore[valid-type,misc]
         return str(super().resolve(kind, value, implicit))
 
 
-class PolicyError(AirlockError):
-    def __init__(self, errors: list[str]) -> None:
-        super().__init__("\n".join(errors))
-        self.errors = errors
-
-
-def load_policy(path: str | Path) -> Policy:
-    path = Path(path)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, ValueError) as e:  # ValueError: undecodable bytes, or a NUL in the path
-        raise PolicyError([f"{path}:1: cannot read policy: {e}"]) from None
-    return parse_policy(text, str(path))
-
-
-def parse_policy(text: str, filename: str = "<policy>") -> Policy:
-    """The policy in `text`, or PolicyError listing every problem as `file:line: message`."""
-    try:
-        return _parse(text, filename)
-    except PolicyError:
-        raise
-    except Exception as e:
-        # Last resort: whatever slipped past the checks is still a bad policy, never a crash of `policy check`
-        # or of the SIGHUP reload (which keeps the running policy only on PolicyError).
-        raise PolicyError([f"{filename}:1: cannot load policy: {type(e).__name__}: {e}"]) from e
-
-
 def compose(text: str, filename: str) -> yaml.Node | None:
     """The YAML node tree of `text` (its nodes know their lines), or PolicyError with `file:line: invalid YAML`."""
     try:
@@ -132,18 +103,14 @@ def compose(text: str, filename: str) -> yaml.Node | None:
         raise PolicyError([_yaml_error(e, text, filename)]) from None
 
 
-def _parse(text: str, filename: str) -> Policy:
-    policy = fastload.read_common(text, filename)  # a large generated policy, read without YAML's node tree
-    if policy is None:
-        root = compose(text, filename)
-        builder = _Builder(filename)
-        policy = builder.policy(root)
-        if builder.errors or policy is None:
-            raise PolicyError(builder.messages() or [f"{filename}:1: empty policy"])
-    object.__setattr__(policy, "text", text)  # frozen: set once, here, as the policy is made
-    # Computed with the load, so that no audit line or reload's swap pays for them on the event loop.
-    policy.hash  # noqa: B018
-    policy.inspected_rules  # noqa: B018
+def read(text: str, filename: str) -> Policy:
+    """The policy in `text` as the full reader reads it, or PolicyError listing every problem (`reading` calls it
+    for what `fastload` leaves)."""
+    root = compose(text, filename)
+    builder = _Builder(filename)
+    policy = builder.policy(root)
+    if builder.errors or policy is None:
+        raise PolicyError(builder.messages() or [f"{filename}:1: empty policy"])
     return policy
 
 

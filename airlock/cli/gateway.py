@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
-from airlock.dns.upstream import parse_server
+from airlock.dns.servers import parse_server
 from airlock.gateway.config import (
     BrokerConfig,
     BrokerConfigError,

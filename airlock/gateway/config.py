@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from airlock.dns.upstream import Server
+from airlock.dns.servers import Server
 from airlock.errors import AirlockError
 from airlock.inspection.secrets import SECRET_NAME, SecretSource
 from airlock.policy import Policy, Sandbox

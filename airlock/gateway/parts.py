@@ -18,7 +18,8 @@ from airlock.audit.notices import DenialNotices
 from airlock.dns.admission import DnsSettings
 from airlock.dns.answered import AnsweredAddresses
 from airlock.dns.server import DnsServer
-from airlock.dns.upstream import Resolver, ResolverConfig, system_servers
+from airlock.dns.servers import system_servers
+from airlock.dns.upstream import Resolver, ResolverConfig
 from airlock.errors import AirlockError
 from airlock.gateway.admin import AdminApp
 from airlock.gateway.approval_desk import Approvals

@@ -40,7 +40,8 @@ from typing import Any
 
 from airlock.audit import AuditRecord, RepeatedDecisions
 from airlock.dns.answered import AnsweredAddresses
-from airlock.dns.upstream import Resolver, ResolverConfig, system_servers
+from airlock.dns.servers import system_servers
+from airlock.dns.upstream import Resolver, ResolverConfig
 from airlock.gateway.auditing import GatewayAudit
 from airlock.gateway.capacity import ConnectionCaps
 from airlock.gateway.config import GatewayConfig

@@ -50,7 +50,7 @@ def invoker_identity(environ: dict[str, str] | None = None) -> dict[str, str]:
     if given := {name: environ[name] for name in IDENTITY_VARS if environ.get(name)}:
         return given
     invoker = _sudo_caller(environ)
-    return identity_env(_git_config("user.name", invoker, environ), _git_config("user.email", invoker, environ))
+    return identity_env(*_git_config(("user.name", "user.email"), invoker, environ))
 
 
 def _sudo_caller(environ: dict[str, str]) -> pwd.struct_passwd | None:
@@ -62,18 +62,36 @@ def _sudo_caller(environ: dict[str, str]) -> pwd.struct_passwd | None:
         return None
 
 
-def _git_config(key: str, user: pwd.struct_passwd | None, environ: dict[str, str]) -> str | None:
-    """One value of the git configuration as `user` sees it (None: this process's own environment) in the working
-    directory; None when unset or when git cannot be run."""
+def _git_config(keys: tuple[str, ...], user: pwd.struct_passwd | None, environ: dict[str, str]) -> list[str | None]:
+    """Values of the git configuration as `user` sees it (None: this process's own environment) in the working
+    directory, each None when unset or when git cannot be run. One git a key, all run side by side: each is a
+    process start that `airlock run` waits for before its sandbox exists."""
     if user is not None:  # their home, not root's; their permissions, not root's: nothing they could not read
         environ = {"HOME": user.pw_dir, "PATH": environ.get("PATH", "/usr/bin:/bin"), "LANG": "C"}
+    started = [_start(["git", "config", "--get", key], user, environ) for key in keys]
+    return [_value(process) for process in started]
+
+
+def _start(argv: list[str], user: pwd.struct_passwd | None, environ: dict[str, str]) -> subprocess.Popen[str] | None:
     try:
-        result = subprocess.run(
-            ["git", "config", "--get", key], env=environ, capture_output=True, text=True, timeout=_CONFIG_TIMEOUT,
-            stdin=subprocess.DEVNULL, check=False, user=user.pw_uid if user else None,
-            group=user.pw_gid if user else None, extra_groups=[] if user else None,
+        return subprocess.Popen(
+            argv, env=environ, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            user=user.pw_uid if user else None, group=user.pw_gid if user else None,
+            extra_groups=[] if user else None,
         )  # fmt: skip
     except (OSError, subprocess.SubprocessError):
         return None
-    value = result.stdout.strip()
-    return value if result.returncode == 0 and value and "\n" not in value else None
+
+
+def _value(process: subprocess.Popen[str] | None) -> str | None:
+    """The one line `git config --get` printed; None when it failed, printed more, or took over _CONFIG_TIMEOUT."""
+    if process is None:
+        return None
+    try:
+        stdout, _ = process.communicate(timeout=_CONFIG_TIMEOUT)
+    except subprocess.SubprocessError:
+        process.kill()
+        process.wait()
+        return None
+    value = stdout.strip()
+    return value if process.returncode == 0 and value and "\n" not in value else None

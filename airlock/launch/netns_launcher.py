@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING
 
 from airlock.broker.grants import Grant
 from airlock.gateway.config import GatewayConfig
-from airlock.gateway.startup.preload import preload_proxy
+from airlock.gateway.startup.preload import foreground, preload_proxy
 from airlock.inspection.trust import SANDBOX_BUNDLE, SYSTEM_BUNDLE
 from airlock.sandbox import cgroups, seccomp
 from airlock.sandbox.limits import DEFAULT_OUTPUT_LIMIT, Resources, rlimit_argv
@@ -231,8 +231,9 @@ async def launch(
         if plan.isolate_fs:
             guard = WorkdirGuard(Path.cwd(), plan.user, sandbox.sandbox_id, Path(gateway.state_dir) / "workdir")
         # aiohttp and mitmproxy import in a thread from now on: while the namespace is built (ip, nft) this thread
-        # mostly waits, whereas the checks above would have shared the interpreter's lock with the import.
-        preload_proxy()
+        # mostly waits, whereas the checks above would have shared the interpreter's lock with the import. Until the
+        # command runs, the import gives way to the sandbox's start for the CPUs (a lower priority).
+        preload_proxy(background=True)
         # The working directory's snapshot (git) is taken while the namespace is built (ip, nft): both mostly wait.
         created, prepared = await asyncio.gather(
             asyncio.to_thread(sandbox.create),
@@ -269,6 +270,7 @@ async def launch(
         await teardown()
         raise
     finally:
+        foreground()  # the command runs (or nothing will): the import's thread gets its usual share again
         program.add_done_callback(_close_program)  # the sandbox holds its own copy: ours goes, also on failure
     return NetnsHandle(sandbox, running, process, timeout, teardown, cgroup, output_limit)
 

@@ -12,7 +12,8 @@ backends' own order) and the launcher's temporary folders. It does the same when
 plus `GRACE`) passes while the launcher still runs but has not cleaned up, and on SIGTERM.
 
 It runs as `python -I` from `/`: nothing in the sandbox's working directory (which it may have written) is ever
-imported by a process running as root.
+imported by a process running as root. It starts beside the sandbox's set-up, on the same CPUs: until it must act
+it imports no more than it needs to wait (the launcher's side and the removal import the rest).
 """
 
 from __future__ import annotations
@@ -20,14 +21,16 @@ from __future__ import annotations
 import contextlib
 import os
 import select
-import shutil
 import signal
-import subprocess
 import sys
 import time
 from collections.abc import Sequence
 
 from airlock.errors import AirlockError
+
+TYPE_CHECKING = False  # typing's, without importing typing: mypy reads it as True
+if TYPE_CHECKING:
+    import subprocess
 
 # How long past a sandbox's timeout its launcher has to remove it before the watchdog does.
 GRACE = 15.0
@@ -51,6 +54,8 @@ class Watchdog:
     def start(cls, timeout: float, leftovers: Sequence[str] = (), grace: float = GRACE) -> Watchdog:
         """Spawn a watchdog whose deadline is `timeout` + `grace` seconds away; `leftovers` are folders it removes
         too when it acts. It starts up while the launcher builds the sandbox: `guard()` waits for it."""
+        import subprocess  # the launcher's, which has it already: the watchdog process does without
+
         read_end, write_end = os.pipe()  # both non-inheritable: only the watchdog gets the read end, by pass_fds
         module = "airlock.launch.watchdog"
         argv = [sys.executable, "-I", "-m", module, str(read_end), repr(timeout), repr(grace), *leftovers]
@@ -102,6 +107,8 @@ class Watchdog:
             raise WatchdogError(f"the sandbox watchdog is gone: {e}") from e
 
     def _close(self) -> None:
+        import subprocess
+
         if self._pipe is not None:
             os.close(self._pipe)
             self._pipe = None
@@ -209,6 +216,8 @@ def main(argv: list[str]) -> int:
         except Exception as e:  # one sandbox's failure must not keep the others
             failed += 1
             _say(f"removing {' '.join(words[:2])} failed ({type(e).__name__}: {e}): run `airlock reap`")
+    import shutil
+
     for folder in leftovers:
         shutil.rmtree(folder, ignore_errors=True)
     return 1 if failed else 0

@@ -122,9 +122,10 @@ class Reach:
 
     def _in_view(self, path: Path) -> bool:
         """Is `path` on the part of the sandbox's view that writes through to the host (permissions allowing)?"""
-        if any(p == path or p in path.parents for p in self.pinned):
+        way = {path, *path.parents}  # one set, not a walk of `path.parents` for each pinned folder and root
+        if not self.pinned.isdisjoint(way):
             return False
-        return self.roots is None or any(r == path or r in path.parents for r in self.roots)
+        return self.roots is None or not way.isdisjoint(self.roots)
 
     def _may_replace(self, folder: Path, entry: Path) -> bool:
         """Could the sandbox rename `entry` away and put something else at its name in `folder` (or make the entry

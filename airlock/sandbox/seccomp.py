@@ -15,11 +15,13 @@ rule that would allow one of these calls removed — only removed, never widened
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import functools
 import json
 import os
 import platform
+import sys
 from importlib import resources
 from typing import Any
 
@@ -72,8 +74,7 @@ def bpf_program() -> bytes:
 
 
 def _build() -> bytes:
-    import pyseccomp as sc  # type: ignore[import-untyped]  # pyseccomp ships no types
-
+    sc = _pyseccomp()
     f = sc.SyscallFilter(sc.ALLOW)
     f.set_attr(sc.Attr.ACT_BADARCH, sc.KILL_PROCESS)
     for arch in COMPAT.get(platform.machine(), ()):
@@ -98,6 +99,37 @@ def _build() -> bytes:
     finally:
         if read >= 0:
             os.close(read)
+
+
+# What pyseccomp's import asks ctypes.util.find_library for, by the sonames the dynamic loader knows them as.
+_SONAMES = {"c": "libc.so.6", "seccomp": "libseccomp.so.2"}
+
+
+def _pyseccomp() -> Any:
+    """pyseccomp, imported with libc and libseccomp found by the dynamic loader first: its import looks both up with
+    ctypes.util.find_library, which runs `ldconfig -p` for each (two processes, and their output parsed, in the
+    launch's thread beside the namespace's build). Any other name, or a soname the loader does not have (another
+    libc), is left to find_library itself."""
+    import ctypes
+    import ctypes.util
+
+    if "pyseccomp" in sys.modules:
+        return sys.modules["pyseccomp"]
+    find_library = ctypes.util.find_library
+
+    def loadable_first(name: str) -> str | None:
+        if soname := _SONAMES.get(name):
+            with contextlib.suppress(OSError):
+                ctypes.CDLL(soname)
+                return soname
+        return find_library(name)
+
+    ctypes.util.find_library = loadable_first
+    try:
+        import pyseccomp  # type: ignore[import-untyped]  # pyseccomp ships no types
+    finally:
+        ctypes.util.find_library = find_library
+    return pyseccomp
 
 
 def _add(f: Any, action: int, name: str, *args: Any) -> None:

@@ -1,5 +1,6 @@
 """The cycle collector paused while the gateway makes what it keeps: the imports of its start (mitmproxy's,
-aiohttp's, its own), the policy it loads, a reload's policy (a million objects). Those make objects by the hundred
+aiohttp's, its own, and before them the command line's import of its command group), the policy it loads, a
+reload's policy (a million objects). Those make objects by the hundred
 thousand and almost no garbage, yet each collection would walk what they had made so far, and the full ones every
 object: a tenth of the start's CPU and, in a reload, a tenth of a second at a time holding the GIL beside the event
 loop. Once the last pause ends (they can overlap: a reload while mitmproxy imports), what exists then is moved out

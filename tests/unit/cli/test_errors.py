@@ -326,6 +326,18 @@ def test_help_loads_no_command_group() -> None:
     assert out.splitlines()[-1] == "['airlock.cli', 'airlock.cli.common', 'airlock.errors']"
 
 
+def test_a_command_group_is_imported_with_the_cycle_collector_paused_and_what_it_made_is_out_of_its_sight() -> None:
+    """`airlock run`'s import makes some thirty thousand objects that stay: no collection walks them meanwhile, nor
+    afterwards (frozen), and the collector runs again."""
+    probe = (
+        "import gc, importlib\nfrom airlock import cli\nseen = []\nreal = importlib.import_module\n"
+        "importlib.import_module = lambda name: seen.append(gc.isenabled()) or real(name)\n"
+        "cli.build_parser(['run'])\nprint(seen, gc.isenabled(), gc.get_freeze_count() > 10000)"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
+    assert out == "[False] True True\n"
+
+
 def test_the_gateway_imports_neither_mitmproxys_unused_addons_nor_the_broker() -> None:
     """(aiohttp it does import: every gateway has its admin listener.)"""
     probe = (

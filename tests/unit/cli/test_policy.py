@@ -10,7 +10,7 @@ from repo_files import CONFIGS
 
 from airlock.cli import main
 from airlock.gateway.reload import PolicyReloader
-from airlock.policy import Policy, fastload, loader
+from airlock.policy import Policy, fastload, loader, parse_policy
 
 POLICY = """\
 version: 1
@@ -127,7 +127,7 @@ def test_check_loader_bug_is_exit_2(
     assert capsys.readouterr().err.startswith(f"{path}:1: cannot load policy: RuntimeError: boom")
 
 
-RUNNING = loader.parse_policy(POLICY, "running.yaml")
+RUNNING = parse_policy(POLICY, "running.yaml")
 
 
 class _Gateway:

@@ -23,14 +23,13 @@ import pytest
 from dnslib import CLASS, QTYPE, RCODE, RR, SOA, DNSQuestion, DNSRecord
 from dnslib.server import BaseResolver, DNSServer
 
+from airlock.dns.servers import parse_server, system_servers
 from airlock.dns.upstream import (
     MAX_CNAME_HOPS,
     NameNotFound,
     Resolver,
     ResolverConfig,
     ResolverUnavailable,
-    parse_server,
-    system_servers,
 )
 
 from tasks import counting_tasks

@@ -10,6 +10,7 @@ import dataclasses
 import gc
 import ipaddress
 import json
+import os
 import socket
 import stat
 import subprocess
@@ -23,6 +24,7 @@ from airlock.cli.common import default_policy_path
 from airlock.gateway import Gateway, GatewayError, proxy_runtime
 from airlock.gateway import core as gateway_module
 from airlock.gateway.config import GatewayConfig, RelayConfig
+from airlock.gateway.startup import preload
 from airlock.inspection.secrets import SecretSource
 from airlock.policy import PolicyError, Sandbox, load_policy, parse_policy
 from airlock.sandbox.fence import GATEWAY_SOCKET_MARK
@@ -44,6 +46,17 @@ def test_what_airlock_run_imports_before_the_sandbox_exists_holds_no_mitmproxy_a
     assert out.splitlines() == ["[]", "['aiohttp', 'airlock.proxy.addon', 'mitmproxy']"]
 
 
+def test_airlock_run_reads_the_packaged_policy_without_importing_yaml() -> None:
+    """The default policy has the common shape `fastload` reads: PyYAML and the full loader (some 15 ms before the
+    sandbox exists) are imported only for a policy of another shape."""
+    probe = (
+        "import sys\nimport airlock.cli.run\nfrom airlock.cli.common import load_policy_file\n"
+        "load_policy_file(None)\nprint(sorted({'yaml', 'airlock.policy.loader'} & sys.modules.keys()))"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
+    assert out == "[]\n"
+
+
 def test_a_pods_broker_relay_imports_none_of_the_brokers_machinery() -> None:
     """Every pod's sidecar imports the relay before it is ready: not the broker's MCP module, tokens and JWT with it
     (some 40 ms of CPU on a 2-CPU machine), only the broker's origin."""
@@ -56,15 +69,45 @@ def test_a_pods_broker_relay_imports_none_of_the_brokers_machinery() -> None:
 
 
 def test_what_airlock_run_imports_before_the_sandbox_exists_holds_none_of_the_gateways_machinery() -> None:
-    """The gateway (its DNS server, audit, admin listener) is imported by preload_proxy's thread while the namespace
-    is built, before aiohttp and mitmproxy: the command line needs its settings alone (`airlock.gateway.config`)."""
-    loaded = "sorted({'airlock.gateway.core', 'airlock.dns.server', 'airlock.audit'} & sys.modules.keys())"
+    """The gateway (its DNS server and resolver, audit, admin listener) is imported by preload_proxy's thread while
+    the namespace is built, before aiohttp and mitmproxy: the command line needs its settings alone
+    (`airlock.gateway.config`, `airlock.dns.servers`)."""
+    expected = "['airlock.audit', 'airlock.dns.server', 'airlock.dns.upstream', 'airlock.gateway.core']"
+    loaded = f"sorted({{*{expected}}} & sys.modules.keys())"
     probe = (
         f"import sys\nimport airlock.cli.run\nprint({loaded})\nfrom airlock.gateway.startup import preload\n"
         f"preload.preload_admin().result(60)\nprint({loaded})\npreload.preload_proxy().result(60)"
     )
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
-    assert out.splitlines() == ["[]", "['airlock.audit', 'airlock.dns.server', 'airlock.gateway.core']"]
+    assert out.splitlines() == ["[]", expected]
+
+
+# The thread's niceness as the kernel has it (per thread on Linux), once it has lowered it, then after foreground().
+BACKGROUND_IMPORT = """
+import os, threading, time
+from airlock.gateway.startup import preload
+usual = os.getpriority(os.PRIO_PROCESS, 0)
+preload.preload_proxy(background=True)
+thread = next(t for t in threading.enumerate() if t.name == "airlock-proxy-import")
+deadline = time.monotonic() + 30
+niceness = lambda: os.getpriority(os.PRIO_PROCESS, thread.native_id) - usual
+while niceness() == 0 and thread.is_alive() and time.monotonic() < deadline:
+    time.sleep(0.001)
+print(niceness())
+preload.foreground()
+print(niceness(), os.getpriority(os.PRIO_PROCESS, 0) - usual)
+preload.preload_proxy().result(60)
+"""
+
+
+def test_a_launchers_import_runs_nicer_until_its_command_runs_and_the_rest_of_the_process_never_does() -> None:
+    """`preload_proxy(background=True)`: the import's thread alone runs BACKGROUND_NICENESS nicer (a niceness of at
+    most 19); `foreground()` gives it back its priority where the process may raise one (root, as a netns launcher
+    runs)."""
+    out = subprocess.run([sys.executable, "-c", BACKGROUND_IMPORT], capture_output=True, text=True, check=True).stdout
+    usual = os.getpriority(os.PRIO_PROCESS, 0)
+    lowered = min(usual + preload.BACKGROUND_NICENESS, 19) - usual
+    assert out.splitlines() == [str(lowered), f"{0 if os.geteuid() == 0 else lowered} 0"]
 
 
 @pytest.fixture

@@ -114,3 +114,12 @@ def test_without_a_working_watchdog_no_sandbox_is_claimed(monkeypatch: pytest.Mo
     watchdog = Watchdog.start(600)
     with pytest.raises(WatchdogError, match="did not start"):
         watchdog.guard("netns", "x2")
+
+
+def test_the_watchdog_process_imports_only_what_it_needs_to_wait() -> None:
+    """It starts beside the sandbox's set-up, on the same CPUs: subprocess, shutil, typing and the backends wait until
+    it must act."""
+    deferred = "{'subprocess', 'shutil', 'typing', 'airlock.sandbox'}"
+    probe = f"import sys, airlock.launch.watchdog\nprint(sorted({deferred} & sys.modules.keys()))"
+    out = subprocess.run([sys.executable, "-I", "-c", probe], capture_output=True, text=True, check=True).stdout
+    assert out == "[]\n"

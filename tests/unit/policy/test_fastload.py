@@ -59,6 +59,11 @@ COMMON = {
     "numeric-looking-host": HEAD
     + "      - host: 1.5e-3\n      - host: 2001-12-14.example\n      - host: 1_000.example\n",
     "no-final-newline": HEAD + "      - host: a.example",
+    "description": "version: 1\nprofiles:\n  default:\n    description: x\n    allow:\n      - host: a.example\n",
+    "descriptions-as-shipped": "version: 1\nprofiles:\n  default:\n    description: Python packages and GitHub, HTTPS "
+    "only\n    allow:\n      - host: a.example\n  npm:\n    deny:\n      - host: b.example\n"
+    "    description: npm (and pypi.org/simple) 2_a+b-c.  # why\n",
+    "description-alone": "version: 1\nprofiles:\n  default:\n    description: 1.5\n  ci:\n    description: true\n",
 }
 
 
@@ -95,8 +100,23 @@ UNUSUAL = {
     "empty-allow": "version: 1\nprofiles:\n  default:\n    allow:\n",
     "empty-profile": "version: 1\nprofiles:\n  default:\n",
     "empty": "",
+    # a description that is not a plain phrase of one line
+    "description-null": HEAD + "      - host: a.example\n    description: null\n",
+    "description-tilde": HEAD + "      - host: a.example\n    description: ~\n",
+    "description-empty": HEAD + "      - host: a.example\n    description:\n",
+    "description-quoted": HEAD + '      - host: a.example\n    description: "x"\n',
+    "description-colon": HEAD + "      - host: a.example\n    description: a: b\n",
+    "description-colon-end": HEAD + "      - host: a.example\n    description: a:\n",
+    "description-flow": HEAD + "      - host: a.example\n    description: [a]\n",
+    "description-anchor": HEAD + "      - host: a.example\n    description: &a x\n",
+    "description-tab": HEAD + "      - host: a.example\n    description: a\tb\n",
+    "description-non-ascii": HEAD + "      - host: a.example\n    description: caf\u00e9\n",
+    "description-continued": HEAD + "      - host: a.example\n    description: a\n      b\n",
+    "description-twice": HEAD + "      - host: a.example\n    description: a\n    description: b\n",
+    "description-item": HEAD + "      - host: a.example\n    - description: a\n",
+    "description-of-a-rule": HEAD + "      - host: a.example\n        description: a\n",
+    "top-description": "description: a\n" + HEAD + "      - host: a.example\n",
     # another key than the common shape's: the full loader reads it
-    "description": "version: 1\nprofiles:\n  default:\n    description: x\n    allow:\n      - host: a.example\n",
     "comment-key": HEAD + "      - host: a.example\n        comment: why\n",
     "inspect": HEAD + "      - host: a.example\n        inspect: true\n",
     "mode": "version: 1\nprofiles:\n  default:\n    mode: report\n    allow:\n      - host: a.example\n",

@@ -155,3 +155,28 @@ def test_the_loader_refuses_a_program_the_kernel_does_not_take() -> None:
     )
     os.close(read)
     assert result.returncode == 125 and "cannot install the seccomp filter" in result.stderr, result
+
+
+SAME_LIBRARIES = textwrap.dedent(
+    """
+    import ctypes.util, subprocess, sys
+    started = []
+    spawn = subprocess.Popen.__init__
+    subprocess.Popen.__init__ = lambda self, *a, **k: started.append(a[0]) or spawn(self, *a, **k)
+    from airlock.sandbox import seccomp
+    program = seccomp.bpf_program()
+    import pyseccomp
+    print(started[:], ctypes.util.find_library("seccomp") == pyseccomp._libseccomp_path)
+    print(ctypes.util.find_library.__module__, sys.argv[1] == program.hex())
+    """
+)
+ORDINARY_IMPORT = "import pyseccomp\nfrom airlock.sandbox import seccomp\nprint(seccomp.bpf_program().hex())"
+
+
+def test_libseccomp_is_found_without_starting_ldconfig_and_the_filter_is_the_same() -> None:
+    """pyseccomp's import asks find_library for libc and libseccomp (an `ldconfig -p` each): the dynamic loader is
+    asked first, for the same library; find_library itself is back as it was."""
+    ordinary = subprocess.run([sys.executable, "-c", ORDINARY_IMPORT], capture_output=True, text=True, check=True)
+    probe = [sys.executable, "-c", SAME_LIBRARIES, ordinary.stdout.strip()]
+    out = subprocess.run(probe, capture_output=True, text=True, check=True).stdout
+    assert out.splitlines() == ["[] True", "ctypes.util True"]
