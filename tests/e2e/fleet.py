@@ -23,10 +23,19 @@ GRANT = "create_pull_request:acme/app"
 SOURCE = "127.0.0.1/32"  # the replicas name no sandbox by network: each token names its own
 
 
+_HANDED: set[int] = set()  # ports free_port gave: the kernel may pick a port just closed again
+
+
 def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
+    """A loopback port no process holds now and this one was not given before (two replicas made one after the
+    other once got the same port, and the second could not listen)."""
+    while True:
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = int(probe.getsockname()[1])
+        if port not in _HANDED:
+            _HANDED.add(port)
+            return port
 
 
 def airlock(*argv: str, timeout: float = 30) -> subprocess.CompletedProcess[str]:
@@ -71,13 +80,13 @@ class Replica:
         with self.log.open("ab") as log:
             self.proc = subprocess.Popen(self.argv, stdout=log, stderr=log, stdin=subprocess.DEVNULL)
         deadline = time.monotonic() + timeout
-        while not self._answers():
+        # Its sandbox surface answers, then its admin listener comes right after; one that exits meanwhile (its
+        # port taken by another process) is told at once, with its log, never waited for.
+        while not (self._answers() and self.admin.exists()):
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 self.stop()
                 raise RuntimeError(f"replica {self.name} did not start:\n{self.log_text()}")
             time.sleep(0.05)
-        while not self.admin.exists():  # the admin listener comes right after the sandbox surface
-            time.sleep(0.02)
         return self
 
     def _answers(self) -> bool:
