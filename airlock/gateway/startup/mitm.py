@@ -139,6 +139,13 @@ class LayerChoice(next_layer.NextLayer):
     def choose(self, nextlayer: Any) -> None:
         next_layer.NextLayer.next_layer(self, nextlayer)
 
+    def _ignore_connection(self, context: Any, data_client: bytes, data_server: bytes) -> bool | None:
+        """mitmproxy's, which first reads (copies) the `ignore_hosts` and `allow_hosts` options to see whether either
+        is set: their compiled forms here (`configure`) say as much."""
+        if not self.ignore_hosts and not self.allow_hosts:
+            return False
+        return super()._ignore_connection(context, data_client, data_server)
+
 
 class LeafIssuer(Protocol):
     """Where inspected connections get their certificates: the gateway's own name-constrained CA."""

@@ -86,3 +86,14 @@ async def test_a_connections_first_layer_is_mitmproxys_choice_made_the_gateways(
         await gw.transparent.next_layer(nextlayer)
     assert isinstance(nextlayer.layer, HttpLayer) and nextlayer.layer.mode is layers.http.HTTPMode.regular
     assert gw.shared.clients[context.client.id].denied is None
+
+
+def test_a_connection_is_ignored_as_mitmproxys_options_say() -> None:
+    choice, context = LayerChoice(), Context(client(), options.Options())
+    context.server.address = ("allowed.test", 443)
+    assert choice._ignore_connection(context, b"", b"") is False  # no host filter set: no option read
+    with taddons.context(choice) as tctx:
+        tctx.configure(choice, ignore_hosts=["^allowed\\.test"])
+        assert choice._ignore_connection(context, b"", b"") is True  # mitmproxy's own check, with the filter
+        tctx.configure(choice, ignore_hosts=[])
+        assert choice._ignore_connection(context, b"", b"") is False
