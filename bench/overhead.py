@@ -205,7 +205,9 @@ def short(function: str, path: str) -> str:
 
 
 def area(frames: list[tuple[str, str]]) -> str:
-    if frames[-1][0] == "EpollSelector.select":
+    # The kernel relay's thread waits in epoll.poll in its loop's own frame: py-spy samples it as busy even under a
+    # load that opens no tunnel.
+    if frames[-1][0] in ("EpollSelector.select", "SpliceRelay._run"):
         return "waiting in epoll (idle, mostly)"
     for function, path in reversed(frames):
         if path.startswith(STDLIB) and _stdlib_part(path) not in _RUNTIME and "site-packages" not in path:

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from mitmproxy.proxy import layer
+
 from airlock.audit import AuditRecord
 from airlock.dns.answered import AnsweredAddresses
 from airlock.dns.upstream import Resolver
@@ -39,7 +41,9 @@ class Airlock:
 
     name = "airlock"
 
-    def __init__(self, shared: ProxyState, handlers: Handlers) -> None:
+    def __init__(
+        self, shared: ProxyState, handlers: Handlers, mitmproxy_layers: Callable[[layer.NextLayer], None] | None = None
+    ) -> None:
         self.shared = shared
         self.identity = identity = SandboxIdentity(shared)
         self.splicing = splicing = Splicing(shared, handlers, then=identity.disconnected)
@@ -47,7 +51,7 @@ class Airlock:
         self.inspection = inspection = Inspection(shared, then=audit.answered)
         self.http = http = HttpPolicy(shared, inspection)
         self.tunnels = tunnels = TunnelPolicy(shared, inspection.http_layer, splicing)
-        self.transparent = transparent = TransparentPolicy(shared, tunnels, inspection.http_layer)
+        self.transparent = transparent = TransparentPolicy(shared, tunnels, inspection.http_layer, mitmproxy_layers)
         self.pinned = pinned = PinnedConnect(shared)
         self.client_connected = identity.client_connected
         self.client_disconnected = splicing.client_disconnected  # a spliced tunnel's counts first
@@ -79,8 +83,11 @@ def build_addon(
     git_tokens: GitTokens | None = None,
     credentials: Credentials | None = None,
     handlers: Handlers | None = None,
+    mitmproxy_layers: Callable[[layer.NextLayer], None] | None = None,
 ) -> Airlock:
     """The addon; `handlers` are mitmproxy's connection handlers by client id (its proxyserver's), whose sockets
-    judged passthrough tunnels are spliced from (none given: no tunnel is spliced)."""
+    judged passthrough tunnels are spliced from (none given: no tunnel is spliced); `mitmproxy_layers` makes
+    mitmproxy's choice of a layer where the addon keeps it (none: mitmproxy's next_layer addon has made it already,
+    as a hook of its own)."""
     shared = ProxyState(live, resolver, emit, settings, answered, approvals, git_tokens, credentials)
-    return Airlock(shared, handlers if handlers is not None else {})
+    return Airlock(shared, handlers if handlers is not None else {}, mitmproxy_layers)

@@ -380,7 +380,9 @@ class RelayStopped(RuntimeError):
 
 def socket_shutdown(fd: int, how: int) -> None:
     """shutdown(2) on a raw descriptor; a socket the peer already reset is ended all the same."""
-    sock = socket.socket(fileno=fd)
+    # Family, type and protocol given: a socket object made from a bare descriptor asks the kernel for each (three
+    # getsockopt calls); shutdown(2) needs none of them, and the object is let go at once.
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, 0, fileno=fd)
     try:
         sock.shutdown(how)
     except OSError as e:

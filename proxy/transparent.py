@@ -49,9 +49,15 @@ class TransparentPolicy:
     every other layer choice is `TunnelPolicy`'s, but that every HTTP layer is the gateway's (`http_layer`)."""
 
     def __init__(
-        self, shared: ProxyState, tunnels: TunnelPolicy, http_layer: Callable[[Context, HTTPMode], layer.Layer]
+        self,
+        shared: ProxyState,
+        tunnels: TunnelPolicy,
+        http_layer: Callable[[Context, HTTPMode], layer.Layer],
+        mitmproxy_layers: Callable[[layer.NextLayer], None] | None = None,
     ) -> None:
         self.shared, self.tunnels, self.http_layer = shared, tunnels, http_layer
+        # mitmproxy's choice, asked for only where this hook keeps it (None: its own addon has made it already)
+        self.mitmproxy_layers = mitmproxy_layers
 
     def _deny_layer(self, nextlayer: layer.NextLayer) -> None:
         self.shared.client(nextlayer.context.client).denied = "internal error"
@@ -90,8 +96,12 @@ class TransparentPolicy:
 
     def _inside(self, nextlayer: layer.NextLayer) -> None:
         """A connection that is not a new transparent one: inside one of our tunnels, or the explicit proxy's."""
-        self.tunnels.inside_tunnel(nextlayer)
-        chosen = nextlayer.layer  # by TunnelPolicy, else by mitmproxy (the explicit proxy's HTTP, say)
+        if self.tunnels.owns(nextlayer):
+            self.tunnels.inside_tunnel(nextlayer)  # TunnelPolicy's choice alone: mitmproxy's is not made
+            return
+        if self.mitmproxy_layers is not None:
+            self.mitmproxy_layers(nextlayer)
+        chosen = nextlayer.layer  # by mitmproxy (the explicit proxy's HTTP, say)
         if isinstance(chosen, layers.HttpLayer) and not isinstance(chosen, HttpLayer):
             nextlayer.layer = self.http_layer(nextlayer.context, chosen.mode)  # it answers refusals of any shape
 

@@ -80,6 +80,11 @@ class TunnelPolicy:
         if state.tunnel is not None:
             state.tunnel.decision, state.tunnel.reason, state.tunnel.code = "deny", reason, code
 
+    def owns(self, nextlayer: layer.NextLayer) -> bool:
+        """Is this the inside of one of our tunnels (not, say, a connection's first layer)? Its layer is chosen here."""
+        state = self.shared.clients.get(nextlayer.context.client.id)
+        return state is not None and state.tunnel is not None and bool(nextlayer.context.server.address)
+
     @fail_closed(_deny_layer)
     def inside_tunnel(self, nextlayer: layer.NextLayer) -> None:
         """The layer for what an allowed tunnel carries (transparent.py's `next_layer` hook asks here)."""

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import inspect
 import logging
 import types
@@ -33,6 +34,7 @@ from typing import Any
 from mitmproxy import exceptions, flow, platform
 from mitmproxy.addonmanager import AddonManager, traverse
 from mitmproxy.connection import Connection
+from mitmproxy.hooks import Hook
 from mitmproxy.master import Master
 from mitmproxy.proxy import commands, events, mode_specs
 from mitmproxy.proxy.mode_servers import ProxyConnectionHandler, ServerInstance
@@ -88,6 +90,20 @@ class Hooks:
                 log.error(f"Addon error: {e}", exc_info=True)
 
 
+_ARG_NAMES: dict[type[Hook], tuple[str, ...]] = {}
+
+
+def hook_args(hook: Hook) -> list[Any]:
+    """mitmproxy's `Hook.args`, with each hook class's field names found once: `dataclasses.fields` walks the
+    class's fields again on every call, a dozen hooks per tunnel."""
+    names = _ARG_NAMES.get(type(hook))
+    if names is None:
+        if type(hook).args is not Hook.args:
+            return hook.args()  # a hook that tells its arguments its own way
+        names = _ARG_NAMES[type(hook)] = tuple(field.name for field in dataclasses.fields(hook))  # type: ignore[arg-type]
+    return [getattr(hook, name) for name in names]
+
+
 class ConnectionHandler(ProxyConnectionHandler):
     """mitmproxy's handler of one client connection, whose hooks run through `Hooks`, at once where they can."""
 
@@ -99,7 +115,7 @@ class ConnectionHandler(ProxyConnectionHandler):
         """mitmproxy's, through `Hooks`: for the hooks mitmproxy's handler awaits itself (a client connected, an
         upstream to connect, ...) and those the layers ask for."""
         with self.timeout_watchdog.disarm():
-            (data,) = args = hook.args()  # mitmproxy's hooks have a single argument
+            (data,) = args = hook_args(hook)  # mitmproxy's hooks have a single argument
             await self.hooks.run(hook.name, args)
             if isinstance(data, flow.Flow):
                 await data.wait_for_resume()  # type: ignore[no-untyped-call]  # an intercepted flow waits

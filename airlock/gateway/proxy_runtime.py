@@ -100,7 +100,7 @@ class ProxyRuntime:
 
     async def serve(self, git_tokens: GitTokens | None) -> None:
         """mitmproxy with the airlock addon, serving the listeners (mitmproxy and the addon imported by now)."""
-        from airlock.gateway.startup.mitm import Master, Proxyserver, ServerInstance, options
+        from airlock.gateway.startup.mitm import LayerChoice, Master, Proxyserver, ServerInstance, options
         from airlock.proxy.addon import build_addon
         from airlock.proxy.shared import Credentials, GatewaySettings, ScrubbedLog
 
@@ -126,7 +126,8 @@ class ProxyRuntime:
         )
         credentials = Credentials.of(given.inspector.injected(given.live.current.policy))
         proxyserver = Proxyserver()  # type: ignore[no-untyped-call]
-        essentials = _essential_addons(given.inspector, proxyserver)
+        choice = LayerChoice()  # mitmproxy's choice of layers, where the addon keeps it
+        essentials = _essential_addons(given.inspector, proxyserver, choice)
         handlers = proxyserver.connections  # by client id: spliced tunnels are taken from their handlers' sockets
         self.airlock = build_addon(
             given.live,
@@ -138,6 +139,7 @@ class ProxyRuntime:
             git_tokens,
             credentials,
             handlers,
+            choice.choose,
         )
         shared = self.airlock.shared
         self._scrubbed_log = ScrubbedLog(lambda: shared.credentials)
@@ -231,12 +233,12 @@ def _listen(host: str, port: int) -> socket.socket:
     return sock
 
 
-def _essential_addons(issuer: Inspector, proxyserver: object) -> tuple[object, ...]:
+def _essential_addons(issuer: Inspector, proxyserver: object, choice: object) -> tuple[object, ...]:
     """Only the addons a proxy needs: no script loader, replay, onboarding app (mitm.it), header or body rewriting —
     less to dispatch on every event, and nothing a request could reach but airlock's hooks."""
-    from airlock.gateway.startup.mitm import TlsConfig, core, disable_h2c, next_layer
+    from airlock.gateway.startup.mitm import TlsConfig, core, disable_h2c
 
-    return core.Core(), proxyserver, next_layer.NextLayer(), TlsConfig(issuer), disable_h2c.DisableH2C()
+    return core.Core(), proxyserver, choice, TlsConfig(issuer), disable_h2c.DisableH2C()
 
 
 class _Running:

@@ -36,15 +36,18 @@ def test_each_sample_counts_for_its_innermost_frame_outside_the_generic_standard
         f"{loop};{check};get_origin ({stdlib}typing.py) 2",  # typing called by mitmproxy's typecheck: mitmproxy's
         f"{loop};_SelectorSocketTransport.write ({stdlib}asyncio/selector_events.py) 4",
         f"{loop};EpollSelector.select ({stdlib}selectors.py) 1",
+        f"Thread.run ({stdlib}threading.py);SpliceRelay._run ({tree}/proxy/splice_relay.py) 5",  # its epoll wait
+        f"SpliceRelay._run ({tree}/proxy/splice_relay.py);Direction.pump ({tree}/proxy/splice_relay.py) 2",
     ])  # fmt: skip
     profile = overhead.parse_profile("keep-alive", raw)
-    assert profile.samples == 10
+    assert profile.samples == 17
     assert profile.areas == {
-        "airlock (its hooks, policy, audit)": 3,
+        "airlock (its hooks, policy, audit)": 5,  # the relay's splicing is airlock's
         "mitmproxy's HTTP/1 parsing, layers, messages": 2,
         "asyncio, sockets, TLS": 4,
-        "waiting in epoll (idle, mostly)": 1,
+        "waiting in epoll (idle, mostly)": 6,  # the event loop's and the relay thread's
     }
     assert profile.own["get_origin (typing.py)"] == 2
     assert profile.total["check_option_type (mitmproxy/utils/typecheck.py)"] == 2
     assert profile.total["BaseEventLoop._run_once (asyncio/base_events.py)"] == 10
+    assert profile.own["SpliceRelay._run (proxy/splice_relay.py)"] == 5

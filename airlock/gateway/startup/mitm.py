@@ -16,10 +16,15 @@ run without -O) with its options' general type walker, which formats its error m
 error: the top function of a kept-alive request's profile. `check_message_fields` makes the same check with one
 `isinstance` per field, against the same types, and leaves a wrong value to mitmproxy's own check, which refuses it
 with its own words.
+
+Reading an option (`options.proxy_debug`, as every layer does as it is made) deep-copies its value, twice while it
+is unchanged (`_Option.default`, then `_Option.current`): `read_options_once` copies a mutable value once and gives an
+immutable one (a bool, a number, text) as it is, which is what `copy.deepcopy` gives for those.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import importlib
 import importlib.util
@@ -59,7 +64,7 @@ def _defer_init(name: str) -> None:
 
 _defer_init(ADDONS)
 
-from mitmproxy import certs, http, options  # noqa: E402 - after the stand-in: mitmproxy.master imports an addon
+from mitmproxy import certs, http, options, optmanager  # noqa: E402 - after the stand-in: mitmproxy.master imports an addon
 from mitmproxy.addons import core, disable_h2c, next_layer, tlsconfig  # noqa: E402
 from mitmproxy.addons.proxyserver import Proxyserver  # noqa: E402
 from mitmproxy.master import Master  # noqa: E402
@@ -106,6 +111,40 @@ def check_message_fields() -> None:
 
 
 check_message_fields()
+
+_IMMUTABLE = frozenset({bool, int, float, str, bytes, type(None)})  # copy.deepcopy gives these back as they are
+
+
+def read_options_once() -> None:
+    """mitmproxy's option read without its second deep copy, and with none of an immutable value (the docstring)."""
+    unset = optmanager.unset
+
+    def current(self: optmanager._Option) -> Any:
+        value = self._default if self.value is unset else self.value
+        return value if type(value) in _IMMUTABLE else copy.deepcopy(value)
+
+    optmanager._Option.current = current  # type: ignore[method-assign]  # every option read calls it
+
+
+read_options_once()
+
+
+class LayerChoice(next_layer.NextLayer):
+    """mitmproxy's choice of a connection's next layer, made only where the gateway's addon asks for it (`choose`):
+    not a hook of its own, which would choose first for every connection, the inside of every passed-through tunnel
+    included (a TLS layer on each side, which the addon replaces). Its options (`configure`) are mitmproxy's."""
+
+    next_layer = None  # type: ignore[assignment]  # no hook: the gateway's addon calls `choose`
+
+    def choose(self, nextlayer: Any) -> None:
+        next_layer.NextLayer.next_layer(self, nextlayer)
+
+    def _ignore_connection(self, context: Any, data_client: bytes, data_server: bytes) -> bool | None:
+        """mitmproxy's, which first reads (copies) the `ignore_hosts` and `allow_hosts` options to see whether either
+        is set: their compiled forms here (`configure`) say as much."""
+        if not self.ignore_hosts and not self.allow_hosts:
+            return False
+        return super()._ignore_connection(context, data_client, data_server)
 
 
 class LeafIssuer(Protocol):
@@ -164,4 +203,4 @@ class TlsConfig(tlsconfig.TlsConfig):
         pass
 
 
-__all__ = ["Master", "Proxyserver", "ServerInstance", "TlsConfig", "core", "disable_h2c", "next_layer", "options"]
+__all__ = ["LayerChoice", "Master", "Proxyserver", "ServerInstance", "TlsConfig", "core", "disable_h2c", "options"]

@@ -21,6 +21,7 @@ from airlock.proxy.splice_relay import (
     PipeBudget,
     SplicedTunnel,
     SpliceRelay,
+    socket_shutdown,
 )
 from airlock.proxy.spliced_tunnels import sandbox_share
 
@@ -226,3 +227,20 @@ def test_one_sandbox_holds_at_most_half_the_kernel_relay_where_others_could_use_
     budget: int, sandboxes: int, share: int
 ) -> None:
     assert sandbox_share(budget, sandboxes) == share
+
+
+@pytest.mark.parametrize("family", [socket.AF_INET, socket.AF_INET6])
+def test_a_raw_descriptors_shutdown_reaches_the_peer_whatever_its_family(family: socket.AddressFamily) -> None:
+    host = "127.0.0.1" if family == socket.AF_INET else "::1"
+    with (
+        socket.create_server((host, 0), family=family) as server,
+        socket.create_connection(server.getsockname()[:2]) as near,
+    ):
+        far, _ = server.accept()
+        with far:
+            socket_shutdown(near.fileno(), socket.SHUT_WR)
+            assert far.recv(1) == b""  # the end passed on
+            far.sendall(b"x")
+            assert near.recv(1) == b"x"  # only the one way was shut
+            socket_shutdown(near.fileno(), socket.SHUT_RDWR)
+            assert near.fileno() >= 0  # the descriptor is still the caller's
