@@ -81,7 +81,8 @@ async def test_a_killed_worker_is_restarted_with_the_policy_in_force_and_serves(
     async with asyncio.timeout(60):
         while True:
             now = {w["index"]: w["pid"] for w in workers.pool.status()}
-            if now[0] != before[0] and workers.pool.serving() == [0, 1]:
+            # serving, and the restart's books done (the new worker may report ready before they are)
+            if now[0] != before[0] and workers.pool.serving() == [0, 1] and workers.pool.restarts:
                 break
             await asyncio.sleep(0.05)
     assert now[1] == before[1]  # the other one was never touched
