@@ -58,6 +58,14 @@ def machine_busy() -> float:
     return (user + nice + system) / CLK_TCK
 
 
+def machine_cpu_seconds() -> float:
+    """CPU seconds the whole machine spent not idle so far (all CPUs): user, nice, system, and the kernel's
+    interrupt and softirq time (where a network transfer's packet work is counted), steal too."""
+    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
+    idle, iowait = fields[3], fields[4]
+    return (sum(fields) - idle - iowait) / CLK_TCK
+
+
 def own_cpu() -> float:
     """CPU seconds of this process and of every child it has reaped (load generators, servers, fakes, ip)."""
     t = os.times()

@@ -14,6 +14,8 @@ environment (`OTHER/.venv/bin/airlock`), both started alike (e2e policy, audit t
 transparent listener of their own). Rounds are interleaved and their order alternates, so that drift and the other
 work of a shared machine hit both alike. A gateway's CPU is its process's user + system time (every thread, the
 kernel's splicing on its behalf too) over the round, per MB or per request; each round gives a ratio baseline / this.
+The whole machine's busy CPUs during each bulk download (/proc/stat, softirq included) tell whether the direct
+transfer alone already takes every CPU: then a relay's work can only come out of the two ends' time.
 
 All traffic stays inside the network namespaces of airlock/verify/topology.py; every process is started here and
 stopped by PID, the namespaces are deleted at the end. Needs root and curl.
@@ -62,6 +64,7 @@ class Column:
     bulk_cpu_ms_per_mb: list[float] = field(default_factory=list)  # one per round
     rps: list[float] = field(default_factory=list)
     cpu_us_per_req: list[float] = field(default_factory=list)
+    busy_cpus: list[float] = field(default_factory=list)  # the whole machine's CPUs busy during a bulk download
 
 
 def measure(topo: Topology, columns: list[Column], rounds: int, size_mb: int, requests: int) -> None:
@@ -71,7 +74,9 @@ def measure(topo: Topology, columns: list[Column], rounds: int, size_mb: int, re
             route = column.route
             print(f"  round {i + 1}: {route.name} ...", file=sys.stderr, flush=True)
             cpu0 = common.cpu_seconds(route.pid) if route.pid else 0.0
+            busy0, wall0 = common.machine_cpu_seconds(), time.perf_counter()
             column.mbps.append(curl_bulk(topo, route, size_mb * 10**6))
+            column.busy_cpus.append((common.machine_cpu_seconds() - busy0) / (time.perf_counter() - wall0))
             if route.pid:
                 column.bulk_cpu_ms_per_mb.append((common.cpu_seconds(route.pid) - cpu0) * 1000 / size_mb)
             cpu0 = common.cpu_seconds(route.pid) if route.pid else 0.0
@@ -101,14 +106,15 @@ def report(info: dict[str, str], command: str, columns: list[Column], rounds: in
         common.machine_line(info),
         f"`{command}`: {rounds} rounds, bulk {size_mb} MB, {n} requests over one kept-alive tunnel",
         "",
-        "| column | bulk MB/s | x direct | CPU ms/MB | kept-alive req/s | CPU µs/req |",
-        "|---|---:|---:|---:|---:|---:|",
+        "| column | bulk MB/s | x direct | CPU ms/MB | machine CPUs busy (bulk) | kept-alive req/s | CPU µs/req |",
+        "|---|---:|---:|---:|---:|---:|---:|",
     ]
     for c in columns:
         mbps = _median(c.mbps)
         share = f"{mbps / _median(direct.mbps):.2f}" if mbps and c is not direct else "1"  # type: ignore[operator]
         lines.append(
             f"| {c.route.name} | {common.fmt(mbps)} | {share} | {common.fmt(_median(c.bulk_cpu_ms_per_mb), 2)} "
+            f"| {common.fmt(_median(c.busy_cpus), 2)} of {os.cpu_count()} "
             f"| {common.fmt(_median(c.rps))} | {common.fmt(_median(c.cpu_us_per_req))} |"
         )
     if len(columns) == 3:
