@@ -283,7 +283,6 @@ class Worker:
         if prepared is None:
             return None
         policy, cas = prepared
-        del prepared
         self.inspector.adopt(cas)
         if (shared := self.proxy.shared) is not None:
             shared.inject(self.inspector.injected(policy))
